@@ -88,9 +88,10 @@ $(BUILD)/test_compress_fused: tests/test_compress.c tests/dtest.h tests/worlds.h
 $(MPI_TESTS): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(MPICC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 
-# The examples include "distopt.h" as a user's program would, from the top directory.
+# The examples include "distopt.h" as a user's program would, from the top directory; built with
+# mpicc, they offer --transport mpi too.
 $(EXAMPLES): $(BUILD)/%: examples/%.c examples/common.h $(HEADERS) | $(BUILD)
-	$(CC) $(ALL_CFLAGS) -I. -o $@ $< $(LIBS) -lz
+	$(MPICC) $(ALL_CFLAGS) -I. -o $@ $< $(LIBS) -lz
 
 $(BUILD)/bench_allreduce: bench/bench_allreduce.c $(HEADERS) | $(BUILD)
 	$(MPICC) $(ALL_CFLAGS) -o $@ $< $(LIBS)

@@ -97,6 +97,13 @@
      communicator is poisoned: every later call returns the same status at once, and
      dopt_comm_detail(c) names the rank, the collective and its sequence number, and the peer.
      dopt_comm_destroy(c) releases everything (NULL is accepted).
+     c->traffic counts, per collective kind (index dopt_coll), the calls this rank completed and
+     their payload bytes: allreduce count × dtype size, allgather(v) this rank's own block,
+     broadcast the buffer (on every rank), barrier 0. Collectives the library issues itself (the
+     size exchange of allgatherv, the total of a weighted mean, clip.h's norm) count too. These
+     are bytes handed to the transport, not bytes on the wire, which depend on the algorithm (a
+     ring allreduce sends 2·(size-1)/size of its payload). dopt_comm_traffic_total sums them;
+     zero the struct to start a new count.
 
    WRITING A BACKEND
      Fill a dopt_comm_vtable, create the communicator with dopt_comm_new, and report errors with
@@ -276,6 +283,12 @@ typedef struct dopt_coll_desc {
 
 typedef struct dopt_comm dopt_comm;
 
+/* Completed collectives and their payload bytes, indexed by dopt_coll (index 0 unused). */
+typedef struct dopt_traffic {
+    uint64_t calls[6];
+    uint64_t bytes[6];
+} dopt_traffic;
+
 typedef struct dopt_comm_vtable {
     const char *name;
     /* In place on buf (desc->count elements of desc->dtype). */
@@ -304,6 +317,7 @@ struct dopt_comm {
     void *log_user;
     uint64_t *exchange;   /* 2·size words of scratch for allgatherv's size exchange */
     size_t *block_bytes;  /* size entries of scratch for equal-block allgather */
+    dopt_traffic traffic; /* what this rank's collectives carried; see COMMUNICATORS */
     char detail[DOPT_DETAIL_MAX];
 };
 
@@ -312,6 +326,8 @@ DOPT_DEF void dopt_comm_destroy(dopt_comm *c);
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c);
 DOPT_DEF void dopt_comm_set_log(dopt_comm *c, dopt_log_fn fn, void *user);
 DOPT_DEF void dopt_comm_set_timeout(dopt_comm *c, int timeout_ms);
+/* Payload bytes of every completed collective (c->traffic summed over kinds); 0 for NULL. */
+DOPT_DEF uint64_t dopt_comm_traffic_total(const dopt_comm *c);
 
 DOPT_DEF dopt_status dopt_allreduce(dopt_comm *c, void *buf, size_t count, dopt_dtype dt, dopt_op op);
 DOPT_DEF dopt_status dopt_allreduce_weighted_mean(dopt_comm *c, void *buf, size_t count, dopt_dtype dt,
@@ -1333,10 +1349,26 @@ static dopt_status dopt__begin(dopt_comm *c, dopt_coll_desc *d, dopt_coll kind, 
     return c->error;
 }
 
-static dopt_status dopt__finish(dopt_comm *c, const dopt_coll_desc *d, dopt_status s) {
-    if (s != DOPT_OK && c->error == DOPT_OK)
-        dopt_comm_fail(c, d, s, "%s backend failed without detail", c->vt->name);
+static dopt_status dopt__finish_bytes(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, uint64_t bytes) {
+    if (s != DOPT_OK) {
+        if (c->error == DOPT_OK) dopt_comm_fail(c, d, s, "%s backend failed without detail", c->vt->name);
+        return s;
+    }
+    c->traffic.calls[d->kind]++;
+    c->traffic.bytes[d->kind] += bytes;
     return s;
+}
+
+static dopt_status dopt__finish(dopt_comm *c, const dopt_coll_desc *d, dopt_status s) {
+    return dopt__finish_bytes(c, d, s, d->kind == DOPT_COLL_BARRIER ? 0 : d->count);
+}
+
+DOPT_DEF uint64_t dopt_comm_traffic_total(const dopt_comm *c) {
+    uint64_t total = 0;
+    size_t k;
+    if (c == NULL) return 0;
+    for (k = 0; k < sizeof c->traffic.bytes / sizeof c->traffic.bytes[0]; k++) total += c->traffic.bytes[k];
+    return total;
 }
 
 static void dopt__divide(void *buf, size_t count, dopt_dtype dt, int size) {
@@ -1366,7 +1398,7 @@ DOPT_DEF dopt_status dopt_allreduce(dopt_comm *c, void *buf, size_t count, dopt_
     if (buf == NULL && count > 0) return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer");
     if (count > SIZE_MAX / dopt_dtype_size(dt))
         return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "count overflows size_t bytes");
-    s = dopt__finish(c, &d, c->vt->allreduce(c, &d, buf));
+    s = dopt__finish_bytes(c, &d, c->vt->allreduce(c, &d, buf), (uint64_t)count * dopt_dtype_size(dt));
     if (s == DOPT_OK && op == DOPT_MEAN && c->size > 1) dopt__divide(buf, count, dt, c->size);
     return s;
 }
@@ -1414,7 +1446,7 @@ DOPT_DEF dopt_status dopt_allgather(dopt_comm *c, const void *send, void *recv, 
     if (bytes > SIZE_MAX / (size_t)c->size)
         return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "size * bytes overflows size_t");
     for (r = 0; r < c->size; r++) c->block_bytes[r] = bytes;
-    return dopt__finish(c, &d, c->vt->allgatherv(c, &d, send, recv, c->block_bytes));
+    return dopt__finish_bytes(c, &d, c->vt->allgatherv(c, &d, send, recv, c->block_bytes), bytes);
 }
 
 DOPT_DEF dopt_status dopt_allgatherv(dopt_comm *c, const void *send, size_t send_bytes, void *recv,
@@ -1448,7 +1480,7 @@ DOPT_DEF dopt_status dopt_allgatherv(dopt_comm *c, const void *send, size_t send
                               (unsigned long long)total, short_rank,
                               (unsigned long long)c->exchange[2 * short_rank + 1]);
     for (r = 0; r < c->size; r++) recv_bytes[r] = (size_t)c->exchange[2 * r];
-    return dopt__finish(c, &d, c->vt->allgatherv(c, &d, send, recv, recv_bytes));
+    return dopt__finish_bytes(c, &d, c->vt->allgatherv(c, &d, send, recv, recv_bytes), send_bytes);
 }
 
 DOPT_DEF dopt_status dopt_broadcast(dopt_comm *c, void *buf, size_t bytes, int root) {

@@ -1,8 +1,16 @@
 /* common.h — what the examples share and a real host would write its own way: command-line
    flags, opening the communicator the user asked for, the wall clock. Not part of distopt.
-   Include after the distopt headers, in the file that defines DISTOPT_IMPLEMENTATION. */
+   Include after the distopt headers, in the file that defines DISTOPT_IMPLEMENTATION. Built with
+   mpicc (the Makefile does), --transport mpi is there too: start the ranks with mpirun. */
 #ifndef DOPT_EXAMPLES_COMMON_H
 #define DOPT_EXAMPLES_COMMON_H
+
+#if defined(__has_include)
+#  if __has_include(<mpi.h>)
+#    include "transport_mpi.h"
+#    define EXAMPLES_HAVE_MPI 1
+#  endif
+#endif
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,7 +18,7 @@
 #include <time.h>
 
 typedef struct options {
-    const char *transport;   /* shm, tcp, self */
+    const char *transport;   /* shm, tcp, mpi, self */
     int workers;             /* shm fork helper */
     const char *compress;    /* none, ternary, qsgd, topk, sign, fp16, bf16 */
     int celgc;               /* 1 when --celgc eta,gamma was given */
@@ -22,17 +30,21 @@ typedef struct options {
     int batch;
     float lr;
     float clip;              /* global-norm clipping threshold, 0: off */
-    const char *adaptive;    /* off, norm */
+    const char *adaptive;    /* off, norm, ip, aip */
     const char *csv;
     long train_limit;        /* fmnist_mlp: use the first N training images, 0: all */
+    double eta;              /* adaptive batch: the test's η (θ for ip/aip), 0: the library default */
+    size_t max_units;        /* adaptive batch: at most this many micro-batches per step, 0: 8 */
 } options;
 
 static inline void usage(const char *prog) {
     fprintf(stderr,
-            "usage: %s [--transport shm|tcp|self] [--workers N] [--compress none|ternary|qsgd|topk|sign|fp16|bf16]\n"
+            "usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--compress none|ternary|qsgd|topk|sign|fp16|bf16]\n"
             "          [--celgc eta,gamma] [--period I] [--clip C] [--seed S] [--steps N] [--epochs N]\n"
-            "          [--batch B] [--lr LR] [--adaptive-batch off|norm] [--csv FILE] [--train-limit N]\n"
-            "tcp reads DOPT_RANK, DOPT_WORLD_SIZE, DOPT_MASTER_ADDR, DOPT_MASTER_PORT, DOPT_TOKEN.\n",
+            "          [--batch B] [--lr LR] [--adaptive-batch off|norm|ip|aip] [--batch-eta X]\n"
+            "          [--max-batch-units U] [--csv FILE] [--train-limit N]\n"
+            "tcp reads DOPT_RANK, DOPT_WORLD_SIZE, DOPT_MASTER_ADDR, DOPT_MASTER_PORT, DOPT_TOKEN;\n"
+            "mpi runs under mpirun (Open MPI as root: mpirun --allow-run-as-root -n 2 ...).\n",
             prog);
     exit(2);
 }
@@ -60,9 +72,32 @@ static inline void parse_options(options *o, int argc, char **argv) {
         else if (!strcmp(f, "--adaptive-batch")) o->adaptive = v;
         else if (!strcmp(f, "--csv")) o->csv = v;
         else if (!strcmp(f, "--train-limit")) o->train_limit = atol(v);
+        else if (!strcmp(f, "--batch-eta")) o->eta = strtod(v, NULL);
+        else if (!strcmp(f, "--max-batch-units")) o->max_units = (size_t)strtoul(v, NULL, 10);
         else usage(argv[0]);
     }
     if (o->period < 1 || o->workers < 1) usage(argv[0]);
+}
+
+/* --adaptive-batch NAME as a batch-size test configuration; 0 for "off". */
+static inline int batch_config_from_options(const options *o, dopt_batch_config *bcfg) {
+    memset(bcfg, 0, sizeof *bcfg);
+    if (!strcmp(o->adaptive, "off")) return 0;
+    if (!strcmp(o->adaptive, "norm")) {
+        bcfg->test = DOPT_BATCH_NORM;
+        bcfg->eta = o->eta;
+    } else if (!strcmp(o->adaptive, "ip") || !strcmp(o->adaptive, "aip")) {
+        bcfg->test = !strcmp(o->adaptive, "ip") ? DOPT_BATCH_INNER_PRODUCT : DOPT_BATCH_AUGMENTED;
+        bcfg->theta = o->eta;
+    } else {
+        fprintf(stderr, "unknown --adaptive-batch %s (off, norm, ip, aip)\n", o->adaptive);
+        exit(2);
+    }
+    bcfg->estimator = DOPT_BATCH_WITHIN;
+    bcfg->unit_samples = o->batch > 0 ? (size_t)o->batch : 1;
+    bcfg->initial_units = 1;
+    bcfg->max_units = o->max_units ? o->max_units : 8;
+    return 1;
 }
 
 /* --compress NAME as a compressor configuration; 0 for "none" (fp32, no compressor). */
@@ -95,6 +130,13 @@ static inline dopt_comm *open_comm(const options *o) {
         st = dopt_shm_fork(&comm, o->workers, &cfg);
     } else if (!strcmp(o->transport, "tcp")) {
         st = dopt_tcp_create_from_env(&comm);
+    } else if (!strcmp(o->transport, "mpi")) {
+#ifdef EXAMPLES_HAVE_MPI
+        st = dopt_mpi_create(&comm, NULL);
+#else
+        fprintf(stderr, "--transport mpi: this build has no MPI (build the examples with mpicc)\n");
+        exit(2);
+#endif
     } else if (!strcmp(o->transport, "self")) {
         st = dopt_comm_create_self(&comm);
     } else {

@@ -8,9 +8,12 @@
        OPENBLAS_NUM_THREADS=1 build/fmnist_mlp --transport shm --workers 2 --compress ternary \
            --period 4 --clip 5 --adaptive-batch norm --csv tern.csv
 
+       mpirun --allow-run-as-root -n 2 -x OPENBLAS_NUM_THREADS=1 build/fmnist_mlp --transport mpi
+
    Data: the Debian package dataset-fashion-mnist (gzip IDX files, read with zlib). One line per
-   epoch: train loss (mean over ranks), test accuracy, averaging rounds, bytes sent per rank,
-   wall time. */
+   epoch: train loss (mean over ranks), test accuracy, averaging rounds, payload bytes this rank
+   handed to the transport during training (the communicator's traffic counter, evaluation
+   excluded), wall time, samples per step. */
 #define DISTOPT_IMPLEMENTATION
 #include "distopt.h"
 #include "transport_shm.h"
@@ -154,8 +157,8 @@ static double accuracy(const float *p, const float *x, const unsigned char *y, s
 /* ===================================================================== TRAINING */
 
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0};
-    size_t ntrain, ntest, nlabels, begin, end, per_rank, i, units, max_units = 8;
+    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0};
+    size_t ntrain, ntest, nlabels, begin, end, per_rank, i, units;
     unsigned char *train_px, *test_px, *train_y, *test_y, *batch_y;
     float *train_x, *test_x, *params, *grads, *micro, *eval, *batch_x;
     size_t *order;
@@ -172,12 +175,11 @@ int main(int argc, char **argv) {
     dopt_localsgd_config lcfg;
     dopt_status st = DOPT_OK;
     uint64_t step = 0, rounds = 0, shuffle_rng;
-    double t0, bytes_per_round;
+    double t0, train_bytes = 0;
     FILE *csv = NULL;
 
     parse_options(&o, argc, argv);
-    adaptive = !strcmp(o.adaptive, "norm");
-    if (!adaptive && strcmp(o.adaptive, "off")) usage(argv[0]);
+    adaptive = batch_config_from_options(&o, &bcfg);
     comm = open_comm(&o); /* distopt: from here on, one process per rank */
 
     train_px = load_idx("train-images-idx3-ubyte.gz", 2051, IN, &ntrain);
@@ -189,7 +191,6 @@ int main(int argc, char **argv) {
     train_x = pixels_to_floats(train_px + begin * IN, end - begin);
     test_x = pixels_to_floats(test_px, ntest);
     per_rank = ntrain / (size_t)comm->size; /* every rank runs the same number of steps */
-    if (!adaptive) max_units = 1;
 
     params = alloc_floats(NPARAMS);
     grads = alloc_floats(NPARAMS);
@@ -216,10 +217,6 @@ int main(int argc, char **argv) {
     memset(&ccfg, 0, sizeof ccfg);
     ccfg.codec = codec;
     ccfg.seed = o.seed;
-    memset(&bcfg, 0, sizeof bcfg);
-    bcfg.test = DOPT_BATCH_NORM;
-    bcfg.unit_samples = (size_t)o.batch;
-    bcfg.max_units = max_units;
     memset(&lcfg, 0, sizeof lcfg);
     lcfg.period = o.period;
     lcfg.sync_grads = sync && (!compress || grad_compress);
@@ -231,8 +228,6 @@ int main(int argc, char **argv) {
         fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
         return dopt_shm_fork_finish(comm, 1);
     }
-    bytes_per_round = compress ? (double)dopt_compress_bound(&cz) : NPARAMS * sizeof(float);
-    if (comm->size == 1) bytes_per_round = 0; /* a world of one sends nothing */
 
     if (comm->rank == 0) {
         printf("fmnist_mlp: %s, %d worker(s), %zu training images (%zu per worker), batch %d per worker, lr %g, "
@@ -249,6 +244,7 @@ int main(int argc, char **argv) {
     for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {
         double loss = 0, acc = 0;
         size_t pos = 0, batches = 0, u;
+        uint64_t traffic_before = dopt_comm_traffic_total(comm);
         for (i = 0; i < per_rank; i++) order[i] = i;
         for (i = per_rank; i > 1; i--) { /* Fisher-Yates on this rank's shard */
             size_t j, t;
@@ -286,6 +282,7 @@ int main(int argc, char **argv) {
             step++;
         }
         if (st != DOPT_OK) break;
+        if (comm->size > 1) train_bytes += (double)(dopt_comm_traffic_total(comm) - traffic_before);
         /* The epoch's figures: loss averaged over ranks; test accuracy of the averaged model
            (identical to every replica after a synchronous step; between local averages, an
            extra fp32 average of a copy, which the training does not see). */
@@ -298,11 +295,11 @@ int main(int argc, char **argv) {
             double secs = wall_seconds() - t0;
             acc = accuracy(eval, test_x, test_y, ntest, &act, 1000);
             printf("%5d %10.4f %8.2f%% %8llu %12.0f %8.1f %6zu\n", epoch, loss, 100 * acc, (unsigned long long)rounds,
-                   (double)rounds * bytes_per_round, secs, (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch);
+                   train_bytes, secs, (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch);
             fflush(stdout);
             if (csv)
                 fprintf(csv, "%d,%.6f,%.4f,%llu,%.0f,%.3f,%zu\n", epoch, loss, 100 * acc, (unsigned long long)rounds,
-                        (double)rounds * bytes_per_round, secs,
+                        train_bytes, secs,
                         (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch);
         }
     }

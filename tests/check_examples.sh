@@ -1,8 +1,8 @@
 #!/bin/sh
 # Keeps the examples honest: least_squares must reach its known optimum over the self backend,
-# over shared memory in fp32, with TernGrad, with local SGD and compressed deltas, and with CELGC
-# at period 4 — and must report failure when the step size makes SGD diverge; fmnist_mlp must run
-# one short epoch. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
+# over shared memory in fp32, with TernGrad, with local SGD and compressed deltas, with CELGC at
+# period 4 and over MPI — and must report failure when the step size makes SGD diverge;
+# fmnist_mlp must run one short epoch, with fixed and with adaptive batches. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
 # examples there through the Makefile when they are missing or stale. A few seconds.
 set -u
 
@@ -38,11 +38,15 @@ expect converges least_squares --transport shm --workers 3 --compress topk --per
 expect converges least_squares --transport shm --workers 2 --celgc 0.05,1.0 --period 4
 expect fails least_squares --transport shm --workers 2 --lr 5
 expect fails least_squares --transport self --steps 10
+expect converges mpirun --allow-run-as-root --mca btl_vader_single_copy_mechanism none -n 2 -x OPENBLAS_NUM_THREADS "$BUILD/least_squares" --steps 3000 --seed 7 \
+    --transport mpi --compress ternary
 
 if [ -r /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz ]; then
     build fmnist_mlp
     expect converges "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048 \
         --compress ternary --period 4 --clip 2
+    expect converges "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048 \
+        --adaptive-batch aip --batch-eta 0.5 --max-batch-units 4
 else
     echo "FAIL: Fashion-MNIST is missing (scripts/install-deps.sh installs dataset-fashion-mnist)"
     failed=1

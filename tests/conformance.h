@@ -232,9 +232,34 @@ static void conformance_many_small(dopt_comm *c) {
     }
 }
 
+/* c->traffic counts each completed collective and its payload as this rank handed it over. */
+static void conformance_traffic(dopt_comm *c) {
+    double d[3] = {0};
+    unsigned char block[5] = {0}, *all = (unsigned char *)malloc(5 * (size_t)c->size + 16);
+    size_t got[64];
+    dopt_traffic t;
+    memset(&c->traffic, 0, sizeof c->traffic);
+    DT_OK(dopt_allreduce(c, d, 3, DOPT_F64, DOPT_SUM));
+    DT_OK(dopt_allgather(c, block, all, 5));
+    DT_OK(dopt_allgatherv(c, block, (size_t)c->rank, all, 5 * (size_t)c->size + 16, got));
+    DT_OK(dopt_broadcast(c, block, 4, 0));
+    DT_OK(dopt_barrier(c));
+    t = c->traffic;
+    DT_CHECK(t.calls[DOPT_COLL_ALLREDUCE] == 1 && t.bytes[DOPT_COLL_ALLREDUCE] == 24);
+    /* allgatherv exchanges 16 bytes of sizes through allgather first */
+    DT_CHECK(t.calls[DOPT_COLL_ALLGATHER] == 2 && t.bytes[DOPT_COLL_ALLGATHER] == 5 + 16);
+    DT_CHECK(t.calls[DOPT_COLL_ALLGATHERV] == 1 && t.bytes[DOPT_COLL_ALLGATHERV] == (uint64_t)c->rank);
+    DT_CHECK(t.calls[DOPT_COLL_BROADCAST] == 1 && t.bytes[DOPT_COLL_BROADCAST] == 4);
+    DT_CHECK(t.calls[DOPT_COLL_BARRIER] == 1 && t.bytes[DOPT_COLL_BARRIER] == 0);
+    DT_CHECK(dopt_comm_traffic_total(c) == 24 + 21 + (uint64_t)c->rank + 4);
+    DT_CHECK(dopt_comm_traffic_total(NULL) == 0);
+    free(all);
+}
+
 __attribute__((unused)) static void conformance_run(dopt_comm *c) {
     DT_CHECK(c != NULL && c->size >= 1 && c->rank >= 0 && c->rank < c->size);
     DT_OK(dopt_barrier(c));
+    conformance_traffic(c);
     conformance_allreduce_all(c);
     conformance_allgather_all(c);
     conformance_allgatherv_all(c);

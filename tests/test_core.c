@@ -491,6 +491,8 @@ DTEST(bad_arguments_poison_with_detail) {
     DT_EQ_INT(dopt_barrier(c), DOPT_ERR_INVALID);
     DT_EQ_INT(dopt_allreduce(c, f, 2, DOPT_F32, DOPT_SUM), DOPT_ERR_INVALID);
     DT_CHECK(strstr(dopt_comm_detail(c), "allreduce #2") != NULL);
+    /* only the collective that completed is counted */
+    DT_CHECK(c->traffic.calls[DOPT_COLL_ALLREDUCE] == 1 && dopt_comm_traffic_total(c) == 8);
     dopt_comm_destroy(c);
 
     DT_OK(dopt_comm_create_self(&c));
