@@ -19,10 +19,9 @@
 
    THREE LOOP SHAPES
 
-   1. Synchronous SGD with compressed gradients (TernGrad): the compressor averages the
-      gradients; the driver, of period 1 with sync_grads, only starts the replicas identical and
-      counts steps (no communication of its own: the models stay identical), so that its state
-      can be saved with the compressor's:
+   1. Synchronous SGD with compressed gradients (TernGrad): the driver, of period 1 with
+      sync_grads and a gradient compressor, averages the gradients through it (the models stay
+      identical: no other communication), and saves the compressor's state with its own:
 
        dopt_compressor tern;
        dopt_compressor_config ccfg = {0};
@@ -30,11 +29,12 @@
        dopt_compressor_init(&tern, &ccfg, segs, nsegs);
        dopt_localsgd_config cfg = {0};
        cfg.sync_grads = 1;
+       cfg.grad_compressor = &tern;
        dopt_localsgd_init(&ls, comm, n, &cfg);
        dopt_localsgd_broadcast(&ls, params);            (rank 0's parameters everywhere)
        for (step = 0; step < steps; step++) {
            forward_backward(params, grads);
-           dopt_compress_allreduce(&tern, comm, grads, n);   (instead of after_backward)
+           dopt_localsgd_after_backward(&ls, grads);    (ternary mean of the gradients)
            sgd_update(params, grads);
            dopt_localsgd_after_step(&ls, params);
        }
@@ -109,6 +109,8 @@
    | keep_anchor  | 1: keep the model of the last average (n floats); implied  | 0                 |
    |              | by an across-worker batch estimator and by a compressor    |                   |
    | compressor   | a compress.h compressor for the model deltas (below)       | fp32 averages     |
+   | grad_        | a compress.h compressor for the gradient averages of       | fp32 gradient     |
+   |  compressor  | sync_grads (synchronous steps; CELGC at I = 1 included)    | averages          |
 
    Policies of extra state buffers at every model average: DOPT_STATE_AVERAGE (averaged with the
    parameters, in the same allreduce), DOPT_STATE_KEEP (left local), DOPT_STATE_RESET (set to 0).
@@ -158,10 +160,11 @@
      Sizes a driver for parameters of n elements (flat or a scatter list of n in all). Allocates
      the averaging workspace (n + the AVERAGE states' elements) and the anchor when kept; copies
      the state table. comm is borrowed (it must outlive the driver); cfg->batch is borrowed too.
-     cfg->compressor is borrowed as well. Errors: DOPT_ERR_INVALID (NULL ls or comm, a bad
-     policy, a batch controller whose estimator needs n elements and has another count, a
-     compressor whose segments do not cover exactly n packed elements, or a compressor with
-     `weighted`), DOPT_ERR_NOMEM. The object must not move after
+     cfg->compressor and cfg->grad_compressor are borrowed as well (they must be two different
+     objects). Errors: DOPT_ERR_INVALID (NULL ls or comm, a bad policy, a batch controller whose
+     estimator needs n elements and has another count, a compressor whose segments do not cover
+     exactly n packed elements, a compressor with `weighted`, a grad_compressor without
+     sync_grads or the same object as compressor), DOPT_ERR_NOMEM. The object must not move after
      init. On failure nothing needs freeing. Not a collective.
 
    void dopt_localsgd_free(dopt_localsgd *ls)
@@ -297,8 +300,16 @@
      (top-k, sign) the compressor's error feedback keeps what C dropped and adds it to the next
      round's delta; its residual and step are saved in the state file with the rest. AVERAGE
      state buffers still go in fp32. Not with `weighted` (DOPT_ERR_INVALID at init: the compressed
-     allreduce takes a plain mean). Synchronous gradient averaging (sync_grads) stays fp32: for
-     compressed gradients call dopt_compress_allreduce on them yourself.
+     allreduce takes a plain mean). Synchronous gradient averages (sync_grads) go through
+     cfg.grad_compressor when one is given (below), else in fp32.
+
+   COMPRESSED GRADIENTS
+     With cfg.grad_compressor (same requirements as cfg.compressor, a different object, and
+     sync_grads), dopt_localsgd_after_backward — and so dopt_localsgd_celgc_step — averages the
+     gradients of synchronous steps through dopt_compress_allreduce: (1/N) Σ_m C(g_m), the same
+     bytes on every rank, packed into the workspace first so that any descriptor works. Its state
+     (error-feedback residual, step) is saved with the driver's. Both compressors may be set:
+     compressed gradients during the warm-up, compressed deltas after it.
 */
 #ifndef DISTOPT_LOCALSGD_H
 #define DISTOPT_LOCALSGD_H
@@ -395,6 +406,7 @@ typedef struct dopt_localsgd_config {
     dopt_batch *batch;
     int keep_anchor;
     dopt_compressor *compressor;
+    dopt_compressor *grad_compressor;
 } dopt_localsgd_config;
 
 typedef struct dopt_localsgd {
@@ -409,6 +421,7 @@ typedef struct dopt_localsgd {
     float *anchor;           /* the model at the last average, or NULL */
     dopt_batch *batch;       /* borrowed, or NULL */
     dopt_compressor *compressor; /* borrowed, or NULL: model deltas go through it */
+    dopt_compressor *grad_compressor; /* borrowed, or NULL: synchronous gradient means go through it */
     uint64_t step;           /* steps completed */
     uint64_t syncs;          /* averages done (model or gradient) */
     uint64_t round_steps;    /* steps since the last average */
@@ -759,6 +772,10 @@ DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size
     if (c.compressor && (c.compressor->segs == NULL || c.compressor->count != n || c.compressor->flat_end != n ||
                          c.weighted))
         return DOPT_ERR_INVALID;
+    if (c.grad_compressor &&
+        (c.grad_compressor->segs == NULL || c.grad_compressor->count != n || c.grad_compressor->flat_end != n ||
+         c.weighted || !c.sync_grads || c.grad_compressor == c.compressor))
+        return DOPT_ERR_INVALID;
     anchor = c.keep_anchor || c.compressor || (c.batch && c.batch->cfg.estimator == DOPT_BATCH_ACROSS);
     ls->comm = comm;
     ls->n = n;
@@ -768,6 +785,7 @@ DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size
     ls->weighted = c.weighted != 0;
     ls->batch = c.batch;
     ls->compressor = c.compressor;
+    ls->grad_compressor = c.grad_compressor;
     ls->nstates = c.nstates;
     ls->work_count = work;
     if (c.nstates) {
@@ -951,7 +969,10 @@ DOPT_DEF dopt_status dopt_localsgd_after_backward_buf(dopt_localsgd *ls, const d
     }
     if (!ls->sync_grads || !dopt_localsgd_is_synchronous(ls, ls->step)) return DOPT_OK;
     dopt_buf_pack(grads, ls->work);
-    {
+    if (ls->grad_compressor) { /* over the packed gradients, the compressor's own segments */
+        dopt_status s = dopt_compress_allreduce(ls->grad_compressor, ls->comm, ls->work, ls->n);
+        if (s != DOPT_OK) return s;
+    } else {
         dopt_status s = ls->weighted ? dopt_allreduce_weighted_mean(ls->comm, ls->work, ls->n, DOPT_F32,
                                                                     dopt__ls_step_samples(ls))
                                      : dopt_allreduce(ls->comm, ls->work, ls->n, DOPT_F32, DOPT_MEAN);
@@ -1209,7 +1230,8 @@ static void dopt__ls_put_layout(dopt__ls_writer *w, const dopt_localsgd *ls) {
     dopt__ls_put_u64(w, ls->period);
     dopt__ls_put_u64(w, ls->warmup);
     dopt__ls_put_u64(w, (uint64_t)ls->sync_grads | (uint64_t)ls->weighted << 1 | (uint64_t)(ls->anchor != NULL) << 2 |
-                            (uint64_t)(ls->batch != NULL) << 3 | (uint64_t)(ls->compressor != NULL) << 4);
+                            (uint64_t)(ls->batch != NULL) << 3 | (uint64_t)(ls->compressor != NULL) << 4 |
+                            (uint64_t)(ls->grad_compressor != NULL) << 5);
     dopt__ls_put_u64(w, ls->nstates);
     for (i = 0; i < ls->nstates; i++) {
         dopt__ls_put_u64(w, ls->states[i].count);
@@ -1231,6 +1253,10 @@ static void dopt__ls_put_layout(dopt__ls_writer *w, const dopt_localsgd *ls) {
     if (ls->compressor) {
         dopt__ls_put_u64(w, (uint64_t)ls->compressor->cfg.codec);
         dopt__ls_put_u64(w, dopt_compress_state_bytes(ls->compressor));
+    }
+    if (ls->grad_compressor) {
+        dopt__ls_put_u64(w, (uint64_t)ls->grad_compressor->cfg.codec);
+        dopt__ls_put_u64(w, dopt_compress_state_bytes(ls->grad_compressor));
     }
 }
 
@@ -1254,7 +1280,14 @@ static void dopt__ls_put_state(dopt__ls_writer *w, const dopt_localsgd *ls) {
         if (b->sum) dopt__ls_put(w, b->sum, b->n * sizeof(double));
         if (b->dir) dopt__ls_put(w, b->dir, b->n * sizeof(float));
     }
-    if (ls->compressor) { /* last: load hands these bytes to the compressor first */
+    /* last, the compressors' states (gradient compressor, then delta compressor): load hands
+       these bytes to the compressors before anything else */
+    if (ls->grad_compressor) {
+        size_t bytes = dopt_compress_state_bytes(ls->grad_compressor);
+        if (w->buf) dopt_compress_state_save(ls->grad_compressor, w->buf + w->pos, bytes);
+        w->pos += bytes;
+    }
+    if (ls->compressor) {
         size_t bytes = dopt_compress_state_bytes(ls->compressor);
         if (w->buf) dopt_compress_state_save(ls->compressor, w->buf + w->pos, bytes);
         w->pos += bytes;
@@ -1401,7 +1434,7 @@ static dopt_status dopt__ls_read_file(dopt_localsgd *ls, const char *path, unsig
 static dopt_status dopt__ls_check_file_layout(dopt_localsgd *ls, const unsigned char *file_layout, size_t bytes,
                                               unsigned char *mine) {
     static const char *const names[] = {"world size", "rank", "element count", "period", "warm-up steps",
-                                        "flags (sync_grads, weighted, anchor, batch controller)", "number of states"};
+                                        "flags (sync_grads, weighted, anchor, batch controller, compressor, gradient compressor)", "number of states"};
     dopt__ls_writer w;
     size_t i;
     w.buf = mine;
@@ -1490,9 +1523,23 @@ DOPT_DEF dopt_status dopt_localsgd_load(dopt_localsgd *ls, const char *path) {
         s = DOPT_ERR_PROTOCOL;
         goto done;
     }
-    if (ls->compressor) { /* validated by the compressor, which changes nothing on failure */
-        size_t cbytes = dopt_compress_state_bytes(ls->compressor);
-        if (dopt_compress_state_load(ls->compressor, buf + len - 8 - cbytes, cbytes) != DOPT_OK) {
+    {
+        /* Validated by the compressors, which change nothing on failure; when the delta
+           compressor refuses after the gradient compressor took its bytes, the gradient
+           compressor gets its previous state back, so a refused file changes nothing. */
+        size_t cbytes = ls->compressor ? dopt_compress_state_bytes(ls->compressor) : 0;
+        size_t gbytes = ls->grad_compressor ? dopt_compress_state_bytes(ls->grad_compressor) : 0;
+        const unsigned char *cstate = buf + len - 8 - cbytes, *gstate = cstate - gbytes;
+        if (ls->grad_compressor) {
+            dopt_compress_state_save(ls->grad_compressor, mine, gbytes); /* mine holds ≥ gbytes */
+            if (dopt_compress_state_load(ls->grad_compressor, gstate, gbytes) != DOPT_OK) {
+                dopt__ls_fail_detail(ls, "load: %s: the gradient compressor refuses its saved state", path);
+                s = DOPT_ERR_PROTOCOL;
+                goto done;
+            }
+        }
+        if (ls->compressor && dopt_compress_state_load(ls->compressor, cstate, cbytes) != DOPT_OK) {
+            if (ls->grad_compressor) dopt_compress_state_load(ls->grad_compressor, mine, gbytes);
             dopt__ls_fail_detail(ls, "load: %s: the compressor refuses its saved state", path);
             s = DOPT_ERR_PROTOCOL;
             goto done;

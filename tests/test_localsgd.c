@@ -362,6 +362,68 @@ DTEST(tcp_compressed_deltas_with_error_feedback_converge_and_keep_replicas_ident
     world_run(WORLD_TCP, 3, body_compressed, &codec);
 }
 
+/* ------------------------------------------------------------------ compressed gradients */
+
+/* Synchronous SGD whose gradient averages go through cfg.grad_compressor (ternary): each average
+   is bitwise what dopt_compress_allreduce gives with a twin compressor, the replicas stay
+   identical without any model average, and the run reaches x*. */
+static void body_grad_compressed(dopt_comm *c, void *arg) {
+    static lsq p;
+    float x[LS_D], g[LS_D], twin_g[LS_D];
+    dopt_segment segs[2] = {{0, 6, "w"}, {6, LS_D - 6, "b"}};
+    dopt_compressor gz, twin, other;
+    dopt_compressor_config ccfg;
+    dopt_localsgd ls;
+    dopt_localsgd_config cfg;
+    int t, j, identical = 0;
+    double d0;
+    (void)arg;
+    lsq_make(&p);
+    memset(&ccfg, 0, sizeof ccfg);
+    ccfg.codec = DOPT_CODEC_TERNARY;
+    ccfg.seed = 5;
+    DT_OK(dopt_compressor_init(&gz, &ccfg, segs, 2));
+    DT_OK(dopt_compressor_init(&twin, &ccfg, segs, 2));
+    DT_OK(dopt_compressor_init(&other, &ccfg, segs, 1)); /* covers 6 elements only */
+    memset(&cfg, 0, sizeof cfg);
+    cfg.grad_compressor = &gz; /* refused: without sync_grads it would never be used */
+    DT_EQ_INT(dopt_localsgd_init(&ls, c, LS_D, &cfg), DOPT_ERR_INVALID);
+    cfg.sync_grads = 1;
+    cfg.compressor = &gz; /* refused: one object cannot hold two error-feedback states */
+    DT_EQ_INT(dopt_localsgd_init(&ls, c, LS_D, &cfg), DOPT_ERR_INVALID);
+    cfg.compressor = NULL;
+    cfg.grad_compressor = &other; /* refused: does not cover the n elements */
+    DT_EQ_INT(dopt_localsgd_init(&ls, c, LS_D, &cfg), DOPT_ERR_INVALID);
+    cfg.grad_compressor = &gz;
+    DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
+    for (j = 0; j < LS_D; j++) x[j] = 0.0f;
+    DT_OK(dopt_localsgd_broadcast(&ls, x));
+    d0 = dist_to(x, p.xstar, LS_D);
+    for (t = 0; t < 600; t++) {
+        lsq_grad(&p, x, g, c->rank, c->size, (uint64_t)t, LS_BATCH);
+        memcpy(twin_g, g, sizeof g);
+        DT_OK(dopt_localsgd_after_backward(&ls, g));
+        DT_OK(dopt_compress_allreduce(&twin, c, twin_g, LS_D));
+        DT_CHECKF(memcmp(g, twin_g, sizeof g) == 0, "rank %d step %d: driver's average differs from the compressor's",
+                  c->rank, t);
+        dopt_axpy(x, -0.05f, g, LS_D);
+        DT_OK(dopt_localsgd_after_step(&ls, x));
+    }
+    DT_CHECK(gz.step == 600);
+    DT_OK(dopt_localsgd_check_replicas(&ls, x, &identical, NULL));
+    DT_CHECK(identical);
+    DT_CHECKF(dist_to(x, p.xstar, LS_D) < 1e-2 * d0, "rank %d: |x - x*| = %g from %g", c->rank,
+              dist_to(x, p.xstar, LS_D), d0);
+    dopt_localsgd_free(&ls);
+    dopt_compressor_free(&gz);
+    dopt_compressor_free(&twin);
+    dopt_compressor_free(&other);
+}
+
+DTEST(shm_compressed_gradients_through_the_driver_equal_the_compressed_allreduce) {
+    world_run(WORLD_SHM, 3, body_grad_compressed, NULL);
+}
+
 /* ------------------------------------------------------------------ CELGC */
 
 #define CG_STEPS 120
@@ -744,7 +806,8 @@ typedef struct resume_args {
     char dir[128];
     int stop_at;
     dopt_batch_estimator est;
-    int compressed; /* model deltas through top-k with error feedback (then unweighted) */
+    int compressed; /* 1: model deltas through top-k with error feedback (then unweighted);
+                       2: also the warm-up's gradients through sign with error feedback */
 } resume_args;
 
 typedef struct host_state {
@@ -752,7 +815,7 @@ typedef struct host_state {
 } host_state;
 
 static void resume_setup(dopt_comm *c, const resume_args *a, dopt_batch *bc, dopt_localsgd *ls,
-                         const dopt_state_desc *sd, dopt_compressor *cz) {
+                         const dopt_state_desc *sd, dopt_compressor *cz, dopt_compressor *gz) {
     dopt_batch_config bcfg;
     dopt_localsgd_config cfg;
     dopt_compressor_config ccfg;
@@ -761,6 +824,8 @@ static void resume_setup(dopt_comm *c, const resume_args *a, dopt_batch *bc, dop
     ccfg.codec = DOPT_CODEC_TOPK;
     ccfg.topk_ratio = 0.3;
     DT_OK(dopt_compressor_init(cz, &ccfg, &seg, 1));
+    ccfg.codec = DOPT_CODEC_SIGN;
+    DT_OK(dopt_compressor_init(gz, &ccfg, &seg, 1));
     memset(&bcfg, 0, sizeof bcfg);
     bcfg.estimator = a->est;
     bcfg.eta = 0.2;
@@ -769,7 +834,9 @@ static void resume_setup(dopt_comm *c, const resume_args *a, dopt_batch *bc, dop
     DT_OK(dopt_batch_init(bc, LS_D, &bcfg));
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 3;
-    cfg.warmup_steps = 2;
+    cfg.warmup_steps = a->compressed == 2 ? 10 : 2;
+    cfg.sync_grads = a->compressed == 2;
+    cfg.grad_compressor = a->compressed == 2 ? gz : NULL;
     cfg.states = sd;
     cfg.nstates = 1;
     cfg.batch = bc;
@@ -793,6 +860,7 @@ static void resume_steps(dopt_comm *c, const lsq *p, host_state *h, dopt_batch *
             if (bc->cfg.estimator == DOPT_BATCH_WITHIN) DT_OK(dopt_batch_observe(bc, micro, LS_D));
             dopt_axpy(g, 1.0f / (float)units, micro, LS_D);
         }
+        DT_OK(dopt_localsgd_after_backward(ls, g)); /* a no-op without sync_grads */
         for (j = 0; j < LS_D; j++) {
             h->mom[j] = 0.5f * h->mom[j] + g[j];
             h->x[j] -= 0.02f * h->mom[j];
@@ -808,7 +876,7 @@ static void body_resume(dopt_comm *c, void *arg) {
     host_state h, straight;
     dopt_batch bc;
     dopt_localsgd ls;
-    dopt_compressor cz;
+    dopt_compressor cz, gz;
     char path[256], hpath[256];
     FILE *f;
     int j;
@@ -817,15 +885,16 @@ static void body_resume(dopt_comm *c, void *arg) {
     snprintf(path, sizeof path, "%s/state.%d", a->dir, c->rank);
     snprintf(hpath, sizeof hpath, "%s/host.%d", a->dir, c->rank);
     /* the uninterrupted run */
-    resume_setup(c, a, &bc, &ls, sd, &cz);
+    resume_setup(c, a, &bc, &ls, sd, &cz, &gz);
     for (j = 0; j < LS_D; j++) h.x[j] = h.mom[j] = 0.0f;
     resume_steps(c, &p, &h, &bc, &ls, 0, RS_STEPS);
     straight = h;
     dopt_localsgd_free(&ls);
     dopt_batch_free(&bc);
     dopt_compressor_free(&cz);
+    dopt_compressor_free(&gz);
     /* stopped at step k: the library's state and the host's own, both to files, everything freed */
-    resume_setup(c, a, &bc, &ls, sd, &cz);
+    resume_setup(c, a, &bc, &ls, sd, &cz, &gz);
     for (j = 0; j < LS_D; j++) h.x[j] = h.mom[j] = 0.0f;
     resume_steps(c, &p, &h, &bc, &ls, 0, a->stop_at);
     DT_OK(dopt_localsgd_save(&ls, path));
@@ -834,9 +903,10 @@ static void body_resume(dopt_comm *c, void *arg) {
     dopt_localsgd_free(&ls);
     dopt_batch_free(&bc);
     dopt_compressor_free(&cz);
+    dopt_compressor_free(&gz);
     memset(&h, 0xFF, sizeof h);
     /* a new process would start here */
-    resume_setup(c, a, &bc, &ls, sd, &cz);
+    resume_setup(c, a, &bc, &ls, sd, &cz, &gz);
     DT_OK(dopt_localsgd_load(&ls, path));
     DT_EQ_INT(ls.step, (uint64_t)a->stop_at);
     f = fopen(hpath, "rb");
@@ -846,9 +916,11 @@ static void body_resume(dopt_comm *c, void *arg) {
               a->stop_at);
     DT_CHECK(bc.decisions > 0);
     if (a->compressed) DT_CHECK(cz.step > 0 && dopt_sumsq(cz.residual, LS_D) > 0.0); /* EF state was live */
+    if (a->compressed == 2) DT_CHECK(gz.step == 10 && dopt_sumsq(gz.residual, LS_D) > 0.0);
     dopt_localsgd_free(&ls);
     dopt_batch_free(&bc);
     dopt_compressor_free(&cz);
+    dopt_compressor_free(&gz);
 }
 
 static void make_tmpdir(char *dir, size_t cap) {
@@ -868,11 +940,11 @@ DTEST(shm_resume_at_step_k_is_bitwise_equal_to_the_uninterrupted_run) {
     size_t k;
     int e;
     make_tmpdir(a.dir, sizeof a.dir);
-    for (e = 0; e < 3; e++)
+    for (e = 0; e < 4; e++)
         for (k = 0; k < sizeof stops / sizeof *stops; k++) {
             a.stop_at = stops[k];
             a.est = (dopt_batch_estimator)(e % 2);
-            a.compressed = e == 2;
+            a.compressed = e < 2 ? 0 : e - 1;
             world_run(WORLD_SHM, 2, body_resume, &a);
         }
     remove_tmpdir(a.dir);
