@@ -5,6 +5,7 @@
 #   make bench    benchmarks (single-threaded kernels, allreduce against MPI)
 #   make fuzz     run every fuzz target for FUZZ_SECONDS (default 60) each
 #   make demo     two workers on Fashion-MNIST: fp32 against TernGrad + local SGD (README)
+#   make hosts    FANN and darknet from Debian with distopt in their loops (examples/hosts)
 #   make install PREFIX=/usr/local / make uninstall
 
 PREFIX  ?= /usr/local
@@ -75,6 +76,9 @@ bench: deps $(BENCHES) $(BUILD)/bench_allreduce
 
 $(BUILD):
 	@mkdir -p $(BUILD)
+
+# make hosts: distopt inside FANN's and darknet's own training loops (examples/hosts).
+include examples/hosts/hosts.mk
 
 $(filter-out $(BUILD)/test_core_portable $(BUILD)/test_compress_fused,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)

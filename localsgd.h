@@ -200,6 +200,17 @@
      communication, and the step is not counted), and the transport's errors (the communicator's
      detail names them; the parameters are then unchanged).
 
+   dopt_status dopt_localsgd_sync(dopt_localsgd *ls, float *params)
+   dopt_status dopt_localsgd_sync_buf(dopt_localsgd *ls, const dopt_buf *params,
+                                      const dopt_buf *states)
+     Averages now, whatever the schedule: at the end of training when the last round is shorter
+     than the period, or before the host evaluates or saves mid-round (darknet syncs its nets
+     before it saves weights). Ends the round as a scheduled average does (AVERAGE and RESET
+     states, the anchor, the batch decision) but is not a step: the schedule does not move. A
+     round of no local step (right after an average, or only synchronous steps) returns DOPT_OK
+     without communication: every rank counts steps alike, so every rank skips alike. Collective
+     otherwise; errors as dopt_localsgd_after_step.
+
    dopt_status dopt_localsgd_celgc_step(dopt_localsgd *ls, float *params, const float *grads,
                                         float eta, float gamma, float weight_decay)
    dopt_status dopt_localsgd_celgc_step_buf(dopt_localsgd *ls, const dopt_buf *params,
@@ -243,7 +254,9 @@
      the ACROSS estimator. Saved with the state. DOPT_ERR_INVALID: negative or not finite.
 
    const char *dopt_localsgd_detail(const dopt_localsgd *ls)
-     The last error's detail ("" when none), owned by the driver.
+     The driver's last error in words, which names the communicator's detail too; when the
+     driver has none, the communicator's own detail (an error in a collective the host called
+     itself); "" when neither failed. Owned by the driver or the communicator.
 
    FUNCTIONS (adaptive batch)
 
@@ -440,6 +453,8 @@ DOPT_DEF dopt_status dopt_localsgd_after_backward(dopt_localsgd *ls, float *grad
 DOPT_DEF dopt_status dopt_localsgd_after_backward_buf(dopt_localsgd *ls, const dopt_buf *grads);
 DOPT_DEF dopt_status dopt_localsgd_after_step(dopt_localsgd *ls, float *params);
 DOPT_DEF dopt_status dopt_localsgd_after_step_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states);
+DOPT_DEF dopt_status dopt_localsgd_sync(dopt_localsgd *ls, float *params);
+DOPT_DEF dopt_status dopt_localsgd_sync_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states);
 DOPT_DEF dopt_status dopt_localsgd_celgc_step(dopt_localsgd *ls, float *params, const float *grads, float eta,
                                               float gamma, float weight_decay);
 DOPT_DEF dopt_status dopt_localsgd_celgc_step_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *grads,
@@ -831,7 +846,10 @@ DOPT_DEF dopt_status dopt_localsgd_set_step_samples(dopt_localsgd *ls, double sa
     return DOPT_OK;
 }
 
-DOPT_DEF const char *dopt_localsgd_detail(const dopt_localsgd *ls) { return ls ? ls->detail : "no driver"; }
+DOPT_DEF const char *dopt_localsgd_detail(const dopt_localsgd *ls) {
+    if (ls == NULL) return "no driver";
+    return ls->detail[0] || ls->comm == NULL ? ls->detail : dopt_comm_detail(ls->comm);
+}
 
 /* ===================================================================== LOCAL SGD: LAYOUT CHECKS AND PACKING */
 
@@ -1021,6 +1039,30 @@ DOPT_DEF dopt_status dopt_localsgd_after_step_buf(dopt_localsgd *ls, const dopt_
 DOPT_DEF dopt_status dopt_localsgd_after_step(dopt_localsgd *ls, float *params) {
     dopt_buf b = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
     return dopt_localsgd_after_step_buf(ls, &b, NULL);
+}
+
+DOPT_DEF dopt_status dopt_localsgd_sync_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
+    dopt_status s;
+    if (ls == NULL) return DOPT_ERR_INVALID;
+    s = dopt__ls_check_layout(ls, params, states);
+    if (s != DOPT_OK) return s;
+    if (ls->round_steps == 0) return DOPT_OK; /* the replicas are identical already */
+    s = dopt__ls_average_models(ls, params, states);
+    if (s == DOPT_OK && ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN) s = dopt_batch_decide(ls->batch, ls->comm);
+    if (s != DOPT_OK) {
+        dopt__ls_fail_detail(ls, "average after step %llu (sync): %s (%s)", (unsigned long long)ls->step,
+                             dopt_status_str(s), dopt_comm_detail(ls->comm));
+        return s;
+    }
+    ls->syncs++;
+    ls->round_steps = 0;
+    ls->round_samples = 0.0;
+    return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_localsgd_sync(dopt_localsgd *ls, float *params) {
+    dopt_buf b = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
+    return dopt_localsgd_sync_buf(ls, &b, NULL);
 }
 
 /* Broadcasts a buffer from rank 0 in the packed order, through the workspace, in pieces of the

@@ -1,12 +1,17 @@
 #!/bin/sh
 # Installs the Debian packages distopt's tests, examples and benchmarks need, and only those that
 # are missing. Idempotent: when everything is present it does nothing and exits 0.
+# With the argument "hosts", also what examples/hosts needs: FANN and darknet (darknet pulls in
+# OpenCV, about 260 MB).
 # As root it runs apt-get; otherwise it uses sudo when it can, else prints the exact command and
 # exits 1.
 set -eu
 
 PACKAGES="build-essential pkg-config libopenblas-dev zlib1g-dev openmpi-bin libopenmpi-dev \
-clang libclang-rt-dev dataset-fashion-mnist fortunes gnuplot-nox"
+clang libclang-rt-dev dataset-fashion-mnist fortunes gnuplot-nox iproute2"
+if [ "${1:-}" = hosts ]; then
+    PACKAGES="$PACKAGES libfann-dev darknet"
+fi
 
 missing=""
 for p in $PACKAGES; do

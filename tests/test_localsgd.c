@@ -191,6 +191,14 @@ DTEST(bad_layouts_are_invalid_found_before_communication_and_not_counted) {
     dopt_localsgd_free(&ls);
     dopt_localsgd_free(&ls); /* twice is harmless */
     dopt_comm_destroy(c);
+    /* a driver with no error of its own tells the communicator's: the host prints one detail */
+    DT_OK(dopt_comm_create_self(&c));
+    DT_OK(dopt_localsgd_init(&ls, c, 10, NULL));
+    DT_CHECK(strcmp(dopt_localsgd_detail(&ls), "") == 0);
+    DT_EQ_INT(dopt_allreduce(c, NULL, 3, DOPT_F32, DOPT_SUM), DOPT_ERR_INVALID);
+    DT_CHECK(strcmp(dopt_localsgd_detail(&ls), dopt_comm_detail(c)) == 0 && dopt_comm_detail(c)[0] != 0);
+    dopt_localsgd_free(&ls);
+    dopt_comm_destroy(c);
 }
 
 /* ------------------------------------------------------------------ local SGD on least squares, many ranks */
@@ -361,6 +369,54 @@ DTEST(tcp_compressed_deltas_with_error_feedback_converge_and_keep_replicas_ident
     dopt_codec codec = DOPT_CODEC_TOPK;
     world_run(WORLD_TCP, 3, body_compressed, &codec);
 }
+
+/* ------------------------------------------------------------------ average now */
+
+/* Period 4, 6 local steps: the round after the average at step 3 is 2 steps long, the replicas
+   differ; sync averages them (exactly: quarter steps, sums exact), is not a step, and a second
+   sync right after is a no-op; the schedule goes on (the average after step 7 still happens). */
+static void body_sync_now(dopt_comm *c, void *arg) {
+    float x[8], before[8];
+    dopt_span spans[2] = {{x, 3}, {x + 3, 5}};
+    dopt_buf params = dopt_buf_scatter(spans, 2);
+    dopt_localsgd ls;
+    dopt_localsgd_config cfg;
+    int identical = -1, j;
+    uint64_t t, syncs;
+    (void)arg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.period = 4;
+    DT_OK(dopt_localsgd_init(&ls, c, 8, &cfg));
+    for (j = 0; j < 8; j++) x[j] = (float)j;
+    DT_OK(dopt_localsgd_broadcast_buf(&ls, &params, NULL));
+    for (t = 0; t < 6; t++) {
+        for (j = 0; j < 8; j++) x[j] += 0.25f * (float)c->rank; /* each rank drifts its own way */
+        DT_OK(dopt_localsgd_after_step_buf(&ls, &params, NULL));
+    }
+    DT_OK(dopt_localsgd_check_replicas_buf(&ls, &params, &identical, NULL));
+    DT_EQ_INT(identical, 0);
+    memcpy(before, x, sizeof x);
+    syncs = ls.syncs;
+    DT_OK(dopt_localsgd_sync_buf(&ls, &params, NULL));
+    DT_OK(dopt_localsgd_check_replicas_buf(&ls, &params, &identical, NULL));
+    DT_EQ_INT(identical, 1);
+    for (j = 0; j < 8; j++) /* the mean of the ranks' drifts over the round: 2 · 0.25 · (size-1)/2 */
+        DT_CHECK(x[j] == before[j] - 0.5f * (float)c->rank + 0.25f * (float)(c->size - 1));
+    DT_CHECK(ls.step == 6 && ls.syncs == syncs + 1);
+    DT_CHECK(dopt_localsgd_sync_buf(NULL, &params, NULL) == DOPT_ERR_INVALID);
+    DT_OK(dopt_localsgd_sync_buf(&ls, &params, NULL)); /* an empty round: nothing to average */
+    DT_CHECK(ls.syncs == syncs + 1);
+    for (t = 6; t < 8; t++) {
+        for (j = 0; j < 8; j++) x[j] += 0.25f * (float)c->rank;
+        DT_OK(dopt_localsgd_after_step_buf(&ls, &params, NULL));
+    }
+    DT_CHECK(ls.syncs == syncs + 2); /* the scheduled average after step 7 */
+    DT_CHECK(same_on_every_rank(c, x, sizeof x));
+    dopt_localsgd_free(&ls);
+}
+
+DTEST(shm_sync_now_averages_a_short_round_and_is_not_a_step) { world_run(WORLD_SHM, 3, body_sync_now, NULL); }
+DTEST(tcp_sync_now_averages_a_short_round_and_is_not_a_step) { world_run(WORLD_TCP, 2, body_sync_now, NULL); }
 
 /* ------------------------------------------------------------------ compressed gradients */
 

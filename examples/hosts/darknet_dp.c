@@ -1,0 +1,254 @@
+/* darknet_dp.c — darknet's own training step, data-parallel. A small all-convolutional network in
+   darknet's idiom (two strided 3×3 convolutions with batch normalisation and leaky ReLU, a 7×7
+   convolution as the classifier, softmax) trained on Fashion-MNIST held in darknet's `data`
+   struct in memory, one train_network call per minibatch, with darknet's SGD (momentum, weight
+   decay) and its poly learning-rate policy.
+
+   darknet keeps every layer's arrays apart and mixes momentum into its update buffers, so
+   distopt does here what darknet's own multi-GPU training does (train_networks / sync_nets):
+   local SGD, every worker stepping alone and the models averaged every --period steps. The
+   parameters are a scatter list — every layer's weights, biases, batch-norm scales and rolling
+   statistics, one span each — and rank 0's initial weights go to every rank first. The momentum
+   buffers stay local. At the end the replicas must be bitwise identical, which the run checks.
+   The lines marked "distopt" are all the data-parallel version adds (examples/hosts/run.sh
+   counts them).
+
+       build/darknet_dp --transport shm --workers 2 --batch 32
+       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=0 build/darknet_dp --transport tcp &
+       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 build/darknet_dp --transport tcp
+
+   --batch is each worker's minibatch: 2 workers at --batch 32 take the steps of 1 process at
+   --batch 64. --epochs and the data set size fix the steps, and the poly policy's max_batches. */
+#define DISTOPT_IMPLEMENTATION /* distopt */
+#include "transport_shm.h"     /* distopt */
+#include "transport_tcp.h"     /* distopt */
+#include "localsgd.h"          /* distopt */
+
+#include <darknet.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#define DATA_DIR "/usr/share/datasets/fashion-mnist/"
+enum { IN = 784, OUT = 10, MAX_LAYERS = 16 };
+
+typedef struct options {
+    const char *transport;
+    int workers, epochs, batch, period;
+    float lr;
+    long train_limit;
+    unsigned seed;
+} options;
+
+/* The network; batch, learning rate and max_batches are the run's. */
+static const char cfg_text[] =
+    "[net]\nbatch=%d\nsubdivisions=1\nheight=28\nwidth=28\nchannels=1\n"
+    "learning_rate=%g\nmomentum=0.9\ndecay=0.0005\npolicy=poly\npower=1\nmax_batches=%zu\n\n"
+    "[convolutional]\nbatch_normalize=1\nfilters=8\nsize=3\nstride=2\npad=1\nactivation=leaky\n\n"
+    "[convolutional]\nbatch_normalize=1\nfilters=16\nsize=3\nstride=2\npad=1\nactivation=leaky\n\n"
+    "[convolutional]\nfilters=10\nsize=7\nstride=1\npad=0\nactivation=linear\n\n"
+    "[softmax]\ngroups=1\n";
+
+/* ===================================================================== DATA */
+
+static uint32_t read_be32(gzFile f) {
+    unsigned char b[4] = {0};
+    if (gzread(f, b, 4) != 4) return 0;
+    return (uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3];
+}
+
+/* An IDX file's items as bytes: images (magic 2051, 28×28 each) or labels (magic 2049). */
+static unsigned char *load_idx(const char *name, uint32_t magic, size_t item_bytes, size_t *count) {
+    char path[256];
+    gzFile f;
+    unsigned char *bytes;
+    snprintf(path, sizeof path, DATA_DIR "%s", name);
+    if ((f = gzopen(path, "rb")) == NULL || read_be32(f) != magic) {
+        fprintf(stderr, "cannot read %s (apt-get install dataset-fashion-mnist)\n", path);
+        exit(1);
+    }
+    *count = read_be32(f);
+    if (magic == 2051) read_be32(f), read_be32(f);
+    bytes = malloc(*count * item_bytes);
+    if (bytes == NULL || gzread(f, bytes, (unsigned)(*count * item_bytes)) != (int)(*count * item_bytes)) {
+        fprintf(stderr, "%s: truncated\n", path);
+        exit(1);
+    }
+    gzclose(f);
+    return bytes;
+}
+
+/* Images [first, first + count) as darknet's `data`: X rows of 784 pixels in [0, 1], y one-hot
+   rows of 10. The rows point into two blocks (*xblock, *yblock, the caller frees them), so that
+   shuffling the row pointers shuffles the set and a minibatch is a window of row pointers. */
+static data to_darknet(const unsigned char *px, const unsigned char *labels, size_t first, size_t count,
+                       float **xblock, float **yblock) {
+    data d;
+    size_t i, k;
+    memset(&d, 0, sizeof d);
+    d.X.rows = d.y.rows = (int)count;
+    d.X.cols = IN;
+    d.y.cols = OUT;
+    d.X.vals = malloc(count * sizeof(float *));
+    d.y.vals = malloc(count * sizeof(float *));
+    *xblock = malloc(count * IN * sizeof(float));
+    *yblock = calloc(count * OUT, sizeof(float));
+    if (d.X.vals == NULL || d.y.vals == NULL || *xblock == NULL || *yblock == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(1);
+    }
+    for (i = 0; i < count; i++) {
+        d.X.vals[i] = *xblock + i * IN;
+        d.y.vals[i] = *yblock + i * OUT;
+        for (k = 0; k < IN; k++) d.X.vals[i][k] = px[(first + i) * IN + k] / 255.0f;
+        d.y.vals[i][labels[first + i]] = 1;
+    }
+    return d;
+}
+
+static network *build_network(const options *o, size_t steps) {
+    char path[] = "/tmp/darknet_dp_XXXXXX";
+    int fd = mkstemp(path);
+    FILE *f = fd < 0 ? NULL : fdopen(fd, "w");
+    network *net;
+    if (f == NULL) { perror("darknet_dp: cfg file"); exit(1); }
+    fprintf(f, cfg_text, o->batch, o->lr, steps);
+    fclose(f);
+    net = parse_network_cfg(path);
+    unlink(path);
+    if (net->n > MAX_LAYERS) { fprintf(stderr, "darknet_dp: more than %d layers\n", MAX_LAYERS); exit(1); } /* distopt layout */
+    return net;
+}
+
+static double test_accuracy(network *net, data test) {
+    matrix pred = network_predict_data(net, test);
+    double acc = 100.0 * matrix_topk_accuracy(test.y, pred, 1);
+    free_matrix(pred);
+    return acc;
+}
+
+/* 64-bit FNV-1a of every span's bytes: each rank prints its own (the run script compares them). */
+static unsigned long long params_hash(const dopt_buf *params) {
+    unsigned long long h = 14695981039346656037ull;
+    size_t i, b;
+    for (i = 0; i < params->nspans; i++) {
+        const unsigned char *p = (const unsigned char *)params->spans[i].ptr;
+        for (b = 0; b < params->spans[i].count * sizeof(float); b++) h = (h ^ p[b]) * 1099511628211ull;
+    }
+    return h;
+}
+
+static void usage(const char *prog) {
+    fprintf(stderr,
+            "usage: %s [--transport shm|tcp] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
+            "          [--period I] [--train-limit N] [--seed S]\n",
+            prog);
+    exit(2);
+}
+
+static void parse_options(options *o, int argc, char **argv) {
+    int i;
+    for (i = 1; i + 1 < argc; i += 2) {
+        const char *f = argv[i], *v = argv[i + 1];
+        if (!strcmp(f, "--transport")) o->transport = v;
+        else if (!strcmp(f, "--workers")) o->workers = atoi(v);
+        else if (!strcmp(f, "--epochs")) o->epochs = atoi(v);
+        else if (!strcmp(f, "--batch")) o->batch = atoi(v);
+        else if (!strcmp(f, "--lr")) o->lr = strtof(v, NULL);
+        else if (!strcmp(f, "--period")) o->period = atoi(v);
+        else if (!strcmp(f, "--train-limit")) o->train_limit = atol(v);
+        else if (!strcmp(f, "--seed")) o->seed = (unsigned)strtoul(v, NULL, 10);
+        else usage(argv[0]);
+    }
+    if (i != argc || o->workers < 1 || o->epochs < 1 || o->batch < 1 || o->period < 1) usage(argv[0]);
+}
+
+/* ===================================================================== TRAINING */
+
+int main(int argc, char **argv) {
+    options o = {"shm", 1, 3, 64, 4, 0.1f, 20000, 1};
+    size_t ntrain, ntest, nlabels, begin = 0, end, i, s, steps;
+    unsigned char *train_px, *train_labels, *test_px, *test_labels;
+    float *train_xblock, *train_yblock, *test_xblock, *test_yblock;
+    data train, test, batch;
+    network *net;
+    unsigned long long shuffle;
+    int epoch, j, k, verbose = 1;
+    float loss = 0;
+    dopt_comm *comm; dopt_localsgd ls; dopt_status st; int same = 0;                        /* distopt */
+    dopt_span spans[5 * MAX_LAYERS]; dopt_buf params = {.spans = spans};                    /* distopt layout */
+
+    parse_options(&o, argc, argv);
+    shuffle = o.seed;
+    st = strcmp(o.transport, "tcp") ? dopt_shm_fork(&comm, o.workers, NULL) : dopt_tcp_create_from_env(&comm); /* distopt */
+    if (st != DOPT_OK) return fprintf(stderr, "cannot start the transport: %s\n", dopt_status_str(st)), 1; /* distopt */
+    verbose = comm->rank == 0;                                                              /* distopt */
+
+    train_px = load_idx("train-images-idx3-ubyte.gz", 2051, IN, &ntrain);
+    train_labels = load_idx("train-labels-idx1-ubyte.gz", 2049, 1, &nlabels);
+    test_px = load_idx("t10k-images-idx3-ubyte.gz", 2051, IN, &ntest);
+    test_labels = load_idx("t10k-labels-idx1-ubyte.gz", 2049, 1, &nlabels);
+    end = o.train_limit > 0 && (size_t)o.train_limit < ntrain ? (size_t)o.train_limit : ntrain;
+    dopt_shard(end - end % comm->size, comm->rank, comm->size, &begin, &end);               /* distopt: this rank's images */
+    train = to_darknet(train_px, train_labels, begin, end - begin, &train_xblock, &train_yblock);
+    test = to_darknet(test_px, test_labels, 0, ntest, &test_xblock, &test_yblock);
+    ntrain = end - begin;
+    steps = (size_t)o.epochs * (ntrain / (size_t)o.batch);
+    batch = train;
+
+    /* darknet's weights come from rand(), which its programs seed from the clock. This makes them
+       reproducible and still different on each rank: only the broadcast makes them equal. (Test
+       harness, not part of the drop-in.) */
+    srand(o.seed + 7919u * (unsigned)comm->rank);
+    net = build_network(&o, steps);
+
+    /* The parameters as a scatter list: every layer's weights, biases, batch-norm scales and
+       rolling statistics (NULL where a layer has none), one span each; then rank 0's everywhere. */
+    for (j = 0; j < net->n; j++) {                                                          /* distopt layout */
+        layer *l = &net->layers[j];                                                         /* distopt layout */
+        float *a[5] = {l->weights, l->biases, l->scales, l->rolling_mean, l->rolling_variance}; /* distopt layout */
+        for (k = 0; k < 5; k++)                                                             /* distopt layout */
+            if (a[k]) spans[params.nspans++] = (dopt_span){a[k], (size_t)(k ? l->nbiases : l->nweights)}; /* distopt layout */
+    }                                                                                       /* distopt layout */
+    st = dopt_localsgd_init(&ls, comm, dopt_buf_count(&params), &(dopt_localsgd_config){.period = (size_t)o.period}); /* distopt */
+    if (st == DOPT_OK) st = dopt_localsgd_broadcast_buf(&ls, &params, NULL);                /* distopt */
+
+    if (verbose)
+        printf("darknet_dp: %s, %zu training images, minibatch %d, lr %g (poly), period %d, %zu parameters in %zu arrays\n",
+               o.transport, ntrain, o.batch, o.lr, o.period, dopt_buf_count(&params), params.nspans);
+    for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {                          /* distopt: stop on an error */
+        for (i = ntrain; i > 1; i--) { /* Fisher-Yates on the rows */
+            size_t r;
+            float *t;
+            shuffle = shuffle * 6364136223846793005ull + 1442695040888963407ull;
+            r = (size_t)(shuffle >> 33) % i;
+            t = train.X.vals[i - 1], train.X.vals[i - 1] = train.X.vals[r], train.X.vals[r] = t;
+            t = train.y.vals[i - 1], train.y.vals[i - 1] = train.y.vals[r], train.y.vals[r] = t;
+        }
+        for (s = 0; s + (size_t)o.batch <= ntrain; s += (size_t)o.batch) {
+            batch.X.vals = train.X.vals + s, batch.y.vals = train.y.vals + s;
+            batch.X.rows = batch.y.rows = o.batch;
+            loss = train_network(net, batch);
+            if ((st = dopt_localsgd_after_step_buf(&ls, &params, NULL)) != DOPT_OK) break;  /* distopt: average every I steps */
+        }
+        if (verbose) printf("epoch %d: loss %.4f (last minibatch), test accuracy %.2f%%\n", epoch, loss, test_accuracy(net, test));
+        fflush(stdout);
+    }
+    /* The last round may be shorter than the period: average once more, as darknet's own
+       multi-GPU training syncs its nets before it saves weights. */
+    if (st == DOPT_OK) st = dopt_localsgd_sync_buf(&ls, &params, NULL);                     /* distopt */
+    if (st == DOPT_OK) st = dopt_localsgd_check_replicas_buf(&ls, &params, &same, NULL);    /* distopt: bitwise identical? */
+    if (st != DOPT_OK) fprintf(stderr, "rank %d: %s: %s\n", comm->rank, dopt_status_str(st), dopt_localsgd_detail(&ls)); /* distopt */
+    /* Test harness: every rank's own hash of its parameters, and the replica check's verdict. */
+    printf("rank %d params fnv1a %016llx\n", comm->rank, params_hash(&params));
+    if (verbose) printf("result: test_acc %.2f replicas %s\n", test_accuracy(net, test), same ? "identical" : "DIFFER");
+    free_network(net);
+    free(train.X.vals), free(train.y.vals), free(test.X.vals), free(test.y.vals);
+    free(train_xblock), free(train_yblock), free(test_xblock), free(test_yblock);
+    free(train_px), free(train_labels), free(test_px), free(test_labels);
+    dopt_localsgd_free(&ls);                                                                /* distopt */
+    return dopt_shm_fork_finish(comm, st != DOPT_OK || !same);                              /* distopt: ranks > 0 exit here */
+}

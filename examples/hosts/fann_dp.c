@@ -1,0 +1,234 @@
+/* fann_dp.c — FANN's own batch trainer, data-parallel. A 784-H-10 network (symmetric sigmoid
+   hidden layer, sigmoid outputs, one-hot targets, FANN's MSE) trained on Fashion-MNIST with the
+   loop of FANN's fann_train_epoch_batch cut into minibatches: per sample fann_run,
+   fann_compute_MSE, fann_backpropagate_MSE, fann_update_slopes_batch; per minibatch
+   fann_update_weights_batch, with the learning rate decayed linearly to 0 over the run. Debian's
+   libfloatfann exports those internal functions (nm -D) and fann_internal.h declares them.
+
+   distopt goes between the slope accumulation and the weight update: the workers' train_slopes
+   (Σ over the minibatch of −∇ of FANN's error) are averaged — in fp32, or TernGrad-compressed per
+   layer — and optionally clipped by their global norm; rank 0's initial weights go to every rank
+   first. Every rank then applies the same update to the same weights, so the replicas stay
+   bitwise identical, which the end of the run checks. The lines marked "distopt" are all that
+   the data-parallel version adds to the single-process loop (examples/hosts/run.sh counts them).
+
+       build/fann_dp --transport shm --workers 2 --epochs 3
+       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=0 build/fann_dp --transport tcp &
+       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 build/fann_dp --transport tcp
+
+   --batch is each worker's minibatch: 2 workers at --batch 32 take the steps of 1 process at
+   --batch 64 (the update divides the averaged slopes by the minibatch, as FANN does). */
+#define DISTOPT_IMPLEMENTATION /* distopt */
+#include "transport_shm.h"     /* distopt */
+#include "transport_tcp.h"     /* distopt */
+#include "localsgd.h"          /* distopt: brings clip.h and compress.h */
+
+#include <floatfann.h>
+#include <fann_internal.h> /* fann_compute_MSE, fann_backpropagate_MSE, fann_update_*_batch */
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zlib.h>
+
+#define DATA_DIR "/usr/share/datasets/fashion-mnist/"
+enum { IN = 784, OUT = 10, MAX_LAYERS = 8 };
+
+typedef struct options {
+    const char *transport, *compress;
+    int workers, epochs, batch, hidden;
+    float lr, clip;
+    long train_limit;
+    unsigned seed;
+} options;
+
+/* ===================================================================== DATA */
+
+static uint32_t read_be32(gzFile f) {
+    unsigned char b[4] = {0};
+    if (gzread(f, b, 4) != 4) return 0;
+    return (uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3];
+}
+
+/* An IDX file's items as bytes: images (magic 2051, 28×28 each) or labels (magic 2049). */
+static unsigned char *load_idx(const char *name, uint32_t magic, size_t item_bytes, size_t *count) {
+    char path[256];
+    gzFile f;
+    unsigned char *bytes;
+    snprintf(path, sizeof path, DATA_DIR "%s", name);
+    if ((f = gzopen(path, "rb")) == NULL || read_be32(f) != magic) {
+        fprintf(stderr, "cannot read %s (apt-get install dataset-fashion-mnist)\n", path);
+        exit(1);
+    }
+    *count = read_be32(f);
+    if (magic == 2051) read_be32(f), read_be32(f);
+    bytes = malloc(*count * item_bytes);
+    if (bytes == NULL || gzread(f, bytes, (unsigned)(*count * item_bytes)) != (int)(*count * item_bytes)) {
+        fprintf(stderr, "%s: truncated\n", path);
+        exit(1);
+    }
+    gzclose(f);
+    return bytes;
+}
+
+/* FANN's inputs (pixels in [0, 1]) and targets (one-hot) for images [first, first + count). */
+static void to_fann(const unsigned char *px, const unsigned char *labels, size_t first, size_t count, fann_type **x,
+                    fann_type **y) {
+    size_t i, k;
+    *x = malloc(count * IN * sizeof(fann_type));
+    *y = calloc(count * OUT, sizeof(fann_type));
+    if (*x == NULL || *y == NULL) { fprintf(stderr, "out of memory\n"); exit(1); }
+    for (i = 0; i < count; i++) {
+        for (k = 0; k < IN; k++) (*x)[i * IN + k] = px[(first + i) * IN + k] / 255.0f;
+        (*y)[i * OUT + labels[first + i]] = 1;
+    }
+}
+
+static double test_accuracy(struct fann *ann, const fann_type *x, const unsigned char *labels, size_t count) {
+    size_t i, correct = 0;
+    for (i = 0; i < count; i++) {
+        fann_type *out = fann_run(ann, (fann_type *)(x + i * IN));
+        int k, best = 0;
+        for (k = 1; k < OUT; k++) best = out[k] > out[best] ? k : best;
+        correct += best == labels[i];
+    }
+    return 100.0 * (double)correct / (double)count;
+}
+
+/* 64-bit FNV-1a of the weights' bytes: each rank prints its own (the run script compares them). */
+static unsigned long long weights_hash(const struct fann *ann) {
+    const unsigned char *p = (const unsigned char *)ann->weights;
+    unsigned long long h = 14695981039346656037ull;
+    size_t i;
+    for (i = 0; i < ann->total_connections * sizeof(fann_type); i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+static void usage(const char *prog) {
+    fprintf(stderr,
+            "usage: %s [--transport shm|tcp] [--workers N] [--epochs E] [--batch B (global)] [--lr LR]\n"
+            "          [--hidden H] [--train-limit N] [--seed S] [--compress none|ternary] [--clip C]\n",
+            prog);
+    exit(2);
+}
+
+static void parse_options(options *o, int argc, char **argv) {
+    int i;
+    for (i = 1; i + 1 < argc; i += 2) {
+        const char *f = argv[i], *v = argv[i + 1];
+        if (!strcmp(f, "--transport")) o->transport = v;
+        else if (!strcmp(f, "--workers")) o->workers = atoi(v);
+        else if (!strcmp(f, "--epochs")) o->epochs = atoi(v);
+        else if (!strcmp(f, "--batch")) o->batch = atoi(v);
+        else if (!strcmp(f, "--lr")) o->lr = strtof(v, NULL);
+        else if (!strcmp(f, "--hidden")) o->hidden = atoi(v);
+        else if (!strcmp(f, "--train-limit")) o->train_limit = atol(v);
+        else if (!strcmp(f, "--seed")) o->seed = (unsigned)strtoul(v, NULL, 10);
+        else if (!strcmp(f, "--compress")) o->compress = v;
+        else if (!strcmp(f, "--clip")) o->clip = strtof(v, NULL);
+        else usage(argv[0]);
+    }
+    if (i != argc || o->workers < 1 || o->epochs < 1 || o->batch < 1 || o->hidden < 1 ||
+        (strcmp(o->compress, "none") && strcmp(o->compress, "ternary")))
+        usage(argv[0]);
+}
+
+/* ===================================================================== TRAINING */
+
+int main(int argc, char **argv) {
+    options o = {"shm", "none", 1, 3, 64, 64, 0.7f, 0, 20000, 1};
+    size_t ntrain, ntest, nlabels, begin = 0, end, i, s, step = 0, steps;
+    unsigned char *train_px, *train_labels, *test_px, *test_labels;
+    fann_type *train_x, *train_y, *test_x, *test_y;
+    size_t *order;
+    struct fann *ann;
+    struct fann_layer *l;
+    unsigned long long shuffle;
+    int epoch, tern, verbose = 1;
+    dopt_comm *comm; dopt_localsgd ls = {0}; dopt_status st; int same = 0;                  /* distopt */
+    dopt_compressor cz = {0}; dopt_segment segs[MAX_LAYERS]; size_t nsegs = 0;              /* distopt option */
+
+    parse_options(&o, argc, argv);
+    tern = !strcmp(o.compress, "ternary");
+    shuffle = o.seed;
+    st = strcmp(o.transport, "tcp") ? dopt_shm_fork(&comm, o.workers, NULL) : dopt_tcp_create_from_env(&comm); /* distopt */
+    if (st != DOPT_OK) return fprintf(stderr, "cannot start the transport: %s\n", dopt_status_str(st)), 1; /* distopt */
+    verbose = comm->rank == 0;                                                              /* distopt */
+
+    train_px = load_idx("train-images-idx3-ubyte.gz", 2051, IN, &ntrain);
+    train_labels = load_idx("train-labels-idx1-ubyte.gz", 2049, 1, &nlabels);
+    test_px = load_idx("t10k-images-idx3-ubyte.gz", 2051, IN, &ntest);
+    test_labels = load_idx("t10k-labels-idx1-ubyte.gz", 2049, 1, &nlabels);
+    end = o.train_limit > 0 && (size_t)o.train_limit < ntrain ? (size_t)o.train_limit : ntrain;
+    dopt_shard(end - end % comm->size, comm->rank, comm->size, &begin, &end);               /* distopt: this rank's images */
+    to_fann(train_px, train_labels, begin, end - begin, &train_x, &train_y);
+    to_fann(test_px, test_labels, 0, ntest, &test_x, &test_y);
+    ntrain = end - begin;
+    order = malloc(ntrain * sizeof(size_t));
+    steps = (size_t)o.epochs * (ntrain / (size_t)o.batch);
+
+    ann = fann_create_standard(3, IN, o.hidden, OUT);
+    if (ann == NULL || order == NULL) { fprintf(stderr, "out of memory\n"); return 1; }
+    fann_set_activation_function_hidden(ann, FANN_SIGMOID_SYMMETRIC);
+    fann_set_activation_function_output(ann, FANN_SIGMOID);
+    fann_set_train_error_function(ann, FANN_ERRORFUNC_LINEAR);
+    /* FANN seeds rand() from /dev/urandom, so every process starts from other weights. This
+       makes them reproducible and still different on each rank: only the broadcast makes them
+       equal. (Test harness, not part of the drop-in.) */
+    srand(o.seed + 7919u * (unsigned)comm->rank);
+    fann_randomize_weights(ann, -0.1f, 0.1f);
+
+    /* With TernGrad, a segment per layer (each gets its own scale) and the driver averages the
+       slopes through it; then rank 0's weights everywhere. */
+    for (l = ann->first_layer + 1; l != ann->last_layer; l++)                               /* distopt option */
+        segs[nsegs++] = (dopt_segment){l->first_neuron->first_con, (l->last_neuron - 1)->last_con - l->first_neuron->first_con, NULL}; /* distopt option */
+    if (tern) st = dopt_compressor_init(&cz, &(dopt_compressor_config){.seed = o.seed}, segs, nsegs); /* distopt option */
+    if (st == DOPT_OK) st = dopt_localsgd_init(&ls, comm, ann->total_connections, &(dopt_localsgd_config){.sync_grads = 1, .grad_compressor = tern ? &cz : NULL}); /* distopt */
+    if (st == DOPT_OK) st = dopt_localsgd_broadcast(&ls, ann->weights);                     /* distopt */
+
+    if (verbose)
+        printf("fann_dp: %s, %zu training images, minibatch %d, lr %g, hidden %d, compress %s, clip %g\n", o.transport,
+               ntrain, o.batch, o.lr, o.hidden, o.compress, o.clip);
+    for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {                          /* distopt: stop on an error */
+        for (i = 0; i < ntrain; i++) order[i] = i;
+        for (i = ntrain; i > 1; i--) { /* Fisher-Yates */
+            size_t j, t;
+            shuffle = shuffle * 6364136223846793005ull + 1442695040888963407ull;
+            j = (size_t)(shuffle >> 33) % i;
+            t = order[i - 1], order[i - 1] = order[j], order[j] = t;
+        }
+        fann_reset_MSE(ann);
+        for (s = 0; s + (size_t)o.batch <= ntrain; s += (size_t)o.batch) { /* fann_train_epoch_batch by minibatches */
+            for (i = s; i < s + (size_t)o.batch; i++) {
+                fann_run(ann, train_x + order[i] * IN);
+                fann_compute_MSE(ann, train_y + order[i] * OUT);
+                fann_backpropagate_MSE(ann);
+                fann_update_slopes_batch(ann, ann->first_layer + 1, ann->last_layer - 1);
+            }
+            /* The mean of the workers' slopes (fp32, or TernGrad), then global-norm clipping: the
+               slopes are -∇ summed over the minibatch, hence the scale -1/batch. */
+            st = dopt_localsgd_after_backward(&ls, ann->train_slopes);                      /* distopt */
+            if (st == DOPT_OK && o.clip > 0)                                                /* distopt option */
+                st = dopt_clip_global_norm_buf(NULL, &(dopt_buf){.data = ann->train_slopes, .n = ann->total_connections},
+                                               -1.0f / (float)o.batch, o.clip, NULL);       /* distopt option */
+            if (st != DOPT_OK) break;                                                       /* distopt */
+            fann_set_learning_rate(ann, o.lr * (1 - (float)step++ / (float)steps)); /* linear decay to 0 */
+            fann_update_weights_batch(ann, (unsigned)o.batch, 0, ann->total_connections);
+        }
+        if (verbose)
+            printf("epoch %d: train MSE %.5f, test accuracy %.2f%%\n", epoch, fann_get_MSE(ann),
+                   test_accuracy(ann, test_x, test_labels, ntest));
+        fflush(stdout);
+    }
+    if (st == DOPT_OK) st = dopt_localsgd_check_replicas(&ls, ann->weights, &same, NULL);   /* distopt: bitwise identical? */
+    if (st != DOPT_OK) fprintf(stderr, "rank %d: %s: %s\n", comm->rank, dopt_status_str(st), dopt_localsgd_detail(&ls)); /* distopt */
+    /* Test harness: every rank's own hash of its weights, and the replica check's verdict. */
+    printf("rank %d weights fnv1a %016llx\n", comm->rank, weights_hash(ann));
+    if (verbose) printf("result: test_acc %.2f replicas %s\n", test_accuracy(ann, test_x, test_labels, ntest), same ? "identical" : "DIFFER");
+    fann_destroy(ann);
+    free(train_px), free(train_labels), free(test_px), free(test_labels), free(order);
+    free(train_x), free(train_y), free(test_x), free(test_y);
+    dopt_compressor_free(&cz);                                                              /* distopt option */
+    dopt_localsgd_free(&ls);                                                                /* distopt */
+    return dopt_shm_fork_finish(comm, st != DOPT_OK || !same);                              /* distopt: ranks > 0 exit here */
+}
