@@ -143,10 +143,10 @@
      step · 2^32 + segment) (dopt_rng_init with stream = step << 32 | segment). QSGD: word e
      decides element e of the segment. Ternary: element e is kept with probability A/2^24,
      A = ceil(|clip(g_e)| · (2^24/s)) (the product in float), by comparing a 24-bit uniform
-     u = h·2^8 + l with A. h, 16 bits, is half (e mod 64) div 16 mod 2 (bits 16·that and up) of
-     word 32·(e div 64) + 16·((e mod 64) div 32) + e mod 16 — two elements per word; l, 8 bits,
-     is the low byte of word 2^63 + e, drawn only when h = A div 2^8 (probability 2^-16), since
-     otherwise h alone decides. The result does not depend on threading, vector width or call
+     u = h·2^16 + l with A. h, 8 bits, is byte e of the stream (byte e mod 4, bits 8·(e mod 4)
+     and up, of word e div 4) — four elements per word; l, 16 bits, is the low half of word
+     2^63 + e, drawn only when h = A div 2^16 (probability 2^-8), since otherwise h alone
+     decides. The result does not depend on threading, vector width or call
      order, and a run can be replayed. The step counts encodes; it is saved with the state.
 
    WIRE FORMAT (little-endian; every message of a compressor has the same size)
@@ -294,7 +294,9 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
 #  error "compress.h: the wire format is little-endian and bodies are copied as is; big-endian hosts are not supported"
 #endif
 
-#if (defined(__clang__) || defined(__GNUC__)) && defined(__AVX512F__) && !defined(DOPT_NO_VECTOR_EXT)
+/* The AVX-512 kernels use F, BW, VL and DQ (every AVX-512 x86 since Skylake-SP has them). */
+#if (defined(__clang__) || defined(__GNUC__)) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512DQ__) && !defined(DOPT_NO_VECTOR_EXT)
 #  include <immintrin.h>
 #  define DOPT__COMPRESS_AVX512 1
 #endif
@@ -347,6 +349,32 @@ static size_t dopt__packed_bytes(size_t count, unsigned w) {
 DOPT__MAYBE_UNUSED static void dopt__pack2_full(const uint8_t *DOPT_RESTRICT c, uint8_t *DOPT_RESTRICT out) {
     int j;
     for (j = 0; j < 16; j++) out[j] = (uint8_t)(c[j] | c[j + 16] << 2 | c[j + 32] << 4 | c[j + 48] << 6);
+}
+
+/* 1 bit: byte j of a full block holds elements j, j + 8, ..., j + 56 in bits 0..7. */
+DOPT__MAYBE_UNUSED static void dopt__pack1_full(const uint8_t *DOPT_RESTRICT c, uint8_t *DOPT_RESTRICT out) {
+    int j;
+    for (j = 0; j < 8; j++)
+        out[j] = (uint8_t)(c[j] | c[j + 8] << 1 | c[j + 16] << 2 | c[j + 24] << 3 | c[j + 32] << 4 | c[j + 40] << 5 |
+                           c[j + 48] << 6 | c[j + 56] << 7);
+}
+
+/* 4 bits: byte j of a full block holds elements j and j + 32. */
+DOPT__MAYBE_UNUSED static void dopt__pack4_full(const uint8_t *DOPT_RESTRICT c, uint8_t *DOPT_RESTRICT out) {
+    int j;
+    for (j = 0; j < 32; j++) out[j] = (uint8_t)(c[j] | c[j + 32] << 4);
+}
+
+/* The 8x8 bit matrix in a word (byte k, bit j) transposed (to byte j, bit k): a 64-bit mask
+   with bit t for element t becomes a full 1-bit block, and back (Hacker's Delight 7-3). */
+DOPT__MAYBE_UNUSED static uint64_t dopt__transpose8x8(uint64_t x) {
+    uint64_t t;
+    t = (x ^ (x >> 7)) & 0x00AA00AA00AA00AAull;
+    x = x ^ t ^ (t << 7);
+    t = (x ^ (x >> 14)) & 0x0000CCCC0000CCCCull;
+    x = x ^ t ^ (t << 14);
+    t = (x ^ (x >> 28)) & 0x00000000F0F0F0F0ull;
+    return x ^ t ^ (t << 28);
 }
 
 /* Any width and any m <= 64: the tails, and the widths without a fast path. */
@@ -451,30 +479,48 @@ static void dopt__f16_accum(float *DOPT_RESTRICT y, float w, const unsigned char
 #endif
 }
 
+/* bf16 goes through a 64-element local array so that the conversion loop has a fixed trip
+   count and aligned stores (it vectorizes) and the message, at any alignment, gets one memcpy. */
 static void dopt__bf16_encode(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
-    size_t i;
-    for (i = 0; i < n; i++) {
-        uint16_t h = dopt__f32_to_bf16(x[i]);
-        memcpy(out + 2 * i, &h, 2);
+    uint16_t h[DOPT__BLOCK];
+    size_t i, j, full = n - n % DOPT__BLOCK;
+    for (i = 0; i < full; i += DOPT__BLOCK) {
+        for (j = 0; j < DOPT__BLOCK; j++) h[j] = dopt__f32_to_bf16(x[i + j]);
+        memcpy(out + 2 * i, h, sizeof h);
     }
+    for (j = 0; j < n - full; j++) h[j] = dopt__f32_to_bf16(x[full + j]);
+    if (n > full) memcpy(out + 2 * full, h, 2 * (n - full));
 }
 
 static void dopt__bf16_accum(float *DOPT_RESTRICT y, float w, const unsigned char *DOPT_RESTRICT in, size_t n) {
-    size_t i;
-    for (i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, in + 2 * i, 2);
-        y[i] += w * dopt__bf16_to_f32(h);
+    uint16_t h[DOPT__BLOCK];
+    size_t i, j;
+    for (i = 0; i < n; i += DOPT__BLOCK) {
+        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
+        memcpy(h, in + 2 * i, 2 * m);
+        if (m == DOPT__BLOCK)
+            for (j = 0; j < DOPT__BLOCK; j++) y[i + j] += w * dopt__bf16_to_f32(h[j]);
+        else
+            for (j = 0; j < m; j++) y[i + j] += w * dopt__bf16_to_f32(h[j]);
+    }
+}
+
+/* y += w·v over f32 values in a message (any alignment): blocks of 64 through a local array,
+   a constant trip count that vectorizes at -O2. */
+static void dopt__f32_accum(float *DOPT_RESTRICT y, float w, const unsigned char *DOPT_RESTRICT in, size_t n) {
+    float v[DOPT__BLOCK];
+    size_t i, j;
+    for (i = 0; i < n; i += DOPT__BLOCK) {
+        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
+        memcpy(v, in + 4 * i, 4 * m);
+        if (m == DOPT__BLOCK)
+            for (j = 0; j < DOPT__BLOCK; j++) y[i + j] += w * v[j];
+        else
+            for (j = 0; j < m; j++) y[i + j] += w * v[j];
     }
 }
 
 /* ===================================================================== RANDOM WORDS */
-
-/* Words first .. first+63 of a stream (first a multiple of 64); distopt.h generates them sixteen
-   Philox blocks per AVX-512 register where it can. */
-static void dopt__rng_block64(const dopt_rng *rng, uint64_t first, uint32_t *DOPT_RESTRICT out) {
-    dopt_rng_u32(rng, first, out, DOPT__BLOCK);
-}
 
 /* The generator of (seed, rank, step, segment): stream = step << 32 | segment. */
 static void dopt__seg_rng(const dopt_compressor *cz, int rank, size_t seg, dopt_rng *rng) {
@@ -484,8 +530,9 @@ static void dopt__seg_rng(const dopt_compressor *cz, int rank, size_t seg, dopt_
 /* ===================================================================== SEGMENT STATISTICS */
 
 /* One pass: max |x|, and the sums of (x - x0) and (x - x0)² for σ. Float lanes are flushed into
-   double every 1024 elements: the vectorizer keeps everything in float registers, the rounding
-   error of a flush stays ~1e-6 relative, and σ only sets a clipping threshold. */
+   double lanes every 1024 elements and the 64 double lanes are added up once at the end: the
+   vectorizer keeps everything in registers, no flush waits on a serial chain of double adds,
+   the rounding error of a flush stays ~1e-6 relative, and σ only sets a clipping threshold. */
 typedef struct dopt__stats {
     double s1, s2;
     float maxabs;
@@ -495,13 +542,24 @@ typedef struct dopt__stats {
 #define DOPT__STAT_LANES 64
 #define DOPT__STAT_FLUSH 16 /* blocks of 64 per flush */
 
+/* Software prefetch 8 KiB ahead (as distopt.h's sums do): the hardware prefetcher alone does
+   not keep enough misses in flight to stream at read bandwidth here. The address is computed
+   as an integer: it may lie past the end of the array. */
+#if defined(__GNUC__) || defined(__clang__)
+#  define DOPT__PREFETCH(p, ahead) __builtin_prefetch((const void *)((uintptr_t)(const void *)(p) + (ahead)), 0, 3)
+#else
+#  define DOPT__PREFETCH(p, ahead) ((void)0)
+#endif
+#define DOPT__AHEAD 8192u
+
 /* chunk blocks of 64 lanes into the float accumulators a1, a2 (zero on entry) and m. */
 DOPT__MAYBE_UNUSED static void dopt__stats_chunk_portable(const float *DOPT_RESTRICT x, size_t chunk, float shift,
                                                           float *DOPT_RESTRICT a1, float *DOPT_RESTRICT a2,
                                                           float *DOPT_RESTRICT m) {
     size_t k, i = 0;
     int j;
-    for (k = 0; k < chunk; k++, i += DOPT__STAT_LANES)
+    for (k = 0; k < chunk; k++, i += DOPT__STAT_LANES) {
+        for (j = 0; j < 4; j++) DOPT__PREFETCH(x + i + 16 * j, DOPT__AHEAD);
         for (j = 0; j < DOPT__STAT_LANES; j++) {
             float v = x[i + j], d = v - shift, a = fabsf(v), dd;
             dd = d * d; /* its own statement: a compiler that contracts (clang) makes no fma */
@@ -509,6 +567,7 @@ DOPT__MAYBE_UNUSED static void dopt__stats_chunk_portable(const float *DOPT_REST
             a2[j] += dd;
             m[j] = a > m[j] ? a : m[j];
         }
+    }
 }
 
 #ifdef DOPT__COMPRESS_AVX512
@@ -528,6 +587,7 @@ static void dopt__stats_chunk_avx512(const float *x, size_t chunk, float shift, 
     for (k = 0; k < chunk; k++, i += DOPT__STAT_LANES)
         for (q = 0; q < 4; q++) {
             __m512 v = _mm512_loadu_ps(x + i + 16 * q), d = _mm512_sub_ps(v, sh);
+            DOPT__PREFETCH(x + i + 16 * q, DOPT__AHEAD);
             v1[q] = _mm512_add_ps(v1[q], d);
             v2[q] = _mm512_add_ps(v2[q], _mm512_mul_ps(d, d));
             vm[q] = _mm512_max_ps(_mm512_abs_ps(v), vm[q]);
@@ -542,11 +602,15 @@ static void dopt__stats_chunk_avx512(const float *x, size_t chunk, float shift, 
 
 static void dopt__stats_run(const float *DOPT_RESTRICT x, size_t n, float shift, dopt__stats *st) {
     float a1[DOPT__STAT_LANES], a2[DOPT__STAT_LANES], m[DOPT__STAT_LANES];
+    double d1[DOPT__STAT_LANES], d2[DOPT__STAT_LANES];
     size_t i = 0, blocks = n / DOPT__STAT_LANES, b;
     int j;
     double s1 = 0.0, s2 = 0.0;
     float mx = 0.0f;
-    for (j = 0; j < DOPT__STAT_LANES; j++) m[j] = 0.0f;
+    for (j = 0; j < DOPT__STAT_LANES; j++) {
+        m[j] = 0.0f;
+        d1[j] = d2[j] = 0.0;
+    }
     for (b = 0; b < blocks;) {
         size_t chunk = blocks - b < DOPT__STAT_FLUSH ? blocks - b : DOPT__STAT_FLUSH;
         for (j = 0; j < DOPT__STAT_LANES; j++) a1[j] = a2[j] = 0.0f;
@@ -556,13 +620,17 @@ static void dopt__stats_run(const float *DOPT_RESTRICT x, size_t n, float shift,
         dopt__stats_chunk_portable(x + i, chunk, shift, a1, a2, m);
 #endif
         i += chunk * DOPT__STAT_LANES;
-        for (j = 0; j < DOPT__STAT_LANES; j++) {
-            s1 += (double)a1[j];
-            s2 += (double)a2[j];
+        for (j = 0; j < DOPT__STAT_LANES; j++) { /* lane by lane: vectorizes, same bits either way */
+            d1[j] += (double)a1[j];
+            d2[j] += (double)a2[j];
         }
         b += chunk;
     }
-    for (j = 0; j < DOPT__STAT_LANES; j++) mx = m[j] > mx ? m[j] : mx;
+    for (j = 0; j < DOPT__STAT_LANES; j++) {
+        s1 += d1[j];
+        s2 += d2[j];
+        mx = m[j] > mx ? m[j] : mx;
+    }
     for (; i < n; i++) {
         double d = (double)x[i] - (double)shift;
         float a = fabsf(x[i]);
@@ -599,20 +667,22 @@ static int dopt__tern_segment_scale(const float *x, size_t n, float c, float *bo
 
    The rule: a = |clip(g)|·k in float with k = 2^24/s, A = ceil(a) (0 .. 2^24 + 2), and the
    element is kept when a uniform 24-bit integer u is below A — probability A/2^24, the same
-   as u < a. u is drawn lazily, high bits first: h = one 16-bit half of a Philox word (two
-   elements per word), and only when h equals A's high part A >> 8 (probability 2^-16) are the
-   8 low bits l needed; they come from a second word, drawn for that element alone. keep =
-   h < A >> 8, or h == A >> 8 and l < A & 0xFF: exactly u = h·2^8 + l < A, with half a word per
-   element (the 32-bit form took one, and the generator is the encoder's bottleneck).
+   as u < a. u is drawn lazily, high bits first: h = one byte of a Philox word (four elements
+   per word), and only when h equals A's high part A >> 16 (probability 2^-8) are the 16 low
+   bits l needed; they come from a second word, drawn for that element alone. keep =
+   h < A >> 16, or h == A >> 16 and l < A & 0xFFFF: exactly u = h·2^16 + l < A, with a quarter
+   of a word per element (the generator is the encoder's bottleneck: the 32-bit form took a
+   word, the 16-bit form half of one).
 
-   Block layout of the words: the 64 elements of a block take 32 words; element 16q + j uses
-   half q % 2 (bits 16·(q % 2) and up) of word 16·(q / 2) + j. A shorter tail block of m
-   elements uses the same rule (32 words, the halves of elements >= m unused). The tie word of
-   element e of the segment is word 2^63 + e of the segment's stream (its low 8 bits).
+   Layout of the words: element e of the segment uses byte e of the stream, that is byte
+   e mod 4 (bits 8·(e mod 4) and up) of word e div 4; a block of 64 elements takes 16 words
+   (a shorter tail block too, the bytes of elements >= m unused). The tie word of element e
+   is word 2^63 + e of the segment's stream (its low 16 bits).
 
    dopt__tern_codes writes the codes of the elements that need no tie word, 0 for the others,
    and returns the tie mask (bit t: element t needs its tie word). Branch-free: random data
-   defeats the branch predictor, and this form vectorizes. */
+   defeats the branch predictor, and this form vectorizes. (|g| clipped to the bound is
+   |clip(g)|; the sign of g is that of clip(g) whenever the element can be kept.) */
 static float dopt__tern_ceil(float a) { return ceilf(a); }
 
 static uint64_t dopt__tern_codes(const float *DOPT_RESTRICT x, const uint32_t *DOPT_RESTRICT r, size_t m,
@@ -620,15 +690,14 @@ static uint64_t dopt__tern_codes(const float *DOPT_RESTRICT x, const uint32_t *D
     uint64_t ties = 0;
     size_t t;
     for (t = 0; t < m; t++) {
-        float g = x[t];
+        float a = fabsf(x[t]);
         uint32_t A, h, hi;
-        g = g > bound ? bound : g;
-        g = g < -bound ? -bound : g;
-        A = (uint32_t)dopt__tern_ceil(fabsf(g) * k);
-        h = (r[16 * (t / 32) + t % 16] >> (16 * ((t / 16) % 2))) & 0xFFFFu;
-        hi = A >> 8;
-        c[t] = (uint8_t)((h < hi) << (g < 0.0f));
-        ties |= (uint64_t)(h == hi && (A & 0xFFu) != 0) << t;
+        a = a > bound ? bound : a;
+        A = (uint32_t)dopt__tern_ceil(a * k);
+        h = (r[t / 4] >> (8 * (t % 4))) & 0xFFu;
+        hi = A >> 16;
+        c[t] = (uint8_t)((h < hi) << (x[t] < 0.0f));
+        ties |= (uint64_t)(h == hi && (A & 0xFFFFu) != 0) << t;
     }
     return ties;
 }
@@ -644,69 +713,158 @@ static uint32_t dopt__rng_word(const dopt_rng *rng, uint64_t index) {
     return out[index % 4];
 }
 
-/* Resolves the ties of a packed block of m elements (q = ceil(m/4) bytes) whose first element
-   is element e0 of the segment: one tie word each, kept when its low 8 bits are below
-   A & 0xFF. Rare (2^-16 per element), so scalar. */
-static void dopt__tern_ties(const float *x, uint64_t ties, size_t m, float bound, float k, const dopt_rng *rng,
-                            uint64_t e0, uint8_t *out) {
-    size_t q = (m + 3) / 4;
+/* The tie words of a batch of elements: out[i] = word 2^63 + e[i] of the stream. */
+DOPT__MAYBE_UNUSED static void dopt__tie_words_portable(const dopt_rng *rng, const uint64_t *e, int cnt, uint32_t *out) {
+    int i;
+    for (i = 0; i < cnt; i++) out[i] = dopt__rng_word(rng, ((uint64_t)1 << 63) + e[i]);
+}
+
+#ifdef DOPT__COMPRESS_AVX512
+/* The same sixteen words at once: one Philox block per lane, each with its own counter (the
+   rounds as distopt.h runs them, on the even and the odd lanes through a shifted copy), then
+   the word e % 4 of each lane's block. A tie is rare (2^-8 per element) but at 2^24 elements
+   there are 65536 of them: one vector block per sixteen costs a tenth of sixteen scalar ones. */
+static void dopt__tie_words_avx512(const dopt_rng *rng, const uint64_t *e, int cnt, uint32_t *out) {
+    const __m512i m0 = _mm512_set1_epi64(DOPT__PHILOX_M0), m1 = _mm512_set1_epi64(DOPT__PHILOX_M1);
+    const __mmask16 odd = 0xAAAA;
+    uint32_t lo[16], hi[16], sel[16], k0 = rng->key[0], k1 = rng->key[1];
+    __m512i c0, c1, c2, c3, w;
+    int i, rnd;
+    for (i = 0; i < 16; i++) {
+        uint64_t block = (((uint64_t)1 << 63) + (i < cnt ? e[i] : 0)) / 4;
+        lo[i] = (uint32_t)block;
+        hi[i] = (uint32_t)(block >> 32);
+        sel[i] = (uint32_t)((i < cnt ? e[i] : 0) % 4);
+    }
+    c0 = _mm512_loadu_si512((const void *)lo);
+    c1 = _mm512_loadu_si512((const void *)hi);
+    c2 = _mm512_set1_epi32((int)(uint32_t)rng->stream);
+    c3 = _mm512_set1_epi32((int)(uint32_t)(rng->stream >> 32));
+    for (rnd = 0; rnd < 10; rnd++) {
+        __m512i e0 = _mm512_mul_epu32(c0, m0), o0 = _mm512_mul_epu32(_mm512_srli_epi64(c0, 32), m0);
+        __m512i e1 = _mm512_mul_epu32(c2, m1), o1 = _mm512_mul_epu32(_mm512_srli_epi64(c2, 32), m1);
+        __m512i hi0 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(e0, 32), o0);
+        __m512i hi1 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(e1, 32), o1);
+        c0 = _mm512_ternarylogic_epi32(hi1, c1, _mm512_set1_epi32((int)k0), 0x96);
+        c2 = _mm512_ternarylogic_epi32(hi0, c3, _mm512_set1_epi32((int)k1), 0x96);
+        c1 = _mm512_mask_blend_epi32(odd, e1, _mm512_slli_epi64(o1, 32));
+        c3 = _mm512_mask_blend_epi32(odd, e0, _mm512_slli_epi64(o0, 32));
+        k0 += DOPT__PHILOX_W0;
+        k1 += DOPT__PHILOX_W1;
+    }
+    {
+        __m512i s = _mm512_loadu_si512((const void *)sel);
+        w = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(1)), c0, c1);
+        w = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(2)), w, c2);
+        w = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(3)), w, c3);
+        _mm512_storeu_si512((void *)lo, w);
+    }
+    memcpy(out, lo, (size_t)cnt * sizeof(uint32_t));
+}
+#endif
+
+static void dopt__tie_words(const dopt_rng *rng, const uint64_t *e, int cnt, uint32_t *out) {
+#ifdef DOPT__COMPRESS_AVX512
+    dopt__tie_words_avx512(rng, e, cnt, out);
+#else
+    dopt__tie_words_portable(rng, e, cnt, out);
+#endif
+}
+
+/* The elements of a segment waiting for their tie words, resolved sixteen at a time. The
+   order of resolution does not matter: every element's tie word is fixed by its index. */
+#define DOPT__TIE_BATCH 16
+
+typedef struct dopt__tern_seg {
+    const float *x;    /* the segment */
+    size_t n;
+    float bound, k;
+    const dopt_rng *rng;
+    uint8_t *out;      /* its packed codes */
+    uint64_t tie[DOPT__TIE_BATCH];
+    int nties;
+} dopt__tern_seg;
+
+/* Keeps the tied elements whose low 16 bits fall below A & 0xFFFF: sets their codes in the
+   packed blocks (block of m elements, q = ceil(m/4) bytes, element t at byte t % q, bits
+   2·(t / q)). */
+static void dopt__tern_resolve(dopt__tern_seg *sg) {
+    uint32_t w[DOPT__TIE_BATCH];
+    int i;
+    dopt__tie_words(sg->rng, sg->tie, sg->nties, w);
+    for (i = 0; i < sg->nties; i++) {
+        size_t e = (size_t)sg->tie[i], b = e / DOPT__BLOCK, t = e % DOPT__BLOCK;
+        size_t m = sg->n - b * DOPT__BLOCK < DOPT__BLOCK ? sg->n - b * DOPT__BLOCK : DOPT__BLOCK, q = (m + 3) / 4;
+        float a = fabsf(sg->x[e]);
+        uint32_t A;
+        a = a > sg->bound ? sg->bound : a;
+        A = (uint32_t)dopt__tern_ceil(a * sg->k);
+        if ((w[i] & 0xFFFFu) < (A & 0xFFFFu))
+            sg->out[b * 16 + t % q] |= (uint8_t)((sg->x[e] < 0.0f ? 2u : 1u) << (2 * (t / q)));
+    }
+    sg->nties = 0;
+}
+
+/* Queues the ties of the block whose first element is e0 (bit t of ties: element e0 + t). */
+static void dopt__tern_queue(dopt__tern_seg *sg, uint64_t ties, size_t e0) {
     while (ties) {
         unsigned t = 0;
-        uint32_t w, A;
-        float g;
+#if defined(__GNUC__) || defined(__clang__)
+        t = (unsigned)__builtin_ctzll(ties);
+#else
         while (!((ties >> t) & 1u)) t++;
+#endif
         ties &= ties - 1;
-        g = x[t];
-        g = g > bound ? bound : g;
-        g = g < -bound ? -bound : g;
-        A = (uint32_t)dopt__tern_ceil(fabsf(g) * k);
-        w = dopt__rng_word(rng, ((uint64_t)1 << 63) + e0 + t);
-        if ((w & 0xFFu) < (A & 0xFFu)) out[t % q] |= (uint8_t)((g < 0.0f ? 2u : 1u) << (2 * (t / q)));
+        sg->tie[sg->nties++] = (uint64_t)(e0 + t);
+        if (sg->nties == DOPT__TIE_BATCH) dopt__tern_resolve(sg);
     }
 }
 
 #ifdef DOPT__COMPRESS_AVX512
 /* The codes and the 2-bit pack of a full block with AVX-512, without leaving registers; returns
    the tie mask. Identical results to dopt__tern_codes + dopt__pack2_full (the tests compare
-   them). */
+   them). Per 16 elements: their 16 bytes of random words widened to lanes; min(|x|, bound)
+   in one vrangeps (minimum of magnitudes, sign cleared); ceil and the conversion in one
+   instruction (embedded rounding toward +inf; A is an integer below 2^25, so exact). Element
+   16q + j goes to byte j, bits 2q: the kept lanes add 1 << 2q, the kept negative ones add it
+   once more (code 2). */
 static uint64_t dopt__tern_block_avx512(const float *x, const uint32_t *r, float bound, float k, uint8_t *out) {
-    const __m512 hi = _mm512_set1_ps(bound), lo = _mm512_set1_ps(-bound), kv = _mm512_set1_ps(k);
-    const __m512 zero = _mm512_setzero_ps();
-    const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2), ffff = _mm512_set1_epi32(0xFFFF);
-    const __m512i low8 = _mm512_set1_epi32(0xFF);
-    __m512i packed = _mm512_setzero_si512();
-    uint64_t ties = 0;
+    const __m512 bv = _mm512_set1_ps(bound), kv = _mm512_set1_ps(k), zero = _mm512_setzero_ps();
+    const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+    const uint8_t *bytes = (const uint8_t *)r;
+    __m128i packed = _mm_setzero_si128();
+    __mmask16 tie[4];
     int q;
     for (q = 0; q < 4; q++) {
-        __m512 g = _mm512_min_ps(_mm512_max_ps(_mm512_loadu_ps(x + 16 * q), lo), hi);
-        __m512 a = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_abs_ps(g), kv), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-        __m512i A = _mm512_cvttps_epi32(a);
-        __m512i words = _mm512_loadu_si512((const void *)(r + 16 * (q / 2)));
-        __m512i h = _mm512_and_si512(_mm512_srli_epi32(words, (unsigned)(16 * (q % 2))), ffff);
-        __m512i Ah = _mm512_srli_epi32(A, 8);
+        const __m128i inc = _mm_set1_epi8((char)(1 << (2 * q)));
+        __m512 xv = _mm512_loadu_ps(x + 16 * q);
+        __m512 a = _mm512_mul_ps(_mm512_range_ps(xv, bv, 0x0A), kv);
+        __m512i A = _mm512_cvt_roundps_epi32(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+        __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(bytes + 16 * q)));
+        __m512i Ah = _mm512_srli_epi32(A, 16);
         __mmask16 keep = _mm512_cmp_epu32_mask(h, Ah, _MM_CMPINT_LT);
-        __mmask16 tie = _mm512_mask_cmp_epu32_mask(_mm512_test_epi32_mask(A, low8), h, Ah, _MM_CMPINT_EQ);
-        __mmask16 neg = _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ);
-        __m512i code = _mm512_maskz_mov_epi32(keep, _mm512_mask_mov_epi32(one, neg, two));
-        packed = _mm512_or_si512(packed, _mm512_sllv_epi32(code, _mm512_set1_epi32(2 * q)));
-        ties |= (uint64_t)tie << (16 * q);
+        __mmask16 neg = _mm512_mask_cmp_ps_mask(keep, xv, zero, _CMP_LT_OQ);
+        tie[q] = _mm512_mask_cmp_epu32_mask(_mm512_test_epi32_mask(A, low16), h, Ah, _MM_CMPINT_EQ);
+        packed = _mm_mask_add_epi8(packed, keep, packed, inc);
+        packed = _mm_mask_add_epi8(packed, neg, packed, inc);
     }
-    _mm_storeu_si128((__m128i *)(void *)out, _mm512_cvtepi32_epi8(packed));
-    return ties;
+    _mm_storeu_si128((__m128i *)(void *)out, packed);
+    return (uint64_t)_mm512_kunpackd(_mm512_kunpackw(tie[3], tie[2]), _mm512_kunpackw(tie[1], tie[0]));
 }
 
-/* y += v·t over a full block; returns non-zero when a code is 11. */
+/* y += v·t over a full block; returns non-zero when a code is 11. v·t comes from a table
+   indexed by the code (vpermps reads the low 4 bits of each index lane: the code and the
+   next one's, so the table repeats every 4 entries): {v·0, v, v·(-1)}, the products the
+   portable loop forms, so the same bits. The caller prefetches y. */
 static unsigned dopt__tern_accum_avx512(float *y, float v, const uint8_t *in) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)in));
-    const __m512i m1 = _mm512_set1_epi32(1);
-    const __m512 vv = _mm512_set1_ps(v);
+    const __m512 table = _mm512_setr_ps(v * 0.0f, v, v * -1.0f, 0.0f, v * 0.0f, v, v * -1.0f, 0.0f, v * 0.0f, v,
+                                        v * -1.0f, 0.0f, v * 0.0f, v, v * -1.0f, 0.0f);
     __m512i bad = _mm512_and_si512(_mm512_and_si512(b, _mm512_srli_epi32(b, 1)), _mm512_set1_epi32(0x55));
     int q;
     for (q = 0; q < 4; q++) {
-        __m512i c = _mm512_srli_epi32(b, (unsigned)(2 * q));
-        __m512i t = _mm512_sub_epi32(_mm512_and_si512(c, m1), _mm512_and_si512(_mm512_srli_epi32(c, 1), m1));
-        __m512 yv = _mm512_loadu_ps(y + 16 * q);
-        _mm512_storeu_ps(y + 16 * q, _mm512_add_ps(yv, _mm512_mul_ps(vv, _mm512_cvtepi32_ps(t))));
+        __m512 vt = _mm512_permutexvar_ps(_mm512_srli_epi32(b, (unsigned)(2 * q)), table);
+        _mm512_storeu_ps(y + 16 * q, _mm512_add_ps(_mm512_loadu_ps(y + 16 * q), vt));
     }
     return (unsigned)_mm512_test_epi32_mask(bad, bad);
 }
@@ -715,41 +873,52 @@ static unsigned dopt__tern_accum_avx512(float *y, float v, const uint8_t *in) {
 /* 2^24 / s, or 0 for s = 0 (every code is then 0). */
 static float dopt__tern_k(float s) { return s > 0.0f ? (float)(16777216.0 / (double)s) : 0.0f; }
 
-#define DOPT__TERN_RUN 512 /* elements whose words are generated together (256 words) */
+#define DOPT__TERN_RUN 1024 /* elements whose words are generated together (256 words) */
 
 /* The runs go from the segment's end to its start: the statistics pass just read the segment
    front to back, so its end is what the cache still holds. (Order does not change the result:
-   every element's words are fixed by its index.) */
+   every element's words are fixed by its index.) Each block prefetches the elements 8 KiB
+   further in that order, so that the generator's work overlaps the misses. */
 static void dopt__tern_encode_segment(const float *x, size_t n, float bound, float s, const dopt_rng *rng,
                                       uint8_t *out) {
-    uint32_t r[DOPT__TERN_RUN / 2];
+    uint32_t r[DOPT__TERN_RUN / 4];
     uint8_t c[DOPT__BLOCK];
     size_t i, j, full = n - n % DOPT__BLOCK, runs = (full + DOPT__TERN_RUN - 1) / DOPT__TERN_RUN;
-    float k = dopt__tern_k(s);
+    dopt__tern_seg sg;
+    sg.x = x;
+    sg.n = n;
+    sg.bound = bound;
+    sg.k = dopt__tern_k(s);
+    sg.rng = rng;
+    sg.out = out;
+    sg.nties = 0;
     if (n > full) {
         uint64_t ties;
-        dopt_rng_u32(rng, full / 2, r, 32);
-        ties = dopt__tern_codes(x + full, r, n - full, bound, k, c);
+        dopt_rng_u32(rng, full / 4, r, 16);
+        ties = dopt__tern_codes(x + full, r, n - full, bound, sg.k, c);
         dopt__pack_block(c, n - full, 2, out + full / 4);
-        if (ties) dopt__tern_ties(x + full, ties, n - full, bound, k, rng, full, out + full / 4);
+        dopt__tern_queue(&sg, ties, full);
     }
     while (runs-- > 0) {
         size_t run;
         i = runs * DOPT__TERN_RUN;
         run = full - i < DOPT__TERN_RUN ? full - i : DOPT__TERN_RUN;
-        dopt_rng_u32(rng, i / 2, r, run / 2);
+        dopt_rng_u32(rng, i / 4, r, run / 4);
         for (j = 0; j < run; j += DOPT__BLOCK) {
-            uint8_t *o = out + (i + j) / 4;
+            const float *xb = x + i + j;
             uint64_t ties;
+            int p;
+            for (p = 0; p < 4; p++) DOPT__PREFETCH(xb + 16 * p, (uintptr_t)0 - DOPT__AHEAD);
 #ifdef DOPT__COMPRESS_AVX512
-            ties = dopt__tern_block_avx512(x + i + j, r + j / 2, bound, k, o);
+            ties = dopt__tern_block_avx512(xb, r + j / 4, bound, sg.k, out + (i + j) / 4);
 #else
-            ties = dopt__tern_codes(x + i + j, r + j / 2, DOPT__BLOCK, bound, k, c);
-            dopt__pack2_full(c, o);
+            ties = dopt__tern_codes(xb, r + j / 4, DOPT__BLOCK, bound, sg.k, c);
+            dopt__pack2_full(c, out + (i + j) / 4);
 #endif
-            if (ties) dopt__tern_ties(x + i + j, ties, DOPT__BLOCK, bound, k, rng, i + j, o);
+            if (ties) dopt__tern_queue(&sg, ties, i + j);
         }
     }
+    if (sg.nties) dopt__tern_resolve(&sg);
 }
 /* y += v·t over a block of codes, v = weight·s: the product is exact for t in {-1, 0, 1}, so the
    only rounding is the add's. Returns non-zero when a code is 11. */
@@ -769,7 +938,18 @@ static unsigned dopt__tern_check(const uint8_t *in, size_t n) {
     uint8_t c[DOPT__BLOCK];
     size_t i, full = n - n % DOPT__BLOCK, nb = full / 4, j;
     unsigned bad = 0;
-    for (j = 0; j < nb; j++) bad |= (unsigned)(in[j] & (in[j] >> 1) & 0x55u);
+    uint64_t acc = 0;
+    /* 11 has both bits of a pair set: w & (w >> 1) on the even bits. Whole 64-byte lines as
+       words (the fixed inner count vectorizes; a shift across a byte lands on an odd bit,
+       which the mask drops), then the bytes left over. */
+    for (j = 0; j + 64 <= nb; j += 64) {
+        uint64_t w[8];
+        int k;
+        memcpy(w, in + j, sizeof w);
+        for (k = 0; k < 8; k++) acc |= w[k] & (w[k] >> 1);
+    }
+    bad = (acc & 0x5555555555555555ull) != 0;
+    for (; j < nb; j++) bad |= (unsigned)(in[j] & (in[j] >> 1) & 0x55u);
     if (n > full) {
         bad |= dopt__unpack_block(in + nb, n - full, 2, c);
         for (i = 0; i < n - full; i++) bad |= (unsigned)(c[i] == 3);
@@ -781,6 +961,8 @@ static void dopt__tern_accum(float *y, size_t n, float v, const uint8_t *in) {
     uint8_t c[DOPT__BLOCK];
     size_t i, full = n - n % DOPT__BLOCK;
     for (i = 0; i < full; i += DOPT__BLOCK, in += 16) {
+        int p;
+        for (p = 0; p < 4; p++) DOPT__PREFETCH(y + i + 16 * p, DOPT__AHEAD);
 #ifdef DOPT__COMPRESS_AVX512
         (void)dopt__tern_accum_avx512(y + i, v, in);
 #else
@@ -826,7 +1008,7 @@ DOPT__MAYBE_UNUSED static void dopt__tern_sum_portable(float *DOPT_RESTRICT y, s
     }
 }
 
-#if defined(DOPT__COMPRESS_AVX512) && defined(__AVX512BW__)
+#ifdef DOPT__COMPRESS_AVX512
 /* 64 counts per register: the 16 bytes of a block broadcast to the four 128-bit lanes, lane q
    shifted by 2q bits, so byte j of lane q holds the code of element 16q + j. Large segments go
    out with streaming stores (y is not read, and is too large to stay in cache). */
@@ -872,7 +1054,7 @@ static void dopt__tern_sum_avx512(float *DOPT_RESTRICT y, size_t n, float v, con
 #endif
 
 static void dopt__tern_sum(float *y, size_t n, float v, const uint8_t *const *msgs, int nmsg) {
-#if defined(DOPT__COMPRESS_AVX512) && defined(__AVX512BW__)
+#ifdef DOPT__COMPRESS_AVX512
     dopt__tern_sum_avx512(y, n, v, msgs, nmsg);
 #else
     dopt__tern_sum_portable(y, n, v, msgs, nmsg);
@@ -885,77 +1067,107 @@ static unsigned dopt__qsgd_width(unsigned s) { return s <= 7 ? 4u : 8u; }
 
 static size_t dopt__qsgd_nbuckets(size_t n, size_t bucket) { return (n + bucket - 1) / bucket; }
 
-/* Levels of one block: l = floor(s|v|/‖v‖) + Bernoulli(frac), sign-magnitude in w bits. inv[t]
-   is s/‖v‖ of the element's bucket. */
-static void dopt__qsgd_codes(const float *x, const float *inv, const uint32_t *r, size_t m, unsigned s, unsigned w,
-                             uint8_t *c) {
-    size_t t;
-    for (t = 0; t < m; t++) {
-        float a = fabsf(x[t]) * inv[t];
-        unsigned l = a < (float)s ? (unsigned)a : s, neg;
-        float frac = a - (float)l;
-        l += (unsigned)((float)(r[t] >> 8) * (1.0f / 16777216.0f) < frac);
-        l = l > s ? s : l;
-        neg = (x[t] < 0.0f) & (l > 0);
-        c[t] = (uint8_t)(w == 4 ? (neg << 3 | l) : (uint8_t)(neg ? -(int)l : (int)l));
+/* Per-element factors of a block of m elements starting at element i, one bucket lookup per
+   bucket the block touches (not one division per element): f[t] = s/‖v‖ (0 for a zero norm)
+   for the encoder, ‖v‖/s for the decoder, ‖v‖ the norm of element i + t's bucket. */
+static void dopt__qsgd_factors(const unsigned char *norms, size_t i, size_t m, size_t bucket, unsigned s, int decode,
+                               float *f) {
+    size_t t = 0;
+    while (t < m) {
+        size_t b = (i + t) / bucket, end = (b + 1) * bucket - i;
+        float norm = dopt__bits_f32(dopt__get_le32(norms + 4 * b));
+        float v = decode ? norm / (float)s : (norm > 0.0f ? (float)s / norm : 0.0f);
+        end = end < m ? end : m;
+        for (; t < end; t++) f[t] = v;
     }
+    for (; t < DOPT__BLOCK; t++) f[t] = 0.0f;
 }
+
+/* Levels of one block of 64: l = floor(s|v|/‖v‖) + Bernoulli(frac), sign-magnitude in 4 bits
+   (sign bit 3) or a signed byte. inv[t] is s/‖v‖ of the element's bucket. Branch-free with a
+   constant trip count, so that it vectorizes at -O2; a shorter tail block goes through
+   zero-padded copies. */
+static void dopt__qsgd_codes(const float *DOPT_RESTRICT x, const float *DOPT_RESTRICT inv,
+                             const uint32_t *DOPT_RESTRICT r, unsigned s, unsigned w, uint8_t *DOPT_RESTRICT c) {
+    int t, l[DOPT__BLOCK], si = (int)s;
+    for (t = 0; t < DOPT__BLOCK; t++) {
+        float a = fabsf(x[t]) * inv[t], top = a < (float)s ? a : (float)s; /* NaN: s */
+        int lv = (int)top;
+        float frac = a - (float)lv;
+        lv += (float)(int)(r[t] >> 8) * (1.0f / 16777216.0f) < frac;
+        l[t] = lv > si ? si : lv;
+    }
+    if (w == 4)
+        for (t = 0; t < DOPT__BLOCK; t++) c[t] = (uint8_t)(((x[t] < 0.0f) & (l[t] > 0)) << 3 | l[t]);
+    else
+        for (t = 0; t < DOPT__BLOCK; t++) c[t] = (uint8_t)(x[t] < 0.0f ? -l[t] : l[t]);
+}
+
+#define DOPT__QSGD_RUN 256 /* elements whose words are generated together */
 
 static void dopt__qsgd_encode_segment(const float *x, size_t n, size_t bucket, unsigned s, const dopt_rng *rng,
                                       unsigned char *body) {
-    size_t nb = dopt__qsgd_nbuckets(n, bucket), b, i, t;
+    size_t nb = dopt__qsgd_nbuckets(n, bucket), b, i, j, t;
     unsigned w = dopt__qsgd_width(s);
     unsigned char *codes = body + 4 * nb;
-    uint32_t r[DOPT__BLOCK];
-    float inv[DOPT__BLOCK];
+    uint32_t r[DOPT__QSGD_RUN];
+    float inv[DOPT__BLOCK], xs[DOPT__BLOCK];
     uint8_t c[DOPT__BLOCK];
     for (b = 0; b < nb; b++) {
         size_t lo = b * bucket, len = n - lo < bucket ? n - lo : bucket;
         dopt__put_le32(body + 4 * b, dopt__f32_bits((float)sqrt(dopt_sumsq(x + lo, len))));
     }
-    for (i = 0; i < n; i += DOPT__BLOCK) {
-        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
-        for (t = 0; t < m; t++) {
-            float norm = dopt__bits_f32(dopt__get_le32(body + 4 * ((i + t) / bucket)));
-            inv[t] = norm > 0.0f ? (float)s / norm : 0.0f;
-        }
-        if (m == DOPT__BLOCK)
-            dopt__rng_block64(rng, i, r);
-        else
-            dopt_rng_u32(rng, i, r, m);
-        dopt__qsgd_codes(x + i, inv, r, m, s, w, c);
-        if (w == 8) {
-            memcpy(codes + i, c, m);
-        } else {
-            dopt__pack_block(c, m, 4, codes + i / 2);
+    for (j = 0; j < n; j += DOPT__QSGD_RUN) {
+        size_t run = n - j < DOPT__QSGD_RUN ? n - j : DOPT__QSGD_RUN;
+        dopt_rng_u32(rng, j, r, run);
+        for (t = run; t < DOPT__QSGD_RUN; t++) r[t] = 0;
+        for (i = j; i < j + run; i += DOPT__BLOCK) {
+            size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
+            const float *xb = x + i;
+            dopt__qsgd_factors(body, i, m, bucket, s, 0, inv);
+            if (m < DOPT__BLOCK) {
+                memset(xs, 0, sizeof xs);
+                memcpy(xs, xb, m * sizeof(float));
+                xb = xs;
+            }
+            dopt__qsgd_codes(xb, inv, r + (i - j), s, w, c);
+            if (w == 8)
+                memcpy(codes + i, c, m);
+            else if (m == DOPT__BLOCK)
+                dopt__pack4_full(c, codes + i / 2);
+            else
+                dopt__pack_block(c, m, 4, codes + i / 2);
         }
     }
 }
 
-/* Validates a segment's norms and codes (no output). */
+/* Validates a segment's norms and codes (no output). Full 4-bit blocks use every bit, so
+   only their codes are checked (no level above s, no negative zero), a byte at a time. */
 static int dopt__qsgd_check(const unsigned char *body, size_t n, size_t bucket, unsigned s) {
-    size_t nb = dopt__qsgd_nbuckets(n, bucket), b, i, t;
-    unsigned w = dopt__qsgd_width(s);
+    size_t nb = dopt__qsgd_nbuckets(n, bucket), b, i, t, full = n - n % DOPT__BLOCK;
+    unsigned w = dopt__qsgd_width(s), bad = 0;
     const unsigned char *codes = body + 4 * nb;
     uint8_t c[DOPT__BLOCK];
     for (b = 0; b < nb; b++) {
         float norm = dopt__bits_f32(dopt__get_le32(body + 4 * b));
         if (!(norm >= 0.0f && norm <= FLT_MAX)) return 0;
     }
-    for (i = 0; i < n; i += DOPT__BLOCK) {
-        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
-        if (w == 8) {
-            for (t = 0; t < m; t++) {
-                int v = (int)(int8_t)codes[i + t];
-                if (v > (int)s || v < -(int)s) return 0;
-            }
-        } else {
-            if (dopt__unpack_block(codes + i / 2, m, 4, c)) return 0;
-            for (t = 0; t < m; t++)
-                if ((c[t] & 7u) > s || c[t] == 8u) return 0;
+    if (w == 8) {
+        for (i = 0; i < n; i++) {
+            int v = (int)(int8_t)codes[i];
+            bad |= (unsigned)(v > (int)s) | (unsigned)(v < -(int)s);
         }
+        return bad == 0;
     }
-    return 1;
+    for (i = 0; i < full / 2; i++) {
+        unsigned lo = codes[i] & 15u, hi = codes[i] >> 4;
+        bad |= (unsigned)((lo & 7u) > s) | (unsigned)(lo == 8u) | (unsigned)((hi & 7u) > s) | (unsigned)(hi == 8u);
+    }
+    if (n > full) {
+        bad |= dopt__unpack_block(codes + full / 2, n - full, 4, c);
+        for (t = 0; t < n - full; t++) bad |= (unsigned)((c[t] & 7u) > s) | (unsigned)(c[t] == 8u);
+    }
+    return bad == 0;
 }
 
 static void dopt__qsgd_accum(float *y, size_t n, size_t bucket, unsigned s, float weight, const unsigned char *body) {
@@ -963,18 +1175,31 @@ static void dopt__qsgd_accum(float *y, size_t n, size_t bucket, unsigned s, floa
     unsigned w = dopt__qsgd_width(s);
     const unsigned char *codes = body + 4 * nb;
     uint8_t c[DOPT__BLOCK];
+    float q[DOPT__BLOCK], value[DOPT__BLOCK];
     for (i = 0; i < n; i += DOPT__BLOCK) {
         size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
-        if (w == 4) (void)dopt__unpack_block(codes + i / 2, m, 4, c);
-        for (t = 0; t < m; t++) {
-            float norm = dopt__bits_f32(dopt__get_le32(body + 4 * ((i + t) / bucket)));
-            int level = w == 8 ? (int)(int8_t)codes[i + t] : ((c[t] & 8u) ? -(int)(c[t] & 7u) : (int)(c[t] & 7u));
-            /* The decoded value is rounded on its own before the weight: with weight ±1 (error
-               feedback's own message) a compiler that fuses the multiply-add still gives
-               y ± round(q·level), so the residual is exactly p − C(p). */
-            float value = (norm / (float)s) * (float)level;
-            y[i + t] += weight * value;
+        dopt__qsgd_factors(body, i, m, bucket, s, 1, q);
+        memset(c, 0, sizeof c);
+        if (w == 8)
+            memcpy(c, codes + i, m);
+        else if (m == DOPT__BLOCK)
+            for (t = 0; t < 32; t++) {
+                c[t] = (uint8_t)(codes[i / 2 + t] & 15u);
+                c[t + 32] = (uint8_t)(codes[i / 2 + t] >> 4);
+            }
+        else
+            (void)dopt__unpack_block(codes + i / 2, m, 4, c);
+        /* The decoded value is rounded on its own before the weight: with weight ±1 (error
+           feedback's own message) a compiler that fuses the multiply-add still gives
+           y ± round(q·level), so the residual is exactly p − C(p). */
+        for (t = 0; t < DOPT__BLOCK; t++) {
+            int level = w == 8 ? (int)(int8_t)c[t] : (int)(c[t] & 7u) * (1 - (int)((c[t] >> 2) & 2u));
+            value[t] = q[t] * (float)level; /* q = ‖v‖/s */
         }
+        if (m == DOPT__BLOCK)
+            for (t = 0; t < DOPT__BLOCK; t++) y[i + t] += weight * value[t];
+        else
+            for (t = 0; t < m; t++) y[i + t] += weight * value[t];
     }
 }
 
@@ -1024,22 +1249,80 @@ static float dopt__kth_largest(float *a, size_t n, size_t k) {
     }
 }
 
+/* The k-th largest key of x[0..n), by radix passes first. Keys are non-negative floats (or
+   +inf), whose bit patterns order like the values: a histogram of their top 11 bits (exponent
+   and 3 mantissa bits) finds the bucket that holds the k-th largest, and only that bucket's
+   keys are copied into work; a second histogram of the next 11 bits narrows them again, and
+   the few left go through the quickselect. Branch-free streaming passes instead of a
+   quickselect over all n, and the same value (the k-th largest is unique). Four interleaved
+   histograms keep runs of equal buckets from serializing on one counter. */
+#define DOPT__TOPK_BUCKETS 2048
+
+/* The bucket (bits >> shift & 2047) holding the k-th largest of the counts, and how many
+   keys lie in the buckets above it. */
+static uint32_t dopt__topk_bucket(uint32_t (*hist)[DOPT__TOPK_BUCKETS], size_t k, size_t *above) {
+    uint32_t bucket = DOPT__TOPK_BUCKETS;
+    size_t sum = 0;
+    while (bucket-- > 1) { /* from the largest keys down, until k are covered */
+        size_t h = (size_t)hist[0][bucket] + hist[1][bucket] + hist[2][bucket] + hist[3][bucket];
+        if (sum + h >= k) break;
+        sum += h;
+    }
+    *above = sum;
+    return bucket;
+}
+
+static float dopt__topk_threshold(const float *DOPT_RESTRICT x, size_t n, size_t k, float *DOPT_RESTRICT work) {
+    static const unsigned shifts[2] = {20, 9};
+    uint32_t hist[4][DOPT__TOPK_BUCKETS];
+    size_t i, m = n, above, j;
+    int level;
+    for (i = 0; i < n; i++) work[i] = dopt__topk_key(x[i]);
+    for (level = 0; level < 2 && m > 64; level++) {
+        unsigned sh = shifts[level];
+        size_t m4 = m - m % 4, kept = 0;
+        uint32_t bucket;
+        memset(hist, 0, sizeof hist);
+        for (i = 0; i < m4; i += 4)
+            for (j = 0; j < 4; j++) hist[j][dopt__f32_bits(work[i + j]) >> sh & 2047u]++;
+        for (; i < m; i++) hist[0][dopt__f32_bits(work[i]) >> sh & 2047u]++;
+        bucket = dopt__topk_bucket(hist, k, &above);
+        for (i = 0; i < m; i++) { /* compaction without a branch: kept <= i */
+            float key = work[i];
+            work[kept] = key;
+            kept += (size_t)((dopt__f32_bits(key) >> sh & 2047u) == bucket);
+        }
+        m = kept;
+        k -= above;
+    }
+    return dopt__kth_largest(work, m, k);
+}
+
 /* Body: k indices (increasing), then k values: the k largest |x_i|, ties to the lower index. */
 static void dopt__topk_encode_segment(const float *x, size_t n, size_t k, float *work, unsigned char *body) {
     size_t i, greater = 0, taken = 0, ties;
     float thr;
     if (k == 0) return;
-    for (i = 0; i < n; i++) work[i] = dopt__topk_key(x[i]);
-    thr = dopt__kth_largest(work, n, k);
+    thr = dopt__topk_threshold(x, n, k, work);
     for (i = 0; i < n; i++) greater += dopt__topk_key(x[i]) > thr;
     ties = k - greater;
-    for (i = 0; i < n && taken < k; i++) {
-        float key = dopt__topk_key(x[i]);
-        if (key > thr || (key == thr && ties > 0)) {
-            if (!(key > thr)) ties--;
-            dopt__put_le32(body + 4 * taken, (uint32_t)i);
-            memcpy(body + 4 * k + 4 * taken, &x[i], 4);
-            taken++;
+    /* Blocks of 64 are first counted branch-free (vectorized); only blocks with a candidate
+       are walked element by element. */
+    for (i = 0; i < n && taken < k; i += DOPT__BLOCK) {
+        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK, t;
+        unsigned any = 0;
+        if (m == DOPT__BLOCK)
+            for (t = 0; t < DOPT__BLOCK; t++) any += dopt__topk_key(x[i + t]) >= thr;
+        else
+            any = 1;
+        for (t = 0; any && t < m && taken < k; t++) {
+            float key = dopt__topk_key(x[i + t]);
+            if (key > thr || (key == thr && ties > 0)) {
+                if (!(key > thr)) ties--;
+                dopt__put_le32(body + 4 * taken, (uint32_t)(i + t));
+                memcpy(body + 4 * k + 4 * taken, &x[i + t], 4);
+                taken++;
+            }
         }
     }
 }
@@ -1078,23 +1361,73 @@ static float dopt__sign_scale(const float *x, size_t n) {
     return n ? (float)(s / (double)n) : 0.0f;
 }
 
+/* Full blocks: the 64 sign bits as a mask (bit t: element t, one compare per 16 with AVX-512),
+   transposed into the block's byte layout; the portable form packs bytes. The same bits
+   either way (the tests compare them). */
+DOPT__MAYBE_UNUSED static void dopt__sign_block_portable(const float *DOPT_RESTRICT x, uint8_t *DOPT_RESTRICT out) {
+    uint8_t c[DOPT__BLOCK];
+    int t;
+    for (t = 0; t < DOPT__BLOCK; t++) c[t] = (uint8_t)(x[t] < 0.0f);
+    dopt__pack1_full(c, out);
+}
+
+static void dopt__sign_block(const float *x, uint8_t *out) {
+#ifdef DOPT__COMPRESS_AVX512
+    const __m512 zero = _mm512_setzero_ps();
+    uint64_t mask = 0, packed;
+    int q;
+    for (q = 0; q < 4; q++) mask |= (uint64_t)_mm512_cmp_ps_mask(_mm512_loadu_ps(x + 16 * q), zero, _CMP_LT_OQ) << (16 * q);
+    packed = dopt__transpose8x8(mask);
+    memcpy(out, &packed, 8);
+#else
+    dopt__sign_block_portable(x, out);
+#endif
+}
+
 static void dopt__sign_encode_segment(const float *x, size_t n, uint8_t *out) {
     uint8_t c[DOPT__BLOCK];
-    size_t i, t;
-    for (i = 0; i < n; i += DOPT__BLOCK) {
-        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
-        for (t = 0; t < m; t++) c[t] = (uint8_t)(x[i + t] < 0.0f);
-        dopt__pack_block(c, m, 1, out + i / 8);
+    size_t i, t, full = n - n % DOPT__BLOCK;
+    for (i = 0; i < full; i += DOPT__BLOCK) dopt__sign_block(x + i, out + i / 8);
+    if (n > full) {
+        for (t = 0; t < n - full; t++) c[t] = (uint8_t)(x[full + t] < 0.0f);
+        dopt__pack_block(c, n - full, 1, out + full / 8);
     }
+}
+
+/* y += v·(1 - 2·bit) = ±v (exact products, so only the add rounds). */
+DOPT__MAYBE_UNUSED static void dopt__sign_accum_block_portable(float *DOPT_RESTRICT y, float v, const uint8_t *DOPT_RESTRICT in) {
+    int k, j;
+    for (k = 0; k < 8; k++)
+        for (j = 0; j < 8; j++) y[8 * k + j] += v * (1.0f - 2.0f * (float)((in[j] >> k) & 1u));
+}
+
+static void dopt__sign_accum_block(float *y, float v, const uint8_t *in) {
+#ifdef DOPT__COMPRESS_AVX512
+    const __m512 plus = _mm512_set1_ps(v * 1.0f), minus = _mm512_set1_ps(v * -1.0f);
+    uint64_t packed, mask;
+    int q;
+    memcpy(&packed, in, 8);
+    mask = dopt__transpose8x8(packed);
+    for (q = 0; q < 4; q++) {
+        __m512 vt = _mm512_mask_blend_ps((__mmask16)(mask >> (16 * q)), plus, minus);
+        _mm512_storeu_ps(y + 16 * q, _mm512_add_ps(_mm512_loadu_ps(y + 16 * q), vt));
+    }
+#else
+    dopt__sign_accum_block_portable(y, v, in);
+#endif
 }
 
 static void dopt__sign_accum(float *y, size_t n, float v, const uint8_t *in) {
     uint8_t c[DOPT__BLOCK];
-    size_t i, t;
-    for (i = 0; i < n; i += DOPT__BLOCK) {
-        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
-        (void)dopt__unpack_block(in + i / 8, m, 1, c);
-        for (t = 0; t < m; t++) y[i + t] += v * (1.0f - 2.0f * (float)c[t]);
+    size_t i, t, full = n - n % DOPT__BLOCK;
+    for (i = 0; i < full; i += DOPT__BLOCK) {
+        int p;
+        for (p = 0; p < 4; p++) DOPT__PREFETCH(y + i + 16 * p, DOPT__AHEAD);
+        dopt__sign_accum_block(y + i, v, in + i / 8);
+    }
+    if (n > full) {
+        (void)dopt__unpack_block(in + full / 8, n - full, 1, c);
+        for (t = 0; t < n - full; t++) y[full + t] += v * (1.0f - 2.0f * (float)c[t]);
     }
 }
 
@@ -1254,8 +1587,8 @@ static long dopt__validate(const dopt_compressor *cz, const unsigned char *m, si
             uint8_t c[DOPT__BLOCK];
             size_t j;
             ok = ok && a == 0 && dopt__scale_ok(dopt__bits_f32(b));
-            for (j = 0; ok && j < n; j += DOPT__BLOCK)
-                ok = dopt__unpack_block(data + j / 8, n - j < DOPT__BLOCK ? n - j : DOPT__BLOCK, 1, c) == 0;
+            j = n - n % DOPT__BLOCK; /* full blocks use every bit: only the tail can be malformed */
+            if (ok && n > j) ok = dopt__unpack_block(data + j / 8, n - j, 1, c) == 0;
             break;
         }
         case DOPT_CODEC_FP16:
@@ -1280,31 +1613,17 @@ static void dopt__accumulate(const dopt_compressor *cz, const unsigned char *m, 
         float b = dopt__bits_f32(dopt__get_le32(p + 12));
         switch (cfg->codec) {
         case DOPT_CODEC_TERNARY:
-            if (n < cfg->fp32_below) {
-                size_t j;
-                for (j = 0; j < n; j++) {
-                    float v;
-                    memcpy(&v, data + 4 * j, 4);
-                    sp.ptr[j] += weight * v;
-                }
-            } else {
+            if (n < cfg->fp32_below)
+                dopt__f32_accum(sp.ptr, weight, data, n);
+            else
                 dopt__tern_accum(sp.ptr, n, weight * b, data);
-            }
             break;
         case DOPT_CODEC_QSGD: dopt__qsgd_accum(sp.ptr, n, cfg->qsgd_bucket, cfg->qsgd_levels, weight, data); break;
         case DOPT_CODEC_TOPK: dopt__topk_accum(sp.ptr, body / 8, weight, data); break;
         case DOPT_CODEC_SIGN: dopt__sign_accum(sp.ptr, n, weight * b, data); break;
         case DOPT_CODEC_FP16: dopt__f16_accum(sp.ptr, weight, data, n); break;
         case DOPT_CODEC_BF16: dopt__bf16_accum(sp.ptr, weight, data, n); break;
-        case DOPT_CODEC_FP32: {
-            size_t j;
-            for (j = 0; j < n; j++) {
-                float v;
-                memcpy(&v, data + 4 * j, 4);
-                sp.ptr[j] += weight * v;
-            }
-            break;
-        }
+        case DOPT_CODEC_FP32: dopt__f32_accum(sp.ptr, weight, data, n); break;
         }
         p = data + dopt__pad8(body);
     }
@@ -1433,13 +1752,8 @@ static void dopt__tern_average(dopt_compressor *cz, int nmsg, float weight, cons
             memset(sp.ptr, 0, n * sizeof(float));
             for (r = 0; r < nmsg; r++) {
                 float b = dopt__bits_f32(dopt__get_le32(data[r] - 4));
-                size_t j;
                 if (n < cz->cfg.fp32_below) {
-                    for (j = 0; j < n; j++) {
-                        float v;
-                        memcpy(&v, data[r] + 4 * j, 4);
-                        sp.ptr[j] += weight * v;
-                    }
+                    dopt__f32_accum(sp.ptr, weight, data[r], n);
                 } else {
                     dopt__tern_accum(sp.ptr, n, weight * b, data[r]);
                 }

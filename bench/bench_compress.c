@@ -12,13 +12,18 @@
    read-modify-write of that buffer, not a read: "to y += c" is decode's paired ratio to the
    loop y[i] += c over the same buffer (1.0 = at that bound).
 
-   Then two processes on this machine join a TCP world on loopback and allreduce a 64 MiB
-   gradient: dopt_allreduce (f32 mean) against dopt_compress_allreduce (ternary), alternating,
-   median of 5.
+   Then two processes join a TCP world and allreduce a 64 MiB gradient: dopt_allreduce (f32
+   mean) against dopt_compress_allreduce (ternary), alternating, median of 5. First on loopback,
+   where the link is as fast as memory (encode and decode alone touch ~3x 64 MiB, so ternary
+   cannot win by much there); then over the setting compression is for, a slow link: as root
+   with iproute2, each rank runs in its own network namespace (created for the run, deleted on
+   every path), the two joined by a veth pair rate-limited to 1 Gbit/s each way with tc tbf.
+   Without root or ip/tc that part prints that it was skipped.
 
-   Last line: "bench compress tern_encode_Gelems=<x> tern_allreduce_speedup=<y>" (64 MiB).
-   Goals (issue 5): ternary encode >= 2.0 Gelem/s at 64 MiB, decode >= 0.75 of its bandwidth
-   bound, allreduce >= 5x faster than fp32.
+   Last line: "bench compress tern_encode_Gelems=<x> tern_allreduce_speedup=<y>" (64 MiB); y is
+   the rate-limited link's speedup when it ran, loopback's otherwise (the line before says
+   which). Goals (issue 5): ternary encode >= 2.0 Gelem/s at 64 MiB, decode >= 0.75 of its
+   bandwidth bound, allreduce >= 5x faster than fp32 over the slow link.
    Run: OPENBLAS_NUM_THREADS=1 build/bench_compress   (make bench does this) */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
@@ -26,6 +31,11 @@
 #include "../transport_tcp.h"
 #include "bench_pair.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -145,14 +155,31 @@ static double bench_size(size_t n, size_t seg, int print_header) {
 #define AR_SEG ((size_t)1 << 20)
 #define AR_REPS 5
 
+/* Where the two ranks run: loopback in this namespace, or each rank in its own network
+   namespace, the two joined by a veth pair whose both ends are rate-limited with tc. */
 typedef struct ar_world {
     int port_pipe[2];
     int result_pipe[2];
+    const char *netns[2];     /* NULL: loopback */
+    const char *addr[2];      /* the ranks' addresses in their namespaces */
+    const char *label;
 } ar_world;
 
 static void on_listen(void *user, int port) {
     ar_world *w = (ar_world *)user;
     if (write(w->port_pipe[1], &port, sizeof port) != (ssize_t)sizeof port) exit(4);
+}
+
+/* Moves this process into the named network namespace (what `ip netns exec` does first). */
+static int enter_netns(const char *name) {
+    char path[256];
+    int fd, rc;
+    snprintf(path, sizeof path, "/var/run/netns/%s", name);
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    rc = setns(fd, CLONE_NEWNET);
+    close(fd);
+    return rc;
 }
 
 static void ar_rank(int rank, ar_world *w) {
@@ -165,10 +192,16 @@ static void ar_rank(int rank, ar_world *w) {
     double tp[AR_REPS], tc[AR_REPS], res[2], m[3];
     size_t i;
     int r;
+    if (w->netns[0] != NULL && enter_netns(w->netns[rank]) != 0) exit(11);
     memset(&cfg, 0, sizeof cfg);
     cfg.rank = rank;
     cfg.world_size = 2;
     cfg.token = "bench-compress";
+    cfg.timeout_ms = 60000;
+    if (w->netns[0] != NULL) {
+        cfg.master_addr = w->addr[0];
+        cfg.bind_addr = w->addr[rank];
+    }
     if (rank == 0) {
         cfg.on_listen = on_listen;
         cfg.on_listen_user = w;
@@ -200,7 +233,8 @@ static void ar_rank(int rank, ar_world *w) {
     if (rank == 0) {
         bench_median_min_max(tp, AR_REPS, m);
         res[0] = m[0];
-        printf("allreduce 64 MiB TCP 2 ranks: fp32 dopt_allreduce %.1f ms [%.1f, %.1f]", m[0] * 1e3, m[1] * 1e3, m[2] * 1e3);
+        printf("allreduce 64 MiB TCP 2 ranks, %s: fp32 dopt_allreduce %.1f ms [%.1f, %.1f] (%.2f Gbit/s each way)",
+               w->label, m[0] * 1e3, m[1] * 1e3, m[2] * 1e3, 8.0 * (double)(AR_N * sizeof(float)) / m[0] * 1e-9);
         bench_median_min_max(tc, AR_REPS, m);
         res[1] = m[0];
         printf("  ternary dopt_compress_allreduce %.1f ms [%.1f, %.1f]  speedup %.2f\n", m[0] * 1e3, m[1] * 1e3,
@@ -214,31 +248,145 @@ static void ar_rank(int rank, ar_world *w) {
     free(segs);
 }
 
-static double bench_allreduce(void) {
-    ar_world w;
+/* Runs both ranks (median of AR_REPS each, alternating fp32 and ternary); returns fp32 time /
+   ternary time, 0 when a rank failed. */
+static double bench_allreduce(ar_world *w) {
     pid_t pids[2];
     double res[2] = {0, 0};
-    int r;
-    if (pipe(w.port_pipe) != 0 || pipe(w.result_pipe) != 0) return 0;
+    int r, q, ok = 1, status;
+    if (pipe(w->port_pipe) != 0 || pipe(w->result_pipe) != 0) return 0;
     fflush(stdout);
     for (r = 0; r < 2; r++) {
         pids[r] = fork();
         if (pids[r] == 0) {
-            ar_rank(r, &w);
+            /* only rank 0 writes the port: if it dies first, rank 1's read sees the end */
+            close(w->port_pipe[r == 0 ? 0 : 1]);
+            ar_rank(r, w);
             fflush(stdout);
             _exit(0);
         }
     }
-    for (r = 0; r < 2; r++) waitpid(pids[r], NULL, 0);
-    if (read(w.result_pipe[0], res, sizeof res) != (ssize_t)sizeof res || res[1] <= 0) return 0;
-    return res[0] / res[1];
+    close(w->port_pipe[0]);
+    close(w->port_pipe[1]);
+    close(w->result_pipe[1]);
+    for (r = 0; r < 2; r++) {
+        status = -1;
+        if (pids[r] < 0) {
+            ok = 0;
+            continue;
+        }
+        while (waitpid(pids[r], &status, 0) < 0) {
+            if (errno != EINTR) break;
+            for (q = 0; q < 2; q++) /* interrupted: stop both ranks, the caller cleans up */
+                if (pids[q] > 0) kill(pids[q], SIGKILL);
+        }
+        ok = ok && status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    }
+    if (!ok || read(w->result_pipe[0], res, sizeof res) != (ssize_t)sizeof res || res[1] <= 0) res[0] = 0;
+    close(w->result_pipe[0]);
+    return res[1] > 0 ? res[0] / res[1] : 0;
+}
+
+/* ------------------------------------------------------------------ the rate-limited link */
+
+/* Two namespaces and a veth pair, named after this process (unique, at most 15 characters),
+   both directions shaped to LINK_RATE by a token bucket. Torn down on every path: deleting a
+   namespace deletes its end of the pair, and with it the pair. */
+#define LINK_RATE "1gbit"
+#define LINK_RATE_TEXT "1 Gbit/s"
+
+static char ns_name[2][32], veth_name[2][32];
+
+static int run_quiet(const char *fmt, ...) {
+    char cmd[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    strncat(cmd, " >/dev/null 2>&1", sizeof cmd - strlen(cmd) - 1);
+    return system(cmd);
+}
+
+static void link_down(void) {
+    int r;
+    for (r = 0; r < 2; r++)
+        if (ns_name[r][0]) run_quiet("ip netns del %s", ns_name[r]);
+}
+
+static volatile sig_atomic_t got_signal;
+
+static void on_signal(int sig) { got_signal = sig; /* waitpid returns EINTR: ranks killed, link torn down */ }
+
+static int link_up(void) {
+    int r;
+    for (r = 0; r < 2; r++) {
+        snprintf(ns_name[r], sizeof ns_name[r], "dopt_bc%ld%c", (long)getpid(), 'a' + r);
+        snprintf(veth_name[r], sizeof veth_name[r], "dbc%ld%c", (long)getpid() % 10000000L, 'a' + r);
+        if (run_quiet("ip netns add %s", ns_name[r]) != 0) return -1;
+    }
+    if (run_quiet("ip link add %s netns %s type veth peer name %s netns %s", veth_name[0], ns_name[0], veth_name[1],
+                  ns_name[1]) != 0)
+        return -1;
+    for (r = 0; r < 2; r++)
+        if (run_quiet("ip -n %s addr add 10.77.0.%d/24 dev %s", ns_name[r], r + 1, veth_name[r]) != 0 ||
+            run_quiet("ip -n %s link set %s up", ns_name[r], veth_name[r]) != 0 ||
+            run_quiet("ip -n %s link set lo up", ns_name[r]) != 0 ||
+            run_quiet("tc -n %s qdisc add dev %s root tbf rate %s burst 1mb latency 50ms", ns_name[r], veth_name[r],
+                      LINK_RATE) != 0)
+            return -1;
+    return 0;
+}
+
+static int have_tool(const char *name) { return run_quiet("command -v %s", name) == 0; }
+
+/* The ternary/fp32 speedup over the rate-limited link, or 0 when it was skipped (reason
+   printed). */
+static double bench_allreduce_link(void) {
+    static const char *addr[2] = {"10.77.0.1", "10.77.0.2"};
+    struct sigaction sa, old[3];
+    static const int sigs[3] = {SIGINT, SIGTERM, SIGHUP};
+    ar_world w;
+    double speedup = 0;
+    int i;
+    if (geteuid() != 0 || !have_tool("ip") || !have_tool("tc")) {
+        printf("# rate-limited link: skipped (needs root and iproute2's ip and tc)\n");
+        return 0;
+    }
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal; /* no SA_RESTART: waitpid returns, cleanup runs */
+    sigemptyset(&sa.sa_mask);
+    for (i = 0; i < 3; i++) sigaction(sigs[i], &sa, &old[i]);
+    if (link_up() != 0) {
+        printf("# rate-limited link: skipped (could not create the namespaces, veth pair or tc qdisc)\n");
+    } else {
+        memset(&w, 0, sizeof w);
+        w.netns[0] = ns_name[0];
+        w.netns[1] = ns_name[1];
+        w.addr[0] = addr[0];
+        w.addr[1] = addr[1];
+        w.label = "two network namespaces, veth limited to " LINK_RATE_TEXT " each way (tc tbf)";
+        speedup = bench_allreduce(&w);
+        if (speedup <= 0) printf("# rate-limited link: a rank failed\n");
+    }
+    link_down();
+    for (i = 0; i < 3; i++) sigaction(sigs[i], &old[i], NULL);
+    if (got_signal) raise(got_signal); /* after the cleanup, die of it as we would have */
+    return speedup;
 }
 
 int main(void) {
-    double tern, speedup;
+    double tern, speedup, link;
+    ar_world w;
     tern = bench_size(AR_N, AR_SEG, 1);
     (void)bench_size((size_t)64 << 10, (size_t)64 << 10, 0);
-    speedup = bench_allreduce();
-    printf("bench compress tern_encode_Gelems=%.2f tern_allreduce_speedup=%.2f\n", tern, speedup);
+    memset(&w, 0, sizeof w);
+    w.label = "loopback";
+    speedup = bench_allreduce(&w);
+    link = bench_allreduce_link();
+    if (link > 0)
+        printf("# tern_allreduce_speedup below: the " LINK_RATE_TEXT " link (loopback: %.2f)\n", speedup);
+    else
+        printf("# tern_allreduce_speedup below: loopback (the rate-limited link did not run)\n");
+    printf("bench compress tern_encode_Gelems=%.2f tern_allreduce_speedup=%.2f\n", tern, link > 0 ? link : speedup);
     return 0;
 }

@@ -81,11 +81,13 @@ static void unpack2_full(const uint8_t *DOPT_RESTRICT in, uint8_t *DOPT_RESTRICT
 
 static void pack_codes(const uint8_t *codes, size_t count, unsigned w, uint8_t *out) {
     size_t i, full = count - count % DOPT__BLOCK, qf = dopt__block_bytes(DOPT__BLOCK, w);
-    for (i = 0; i < full; i += DOPT__BLOCK, out += qf) {
-        if (w == 2)
+    for (i = 0; i < full; i += DOPT__BLOCK, out += qf) { /* the fast full-block packers */
+        if (w == 1)
+            dopt__pack1_full(codes + i, out);
+        else if (w == 2)
             dopt__pack2_full(codes + i, out);
         else
-            dopt__pack_block(codes + i, DOPT__BLOCK, w, out);
+            dopt__pack4_full(codes + i, out);
     }
     if (count > full) dopt__pack_block(codes + full, count - full, w, out);
 }
@@ -112,6 +114,13 @@ DTEST(pack_unpack_round_trip_every_length_0_to_67_and_large) {
     uint64_t s = 7;
     for (l = 0; l <= 67; l++) lens[nl++] = l;
     lens[nl++] = 100003;
+    for (w = 0; w < 3; w++) { /* the generic block packer on full blocks too */
+        uint8_t a[32], b[32];
+        for (i = 0; i < 64; i++) codes[i] = (uint8_t)(lcg_next(&s) & ((1u << widths[w]) - 1u));
+        dopt__pack_block(codes, 64, widths[w], a);
+        pack_codes(codes, 64, widths[w], b);
+        DT_CHECKF(memcmp(a, b, 8 * widths[w]) == 0, "width %u: the full-block packer differs", widths[w]);
+    }
     for (w = 0; w < 3; w++)
         for (l = 0; l < nl; l++) {
             size_t n = lens[l], bytes = dopt__packed_bytes(n, widths[w]);
@@ -162,11 +171,16 @@ DTEST(ternary_vector_blocks_match_portable) {
             r[j] = (uint32_t)lcg_next(&s);
             y1[j] = y2[j] = (float)lcg_unit(&s);
         }
-        if (trial % 5 == 1) /* words whose bytes often tie with A's high part */
-            for (j = 0; j < 16; j++) {
+        if (trial % 7 == 3) { /* -0, and |g| = s (A = 2^24 or just above: always kept) */
+            x[5] = -0.0f;
+            x[6] = (float)(16777216.0 / k);
+            x[7] = -x[6];
+        }
+        if (trial % 5 == 1) /* words whose bytes tie with A's high part */
+            for (j = 0; j < 64; j++) {
                 float g = x[j] > bound ? bound : (x[j] < -bound ? -bound : x[j]);
-                uint32_t hi = (uint32_t)ceilf(fabsf(g) * k) >> 8;
-                r[j] = (r[j] & ~0xFFFFu) | (hi & 0xFFFFu);
+                uint32_t hi = (uint32_t)ceilf(fabsf(g) * k) >> 16;
+                if (lcg_next(&s) % 2) r[j / 4] = (r[j / 4] & ~(0xFFu << (8 * (j % 4)))) | (hi & 0xFFu) << (8 * (j % 4));
             }
         ties1 = dopt__tern_codes(x, r, 64, bound, k, c);
         dopt__pack2_full(c, p1);
@@ -175,12 +189,67 @@ DTEST(ternary_vector_blocks_match_portable) {
         DT_CHECK(ties1 == ties2);
         nties += ties1 != 0;
         for (j = 0; j < 16; j++) p1[j] = (uint8_t)lcg_next(&s); /* any bytes, 11 included */
-        DT_EQ_INT(dopt__tern_accum_full(y1, 0.37f, p1) != 0, dopt__tern_accum_avx512(y2, 0.37f, p1) != 0);
+        if (trial % 4 == 0) y1[trial % 64] = y2[trial % 64] = -0.0f;
+        DT_EQ_INT(dopt__tern_accum_full(y1, trial % 2 ? 0.37f : -0.37f, p1) != 0,
+                  dopt__tern_accum_avx512(y2, trial % 2 ? 0.37f : -0.37f, p1) != 0);
         for (j = 0; j < 64; j++)
-            if (((p1[j % 16] >> (2 * (j / 16))) & 3) != 3) DT_CHECK(y1[j] == y2[j]);
+            if (((p1[j % 16] >> (2 * (j / 16))) & 3) != 3) DT_CHECK(memcmp(&y1[j], &y2[j], 4) == 0); /* -0 too */
     }
     DT_CHECKF(nties > 1000, "only %d blocks with ties", nties);
 #endif
+}
+
+/* The tie words of a batch, sixteen Philox blocks with their own counters in one AVX-512
+   pass, against one scalar block each (dopt_rng_u32 of word 2^63 + e), for batches of 1 to
+   16 and indices whose block counter carries into its high word. */
+DTEST(ternary_tie_words_vector_match_scalar) {
+#ifdef DOPT__COMPRESS_AVX512
+    uint64_t s = 17, e[16];
+    uint32_t a[16], b[16];
+    int trial, i;
+    dopt_rng rng;
+    for (trial = 0; trial < 2000; trial++) {
+        int cnt = trial % 16 + 1;
+        dopt_rng_init(&rng, lcg_next(&s), trial % 5, lcg_next(&s));
+        for (i = 0; i < cnt; i++)
+            e[i] = trial % 3 == 0 ? ((uint64_t)1 << 34) - 8 + (lcg_next(&s) % 16) : lcg_next(&s) % 100000000;
+        memset(a, 0, sizeof a);
+        memset(b, 0, sizeof b);
+        dopt__tie_words_avx512(&rng, e, cnt, a);
+        dopt__tie_words_portable(&rng, e, cnt, b);
+        for (i = 0; i < cnt; i++) {
+            uint32_t want;
+            dopt_rng_u32(&rng, ((uint64_t)1 << 63) + e[i], &want, 1);
+            DT_CHECKF(a[i] == want && b[i] == want, "e %llu: vector %08x, portable %08x, stream %08x",
+                      (unsigned long long)e[i], a[i], b[i], want);
+        }
+    }
+#endif
+}
+
+/* The validator finds a single 2-bit code 11 wherever it sits — in the word-at-a-time part,
+   in the leftover bytes and in a tail block — and accepts every valid code. */
+DTEST(ternary_check_finds_code_11_anywhere) {
+    static const size_t sizes[4] = {64 * 40 + 17, 64 * 16, 64 * 3, 5};
+    static uint8_t codes[64 * 40 + 17], packed[(64 * 40 + 17 + 3) / 4];
+    uint64_t s = 29;
+    size_t z, i;
+    for (z = 0; z < 4; z++) {
+        size_t n = sizes[z];
+        for (i = 0; i < n; i++) codes[i] = (uint8_t)(lcg_next(&s) % 3);
+        pack_codes(codes, n, 2, packed);
+        DT_EQ_INT(dopt__tern_check(packed, n), 0);
+        for (i = 0; i < n; i++) {
+            uint8_t keep = codes[i];
+            codes[i] = 3;
+            pack_codes(codes, n, 2, packed);
+            if (dopt__tern_check(packed, n) == 0) {
+                DT_CHECKF(0, "n %zu: a code 11 at element %zu passed", n, i);
+                break;
+            }
+            codes[i] = keep;
+        }
+    }
 }
 
 /* The AVX-512 statistics chunk against the portable loop: the same lanes, the same bits. */
@@ -256,7 +325,7 @@ static void ternary_reference(const float *g, size_t n, float c, float *scale_ou
     double mean = 0, var = 0, bound = DBL_MAX, s = 0;
     size_t i;
     dopt_rng rng;
-    uint32_t *words = (uint32_t *)malloc(((n + 63) / 64 * 32 + 1) * sizeof(uint32_t));
+    uint32_t *words = (uint32_t *)malloc(((n + 63) / 64 * 16 + 1) * sizeof(uint32_t));
     for (i = 0; i < n; i++) mean += g[i];
     mean /= (double)n;
     for (i = 0; i < n; i++) var += ((double)g[i] - mean) * ((double)g[i] - mean);
@@ -268,19 +337,18 @@ static void ternary_reference(const float *g, size_t n, float c, float *scale_ou
     }
     *scale_out = (float)s;
     dopt_rng_init(&rng, seed, rank, step << 32 | seg);
-    dopt_rng_u32(&rng, 0, words, (n + 63) / 64 * 32);
+    dopt_rng_u32(&rng, 0, words, (n + 63) / 64 * 16);
     for (i = 0; i < n; i++) {
         double gc = g[i] > bound ? bound : (g[i] < -bound ? -bound : (double)g[i]);
         /* keep with probability |gc|/s: a uniform 24-bit u below A = ceil(|gc|·(2^24/s)) (the
-           product in float, as the library documents it); u's high 16 bits are half
-           (i % 64) / 16 % 2 of word 32·(i / 64) + 16·((i % 64) / 32) + i % 16, its low 8 bits
-           those of word 2^63 + i */
+           product in float, as the library documents it); u's high 8 bits are byte
+           (i % 64) / 16 of word 16·(i / 64) + i % 16, its low 16 bits those of word 2^63 + i */
         float k = s > 0 ? (float)(16777216.0 / s) : 0.0f;
         uint32_t A = (uint32_t)ceilf(fabsf((float)gc) * k), low;
-        uint32_t h = (words[32 * (i / 64) + 16 * ((i % 64) / 32) + i % 16] >> (16 * ((i % 64) / 16 % 2))) & 0xFFFFu;
+        uint32_t h = (words[i / 4] >> (8 * (i % 4))) & 0xFFu;
         int keep;
         dopt_rng_u32(&rng, ((uint64_t)1 << 63) + i, &low, 1);
-        keep = ((uint64_t)h << 8 | (low & 0xFFu)) < (uint64_t)A;
+        keep = ((uint64_t)h << 16 | (low & 0xFFFFu)) < (uint64_t)A;
         t[i] = keep ? (gc < 0 ? -1 : 1) : 0;
     }
     free(words);
@@ -542,6 +610,53 @@ static void qsgd_unbiased(unsigned s_levels) {
     free(msg);
 }
 
+/* The levels of DESIGN §5.2 element by element with the same Philox words (word e for element
+   e): l = floor(s|v|/‖v‖), plus one with probability s|v|/‖v‖ - l (a 24-bit uniform), never
+   above s; decoded (‖v‖/s)·l with the sign. Every element of encode + decode must match, for
+   4-bit and 8-bit codes, buckets smaller than, equal to and not a multiple of a 64-block, and
+   lengths with a tail block. */
+DTEST(qsgd_matches_reference_levels) {
+    static const unsigned levels[2] = {7, 100};
+    static const size_t buckets[3] = {30, 64, 512}, sizes[3] = {1000, 64, 1283};
+    static float g[1283], out[1283];
+    static uint32_t words[1283];
+    static unsigned char msg[8192];
+    int li, bi, zi;
+    for (li = 0; li < 2; li++)
+        for (bi = 0; bi < 3; bi++)
+            for (zi = 0; zi < 3; zi++) {
+                size_t n = sizes[zi], i;
+                unsigned sl = levels[li];
+                dopt_compressor cz;
+                dopt_compressor_config cfg = config_of(DOPT_CODEC_QSGD);
+                dopt_rng rng;
+                cfg.qsgd_levels = sl;
+                cfg.qsgd_bucket = buckets[bi];
+                fill_grad(g, n, 70 + (uint64_t)zi);
+                g[3] = 0.0f;
+                init_one_segment(&cz, &cfg, n);
+                DT_CHECK(dopt_compress_bound(&cz) <= sizeof msg);
+                encode_decode(&cz, g, n, msg, out);
+                dopt_rng_init(&rng, 42, 0, 0);
+                dopt_rng_u32(&rng, 0, words, n);
+                for (i = 0; i < n; i++) {
+                    size_t b0 = i / buckets[bi] * buckets[bi], len = n - b0 < buckets[bi] ? n - b0 : buckets[bi];
+                    float norm = (float)sqrt(dopt_sumsq(g + b0, len));
+                    float inv = norm > 0.0f ? (float)sl / norm : 0.0f, a = fabsf(g[i]) * inv, want;
+                    unsigned l = a < (float)sl ? (unsigned)a : sl;
+                    if ((float)(words[i] >> 8) * (1.0f / 16777216.0f) < a - (float)l) l++;
+                    if (l > sl) l = sl;
+                    want = (norm / (float)sl) * (float)(g[i] < 0.0f ? -(int)l : (int)l);
+                    if (out[i] != want) {
+                        DT_CHECKF(0, "s %u bucket %zu n %zu element %zu: %.9g, reference %.9g", sl, buckets[bi], n, i,
+                                  out[i], want);
+                        break;
+                    }
+                }
+                dopt_compressor_free(&cz);
+            }
+}
+
 DTEST(qsgd_is_unbiased_4_bit) { qsgd_unbiased(7); }
 DTEST(qsgd_is_unbiased_8_bit) { qsgd_unbiased(100); }
 
@@ -575,6 +690,67 @@ DTEST(topk_sends_the_k_largest_with_indices) {
     DT_CHECK(smallest_sent >= largest_kept);
     dopt_compressor_free(&cz);
     free(msg);
+}
+
+/* The message against a sort: the k largest |x| (NaN counted as infinite), ties to the lower
+   index, indices increasing — for data with runs of equal values, zeros, NaN and infinities,
+   lengths on and off the 64-block, k from 1 to n (the radix passes, the bucket boundaries and
+   the block walk all get exercised). */
+static const float *topk_ref_x;
+
+static float topk_ref_key(float v) { return v != v ? INFINITY : fabsf(v); }
+
+static int topk_ref_cmp(const void *a, const void *b) {
+    size_t i = *(const size_t *)a, j = *(const size_t *)b;
+    float ki = topk_ref_key(topk_ref_x[i]), kj = topk_ref_key(topk_ref_x[j]);
+    if (ki != kj) return ki > kj ? -1 : 1;
+    return i < j ? -1 : (i > j);
+}
+
+static int size_cmp(const void *a, const void *b) {
+    size_t i = *(const size_t *)a, j = *(const size_t *)b;
+    return i < j ? -1 : (i > j);
+}
+
+DTEST(topk_matches_sorted_reference) {
+    static float x[5000];
+    static size_t order[5000];
+    static unsigned char body[8 * 5000];
+    static float work[5000];
+    static const size_t sizes[4] = {5000, 64, 130, 1};
+    uint64_t s = 13;
+    int z, kind;
+    for (z = 0; z < 4; z++)
+        for (kind = 0; kind < 4; kind++) {
+            size_t n = sizes[z], i, kk;
+            for (i = 0; i < n; i++) {
+                double u = lcg_unit(&s) * 2 - 1;
+                x[i] = kind == 0 ? (float)u : (kind == 1 ? (float)((int)(u * 4)) : (float)(u * 1e-3));
+                if (kind == 2 && i % 17 == 0) x[i] = -x[i - i % 34];
+                if (kind == 3) x[i] = (float)ldexp(u, (int)(lcg_next(&s) % 200) - 100);
+            }
+            if (kind == 3 && n > 10) {
+                x[3] = NAN;
+                x[7] = -INFINITY;
+                x[9] = 0.0f;
+            }
+            for (kk = 1; kk <= n; kk += (kk < 70 ? 1 : n / 7 + 1)) {
+                topk_ref_x = x;
+                for (i = 0; i < n; i++) order[i] = i;
+                qsort(order, n, sizeof *order, topk_ref_cmp);
+                qsort(order, kk, sizeof *order, size_cmp);
+                dopt__topk_encode_segment(x, n, kk, work, body);
+                for (i = 0; i < kk; i++) {
+                    uint32_t idx;
+                    memcpy(&idx, body + 4 * i, 4);
+                    if (idx != order[i] || memcmp(body + 4 * kk + 4 * i, &x[order[i]], 4) != 0) {
+                        DT_CHECKF(0, "n %zu kind %d k %zu: entry %zu is index %u, reference %zu", n, kind, kk, i, idx,
+                                  order[i]);
+                        break;
+                    }
+                }
+            }
+        }
 }
 
 /* With error feedback, after each step e == p − C(p) bit for bit, where p = g + e_prev and
@@ -708,6 +884,57 @@ DTEST(fp16_vector_path_matches_portable) {
     dopt__f16_accum(a, 0.5f, h1, N);
     dopt__f16_accum_portable(b, 0.5f, h1, N);
     DT_CHECK(memcmp(a, b, sizeof a) == 0);
+}
+
+/* The sign codec's full blocks: the AVX-512 mask + bit transpose against the byte packer,
+   and the decoder's ±v adds against the portable loop (negative v, -0 in y). */
+DTEST(sign_vector_blocks_match_portable) {
+    uint64_t s = 23;
+    int trial, j;
+    for (trial = 0; trial < 20000; trial++) {
+        float x[64], y1[64], y2[64], v = trial % 2 ? 0.37f : -0.37f;
+        uint8_t p1[8], p2[8], in[8];
+        for (j = 0; j < 64; j++) {
+            x[j] = (float)(lcg_unit(&s) * 2 - 1);
+            y1[j] = y2[j] = j % 5 == 0 ? -0.0f : (float)lcg_unit(&s);
+        }
+        x[trial % 64] = -0.0f;
+        dopt__sign_block_portable(x, p1);
+        dopt__sign_block(x, p2);
+        DT_CHECK(memcmp(p1, p2, 8) == 0);
+        for (j = 0; j < 8; j++) in[j] = (uint8_t)lcg_next(&s);
+        dopt__sign_accum_block_portable(y1, v, in);
+        dopt__sign_accum_block(y2, v, in);
+        DT_CHECK(memcmp(y1, y2, sizeof y1) == 0);
+    }
+}
+
+/* Array bf16 encode and decode (in blocks of 64 through a local array) against the scalar
+   conversions, at every length around a block boundary and unaligned message offsets. */
+DTEST(bf16_arrays_match_scalar) {
+    enum { N = 1000 };
+    static float x[N], y[N], want[N];
+    static unsigned char h[2 * N + 1];
+    uint64_t s = 41;
+    size_t n, i;
+    for (i = 0; i < N; i++) x[i] = random_float(&s);
+    for (n = 0; n < N; n += n < 130 ? 1 : 97) {
+        unsigned char *out = h + n % 2;
+        dopt__bf16_encode(x, out, n);
+        for (i = 0; i < n; i++) {
+            uint16_t u;
+            memcpy(&u, out + 2 * i, 2);
+            if (u != dopt__f32_to_bf16(x[i])) {
+                DT_CHECKF(0, "n %zu element %zu: %04x, want %04x", n, i, u, dopt__f32_to_bf16(x[i]));
+                break;
+            }
+            y[i] = want[i] = (float)i;
+            if (x[i] == x[i]) want[i] += -0.5f * dopt__bf16_to_f32(u);
+        }
+        dopt__bf16_accum(y, -0.5f, out, n);
+        for (i = 0; i < n; i++)
+            if (x[i] == x[i]) DT_CHECK(y[i] == want[i]);
+    }
 }
 
 DTEST(bf16_rounding_matches_reference) {
