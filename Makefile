@@ -2,10 +2,12 @@
 #   make          build everything
 #   make test     install missing Debian packages, build, run every test (the README's command)
 #   make asan     the tests again under AddressSanitizer + UndefinedBehaviorSanitizer
-#   make bench    benchmarks (single-threaded kernels, allreduce against MPI)
+#   make bench    benchmarks (single-threaded kernels, compression, allreduce against MPI; as root
+#                 the compressed allreduce also runs over a 1 Gbit/s veth link between namespaces)
 #   make fuzz     run every fuzz target for FUZZ_SECONDS (default 60) each
 #   make demo     two workers on Fashion-MNIST: fp32 against TernGrad + local SGD (README)
 #   make hosts    FANN and darknet from Debian with distopt in their loops (examples/hosts)
+#   make experiments  the measurements of docs/RESULTS.md and its tables and figures (~10 min)
 #   make install PREFIX=/usr/local / make uninstall
 
 PREFIX  ?= /usr/local
@@ -40,12 +42,12 @@ TESTS    += $(BUILD)/test_compress_fused
 BENCH_SRC := $(filter-out bench/bench_allreduce.c,$(wildcard bench/bench_*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/%,$(BENCH_SRC))
 
-EXAMPLES := $(BUILD)/least_squares $(BUILD)/fmnist_mlp
+EXAMPLES := $(BUILD)/least_squares $(BUILD)/fmnist_mlp $(BUILD)/perf_model $(BUILD)/char_lstm
 FUZZ_SRC := $(wildcard fuzz/fuzz_*.c)
 FUZZERS  := $(patsubst fuzz/%.c,$(BUILD)/%,$(FUZZ_SRC))
 FUZZ_SECONDS ?= 60
 
-.PHONY: all deps test asan bench fuzz demo examples install uninstall clean
+.PHONY: all deps test asan bench fuzz demo experiments examples install uninstall clean
 
 all: $(TESTS) $(MPI_TESTS) $(CHECKS) $(BENCHES) $(BUILD)/bench_allreduce $(EXAMPLES)
 
@@ -55,6 +57,11 @@ deps:
 # Two workers train an MLP on Fashion-MNIST: fp32 against TernGrad + local SGD + clipping.
 demo: deps $(BUILD)/fmnist_mlp
 	@examples/demo.sh $(BUILD)
+
+# TernGrad, adaptive batches, 1 and 2 workers, bytes per method and the performance model on
+# Fashion-MNIST (and CELGC on a character LSTM): CSVs in $(BUILD)/experiments, docs/RESULTS.md, docs/img.
+experiments: deps $(BUILD)/fmnist_mlp $(BUILD)/perf_model
+	@experiments/run.sh $(BUILD) docs
 
 examples: $(EXAMPLES)
 
@@ -94,7 +101,7 @@ $(MPI_TESTS): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worl
 
 # The examples include "distopt.h" as a user's program would, from the top directory; built with
 # mpicc, they offer --transport mpi too.
-$(EXAMPLES): $(BUILD)/%: examples/%.c examples/common.h $(HEADERS) | $(BUILD)
+$(EXAMPLES): $(BUILD)/%: examples/%.c examples/common.h examples/fashion_mnist.h $(HEADERS) | $(BUILD)
 	$(MPICC) $(ALL_CFLAGS) -I. -o $@ $< $(LIBS) -lz
 
 $(BUILD)/bench_allreduce: bench/bench_allreduce.c $(HEADERS) | $(BUILD)

@@ -32,27 +32,38 @@ typedef struct options {
     float clip;              /* global-norm clipping threshold, 0: off */
     const char *adaptive;    /* off, norm, ip, aip */
     const char *csv;
-    long train_limit;        /* fmnist_mlp: use the first N training images, 0: all */
+    long train_limit;        /* the first N training samples (images, characters), 0: all */
     double eta;              /* adaptive batch: the test's η (θ for ip/aip), 0: the library default */
     size_t max_units;        /* adaptive batch: at most this many micro-batches per step, 0: 8 */
+    double nu;               /* adaptive batch: the augmented test's ν, 0: the library default */
 } options;
+
+/* A program's own flags: called first for every argument with the one after it (NULL at the
+   end); returns how many arguments it took (1: a flag alone, 2: a flag and its value), or 0 for
+   a flag that is not its own. */
+typedef int (*extra_flag_fn)(void *user, const char *flag, const char *value);
 
 static inline void usage(const char *prog) {
     fprintf(stderr,
             "usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--compress none|ternary|qsgd|topk|sign|fp16|bf16]\n"
             "          [--celgc eta,gamma] [--period I] [--clip C] [--seed S] [--steps N] [--epochs N]\n"
             "          [--batch B] [--lr LR] [--adaptive-batch off|norm|ip|aip] [--batch-eta X]\n"
-            "          [--max-batch-units U] [--csv FILE] [--train-limit N]\n"
+            "          [--max-batch-units U] [--batch-nu X] [--csv FILE] [--train-limit N] [program's own flags]\n"
             "tcp reads DOPT_RANK, DOPT_WORLD_SIZE, DOPT_MASTER_ADDR, DOPT_MASTER_PORT, DOPT_TOKEN;\n"
             "mpi runs under mpirun (Open MPI as root: mpirun --allow-run-as-root -n 2 ...).\n",
             prog);
     exit(2);
 }
 
-static inline void parse_options(options *o, int argc, char **argv) {
+static inline void parse_options_extra(options *o, int argc, char **argv, extra_flag_fn extra, void *user) {
     int i;
     for (i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int took = extra ? extra(user, f, v) : 0;
+        if (took > 0) {
+            i += took - 1;
+            continue;
+        }
         if (v == NULL) usage(argv[0]);
         i++;
         if (!strcmp(f, "--transport")) o->transport = v;
@@ -74,10 +85,13 @@ static inline void parse_options(options *o, int argc, char **argv) {
         else if (!strcmp(f, "--train-limit")) o->train_limit = atol(v);
         else if (!strcmp(f, "--batch-eta")) o->eta = strtod(v, NULL);
         else if (!strcmp(f, "--max-batch-units")) o->max_units = (size_t)strtoul(v, NULL, 10);
+        else if (!strcmp(f, "--batch-nu")) o->nu = strtod(v, NULL);
         else usage(argv[0]);
     }
     if (o->period < 1 || o->workers < 1) usage(argv[0]);
 }
+
+static inline void parse_options(options *o, int argc, char **argv) { parse_options_extra(o, argc, argv, NULL, NULL); }
 
 /* --adaptive-batch NAME as a batch-size test configuration; 0 for "off". */
 static inline int batch_config_from_options(const options *o, dopt_batch_config *bcfg) {
@@ -89,6 +103,7 @@ static inline int batch_config_from_options(const options *o, dopt_batch_config 
     } else if (!strcmp(o->adaptive, "ip") || !strcmp(o->adaptive, "aip")) {
         bcfg->test = !strcmp(o->adaptive, "ip") ? DOPT_BATCH_INNER_PRODUCT : DOPT_BATCH_AUGMENTED;
         bcfg->theta = o->eta;
+        bcfg->nu = o->nu;
     } else {
         fprintf(stderr, "unknown --adaptive-batch %s (off, norm, ip, aip)\n", o->adaptive);
         exit(2);
@@ -110,6 +125,25 @@ static inline int codec_from_name(const char *name, dopt_codec *codec) {
         if (!strcmp(name, table[i].name)) { *codec = table[i].codec; return 1; }
     if (strcmp(name, "none")) { fprintf(stderr, "unknown --compress %s\n", name); exit(2); }
     return 0;
+}
+
+/* The method --compress and --period name, as the compressor's and the driver's configurations
+   (the host adds its own fields, then initialises both); returns 0 for --compress none (then no
+   compressor: do not initialise cz). Period 1 averages the gradients, through cz when there is
+   one; longer periods average the models, their deltas through cz. */
+static inline int method_configs(const options *o, dopt_compressor *cz, dopt_compressor_config *ccfg,
+                                 dopt_localsgd_config *lcfg) {
+    dopt_codec codec = DOPT_CODEC_FP32;
+    int compress = codec_from_name(o->compress, &codec), sync = o->period == 1;
+    memset(ccfg, 0, sizeof *ccfg);
+    ccfg->codec = codec;
+    ccfg->seed = o->seed;
+    memset(lcfg, 0, sizeof *lcfg);
+    lcfg->period = o->period;
+    lcfg->sync_grads = sync;
+    lcfg->compressor = compress && !sync ? cz : NULL;
+    lcfg->grad_compressor = compress && sync ? cz : NULL;
+    return compress;
 }
 
 static inline void log_to_stderr(void *user, dopt_log_level level, const char *msg) {

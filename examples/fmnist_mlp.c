@@ -11,9 +11,20 @@
        mpirun --allow-run-as-root -n 2 -x OPENBLAS_NUM_THREADS=1 build/fmnist_mlp --transport mpi
 
    Data: the Debian package dataset-fashion-mnist (gzip IDX files, read with zlib). One line per
-   epoch: train loss (mean over ranks), test accuracy, averaging rounds, payload bytes this rank
-   handed to the transport during training (the communicator's traffic counter, evaluation
-   excluded), wall time, samples per step. */
+   evaluation (at the end of every epoch, and --evals-per-epoch E times per epoch): epoch (a
+   fraction between epoch ends), train loss since the previous evaluation (mean over ranks), test
+   accuracy, averaging rounds, payload bytes this rank handed to the transport during training
+   (the communicator's traffic counter), training wall time, samples per step, steps. Evaluation
+   is excluded from the bytes and the time: every rank waits at a barrier while rank 0 evaluates,
+   and that pause is taken off the clock.
+
+   Flags of this example beyond those of common.h:
+     --tern-clip C        TernGrad's per-layer clipping to ±C·σ before ternarizing (the library's
+                          default is 2.5); "off" disables it
+     --batch-nu X         adaptive batch, aip: the orthogonality test's ν (library default 2)
+     --evals-per-epoch E  evaluate E times per epoch (at the first step past each 1/E), default 1
+     --target-acc A       report the first evaluation whose test accuracy reaches A percent: its
+                          epoch, step, rounds, bytes and training time ("target ... reached") */
 #define DISTOPT_IMPLEMENTATION
 #include "distopt.h"
 #include "transport_shm.h"
@@ -23,9 +34,8 @@
 
 #include <cblas.h>
 #include <math.h>
-#include <zlib.h>
+#include "fashion_mnist.h"
 
-#define DATA_DIR "/usr/share/datasets/fashion-mnist/"
 
 enum { IN = 784, H1 = 256, H2 = 128, OUT = 10, NTENSORS = 6 };
 
@@ -37,32 +47,6 @@ enum { OFF_W1 = 0, OFF_B1 = OFF_W1 + IN * H1, OFF_W2 = OFF_B1 + H1, OFF_B2 = OFF
 typedef struct activations { float *h1, *h2, *out, *d1, *d2; } activations;
 
 /* ===================================================================== DATA */
-
-static uint32_t read_be32(gzFile f) {
-    unsigned char b[4] = {0};
-    gzread(f, b, 4);
-    return (uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3];
-}
-
-/* An IDX file's items as bytes: images (magic 2051, 28×28 each) or labels (magic 2049). */
-static unsigned char *load_idx(const char *name, uint32_t magic, size_t item_bytes, size_t *count) {
-    char path[256];
-    gzFile f;
-    unsigned char *data;
-    snprintf(path, sizeof path, DATA_DIR "%s", name);
-    f = gzopen(path, "rb");
-    if (f == NULL) { fprintf(stderr, "cannot open %s (apt-get install dataset-fashion-mnist)\n", path); exit(1); }
-    if (read_be32(f) != magic) { fprintf(stderr, "%s: not an IDX file\n", path); exit(1); }
-    *count = read_be32(f);
-    if (magic == 2051) { read_be32(f); read_be32(f); }
-    data = malloc(*count * item_bytes);
-    if (data == NULL || gzread(f, data, (unsigned)(*count * item_bytes)) != (int)(*count * item_bytes)) {
-        fprintf(stderr, "%s: truncated\n", path);
-        exit(1);
-    }
-    gzclose(f);
-    return data;
-}
 
 static float *pixels_to_floats(const unsigned char *px, size_t count) {
     float *x = malloc(count * IN * sizeof(float));
@@ -154,10 +138,88 @@ static double accuracy(const float *p, const float *x, const unsigned char *y, s
     return (double)correct / (double)count;
 }
 
+/* ===================================================================== FLAGS */
+
+/* The flags above that common.h does not know (parse_options_extra hands them here). */
+typedef struct local_options {
+    float tern_clip; /* 0: the library's default */
+    int evals_per_epoch;
+    double target_acc; /* percent, 0: none */
+} local_options;
+
+static int local_flag(void *user, const char *f, const char *v) {
+    local_options *lo = (local_options *)user;
+    if (strcmp(f, "--tern-clip") && strcmp(f, "--evals-per-epoch") && strcmp(f, "--target-acc")) return 0;
+    if (v == NULL) return 0; /* parse_options then prints the usage */
+    if (!strcmp(f, "--tern-clip")) lo->tern_clip = !strcmp(v, "off") ? DOPT_CLIP_OFF : strtof(v, NULL);
+    else if (!strcmp(f, "--evals-per-epoch")) lo->evals_per_epoch = atoi(v);
+    else lo->target_acc = strtod(v, NULL);
+    return 2;
+}
+
 /* ===================================================================== TRAINING */
 
+/* Where the clock, the traffic counter and the train loss stand, and what an evaluation took. */
+typedef struct progress {
+    double t0, eval_secs, eval_bytes, train_bytes_start;
+    double loss_sum;
+    size_t batches;
+    int target_hit;
+    double target_epoch, target_secs, target_bytes;
+    uint64_t target_step, target_rounds;
+} progress;
+
+/* What one evaluation needs besides the parameters. */
+typedef struct evaluation {
+    dopt_comm *comm;
+    int sync;
+    const float *test_x;
+    const unsigned char *test_y;
+    size_t ntest;
+    activations *act;
+    float *eval; /* NPARAMS floats: the averaged model */
+    FILE *csv;
+    double target_acc;
+} evaluation;
+
+/* An evaluation on every rank: the train loss since the last one (mean over ranks), the test
+   accuracy of the averaged model on rank 0 (identical to every replica after a synchronous step;
+   between local averages, an extra fp32 average of a copy, which the training does not see), one
+   line of output. Its time and bytes go to pr->eval_secs and pr->eval_bytes, not to training. */
+static dopt_status evaluate(const evaluation *ev, const float *params, progress *pr, double epoch, uint64_t step,
+                            uint64_t rounds, size_t batch) {
+    double t_begin = wall_seconds(), loss = pr->loss_sum / (double)(pr->batches ? pr->batches : 1);
+    double traffic_begin = (double)dopt_comm_traffic_total(ev->comm), secs, bytes, acc;
+    dopt_status st;
+    memcpy(ev->eval, params, NPARAMS * sizeof(float));
+    secs = t_begin - pr->t0 - pr->eval_secs;
+    bytes = ev->comm->size > 1 ? traffic_begin - pr->train_bytes_start - pr->eval_bytes : 0;
+    st = dopt_allreduce(ev->comm, &loss, 1, DOPT_F64, DOPT_MEAN);
+    if (st == DOPT_OK && !ev->sync) st = dopt_allreduce(ev->comm, ev->eval, NPARAMS, DOPT_F32, DOPT_MEAN);
+    if (st != DOPT_OK) return st;
+    if (ev->comm->rank == 0) {
+        acc = 100 * accuracy(ev->eval, ev->test_x, ev->test_y, ev->ntest, ev->act, 1000);
+        printf("%7.4g %10.4f %8.2f%% %8llu %12.0f %8.2f %6zu %8llu\n", epoch, loss, acc, (unsigned long long)rounds,
+               bytes, secs, batch, (unsigned long long)step);
+        fflush(stdout);
+        if (ev->csv)
+            fprintf(ev->csv, "%.4g,%.6f,%.4f,%llu,%.0f,%.3f,%zu,%llu\n", epoch, loss, acc, (unsigned long long)rounds,
+                    bytes, secs, batch, (unsigned long long)step);
+        if (ev->target_acc > 0 && !pr->target_hit && acc >= ev->target_acc) {
+            pr->target_hit = 1;
+            pr->target_epoch = epoch, pr->target_step = step, pr->target_rounds = rounds;
+            pr->target_secs = secs, pr->target_bytes = bytes;
+        }
+    }
+    pr->loss_sum = 0, pr->batches = 0;
+    st = dopt_barrier(ev->comm); /* the others wait here while rank 0 evaluates */
+    pr->eval_secs += wall_seconds() - t_begin;
+    pr->eval_bytes += (double)dopt_comm_traffic_total(ev->comm) - traffic_begin;
+    return st;
+}
+
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0};
+    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0};
     size_t ntrain, ntest, nlabels, begin, end, per_rank, i, units;
     unsigned char *train_px, *test_px, *train_y, *test_y, *batch_y;
     float *train_x, *test_x, *params, *grads, *micro, *eval, *batch_x;
@@ -165,8 +227,7 @@ int main(int argc, char **argv) {
     activations act;
     dopt_comm *comm;
     dopt_segment segs[NTENSORS];
-    dopt_codec codec = DOPT_CODEC_FP32;
-    int compress, grad_compress, sync, adaptive, epoch, failed = 0;
+    int compress, sync, adaptive, epoch, failed = 0;
     dopt_compressor cz;
     dopt_compressor_config ccfg;
     dopt_batch bc;
@@ -175,10 +236,13 @@ int main(int argc, char **argv) {
     dopt_localsgd_config lcfg;
     dopt_status st = DOPT_OK;
     uint64_t step = 0, rounds = 0, shuffle_rng;
-    double t0, train_bytes = 0;
+    local_options lo = {0, 1, 0};
+    progress pr;
+    evaluation ev;
     FILE *csv = NULL;
 
-    parse_options(&o, argc, argv);
+    parse_options_extra(&o, argc, argv, local_flag, &lo);
+    if (lo.evals_per_epoch < 1) usage(argv[0]);
     adaptive = batch_config_from_options(&o, &bcfg);
     comm = open_comm(&o); /* distopt: from here on, one process per rank */
 
@@ -210,17 +274,10 @@ int main(int argc, char **argv) {
     /* distopt: the method. Synchronous steps (--period 1) average the gradients, in fp32 or
        compressed; local steps average the models every --period steps, the deltas compressed
        with --compress. Adaptive batches grow the micro-batches per step by the norm test. */
-    compress = codec_from_name(o.compress, &codec);
+    compress = method_configs(&o, &cz, &ccfg, &lcfg);
     sync = o.period == 1;
-    grad_compress = compress && sync && !o.celgc;
+    ccfg.clip_c = lo.tern_clip;
     dopt_segments_from_sizes(segs, tensor_sizes, NTENSORS, NULL);
-    memset(&ccfg, 0, sizeof ccfg);
-    ccfg.codec = codec;
-    ccfg.seed = o.seed;
-    memset(&lcfg, 0, sizeof lcfg);
-    lcfg.period = o.period;
-    lcfg.sync_grads = sync && (!compress || grad_compress);
-    lcfg.compressor = compress && !grad_compress ? &cz : NULL;
     lcfg.batch = adaptive ? &bc : NULL;
     if ((compress && dopt_compressor_init(&cz, &ccfg, segs, NTENSORS) != DOPT_OK) ||
         (adaptive && dopt_batch_init(&bc, NPARAMS, &bcfg) != DOPT_OK) ||
@@ -234,17 +291,20 @@ int main(int argc, char **argv) {
                "compress %s, %s, period %zu, clip %g, adaptive batch %s\n",
                o.transport, comm->size, ntrain, per_rank, o.batch, o.lr, o.compress, o.celgc ? "celgc" : "sgd",
                o.period, o.clip, o.adaptive);
-        printf("%5s %10s %9s %8s %12s %8s %6s\n", "epoch", "loss", "test_acc", "rounds", "bytes_sent", "time_s",
-               "batch");
+        printf("%7s %10s %9s %8s %12s %8s %6s %8s\n", "epoch", "loss", "test_acc", "rounds", "bytes_sent", "time_s",
+               "batch", "steps");
         if (o.csv && (csv = fopen(o.csv, "w")) != NULL)
-            fprintf(csv, "epoch,loss,test_acc,rounds,bytes_sent,time_s,batch\n");
+            fprintf(csv, "epoch,loss,test_acc,rounds,bytes_sent,time_s,batch,steps\n");
     }
+    ev.comm = comm, ev.sync = sync, ev.test_x = test_x, ev.test_y = test_y, ev.ntest = ntest, ev.act = &act;
+    ev.eval = eval, ev.csv = csv, ev.target_acc = lo.target_acc;
+    memset(&pr, 0, sizeof pr);
     shuffle_rng = dopt_seed_for_rank(o.seed, comm->rank);
-    t0 = wall_seconds();
+    pr.train_bytes_start = (double)dopt_comm_traffic_total(comm);
+    pr.t0 = wall_seconds();
     for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {
-        double loss = 0, acc = 0;
-        size_t pos = 0, batches = 0, u;
-        uint64_t traffic_before = dopt_comm_traffic_total(comm);
+        size_t pos = 0, u;
+        int evals_done = 0;
         for (i = 0; i < per_rank; i++) order[i] = i;
         for (i = per_rank; i > 1; i--) { /* Fisher-Yates on this rank's shard */
             size_t j, t;
@@ -262,17 +322,17 @@ int main(int argc, char **argv) {
                     memcpy(batch_x + (size_t)r * IN, train_x + order[pos] * IN, IN * sizeof(float));
                     batch_y[r] = train_y[begin + order[pos]];
                 }
-                loss += loss_and_gradient(params, batch_x, batch_y, o.batch, &act, micro);
-                batches++;
+                pr.loss_sum += loss_and_gradient(params, batch_x, batch_y, o.batch, &act, micro);
+                pr.batches++;
                 if (adaptive) dopt_batch_observe(&bc, micro, NPARAMS); /* distopt: gradient variance */
                 dopt_axpy(grads, 1.0f / (float)units, micro, NPARAMS);
             }
             if (dopt_localsgd_should_sync(&ls, step)) rounds++;
             if (o.celgc) { /* distopt: x -= min(η, γ/‖g‖)·g, and the average when due */
                 st = dopt_localsgd_celgc_step(&ls, params, grads, o.celgc_eta, o.celgc_gamma, 0.0f);
+                if (st == DOPT_ERR_NONFINITE) st = DOPT_OK; /* this worker skipped its update; the average happened */
             } else {
-                if (grad_compress) st = dopt_compress_allreduce(&cz, comm, grads, NPARAMS); /* distopt */
-                else st = dopt_localsgd_after_backward(&ls, grads); /* distopt: fp32 mean when synchronous */
+                st = dopt_localsgd_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
                 if (st != DOPT_OK) break;
                 if (o.clip > 0 && dopt_clip_global_norm(NULL, grads, NPARAMS, o.clip, NULL) == DOPT_ERR_NONFINITE)
                     memset(grads, 0, NPARAMS * sizeof(float)); /* distopt: clip; skip a NaN step */
@@ -280,28 +340,25 @@ int main(int argc, char **argv) {
                 st = dopt_localsgd_after_step(&ls, params); /* distopt: model average when due */
             }
             step++;
+            /* Between epoch ends: evaluate at the first step past each 1/E of the shard (every
+               rank holds the same pos, so all of them get here together). */
+            if (st == DOPT_OK && evals_done + 1 < lo.evals_per_epoch &&
+                pos * (size_t)lo.evals_per_epoch >= per_rank * (size_t)(evals_done + 1)) {
+                evals_done++;
+                st = evaluate(&ev, params, &pr, epoch - 1 + (double)evals_done / lo.evals_per_epoch, step, rounds,
+                              (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch);
+            }
         }
-        if (st != DOPT_OK) break;
-        if (comm->size > 1) train_bytes += (double)(dopt_comm_traffic_total(comm) - traffic_before);
-        /* The epoch's figures: loss averaged over ranks; test accuracy of the averaged model
-           (identical to every replica after a synchronous step; between local averages, an
-           extra fp32 average of a copy, which the training does not see). */
-        loss /= (double)(batches ? batches : 1);
-        memcpy(eval, params, NPARAMS * sizeof(float));
-        st = dopt_allreduce(comm, &loss, 1, DOPT_F64, DOPT_MEAN);
-        if (st == DOPT_OK && !sync) st = dopt_allreduce(comm, eval, NPARAMS, DOPT_F32, DOPT_MEAN);
-        if (st != DOPT_OK) break;
-        if (comm->rank == 0) {
-            double secs = wall_seconds() - t0;
-            acc = accuracy(eval, test_x, test_y, ntest, &act, 1000);
-            printf("%5d %10.4f %8.2f%% %8llu %12.0f %8.1f %6zu\n", epoch, loss, 100 * acc, (unsigned long long)rounds,
-                   train_bytes, secs, (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch);
-            fflush(stdout);
-            if (csv)
-                fprintf(csv, "%d,%.6f,%.4f,%llu,%.0f,%.3f,%zu\n", epoch, loss, 100 * acc, (unsigned long long)rounds,
-                        train_bytes, secs,
-                        (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch);
-        }
+        if (st == DOPT_OK)
+            st = evaluate(&ev, params, &pr, epoch, step, rounds, (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch);
+    }
+    if (comm->rank == 0 && lo.target_acc > 0 && st == DOPT_OK) {
+        if (pr.target_hit)
+            printf("target %.2f%% reached: epoch %.4g step %llu rounds %llu bytes %.0f time_s %.3f\n", lo.target_acc,
+                   pr.target_epoch, (unsigned long long)pr.target_step, (unsigned long long)pr.target_rounds,
+                   pr.target_bytes, pr.target_secs);
+        else
+            printf("target %.2f%% not reached\n", lo.target_acc);
     }
     if (st != DOPT_OK) {
         fprintf(stderr, "rank %d: step %llu: %s (%s)\n", comm->rank, (unsigned long long)step, dopt_status_str(st),

@@ -41,7 +41,7 @@ static void gradient(const float *A, const float *b, const float *x, size_t begi
 }
 
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 3000, 0, 0, 0.05f, 0, "off", NULL, 0, 0, 0};
+    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 3000, 0, 0, 0.05f, 0, "off", NULL, 0, 0, 0, 0};
     static float A[ROWS * DIM], b[ROWS];
     float xstar[DIM], x[DIM] = {0}, g[DIM];
     uint64_t data_rng, rng;
@@ -50,8 +50,7 @@ int main(int argc, char **argv) {
     int j, failed = 0;
     double dist = 0, ref = 0;
     dopt_comm *comm;
-    dopt_codec codec = DOPT_CODEC_FP32;
-    int compress, grad_compress, sync;
+    int compress;
     dopt_compressor cz;
     dopt_compressor_config ccfg;
     dopt_localsgd ls;
@@ -75,16 +74,7 @@ int main(int argc, char **argv) {
 
     /* distopt: synchronous steps average the gradients (fp32, or TernGrad-style compressed);
        local steps average the models every --period steps (deltas compressed with --compress). */
-    compress = codec_from_name(o.compress, &codec);
-    sync = o.period == 1;
-    grad_compress = compress && sync && !o.celgc;
-    memset(&ccfg, 0, sizeof ccfg);
-    ccfg.codec = codec;
-    ccfg.seed = o.seed;
-    memset(&lcfg, 0, sizeof lcfg);
-    lcfg.period = o.period;
-    lcfg.sync_grads = sync && (!compress || grad_compress);
-    lcfg.compressor = compress && !grad_compress ? &cz : NULL;
+    compress = method_configs(&o, &cz, &ccfg, &lcfg);
     if ((compress && dopt_compressor_init(&cz, &ccfg, &seg, 1) != DOPT_OK) ||
         dopt_localsgd_init(&ls, comm, DIM, &lcfg) != DOPT_OK || dopt_localsgd_broadcast(&ls, x) != DOPT_OK) {
         fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
@@ -98,8 +88,7 @@ int main(int argc, char **argv) {
             st = dopt_localsgd_celgc_step(&ls, x, g, o.celgc_eta, o.celgc_gamma, 0.0f);
             continue;
         }
-        if (grad_compress) st = dopt_compress_allreduce(&cz, comm, g, DIM); /* distopt */
-        else st = dopt_localsgd_after_backward(&ls, g); /* distopt: fp32 mean on synchronous steps */
+        st = dopt_localsgd_after_backward(&ls, g); /* distopt: the mean (fp32 or compressed) on synchronous steps */
         if (st != DOPT_OK) break;
         for (j = 0; j < DIM; j++) x[j] -= o.lr * g[j];
         st = dopt_localsgd_after_step(&ls, x); /* distopt: model average when due */

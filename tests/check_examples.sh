@@ -2,7 +2,8 @@
 # Keeps the examples honest: least_squares must reach its known optimum over the self backend,
 # over shared memory in fp32, with TernGrad, with local SGD and compressed deltas, with CELGC at
 # period 4 and over MPI — and must report failure when the step size makes SGD diverge;
-# fmnist_mlp must run one short epoch, with fixed and with adaptive batches. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
+# fmnist_mlp must run one short epoch, with fixed and with adaptive batches; perf_model must
+# measure its ingredients and predict. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
 # examples there through the Makefile when they are missing or stale. A few seconds.
 set -u
 
@@ -47,8 +48,33 @@ if [ -r /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz ]; then
         --compress ternary --period 4 --clip 2
     expect converges "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048 \
         --adaptive-batch aip --batch-eta 0.5 --max-batch-units 4
+    expect converges "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048 \
+        --compress ternary --tern-clip off --evals-per-epoch 2 --target-acc 10
 else
     echo "FAIL: Fashion-MNIST is missing (scripts/install-deps.sh installs dataset-fashion-mnist)"
     failed=1
 fi
+
+# char_lstm: the backward pass against finite differences; CELGC (period 2) at a step size where
+# plain SGD blows up must beat the unigram baseline on 16000 characters, and plain SGD at that
+# step must fail by reporting DIVERGED (not by crashing).
+if [ -r /usr/share/games/fortunes/fortunes ]; then
+    build char_lstm
+    # shellcheck disable=SC2317  # called through expect
+    char_lstm() { "$BUILD/char_lstm" --transport shm --workers 2 --train-limit 16000 --val-limit 4000 --batch 16 \
+        --epochs 6 --seed 7 "$@"; }
+    # shellcheck disable=SC2317
+    char_lstm_reports_divergence() { out=$(char_lstm "$@" 2>&1); s=$?; echo "$out" | grep -q DIVERGED || return 0; return "$s"; }
+    expect converges "$BUILD/char_lstm" --gradcheck
+    expect converges char_lstm --celgc 30,3 --period 2
+    expect fails char_lstm_reports_divergence --lr 30
+else
+    echo "FAIL: the fortunes text is missing (scripts/install-deps.sh installs fortunes)"
+    failed=1
+fi
+
+# The performance model: measures its ingredients over shm (a short time each) and predicts.
+build perf_model
+expect converges "$BUILD/perf_model" --transport shm --workers 2 --seconds 0.02 none:64:1 ternary:64:1 none:512:4:adaptive
+expect fails "$BUILD/perf_model" --transport self bogus:64:1
 exit $failed

@@ -30,18 +30,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include <zlib.h>
+#include "examples/fashion_mnist.h"
+#include "examples/hosts/host_common.h"
 
-#define DATA_DIR "/usr/share/datasets/fashion-mnist/"
 enum { IN = 784, OUT = 10, MAX_LAYERS = 16 };
-
-typedef struct options {
-    const char *transport;
-    int workers, epochs, batch, period;
-    float lr;
-    long train_limit;
-    unsigned seed;
-} options;
 
 /* The network; batch, learning rate and max_batches are the run's. */
 static const char cfg_text[] =
@@ -53,33 +45,6 @@ static const char cfg_text[] =
     "[softmax]\ngroups=1\n";
 
 /* ===================================================================== DATA */
-
-static uint32_t read_be32(gzFile f) {
-    unsigned char b[4] = {0};
-    if (gzread(f, b, 4) != 4) return 0;
-    return (uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3];
-}
-
-/* An IDX file's items as bytes: images (magic 2051, 28×28 each) or labels (magic 2049). */
-static unsigned char *load_idx(const char *name, uint32_t magic, size_t item_bytes, size_t *count) {
-    char path[256];
-    gzFile f;
-    unsigned char *bytes;
-    snprintf(path, sizeof path, DATA_DIR "%s", name);
-    if ((f = gzopen(path, "rb")) == NULL || read_be32(f) != magic) {
-        fprintf(stderr, "cannot read %s (apt-get install dataset-fashion-mnist)\n", path);
-        exit(1);
-    }
-    *count = read_be32(f);
-    if (magic == 2051) read_be32(f), read_be32(f);
-    bytes = malloc(*count * item_bytes);
-    if (bytes == NULL || gzread(f, bytes, (unsigned)(*count * item_bytes)) != (int)(*count * item_bytes)) {
-        fprintf(stderr, "%s: truncated\n", path);
-        exit(1);
-    }
-    gzclose(f);
-    return bytes;
-}
 
 /* Images [first, first + count) as darknet's `data`: X rows of 784 pixels in [0, 1], y one-hot
    rows of 10. The rows point into two blocks (*xblock, *yblock, the caller frees them), so that
@@ -109,7 +74,7 @@ static data to_darknet(const unsigned char *px, const unsigned char *labels, siz
     return d;
 }
 
-static network *build_network(const options *o, size_t steps) {
+static network *build_network(const host_options *o, size_t steps) {
     char path[] = "/tmp/darknet_dp_XXXXXX";
     int fd = mkstemp(path);
     FILE *f = fd < 0 ? NULL : fdopen(fd, "w");
@@ -130,46 +95,10 @@ static double test_accuracy(network *net, data test) {
     return acc;
 }
 
-/* 64-bit FNV-1a of every span's bytes: each rank prints its own (the run script compares them). */
-static unsigned long long params_hash(const dopt_buf *params) {
-    unsigned long long h = 14695981039346656037ull;
-    size_t i, b;
-    for (i = 0; i < params->nspans; i++) {
-        const unsigned char *p = (const unsigned char *)params->spans[i].ptr;
-        for (b = 0; b < params->spans[i].count * sizeof(float); b++) h = (h ^ p[b]) * 1099511628211ull;
-    }
-    return h;
-}
-
-static void usage(const char *prog) {
-    fprintf(stderr,
-            "usage: %s [--transport shm|tcp] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
-            "          [--period I] [--train-limit N] [--seed S]\n",
-            prog);
-    exit(2);
-}
-
-static void parse_options(options *o, int argc, char **argv) {
-    int i;
-    for (i = 1; i + 1 < argc; i += 2) {
-        const char *f = argv[i], *v = argv[i + 1];
-        if (!strcmp(f, "--transport")) o->transport = v;
-        else if (!strcmp(f, "--workers")) o->workers = atoi(v);
-        else if (!strcmp(f, "--epochs")) o->epochs = atoi(v);
-        else if (!strcmp(f, "--batch")) o->batch = atoi(v);
-        else if (!strcmp(f, "--lr")) o->lr = strtof(v, NULL);
-        else if (!strcmp(f, "--period")) o->period = atoi(v);
-        else if (!strcmp(f, "--train-limit")) o->train_limit = atol(v);
-        else if (!strcmp(f, "--seed")) o->seed = (unsigned)strtoul(v, NULL, 10);
-        else usage(argv[0]);
-    }
-    if (i != argc || o->workers < 1 || o->epochs < 1 || o->batch < 1 || o->period < 1) usage(argv[0]);
-}
-
 /* ===================================================================== TRAINING */
 
 int main(int argc, char **argv) {
-    options o = {"shm", 1, 3, 64, 4, 0.1f, 20000, 1};
+    host_options o = {"shm", "none", 1, 3, 64, 1, 4, 0.1f, 0, 20000, 1};
     size_t ntrain, ntest, nlabels, begin = 0, end, i, s, steps;
     unsigned char *train_px, *train_labels, *test_px, *test_labels;
     float *train_xblock, *train_yblock, *test_xblock, *test_yblock;
@@ -181,7 +110,9 @@ int main(int argc, char **argv) {
     dopt_comm *comm; dopt_localsgd ls; dopt_status st; int same = 0;                        /* distopt */
     dopt_span spans[5 * MAX_LAYERS]; dopt_buf params = {.spans = spans};                    /* distopt layout */
 
-    parse_options(&o, argc, argv);
+    host_parse_options(&o, argc, argv,
+                       "[--transport shm|tcp] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
+                       "          [--period I] [--train-limit N] [--seed S]");
     shuffle = o.seed;
     st = strcmp(o.transport, "tcp") ? dopt_shm_fork(&comm, o.workers, NULL) : dopt_tcp_create_from_env(&comm); /* distopt */
     if (st != DOPT_OK) return fprintf(stderr, "cannot start the transport: %s\n", dopt_status_str(st)), 1; /* distopt */
@@ -243,7 +174,7 @@ int main(int argc, char **argv) {
     if (st == DOPT_OK) st = dopt_localsgd_check_replicas_buf(&ls, &params, &same, NULL);    /* distopt: bitwise identical? */
     if (st != DOPT_OK) fprintf(stderr, "rank %d: %s: %s\n", comm->rank, dopt_status_str(st), dopt_localsgd_detail(&ls)); /* distopt */
     /* Test harness: every rank's own hash of its parameters, and the replica check's verdict. */
-    printf("rank %d params fnv1a %016llx\n", comm->rank, params_hash(&params));
+    printf("rank %d params fnv1a %016llx\n", comm->rank, host_params_hash(&params));
     if (verbose) printf("result: test_acc %.2f replicas %s\n", test_accuracy(net, test), same ? "identical" : "DIFFER");
     free_network(net);
     free(train.X.vals), free(train.y.vals), free(test.X.vals), free(test.y.vals);

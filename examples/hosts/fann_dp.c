@@ -29,47 +29,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <zlib.h>
+#include "examples/fashion_mnist.h"
+#include "examples/hosts/host_common.h"
 
-#define DATA_DIR "/usr/share/datasets/fashion-mnist/"
 enum { IN = 784, OUT = 10, MAX_LAYERS = 8 };
 
-typedef struct options {
-    const char *transport, *compress;
-    int workers, epochs, batch, hidden;
-    float lr, clip;
-    long train_limit;
-    unsigned seed;
-} options;
-
 /* ===================================================================== DATA */
-
-static uint32_t read_be32(gzFile f) {
-    unsigned char b[4] = {0};
-    if (gzread(f, b, 4) != 4) return 0;
-    return (uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3];
-}
-
-/* An IDX file's items as bytes: images (magic 2051, 28×28 each) or labels (magic 2049). */
-static unsigned char *load_idx(const char *name, uint32_t magic, size_t item_bytes, size_t *count) {
-    char path[256];
-    gzFile f;
-    unsigned char *bytes;
-    snprintf(path, sizeof path, DATA_DIR "%s", name);
-    if ((f = gzopen(path, "rb")) == NULL || read_be32(f) != magic) {
-        fprintf(stderr, "cannot read %s (apt-get install dataset-fashion-mnist)\n", path);
-        exit(1);
-    }
-    *count = read_be32(f);
-    if (magic == 2051) read_be32(f), read_be32(f);
-    bytes = malloc(*count * item_bytes);
-    if (bytes == NULL || gzread(f, bytes, (unsigned)(*count * item_bytes)) != (int)(*count * item_bytes)) {
-        fprintf(stderr, "%s: truncated\n", path);
-        exit(1);
-    }
-    gzclose(f);
-    return bytes;
-}
 
 /* FANN's inputs (pixels in [0, 1]) and targets (one-hot) for images [first, first + count). */
 static void to_fann(const unsigned char *px, const unsigned char *labels, size_t first, size_t count, fann_type **x,
@@ -95,48 +60,10 @@ static double test_accuracy(struct fann *ann, const fann_type *x, const unsigned
     return 100.0 * (double)correct / (double)count;
 }
 
-/* 64-bit FNV-1a of the weights' bytes: each rank prints its own (the run script compares them). */
-static unsigned long long weights_hash(const struct fann *ann) {
-    const unsigned char *p = (const unsigned char *)ann->weights;
-    unsigned long long h = 14695981039346656037ull;
-    size_t i;
-    for (i = 0; i < ann->total_connections * sizeof(fann_type); i++) h = (h ^ p[i]) * 1099511628211ull;
-    return h;
-}
-
-static void usage(const char *prog) {
-    fprintf(stderr,
-            "usage: %s [--transport shm|tcp] [--workers N] [--epochs E] [--batch B (global)] [--lr LR]\n"
-            "          [--hidden H] [--train-limit N] [--seed S] [--compress none|ternary] [--clip C]\n",
-            prog);
-    exit(2);
-}
-
-static void parse_options(options *o, int argc, char **argv) {
-    int i;
-    for (i = 1; i + 1 < argc; i += 2) {
-        const char *f = argv[i], *v = argv[i + 1];
-        if (!strcmp(f, "--transport")) o->transport = v;
-        else if (!strcmp(f, "--workers")) o->workers = atoi(v);
-        else if (!strcmp(f, "--epochs")) o->epochs = atoi(v);
-        else if (!strcmp(f, "--batch")) o->batch = atoi(v);
-        else if (!strcmp(f, "--lr")) o->lr = strtof(v, NULL);
-        else if (!strcmp(f, "--hidden")) o->hidden = atoi(v);
-        else if (!strcmp(f, "--train-limit")) o->train_limit = atol(v);
-        else if (!strcmp(f, "--seed")) o->seed = (unsigned)strtoul(v, NULL, 10);
-        else if (!strcmp(f, "--compress")) o->compress = v;
-        else if (!strcmp(f, "--clip")) o->clip = strtof(v, NULL);
-        else usage(argv[0]);
-    }
-    if (i != argc || o->workers < 1 || o->epochs < 1 || o->batch < 1 || o->hidden < 1 ||
-        (strcmp(o->compress, "none") && strcmp(o->compress, "ternary")))
-        usage(argv[0]);
-}
-
 /* ===================================================================== TRAINING */
 
 int main(int argc, char **argv) {
-    options o = {"shm", "none", 1, 3, 64, 64, 0.7f, 0, 20000, 1};
+    host_options o = {"shm", "none", 1, 3, 64, 64, 1, 0.7f, 0, 20000, 1};
     size_t ntrain, ntest, nlabels, begin = 0, end, i, s, step = 0, steps;
     unsigned char *train_px, *train_labels, *test_px, *test_labels;
     fann_type *train_x, *train_y, *test_x, *test_y;
@@ -148,7 +75,9 @@ int main(int argc, char **argv) {
     dopt_comm *comm; dopt_localsgd ls = {0}; dopt_status st; int same = 0;                  /* distopt */
     dopt_compressor cz = {0}; dopt_segment segs[MAX_LAYERS]; size_t nsegs = 0;              /* distopt option */
 
-    parse_options(&o, argc, argv);
+    host_parse_options(&o, argc, argv,
+                       "[--transport shm|tcp] [--workers N] [--epochs E] [--batch B (global)] [--lr LR]\n"
+                       "          [--hidden H] [--train-limit N] [--seed S] [--compress none|ternary] [--clip C]");
     tern = !strcmp(o.compress, "ternary");
     shuffle = o.seed;
     st = strcmp(o.transport, "tcp") ? dopt_shm_fork(&comm, o.workers, NULL) : dopt_tcp_create_from_env(&comm); /* distopt */
@@ -223,7 +152,7 @@ int main(int argc, char **argv) {
     if (st == DOPT_OK) st = dopt_localsgd_check_replicas(&ls, ann->weights, &same, NULL);   /* distopt: bitwise identical? */
     if (st != DOPT_OK) fprintf(stderr, "rank %d: %s: %s\n", comm->rank, dopt_status_str(st), dopt_localsgd_detail(&ls)); /* distopt */
     /* Test harness: every rank's own hash of its weights, and the replica check's verdict. */
-    printf("rank %d weights fnv1a %016llx\n", comm->rank, weights_hash(ann));
+    printf("rank %d weights fnv1a %016llx\n", comm->rank, host_params_hash(&(dopt_buf){.data = ann->weights, .n = ann->total_connections}));
     if (verbose) printf("result: test_acc %.2f replicas %s\n", test_accuracy(ann, test_x, test_labels, ntest), same ? "identical" : "DIFFER");
     fann_destroy(ann);
     free(train_px), free(train_labels), free(test_px), free(test_labels), free(order);

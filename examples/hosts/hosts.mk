@@ -19,9 +19,9 @@ hosts-deps:
 	@scripts/install-deps.sh hosts
 
 # Order-only: the packages are there before the first compile, and never force a rebuild.
-$(BUILD)/fann_dp: examples/hosts/fann_dp.c $(HEADERS) | hosts-deps $(BUILD)
+$(BUILD)/fann_dp: examples/hosts/fann_dp.c examples/fashion_mnist.h examples/hosts/host_common.h $(HEADERS) | hosts-deps $(BUILD)
 	$(CC) $(ALL_CFLAGS) -I. -o $@ $< $(LIBS) -lfloatfann -lz
 
-$(BUILD)/darknet_dp: examples/hosts/darknet_dp.c $(HEADERS) | hosts-deps $(BUILD)
+$(BUILD)/darknet_dp: examples/hosts/darknet_dp.c examples/fashion_mnist.h examples/hosts/host_common.h $(HEADERS) | hosts-deps $(BUILD)
 	$(CC) $(ALL_CFLAGS) -I. -I$(DARKNET_DIR)/include -o $@ $< \
 		-L$(DARKNET_DIR) -Wl,-rpath,$(DARKNET_DIR) -ldarknet $(LIBS) -lz

@@ -1,0 +1,536 @@
+/* perf_model.c — predicts the wall time of one training step of each method distopt offers, from
+   a few ingredients measured on this machine with this transport (or passed in), as TernGrad's
+   paper does (Wen et al. 2017, §5): the host's compute per micro-batch, an α-β model of the
+   collectives, the compressor's encode and decode times. It prints the ingredients, checks the
+   communication part against the real collectives, and predicts each configuration given.
+
+       OPENBLAS_NUM_THREADS=1 build/perf_model --transport shm --workers 2 \
+           fp32=none:64:1 terngrad=ternary:64:1 local4=ternary:64:4 adaptive=none:512:4:adaptive
+
+   A configuration is [LABEL=]CODEC:B:I[:adaptive]: CODEC none (fp32) or a compress.h codec
+   (ternary, qsgd, topk, sign, fp16, bf16), B samples per worker and step (a multiple of --batch,
+   the micro-batch; a mean over a run is fine, the model is linear in it), I the averaging period
+   (1: synchronous gradient averaging; I > 1: local SGD averaging the models, or their deltas
+   through CODEC, every I steps), "adaptive" when the batch-size test runs (fmnist_mlp's
+   --adaptive-batch). The world is the one the transport gives (--workers N forks N ranks over
+   shm): every ingredient is measured with all N ranks working at once, so N ranks sharing fewer
+   cores show up in the figures, and each figure is the slowest rank's, which a synchronous step
+   waits for.
+
+   THE MODEL (n parameters, k = B / micro-batch micro-batches per step, N ranks)
+
+       T_step  = k·(t_mb + a·t_obs) + t_upd + C / I
+       t_mb    the host's work per micro-batch: gather its samples, forward, backward, add into the
+               step's gradient (an MLP of --layers, timed here; or --sample-us × micro-batch)
+       t_obs   dopt_batch_observe of one micro-batch gradient (a = 1 with adaptive, else 0)
+       t_upd   zero the gradient, apply the update (memset + axpy over n)
+       C       one averaging round, which fmnist_mlp runs through these calls:
+         fp32, I = 1:   2·t_copy + T_ar(4n)                (localsgd packs and unpacks)
+         codec, I = 1:  E + T_ag(m) + N·t_dec              (dopt_compress_allreduce)
+         fp32, I > 1:   3·t_copy + T_ar(4n)                (pack, unpack, anchor)
+         codec, I > 1:  5·t_copy + E + T_ag(m) + N·t_dec + T_ar(0)   (delta, add back)
+         adaptive:      + T_ar(small)                      (the batch test's scalars)
+       E       t_enc, plus T_ar(4·(segments+1)) for ternary (the scale sharing)
+       T_ar(x) = α_ar + x/β_ar,  T_ag(x) = α_ag + x/β_ag   (x payload bytes per rank), fitted by
+               least squares in relative error to allreduce (f32 mean) and allgather times at
+               4 KiB .. 4 MiB; m = dopt_compress_bound, the codec's message
+       t_copy  a memcpy of n floats
+
+   What it leaves out: evaluation (fmnist_mlp takes it off its clock), the steps' variation (the
+   median is used), overlap (none in fmnist_mlp: every call blocks), and a world of one (N = 1: the
+   self backend's collectives are copies, measured like any other). */
+#define DISTOPT_IMPLEMENTATION
+#include "distopt.h"
+#include "transport_shm.h"
+#include "transport_tcp.h"
+#include "localsgd.h" /* brings clip.h and compress.h */
+#include "common.h"
+
+#include <cblas.h>
+#include <math.h>
+
+enum { MAX_LAYERS = 8, MAX_CONFIGS = 32, POOL_ROWS = 16384, REPEATS = 5 };
+
+/* ===================================================================== FLAGS */
+
+typedef struct model_options {
+    options comm;        /* --transport, --workers: what open_comm needs */
+    int layers[MAX_LAYERS], nlayers;
+    int micro;           /* --batch: samples per micro-batch */
+    double sample_us;    /* --sample-us: compute per sample instead of timing the MLP, 0: time it */
+    double alpha_us, beta_gbs; /* --alpha-us, --beta-gbs: the α-β model instead of fitting it */
+    double seconds;      /* --seconds: time spent on each measurement */
+    const char *csv;
+    const char *configs[MAX_CONFIGS];
+    int nconfigs;
+} model_options;
+
+static void model_usage(const char *prog) {
+    fprintf(stderr,
+            "usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--layers 784,256,128,10] [--batch B]\n"
+            "          [--sample-us X] [--alpha-us A --beta-gbs B] [--seconds S] [--csv FILE]\n"
+            "          [LABEL=]CODEC:B:I[:adaptive] ...\n",
+            prog);
+    exit(2);
+}
+
+static void parse_model_options(model_options *mo, int argc, char **argv) {
+    int i;
+    for (i = 1; i < argc; i++) {
+        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strncmp(f, "--", 2)) {
+            if (mo->nconfigs == MAX_CONFIGS) model_usage(argv[0]);
+            mo->configs[mo->nconfigs++] = f;
+            continue;
+        }
+        if (v == NULL) model_usage(argv[0]);
+        i++;
+        if (!strcmp(f, "--transport")) mo->comm.transport = v;
+        else if (!strcmp(f, "--workers")) mo->comm.workers = atoi(v);
+        else if (!strcmp(f, "--batch")) mo->micro = atoi(v);
+        else if (!strcmp(f, "--sample-us")) mo->sample_us = strtod(v, NULL);
+        else if (!strcmp(f, "--alpha-us")) mo->alpha_us = strtod(v, NULL);
+        else if (!strcmp(f, "--beta-gbs")) mo->beta_gbs = strtod(v, NULL);
+        else if (!strcmp(f, "--seconds")) mo->seconds = strtod(v, NULL);
+        else if (!strcmp(f, "--csv")) mo->csv = v;
+        else if (!strcmp(f, "--layers")) {
+            char *end = (char *)v;
+            for (mo->nlayers = 0; mo->nlayers < MAX_LAYERS && *end; end += *end == ',') {
+                mo->layers[mo->nlayers++] = (int)strtol(end, &end, 10);
+                if (*end != ',' && *end != '\0') model_usage(argv[0]);
+            }
+        } else model_usage(argv[0]);
+    }
+    if (mo->comm.workers < 1 || mo->micro < 1 || mo->nlayers < 2 || mo->seconds <= 0 ||
+        (mo->alpha_us > 0) != (mo->beta_gbs > 0))
+        model_usage(argv[0]);
+    for (i = 0; i < mo->nlayers; i++)
+        if (mo->layers[i] < 1) model_usage(argv[0]);
+}
+
+/* ===================================================================== TIMING */
+
+/* The slowest rank's median over REPEATS of the mean time of `reps` calls: a synchronous step
+   waits for the slowest rank. Every rank must call it with the same reps. */
+typedef void (*timed_fn)(void *ctx);
+
+static double time_calls(dopt_comm *comm, timed_fn fn, void *ctx, int reps) {
+    double t[REPEATS], tmp;
+    int r, i, j;
+    fn(ctx); /* warm up: first-touch pages, lazily sized buffers */
+    for (r = 0; r < REPEATS; r++) {
+        double t0;
+        dopt_barrier(comm);
+        t0 = wall_seconds();
+        for (i = 0; i < reps; i++) fn(ctx);
+        t[r] = (wall_seconds() - t0) / reps;
+    }
+    for (i = 1; i < REPEATS; i++) /* insertion sort, five elements */
+        for (j = i; j > 0 && t[j - 1] > t[j]; j--) tmp = t[j], t[j] = t[j - 1], t[j - 1] = tmp;
+    tmp = t[REPEATS / 2];
+    dopt_allreduce(comm, &tmp, 1, DOPT_F64, DOPT_MAX);
+    return tmp;
+}
+
+/* How many calls fill about `seconds` / REPEATS, from one probe call, agreed on by every rank. */
+static int reps_for(dopt_comm *comm, timed_fn fn, void *ctx, double seconds) {
+    double t0 = wall_seconds(), once;
+    fn(ctx);
+    once = wall_seconds() - t0;
+    dopt_allreduce(comm, &once, 1, DOPT_F64, DOPT_MAX);
+    once = seconds / REPEATS / (once > 1e-7 ? once : 1e-7);
+    return once < 1 ? 1 : once > 100000 ? 100000 : (int)once;
+}
+
+static double measure(dopt_comm *comm, timed_fn fn, void *ctx, double seconds) {
+    return time_calls(comm, fn, ctx, reps_for(comm, fn, ctx, seconds));
+}
+
+/* ===================================================================== THE HOST'S COMPUTE */
+
+/* An MLP of the given widths (ReLU, softmax cross-entropy) doing what fmnist_mlp does per
+   micro-batch: gather B random rows of a pool larger than the caches, forward, backward, and add
+   the gradient into the step's. Same sgemm shapes as fmnist_mlp. */
+typedef struct mlp {
+    const int *w;
+    int nl, B;
+    size_t n;
+    float *params, *grads, *step_grads, *pool, *x;
+    float *act[MAX_LAYERS], *delta[MAX_LAYERS];
+    unsigned char *labels;
+    uint64_t rng;
+} mlp;
+
+static size_t mlp_params(const int *w, int nl) {
+    size_t n = 0;
+    int l;
+    for (l = 0; l + 1 < nl; l++) n += (size_t)w[l] * (size_t)w[l + 1] + (size_t)w[l + 1];
+    return n;
+}
+
+static void mlp_init(mlp *m, const int *w, int nl, int B, int rank) {
+    dopt_rng rng;
+    int l;
+    memset(m, 0, sizeof *m);
+    m->w = w, m->nl = nl, m->B = B, m->n = mlp_params(w, nl), m->rng = 12345u + (uint64_t)rank;
+    m->params = calloc(m->n, sizeof(float)), m->grads = calloc(m->n, sizeof(float));
+    m->step_grads = calloc(m->n, sizeof(float));
+    m->pool = malloc((size_t)POOL_ROWS * (size_t)w[0] * sizeof(float));
+    m->labels = malloc(POOL_ROWS);
+    for (l = 0; l < nl; l++) {
+        m->act[l] = calloc((size_t)B * (size_t)w[l], sizeof(float));
+        m->delta[l] = calloc((size_t)B * (size_t)w[l], sizeof(float));
+    }
+    if (m->params == NULL || m->grads == NULL || m->step_grads == NULL || m->pool == NULL || m->labels == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(1);
+    }
+    dopt_rng_init(&rng, 7, rank, 0);
+    dopt_rng_uniform(&rng, 0, m->pool, (size_t)POOL_ROWS * (size_t)w[0]);
+    dopt_rng_uniform(&rng, (size_t)POOL_ROWS * (size_t)w[0], m->params, m->n);
+    for (l = 0; l < POOL_ROWS; l++) m->labels[l] = (unsigned char)(l % w[nl - 1]);
+}
+
+static void mlp_free(mlp *m) {
+    int l;
+    free(m->params), free(m->grads), free(m->step_grads), free(m->pool), free(m->labels);
+    for (l = 0; l < m->nl; l++) free(m->act[l]), free(m->delta[l]);
+}
+
+static void mlp_micro_batch(void *ctx) {
+    mlp *m = ctx;
+    const int *w = m->w, B = m->B;
+    size_t off[MAX_LAYERS], o = 0;
+    int l, i, j;
+    for (l = 0; l + 1 < m->nl; l++) off[l] = o, o += (size_t)w[l] * (size_t)w[l + 1] + (size_t)w[l + 1];
+    for (i = 0; i < B; i++) { /* gather, as fmnist_mlp copies its shuffled samples */
+        m->rng = m->rng * 6364136223846793005ull + 1442695040888963407ull;
+        memcpy(m->act[0] + (size_t)i * w[0], m->pool + (size_t)(m->rng >> 33) % POOL_ROWS * w[0], w[0] * sizeof(float));
+    }
+    for (l = 0; l + 1 < m->nl; l++) { /* forward: act[l+1] = relu(act[l]·W + b), no relu on the logits */
+        const float *W = m->params + off[l], *b = W + (size_t)w[l] * w[l + 1];
+        float *out = m->act[l + 1];
+        for (i = 0; i < B; i++) memcpy(out + (size_t)i * w[l + 1], b, w[l + 1] * sizeof(float));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, w[l + 1], w[l], 1.0f, m->act[l], w[l], W, w[l + 1],
+                    1.0f, out, w[l + 1]);
+        if (l + 2 < m->nl)
+            for (i = 0; i < B * w[l + 1]; i++) out[i] = out[i] > 0 ? out[i] : 0;
+    }
+    for (i = 0; i < B; i++) { /* softmax cross-entropy: delta of the logits */
+        const int k = w[m->nl - 1];
+        float *z = m->act[m->nl - 1] + (size_t)i * k, *d = m->delta[m->nl - 1] + (size_t)i * k, max = z[0], sum = 0;
+        for (j = 1; j < k; j++) max = z[j] > max ? z[j] : max;
+        for (j = 0; j < k; j++) sum += (d[j] = expf(z[j] - max));
+        for (j = 0; j < k; j++) d[j] = (d[j] / sum - (j == m->labels[i])) / B;
+    }
+    for (l = m->nl - 2; l >= 0; l--) { /* backward: dW = actᵀ·delta, db, delta below masked by relu */
+        float *gW = m->grads + off[l], *gb = gW + (size_t)w[l] * w[l + 1];
+        const float *d = m->delta[l + 1];
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, w[l], w[l + 1], B, 1.0f, m->act[l], w[l], d, w[l + 1],
+                    0.0f, gW, w[l + 1]);
+        for (j = 0; j < w[l + 1]; j++) gb[j] = 0;
+        for (i = 0; i < B; i++)
+            for (j = 0; j < w[l + 1]; j++) gb[j] += d[(size_t)i * w[l + 1] + j];
+        if (l == 0) break;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, w[l], w[l + 1], 1.0f, d, w[l + 1], m->params + off[l],
+                    w[l + 1], 0.0f, m->delta[l], w[l]);
+        for (i = 0; i < B * w[l]; i++)
+            if (m->act[l][i] <= 0) m->delta[l][i] = 0;
+    }
+    dopt_axpy(m->step_grads, 0.5f, m->grads, m->n);
+}
+
+static void mlp_update(void *ctx) {
+    mlp *m = ctx;
+    memset(m->step_grads, 0, m->n * sizeof(float));
+    dopt_axpy(m->params, -1e-9f, m->grads, m->n);
+}
+
+/* ===================================================================== THE INGREDIENTS */
+
+typedef struct buffers {
+    dopt_comm *comm;
+    float *a, *b;
+    size_t count; /* floats for allreduce and copy, bytes for allgather */
+    dopt_batch *bc;
+    dopt_compressor *cz;
+    void *msg;
+    size_t msg_bytes;
+} buffers;
+
+static void run_copy(void *ctx) { buffers *u = ctx; memcpy(u->b, u->a, u->count * sizeof(float)); }
+static void run_allreduce(void *ctx) { buffers *u = ctx; dopt_allreduce(u->comm, u->a, u->count, DOPT_F32, DOPT_MEAN); }
+static void run_allgather(void *ctx) { buffers *u = ctx; dopt_allgather(u->comm, u->a, u->b, u->count); }
+static void run_observe(void *ctx) { buffers *u = ctx; dopt_batch_observe(u->bc, u->a, u->count); }
+static void run_compress_allreduce(void *ctx) {
+    buffers *u = ctx;
+    memcpy(u->b, u->a, u->count * sizeof(float)); /* the allreduce overwrites: start from the same data */
+    dopt_compress_allreduce(u->cz, u->comm, u->b, u->count);
+}
+static void run_encode(void *ctx) {
+    buffers *u = ctx;
+    dopt_buf g = dopt_buf_flat(u->a, u->count, u->cz->segs, u->cz->nsegs);
+    size_t bytes;
+    dopt_compress_encode(u->cz, &g, u->msg, u->msg_bytes, &bytes);
+}
+static void run_decode(void *ctx) {
+    buffers *u = ctx;
+    dopt_buf acc = dopt_buf_flat(u->b, u->count, u->cz->segs, u->cz->nsegs);
+    dopt_compress_decode(u->cz, u->msg, u->msg_bytes, 0.5f, &acc);
+}
+
+/* T(x) = α + x/β: α in seconds, β in bytes per second. */
+typedef struct alpha_beta { double alpha, beta; } alpha_beta;
+
+static double ab_time(alpha_beta ab, double bytes) { return ab.alpha + bytes / ab.beta; }
+
+/* Least squares in relative error: minimise Σ ((α + s·x_i − t_i)/t_i)², s = 1/β; α >= 0. */
+static alpha_beta ab_fit(const double *x, const double *t, int k) {
+    double sw = 0, sx = 0, sxx = 0, st = 0, sxt = 0, det, a, s;
+    alpha_beta ab;
+    int i;
+    for (i = 0; i < k; i++) {
+        double w = 1.0 / (t[i] * t[i]);
+        sw += w, sx += w * x[i], sxx += w * x[i] * x[i], st += w * t[i], sxt += w * x[i] * t[i];
+    }
+    det = sw * sxx - sx * sx;
+    a = (sxx * st - sx * sxt) / det;
+    s = (sw * sxt - sx * st) / det;
+    if (a < 0) a = 0, s = sxt / sxx; /* through the origin */
+    ab.alpha = a, ab.beta = s > 0 ? 1.0 / s : INFINITY;
+    return ab;
+}
+
+enum { NSIZES = 6 };
+static const size_t fit_bytes[NSIZES] = {4096, 16384, 65536, 262144, 1048576, 4194304};
+
+/* Times allreduce (f32 mean, bytes = 4·count) or allgather (bytes per rank) at fit_bytes and fits. */
+static alpha_beta fit_collective(buffers *u, timed_fn fn, int floats, double seconds, double *t_out) {
+    double x[NSIZES];
+    int i;
+    for (i = 0; i < NSIZES; i++) {
+        x[i] = (double)fit_bytes[i];
+        u->count = floats ? fit_bytes[i] / sizeof(float) : fit_bytes[i];
+        t_out[i] = measure(u->comm, fn, u, seconds);
+    }
+    return ab_fit(x, t_out, NSIZES);
+}
+
+/* Everything T_step needs, in seconds and bytes. */
+typedef struct ingredients {
+    int N;
+    size_t n, nsegs;
+    int micro;
+    double t_mb, t_obs, t_upd, t_copy;
+    alpha_beta ar, ag;
+} ingredients;
+
+/* A codec's share: its message size and encode/decode times. */
+typedef struct codec_cost {
+    const char *name;
+    dopt_codec codec;
+    double msg_bytes, t_enc, t_dec, measured_allreduce;
+} codec_cost;
+
+/* ===================================================================== THE MODEL */
+
+/* One averaging round's communication and codec time (C in the top comment). */
+static double round_time(const ingredients *g, const codec_cost *cc, size_t period, int adaptive) {
+    double c;
+    if (cc == NULL) {
+        c = (period == 1 ? 2 : 3) * g->t_copy + ab_time(g->ar, 4.0 * (double)g->n);
+    } else {
+        c = cc->t_enc + ab_time(g->ag, cc->msg_bytes) + g->N * cc->t_dec;
+        if (cc->codec == DOPT_CODEC_TERNARY) c += ab_time(g->ar, 4.0 * (double)(g->nsegs + 1));
+        if (period > 1) c += 5 * g->t_copy + ab_time(g->ar, 0);
+    }
+    if (adaptive) c += ab_time(g->ar, 64);
+    return c;
+}
+
+/* T_step = k·(t_mb + a·t_obs) + t_upd + C/I, with k = batch / micro-batch. */
+static double step_time(const ingredients *g, const codec_cost *cc, double batch, size_t period, int adaptive,
+                        double *compute, double *comm) {
+    double k = batch / g->micro;
+    *compute = k * (g->t_mb + (adaptive ? g->t_obs : 0)) + g->t_upd;
+    *comm = round_time(g, cc, period, adaptive) / (double)period;
+    return *compute + *comm;
+}
+
+/* ===================================================================== MAIN */
+
+typedef struct config {
+    char label[64];
+    char codec_name[16];
+    double batch;
+    size_t period;
+    int adaptive;
+    codec_cost *cc; /* NULL: fp32 */
+} config;
+
+static void parse_config(const char *spec, config *c, const char *prog) {
+    const char *eq = strchr(spec, '='), *body = eq ? eq + 1 : spec;
+    char flag[16] = "";
+    int got;
+    memset(c, 0, sizeof *c);
+    snprintf(c->label, sizeof c->label, "%.*s", eq ? (int)(eq - spec) : (int)strlen(spec), spec);
+    got = sscanf(body, "%15[^:]:%lf:%zu:%15s", c->codec_name, &c->batch, &c->period, flag);
+    if (got < 3 || c->batch <= 0 || c->period < 1 || (got == 4 && strcmp(flag, "adaptive"))) model_usage(prog);
+    c->adaptive = got == 4;
+}
+
+int main(int argc, char **argv) {
+    model_options mo;
+    ingredients g;
+    codec_cost costs[MAX_CONFIGS];
+    config cfgs[MAX_CONFIGS];
+    int ncosts = 0, i, j;
+    mlp m;
+    buffers u;
+    dopt_comm *comm;
+    dopt_segment segs[MAX_LAYERS * 2];
+    size_t sizes[MAX_LAYERS * 2];
+    double t_ar[NSIZES], t_ag[NSIZES], fp32_measured;
+    FILE *csv = NULL;
+
+    memset(&mo, 0, sizeof mo);
+    mo.comm.transport = "self", mo.comm.workers = 2, mo.comm.compress = "none", mo.comm.period = 1;
+    mo.comm.adaptive = "off";
+    mo.layers[0] = 784, mo.layers[1] = 256, mo.layers[2] = 128, mo.layers[3] = 10, mo.nlayers = 4;
+    mo.micro = 64, mo.seconds = 0.2;
+    parse_model_options(&mo, argc, argv);
+    for (i = 0; i < mo.nconfigs; i++) parse_config(mo.configs[i], &cfgs[i], argv[0]);
+    comm = open_comm(&mo.comm);
+
+    memset(&g, 0, sizeof g);
+    g.N = comm->size, g.micro = mo.micro, g.n = mlp_params(mo.layers, mo.nlayers);
+    for (i = 0; i + 1 < mo.nlayers; i++) {
+        sizes[2 * i] = (size_t)mo.layers[i] * (size_t)mo.layers[i + 1];
+        sizes[2 * i + 1] = (size_t)mo.layers[i + 1];
+    }
+    g.nsegs = 2 * (size_t)(mo.nlayers - 1);
+    dopt_segments_from_sizes(segs, sizes, g.nsegs, NULL);
+
+    /* The host's compute, all ranks at once. */
+    mlp_init(&m, mo.layers, mo.nlayers, mo.micro, comm->rank);
+    g.t_mb = mo.sample_us > 0 ? mo.sample_us * 1e-6 * mo.micro : measure(comm, mlp_micro_batch, &m, mo.seconds);
+    g.t_upd = measure(comm, mlp_update, &m, mo.seconds / 2);
+
+    /* Memory passes, the batch test's observation, the collectives. */
+    memset(&u, 0, sizeof u);
+    u.comm = comm;
+    u.a = malloc((fit_bytes[NSIZES - 1] / sizeof(float) + g.n) * sizeof(float));
+    u.b = malloc((size_t)comm->size * (fit_bytes[NSIZES - 1] + g.n * sizeof(float)));
+    if (u.a == NULL || u.b == NULL) { fprintf(stderr, "out of memory\n"); return dopt_shm_fork_finish(comm, 1); }
+    memcpy(u.a, m.grads, g.n * sizeof(float));
+    u.count = g.n;
+    g.t_copy = measure(comm, run_copy, &u, mo.seconds / 2);
+    {
+        dopt_batch bc;
+        dopt_batch_config bcfg;
+        memset(&bcfg, 0, sizeof bcfg);
+        bcfg.unit_samples = (size_t)mo.micro;
+        if (dopt_batch_init(&bc, g.n, &bcfg) == DOPT_OK) {
+            u.bc = &bc;
+            g.t_obs = measure(comm, run_observe, &u, mo.seconds / 2);
+            dopt_batch_free(&bc);
+        }
+    }
+    if (mo.alpha_us > 0) {
+        g.ar.alpha = g.ag.alpha = mo.alpha_us * 1e-6;
+        g.ar.beta = g.ag.beta = mo.beta_gbs * 1e9;
+        memset(t_ar, 0, sizeof t_ar), memset(t_ag, 0, sizeof t_ag);
+    } else {
+        g.ar = fit_collective(&u, run_allreduce, 1, mo.seconds / 2, t_ar);
+        g.ag = fit_collective(&u, run_allgather, 0, mo.seconds / 2, t_ag);
+    }
+    memcpy(u.a, m.grads, g.n * sizeof(float));
+    u.count = g.n;
+    fp32_measured = measure(comm, run_allreduce, &u, mo.seconds / 2);
+
+    /* Each codec the configurations name: its message, encode, decode, and the real allreduce. */
+    for (i = 0; i < mo.nconfigs; i++) {
+        dopt_codec codec;
+        dopt_compressor cz;
+        dopt_compressor_config ccfg;
+        if (!codec_from_name(cfgs[i].codec_name, &codec)) continue;
+        for (j = 0; j < ncosts && strcmp(costs[j].name, cfgs[i].codec_name); j++) {}
+        cfgs[i].cc = &costs[j];
+        if (j < ncosts) continue;
+        memset(&ccfg, 0, sizeof ccfg);
+        ccfg.codec = codec, ccfg.seed = 1, ccfg.rank = comm->rank;
+        if (dopt_compressor_init(&cz, &ccfg, segs, g.nsegs) != DOPT_OK) {
+            fprintf(stderr, "cannot set up the %s compressor\n", cfgs[i].codec_name);
+            return dopt_shm_fork_finish(comm, 1);
+        }
+        costs[ncosts].name = cfgs[i].codec_name, costs[ncosts].codec = codec;
+        u.cz = &cz, u.count = g.n, u.msg_bytes = dopt_compress_bound(&cz);
+        u.msg = malloc(u.msg_bytes);
+        memcpy(u.a, m.grads, g.n * sizeof(float));
+        costs[ncosts].msg_bytes = (double)u.msg_bytes;
+        costs[ncosts].t_enc = measure(comm, run_encode, &u, mo.seconds / 2);
+        costs[ncosts].t_dec = measure(comm, run_decode, &u, mo.seconds / 2);
+        costs[ncosts].measured_allreduce = measure(comm, run_compress_allreduce, &u, mo.seconds / 2);
+        free(u.msg);
+        dopt_compressor_free(&cz);
+        ncosts++;
+    }
+
+    if (comm->rank == 0) {
+        printf("perf_model: %s, %d rank(s), MLP", mo.comm.transport, g.N);
+        for (i = 0; i < mo.nlayers; i++) printf("%s%d", i ? "-" : " ", mo.layers[i]);
+        printf(" (%zu parameters, %zu tensors), micro-batch %d\n\n", g.n, g.nsegs, g.micro);
+        printf("ingredients (slowest rank, median of %d):\n", REPEATS);
+        printf("  compute per micro-batch t_mb   %9.1f us  (%.2f us/sample%s)\n", 1e6 * g.t_mb, 1e6 * g.t_mb / g.micro,
+               mo.sample_us > 0 ? ", given" : "");
+        printf("  update t_upd                   %9.1f us\n", 1e6 * g.t_upd);
+        printf("  copy of n floats t_copy        %9.1f us\n", 1e6 * g.t_copy);
+        printf("  batch-test observe t_obs       %9.1f us\n", 1e6 * g.t_obs);
+        printf("  allreduce  alpha %8.2f us  beta %9.3f GB/s%s\n", 1e6 * g.ar.alpha, g.ar.beta / 1e9,
+               mo.alpha_us > 0 ? " (given)" : g.N == 1 ? " (a world of one: copies at most)" : "");
+        printf("  allgather  alpha %8.2f us  beta %9.3f GB/s%s\n", 1e6 * g.ag.alpha, g.ag.beta / 1e9,
+               mo.alpha_us > 0 ? " (given)" : g.N == 1 ? " (a world of one: copies at most)" : "");
+        if (mo.alpha_us <= 0) {
+            printf("  fit check (us)     bytes: ");
+            for (i = 0; i < NSIZES; i++) printf(" %9zu", fit_bytes[i]);
+            printf("\n    allreduce measured      ");
+            for (i = 0; i < NSIZES; i++) printf(" %9.1f", 1e6 * t_ar[i]);
+            printf("\n    allreduce fitted        ");
+            for (i = 0; i < NSIZES; i++) printf(" %9.1f", 1e6 * ab_time(g.ar, (double)fit_bytes[i]));
+            printf("\n    allgather measured      ");
+            for (i = 0; i < NSIZES; i++) printf(" %9.1f", 1e6 * t_ag[i]);
+            printf("\n    allgather fitted        ");
+            for (i = 0; i < NSIZES; i++) printf(" %9.1f", 1e6 * ab_time(g.ag, (double)fit_bytes[i]));
+            printf("\n");
+        }
+        printf("\none synchronous gradient average of n floats (us): model against the real call\n");
+        printf("  %-10s %10s %10s %10s %10s %10s\n", "codec", "msg_bytes", "encode", "decode", "model", "measured");
+        printf("  %-10s %10zu %10s %10s %10.1f %10.1f\n", "fp32", 4 * g.n, "-", "-",
+               1e6 * ab_time(g.ar, 4.0 * (double)g.n), 1e6 * fp32_measured);
+        for (i = 0; i < ncosts; i++) {
+            double model = round_time(&g, &costs[i], 1, 0);
+            printf("  %-10s %10.0f %10.1f %10.1f %10.1f %10.1f\n", costs[i].name, costs[i].msg_bytes,
+                   1e6 * costs[i].t_enc, 1e6 * costs[i].t_dec, 1e6 * model,
+                   1e6 * (costs[i].measured_allreduce - g.t_copy)); /* its timing loop copies the input first */
+        }
+        if (mo.nconfigs) {
+            printf("\npredicted step time (ms)\n  %-24s %6s %8s %4s %9s %9s %9s\n", "config", "ranks", "batch",
+                   "I", "compute", "comm", "step");
+            if (mo.csv && (csv = fopen(mo.csv, "w")) != NULL)
+                fprintf(csv, "label,ranks,codec,batch,period,adaptive,compute_ms,comm_ms,step_ms\n");
+        }
+        for (i = 0; i < mo.nconfigs; i++) {
+            double compute, comm_part, t = step_time(&g, cfgs[i].cc, cfgs[i].batch, cfgs[i].period,
+                                                      cfgs[i].adaptive, &compute, &comm_part);
+            printf("  %-24s %6d %8.1f %4zu %9.3f %9.3f %9.3f\n", cfgs[i].label, g.N, cfgs[i].batch, cfgs[i].period,
+                   1e3 * compute, 1e3 * comm_part, 1e3 * t);
+            if (csv)
+                fprintf(csv, "%s,%d,%s,%.2f,%zu,%d,%.4f,%.4f,%.4f\n", cfgs[i].label, g.N, cfgs[i].codec_name,
+                        cfgs[i].batch, cfgs[i].period, cfgs[i].adaptive, 1e3 * compute, 1e3 * comm_part, 1e3 * t);
+        }
+        if (csv) fclose(csv);
+    }
+    free(u.a), free(u.b);
+    mlp_free(&m);
+    return dopt_shm_fork_finish(comm, 0);
+}
