@@ -7,7 +7,7 @@
 #   make fuzz     run every fuzz target for FUZZ_SECONDS (default 60) each
 #   make demo     two workers on Fashion-MNIST: fp32 against TernGrad + local SGD (README)
 #   make hosts    FANN and darknet from Debian with distopt in their loops (examples/hosts)
-#   make experiments  the measurements of docs/RESULTS.md and its tables and figures (~10 min)
+#   make experiments  the measurements of docs/RESULTS.md and its tables and figures (4-11 min)
 #   make install PREFIX=/usr/local / make uninstall
 
 PREFIX  ?= /usr/local
