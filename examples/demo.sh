@@ -28,18 +28,18 @@ echo "Fashion-MNIST, MLP 784-256-128-10, 2 workers over shared memory, full trai
 echo "batch 64 per worker, lr 0.1, seed $SEED."
 run fp32 --compress none --period 1
 run terngrad --compress ternary --period 4 --clip 2
-run terngrad_adaptive --compress ternary --period 4 --clip 2 --adaptive-batch norm
+run terngrad_adaptive --compress ternary --period 4 --clip 2 --adaptive-batch norm --batch-eta 4
 
 echo
 echo "Comparison after $EPOCHS epochs (bytes: gradient/model messages each worker sent):"
-printf '%-44s %9s %7s %12s %7s\n' method test_acc rounds bytes_MB time_s
+printf '%-48s %9s %7s %12s %7s\n' method test_acc rounds bytes_MB time_s
 row() { # $1: name, $2: label
     tail -n 1 "$BUILD/demo_$1.csv" |
-        awk -F, -v label="$2" '{ printf "%-44s %8.2f%% %7d %12.1f %7.1f\n", label, $3, $4, $5 / 1e6, $6 }'
+        awk -F, -v label="$2" '{ printf "%-48s %8.2f%% %7d %12.1f %7.1f\n", label, $3, $4, $5 / 1e6, $6 }'
 }
 row fp32 "fp32 synchronous SGD"
 row terngrad "TernGrad deltas, local SGD I=4, clip 2"
-row terngrad_adaptive "  + adaptive batch (norm test, up to 8x64)"
+row terngrad_adaptive "  + adaptive batch (norm test eta 4, up to 8x64)"
 
 if command -v gnuplot >/dev/null 2>&1; then
     gnuplot <<EOF
