@@ -1,7 +1,8 @@
 # distopt — header-only; this Makefile builds and runs its tests, benchmarks and examples.
 #   make          build everything
 #   make test     install missing Debian packages, build, run every test (the README's command)
-#   make asan     the tests again under AddressSanitizer + UndefinedBehaviorSanitizer
+#   make asan     the tests again under AddressSanitizer + UndefinedBehaviorSanitizer (with
+#                 float-cast-overflow: a float out of an integer's range is an error too)
 #   make bench    benchmarks (single-threaded kernels, compression, allreduce against MPI; as root
 #                 the compressed allreduce also runs over a 1 Gbit/s veth link between namespaces)
 #   make fuzz     run every fuzz target for FUZZ_SECONDS (default 60) each
@@ -70,7 +71,7 @@ test: deps
 	@tests/run.sh $(BUILD)
 
 asan: deps
-	@$(MAKE) --no-print-directory BUILD=build-asan OPT="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
+	@$(MAKE) --no-print-directory BUILD=build-asan OPT="-O1 -g -fsanitize=address,undefined,float-cast-overflow -fno-omit-frame-pointer -fno-sanitize-recover=undefined,float-cast-overflow" \
 		build-asan-tests
 	@ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/run.sh build-asan
 

@@ -146,8 +146,9 @@
      u = h·2^16 + l with A. h, 8 bits, is byte e of the stream (byte e mod 4, bits 8·(e mod 4)
      and up, of word e div 4) — four elements per word; l, 16 bits, is the low half of word
      2^63 + e, drawn only when h = A div 2^16 (probability 2^-8), since otherwise h alone
-     decides. The result does not depend on threading, vector width or call
-     order, and a run can be replayed. The step counts encodes; it is saved with the state.
+     decides. A scale (ternary) or bucket norm (QSGD) below 1e-30, where 2^24/s would overflow
+     a float, sends zero codes: a bias below 1e-30 per element. The result does not depend on
+     threading, vector width or call order, and a run can be replayed. The step counts encodes; it is saved with the state.
 
    WIRE FORMAT (little-endian; every message of a compressor has the same size)
 
@@ -448,8 +449,10 @@ DOPT__MAYBE_UNUSED static void dopt__f16_accum_portable(float *DOPT_RESTRICT y, 
     size_t i;
     for (i = 0; i < n; i++) {
         uint16_t h;
+        float v;
         memcpy(&h, in + 2 * i, 2);
-        y[i] += w * dopt__f16_to_f32(h);
+        v = w * dopt__f16_to_f32(h); /* its own statement, as the F16C path: no fused multiply-add */
+        y[i] += v;
     }
 }
 
@@ -871,7 +874,10 @@ static unsigned dopt__tern_accum_avx512(float *y, float v, const uint8_t *in) {
 #endif
 
 /* 2^24 / s, or 0 for s = 0 (every code is then 0). */
-static float dopt__tern_k(float s) { return s > 0.0f ? (float)(16777216.0 / (double)s) : 0.0f; }
+/* 2^24/s, or 0 below DOPT__TINY_SCALE, where it would overflow a float: such a segment sends
+   zeros (a bias below 1e-30 per element), the same on every rank and every build. */
+#define DOPT__TINY_SCALE 1e-30f
+static float dopt__tern_k(float s) { return s > DOPT__TINY_SCALE ? (float)(16777216.0 / (double)s) : 0.0f; }
 
 #define DOPT__TERN_RUN 1024 /* elements whose words are generated together (256 words) */
 
@@ -1076,7 +1082,7 @@ static void dopt__qsgd_factors(const unsigned char *norms, size_t i, size_t m, s
     while (t < m) {
         size_t b = (i + t) / bucket, end = (b + 1) * bucket - i;
         float norm = dopt__bits_f32(dopt__get_le32(norms + 4 * b));
-        float v = decode ? norm / (float)s : (norm > 0.0f ? (float)s / norm : 0.0f);
+        float v = decode ? norm / (float)s : (norm > DOPT__TINY_SCALE ? (float)s / norm : 0.0f); /* see dopt__tern_k */
         end = end < m ? end : m;
         for (; t < end; t++) f[t] = v;
     }

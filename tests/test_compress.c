@@ -341,9 +341,9 @@ static void ternary_reference(const float *g, size_t n, float c, float *scale_ou
     for (i = 0; i < n; i++) {
         double gc = g[i] > bound ? bound : (g[i] < -bound ? -bound : (double)g[i]);
         /* keep with probability |gc|/s: a uniform 24-bit u below A = ceil(|gc|·(2^24/s)) (the
-           product in float, as the library documents it); u's high 8 bits are byte
-           (i % 64) / 16 of word 16·(i / 64) + i % 16, its low 16 bits those of word 2^63 + i */
-        float k = s > 0 ? (float)(16777216.0 / s) : 0.0f;
+           product in float, as the library documents it; 0 below a scale of 1e-30); u's high 8
+           bits are byte i mod 4 of word i div 4, its low 16 bits those of word 2^63 + i */
+        float k = s > 1e-30f ? (float)(16777216.0 / s) : 0.0f;
         uint32_t A = (uint32_t)ceilf(fabsf((float)gc) * k), low;
         uint32_t h = (words[i / 4] >> (8 * (i % 4))) & 0xFFu;
         int keep;
@@ -881,9 +881,43 @@ DTEST(fp16_vector_path_matches_portable) {
     }
     memset(a, 0, sizeof a);
     memset(b, 0, sizeof b);
-    dopt__f16_accum(a, 0.5f, h1, N);
-    dopt__f16_accum_portable(b, 0.5f, h1, N);
+    dopt__f16_accum(a, 0.37f, h1, N); /* a weight whose products round: no path may fuse */
+    dopt__f16_accum_portable(b, 0.37f, h1, N);
     DT_CHECK(memcmp(a, b, sizeof a) == 0);
+}
+
+/* A segment whose scale (ternary) or bucket norm (QSGD) is so small that 2^24/s overflows a float:
+   zeros decode as zeros (no code from inf·0 = NaN), whatever the build. */
+DTEST(tiny_scales_send_zeros) {
+    static const dopt_codec codecs[2] = {DOPT_CODEC_TERNARY, DOPT_CODEC_QSGD};
+    enum { N = 200 };
+    float g[N], y[N];
+    size_t i, c;
+    for (i = 0; i < N; i++) g[i] = i % 3 ? 0.0f : 8.6e-34f * (float)(i % 7 + 1);
+    for (c = 0; c < 2; c++) {
+        dopt_compressor cz;
+        dopt_compressor_config cfg;
+        dopt_segment seg = {0, N, "tiny"};
+        dopt_buf b = dopt_buf_flat(g, N, &seg, 1), yb = dopt_buf_flat(y, N, &seg, 1);
+        unsigned char *msg;
+        int step;
+        size_t bytes;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.codec = codecs[c];
+        cfg.clip_c = DOPT_CLIP_OFF;
+        DT_OK(dopt_compressor_init(&cz, &cfg, &seg, 1));
+        msg = (unsigned char *)malloc(dopt_compress_bound(&cz));
+        for (step = 0; step < 5; step++) {
+            DT_OK(dopt_compress_encode(&cz, &b, msg, dopt_compress_bound(&cz), &bytes));
+            memset(y, 0, sizeof y);
+            DT_OK(dopt_compress_decode(&cz, msg, dopt_compress_bound(&cz), 1.0f, &yb));
+            for (i = 0; i < N; i++)
+                DT_CHECKF(y[i] == 0.0f, "%s step %d: element %zu (%g) decoded as %g", dopt_codec_name(codecs[c]), step, i,
+                          g[i], y[i]);
+        }
+        free(msg);
+        dopt_compressor_free(&cz);
+    }
 }
 
 /* The sign codec's full blocks: the AVX-512 mask + bit transpose against the byte packer,
