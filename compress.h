@@ -644,7 +644,9 @@ static void dopt__stats_run(const float *DOPT_RESTRICT x, size_t n, float shift,
     st->s1 = s1;
     st->s2 = s2;
     st->maxabs = mx;
-    st->nan = s1 != s1;
+    /* Only a NaN input makes a sum of squares NaN (the float lanes of finite values near FLT_MAX
+       overflow to +inf, never NaN); the plain sums' lanes can overflow to +inf and -inf. */
+    st->nan = s2 != s2;
 }
 
 /* TernGrad step 1 and 2 for one segment: the clip bound c·σ (FLT_MAX when clipping is off or σ

@@ -886,6 +886,32 @@ DTEST(fp16_vector_path_matches_portable) {
     DT_CHECK(memcmp(a, b, sizeof a) == 0);
 }
 
+/* Finite values near FLT_MAX overflow the statistics' float lanes to +inf in some lanes and -inf
+   in others: still finite data, encoded (no clipping: σ is not finite), not DOPT_ERR_NONFINITE. */
+DTEST(ternary_huge_finite_values_are_not_nonfinite) {
+    enum { N = 4096 };
+    float g[N], y[N];
+    size_t i, bytes;
+    dopt_compressor cz;
+    dopt_compressor_config cfg;
+    dopt_segment seg = {0, N, "huge"};
+    dopt_buf b = dopt_buf_flat(g, N, &seg, 1), yb = dopt_buf_flat(y, N, &seg, 1);
+    unsigned char *msg;
+    g[0] = 0.0f;
+    for (i = 1; i < N; i++) g[i] = i % 2 ? -3e38f : 3e38f;
+    memset(&cfg, 0, sizeof cfg);
+    DT_OK(dopt_compressor_init(&cz, &cfg, &seg, 1));
+    msg = (unsigned char *)malloc(dopt_compress_bound(&cz));
+    DT_OK(dopt_compress_encode(&cz, &b, msg, dopt_compress_bound(&cz), &bytes));
+    memset(y, 0, sizeof y);
+    DT_OK(dopt_compress_decode(&cz, msg, bytes, 1.0f, &yb));
+    for (i = 0; i < N; i++) DT_CHECK(y[i] == 0.0f || fabsf(y[i]) == 3e38f);
+    g[7] = NAN; /* and a NaN is still refused */
+    DT_EQ_INT(dopt_compress_encode(&cz, &b, msg, dopt_compress_bound(&cz), &bytes), DOPT_ERR_NONFINITE);
+    free(msg);
+    dopt_compressor_free(&cz);
+}
+
 /* A segment whose scale (ternary) or bucket norm (QSGD) is so small that 2^24/s overflows a float:
    zeros decode as zeros (no code from inf·0 = NaN), whatever the build. */
 DTEST(tiny_scales_send_zeros) {
