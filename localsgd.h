@@ -141,6 +141,14 @@
    size stays. Every input of the decision is the result of a scalar allreduce, so every rank
    computes the same bits and reaches the same size.
 
+   Two things to know before choosing. (1) WITHIN decides from the micro-batches of one round:
+   at period 1 with initial_units = 1 a round has one, so the size never moves — start at 2
+   units, or use a period > 1 (the examples do). (2) The defaults are the papers' values for
+   large models; on a small one they can ask for far more samples than there are at the first
+   decision and jump to the cap at once (the Fashion-MNIST MLP in examples/ wants tens of
+   thousands at η = 0.3; η = 4, or θ = 3 with ν = 4, let its batch grow during training —
+   docs/RESULTS.md §2). dopt_batch_stats (dopt_batch.last) shows what each decision saw.
+
    Estimators. WITHIN: the host reports each micro-batch's mean gradient v_j (dopt_batch_observe);
    the controller keeps Σv_j (n doubles), Σ‖v_j‖² and the projections on a direction ĝ: O(n)
    memory. Var = s·Σ_j‖v_j − v̄‖²/(k − 1), pooled over ranks (s = unit_samples), and ‖g‖² the
@@ -952,6 +960,7 @@ static dopt_status dopt__ls_average_compressed(dopt_localsgd *ls) {
     s = dopt_compress_allreduce(ls->compressor, ls->comm, ls->work, ls->n);
     if (s != DOPT_OK) return s;
     for (i = 0; i < ls->n; i++) ls->work[i] += ls->anchor[i];
+    if (ls->work_count == ls->n) return DOPT_OK; /* no AVERAGE states: nothing more to send */
     return dopt_allreduce(ls->comm, ls->work + ls->n, ls->work_count - ls->n, DOPT_F32, DOPT_MEAN);
 }
 

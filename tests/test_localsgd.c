@@ -343,6 +343,7 @@ static void body_compressed(dopt_comm *c, void *arg) {
     for (j = 0; j < LS_D; j++) x[j] = 0.0f;
     DT_OK(dopt_localsgd_broadcast(&ls, x));
     d0 = dist_to(x, p.xstar, LS_D);
+    memset(&c->traffic, 0, sizeof c->traffic);
     for (t = 0; t < 1200; t++) {
         lsq_grad(&p, x, g, c->rank, c->size, (uint64_t)t, LS_BATCH);
         dopt_axpy(x, -0.05f, g, LS_D);
@@ -354,6 +355,9 @@ static void body_compressed(dopt_comm *c, void *arg) {
         }
     }
     DT_CHECK(cz.step == 300); /* one compressed allreduce per average */
+    /* each average is one allgather of the messages and nothing else (no state buffers); the
+       allreduces are the replica checks' */
+    DT_CHECK(c->traffic.calls[DOPT_COLL_ALLGATHER] == 300 && c->traffic.calls[DOPT_COLL_ALLREDUCE] == 300);
     DT_CHECKF(dist_to(x, p.xstar, LS_D) < 1e-2 * d0, "codec %s rank %d: |x - x*| = %g from %g", dopt_codec_name(*codec),
               c->rank, dist_to(x, p.xstar, LS_D), d0);
     dopt_localsgd_free(&ls);
