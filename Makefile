@@ -40,6 +40,9 @@ TESTS    += $(BUILD)/test_core_portable
 # compress.h once more with multiply-adds fused wherever the compiler likes (GCC's GNU-mode
 # default; clang fuses within expressions): the error-feedback residual must stay exact.
 TESTS    += $(BUILD)/test_compress_fused
+# And with clang, which fuses within an expression by default: the vector and portable paths of
+# every codec must still give the same bits.
+TESTS    += $(BUILD)/test_compress_clang
 BENCH_SRC := $(filter-out bench/bench_allreduce.c,$(wildcard bench/bench_*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/%,$(BENCH_SRC))
 
@@ -88,7 +91,7 @@ $(BUILD):
 # make hosts: distopt inside FANN's and darknet's own training loops (examples/hosts).
 include examples/hosts/hosts.mk
 
-$(filter-out $(BUILD)/test_core_portable $(BUILD)/test_compress_fused,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
+$(filter-out $(BUILD)/test_core_portable $(BUILD)/test_compress_fused $(BUILD)/test_compress_clang,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 
 $(BUILD)/test_core_portable: tests/test_core.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
@@ -96,6 +99,9 @@ $(BUILD)/test_core_portable: tests/test_core.c tests/dtest.h tests/conformance.h
 
 $(BUILD)/test_compress_fused: tests/test_compress.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(CC) $(subst -std=c11,-std=gnu11,$(ALL_CFLAGS)) -ffp-contract=fast -o $@ $< $(LIBS)
+
+$(BUILD)/test_compress_clang: tests/test_compress.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
+	clang $(ALL_CFLAGS) -o $@ $< $(LIBS)
 
 $(MPI_TESTS): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(MPICC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
