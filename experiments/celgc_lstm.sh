@@ -55,6 +55,7 @@ run() { # $1: method name, then char_lstm's method flags
         job=$((job + 1))
         export DOPT_WORLD_SIZE=2 DOPT_MASTER_ADDR=127.0.0.1 DOPT_MASTER_PORT=$((port_base + job * 7)) \
             DOPT_TOKEN="celgc-lstm-$$-$job" DOPT_TIMEOUT_MS=120000
+        rm -f "$csv" # a failed attempt must not leave an earlier run's figures
         rank 1 "$@" >"$log.rank1.log" 2>&1 &
         pid1=$!
         s0=0
@@ -69,7 +70,10 @@ run() { # $1: method name, then char_lstm's method flags
         break
     done
     printf '%-14s exit %d/%d  %s\n' "$name" "$s0" "$s1" "$(tail -n 1 "$log.log")"
-    if [ "$s0" -gt 1 ] || [ "$s1" -gt 1 ] || [ ! -s "$csv" ]; then
+    # exit 1 is an answer (diverged, not converged) unless the run itself broke: the transport did
+    # not start, or a collective failed ("rank R: step S: ...", "rank R: setup failed")
+    if [ "$s0" -gt 1 ] || [ "$s1" -gt 1 ] || [ ! -s "$csv" ] ||
+        grep -qE "cannot start the tcp transport|^rank [0-9]+: (step|setup)" "$log.log" "$log.rank1.log"; then
         echo "celgc_lstm: $name failed to run:" >&2
         tail -n 5 "$log.log" "$log.rank1.log" >&2
         exit 1

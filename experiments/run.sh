@@ -11,6 +11,7 @@
 # EXP_REPORT_ONLY=1 (no runs: the tables and figures again from BUILD/experiments).
 # About 6 minutes on 2 busy cores, plus the LSTM script.
 set -eu
+failures=0
 
 BUILD=${1:-build}
 OUT=${2:-docs}
@@ -45,6 +46,8 @@ run() { # $1: name, $2: workers, then the method's flags; the command goes to th
         tail -n 1 "$DATA/$name.csv" | awk -F, '{ printf " %6.2f%%  %7.1f s\n", $3, $6 }'
     else
         echo " FAILED (see $DATA/$name.log)"
+        rm -f "$DATA/$name.csv" # no table may use a partial or earlier run's figures
+        failures=$((failures + 1))
     fi
 }
 
@@ -114,8 +117,15 @@ for n in 1 2 4; do
     configs=""
     for r in $(model_runs "$n"); do [ -s "$DATA/$r.csv" ] && configs="$configs $(model_config "$r")"; done
     cut -d' ' -f1 /proc/loadavg >"$DATA/model_w$n.load"
+    rm -f "$DATA/model_w$n.csv"
     # shellcheck disable=SC2086 # one word per configuration
-    "$BUILD/perf_model" --transport shm --workers "$n" --seconds 0.5 --csv "$DATA/model_w$n.csv" $configs | tee "$DATA/model_w$n.txt"
+    if ! "$BUILD/perf_model" --transport shm --workers "$n" --seconds 0.5 --csv "$DATA/model_w$n.csv" $configs \
+        >"$DATA/model_w$n.txt" 2>&1; then
+        echo "perf_model with $n rank(s) FAILED"
+        rm -f "$DATA/model_w$n.csv"
+        failures=$((failures + 1))
+    fi
+    cat "$DATA/model_w$n.txt"
 done
 
 # A prediction, not a measurement: the same ingredients with a 1 Gb/s link between 2 machines.
@@ -403,3 +413,7 @@ for section in run terngrad batch workers bytes model lstm commands; do
     mv "$RESULTS.tmp" "$RESULTS"
 done
 echo "tables: $RESULTS; figures: $IMG/; runs: $DATA/ ($elapsed s)"
+if [ "$failures" -gt 0 ]; then
+    echo "experiments: $failures run(s) FAILED: their rows are missing from the tables" >&2
+    exit 1
+fi

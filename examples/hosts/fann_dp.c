@@ -76,7 +76,7 @@ int main(int argc, char **argv) {
     dopt_compressor cz = {0}; dopt_segment segs[MAX_LAYERS]; size_t nsegs = 0;              /* distopt option */
 
     host_parse_options(&o, argc, argv,
-                       "[--transport shm|tcp] [--workers N] [--epochs E] [--batch B (global)] [--lr LR]\n"
+                       "[--transport shm|tcp] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
                        "          [--hidden H] [--train-limit N] [--seed S] [--compress none|ternary] [--clip C]");
     tern = !strcmp(o.compress, "ternary");
     shuffle = o.seed;
