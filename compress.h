@@ -495,31 +495,36 @@ static void dopt__bf16_encode(const float *DOPT_RESTRICT x, unsigned char *DOPT_
     if (n > full) memcpy(out + 2 * full, h, 2 * (n - full));
 }
 
-static void dopt__bf16_accum(float *DOPT_RESTRICT y, float w, const unsigned char *DOPT_RESTRICT in, size_t n) {
-    uint16_t h[DOPT__BLOCK];
-    size_t i, j;
-    for (i = 0; i < n; i += DOPT__BLOCK) {
-        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
-        memcpy(h, in + 2 * i, 2 * m);
-        if (m == DOPT__BLOCK)
-            for (j = 0; j < DOPT__BLOCK; j++) y[i + j] += w * dopt__bf16_to_f32(h[j]);
-        else
-            for (j = 0; j < m; j++) y[i + j] += w * dopt__bf16_to_f32(h[j]);
-    }
+/* y[0..m) += w·v[0..m): a full block has a constant trip count, which vectorizes at -O2. */
+static void dopt__accum_block(float *DOPT_RESTRICT y, float w, const float *DOPT_RESTRICT v, size_t m) {
+    size_t j;
+    if (m == DOPT__BLOCK)
+        for (j = 0; j < DOPT__BLOCK; j++) y[j] += w * v[j];
+    else
+        for (j = 0; j < m; j++) y[j] += w * v[j];
 }
 
-/* y += w·v over f32 values in a message (any alignment): blocks of 64 through a local array,
-   a constant trip count that vectorizes at -O2. */
-static void dopt__f32_accum(float *DOPT_RESTRICT y, float w, const unsigned char *DOPT_RESTRICT in, size_t n) {
+static void dopt__bf16_accum(float *DOPT_RESTRICT y, float w, const unsigned char *DOPT_RESTRICT in, size_t n) {
+    uint16_t h[DOPT__BLOCK];
     float v[DOPT__BLOCK];
     size_t i, j;
     for (i = 0; i < n; i += DOPT__BLOCK) {
         size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
+        memcpy(h, in + 2 * i, 2 * m);
+        if (m < DOPT__BLOCK) memset(h + m, 0, 2 * (DOPT__BLOCK - m)); /* converted, then unused */
+        for (j = 0; j < DOPT__BLOCK; j++) v[j] = dopt__bf16_to_f32(h[j]);
+        dopt__accum_block(y + i, w, v, m);
+    }
+}
+
+/* y += w·v over f32 values in a message (any alignment): blocks of 64 through a local array. */
+static void dopt__f32_accum(float *DOPT_RESTRICT y, float w, const unsigned char *DOPT_RESTRICT in, size_t n) {
+    float v[DOPT__BLOCK];
+    size_t i;
+    for (i = 0; i < n; i += DOPT__BLOCK) {
+        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
         memcpy(v, in + 4 * i, 4 * m);
-        if (m == DOPT__BLOCK)
-            for (j = 0; j < DOPT__BLOCK; j++) y[i + j] += w * v[j];
-        else
-            for (j = 0; j < m; j++) y[i + j] += w * v[j];
+        dopt__accum_block(y + i, w, v, m);
     }
 }
 

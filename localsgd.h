@@ -1014,6 +1014,27 @@ DOPT_DEF dopt_status dopt_localsgd_after_backward(dopt_localsgd *ls, float *grad
     return dopt_localsgd_after_backward_buf(ls, &b);
 }
 
+/* Ends a round: the model average (or, when the gradients were averaged, only the anchor), the
+   batch decision, the counters. On failure the detail names the step (`how` after it). */
+static dopt_status dopt__ls_end_round(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states, int average,
+                                      uint64_t t, const char *how) {
+    dopt_status s = DOPT_OK;
+    if (average)
+        s = dopt__ls_average_models(ls, params, states);
+    else if (ls->anchor && ls->n)
+        dopt_buf_pack(params, ls->anchor);
+    if (s == DOPT_OK && ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN) s = dopt_batch_decide(ls->batch, ls->comm);
+    if (s != DOPT_OK) {
+        dopt__ls_fail_detail(ls, "average after step %llu%s: %s (%s)", (unsigned long long)t, how, dopt_status_str(s),
+                             dopt_comm_detail(ls->comm));
+        return s;
+    }
+    ls->syncs++;
+    ls->round_steps = 0;
+    ls->round_samples = 0.0;
+    return DOPT_OK;
+}
+
 DOPT_DEF dopt_status dopt_localsgd_after_step_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
     uint64_t t;
     dopt_status s = DOPT_OK;
@@ -1025,24 +1046,8 @@ DOPT_DEF dopt_status dopt_localsgd_after_step_buf(dopt_localsgd *ls, const dopt_
     ls->round_steps++;
     ls->step++;
     if (!dopt_localsgd_should_sync(ls, t)) return DOPT_OK;
-    if (ls->sync_grads && dopt_localsgd_is_synchronous(ls, t)) {
-        /* gradients were averaged: the models are identical already */
-        if (ls->anchor && ls->n) dopt_buf_pack(params, ls->anchor);
-        if (ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN) s = dopt_batch_decide(ls->batch, ls->comm);
-    } else {
-        s = dopt__ls_average_models(ls, params, states);
-        if (s == DOPT_OK && ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN)
-            s = dopt_batch_decide(ls->batch, ls->comm);
-    }
-    if (s != DOPT_OK) {
-        dopt__ls_fail_detail(ls, "average after step %llu: %s (%s)", (unsigned long long)t, dopt_status_str(s),
-                             dopt_comm_detail(ls->comm));
-        return s;
-    }
-    ls->syncs++;
-    ls->round_steps = 0;
-    ls->round_samples = 0.0;
-    return DOPT_OK;
+    /* after averaged gradients the models are identical already */
+    return dopt__ls_end_round(ls, params, states, !(ls->sync_grads && dopt_localsgd_is_synchronous(ls, t)), t, "");
 }
 
 DOPT_DEF dopt_status dopt_localsgd_after_step(dopt_localsgd *ls, float *params) {
@@ -1056,17 +1061,7 @@ DOPT_DEF dopt_status dopt_localsgd_sync_buf(dopt_localsgd *ls, const dopt_buf *p
     s = dopt__ls_check_layout(ls, params, states);
     if (s != DOPT_OK) return s;
     if (ls->round_steps == 0) return DOPT_OK; /* the replicas are identical already */
-    s = dopt__ls_average_models(ls, params, states);
-    if (s == DOPT_OK && ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN) s = dopt_batch_decide(ls->batch, ls->comm);
-    if (s != DOPT_OK) {
-        dopt__ls_fail_detail(ls, "average after step %llu (sync): %s (%s)", (unsigned long long)ls->step,
-                             dopt_status_str(s), dopt_comm_detail(ls->comm));
-        return s;
-    }
-    ls->syncs++;
-    ls->round_steps = 0;
-    ls->round_samples = 0.0;
-    return DOPT_OK;
+    return dopt__ls_end_round(ls, params, states, 1, ls->step, " (sync)");
 }
 
 DOPT_DEF dopt_status dopt_localsgd_sync(dopt_localsgd *ls, float *params) {

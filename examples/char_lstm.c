@@ -527,13 +527,7 @@ int main(int argc, char **argv) {
         uint64_t traffic_before = dopt_comm_traffic_total(comm);
         for (i = 0; i < nwin; i++) order[i] = i;
         shuffle(order, nwin, &shuffle_rng);
-        if ((adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch > nwin) {
-            /* the same on every rank: the batch outgrew the shard, an epoch would have no step */
-            if (comm->rank == 0)
-                fprintf(stderr, "char_lstm: a step of %zu windows needs more than a worker's %zu; stopping at epoch %d\n",
-                        (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch, nwin, epoch);
-            break;
-        }
+        if (!step_fits(&o, adaptive ? dopt_batch_units(&bc) : 1, nwin, comm, epoch)) break;
         while (st == DOPT_OK) {
             units = adaptive ? dopt_batch_units(&bc) : 1;
             if (pos + units * (size_t)o.batch > nwin) break;

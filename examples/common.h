@@ -146,6 +146,17 @@ static inline int method_configs(const options *o, dopt_compressor *cz, dopt_com
     return compress;
 }
 
+/* 1 when a step of `units` micro-batches of --batch items fits in the `have` items of a worker's
+   shard; else rank 0 says so and it returns 0 on every rank alike (the batch outgrew the shard:
+   an epoch would make no step), and the caller stops training. */
+static inline int step_fits(const options *o, size_t units, size_t have, const dopt_comm *comm, int epoch) {
+    if (units * (size_t)o->batch <= have) return 1;
+    if (comm->rank == 0)
+        fprintf(stderr, "a step of %zu items needs more than a worker's %zu; stopping at epoch %d\n",
+                units * (size_t)o->batch, have, epoch);
+    return 0;
+}
+
 static inline void log_to_stderr(void *user, dopt_log_level level, const char *msg) {
     (void)user;
     if (level > DOPT_LOG_WARN) return;

@@ -312,13 +312,7 @@ int main(int argc, char **argv) {
             j = (size_t)(shuffle_rng >> 33) % i;
             t = order[i - 1], order[i - 1] = order[j], order[j] = t;
         }
-        if ((adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch > per_rank) {
-            /* the same on every rank: the batch outgrew the shard, an epoch would have no step */
-            if (comm->rank == 0)
-                fprintf(stderr, "fmnist_mlp: a step of %zu samples needs more than a worker's %zu; stopping at epoch %d\n",
-                        (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch, per_rank, epoch);
-            break;
-        }
+        if (!step_fits(&o, adaptive ? dopt_batch_units(&bc) : 1, per_rank, comm, epoch)) break;
         while (st == DOPT_OK) {
             units = adaptive ? dopt_batch_units(&bc) : 1;
             if (pos + units * (size_t)o.batch > per_rank) break;
