@@ -26,7 +26,11 @@
 
    Parameter localization (TernGrad §3): every rank applies the same averaged gradient to its own
    copy of the parameters; the copies stay identical when they start identical (broadcast them
-   from rank 0 once) because the averaged gradient is bitwise the same on every rank.
+   from rank 0 once) because the averaged gradient is bitwise the same on every rank. That holds
+   for ranks running one build: every rank decodes the same messages with the same code, and the
+   vector and portable paths give the same bits, but two compilers may round y += w·v differently
+   (clang fuses a multiply-add within an expression by default, GCC in ISO mode does not), so a
+   job that mixes builds of different compilers or -ffp-contract settings can drift apart.
 
    COMPRESSORS
 

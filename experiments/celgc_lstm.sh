@@ -61,6 +61,8 @@ run() { # $1: method name, then char_lstm's method flags
         s0=0
         rank 0 "$@" --csv "$csv" >"$log.log" 2>&1 || s0=$?
         s1=0
+        # rank 0 never listened: rank 1 would keep trying to connect until its timeout
+        if grep -q "cannot start the tcp transport" "$log.log"; then kill "$pid1" 2>/dev/null || true; fi
         wait $pid1 || s1=$?
         if grep -q "cannot start the tcp transport" "$log.log" "$log.rank1.log" && [ $tries -lt 4 ]; then
             tries=$((tries + 1))
