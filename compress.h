@@ -734,45 +734,31 @@ DOPT__MAYBE_UNUSED static void dopt__tie_words_portable(const dopt_rng *rng, con
 }
 
 #ifdef DOPT__COMPRESS_AVX512
-/* The same sixteen words at once: one Philox block per lane, each with its own counter (the
-   rounds as distopt.h runs them, on the even and the odd lanes through a shifted copy), then
-   the word e % 4 of each lane's block. A tie is rare (2^-8 per element) but at 2^24 elements
-   there are 65536 of them: one vector block per sixteen costs a tenth of sixteen scalar ones. */
+/* The same sixteen words at once: one Philox block per lane, each with its own counter, through
+   distopt.h's vector rounds (dopt__philox16_rounds: DOPT__COMPRESS_AVX512 implies its AVX-512
+   build), then the word e % 4 of each lane's block. A tie is rare (2^-8 per element) but at 2^24
+   elements there are 65536 of them: one vector block per sixteen costs a tenth of sixteen scalar
+   ones. */
 static void dopt__tie_words_avx512(const dopt_rng *rng, const uint64_t *e, int cnt, uint32_t *out) {
-    const __m512i m0 = _mm512_set1_epi64(DOPT__PHILOX_M0), m1 = _mm512_set1_epi64(DOPT__PHILOX_M1);
-    const __mmask16 odd = 0xAAAA;
-    uint32_t lo[16], hi[16], sel[16], k0 = rng->key[0], k1 = rng->key[1];
-    __m512i c0, c1, c2, c3, w;
-    int i, rnd;
+    uint32_t lo[16], hi[16], sel[16];
+    __m512i c[1][4], w, s;
+    int i;
     for (i = 0; i < 16; i++) {
         uint64_t block = (((uint64_t)1 << 63) + (i < cnt ? e[i] : 0)) / 4;
         lo[i] = (uint32_t)block;
         hi[i] = (uint32_t)(block >> 32);
         sel[i] = (uint32_t)((i < cnt ? e[i] : 0) % 4);
     }
-    c0 = _mm512_loadu_si512((const void *)lo);
-    c1 = _mm512_loadu_si512((const void *)hi);
-    c2 = _mm512_set1_epi32((int)(uint32_t)rng->stream);
-    c3 = _mm512_set1_epi32((int)(uint32_t)(rng->stream >> 32));
-    for (rnd = 0; rnd < 10; rnd++) {
-        __m512i e0 = _mm512_mul_epu32(c0, m0), o0 = _mm512_mul_epu32(_mm512_srli_epi64(c0, 32), m0);
-        __m512i e1 = _mm512_mul_epu32(c2, m1), o1 = _mm512_mul_epu32(_mm512_srli_epi64(c2, 32), m1);
-        __m512i hi0 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(e0, 32), o0);
-        __m512i hi1 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(e1, 32), o1);
-        c0 = _mm512_ternarylogic_epi32(hi1, c1, _mm512_set1_epi32((int)k0), 0x96);
-        c2 = _mm512_ternarylogic_epi32(hi0, c3, _mm512_set1_epi32((int)k1), 0x96);
-        c1 = _mm512_mask_blend_epi32(odd, e1, _mm512_slli_epi64(o1, 32));
-        c3 = _mm512_mask_blend_epi32(odd, e0, _mm512_slli_epi64(o0, 32));
-        k0 += DOPT__PHILOX_W0;
-        k1 += DOPT__PHILOX_W1;
-    }
-    {
-        __m512i s = _mm512_loadu_si512((const void *)sel);
-        w = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(1)), c0, c1);
-        w = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(2)), w, c2);
-        w = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(3)), w, c3);
-        _mm512_storeu_si512((void *)lo, w);
-    }
+    c[0][0] = _mm512_loadu_si512((const void *)lo);
+    c[0][1] = _mm512_loadu_si512((const void *)hi);
+    c[0][2] = _mm512_set1_epi32((int)(uint32_t)rng->stream);
+    c[0][3] = _mm512_set1_epi32((int)(uint32_t)(rng->stream >> 32));
+    dopt__philox16_rounds(c, 1, rng->key[0], rng->key[1]);
+    s = _mm512_loadu_si512((const void *)sel);
+    w = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(1)), c[0][0], c[0][1]);
+    w = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(2)), w, c[0][2]);
+    w = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(3)), w, c[0][3]);
+    _mm512_storeu_si512((void *)lo, w);
     memcpy(out, lo, (size_t)cnt * sizeof(uint32_t));
 }
 #endif

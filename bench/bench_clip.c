@@ -26,23 +26,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct bench_arrays {
-    float *x, *y;
-    size_t n;
-    float max_norm; /* the clip case lowers it a little every call, so that every call clips */
-    volatile double sink;
-} bench_arrays;
-
-/* ---- the limits ---- */
-static void read_words(void *ctx) {
-    bench_arrays *a = (bench_arrays *)ctx;
-    a->sink = bench_read_words(a->x, a->n * sizeof(float));
-}
-static void copy_array(void *ctx) {
-    bench_arrays *a = (bench_arrays *)ctx;
-    memcpy(a->y, a->x, a->n * sizeof(float));
-}
-
 /* ---- the cases ---- */
 static void k_norm(void *ctx) {
     bench_arrays *a = (bench_arrays *)ctx;
@@ -62,8 +45,8 @@ static void k_sumsq_finite(void *ctx) {
 static void k_clip(void *ctx) {
     bench_arrays *a = (bench_arrays *)ctx;
     double norm;
-    a->max_norm *= 0.99999f; /* below the buffer's norm, which the previous call set to max_norm */
-    dopt_clip_global_norm(NULL, a->y, a->n, a->max_norm, &norm);
+    a->scalar *= 0.99999f; /* the threshold, below the norm the previous call clipped the buffer to */
+    dopt_clip_global_norm(NULL, a->y, a->n, a->scalar, &norm);
     a->sink = norm;
 }
 static void read_prefetch(void *ctx) {
@@ -89,11 +72,11 @@ typedef struct bench_case {
 } bench_case;
 
 static const bench_case cases[] = {
-    {"norm", k_norm, 4, read_words, "read", 4},
-    {"sumsq", k_sumsq, 4, read_words, "read", 4},
-    {"sumsq+finite", k_sumsq_finite, 4, read_words, "read", 4},
-    {"clip", k_clip, 12, copy_array, "copy", 8},
-    {"read_pf", read_prefetch, 4, read_words, "read", 4},
+    {"norm", k_norm, 4, bench_read_limit, "read", 4},
+    {"sumsq", k_sumsq, 4, bench_read_limit, "read", 4},
+    {"sumsq+finite", k_sumsq_finite, 4, bench_read_limit, "read", 4},
+    {"clip", k_clip, 12, bench_copy_limit, "copy", 8},
+    {"read_pf", read_prefetch, 4, bench_read_limit, "read", 4},
     {"norm", k_norm, 4, read_prefetch, "read_pf", 4},
 };
 
@@ -114,7 +97,7 @@ int main(void) {
             a.x[i] = (float)((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
             a.y[i] = a.x[i];
         }
-        a.max_norm = (float)sqrt(dopt_sumsq(a.y, a.n));
+        a.scalar = (float)sqrt(dopt_sumsq(a.y, a.n));
         for (c = 0; c < sizeof cases / sizeof *cases; c++) {
             double t[3], tl[3], ratio[3], limit_bytes = cases[c].limit_bytes;
             bench_time_pair(cases[c].fn, cases[c].limit, &a, t, tl, ratio, cases[c].bytes_per_elem / limit_bytes);

@@ -21,22 +21,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct bench_arrays {
-    float *x, *y;
-    size_t n;
-    volatile double sink;
-} bench_arrays;
-
-/* ---- the limits ---- */
-static void read_words(void *ctx) {
-    bench_arrays *a = (bench_arrays *)ctx;
-    a->sink = bench_read_words(a->x, a->n * sizeof(float));
-}
-static void copy_array(void *ctx) {
-    bench_arrays *a = (bench_arrays *)ctx;
-    memcpy(a->y, a->x, a->n * sizeof(float));
-}
-
 /* ---- distopt ---- */
 static void k_sumsq(void *ctx) {
     bench_arrays *a = (bench_arrays *)ctx;
@@ -125,7 +109,7 @@ int main(void) {
         }
         for (c = 0; c < sizeof cases / sizeof *cases; c++) {
             double t[3], tl[3], ratio[3], limit_bytes = cases[c].writes ? 8.0 : 4.0;
-            bench_time_pair(cases[c].fn, cases[c].writes ? copy_array : read_words, &a, t, tl, ratio,
+            bench_time_pair(cases[c].fn, cases[c].writes ? bench_copy_limit : bench_read_limit, &a, t, tl, ratio,
                       cases[c].bytes_per_elem / limit_bytes);
             printf("n=%-9zu %-12s %7.3f Gelem/s [%.3f, %.3f] %7.2f GB/s  limit_%s %7.2f GB/s  ratio=%.2f [%.2f, %.2f]\n",
                    a.n, cases[c].name, (double)a.n / t[0] * 1e-9, (double)a.n / t[2] * 1e-9, (double)a.n / t[1] * 1e-9,

@@ -88,4 +88,23 @@ __attribute__((unused)) static uint32_t bench_read_words(const void *p, size_t b
     return total;
 }
 
+/* Two arrays of n floats that the kernel and clipping benchmarks run their cases on, and the two
+   limits they pair them with: reading x, and copying x to y. */
+typedef struct bench_arrays {
+    float *x, *y;
+    size_t n;
+    float scalar; /* a case's own value (bench_clip: the clipping threshold) */
+    volatile double sink;
+} bench_arrays;
+
+__attribute__((unused)) static void bench_read_limit(void *ctx) {
+    bench_arrays *a = (bench_arrays *)ctx;
+    a->sink = bench_read_words(a->x, a->n * sizeof(float));
+}
+
+__attribute__((unused)) static void bench_copy_limit(void *ctx) {
+    bench_arrays *a = (bench_arrays *)ctx;
+    memcpy(a->y, a->x, a->n * sizeof(float));
+}
+
 #endif

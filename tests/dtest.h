@@ -15,6 +15,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -104,6 +105,23 @@ static void dtest_failf(const char *file, int line, const char *fmt, ...) {
         int s_ = (int)(expr);                                                                      \
         if (s_ != 0) dtest_failf(__FILE__, __LINE__, "%s returned %d (%s)", #expr, s_, dopt_status_str((dopt_status)s_)); \
     } while (0)
+
+/* One int through a pipe between test processes (a port, a go-ahead); reading waits at most 30 s,
+   then fails the test saying what did not arrive. */
+__attribute__((unused)) static void dtest_write_int(int fd, int v) {
+    if (write(fd, &v, sizeof v) != (ssize_t)sizeof v) dtest_failf(__FILE__, __LINE__, "write to a pipe failed");
+}
+
+__attribute__((unused)) static int dtest_read_int(int fd, const char *what) {
+    struct pollfd pf;
+    int v = -1;
+    pf.fd = fd;
+    pf.events = POLLIN;
+    pf.revents = 0;
+    if (poll(&pf, 1, 30000) != 1) dtest_failf(__FILE__, __LINE__, "%s never arrived", what);
+    if (read(fd, &v, sizeof v) != (ssize_t)sizeof v) dtest_failf(__FILE__, __LINE__, "%s: short read", what);
+    return v;
+}
 
 /* Forks n processes that run fn(rank, arg); returns how many did not exit with status 0 within
    timeout_s (those are killed). Output of a failing rank names its pid. */

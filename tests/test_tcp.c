@@ -41,22 +41,8 @@ static void world_init(tcp_world *w, int n, int timeout_ms) {
 static void world_on_listen(void *user, int port) {
     tcp_world *w = (tcp_world *)user;
     int i;
-    for (i = 0; i < w->port_copies; i++) DT_CHECK(write(w->port_pipe[1], &port, sizeof port) == (ssize_t)sizeof port);
+    for (i = 0; i < w->port_copies; i++) dtest_write_int(w->port_pipe[1], port);
 }
-
-/* One int from a pipe, waiting at most 30 s. */
-static int read_int(int fd) {
-    struct pollfd pf;
-    int v = -1;
-    pf.fd = fd;
-    pf.events = POLLIN;
-    pf.revents = 0;
-    DT_CHECKF(poll(&pf, 1, 30000) == 1, "nothing arrived on the pipe");
-    DT_CHECK(read(fd, &v, sizeof v) == (ssize_t)sizeof v);
-    return v;
-}
-
-static void write_int(int fd, int v) { DT_CHECK(write(fd, &v, sizeof v) == (ssize_t)sizeof v); }
 
 static void world_config(tcp_world *w, int rank, dopt_tcp_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
@@ -68,7 +54,7 @@ static void world_config(tcp_world *w, int rank, dopt_tcp_config *cfg) {
         cfg->on_listen = world_on_listen;
         cfg->on_listen_user = w;
     } else if (w->n > 1) {
-        cfg->master_port = read_int(w->gated ? w->gate_pipe[0] : w->port_pipe[0]);
+        cfg->master_port = dtest_read_int(w->gated ? w->gate_pipe[0] : w->port_pipe[0], "rank 0's port");
     }
 }
 
@@ -205,14 +191,14 @@ static void stuck_peer_rank(int rank, void *arg) {
     dopt_status s;
     if (rank == 1) {
         /* never joins the allreduce; waits until rank 0 has given up, then leaves */
-        read_int(w->gate_pipe[0]);
+        dtest_read_int(w->gate_pipe[0], "rank 0's go-ahead");
         dopt_comm_destroy(c);
         return;
     }
     s = dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM);
     DT_CHECKF(s == DOPT_ERR_TIMEOUT, "%d %s", (int)s, dopt_comm_detail(c));
     DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1") != NULL, "%s", dopt_comm_detail(c));
-    write_int(w->gate_pipe[1], 1);
+    dtest_write_int(w->gate_pipe[1], 1);
     dopt_comm_destroy(c);
 }
 
@@ -284,13 +270,13 @@ typedef struct stranger_case {
 
 static void stranger(stranger_case *sc) {
     tcp_world *w = &sc->w;
-    int port = read_int(w->port_pipe[0]), i;
+    int port = dtest_read_int(w->port_pipe[0], "rank 0's port"), i;
     if (sc->kind == STRANGER_GARBAGE) {
         static const char junk[] = "GET / HTTP/1.0\r\nHost: localhost\r\n\r\n";
         int silent = connect_loopback(port), noisy = connect_loopback(port);
         DT_CHECK(send(noisy, junk, sizeof junk - 1, MSG_NOSIGNAL) > 0);
         expect_closed(noisy);
-        for (i = 1; i < w->n; i++) write_int(w->gate_pipe[1], port);
+        for (i = 1; i < w->n; i++) dtest_write_int(w->gate_pipe[1], port);
         expect_closed(silent); /* closed when the rendezvous ends, never waited for */
     } else if (sc->kind == STRANGER_HUGE_FRAME) {
         unsigned char hdr[48];
@@ -302,7 +288,7 @@ static void stranger(stranger_case *sc) {
         dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 1, 0, (uint64_t)1 << 60);
         DT_CHECK(send(fd, hdr, sizeof hdr, MSG_NOSIGNAL) == (ssize_t)sizeof hdr);
         expect_closed(fd);
-        for (i = 1; i < w->n; i++) write_int(w->gate_pipe[1], port);
+        for (i = 1; i < w->n; i++) dtest_write_int(w->gate_pipe[1], port);
     } else {
         dopt_tcp_config cfg;
         dopt_comm sentinel, *c = &sentinel; /* create must set it to NULL */
@@ -326,7 +312,7 @@ static void stranger(stranger_case *sc) {
             DT_CHECKF(s == DOPT_ERR_INVALID, "%d: %s", (int)s, log.text);
             DT_CHECKF(strstr(log.text, "world size") != NULL, "%s", log.text);
         }
-        for (i = 1; i < w->n; i++) write_int(w->gate_pipe[1], port);
+        for (i = 1; i < w->n; i++) dtest_write_int(w->gate_pipe[1], port);
     }
 }
 
@@ -373,7 +359,7 @@ static void duplicate_rank(int rank, void *arg) {
     float x = 1;
     memset(&log, 0, sizeof log);
     if (rank == 2) {
-        DT_EQ_INT(read_int(w->gate_pipe[0]), DOPT_ERR_INVALID);
+        DT_EQ_INT(dtest_read_int(w->gate_pipe[0], "the duplicate rank's status"), DOPT_ERR_INVALID);
         c = world_join(w, 2);
     } else {
         world_config(w, rank == 3 ? 1 : rank, &cfg);
@@ -382,7 +368,7 @@ static void duplicate_rank(int rank, void *arg) {
         s = dopt_tcp_create(&c, &cfg);
         if (s != DOPT_OK) {
             DT_CHECKF(s == DOPT_ERR_INVALID && strstr(log.text, "already joined") != NULL, "%d %s", (int)s, log.text);
-            write_int(w->gate_pipe[1], s);
+            dtest_write_int(w->gate_pipe[1], s);
             return;
         }
     }

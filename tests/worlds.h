@@ -11,7 +11,6 @@
 #ifndef DOPT_TEST_WORLDS_H
 #define DOPT_TEST_WORLDS_H
 
-#include <poll.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -32,18 +31,7 @@ typedef struct world {
 static void world_on_listen(void *user, int port) {
     world *w = (world *)user;
     int i;
-    for (i = 1; i < w->n; i++) DT_CHECK(write(w->port_pipe[1], &port, sizeof port) == (ssize_t)sizeof port);
-}
-
-static int world_read_port(int fd) {
-    struct pollfd pf;
-    int port = -1;
-    pf.fd = fd;
-    pf.events = POLLIN;
-    pf.revents = 0;
-    DT_CHECKF(poll(&pf, 1, 30000) == 1, "rank 0 never announced its port");
-    DT_CHECK(read(fd, &port, sizeof port) == (ssize_t)sizeof port);
-    return port;
+    for (i = 1; i < w->n; i++) dtest_write_int(w->port_pipe[1], port);
 }
 
 static dopt_comm *world_join(world *w, int rank) {
@@ -67,7 +55,7 @@ static dopt_comm *world_join(world *w, int rank) {
             cfg.on_listen = world_on_listen;
             cfg.on_listen_user = w;
         } else {
-            cfg.master_port = world_read_port(w->port_pipe[0]);
+            cfg.master_port = dtest_read_int(w->port_pipe[0], "rank 0's port");
         }
         DT_OK(dopt_tcp_create(&c, &cfg));
     }
