@@ -1,5 +1,5 @@
 /* localsgd.h — local SGD with periodic model averaging (period, post-local warm-up, extra state
-   buffers with a policy each), CELGC as a ready composition, adaptive batch sizes (norm,
+   buffers with a policy each, DiLoCo's outer optimizer), CELGC as a ready composition, adaptive batch sizes (norm,
    inner-product and augmented inner-product tests), the helpers every data-parallel host needs
    (broadcast, replica check, data shard), and per-rank state saved and loaded for exact resume.
    Part of distopt 0.1.0. MIT licence (see the end of distopt.h).
@@ -55,7 +55,9 @@
        }                                                 after 107, 115, ...)
 
       Setting cfg.compressor = &topk (a compressor with error feedback) sends each average's
-      model delta compressed instead of in fp32 (COMPRESSED MODEL DELTAS below).
+      model delta compressed instead of in fp32 (COMPRESSED MODEL DELTAS below); setting
+      cfg.outer_lr = 0.7 and cfg.outer_momentum = 0.9 makes each average a step of DiLoCo's outer
+      Nesterov optimizer (DILOCO'S OUTER OPTIMIZER below).
 
    3. CELGC with adaptive batches: each worker steps min(η, γ/‖g‖) on its own gradient, models
       are averaged every I steps, and at each average the workers agree on the number of
@@ -63,8 +65,9 @@
 
        dopt_batch bc;
        dopt_batch_config bcfg = {0};
-       bcfg.test = DOPT_BATCH_NORM;                     (Var/b ≤ η²‖g‖², η = bcfg.eta)
+       bcfg.test = DOPT_BATCH_NORM;                     (Var/b ≤ η²‖∇F‖², η = bcfg.eta)
        bcfg.unit_samples = 32;                          (samples per micro-batch)
+       bcfg.initial_units = 2;                          (the variance needs 2 per step)
        bcfg.max_units = 16;
        dopt_batch_init(&bc, n, &bcfg);
        cfg.period = 8; cfg.batch = &bc;
@@ -78,7 +81,7 @@
                dopt_axpy(grads, 1.0f / dopt_batch_units(&bc), micro, n);
            }
            dopt_localsgd_celgc_step(&ls, params, grads, eta, gamma, 0.0f);
-       }
+       }                                    (the step's end for the batch controller too)
 
    WHEN THE AVERAGE HAPPENS
      Steps are numbered 0, 1, 2, ... by the driver (one dopt_localsgd_after_step each). With W
@@ -111,6 +114,9 @@
    | compressor   | a compress.h compressor for the model deltas (below)       | fp32 averages     |
    | grad_        | a compress.h compressor for the gradient averages of       | fp32 gradient     |
    |  compressor  | sync_grads (synchronous steps; CELGC at I = 1 included)    | averages          |
+   | outer_lr     | DiLoCo's outer step size on each model average (below)     | 1 (plain average) |
+   | outer_       | its Nesterov momentum μ, in [0, 1)                         | 0                 |
+   |  momentum    |                                                            |                   |
 
    Policies of extra state buffers at every model average: DOPT_STATE_AVERAGE (averaged with the
    parameters, in the same allreduce), DOPT_STATE_KEEP (left local), DOPT_STATE_RESET (set to 0).
@@ -122,44 +128,87 @@
    | test          | DOPT_BATCH_NORM, DOPT_BATCH_INNER_PRODUCT, _AUGMENTED       | NORM              |
    | estimator     | DOPT_BATCH_WITHIN (micro-batch gradients the host reports) | WITHIN            |
    |               | or DOPT_BATCH_ACROSS (spread of the workers' model deltas) |                   |
-   | eta           | norm test: Var/b ≤ η²‖g‖²                                  | 0.3               |
-   | theta         | inner-product test: Var(⟨∇f_i,ĝ⟩)/b ≤ θ²‖g‖²               | 0.7               |
-   | nu            | orthogonality test: Var(∇f_i − ⟨∇f_i,ĝ⟩ĝ)/b ≤ ν²‖g‖²       | 2.0               |
+   | eta           | norm test: Var/b ≤ η²‖∇F‖²                                 | 0.1               |
+   | theta         | inner-product test: Var(⟨∇f_i,ĝ⟩)/b ≤ θ²‖∇F‖²              | 0.1               |
+   | nu            | orthogonality test: Var(∇f_i − ⟨∇f_i,ĝ⟩ĝ)/b ≤ ν²‖∇F‖²      | 0.1               |
    | unit_samples  | samples per unit (micro-batch); b = units · unit_samples   | 1                 |
    | initial_units | units per step at the start                                | 1                 |
    | max_units     | cap                                                        | 64·initial_units  |
    | multiple      | units are rounded up to a multiple of this                 | 1                 |
+   | projection    | WITHIN, inner-product tests: the direction ĝ (below)       | PROJECT_PREVIOUS  |
+   | history       | WITHIN: weight h in [0, 1) of earlier rounds' statistics   | 0: the round's    |
+   |               | (a round k rounds back counts h^k)                         | own alone         |
 
-   The tests (DESIGN.md §5.5), with b the samples per local step, g the gradient the test holds
-   for the batch mean, ĝ = g/‖g‖ and Var a per-sample variance summed over coordinates:
-     norm:        b_needed = Var / (η²‖g‖²)
-     inner prod.: b_needed = Var(⟨∇f_i, ĝ⟩) / (θ²‖g‖²)      (= Var(⟨∇f_i,g⟩)/(θ²‖g‖⁴))
-     augmented:   the larger of the inner-product answer and Var(∇f_i − ⟨∇f_i,ĝ⟩ĝ)/(ν²‖g‖²)
+   The tests, with b the samples per local step, ĝ = g_B/‖g_B‖ the direction of the step's batch
+   gradient, and Var a per-sample variance summed over coordinates:
+     norm (Byrd et al. 2012):           b_needed = Var / (η²‖∇F‖²)
+     inner product (Bollapragada et al. 2018):
+                                        b_needed = Var(⟨∇f_i, ĝ⟩) / (θ²‖∇F‖²)
+                                                 (= Var(⟨∇f_i, g_B⟩)/(θ²‖g_B‖⁴) with ‖∇F‖ for ‖g_B‖)
+     augmented:                         the larger of the inner-product answer and
+                                        Var(∇f_i − ⟨∇f_i,ĝ⟩ĝ) / (ν²‖∇F‖²)
    When b_needed > b the next size is ⌈b_needed / unit_samples⌉ units, rounded up to a multiple
    of `multiple`, never below the current size (monotone) and never above max_units. When the
-   statistics are missing (fewer than 2 micro-batches, one worker for ACROSS, ‖g‖ = 0, NaN) the
-   size stays. Every input of the decision is the result of a scalar allreduce, so every rank
-   computes the same bits and reaches the same size.
+   estimate of ‖∇F‖² is zero or below while there is noise (the noise accounts for all of the
+   observed gradient), no batch passes and the size goes to the cap. When the statistics are
+   missing (no step of the round with 2 micro-batches, no direction yet, one worker for ACROSS,
+   a zero gradient without noise, NaN) the size stays, bc->undecided counts the round, and the
+   communicator's log says why (a warning the first time, information after). Every input of the
+   decision is the result of a scalar allreduce, so every rank computes the same bits and reaches
+   the same size.
 
-   Two things to know before choosing. (1) WITHIN decides from the micro-batches of one round:
-   at period 1 with initial_units = 1 a round has one, so the size never moves — start at 2
-   units, or use a period > 1 (the examples do). (2) The defaults are the papers' values for
-   large models; on a small one they can ask for far more samples than there are at the first
-   decision and jump to the cap at once (the Fashion-MNIST MLP in examples/ wants tens of
-   thousands at η = 0.3; η = 4, or θ = 3 with ν = 4, let its batch grow during training —
-   docs/RESULTS.md §2). dopt_batch_stats (dopt_batch.last) shows what each decision saw.
+   Defaults and what to expect. η = θ = ν = 0.1 are the defaults of the reference code of
+   AdAdaGrad (Lau, Liu, Kolar 2024), by the first author of the paper on adaptive batches for
+   local methods (Lau, Li, Xu, Liu, Kolar 2024); that code's example runs use η ∈ {0.1, 0.25,
+   0.5}, and θ = 0.5 with ν = 1; Bollapragada et al. suggest θ ≈ 0.9 with ν ≈ 5.84. The norm test
+   asks that the batch mean's noise, √(Var/b), be at most η·‖∇F‖: b ≥ Var/(η²‖∇F‖²). On a small
+   model the per-sample noise is many times the gradient, and a strict η asks for a batch far
+   beyond any cap at the first decision — the test's honest answer, not a fault. Choose η from
+   the batch you can afford: run once, read dopt_batch_stats (bc->last) and take
+   η ≈ √(Var/(b_max·‖∇F‖²)) for the b_max you want reached when the gradient is that small. The
+   Fashion-MNIST MLP in the distopt repository's examples/ (2 workers, period 4, 2 micro-batches
+   of 32 per step) asks at η = 0.1 for 3400 samples at its first decision, far beyond its range
+   of 64–512; with η = 1.5 and history 0.9 (below) it grows from 64 to 256 over 10 epochs.
 
-   Estimators. WITHIN: the host reports each micro-batch's mean gradient v_j (dopt_batch_observe);
-   the controller keeps Σv_j (n doubles), Σ‖v_j‖² and the projections on a direction ĝ: O(n)
-   memory. Var = s·Σ_j‖v_j − v̄‖²/(k − 1), pooled over ranks (s = unit_samples), and ‖g‖² the
-   mean over ranks of ‖v̄‖². ĝ is the direction of the previous round's mean v̄ (an exact
-   projection on the current mean would need every v_j kept): in the first round, before there is
-   a direction, the inner-product tests keep the size. ACROSS: at each model average, with d_m =
-   x_m − x_anchor rank m's model delta over the round and B_m the samples it processed, d̄ the
-   (weighted) average: Var = Σ_m B_m‖d_m − d̄‖² / (N − 1) = (Σ B_m‖d_m‖² − B‖d̄‖²)/(N − 1),
-   g = d̄ (every test is invariant to the scale of g and Var together, so deltas serve as
-   gradients), the projection on d̂ = d̄/‖d̄‖ from ⟨d_m, d̄⟩: two scalar allreduces beyond the
-   average itself.
+   The WITHIN estimator. The host reports each micro-batch's mean gradient v_j
+   (dopt_batch_observe), and marks the end of each local step (dopt_batch_end_step; the driver's
+   dopt_localsgd_after_step does it). The variance is the spread of the micro-batch gradients of
+   ONE step, all taken at the same parameters: τ² = Σ_t Σ_j ‖v_j − v̄_t‖² / Σ_t (k_t − 1), pooled
+   over the round's steps and over ranks, and Var = unit_samples·τ². Steps differ in parameters;
+   their difference is drift, not noise, and does not enter. A step of one micro-batch adds no
+   degree of freedom: at initial_units = 1 nothing is ever decided, so start at 2 units or more.
+   ‖∇F‖² is estimated without the upward bias of a batch mean (E‖v̄_t‖² = ‖∇F(x_t)‖² + τ²/k_t):
+   the mean over the round's steps and ranks of ‖v̄_t‖² − τ²/k_t, the variance of each step's mean
+   subtracted. Memory: n doubles for the step's sum, plus, for the inner-product tests:
+     DOPT_BATCH_PROJECT_PREVIOUS: n floats. ĝ is the previous step's mean (the round's first step
+       uses the previous round's last; the first step of all has none and adds nothing to the
+       projected statistics). An approximation: it lags one local step, and it is exact when the
+       direction does not move; where the direction turns within a step's distance it misplaces
+       spread between ip_var and orth_var (a 90-degree turn swaps them).
+     DOPT_BATCH_PROJECT_EXACT: max_units·n floats that keep the step's micro-batch gradients
+       until its end, then project them on the step's own mean: the tests' definition. A step of
+       more than max_units micro-batches is refused (DOPT_ERR_INVALID).
+
+   history (this library's addition, not the papers'). One round's estimate of ‖∇F‖² is noisy
+   when a round holds few micro-batches: the Fashion-MNIST MLP (2 workers, period 4, 2 micro-
+   batches of 32 per step) saw it between 0.17 and 6.9 in its first 30 rounds, and because the
+   size never shrinks, one low estimate sends it to the cap for good (η = 4: the cap of 512
+   samples within the first two epochs, while most rounds asked for 2 to 9 samples). With
+   history = 0.9 (the statistics of about the last 10 rounds) the same run stayed at 64 samples
+   at η = 4 and grew from 64 to 256 over 10 epochs at η = 1.5. The price is lag: a change of
+   the gradient's scale shows within about 1/(1 − h) rounds.
+
+   The ACROSS estimator. At each model average, with d_m = x_m − x_anchor rank m's model delta over
+   the round and B_m the samples it processed, d̄ the (weighted) average:
+   Var = Σ_m B_m‖d_m − d̄‖² / (N − 1) = (Σ B_m‖d_m‖² − B‖d̄‖²)/(N − 1), ‖∇F‖² ≈ ‖d̄‖² − Var·c with
+   c = 1/B (weighted mean) or Σ_m(1/B_m)/N² (plain mean), and the projections on d̂ = d̄/‖d̄‖ from
+   ⟨d_m, d̄⟩: two scalar allreduces beyond the average itself. It reads a delta as a gradient sum
+   over the round's B_m samples times the step size (every test is a ratio, so the scale
+   cancels). That holds for plain SGD at one learning rate on every rank within a round. Under
+   momentum or adaptive optimizers the delta is the sum of the updates, not of the gradients,
+   and the estimate is of the spread of the updates; use WITHIN there. Under clipping (CELGC) a
+   step is min(η, γ/‖g‖)·g, not a fixed multiple of g: dopt_localsgd_celgc_step refuses an ACROSS
+   controller. Unbiased for a weighted mean, and for a plain mean when the B_m are equal.
 
    FUNCTIONS (driver)
 
@@ -228,7 +277,10 @@
      CELGC (Liu et al. 2022), one step: after_backward (gradient average on synchronous steps
      with sync_grads), x ← x − min(η, γ/‖g‖)·(scale·g + wd·x) with clip.h's
      dopt_celgc_step_buf on this worker's own gradient, then after_step. Arguments are checked
-     before any communication (DOPT_ERR_INVALID). A NaN or infinity in the gradient: this worker
+     before any communication (DOPT_ERR_INVALID, also for an ACROSS batch controller: see the
+     ACROSS estimator). With period 1 and sync_grads this is synchronous clipped SGD (gradients
+     averaged, then clipped); with period 1 and without sync_grads, CELGC at I = 1 as its paper
+     runs it (each worker clips its own gradient, the models are averaged after every step). A NaN or infinity in the gradient: this worker
      skips its update, the average still happens when due, and the call returns
      DOPT_ERR_NONFINITE. grads is averaged in place on synchronous steps with sync_grads.
 
@@ -245,14 +297,17 @@
    dopt_status dopt_localsgd_load(dopt_localsgd *ls, const char *path)
      This rank's library state — step, syncs, the round's sample count, the anchor, the layout
      and policies, and the batch controller (size, accumulators, direction) — to a file: header
-     "DOPTLSGD", format version, world size, rank, layout, then the state, then a 64-bit FNV-1a
+     "DOPTLSGD", format version (2; files of version 1 are refused), world size, rank, layout,
+     then the state — with the outer momentum and the batch round's sums — then a 64-bit FNV-1a
      checksum of everything before it. Written atomically: a temporary file in the same
      directory, fsync, rename, fsync of the directory. Parameters, gradients and the host's
      optimizer state are the host's to save. Load refuses, leaving the driver unchanged:
      DOPT_ERR_IO (cannot open or read), DOPT_ERR_PROTOCOL (not such a file, another format
      version, a bad checksum, truncated), DOPT_ERR_INVALID (another world size, rank, element
-     count, period, warm-up, state table, or batch configuration). dopt_localsgd_detail(ls)
-     then says which, in words. Save and load allocate a buffer the size of the file (they are
+     count, period, warm-up, state table, batch or outer-optimizer configuration).
+     dopt_localsgd_detail(ls) then says which, in words. Save refuses (DOPT_ERR_INVALID) in the
+     middle of a step with an EXACT-projection controller: the step's micro-batch gradients are
+     not saved; save between steps. Save and load allocate a buffer the size of the file (they are
      not steady-state calls). Not collectives: each rank saves and loads its own file.
 
    dopt_status dopt_localsgd_set_step_samples(dopt_localsgd *ls, double samples)
@@ -279,14 +334,23 @@
 
    dopt_status dopt_batch_observe(dopt_batch *bc, const float *grad, size_t n)
    dopt_status dopt_batch_observe_buf(dopt_batch *bc, const dopt_buf *grad, float scale)
-     WITHIN: one micro-batch's mean gradient (scale·grad = +∇ of its mean loss). O(n), no
-     allocation, no communication. DOPT_ERR_INVALID: another element count.
+     WITHIN: one micro-batch's mean gradient (scale·grad = +∇ of its mean loss), taken at the
+     current step's parameters. O(n) (EXACT: O(n) more, a copy), no allocation, no
+     communication. DOPT_ERR_INVALID: another element count; EXACT, more than max_units
+     micro-batches in one step.
+
+   void dopt_batch_end_step(dopt_batch *bc)
+     WITHIN: the current step's micro-batches are all observed (the parameters move next). Its
+     spread around its own mean joins the round's statistics. dopt_localsgd_after_step calls it;
+     without the driver, call it after each step's micro-batches. A step without observations
+     (or a second call) does nothing. O(n) (EXACT: O(k·n)), no communication.
 
    dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm)
-     Collective (one scalar allreduce): pools the WITHIN statistics of the round, updates the
-     size, starts a new round. The driver calls it at each sync; call it yourself without the
-     driver (synchronous training, e.g. every k steps). comm may be NULL (this process alone).
-     For ACROSS the driver computes the statistics; this call returns DOPT_ERR_INVALID.
+     Collective (one scalar allreduce): closes an open step, pools the WITHIN statistics of the
+     round, updates the size, starts a new round. The driver calls it at each sync; call it
+     yourself without the driver (synchronous training, e.g. every k steps). comm may be NULL
+     (this process alone; nothing is logged then). For ACROSS the driver computes the
+     statistics; this call returns DOPT_ERR_INVALID.
 
    size_t dopt_batch_next_units(const dopt_batch_config *cfg, size_t current_units,
                                 const dopt_batch_stats *st, double *needed_samples)
@@ -324,6 +388,17 @@
      allreduce takes a plain mean). Synchronous gradient averages (sync_grads) go through
      cfg.grad_compressor when one is given (below), else in fp32.
 
+   DILOCO'S OUTER OPTIMIZER (Douillard et al. 2023)
+     With outer_lr ≠ 1 or outer_momentum > 0, every model average (scheduled, on demand, in the
+     warm-up without sync_grads) is a step of an outer optimizer: with the pseudo-gradient
+     Δ = x_anchor − mean_m(x_m), v ← μ·v + Δ and x_anchor ← x_anchor − lr·(Δ + μ·v) (Nesterov), and
+     every worker continues from the new anchor. DiLoCo uses lr 0.7, μ 0.9 with an inner AdamW
+     and 500 local steps. lr = 1 with μ = 0 is the plain average and takes the plain path, bit for
+     bit. The anchor is kept (n floats) and v is n floats more; both are saved with the state.
+     With cfg.compressor the pseudo-gradient is the mean of the compressed deltas (with the
+     compressor's error feedback). Gradient averages (sync_grads) are not model averages and do
+     not go through it; AVERAGE state buffers are averaged plainly.
+
    COMPRESSED GRADIENTS
      With cfg.grad_compressor (same requirements as cfg.compressor, a different object, and
      sync_grads), dopt_localsgd_after_backward — and so dopt_localsgd_celgc_step — averages the
@@ -344,7 +419,7 @@
 extern "C" {
 #endif
 
-#define DOPT_LOCALSGD_FILE_VERSION 1u
+#define DOPT_LOCALSGD_FILE_VERSION 2u
 #define DOPT_LOCALSGD_DETAIL_MAX 256
 
 /* ===================================================================== ADAPTIVE BATCH */
@@ -360,6 +435,11 @@ typedef enum dopt_batch_estimator {
     DOPT_BATCH_ACROSS = 1  /* spread of the workers' model deltas at each average */
 } dopt_batch_estimator;
 
+typedef enum dopt_batch_projection {
+    DOPT_BATCH_PROJECT_PREVIOUS = 0, /* onto the previous local step's mean: O(n) memory */
+    DOPT_BATCH_PROJECT_EXACT = 1     /* onto the step's own mean: keeps max_units·n floats */
+} dopt_batch_projection;
+
 typedef struct dopt_batch_config {
     dopt_batch_test test;
     dopt_batch_estimator estimator;
@@ -368,29 +448,48 @@ typedef struct dopt_batch_config {
     size_t initial_units;
     size_t max_units;
     size_t multiple;
+    dopt_batch_projection projection;
+    double history;
 } dopt_batch_config;
 
 /* What a decision was made from; NaN where unknown. */
 typedef struct dopt_batch_stats {
     double samples;    /* b: samples per step when the statistics were taken */
-    double grad_norm2; /* ‖g‖² */
+    double grad_norm2; /* ‖∇F‖², without the variance's upward bias (≤ 0: noise hides the gradient) */
     double var;        /* per-sample variance, summed over coordinates */
     double ip_var;     /* per-sample variance of ⟨∇f_i, ĝ⟩ */
     double orth_var;   /* per-sample variance of ∇f_i − ⟨∇f_i, ĝ⟩ĝ, summed over coordinates */
 } dopt_batch_stats;
 
+/* The WITHIN sums of one round on one rank, pooled over ranks at the decision. A step t of k_t
+   micro-batch gradients v_j, all taken at the same parameters, with mean v̄_t, adds: */
+typedef struct dopt_batch_round { /* eight doubles, in this order: pooled as an array */
+    double dof;        /* k_t − 1 */
+    double ss;         /* Σ_j ‖v_j − v̄_t‖² */
+    double proj_dof;   /* k_t − 1, when the step had a projection direction */
+    double proj_ss;    /* Σ_j (p_j − p̄_t)², p_j = ⟨v_j, ĝ⟩, on those steps */
+    double proj_total; /* Σ_j ‖v_j − v̄_t‖² on those steps */
+    double mean_norm2; /* ‖v̄_t‖² */
+    double inv_k;      /* 1/k_t */
+    double steps;      /* 1 */
+} dopt_batch_round;
+
 typedef struct dopt_batch {
     dopt_batch_config cfg; /* with defaults filled in */
     size_t n;
     size_t units;          /* current size */
-    uint64_t observed;     /* micro-batches this round */
-    double *sum;           /* WITHIN: Σ v_j, n doubles */
-    float *dir;            /* WITHIN: the previous round's mean (direction ĝ), n floats */
+    uint64_t observed;     /* micro-batches of the current step */
+    double *sum;           /* WITHIN: Σ v_j of the current step, n doubles */
+    float *dir;            /* PREVIOUS: the previous step's mean v̄ (direction ĝ), n floats */
+    float *micro;          /* EXACT: the current step's v_j, max_units·n floats */
     double dir_norm;       /* ‖dir‖, 0 while there is none */
-    double sumsq;          /* Σ ‖v_j‖² */
-    double proj_sum;       /* Σ ⟨v_j, ĝ⟩ */
-    double proj_sumsq;     /* Σ ⟨v_j, ĝ⟩² */
-    uint64_t decisions;
+    double sumsq;          /* Σ ‖v_j‖² of the current step */
+    double proj_sum;       /* PREVIOUS: Σ ⟨v_j, ĝ⟩ of the current step */
+    double proj_sumsq;     /* PREVIOUS: Σ ⟨v_j, ĝ⟩² of the current step */
+    dopt_batch_round round;
+    dopt_batch_round pooled; /* the rounds so far, each weighted history^age (after the allreduce) */
+    uint64_t decisions;    /* rounds decided or not */
+    uint64_t undecided;    /* rounds whose statistics could not decide (the size stayed) */
     dopt_batch_stats last;
 } dopt_batch;
 
@@ -399,6 +498,7 @@ DOPT_DEF void dopt_batch_free(dopt_batch *bc);
 DOPT_DEF size_t dopt_batch_units(const dopt_batch *bc);
 DOPT_DEF dopt_status dopt_batch_observe(dopt_batch *bc, const float *grad, size_t n);
 DOPT_DEF dopt_status dopt_batch_observe_buf(dopt_batch *bc, const dopt_buf *grad, float scale);
+DOPT_DEF void dopt_batch_end_step(dopt_batch *bc);
 DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm);
 DOPT_DEF size_t dopt_batch_next_units(const dopt_batch_config *cfg, size_t current_units, const dopt_batch_stats *st,
                                       double *needed_samples);
@@ -428,6 +528,8 @@ typedef struct dopt_localsgd_config {
     int keep_anchor;
     dopt_compressor *compressor;
     dopt_compressor *grad_compressor;
+    double outer_lr;
+    double outer_momentum;
 } dopt_localsgd_config;
 
 typedef struct dopt_localsgd {
@@ -443,6 +545,9 @@ typedef struct dopt_localsgd {
     dopt_batch *batch;       /* borrowed, or NULL */
     dopt_compressor *compressor; /* borrowed, or NULL: model deltas go through it */
     dopt_compressor *grad_compressor; /* borrowed, or NULL: synchronous gradient means go through it */
+    int outer;               /* 1: model averages go through the outer optimizer */
+    double outer_lr, outer_momentum;
+    float *outer_v;          /* the outer momentum, n floats (outer_momentum > 0), or NULL */
     uint64_t step;           /* steps completed */
     uint64_t syncs;          /* averages done (model or gradient) */
     uint64_t round_steps;    /* steps since the last average */
@@ -594,31 +699,35 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
 
 /* ===================================================================== ADAPTIVE BATCH: DECISION RULE */
 
+/* η = θ = ν = 0.1: the defaults of AdAdaGrad's reference code (Lau, Liu, Kolar 2024). */
 static void dopt__batch_defaults(dopt_batch_config *c) {
-    if (c->eta == 0.0) c->eta = 0.3;
-    if (c->theta == 0.0) c->theta = 0.7;
-    if (c->nu == 0.0) c->nu = 2.0;
+    if (c->eta == 0.0) c->eta = 0.1;
+    if (c->theta == 0.0) c->theta = 0.1;
+    if (c->nu == 0.0) c->nu = 0.1;
     if (c->unit_samples == 0) c->unit_samples = 1;
     if (c->initial_units == 0) c->initial_units = 1;
     if (c->max_units == 0) c->max_units = c->initial_units > SIZE_MAX / 64 ? SIZE_MAX : 64 * c->initial_units;
     if (c->multiple == 0) c->multiple = 1;
 }
 
+/* The samples one test asks for: v/(tol²·g2). A gradient estimate of zero or below (the noise
+   accounts for all of ‖ḡ‖²) asks for more than any batch when there is noise. NaN: no answer. */
+static double dopt__batch_ratio(double v, double tol, double g2) {
+    if (!dopt__ls_finite(v) || v < 0.0 || g2 != g2) return NAN;
+    if (g2 > 0.0) return v / (tol * tol * g2);
+    return v > 0.0 ? INFINITY : NAN;
+}
+
 /* b_needed from the statistics, NaN when they cannot decide. */
 static double dopt__batch_needed(const dopt_batch_config *c, const dopt_batch_stats *st) {
-    double g2 = st->grad_norm2, need, orth;
-    if (!dopt__ls_finite(g2) || !(g2 > 0.0)) return NAN;
-    if (c->test == DOPT_BATCH_NORM) {
-        need = st->var / (c->eta * c->eta * g2);
-    } else {
-        need = st->ip_var / (c->theta * c->theta * g2);
-        if (c->test == DOPT_BATCH_AUGMENTED) {
-            orth = st->orth_var / (c->nu * c->nu * g2);
-            need = orth > need ? orth : need; /* NaN in orth leaves need, NaN in need is caught below */
-            if (!dopt__ls_finite(orth)) need = NAN;
-        }
+    double need, orth;
+    if (c->test == DOPT_BATCH_NORM) return dopt__batch_ratio(st->var, c->eta, st->grad_norm2);
+    need = dopt__batch_ratio(st->ip_var, c->theta, st->grad_norm2);
+    if (c->test == DOPT_BATCH_AUGMENTED) {
+        orth = dopt__batch_ratio(st->orth_var, c->nu, st->grad_norm2);
+        need = need != need || orth != orth ? NAN : (orth > need ? orth : need);
     }
-    return dopt__ls_finite(need) && need >= 0.0 ? need : NAN;
+    return need;
 }
 
 DOPT_DEF size_t dopt_batch_next_units(const dopt_batch_config *cfg, size_t current_units, const dopt_batch_stats *st,
@@ -646,10 +755,11 @@ DOPT_DEF dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_
     if (bc == NULL) return DOPT_ERR_INVALID;
     memset(bc, 0, sizeof *bc);
     if (cfg) c = *cfg; else memset(&c, 0, sizeof c);
-    if ((unsigned)c.test > (unsigned)DOPT_BATCH_AUGMENTED || (unsigned)c.estimator > (unsigned)DOPT_BATCH_ACROSS)
+    if ((unsigned)c.test > (unsigned)DOPT_BATCH_AUGMENTED || (unsigned)c.estimator > (unsigned)DOPT_BATCH_ACROSS ||
+        (unsigned)c.projection > (unsigned)DOPT_BATCH_PROJECT_EXACT)
         return DOPT_ERR_INVALID;
     if (!(c.eta >= 0.0) || !(c.theta >= 0.0) || !(c.nu >= 0.0) || !dopt__ls_finite(c.eta) ||
-        !dopt__ls_finite(c.theta) || !dopt__ls_finite(c.nu))
+        !dopt__ls_finite(c.theta) || !dopt__ls_finite(c.nu) || !(c.history >= 0.0 && c.history < 1.0))
         return DOPT_ERR_INVALID;
     dopt__batch_defaults(&c);
     if (c.max_units < c.initial_units) return DOPT_ERR_INVALID;
@@ -657,17 +767,24 @@ DOPT_DEF dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_
     bc->n = n;
     bc->units = c.initial_units;
     bc->last.samples = bc->last.grad_norm2 = bc->last.var = bc->last.ip_var = bc->last.orth_var = NAN;
-    if (c.estimator == DOPT_BATCH_WITHIN && n > 0) {
-        if (n > SIZE_MAX / sizeof(double)) return DOPT_ERR_INVALID;
-        bc->sum = (double *)DOPT_MALLOC(n * sizeof(double));
-        bc->dir = (float *)DOPT_MALLOC(n * sizeof(float));
-        if (bc->sum == NULL || bc->dir == NULL) {
+    if (c.estimator != DOPT_BATCH_WITHIN || n == 0) return DOPT_OK;
+    if (n > SIZE_MAX / sizeof(double)) return DOPT_ERR_INVALID;
+    bc->sum = (double *)DOPT_MALLOC(n * sizeof(double));
+    if (c.projection == DOPT_BATCH_PROJECT_EXACT) {
+        if (c.max_units > SIZE_MAX / sizeof(float) / n) {
             dopt_batch_free(bc);
-            return DOPT_ERR_NOMEM;
+            return DOPT_ERR_INVALID;
         }
-        memset(bc->sum, 0, n * sizeof(double));
-        memset(bc->dir, 0, n * sizeof(float));
+        bc->micro = (float *)DOPT_MALLOC(c.max_units * n * sizeof(float));
+    } else {
+        bc->dir = (float *)DOPT_MALLOC(n * sizeof(float));
     }
+    if (bc->sum == NULL || (bc->micro == NULL && bc->dir == NULL)) {
+        dopt_batch_free(bc);
+        return DOPT_ERR_NOMEM;
+    }
+    memset(bc->sum, 0, n * sizeof(double));
+    if (bc->dir) memset(bc->dir, 0, n * sizeof(float));
     return DOPT_OK;
 }
 
@@ -675,8 +792,10 @@ DOPT_DEF void dopt_batch_free(dopt_batch *bc) {
     if (bc == NULL) return;
     if (bc->sum) DOPT_FREE(bc->sum);
     if (bc->dir) DOPT_FREE(bc->dir);
+    if (bc->micro) DOPT_FREE(bc->micro);
     bc->sum = NULL;
     bc->dir = NULL;
+    bc->micro = NULL;
 }
 
 DOPT_DEF size_t dopt_batch_units(const dopt_batch *bc) { return bc ? bc->units : 0; }
@@ -684,26 +803,33 @@ DOPT_DEF size_t dopt_batch_units(const dopt_batch *bc) { return bc ? bc->units :
 DOPT_DEF dopt_status dopt_batch_observe_buf(dopt_batch *bc, const dopt_buf *grad, float scale) {
     size_t i, j, k, off = 0;
     double sq = 0.0, proj = 0.0, sc = (double)scale;
+    float *keep;
     if (bc == NULL || bc->cfg.estimator != DOPT_BATCH_WITHIN || dopt__ls_check_buf(grad, bc->n) != DOPT_OK ||
         !dopt__ls_finite(sc) || sc == 0.0)
         return DOPT_ERR_INVALID;
+    if (bc->micro && bc->observed >= bc->cfg.max_units) return DOPT_ERR_INVALID; /* no room to keep it */
+    keep = bc->micro ? bc->micro + (size_t)bc->observed * bc->n : NULL;
     k = dopt_buf_nsegs(grad);
     for (i = 0; i < k; i++) {
         dopt_span sp = dopt_buf_segment(grad, i);
         double *sum = bc->sum + off;
-        const float *dir = bc->dir + off;
         for (j = 0; j < sp.count; j++) {
             double v = sc * (double)sp.ptr[j];
             sum[j] += v;
             sq += v * v;
-            proj += v * (double)dir[j];
         }
+        if (keep)
+            for (j = 0; j < sp.count; j++) keep[off + j] = (float)(sc * (double)sp.ptr[j]);
+        else
+            for (j = 0; j < sp.count; j++) proj += sc * (double)sp.ptr[j] * (double)bc->dir[off + j];
         off += sp.count;
     }
-    if (bc->dir_norm > 0.0) proj /= bc->dir_norm;
     bc->sumsq += sq;
-    bc->proj_sum += proj;
-    bc->proj_sumsq += proj * proj;
+    if (bc->dir_norm > 0.0) {
+        proj /= bc->dir_norm;
+        bc->proj_sum += proj;
+        bc->proj_sumsq += proj * proj;
+    }
     bc->observed++;
     return DOPT_OK;
 }
@@ -713,51 +839,49 @@ DOPT_DEF dopt_status dopt_batch_observe(dopt_batch *bc, const float *grad, size_
     return dopt_batch_observe_buf(bc, &b, 1.0f);
 }
 
-/* Applies the rule to pooled statistics and records them. */
-static void dopt__batch_apply(dopt_batch *bc, const dopt_batch_stats *st) {
-    bc->last = *st;
-    bc->units = dopt_batch_next_units(&bc->cfg, bc->units, st, NULL);
-    bc->decisions++;
+/* EXACT: Σ_j (p_j − p̄)² with p_j = ⟨v_j, v̄⟩/‖v̄‖, over the kept micro-batch gradients. */
+static double dopt__batch_exact_proj_ss(const dopt_batch *bc, double k, double mean_norm) {
+    double p_sum = 0.0, p_sumsq = 0.0;
+    size_t j, i, n = bc->n;
+    for (j = 0; j < (size_t)bc->observed; j++) {
+        const float *v = bc->micro + j * n;
+        double p = 0.0;
+        for (i = 0; i < n; i++) p += (double)v[i] * bc->sum[i];
+        p /= k * mean_norm;
+        p_sum += p;
+        p_sumsq += p * p;
+    }
+    return p_sumsq - p_sum * p_sum / k;
 }
 
-/* The round's local sufficient statistics, then the next direction, then a fresh round. The
-   six sums go through one allreduce so that every rank pools the same numbers. */
-DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm) {
-    double loc[6] = {0, 0, 0, 0, 0, 0}, k, mean2 = 0.0, ss, ip, s_unit, dof;
-    dopt_batch_stats st;
-    dopt_status s;
+/* Closes the current step: its spread around its own mean goes into the round (all its
+   micro-batches were taken at the same parameters); its mean becomes the next direction. */
+DOPT_DEF void dopt_batch_end_step(dopt_batch *bc) {
+    double k, mean2 = 0.0, ss, pss = NAN;
+    dopt_batch_round *r;
     size_t i;
-    if (bc == NULL || bc->cfg.estimator != DOPT_BATCH_WITHIN) return DOPT_ERR_INVALID;
+    if (bc == NULL || bc->cfg.estimator != DOPT_BATCH_WITHIN || bc->observed == 0) return;
+    r = &bc->round;
     k = (double)bc->observed;
-    if (bc->observed > 0) {
-        for (i = 0; i < bc->n; i++) mean2 += bc->sum[i] * bc->sum[i];
-        mean2 /= k * k;                                /* ‖v̄‖² */
-        ss = bc->sumsq - k * mean2;                    /* Σ‖v_j − v̄‖² */
-        ip = bc->proj_sumsq - bc->proj_sum * bc->proj_sum / k; /* Σ(⟨v_j,ĝ⟩ − mean)² */
-        if (ss < 0.0) ss = 0.0;
-        if (ip < 0.0) ip = 0.0;
-        if (ip > ss) ip = ss;
-        loc[0] = k - 1.0;
-        loc[1] = ss;
-        loc[2] = bc->dir_norm > 0.0 ? ip : NAN;
-        loc[3] = bc->dir_norm > 0.0 ? ss - ip : NAN;
-        loc[4] = mean2;
-        loc[5] = 1.0;
+    for (i = 0; i < bc->n; i++) mean2 += bc->sum[i] * bc->sum[i];
+    mean2 /= k * k;
+    ss = bc->sumsq - k * mean2;
+    if (ss < 0.0) ss = 0.0;
+    if (bc->micro && mean2 > 0.0)
+        pss = dopt__batch_exact_proj_ss(bc, k, sqrt(mean2));
+    else if (!bc->micro && bc->dir_norm > 0.0)
+        pss = bc->proj_sumsq - bc->proj_sum * bc->proj_sum / k;
+    if (pss == pss) {
+        r->proj_dof += k - 1.0;
+        r->proj_ss += pss < 0.0 ? 0.0 : (pss > ss ? ss : pss);
+        r->proj_total += ss;
     }
-    if (comm != NULL) {
-        s = dopt_allreduce(comm, loc, 6, DOPT_F64, DOPT_SUM);
-        if (s != DOPT_OK) return s;
-    }
-    s_unit = (double)bc->cfg.unit_samples;
-    dof = loc[0];
-    st.samples = (double)bc->units * s_unit;
-    st.grad_norm2 = loc[5] > 0.0 ? loc[4] / loc[5] : NAN;
-    st.var = dof > 0.0 ? s_unit * loc[1] / dof : NAN;
-    st.ip_var = dof > 0.0 ? s_unit * loc[2] / dof : NAN;
-    st.orth_var = dof > 0.0 ? s_unit * loc[3] / dof : NAN;
-    dopt__batch_apply(bc, &st);
-    /* The next round projects on this round's local mean. */
-    if (bc->observed > 0) {
+    r->dof += k - 1.0;
+    r->ss += ss;
+    r->mean_norm2 += mean2;
+    r->inv_k += 1.0 / k;
+    r->steps += 1.0;
+    if (bc->dir) {
         double nrm2 = 0.0;
         for (i = 0; i < bc->n; i++) {
             bc->dir[i] = (float)(bc->sum[i] / k);
@@ -768,6 +892,57 @@ DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm) {
     if (bc->n) memset(bc->sum, 0, bc->n * sizeof(double));
     bc->sumsq = bc->proj_sum = bc->proj_sumsq = 0.0;
     bc->observed = 0;
+}
+
+/* Why the statistics cannot decide, or NULL when they can. */
+static const char *dopt__batch_undecided_why(const dopt_batch_config *c, const dopt_batch_stats *st) {
+    if (dopt__batch_needed(c, st) == dopt__batch_needed(c, st)) return NULL;
+    if (st->var != st->var) return "no variance: no step of the round had 2 micro-batches (or one worker, ACROSS)";
+    if (c->test != DOPT_BATCH_NORM && st->ip_var != st->ip_var)
+        return "no projection direction yet (the first step, DOPT_BATCH_PROJECT_PREVIOUS)";
+    return "a zero gradient with zero variance, or a non-finite statistic";
+}
+
+/* Applies the rule to pooled statistics and records them; says when they could not decide. */
+static void dopt__batch_apply(dopt_batch *bc, const dopt_batch_stats *st, dopt_comm *comm) {
+    const char *why = dopt__batch_undecided_why(&bc->cfg, st);
+    bc->last = *st;
+    bc->units = dopt_batch_next_units(&bc->cfg, bc->units, st, NULL);
+    bc->decisions++;
+    if (why == NULL) return;
+    if (comm)
+        dopt_comm_log(comm, bc->undecided == 0 ? DOPT_LOG_WARN : DOPT_LOG_INFO,
+                      "adaptive batch: decision %llu could not decide, the size stays at %zu units: %s",
+                      (unsigned long long)bc->decisions, bc->units, why);
+    bc->undecided++;
+}
+
+/* Pools the round's sums over ranks (one allreduce, so every rank decides from the same
+   numbers), applies the rule, starts a new round. τ² = Σss/Σdof is the variance of one
+   micro-batch gradient; E‖v̄_t‖² = ‖∇F(x_t)‖² + τ²/k_t, so the mean of ‖v̄_t‖² − τ²/k_t over
+   the round's steps estimates ‖∇F‖² without that bias. */
+DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm) {
+    double v[8], tau2, s_unit, *pool = &bc->pooled.dof;
+    dopt_batch_stats st;
+    dopt_status s;
+    int i;
+    if (bc == NULL || bc->cfg.estimator != DOPT_BATCH_WITHIN) return DOPT_ERR_INVALID;
+    dopt_batch_end_step(bc);
+    memcpy(v, &bc->round, sizeof v);
+    if (comm != NULL) {
+        s = dopt_allreduce(comm, v, 8, DOPT_F64, DOPT_SUM);
+        if (s != DOPT_OK) return s;
+    }
+    for (i = 0; i < 8; i++) v[i] = pool[i] = bc->cfg.history * pool[i] + v[i];
+    s_unit = (double)bc->cfg.unit_samples;
+    tau2 = v[0] > 0.0 ? v[1] / v[0] : NAN;
+    st.samples = (double)bc->units * s_unit;
+    st.var = s_unit * tau2;
+    st.grad_norm2 = v[7] > 0.0 ? (v[5] - tau2 * v[6]) / v[7] : NAN;
+    st.ip_var = v[2] > 0.0 ? s_unit * v[3] / v[2] : NAN;
+    st.orth_var = v[2] > 0.0 ? s_unit * (v[4] - v[3]) / v[2] : NAN;
+    dopt__batch_apply(bc, &st, comm);
+    memset(&bc->round, 0, sizeof bc->round);
     return DOPT_OK;
 }
 
@@ -799,7 +974,11 @@ DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size
         (c.grad_compressor->segs == NULL || c.grad_compressor->count != n || c.grad_compressor->flat_end != n ||
          c.weighted || !c.sync_grads || c.grad_compressor == c.compressor))
         return DOPT_ERR_INVALID;
-    anchor = c.keep_anchor || c.compressor || (c.batch && c.batch->cfg.estimator == DOPT_BATCH_ACROSS);
+    if (c.outer_lr == 0.0) c.outer_lr = 1.0;
+    if (!dopt__ls_finite(c.outer_lr) || c.outer_lr < 0.0 || !(c.outer_momentum >= 0.0 && c.outer_momentum < 1.0))
+        return DOPT_ERR_INVALID;
+    ls->outer = c.outer_lr != 1.0 || c.outer_momentum != 0.0;
+    anchor = c.keep_anchor || c.compressor || ls->outer || (c.batch && c.batch->cfg.estimator == DOPT_BATCH_ACROSS);
     ls->comm = comm;
     ls->n = n;
     ls->period = c.period ? c.period : 1;
@@ -809,6 +988,8 @@ DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size
     ls->batch = c.batch;
     ls->compressor = c.compressor;
     ls->grad_compressor = c.grad_compressor;
+    ls->outer_lr = c.outer_lr;
+    ls->outer_momentum = c.outer_momentum;
     ls->nstates = c.nstates;
     ls->work_count = work;
     if (c.nstates) {
@@ -823,6 +1004,11 @@ DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size
         if (ls->anchor == NULL) goto nomem;
         memset(ls->anchor, 0, (n ? n : 1) * sizeof(float));
     }
+    if (c.outer_momentum > 0.0) {
+        ls->outer_v = (float *)DOPT_MALLOC((n ? n : 1) * sizeof(float));
+        if (ls->outer_v == NULL) goto nomem;
+        memset(ls->outer_v, 0, (n ? n : 1) * sizeof(float));
+    }
     return DOPT_OK;
 nomem:
     dopt_localsgd_free(ls);
@@ -834,9 +1020,11 @@ DOPT_DEF void dopt_localsgd_free(dopt_localsgd *ls) {
     if (ls->states) DOPT_FREE(ls->states);
     if (ls->work) DOPT_FREE(ls->work);
     if (ls->anchor) DOPT_FREE(ls->anchor);
+    if (ls->outer_v) DOPT_FREE(ls->outer_v);
     ls->states = NULL;
     ls->work = NULL;
     ls->anchor = NULL;
+    ls->outer_v = NULL;
 }
 
 DOPT_DEF int dopt_localsgd_is_synchronous(const dopt_localsgd *ls, uint64_t step) {
@@ -916,15 +1104,20 @@ static double dopt__ls_step_samples(const dopt_localsgd *ls) {
 
 /* ===================================================================== LOCAL SGD: AVERAGING */
 
-/* The across-worker statistics of the round, from this rank's delta (params − anchor, params
-   still unpacked) and the average (in the workspace). Two scalar allreduces. */
+/* The across-worker statistics of the round, from this rank's delta d_m (params − anchor,
+   params still unpacked) and the average d̄ (in the workspace). Two scalar allreduces. A delta
+   is read as a gradient sum over the B_m samples of the round, scaled by the step size (every
+   test is a ratio, so the scale cancels): E Σ_m B_m‖d_m − d̄‖² = (N − 1)σ² for the weighted
+   mean (and for equal B_m), and E‖d̄‖² = ‖∇F‖² + σ²·c with c = 1/W (weighted) or
+   Σ_m(1/B_m)/N² (plain), the bias taken off grad_norm2. */
 static dopt_status dopt__ls_across_stats(dopt_localsgd *ls, const dopt_buf *params, double local_d2,
                                          dopt_batch_stats *st) {
-    double sums[2], mean2, dot, proj2, w = ls->round_samples, N = (double)ls->comm->size, W;
+    double sums[3], mean2, dot, proj2, w = ls->round_samples, N = (double)ls->comm->size, W, bias;
     dopt_status s;
     sums[0] = w * local_d2;
     sums[1] = w;
-    s = dopt_allreduce(ls->comm, sums, 2, DOPT_F64, DOPT_SUM);
+    sums[2] = w > 0.0 ? 1.0 / w : 0.0;
+    s = dopt_allreduce(ls->comm, sums, 3, DOPT_F64, DOPT_SUM);
     if (s != DOPT_OK) return s;
     W = sums[1];
     mean2 = dopt__ls_sqdist(ls->work, ls->anchor, ls->n);
@@ -934,8 +1127,8 @@ static dopt_status dopt__ls_across_stats(dopt_localsgd *ls, const dopt_buf *para
     if (s != DOPT_OK) return s;
     /* the mean samples per step over ranks: the same number everywhere */
     st->samples = W / (N * (double)(ls->round_steps ? ls->round_steps : 1));
-    st->grad_norm2 = mean2;
     if (ls->comm->size < 2) {
+        st->grad_norm2 = mean2;
         st->var = st->ip_var = st->orth_var = NAN;
         return DOPT_OK;
     }
@@ -945,8 +1138,10 @@ static dopt_status dopt__ls_across_stats(dopt_localsgd *ls, const dopt_buf *para
     if (st->ip_var < 0.0) st->ip_var = 0.0;
     if (st->ip_var > st->var) st->ip_var = st->var;
     st->orth_var = st->var - st->ip_var;
-    /* The deltas are means over a round of T steps of b samples each: the test is on one step's
-       batch, so the per-sample variance above (a delta averages B_m samples) is compared with b. */
+    bias = ls->weighted ? 1.0 / W : sums[2] / (N * N);
+    st->grad_norm2 = mean2 - st->var * bias;
+    /* A delta averages B_m samples, so the per-sample variance above is compared with the b of
+       one step, as the tests define it. */
     return DOPT_OK;
 }
 
@@ -962,6 +1157,22 @@ static dopt_status dopt__ls_average_compressed(dopt_localsgd *ls) {
     for (i = 0; i < ls->n; i++) ls->work[i] += ls->anchor[i];
     if (ls->work_count == ls->n) return DOPT_OK; /* no AVERAGE states: nothing more to send */
     return dopt_allreduce(ls->comm, ls->work + ls->n, ls->work_count - ls->n, DOPT_F32, DOPT_MEAN);
+}
+
+/* DiLoCo's outer step (Douillard et al. 2023) on the average in the workspace: the
+   pseudo-gradient Δ = anchor − mean, v ← μ·v + Δ, new model = anchor − lr·(Δ + μ·v) (Nesterov).
+   The same bits on every rank: its inputs (anchor, mean, v) are. */
+static void dopt__ls_outer_step(dopt_localsgd *ls) {
+    double lr = ls->outer_lr, mu = ls->outer_momentum;
+    size_t i;
+    for (i = 0; i < ls->n; i++) {
+        double d = (double)ls->anchor[i] - (double)ls->work[i];
+        if (ls->outer_v) {
+            ls->outer_v[i] = (float)(mu * (double)ls->outer_v[i] + d);
+            d += mu * (double)ls->outer_v[i];
+        }
+        ls->work[i] = (float)((double)ls->anchor[i] - lr * d);
+    }
 }
 
 static dopt_status dopt__ls_average_models(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
@@ -981,8 +1192,9 @@ static dopt_status dopt__ls_average_models(dopt_localsgd *ls, const dopt_buf *pa
     if (across) {
         s = dopt__ls_across_stats(ls, params, local_d2, &st);
         if (s != DOPT_OK) return s;
-        dopt__batch_apply(ls->batch, &st);
+        dopt__batch_apply(ls->batch, &st, ls->comm);
     }
+    if (ls->outer) dopt__ls_outer_step(ls);
     dopt__ls_unpack(ls, params, states);
     if (ls->anchor && ls->n) memcpy(ls->anchor, ls->work, ls->n * sizeof(float));
     return DOPT_OK;
@@ -1041,6 +1253,7 @@ DOPT_DEF dopt_status dopt_localsgd_after_step_buf(dopt_localsgd *ls, const dopt_
     if (ls == NULL) return DOPT_ERR_INVALID;
     s = dopt__ls_check_layout(ls, params, states);
     if (s != DOPT_OK) return s;
+    if (ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt_batch_end_step(ls->batch);
     t = ls->step;
     ls->round_samples += dopt__ls_step_samples(ls);
     ls->round_steps++;
@@ -1145,6 +1358,11 @@ DOPT_DEF dopt_status dopt_localsgd_celgc_step_buf(dopt_localsgd *ls, const dopt_
     if (dopt__ls_check_buf(grads, ls->n) != DOPT_OK || dopt_buf_nsegs(grads) != dopt_buf_nsegs(params) ||
         !dopt__ls_celgc_args_ok(scale, eta, gamma, weight_decay)) {
         dopt__ls_fail_detail(ls, "celgc step: gradients of another layout, or a bad scale, eta, gamma or decay");
+        return DOPT_ERR_INVALID;
+    }
+    if (ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_ACROSS) {
+        dopt__ls_fail_detail(ls, "celgc step: the across-worker batch estimator reads model deltas as gradient sums, "
+                                 "and clipped steps are not; use DOPT_BATCH_WITHIN");
         return DOPT_ERR_INVALID;
     }
     s = dopt_localsgd_after_backward_buf(ls, grads);
@@ -1277,7 +1495,7 @@ static void dopt__ls_put_layout(dopt__ls_writer *w, const dopt_localsgd *ls) {
     dopt__ls_put_u64(w, ls->warmup);
     dopt__ls_put_u64(w, (uint64_t)ls->sync_grads | (uint64_t)ls->weighted << 1 | (uint64_t)(ls->anchor != NULL) << 2 |
                             (uint64_t)(ls->batch != NULL) << 3 | (uint64_t)(ls->compressor != NULL) << 4 |
-                            (uint64_t)(ls->grad_compressor != NULL) << 5);
+                            (uint64_t)(ls->grad_compressor != NULL) << 5 | (uint64_t)ls->outer << 6);
     dopt__ls_put_u64(w, ls->nstates);
     for (i = 0; i < ls->nstates; i++) {
         dopt__ls_put_u64(w, ls->states[i].count);
@@ -1294,7 +1512,13 @@ static void dopt__ls_put_layout(dopt__ls_writer *w, const dopt_localsgd *ls) {
         dopt__ls_put_u64(w, c->initial_units);
         dopt__ls_put_u64(w, c->max_units);
         dopt__ls_put_u64(w, c->multiple);
+        dopt__ls_put_u64(w, (uint64_t)c->projection);
+        dopt__ls_put_f64(w, c->history);
         dopt__ls_put_u64(w, ls->batch->n);
+    }
+    if (ls->outer) {
+        dopt__ls_put_f64(w, ls->outer_lr);
+        dopt__ls_put_f64(w, ls->outer_momentum);
     }
     if (ls->compressor) {
         dopt__ls_put_u64(w, (uint64_t)ls->compressor->cfg.codec);
@@ -1313,15 +1537,19 @@ static void dopt__ls_put_state(dopt__ls_writer *w, const dopt_localsgd *ls) {
     dopt__ls_put_f64(w, ls->round_samples);
     dopt__ls_put_f64(w, ls->step_samples);
     if (ls->anchor) dopt__ls_put(w, ls->anchor, ls->n * sizeof(float));
+    if (ls->outer_v) dopt__ls_put(w, ls->outer_v, ls->n * sizeof(float));
     if (ls->batch) {
         const dopt_batch *b = ls->batch;
         dopt__ls_put_u64(w, b->units);
         dopt__ls_put_u64(w, b->observed);
         dopt__ls_put_u64(w, b->decisions);
+        dopt__ls_put_u64(w, b->undecided);
         dopt__ls_put_f64(w, b->dir_norm);
         dopt__ls_put_f64(w, b->sumsq);
         dopt__ls_put_f64(w, b->proj_sum);
         dopt__ls_put_f64(w, b->proj_sumsq);
+        dopt__ls_put(w, &b->round, sizeof b->round);
+        dopt__ls_put(w, &b->pooled, sizeof b->pooled);
         dopt__ls_put(w, &b->last, sizeof b->last);
         if (b->sum) dopt__ls_put(w, b->sum, b->n * sizeof(double));
         if (b->dir) dopt__ls_put(w, b->dir, b->n * sizeof(float));
@@ -1409,6 +1637,12 @@ DOPT_DEF dopt_status dopt_localsgd_save(dopt_localsgd *ls, const char *path) {
     int fd;
     dopt_status s;
     if (ls == NULL || path == NULL) return DOPT_ERR_INVALID;
+    if (ls->batch && ls->batch->micro && ls->batch->observed > 0) {
+        dopt__ls_fail_detail(ls, "save: mid-step (%llu micro-batches observed): the exact projection keeps them in "
+                                 "memory only; save between steps",
+                             (unsigned long long)ls->batch->observed);
+        return DOPT_ERR_INVALID;
+    }
     size = dopt__ls_encode(ls, NULL);
     plen = strlen(path);
     buf = (unsigned char *)DOPT_MALLOC(size);
@@ -1480,7 +1714,7 @@ static dopt_status dopt__ls_read_file(dopt_localsgd *ls, const char *path, unsig
 static dopt_status dopt__ls_check_file_layout(dopt_localsgd *ls, const unsigned char *file_layout, size_t bytes,
                                               unsigned char *mine) {
     static const char *const names[] = {"world size", "rank", "element count", "period", "warm-up steps",
-                                        "flags (sync_grads, weighted, anchor, batch controller, compressor, gradient compressor)", "number of states"};
+                                        "flags (sync_grads, weighted, anchor, batch controller, compressor, gradient compressor, outer optimizer)", "number of states"};
     dopt__ls_writer w;
     size_t i;
     w.buf = mine;
@@ -1508,15 +1742,19 @@ static void dopt__ls_get_state(dopt__ls_reader *r, dopt_localsgd *ls) {
     ls->round_samples = dopt__ls_get_f64(r);
     ls->step_samples = dopt__ls_get_f64(r);
     if (ls->anchor) dopt__ls_get(r, ls->anchor, ls->n * sizeof(float));
+    if (ls->outer_v) dopt__ls_get(r, ls->outer_v, ls->n * sizeof(float));
     if (ls->batch) {
         dopt_batch *b = ls->batch;
         b->units = (size_t)dopt__ls_get_u64(r);
         b->observed = dopt__ls_get_u64(r);
         b->decisions = dopt__ls_get_u64(r);
+        b->undecided = dopt__ls_get_u64(r);
         b->dir_norm = dopt__ls_get_f64(r);
         b->sumsq = dopt__ls_get_f64(r);
         b->proj_sum = dopt__ls_get_f64(r);
         b->proj_sumsq = dopt__ls_get_f64(r);
+        dopt__ls_get(r, &b->round, sizeof b->round);
+        dopt__ls_get(r, &b->pooled, sizeof b->pooled);
         dopt__ls_get(r, &b->last, sizeof b->last);
         if (b->sum) dopt__ls_get(r, b->sum, b->n * sizeof(double));
         if (b->dir) dopt__ls_get(r, b->dir, b->n * sizeof(float));

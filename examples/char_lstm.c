@@ -428,7 +428,7 @@ static void print_row(FILE *f, const char *fmt, int epoch, double loss, double v
 }
 
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0};
+    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0, 0};
     lstm_options lo = {128, 32, 0, 0};
     lstm m;
     lstm_work work;
@@ -443,6 +443,7 @@ int main(int argc, char **argv) {
     dopt_compressor_config ccfg;
     dopt_batch bc;
     dopt_batch_config bcfg;
+    batch_report brep = {0, NAN, NAN};
     dopt_localsgd ls;
     dopt_localsgd_config lcfg;
     dopt_status st = DOPT_OK;
@@ -558,6 +559,7 @@ int main(int argc, char **argv) {
                 st = dopt_localsgd_after_step(&ls, params); /* distopt: model average when due */
             }
             step++;
+            if (adaptive) batch_report_step(&brep, &bc);
         }
         if (st != DOPT_OK) break;
         train_secs += wall_seconds() - t0;
@@ -604,6 +606,7 @@ int main(int argc, char **argv) {
                    diverged ? "DIVERGED" : failed ? "NOT CONVERGED" : "converged",
                    skipped ? " (some steps skipped for a non-finite gradient)" : "");
     }
+    if (adaptive && comm->rank == 0 && st == DOPT_OK) batch_report_print(&brep, &bc);
     if (csv) fclose(csv);
     dopt_localsgd_free(&ls);
     if (adaptive) dopt_batch_free(&bc);

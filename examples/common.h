@@ -36,6 +36,7 @@ typedef struct options {
     double eta;              /* adaptive batch: the test's η (θ for ip/aip), 0: the library default */
     size_t max_units;        /* adaptive batch: at most this many micro-batches per step, 0: 8 */
     double nu;               /* adaptive batch: the augmented test's ν, 0: the library default */
+    double history;          /* adaptive batch: weight of earlier rounds' statistics, 0: this round's alone */
 } options;
 
 /* A program's own flags: called first for every argument with the one after it (NULL at the
@@ -48,7 +49,7 @@ static inline void usage(const char *prog) {
             "usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--compress none|ternary|qsgd|topk|sign|fp16|bf16]\n"
             "          [--celgc eta,gamma] [--period I] [--clip C] [--seed S] [--steps N] [--epochs N]\n"
             "          [--batch B] [--lr LR] [--adaptive-batch off|norm|ip|aip] [--batch-eta X]\n"
-            "          [--max-batch-units U] [--batch-nu X] [--csv FILE] [--train-limit N] [program's own flags]\n"
+            "          [--max-batch-units U] [--batch-nu X] [--batch-history H] [--csv FILE] [--train-limit N] [program's own flags]\n"
             "tcp reads DOPT_RANK, DOPT_WORLD_SIZE, DOPT_MASTER_ADDR, DOPT_MASTER_PORT, DOPT_TOKEN;\n"
             "mpi runs under mpirun (Open MPI as root: mpirun --allow-run-as-root -n 2 ...).\n",
             prog);
@@ -86,6 +87,7 @@ static inline void parse_options_extra(options *o, int argc, char **argv, extra_
         else if (!strcmp(f, "--batch-eta")) o->eta = strtod(v, NULL);
         else if (!strcmp(f, "--max-batch-units")) o->max_units = (size_t)strtoul(v, NULL, 10);
         else if (!strcmp(f, "--batch-nu")) o->nu = strtod(v, NULL);
+        else if (!strcmp(f, "--batch-history")) o->history = strtod(v, NULL);
         else usage(argv[0]);
     }
     if (o->period < 1 || o->workers < 1) usage(argv[0]);
@@ -110,9 +112,38 @@ static inline int batch_config_from_options(const options *o, dopt_batch_config 
     }
     bcfg->estimator = DOPT_BATCH_WITHIN;
     bcfg->unit_samples = o->batch > 0 ? (size_t)o->batch : 1;
-    bcfg->initial_units = 1;
+    /* the variance is the spread of one step's micro-batches: two at least */
+    bcfg->initial_units = 2;
     bcfg->max_units = o->max_units ? o->max_units : 8;
+    bcfg->history = o->history;
+    if (bcfg->max_units < 2) {
+        fprintf(stderr, "error: --max-batch-units must be >= 2 with --adaptive-batch (got %zu)\n", bcfg->max_units);
+        exit(2);
+    }
     return 1;
+}
+
+/* What the batch-size test asked for, at its first and its last decision: the figure to choose
+   --batch-eta by (see localsgd.h: choose eta from the batch you can afford). */
+typedef struct batch_report {
+    uint64_t seen;
+    double first, last;
+} batch_report;
+
+static inline void batch_report_step(batch_report *r, const dopt_batch *bc) {
+    double need;
+    if (bc->decisions == r->seen) return;
+    r->seen = bc->decisions;
+    dopt_batch_next_units(&bc->cfg, bc->units, &bc->last, &need);
+    if (r->seen == 1) r->first = need;
+    r->last = need;
+}
+
+static inline void batch_report_print(const batch_report *r, const dopt_batch *bc) {
+    printf("adaptive batch: %llu decisions (%llu could not decide); the test asked for %.4g samples at the first, "
+           "%.4g at the last (Var %.4g, |grad F|^2 %.4g); now %zu x %zu samples\n",
+           (unsigned long long)bc->decisions, (unsigned long long)bc->undecided, r->first, r->last, bc->last.var,
+           bc->last.grad_norm2, bc->units, bc->cfg.unit_samples);
 }
 
 /* --compress NAME as a compressor configuration; 0 for "none" (fp32, no compressor). */

@@ -28,7 +28,9 @@ echo "Fashion-MNIST, MLP 784-256-128-10, 2 workers over shared memory, full trai
 echo "batch 64 per worker, lr 0.1, seed $SEED."
 run fp32 --compress none --period 1
 run terngrad --compress ternary --period 4 --clip 2
-run terngrad_adaptive --compress ternary --period 4 --clip 2 --adaptive-batch norm --batch-eta 4
+# adaptive: micro-batches of 32, two per step to start (the variance is their spread), up to 16
+run terngrad_adaptive --compress ternary --period 4 --clip 2 --adaptive-batch norm --batch-eta 1.5 --batch-history 0.9 \
+    --batch 32 --max-batch-units 16
 
 echo
 echo "Comparison after $EPOCHS epochs (bytes: gradient/model messages each worker sent):"
@@ -39,7 +41,7 @@ row() { # $1: name, $2: label
 }
 row fp32 "fp32 synchronous SGD"
 row terngrad "TernGrad deltas, local SGD I=4, clip 2"
-row terngrad_adaptive "  + adaptive batch (norm test eta 4, up to 8x64)"
+row terngrad_adaptive "  + adaptive batch (norm test eta 1.5, 64 to 512)"
 
 if command -v gnuplot >/dev/null 2>&1; then
     gnuplot <<EOF

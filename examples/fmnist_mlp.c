@@ -219,7 +219,7 @@ static dopt_status evaluate(const evaluation *ev, const float *params, progress 
 }
 
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0};
+    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, 0};
     size_t ntrain, ntest, nlabels, begin, end, per_rank, i, units;
     unsigned char *train_px, *test_px, *train_y, *test_y, *batch_y;
     float *train_x, *test_x, *params, *grads, *micro, *eval, *batch_x;
@@ -232,6 +232,7 @@ int main(int argc, char **argv) {
     dopt_compressor_config ccfg;
     dopt_batch bc;
     dopt_batch_config bcfg;
+    batch_report brep = {0, NAN, NAN};
     dopt_localsgd ls;
     dopt_localsgd_config lcfg;
     dopt_status st = DOPT_OK;
@@ -341,6 +342,7 @@ int main(int argc, char **argv) {
                 st = dopt_localsgd_after_step(&ls, params); /* distopt: model average when due */
             }
             step++;
+            if (adaptive) batch_report_step(&brep, &bc);
             /* Between epoch ends: evaluate at the first step past each 1/E of the shard (every
                rank holds the same pos, so all of them get here together). */
             if (st == DOPT_OK && evals_done + 1 < lo.evals_per_epoch &&
@@ -366,6 +368,7 @@ int main(int argc, char **argv) {
                 dopt_comm_detail(comm));
         failed = 1;
     }
+    if (adaptive && comm->rank == 0 && st == DOPT_OK) batch_report_print(&brep, &bc);
     if (csv) fclose(csv);
     dopt_localsgd_free(&ls);
     if (adaptive) dopt_batch_free(&bc);

@@ -65,9 +65,9 @@ for s in $SEEDS2; do
     run "batch_fixed64_s$s" 2 --seed "$s" --period 4 --evals-per-epoch 4 --target-acc "$TARGET"
     run "batch_fixed512_s$s" 2 --seed "$s" --period 4 --evals-per-epoch 4 --target-acc "$TARGET" --batch 512
     run "batch_norm_s$s" 2 --seed "$s" --period 4 --evals-per-epoch 4 --target-acc "$TARGET" \
-        --adaptive-batch norm --batch-eta 4 --max-batch-units 8
+        --adaptive-batch norm --batch-eta 1.5 --batch-history 0.9 --batch 32 --max-batch-units 16
     run "batch_aip_s$s" 2 --seed "$s" --period 4 --evals-per-epoch 4 --target-acc "$TARGET" \
-        --adaptive-batch aip --batch-eta 3 --batch-nu 4 --max-batch-units 8
+        --adaptive-batch aip --batch-eta 1 --batch-nu 1.5 --batch-history 0.9 --batch 32 --max-batch-units 16
 done
 
 echo "== 3. One worker against two, fp32 synchronous, target $TARGET%"
@@ -212,8 +212,8 @@ figure() { # $1: name in IMG, $2: alt text (gnuplot draws it below)
     echo "| method | flags | seed | reached $TARGET% at epoch | rounds to target | time to target (s) | MB to target | final acc (%) | final batch | rounds | time (s) |"
     echo "|---|---|---|---|---|---|---|---|---|---|---|"
     for m in "fixed64:fixed 64:" "fixed512:fixed 512:--batch 512" \
-             "norm:norm test:--adaptive-batch norm --batch-eta 4 --max-batch-units 8" \
-             "aip:augmented inner product:--adaptive-batch aip --batch-eta 3 --batch-nu 4 --max-batch-units 8"; do
+             "norm:norm test:--adaptive-batch norm --batch-eta 1.5 --batch-history 0.9 --batch 32 --max-batch-units 16" \
+             "aip:augmented inner product:--adaptive-batch aip --batch-eta 1 --batch-nu 1.5 --batch-history 0.9 --batch 32 --max-batch-units 16"; do
         key=${m%%:*} rest=${m#*:}
         label=${rest%%:*} flags=${rest#*:}
         for s in $SEEDS2; do

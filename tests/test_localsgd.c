@@ -1,10 +1,14 @@
 /* Tests of localsgd.h: the averaging schedule; least squares with a known optimum reached by local
    SGD at periods 1, 4 and 16 over real processes on shared memory and TCP, with replicas bitwise
    identical after every average and each extra state buffer treated by its policy; CELGC against
-   a hand-written reference loop, and on a quartic where fixed-step SGD diverges; the batch-size
-   tests against values computed by hand, both variance estimators, the decision identical on
-   every rank; the replica check; a run saved at step k and resumed, bitwise equal to the
-   uninterrupted run; corrupt and mismatched state files refused. */
+   a hand-written reference loop (periods 4 and 1), and on a quartic where fixed-step SGD
+   diverges; DiLoCo's outer Nesterov step by hand, plain averaging bit for bit, on compressed
+   pseudo-gradients; the batch-size tests against values computed by hand, the within-worker
+   variance at one iterate (zero without noise under drift, known noise within a confidence
+   interval, ‖∇F‖² unbiased), both projections against a double-precision reference, history,
+   both variance estimators, the decision identical on every rank; the replica check; a run saved
+   at step k and resumed, bitwise equal to the uninterrupted run; corrupt and mismatched state
+   files refused. */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_shm.h"
@@ -319,8 +323,14 @@ DTEST(shm_replica_check_finds_the_largest_difference_between_ranks) { world_run(
 /* Local SGD (period 4) whose averages send the model delta through a compressor: top-k (a
    quarter of the elements) with error feedback, or sign with error feedback. Replicas are
    bitwise identical after every average and the run still reaches x*. */
+typedef struct compressed_args {
+    dopt_codec codec;
+    int outer; /* 1: DiLoCo's outer Nesterov step on the compressed pseudo-gradient */
+} compressed_args;
+
 static void body_compressed(dopt_comm *c, void *arg) {
-    const dopt_codec *codec = (const dopt_codec *)arg;
+    const compressed_args *a = (const compressed_args *)arg;
+    const dopt_codec *codec = &a->codec;
     static lsq p;
     float x[LS_D], g[LS_D];
     dopt_segment segs[2] = {{0, 6, "w"}, {6, LS_D - 6, "b"}};
@@ -339,6 +349,10 @@ static void body_compressed(dopt_comm *c, void *arg) {
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 4;
     cfg.compressor = &cz;
+    if (a->outer) {
+        cfg.outer_lr = 0.7;
+        cfg.outer_momentum = 0.5;
+    }
     DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
     for (j = 0; j < LS_D; j++) x[j] = 0.0f;
     DT_OK(dopt_localsgd_broadcast(&ls, x));
@@ -365,13 +379,98 @@ static void body_compressed(dopt_comm *c, void *arg) {
 }
 
 DTEST(shm_compressed_deltas_with_error_feedback_converge_and_keep_replicas_identical) {
-    dopt_codec codecs[2] = {DOPT_CODEC_TOPK, DOPT_CODEC_SIGN};
-    world_run(WORLD_SHM, 3, body_compressed, &codecs[0]);
-    world_run(WORLD_SHM, 2, body_compressed, &codecs[1]);
+    compressed_args a[2] = {{DOPT_CODEC_TOPK, 0}, {DOPT_CODEC_SIGN, 0}};
+    world_run(WORLD_SHM, 3, body_compressed, &a[0]);
+    world_run(WORLD_SHM, 2, body_compressed, &a[1]);
 }
 DTEST(tcp_compressed_deltas_with_error_feedback_converge_and_keep_replicas_identical) {
-    dopt_codec codec = DOPT_CODEC_TOPK;
-    world_run(WORLD_TCP, 3, body_compressed, &codec);
+    compressed_args a = {DOPT_CODEC_TOPK, 0};
+    world_run(WORLD_TCP, 3, body_compressed, &a);
+}
+DTEST(shm_outer_nesterov_on_compressed_pseudo_gradients_converges_and_keeps_replicas_identical) {
+    compressed_args a[2] = {{DOPT_CODEC_TOPK, 1}, {DOPT_CODEC_SIGN, 1}};
+    world_run(WORLD_SHM, 3, body_compressed, &a[0]);
+    world_run(WORLD_SHM, 2, body_compressed, &a[1]);
+}
+
+/* ------------------------------------------------------------------ DiLoCo's outer optimizer */
+
+/* Period 1 on the models, deltas d_0 = (1, 2), d_1 = (3, −2) added every round, lr 0.7, μ 0.9,
+   anchor 0. Round 1: mean (2, 0), Δ = (−2, 0), v = Δ, x = −0.7·(Δ + 0.9v) = (2.66, 0). Round 2:
+   mean (4.66, 0), Δ = (−2, 0), v = 0.9·(−2) − 2 = −3.8, x = 2.66 + 0.7·(2 + 3.42) = 6.454. */
+static void body_outer_hand(dopt_comm *c, void *arg) {
+    static const float d[2][2] = {{1, 2}, {3, -2}};
+    float x[2] = {0, 0};
+    dopt_localsgd ls;
+    dopt_localsgd_config cfg;
+    int round;
+    (void)arg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.outer_lr = 0.7;
+    cfg.outer_momentum = 0.9;
+    DT_OK(dopt_localsgd_init(&ls, c, 2, &cfg));
+    DT_OK(dopt_localsgd_broadcast(&ls, x));
+    for (round = 0; round < 2; round++) {
+        x[0] += d[c->rank][0];
+        x[1] += d[c->rank][1];
+        DT_OK(dopt_localsgd_after_step(&ls, x));
+        DT_NEAR(x[0], round == 0 ? 2.66 : 6.454, 1e-5);
+        DT_NEAR(x[1], 0.0, 1e-6);
+        DT_NEAR(ls.outer_v[0], round == 0 ? -2.0 : -3.8, 1e-6);
+        DT_CHECK(same_on_every_rank(c, x, sizeof x));
+        DT_CHECK(memcmp(x, ls.anchor, sizeof x) == 0); /* everyone continues from the new anchor */
+    }
+    dopt_localsgd_free(&ls);
+}
+
+DTEST(shm_outer_nesterov_step_matches_hand_computation) { world_run(WORLD_SHM, 2, body_outer_hand, NULL); }
+
+/* Plain averaging is the outer step with lr 1 and no momentum: asking for it explicitly changes
+   no bit of a noisy local-SGD run. */
+static void body_outer_plain(dopt_comm *c, void *arg) {
+    static lsq p;
+    float x[2][LS_D], g[LS_D];
+    int run, t, j;
+    (void)arg;
+    lsq_make(&p);
+    for (run = 0; run < 2; run++) {
+        dopt_localsgd ls;
+        dopt_localsgd_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.period = 4;
+        if (run == 1) {
+            cfg.outer_lr = 1.0;
+            cfg.outer_momentum = 0.0;
+        }
+        DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
+        for (j = 0; j < LS_D; j++) x[run][j] = 0.0f;
+        DT_OK(dopt_localsgd_broadcast(&ls, x[run]));
+        for (t = 0; t < 42; t++) {
+            lsq_grad(&p, x[run], g, c->rank, c->size, (uint64_t)t, 2);
+            dopt_axpy(x[run], -0.05f, g, LS_D);
+            DT_OK(dopt_localsgd_after_step(&ls, x[run]));
+        }
+        dopt_localsgd_free(&ls);
+    }
+    DT_CHECK(memcmp(x[0], x[1], sizeof x[0]) == 0);
+}
+
+DTEST(shm_outer_lr_1_without_momentum_is_bitwise_plain_averaging) { world_run(WORLD_SHM, 3, body_outer_plain, NULL); }
+
+DTEST(outer_optimizer_settings_out_of_range_are_invalid) {
+    dopt_comm *c;
+    dopt_localsgd ls;
+    dopt_localsgd_config cfg;
+    static const double bad[4][2] = {{-0.5, 0.0}, {NAN, 0.0}, {0.7, 1.0}, {0.7, -0.1}};
+    int i;
+    DT_OK(dopt_comm_create_self(&c));
+    for (i = 0; i < 4; i++) {
+        memset(&cfg, 0, sizeof cfg);
+        cfg.outer_lr = bad[i][0];
+        cfg.outer_momentum = bad[i][1];
+        DT_EQ_INT(dopt_localsgd_init(&ls, c, 4, &cfg), DOPT_ERR_INVALID);
+    }
+    dopt_comm_destroy(c);
 }
 
 /* ------------------------------------------------------------------ average now */
@@ -504,28 +603,28 @@ static int ref_celgc_update(float *x, const float *g, float eta, float gamma) {
 }
 
 static void body_celgc_reference(dopt_comm *c, void *arg) {
+    const int period = *(const int *)arg;
     static lsq p;
     float x[LS_D], xe[LS_D], xs[LS_D], g[LS_D];
     const float eta = 0.05f, gamma = 0.5f;
     dopt_localsgd ls;
     dopt_localsgd_config cfg;
     int t, j, clipped = 0, unclipped = 0;
-    (void)arg;
     lsq_make(&p);
     memset(&cfg, 0, sizeof cfg);
-    cfg.period = CG_PERIOD;
+    cfg.period = (size_t)period;
     DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
     for (j = 0; j < LS_D; j++) x[j] = xe[j] = xs[j] = p.xstar[j] + 3.0f;
     DT_OK(dopt_localsgd_broadcast(&ls, x));
     for (t = 0; t < CG_STEPS; t++) {
         /* reference 1: the paper's code, averaging at the start of steps 0, I, 2I, ... */
-        if (t % CG_PERIOD == 0) DT_OK(dopt_allreduce(c, xs, LS_D, DOPT_F32, DOPT_MEAN));
+        if (t % period == 0) DT_OK(dopt_allreduce(c, xs, LS_D, DOPT_F32, DOPT_MEAN));
         celgc_grad(&p, xs, g, c->rank, c->size, t);
         ref_celgc_update(xs, g, eta, gamma);
         /* reference 2: the same, averaging at the end of steps I-1, 2I-1, ... */
         celgc_grad(&p, xe, g, c->rank, c->size, t);
         if (ref_celgc_update(xe, g, eta, gamma)) clipped++; else unclipped++;
-        if ((t + 1) % CG_PERIOD == 0) DT_OK(dopt_allreduce(c, xe, LS_D, DOPT_F32, DOPT_MEAN));
+        if ((t + 1) % period == 0) DT_OK(dopt_allreduce(c, xe, LS_D, DOPT_F32, DOPT_MEAN));
         /* the composition */
         celgc_grad(&p, x, g, c->rank, c->size, t);
         DT_OK(dopt_localsgd_celgc_step(&ls, x, g, eta, gamma, 0.0f));
@@ -540,7 +639,38 @@ static void body_celgc_reference(dopt_comm *c, void *arg) {
     dopt_localsgd_free(&ls);
 }
 
-DTEST(shm_celgc_matches_hand_written_reference_loop) { world_run(WORLD_SHM, 3, body_celgc_reference, NULL); }
+/* At period 1 without sync_grads this is CELGC at I = 1 as the paper runs it: each worker clips
+   its own gradient, the models are averaged after every step. */
+DTEST(shm_celgc_matches_hand_written_reference_loop_at_periods_4_and_1) {
+    int periods[2] = {CG_PERIOD, 1};
+    world_run(WORLD_SHM, 3, body_celgc_reference, &periods[0]);
+    world_run(WORLD_SHM, 3, body_celgc_reference, &periods[1]);
+}
+
+/* The across-worker estimator reads a model delta as a gradient sum; CELGC's clipped steps are
+   not one, and the driver refuses the pair before any communication. */
+DTEST(celgc_with_the_across_worker_batch_estimator_is_refused) {
+    dopt_comm *c;
+    dopt_batch bc;
+    dopt_batch_config bcfg;
+    dopt_localsgd ls;
+    dopt_localsgd_config cfg;
+    float x[2] = {0, 0}, g[2] = {1, 1};
+    DT_OK(dopt_comm_create_self(&c));
+    memset(&bcfg, 0, sizeof bcfg);
+    bcfg.estimator = DOPT_BATCH_ACROSS;
+    DT_OK(dopt_batch_init(&bc, 0, &bcfg));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.period = 2;
+    cfg.batch = &bc;
+    DT_OK(dopt_localsgd_init(&ls, c, 2, &cfg));
+    DT_EQ_INT(dopt_localsgd_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f), DOPT_ERR_INVALID);
+    DT_CHECK(strstr(dopt_localsgd_detail(&ls), "DOPT_BATCH_WITHIN") != NULL);
+    DT_CHECK(ls.step == 0 && x[0] == 0.0f);
+    dopt_localsgd_free(&ls);
+    dopt_batch_free(&bc);
+    dopt_comm_destroy(c);
+}
 
 /* With I = 1 and sync_grads, every rank averages the gradient then takes the clipped step with
    the averaged gradient's norm: synchronous clipped SGD. */
@@ -661,7 +791,11 @@ DTEST(norm_test_matches_hand_values_rounded_capped_and_monotone) {
     DT_EQ_INT(dopt_batch_next_units(&c, 1, &s, NULL), 100);
     s.var = 40; /* monotone: 10 units needed, 20 held */
     DT_EQ_INT(dopt_batch_next_units(&c, 20, &s, NULL), 20);
-    s.grad_norm2 = 0.0; /* no gradient: no decision */
+    s.grad_norm2 = -0.5; /* the noise accounts for all of ‖ḡ‖²: no batch is enough, the cap */
+    DT_EQ_INT(dopt_batch_next_units(&c, 3, &s, &need), 100);
+    DT_CHECK(need == INFINITY);
+    s.var = 0.0; /* no gradient and no noise: no decision */
+    s.grad_norm2 = 0.0;
     DT_EQ_INT(dopt_batch_next_units(&c, 3, &s, &need), 3);
     DT_CHECK(need != need);
     s = stats(4, 4, NAN, NAN, NAN);
@@ -693,16 +827,15 @@ DTEST(inner_product_and_augmented_tests_match_hand_values) {
     DT_NEAR(10.0 * 4.0 / (0.25 * 16.0), need, 1e-12);
 }
 
-/* Three micro-batch gradients of 2 samples each, by hand. Round 1 (no direction yet):
-   v = (1,0), (3,2), (2,1); mean (2,1), ‖mean‖² = 5; Σ‖v − mean‖² = 2 + 2 + 0 = 4, k − 1 = 2, so
-   Var = 2·4/2 = 4; norm test with η = 0.5: b_needed = 4/(0.25·5) = 3.2 > 2 → 2 units.
-   Round 2, direction (2,1)/√5: v = (2,0), (0,2), (4,2); mean (2, 4/3), ‖mean‖² = 52/9;
-   Σ‖v − mean‖² = 96/9 → Var = 96/9; projections 4/√5, 2/√5, 10/√5 → Σ(p − p̄)² = 312/45 →
-   ip_var = 312/45, orth_var = 96/9 − 312/45 = 168/45. */
+/* One step of three micro-batch gradients of 2 samples each, by hand: v = (1,0), (3,2), (2,1);
+   mean (2,1), ‖mean‖² = 5; Σ‖v − mean‖² = 2 + 2 + 0 = 4, k − 1 = 2: τ² = 2 per micro-batch, so
+   Var = 2·2 = 4 per sample and ‖∇F‖² ≈ 5 − τ²/3 = 13/3. Projections on the step's own direction
+   (2,1)/√5: 2/√5, 8/√5, 5/√5 → Σ(p − p̄)² = 18/5: ip_var = 2·(18/5)/2 = 3.6, orth_var = 0.4.
+   Norm test with η = 0.5: b_needed = 4/(0.25·13/3) = 3.69 > 2 → 2 units. */
 DTEST(within_worker_estimator_matches_hand_computation) {
     dopt_batch bc;
     dopt_batch_config c;
-    static const float r1[3][2] = {{1, 0}, {3, 2}, {2, 1}}, r2[3][2] = {{2, 0}, {0, 2}, {4, 2}};
+    static const float r1[3][2] = {{1, 0}, {3, 2}, {2, 1}};
     float sum_form[2];
     dopt_buf sb = dopt_buf_flat(sum_form, 2, NULL, 0);
     int i;
@@ -711,39 +844,330 @@ DTEST(within_worker_estimator_matches_hand_computation) {
     c.theta = 0.5;
     c.unit_samples = 2;
     c.test = DOPT_BATCH_NORM;
+    c.projection = DOPT_BATCH_PROJECT_EXACT;
     DT_OK(dopt_batch_init(&bc, 2, &c));
     DT_EQ_INT(dopt_batch_units(&bc), 1);
-    for (i = 0; i < 3; i++) DT_OK(dopt_batch_observe(&bc, r1[i], 2));
-    DT_OK(dopt_batch_decide(&bc, NULL));
-    DT_NEAR(bc.last.grad_norm2, 5.0, 1e-12);
-    DT_NEAR(bc.last.var, 4.0, 1e-12);
-    DT_NEAR(bc.last.samples, 2.0, 0.0);
-    DT_CHECK(bc.last.ip_var != bc.last.ip_var); /* no direction in the first round */
-    DT_EQ_INT(dopt_batch_units(&bc), 2);
-    /* round 2 through the _buf form with a scale: -2 times a summed buffer is the same mean */
+    /* through the _buf form with a scale: -2 times a summed buffer is the same mean */
     for (i = 0; i < 3; i++) {
-        sum_form[0] = -r2[i][0] / 2.0f;
-        sum_form[1] = -r2[i][1] / 2.0f;
+        sum_form[0] = -r1[i][0] / 2.0f;
+        sum_form[1] = -r1[i][1] / 2.0f;
         DT_OK(dopt_batch_observe_buf(&bc, &sb, -2.0f));
     }
-    DT_OK(dopt_batch_decide(&bc, NULL));
-    DT_NEAR(bc.last.grad_norm2, 52.0 / 9.0, 1e-6);
-    DT_NEAR(bc.last.var, 96.0 / 9.0, 1e-6);
-    DT_NEAR(bc.last.ip_var, 312.0 / 45.0, 1e-6);
-    DT_NEAR(bc.last.orth_var, 168.0 / 45.0, 1e-6);
-    DT_NEAR(bc.last.samples, 4.0, 0.0);
-    /* norm test: (96/9)/(0.25·52/9) = 96/13 = 7.38 samples > 4 → 4 units */
-    DT_EQ_INT(dopt_batch_units(&bc), 4);
+    DT_OK(dopt_batch_decide(&bc, NULL)); /* closes the open step */
+    DT_NEAR(bc.last.grad_norm2, 13.0 / 3.0, 1e-12);
+    DT_NEAR(bc.last.var, 4.0, 1e-12);
+    DT_NEAR(bc.last.ip_var, 3.6, 1e-6);
+    DT_NEAR(bc.last.orth_var, 0.4, 1e-6);
+    DT_NEAR(bc.last.samples, 2.0, 0.0);
+    DT_EQ_INT(dopt_batch_units(&bc), 2);
     DT_EQ_INT(dopt_batch_observe(&bc, r1[0], 3), DOPT_ERR_INVALID); /* another element count */
     dopt_batch_free(&bc);
+}
+
+/* No sampling noise at all (every micro-batch of a step is the same gradient) but the gradient
+   moves between the local steps of a round: the variance is 0. An estimator that pooled the
+   round's micro-batches around one mean would report the drift: here 0.333 per sample. */
+DTEST(within_variance_is_zero_without_noise_when_the_iterates_move) {
+    dopt_comm *c;
+    dopt_batch bc;
+    dopt_batch_config bcfg;
+    dopt_localsgd ls;
+    dopt_localsgd_config cfg;
+    float x[2] = {0, 0}, g[2];
+    int t, u, proj;
+    DT_OK(dopt_comm_create_self(&c));
+    for (proj = 0; proj < 2; proj++) {
+        memset(&bcfg, 0, sizeof bcfg);
+        bcfg.test = DOPT_BATCH_AUGMENTED;
+        bcfg.initial_units = 2;
+        bcfg.projection = (dopt_batch_projection)proj;
+        DT_OK(dopt_batch_init(&bc, 2, &bcfg));
+        memset(&cfg, 0, sizeof cfg);
+        cfg.period = 2;
+        cfg.batch = &bc;
+        DT_OK(dopt_localsgd_init(&ls, c, 2, &cfg));
+        for (t = 0; t < 6; t++) {
+            g[0] = 1.0f + (float)(t % 2); /* 1, 2, 1, 2, ...: a new gradient every step */
+            g[1] = 0.5f * (float)t;
+            for (u = 0; u < 2; u++) DT_OK(dopt_batch_observe(&bc, g, 2));
+            DT_OK(dopt_localsgd_after_step(&ls, x));
+        }
+        DT_EQ_INT(bc.decisions, 3);
+        DT_CHECKF(bc.last.var == 0.0, "projection %d: Var = %g without any noise", proj, bc.last.var);
+        DT_CHECK(bc.last.ip_var == 0.0 && bc.last.orth_var == 0.0);
+        /* steps 4 and 5, g = (1, 2) and (2, 2.5): the mean of ‖g_t‖² with nothing to subtract */
+        DT_NEAR(bc.last.grad_norm2, (5.0 + 10.25) / 2.0, 1e-12);
+        DT_EQ_INT(dopt_batch_units(&bc), 2); /* no noise: the batch stays */
+        dopt_localsgd_free(&ls);
+        dopt_batch_free(&bc);
+    }
+    dopt_comm_destroy(c);
+}
+
+/* Gaussian noise from the library's generator (Box-Muller on its uniforms). */
+static void gauss(dopt_rng *rng, uint64_t ctr, float *out, size_t n) {
+    float u[2];
+    size_t i;
+    for (i = 0; i < n; i++) {
+        dopt_rng_uniform(rng, 2 * (ctr * n + i), u, 2);
+        out[i] = (float)(sqrt(-2.0 * log(1.0 - (double)u[0])) * cos(6.283185307179586 * (double)u[1]));
+    }
+}
+
+/* Known noise under drift: micro-batch gradients v = μ_t + τ·z (z standard normal, D
+   coordinates) with the mean μ_t moving far between the T steps of a round. Over R rounds the
+   variance estimates average to D·τ² per micro-batch and the bias-corrected ‖∇F‖² to the mean of
+   ‖μ_t‖², each within 5 standard errors of the R estimates (fixed seed); the uncorrected mean of
+   ‖v̄_t‖² is off by D·τ²/k, more than 10 standard errors. */
+#define NZ_D 8
+#define NZ_K 4
+#define NZ_T 4
+#define NZ_R 2000
+DTEST(within_variance_under_drift_estimates_known_noise_and_unbiased_gradient_norm) {
+    dopt_batch bc;
+    dopt_batch_config bcfg;
+    dopt_rng rng;
+    float v[NZ_D], z[NZ_D];
+    double tau = 2.0, sum_var = 0, sumsq_var = 0, sum_g = 0, sumsq_g = 0, true_g = 0, naive = 0;
+    double var_mean, var_se, g_mean, g_se, want_var = NZ_D * tau * tau;
+    int r, t, k, i;
+    memset(&bcfg, 0, sizeof bcfg);
+    bcfg.initial_units = NZ_K;
+    DT_OK(dopt_batch_init(&bc, NZ_D, &bcfg));
+    dopt_rng_init(&rng, 77, 0, 3);
+    for (t = 0; t < NZ_T; t++)
+        for (i = 0; i < NZ_D; i++) true_g += pow(i == 0 ? 3.0 * t : 0.5, 2) / NZ_T;
+    for (r = 0; r < NZ_R; r++) {
+        for (t = 0; t < NZ_T; t++) {
+            double mean[NZ_D] = {0}, m2 = 0;
+            for (k = 0; k < NZ_K; k++) {
+                gauss(&rng, ((uint64_t)r * NZ_T + (uint64_t)t) * NZ_K + (uint64_t)k, z, NZ_D);
+                for (i = 0; i < NZ_D; i++) {
+                    v[i] = (float)((i == 0 ? 3.0 * t : 0.5) + tau * z[i]); /* μ_t moves by 3 a step */
+                    mean[i] += (double)v[i] / NZ_K;
+                }
+                DT_OK(dopt_batch_observe(&bc, v, NZ_D));
+            }
+            for (i = 0; i < NZ_D; i++) m2 += mean[i] * mean[i];
+            naive += m2 / NZ_T / NZ_R;
+            dopt_batch_end_step(&bc);
+        }
+        DT_OK(dopt_batch_decide(&bc, NULL));
+        sum_var += bc.last.var;
+        sumsq_var += bc.last.var * bc.last.var;
+        sum_g += bc.last.grad_norm2;
+        sumsq_g += bc.last.grad_norm2 * bc.last.grad_norm2;
+    }
+    var_mean = sum_var / NZ_R;
+    var_se = sqrt((sumsq_var / NZ_R - var_mean * var_mean) / NZ_R);
+    g_mean = sum_g / NZ_R;
+    g_se = sqrt((sumsq_g / NZ_R - g_mean * g_mean) / NZ_R);
+    DT_CHECKF(fabs(var_mean - want_var) < 5 * var_se, "Var %g ± %g, noise %g", var_mean, var_se, want_var);
+    DT_CHECKF(fabs(g_mean - true_g) < 5 * g_se, "|grad F|^2 %g ± %g, true %g", g_mean, g_se, true_g);
+    DT_CHECKF(fabs(naive - true_g) > 10 * g_se, "the uncorrected %g should be off by %g", naive, want_var / NZ_K);
+    DT_CHECK(bc.undecided == 0);
+    dopt_batch_free(&bc);
+}
+
+/* ------------------------------------------------------------------ projections: exact and previous */
+
+/* A slow reference in double over every micro-batch gradient kept: per step, the spread around
+   the step's own mean, the projections on the step's own mean (exact) or on the previous step's
+   mean (previous), pooled with Σ(k_t − 1) degrees of freedom. */
+typedef struct proj_ref {
+    double var, ip_var, orth_var, grad_norm2;
+} proj_ref;
+
+static proj_ref proj_reference(const float *v, const int *ks, int steps, int d, int exact, double s_unit,
+                               const double *prev_dir_in) {
+    double dof = 0, ss = 0, pdof = 0, pss = 0, ptot = 0, m2sum = 0, invk = 0, prev[64];
+    proj_ref out;
+    int t, j, i, have_prev = prev_dir_in != NULL;
+    if (have_prev) memcpy(prev, prev_dir_in, (size_t)d * sizeof(double));
+    for (t = 0; t < steps; t++) {
+        double mean[64] = {0}, m2 = 0, sst = 0, dir[64], dn = 0, p[64], pbar = 0, psst = 0;
+        int k = ks[t];
+        for (j = 0; j < k; j++)
+            for (i = 0; i < d; i++) mean[i] += (double)v[j * d + i] / k;
+        for (i = 0; i < d; i++) m2 += mean[i] * mean[i];
+        for (j = 0; j < k; j++)
+            for (i = 0; i < d; i++) sst += pow((double)v[j * d + i] - mean[i], 2);
+        for (i = 0; i < d; i++) dir[i] = exact ? mean[i] : prev[i];
+        for (i = 0; i < d; i++) dn += dir[i] * dir[i];
+        if ((exact || have_prev) && dn > 0) {
+            for (j = 0; j < k; j++) {
+                p[j] = 0;
+                for (i = 0; i < d; i++) p[j] += (double)v[j * d + i] * dir[i] / sqrt(dn);
+                pbar += p[j] / k;
+            }
+            for (j = 0; j < k; j++) psst += (p[j] - pbar) * (p[j] - pbar);
+            pdof += k - 1;
+            pss += psst;
+            ptot += sst;
+        }
+        dof += k - 1;
+        ss += sst;
+        m2sum += m2;
+        invk += 1.0 / k;
+        for (i = 0; i < d; i++) prev[i] = (double)(float)mean[i]; /* the library keeps it in floats */
+        have_prev = 1;
+        v += k * d;
+    }
+    out.var = s_unit * ss / dof;
+    out.ip_var = s_unit * pss / pdof;
+    out.orth_var = s_unit * (ptot - pss) / pdof;
+    out.grad_norm2 = (m2sum - ss / dof * invk) / steps;
+    return out;
+}
+
+/* Random micro-batch gradients whose mean turns between steps, 4 steps of 3, 5, 2, 4; both
+   projections against the reference. */
+DTEST(current_direction_statistics_equal_the_reference_in_both_modes) {
+    enum { D = 12, STEPS = 4 };
+    static const int ks[STEPS] = {3, 5, 2, 4};
+    float v[14 * D], dirs[STEPS][D];
+    dopt_rng rng;
+    int mode, t, j, i, off;
+    dopt_rng_init(&rng, 5, 0, 9);
+    dopt_rng_uniform(&rng, 0, v, 14 * D);
+    dopt_rng_uniform(&rng, 14 * D, &dirs[0][0], STEPS * D);
+    for (t = 0, off = 0; t < STEPS; off += ks[t], t++)
+        for (j = 0; j < ks[t]; j++)
+            for (i = 0; i < D; i++) v[(off + j) * D + i] = 4.0f * dirs[t][i] - 2.0f + 2.0f * v[(off + j) * D + i];
+    for (mode = 0; mode < 2; mode++) {
+        dopt_batch bc;
+        dopt_batch_config c;
+        proj_ref want = proj_reference(v, ks, STEPS, D, mode, 3.0, NULL);
+        memset(&c, 0, sizeof c);
+        c.test = DOPT_BATCH_AUGMENTED;
+        c.unit_samples = 3;
+        c.max_units = 5;
+        c.projection = (dopt_batch_projection)mode;
+        DT_OK(dopt_batch_init(&bc, D, &c));
+        for (t = 0, off = 0; t < STEPS; off += ks[t], t++) {
+            for (j = 0; j < ks[t]; j++) DT_OK(dopt_batch_observe(&bc, v + (off + j) * D, D));
+            dopt_batch_end_step(&bc);
+        }
+        DT_OK(dopt_batch_decide(&bc, NULL));
+        DT_NEAR(bc.last.var, want.var, 1e-9 * want.var);
+        DT_NEAR(bc.last.grad_norm2, want.grad_norm2, 1e-9 * fabs(want.grad_norm2));
+        DT_NEAR(bc.last.ip_var, want.ip_var, 1e-5 * want.var);
+        DT_NEAR(bc.last.orth_var, want.orth_var, 1e-5 * want.var);
+        if (mode == DOPT_BATCH_PROJECT_EXACT) /* a sixth micro-batch in one step has no room */
+            for (j = 0; j <= 5; j++)
+                DT_EQ_INT(dopt_batch_observe(&bc, v, D), j < 5 ? DOPT_OK : DOPT_ERR_INVALID);
+        dopt_batch_free(&bc);
+    }
+}
+
+/* How far apart the two projections are: a direction that turns by 90 degrees between two steps
+   (v = (1,0), (3,0), then (0,1), (0,3)); each step's Σ‖v − v̄‖² = 2, one degree of freedom, 2
+   samples per unit. Exact: all the spread lies along each step's own mean, ip_var = 2·4/2 = 4,
+   orth_var = 0. Previous: the first step has no direction, the second projects on (1,0), across
+   its spread: ip_var = 0, orth_var = 2·2/1 = 4. And where the direction does
+   not move (each step's mean along (1,2), noise that sums to zero within a step), they agree. */
+DTEST(exact_and_previous_projections_differ_when_the_direction_turns_and_agree_when_it_does_not) {
+    static const float turn[4][2] = {{1, 0}, {3, 0}, {0, 1}, {0, 3}};
+    dopt_batch b[2];
+    dopt_batch_config c;
+    int mode, t, j;
+    memset(&c, 0, sizeof c);
+    c.test = DOPT_BATCH_INNER_PRODUCT;
+    c.unit_samples = 2;
+    for (mode = 0; mode < 2; mode++) {
+        c.projection = (dopt_batch_projection)mode;
+        DT_OK(dopt_batch_init(&b[mode], 2, &c));
+        for (t = 0; t < 2; t++) {
+            for (j = 0; j < 2; j++) DT_OK(dopt_batch_observe(&b[mode], turn[2 * t + j], 2));
+            dopt_batch_end_step(&b[mode]);
+        }
+        DT_OK(dopt_batch_decide(&b[mode], NULL));
+    }
+    DT_NEAR(b[DOPT_BATCH_PROJECT_EXACT].last.ip_var, 4.0, 1e-12);
+    DT_NEAR(b[DOPT_BATCH_PROJECT_EXACT].last.orth_var, 0.0, 1e-12);
+    DT_NEAR(b[DOPT_BATCH_PROJECT_PREVIOUS].last.ip_var, 0.0, 1e-12);
+    DT_NEAR(b[DOPT_BATCH_PROJECT_PREVIOUS].last.orth_var, 4.0, 1e-12);
+    /* a round on a fixed direction: both have a direction from the previous round now */
+    for (t = 0; t < 5; t++) {
+        float scale = 1.0f + 0.5f * (float)t, noise = 0.25f * (float)(t + 1);
+        float v[4][2] = {{scale + noise, 2 * scale}, {scale - noise, 2 * scale}, {scale, 2 * scale + noise},
+                         {scale, 2 * scale - noise}};
+        for (mode = 0; mode < 2; mode++) {
+            for (j = 0; j < 4; j++) DT_OK(dopt_batch_observe(&b[mode], v[j], 2));
+            dopt_batch_end_step(&b[mode]);
+        }
+    }
+    for (mode = 0; mode < 2; mode++) DT_OK(dopt_batch_decide(&b[mode], NULL));
+    DT_CHECK(b[0].last.ip_var > 0.0 && b[0].last.orth_var > 0.0);
+    DT_NEAR(b[0].last.ip_var, b[1].last.ip_var, 1e-12 * b[0].last.var);
+    DT_NEAR(b[0].last.orth_var, b[1].last.orth_var, 1e-12 * b[0].last.var);
+    DT_CHECK(b[0].last.var == b[1].last.var && b[0].last.grad_norm2 == b[1].last.grad_norm2);
+    for (mode = 0; mode < 2; mode++) dopt_batch_free(&b[mode]);
+}
+
+/* history h: the second decision pools the first round's sums weighted h with its own. Round 1
+   is the hand example above (ss 4, 2 dof, ‖v̄‖² 5, 1/k = 1/3); round 2 one step of (0,0),
+   (2,0): ss 2, 1 dof, ‖v̄‖² 1, 1/k = 1/2. With h = 0.5: dof 2, ss 4, so τ² = 2 and Var = 4;
+   ‖∇F‖² = (2.5 + 1 − 2·(1/6 + 1/2)) / 1.5 = 13/9. */
+DTEST(history_pools_earlier_rounds_with_geometric_weights) {
+    dopt_batch bc;
+    dopt_batch_config c;
+    static const float r1[3][2] = {{1, 0}, {3, 2}, {2, 1}}, r2[2][2] = {{0, 0}, {2, 0}};
+    int i;
+    memset(&c, 0, sizeof c);
+    c.unit_samples = 2;
+    c.history = 0.5;
+    DT_OK(dopt_batch_init(&bc, 2, &c));
+    for (i = 0; i < 3; i++) DT_OK(dopt_batch_observe(&bc, r1[i], 2));
+    DT_OK(dopt_batch_decide(&bc, NULL));
+    DT_NEAR(bc.last.var, 4.0, 1e-12); /* nothing earlier: the round alone */
+    for (i = 0; i < 2; i++) DT_OK(dopt_batch_observe(&bc, r2[i], 2));
+    DT_OK(dopt_batch_decide(&bc, NULL));
+    DT_NEAR(bc.last.var, 4.0, 1e-12);
+    DT_NEAR(bc.last.grad_norm2, 13.0 / 9.0, 1e-12);
+    dopt_batch_free(&bc);
+    c.history = 1.0; /* would never forget */
+    DT_EQ_INT(dopt_batch_init(&bc, 2, &c), DOPT_ERR_INVALID);
+}
+
+/* A round whose steps have one micro-batch each cannot decide: the size stays, the controller
+   counts it, and the communicator's log says why (once as a warning). */
+static int undecided_warnings;
+static void count_warning(void *user, dopt_log_level level, const char *msg) {
+    (void)user;
+    if (level == DOPT_LOG_WARN && strstr(msg, "could not decide") && strstr(msg, "2 micro-batches"))
+        undecided_warnings++;
+}
+
+DTEST(a_round_of_single_micro_batch_steps_cannot_decide_and_says_so) {
+    dopt_comm *c;
+    dopt_batch bc;
+    float g[2] = {1, 2};
+    int t;
+    DT_OK(dopt_comm_create_self(&c));
+    dopt_comm_set_log(c, count_warning, NULL);
+    DT_OK(dopt_batch_init(&bc, 2, NULL));
+    for (t = 0; t < 3; t++) {
+        g[0] += 1.0f;
+        DT_OK(dopt_batch_observe(&bc, g, 2));
+        dopt_batch_end_step(&bc);
+        DT_OK(dopt_batch_decide(&bc, c));
+    }
+    DT_EQ_INT(bc.undecided, 3);
+    DT_EQ_INT(undecided_warnings, 1);
+    DT_EQ_INT(dopt_batch_units(&bc), 1);
+    DT_CHECK(bc.last.var != bc.last.var);
+    dopt_batch_free(&bc);
+    dopt_comm_destroy(c);
 }
 
 /* ------------------------------------------------------------------ batch-size tests across ranks */
 
 /* Each rank's delta and weight, by hand: d = (1,0), (0,1), (2,2) with B = 1, 1, 2 samples.
    Weighted mean d̄ = (5/4, 5/4), ‖d̄‖² = 25/8; Σ B‖d‖² = 18, W‖d̄‖² = 12.5 → Var = 5.5/2 = 2.75;
-   B⟨d,d̄⟩²/‖d̄‖² = 0.5, 0.5, 16 → ip_var = (17 − 12.5)/2 = 2.25; orth_var = 0.5.
-   Norm test (η = 0.5, 1 sample per unit): 2.75/(0.25·25/8) = 3.52 → 4 units on every rank. */
+   B⟨d,d̄⟩²/‖d̄‖² = 0.5, 0.5, 16 → ip_var = (17 − 12.5)/2 = 2.25; orth_var = 0.5. ‖∇F‖² without
+   the bias Var/W of a weighted mean: 25/8 − 2.75/4 = 2.4375.
+   Norm test (η = 0.5, 1 sample per unit): 2.75/(0.25·2.4375) = 4.51 → 5 units on every rank. */
 static void body_across_hand(dopt_comm *c, void *arg) {
     static const float d[3][2] = {{1, 0}, {0, 1}, {2, 2}};
     static const double w[3] = {1, 1, 2};
@@ -769,12 +1193,12 @@ static void body_across_hand(dopt_comm *c, void *arg) {
     DT_OK(dopt_localsgd_after_step(&ls, x));
     DT_NEAR(x[0], 1.25, 1e-6);
     DT_NEAR(x[1], 1.25, 1e-6);
-    DT_NEAR(bc.last.grad_norm2, 25.0 / 8.0, 1e-5);
+    DT_NEAR(bc.last.grad_norm2, 2.4375, 1e-5);
     DT_NEAR(bc.last.var, 2.75, 1e-5);
     DT_NEAR(bc.last.ip_var, 2.25, 1e-5);
     DT_NEAR(bc.last.orth_var, 0.5, 1e-5);
     units = dopt_batch_units(&bc);
-    DT_EQ_INT(units, 4);
+    DT_EQ_INT(units, 5);
     DT_CHECK(same_on_every_rank(c, &bc.last, sizeof bc.last)); /* the inputs, bit for bit */
     dopt_localsgd_free(&ls);
     dopt_batch_free(&bc);
@@ -792,6 +1216,7 @@ DTEST(tcp_across_worker_estimator_matches_hand_computation_with_weighted_mean) {
 typedef struct growth_args {
     dopt_batch_test test;
     dopt_batch_estimator est;
+    dopt_batch_projection proj;
 } growth_args;
 
 static void body_growth(dopt_comm *c, void *arg) {
@@ -802,7 +1227,7 @@ static void body_growth(dopt_comm *c, void *arg) {
     dopt_batch_config bcfg;
     dopt_localsgd ls;
     dopt_localsgd_config cfg;
-    size_t prev = 1, u;
+    size_t prev = 3, u;
     int t, j, grew = 0;
     lsq_make(&p);
     for (j = 0; j < LS_M; j++) p.b[j] += 0.3f * (float)((j * 7919) % 13 - 6); /* inconsistent: noise at x* */
@@ -813,8 +1238,10 @@ static void body_growth(dopt_comm *c, void *arg) {
     bcfg.theta = 0.3;
     bcfg.nu = 0.5;
     bcfg.unit_samples = 2;
+    bcfg.initial_units = 3; /* WITHIN needs 2 micro-batches per step */
     bcfg.max_units = 12;
     bcfg.multiple = 3;
+    bcfg.projection = a->proj;
     DT_OK(dopt_batch_init(&bc, LS_D, &bcfg));
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 4;
@@ -833,7 +1260,7 @@ static void body_growth(dopt_comm *c, void *arg) {
         dopt_axpy(x, -0.02f, g, LS_D);
         DT_OK(dopt_localsgd_after_step(&ls, x));
         u = dopt_batch_units(&bc);
-        DT_CHECK(u >= prev && u <= 12 && (u == 1 || u % 3 == 0 || u == 12));
+        DT_CHECK(u >= prev && u <= 12 && u % 3 == 0);
         if (u > prev) grew = 1;
         prev = u;
         if (dopt_localsgd_should_sync(&ls, (uint64_t)t)) DT_CHECK(same_on_every_rank(c, &u, sizeof u));
@@ -847,10 +1274,12 @@ static void body_growth(dopt_comm *c, void *arg) {
 static void growth_all(world_via kind, int n) {
     int t, e;
     for (t = 0; t < 3; t++)
-        for (e = 0; e < 2; e++) {
+        for (e = 0; e < 3; e++) { /* WITHIN with both projections, ACROSS */
             growth_args a;
             a.test = (dopt_batch_test)t;
-            a.est = (dopt_batch_estimator)e;
+            a.est = e < 2 ? DOPT_BATCH_WITHIN : DOPT_BATCH_ACROSS;
+            a.proj = e == 1 ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS;
+            if (t == 0 && e == 1) continue; /* the norm test projects nothing */
             world_run(kind, n, body_growth, &a);
         }
 }
@@ -868,6 +1297,8 @@ typedef struct resume_args {
     dopt_batch_estimator est;
     int compressed; /* 1: model deltas through top-k with error feedback (then unweighted);
                        2: also the warm-up's gradients through sign with error feedback */
+    int outer;      /* DiLoCo's outer Nesterov step on the averages */
+    dopt_batch_projection proj;
 } resume_args;
 
 typedef struct host_state {
@@ -890,7 +1321,10 @@ static void resume_setup(dopt_comm *c, const resume_args *a, dopt_batch *bc, dop
     bcfg.estimator = a->est;
     bcfg.eta = 0.2;
     bcfg.unit_samples = 1;
+    bcfg.initial_units = 2;
     bcfg.max_units = 8;
+    bcfg.projection = a->proj;
+    bcfg.history = a->proj == DOPT_BATCH_PROJECT_EXACT ? 0.5 : 0.0;
     DT_OK(dopt_batch_init(bc, LS_D, &bcfg));
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 3;
@@ -903,6 +1337,8 @@ static void resume_setup(dopt_comm *c, const resume_args *a, dopt_batch *bc, dop
     cfg.keep_anchor = 1;
     cfg.weighted = !a->compressed;
     cfg.compressor = a->compressed ? cz : NULL;
+    cfg.outer_lr = a->outer ? 0.7 : 0.0;
+    cfg.outer_momentum = a->outer ? 0.9 : 0.0;
     DT_OK(dopt_localsgd_init(ls, c, LS_D, &cfg));
 }
 
@@ -977,6 +1413,7 @@ static void body_resume(dopt_comm *c, void *arg) {
     DT_CHECK(bc.decisions > 0);
     if (a->compressed) DT_CHECK(cz.step > 0 && dopt_sumsq(cz.residual, LS_D) > 0.0); /* EF state was live */
     if (a->compressed == 2) DT_CHECK(gz.step == 10 && dopt_sumsq(gz.residual, LS_D) > 0.0);
+    if (a->outer) DT_CHECK(dopt_sumsq(ls.outer_v, LS_D) > 0.0); /* the outer momentum was live */
     dopt_localsgd_free(&ls);
     dopt_batch_free(&bc);
     dopt_compressor_free(&cz);
@@ -1000,11 +1437,13 @@ DTEST(shm_resume_at_step_k_is_bitwise_equal_to_the_uninterrupted_run) {
     size_t k;
     int e;
     make_tmpdir(a.dir, sizeof a.dir);
-    for (e = 0; e < 4; e++)
+    for (e = 0; e < 6; e++) /* 4: outer optimizer and compressed deltas; 5: exact projection */
         for (k = 0; k < sizeof stops / sizeof *stops; k++) {
             a.stop_at = stops[k];
-            a.est = (dopt_batch_estimator)(e % 2);
-            a.compressed = e < 2 ? 0 : e - 1;
+            a.est = e < 4 ? (dopt_batch_estimator)(e % 2) : DOPT_BATCH_WITHIN;
+            a.compressed = e < 2 ? 0 : e < 4 ? e - 1 : e == 4;
+            a.outer = e == 4;
+            a.proj = e == 5 ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS;
             world_run(WORLD_SHM, 2, body_resume, &a);
         }
     remove_tmpdir(a.dir);
@@ -1071,10 +1510,17 @@ DTEST(corrupt_truncated_other_version_and_other_layout_files_are_refused) {
     expect_refused(&other, bad, DOPT_ERR_PROTOCOL, "corrupt");
     write_bytes(bad, b, 10);
     expect_refused(&other, bad, DOPT_ERR_PROTOCOL, "not a distopt");
-    b[8] = 2; /* format version 2 */
+    b[8] = DOPT_LOCALSGD_FILE_VERSION + 1; /* a newer format */
     write_bytes(bad, b, len);
-    expect_refused(&other, bad, DOPT_ERR_PROTOCOL, "version 2");
-    b[8] = 1;
+    {
+        char words[32];
+        snprintf(words, sizeof words, "version %u", DOPT_LOCALSGD_FILE_VERSION + 1);
+        expect_refused(&other, bad, DOPT_ERR_PROTOCOL, words);
+    }
+    b[8] = DOPT_LOCALSGD_FILE_VERSION - 1; /* an older one */
+    write_bytes(bad, b, len);
+    expect_refused(&other, bad, DOPT_ERR_PROTOCOL, "this build reads version");
+    b[8] = DOPT_LOCALSGD_FILE_VERSION;
     write_bytes(bad, b, len);
     DT_OK(dopt_localsgd_load(&other, bad));
     dopt_localsgd_free(&other);
