@@ -37,6 +37,8 @@ typedef struct options {
     size_t max_units;        /* adaptive batch: at most this many micro-batches per step, 0: 8 */
     double nu;               /* adaptive batch: the augmented test's ν, 0: the library default */
     double history;          /* adaptive batch: weight of earlier rounds' statistics, 0: this round's alone */
+    double outer_lr;         /* DiLoCo's outer step size on each model average, 0: 1 (plain average) */
+    double outer_momentum;   /* its Nesterov momentum, 0: none */
 } options;
 
 /* A program's own flags: called first for every argument with the one after it (NULL at the
@@ -49,7 +51,8 @@ static inline void usage(const char *prog) {
             "usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--compress none|ternary|qsgd|topk|sign|fp16|bf16]\n"
             "          [--celgc eta,gamma] [--period I] [--clip C] [--seed S] [--steps N] [--epochs N]\n"
             "          [--batch B] [--lr LR] [--adaptive-batch off|norm|ip|aip] [--batch-eta X]\n"
-            "          [--max-batch-units U] [--batch-nu X] [--batch-history H] [--csv FILE] [--train-limit N] [program's own flags]\n"
+            "          [--max-batch-units U] [--batch-nu X] [--batch-history H] [--outer-lr X] [--outer-momentum M]\n"
+            "          [--csv FILE] [--train-limit N] [program's own flags]\n"
             "tcp reads DOPT_RANK, DOPT_WORLD_SIZE, DOPT_MASTER_ADDR, DOPT_MASTER_PORT, DOPT_TOKEN;\n"
             "mpi runs under mpirun (Open MPI as root: mpirun --allow-run-as-root -n 2 ...).\n",
             prog);
@@ -88,6 +91,8 @@ static inline void parse_options_extra(options *o, int argc, char **argv, extra_
         else if (!strcmp(f, "--max-batch-units")) o->max_units = (size_t)strtoul(v, NULL, 10);
         else if (!strcmp(f, "--batch-nu")) o->nu = strtod(v, NULL);
         else if (!strcmp(f, "--batch-history")) o->history = strtod(v, NULL);
+        else if (!strcmp(f, "--outer-lr")) o->outer_lr = strtod(v, NULL);
+        else if (!strcmp(f, "--outer-momentum")) o->outer_momentum = strtod(v, NULL);
         else usage(argv[0]);
     }
     if (o->period < 1 || o->workers < 1) usage(argv[0]);
@@ -174,6 +179,8 @@ static inline int method_configs(const options *o, dopt_compressor *cz, dopt_com
     lcfg->sync_grads = sync;
     lcfg->compressor = compress && !sync ? cz : NULL;
     lcfg->grad_compressor = compress && sync ? cz : NULL;
+    lcfg->outer_lr = o->outer_lr;            /* DiLoCo: each model average an outer Nesterov step */
+    lcfg->outer_momentum = o->outer_momentum;
     return compress;
 }
 

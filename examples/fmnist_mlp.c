@@ -219,7 +219,7 @@ static dopt_status evaluate(const evaluation *ev, const float *params, progress 
 }
 
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, 0};
+    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, 0, 0, 0};
     size_t ntrain, ntest, nlabels, begin, end, per_rank, i, units;
     unsigned char *train_px, *test_px, *train_y, *test_y, *batch_y;
     float *train_x, *test_x, *params, *grads, *micro, *eval, *batch_x;

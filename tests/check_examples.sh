@@ -1,7 +1,7 @@
 #!/bin/sh
 # Keeps the examples honest: least_squares must reach its known optimum over the self backend,
 # over shared memory in fp32, with TernGrad, with local SGD and compressed deltas, with CELGC at
-# period 4 and over MPI — and must report failure when the step size makes SGD diverge;
+# period 4, with DiLoCo's outer optimizer at period 8, and over MPI — and must report failure when the step size makes SGD diverge;
 # fmnist_mlp must run one short epoch, with fixed and with adaptive batches; perf_model must
 # measure its ingredients and predict. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
 # examples there through the Makefile when they are missing or stale. A few seconds.
@@ -37,6 +37,7 @@ expect converges least_squares --transport shm --workers 2
 expect converges least_squares --transport shm --workers 2 --compress ternary
 expect converges least_squares --transport shm --workers 3 --compress topk --period 4
 expect converges least_squares --transport shm --workers 2 --celgc 0.05,1.0 --period 4
+expect converges least_squares --transport shm --workers 2 --period 8 --outer-lr 0.7 --outer-momentum 0.9
 expect fails least_squares --transport shm --workers 2 --lr 5
 expect fails least_squares --transport self --steps 10
 expect converges mpirun --allow-run-as-root --mca btl_vader_single_copy_mechanism none -n 2 -x OPENBLAS_NUM_THREADS "$BUILD/least_squares" --steps 3000 --seed 7 \
