@@ -15,7 +15,7 @@
 # BUILD/experiments/celgc_lstm_w<N>_<method>_s<seed>.log, its command line first, the other
 # ranks' to .rank<R>.out beside it), OUT/celgc_lstm.png (validation loss against epochs and
 # against averaging rounds, for each N) and OUT/celgc_lstm.md (the table made from the CSVs, then
-# the verdicts computed from it). 24 runs.
+# the verdicts computed from it). 24 runs, about 5 minutes on 2 cores.
 # Usage: experiments/celgc_lstm.sh BUILD_DIR OUT_DIR   (from the repository's top directory)
 # Environment: LSTM_EPOCHS, LSTM_TRAIN_CHARS, LSTM_HIDDEN, LSTM_SEED override the settings below;
 # LSTM_REPORT_ONLY=1: no runs, the table, text and figure again from OUT's CSVs and the logs.
@@ -70,9 +70,11 @@ run() { # $1: run name, $2: workers, then char_lstm's method flags
             pids="$pids $!"
             other=$((other + 1))
         done
+        others="ranks 1-$((workers - 1))"
+        [ "$workers" -eq 2 ] && others="rank 1"
         echo "DOPT_WORLD_SIZE=$workers DOPT_RANK=0 $BUILD/char_lstm --transport tcp --epochs $EPOCHS" \
             "--train-limit $TRAIN_CHARS --hidden $HIDDEN --bptt $BPTT --batch $BATCH $* --csv $csv" \
-            "  (ranks 1-$((workers - 1)): the same without --csv)" >"$log.log"
+            "  ($others: the same without --csv)" >"$log.log"
         s0=0
         rank 0 "$@" --csv "$csv" >>"$log.log" 2>&1 || s0=$?
         # rank 0 never listened: the others would keep trying to connect until their timeout
@@ -141,6 +143,13 @@ label() {
         sgd) echo "SGD, unclipped, synchronous" ;;
     esac
 }
+paragraph() { # stdin as one paragraph, wrapped at 100 columns
+    awk '{ for (i = 1; i <= NF; i++) w[++n] = $i }
+        END { for (i = 1; i <= n; i++) {
+                  if (line != "" && length(line) + 1 + length(w[i]) > 100) { print line; line = "" }
+                  line = line (line == "" ? "" : " ") w[i] }
+              print line }'
+}
 uniform=$(awk 'BEGIN { printf "%.4f", log(96) }')
 summary="$OUT/celgc_lstm_summary.txt" # n method seed epochs train val bpc rounds bytes time clipped diverged
 : >"$summary"
@@ -175,18 +184,21 @@ md="$OUT/celgc_lstm.md"
 {
     echo "## CELGC on a character-level LSTM (2 and 4 workers, TCP)"
     echo
-    echo "\`experiments/celgc_lstm.sh\` ($run_date, the code of commit $commit): examples/char_lstm.c, one LSTM layer"
-    echo "of $HIDDEN units, one-hot input over 96 symbols, BPTT $BPTT, the first $TRAIN_CHARS characters of the fortunes"
-    echo "training text, $EPOCHS epochs, N = 2 and N = 4 worker processes over TCP on 127.0.0.1, seeds $(echo "$SEEDS" | sed 's/ / and /')."
-    echo "Each worker trains on 1/N of the characters with a batch of $BATCH windows: an epoch is the same data for"
-    echo "both N, and at N = 4 the global batch is twice as large ($((4 * BATCH)) windows against $((2 * BATCH))) and an epoch has"
-    echo "half as many steps. Step size eta = $ETA everywhere. The baseline is the paper's: synchronous clipped SGD"
-    echo "averages the workers' gradients, then steps min(eta, gamma/|g|) on the average (gamma = $GAMMA). CELGC takes that"
-    echo "step on each worker's own gradient and averages the models every I steps (at I = 1, after every step)."
-    echo "Losses in nats per character; rounds: averages (of gradients or of models); MB: payload each worker"
-    echo "handed to the transport during training; time: training wall time (evaluation excluded) on a shared"
-    echo "2-core machine, where N = 4 puts two worker processes on each core (the $(wc -l <"$summary") runs took $elapsed s"
-    echo "in all); steps clipped: rank 0's steps on which the rule chose gamma/|g| over eta."
+    {
+        echo "\`experiments/celgc_lstm.sh\` ($run_date, the code of commit $commit): examples/char_lstm.c, one LSTM layer"
+        echo "of $HIDDEN units, one-hot input over 96 symbols, BPTT $BPTT, the first $TRAIN_CHARS characters of the fortunes"
+        echo "training text, $EPOCHS epochs, N = 2 and N = 4 worker processes over TCP on 127.0.0.1, seeds $(echo "$SEEDS" | sed 's/ / and /')."
+        echo "Each worker trains on 1/N of the characters with a batch of $BATCH windows: an epoch is the same data for"
+        echo "both N, and at N = 4 the global batch is twice as large ($((4 * BATCH)) windows against $((2 * BATCH))) and an epoch has"
+        echo "half as many steps. Step size eta = $ETA everywhere. The baseline is the paper's: synchronous clipped SGD"
+        echo "averages the workers' gradients, then steps min(eta, gamma/|g|) on the average (gamma = $GAMMA). CELGC takes that"
+        echo "step on each worker's own gradient and averages the models every I steps (at I = 1, after every step)."
+        echo "Losses in nats per character; rounds: averages (of gradients or of models); MB: payload each worker"
+        echo "handed to the transport during training (not bytes on the wire: a ring allreduce puts 2(N-1)/N of its"
+        echo "payload on the wire per worker, 1x at N = 2 and 1.5x at N = 4); time: training wall time (evaluation excluded) on a shared"
+        echo "2-core machine, where N = 4 puts two worker processes on each core (the $(wc -l <"$summary") runs took $elapsed s"
+        echo "in all); steps clipped: rank 0's steps on which the rule chose gamma/|g| over eta."
+    } | paragraph
     echo
     echo "| N | method | seed | rounds | MB sent / worker | final train loss | final val loss | time (s) | steps clipped | diverged? |"
     echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"
@@ -196,8 +208,10 @@ md="$OUT/celgc_lstm.md"
             "$(echo "$div" | tr _ ' ')"
     done <"$summary"
     echo
-    echo "Validation loss against epochs and against rounds: \`celgc_lstm.png\`. Unigram baseline (symbol frequencies"
-    echo "of the training text): $(sed -n 's/.*unigram baseline \([0-9.]*\) nats.*/\1/p' "$LOGS/celgc_lstm_w2_sync_s$SEED.log" | head -n 1) nats/char; uniform guess: $uniform nats/char."
+    {
+        echo "Validation loss against epochs and against rounds: \`celgc_lstm.png\`. Unigram baseline (symbol frequencies"
+        echo "of the training text): $(sed -n 's/.*unigram baseline \([0-9.]*\) nats.*/\1/p' "$LOGS/celgc_lstm_w2_sync_s$SEED.log" | head -n 1) nats/char; uniform guess: $uniform nats/char."
+    } | paragraph
     echo
     echo "### What the figures say"
     echo
@@ -208,6 +222,13 @@ md="$OUT/celgc_lstm.md"
         FILENAME == ARGV[1] { k = $1 " " $2 " " $3; val[k] = $6; rounds[k] = $8; bytes[k] = $9; secs[k] = $10; div[k] = $12; next }
         { cv[$1 " " $2 " " $3 " " $4] = $6; if ($2 == "sync") steps[$1 " " $4] = $5 }
         function abs(x) { return x < 0 ? -x : x }
+        function wrap(text,   n, i, word, line, out) { # at 100 columns
+            n = split(text, word, " "); line = ""; out = ""
+            for (i = 1; i <= n; i++)
+                if (line != "" && length(line) + 1 + length(word[i]) > 100) { out = out line "\n"; line = word[i] }
+                else line = line (line == "" ? "" : " ") word[i]
+            return out line "\n"
+        }
         function mean(n, m,   j, t) { t = 0; for (j = 1; j <= ns; j++) t += val[n " " m " " S[j]]; return t / ns }
         function lbl(m) { return m == "sync" ? "synchronous clipped SGD" : "CELGC at I = " substr(m, 8) }
         # "d1, d2" of method m against reference ref at N = n, one per seed; sets dmax, dmin
@@ -318,34 +339,45 @@ md="$OUT/celgc_lstm.md"
                 if (v_sync[W[w] " " m]) fails = fails sprintf("%s N = %s, I = %d against synchronous clipped SGD", (fails == "" ? "" : ";"), W[w], P[p])
                 if (p > 1 && v_one[W[w] " " m]) fails = fails sprintf("%s N = %s, I = %d against CELGC at I = 1", (fails == "" ? "" : ";"), W[w], P[p])
             }
-            if (fails == "") {
-                printf "At both N and every period up to I = %d, CELGC ended no further above synchronous clipped SGD, and\n", P[np]
-                printf "no further above its own I = 1, than two seeds of one method end apart, with I times fewer rounds:\n"
-                printf "the communication claim of the paper holds here, for these %d epochs, within that noise.\n", epochs
-            } else {
-                printf "The claim failed (a final loss higher than the reference'"'"'s by more than the spread) at:%s.\n", fails
-                printf "Everywhere else it held within the spread, with I times fewer rounds.\n"
+            if (fails == "")
+                t = sprintf("At both N and every period up to I = %d, CELGC ended no further above synchronous clipped SGD, and no further above its own I = 1, than two seeds of one method end apart, with I times fewer rounds: the communication claim of the paper holds here, for these %d epochs, within that noise.", P[np], epochs)
+            else
+                t = sprintf("The claim failed (a final loss higher than the reference'"'"'s by more than the spread) at:%s. Everywhere else it held within the spread, with I times fewer rounds.", fails)
+            # the sign of the paired differences against the synchronous baseline, and where they exceed the spread
+            npair = 0; nbelow = 0; dlow = 0; beyond = ""
+            for (w = 1; w <= nw; w++) for (p = 1; p <= np; p++) {
+                m = "celgc_I" P[p]; all = 1
+                for (j = 1; j <= ns; j++) {
+                    d = val[W[w] " " m " " S[j]] - val[W[w] " sync " S[j]]; npair++
+                    if (d < 0) nbelow++
+                    if (d < dlow) dlow = d
+                    if (d >= -spread[W[w]]) all = 0
+                }
+                if (all) beyond = beyond sprintf("%s N = %s, I = %d", (beyond == "" ? "" : ";"), W[w], P[p])
             }
-            printf "\nThe paper also claims a speedup linear in N: N workers need about 1/N of the steps, so after the same\n"
-            printf "data the loss would not depend on N, and after the same number of steps N = %s would be ahead of\n", n4
-            printf "N = %s. Here, after the same data, ", n2
-            if (worse == 0 && better == 0)
-                printf "N = %s matched N = %s within the yardstick for every\nclipped method, with half the steps: consistent with a linear speedup from %s to %s workers.\n", n4, n2, n2, n4
-            else if (worse > 0) {
-                printf "N = %s ended higher for %d of the %d clipped\nmethods: half the steps with twice the ", n4, worse, nm
-                printf "global batch did not reach the loss of N = %s, so from %s to %s workers the speedup\nin steps was less than linear here", n2, n2, n4
+            if (nbelow > npair / 2) {
+                t = t sprintf(" CELGC ended below synchronous clipped SGD in %d of the %d seed-paired comparisons (by up to %.2f nats/char), by more than the spread on every seed at%s.", nbelow, npair, -dlow, (beyond == "" ? " none" : beyond))
                 if (clipmin >= 90)
-                    printf " (a likely reason: with gamma/|g| chosen on at least %.0f%% of the steps, every step has\nlength gamma whatever the batch; a larger batch makes a step better aimed but not longer)", clipmin
-                printf ".\n"
+                    t = t " A possible reason, not tested here: with the rule choosing gamma/|g| on nearly every step, the synchronous step has length gamma, while the average of the workers'"'"' own clipped steps is shorter wherever their gradients point different ways; at this large step size CELGC'"'"'s averaged model moves less far."
+            }
+            printf "%s", wrap(t)
+            t = sprintf("The paper also claims a speedup linear in N: N workers need about 1/N of the steps, so after the same data the loss would not depend on N, and after the same number of steps N = %s would be ahead of N = %s. Here, after the same data, ", n4, n2)
+            if (worse == 0 && better == 0)
+                t = t sprintf("N = %s matched N = %s within the yardstick for every clipped method, with half the steps: consistent with a linear speedup from %s to %s workers.", n4, n2, n2, n4)
+            else if (worse > 0) {
+                t = t sprintf("N = %s ended higher for %d of the %d clipped methods: half the steps with twice the global batch did not reach the loss of N = %s", n4, worse, nm, n2)
+                if (clipmin >= 90)
+                    t = t sprintf(" (a possible reason: the rule chose gamma/|g| on at least %.1f%% of the steps of every clipped run, and such a step has length gamma whatever the batch; a larger batch aims a step better but does not lengthen it)", clipmin)
                 if (e2 > 0 && below > 0)
-                    printf "After the same number of steps, N = %s was lower for %d of the %d: the extra workers helped per step,\nless than linearly.\n", n4, below, nm
+                    t = t sprintf(". After the same number of steps, N = %s was lower for %d of the %d: from %s to %s workers the gain per step was real but less than linear.", n4, below, nm, n2, n4)
                 else if (e2 > 0)
-                    printf "After the same number of steps, N = %s was not lower by more than the yardstick for any of them: no\ngain per step from the extra workers could be seen.\n", n4
+                    t = t sprintf(". After the same number of steps, N = %s, having seen twice the data, was not lower than N = %s by more than the yardstick for any of them: from %s to %s workers no gain per step could be seen, let alone a linear one.", n4, n2, n2, n4)
+                else
+                    t = t sprintf(": from %s to %s workers the speedup in steps was less than linear.", n2, n4)
             } else
-                printf "N = %s ended lower for %d of the %d clipped methods and within the yardstick for the\nothers.\n", n4, better, nm
-            printf "Wall time cannot show a speedup in N on this machine: it has 2 cores, so at N = %s two worker processes\n", n4
-            printf "share each core, and a run trained for %.1f s on average against %.1f s at N = %s. What can be compared is\n", t4 / c4, t2 / c2, n2
-            printf "the loss per epoch and per step, and the rounds, as above.\n"
+                t = t sprintf("N = %s ended lower for %d of the %d clipped methods and within the yardstick for the others.", n4, better, nm)
+            t = t sprintf(" Wall time cannot show a speedup in N on this machine: it has 2 cores, so at N = %s two worker processes share each core, and a run trained for %.1f s on average against %.1f s at N = %s. What can be compared is the loss per epoch and per step, and the rounds, as above.", n4, t4 / c4, t2 / c2, n2)
+            printf "\n%s", wrap(t)
         }' "$summary" "$curves"
 } >"$md"
 
@@ -405,7 +437,7 @@ plot $plots"
         done
     done
     gnuplot <<EOF
-set terminal png size 1400,1000 noenhanced
+set terminal pngcairo size 1400,1000 noenhanced font ",11"
 set output "$OUT/celgc_lstm.png"
 set datafile separator ","
 set multiplot layout 2,2 title "char-LSTM on fortunes ($TRAIN_CHARS characters, hidden $HIDDEN), TCP, eta = $ETA, gamma = $GAMMA; validation loss, seed $SEED solid, seed $((SEED + 1)) dashed"
