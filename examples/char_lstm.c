@@ -3,10 +3,13 @@
    data-parallel: each rank takes its shard of the training text, rank 0's initial parameters go to
    every rank, then synchronous SGD (gradients averaged in fp32 or through a compressor), local SGD,
    or CELGC (each worker steps min(η, γ/‖g‖) on its own gradient, models averaged every --period
-   steps). The lines marked "distopt" are what a host adds to its own loop; the rest is a plain C
-   training loop with OpenBLAS sgemm over one flat parameter array and one flat gradient array.
+   steps; at --period 1 that takes --average models, since period 1 averages the gradients by
+   default, and CELGC then clips their average: synchronous clipped SGD). The lines marked
+   "distopt" are what a host adds to its own loop; the rest is a plain C training loop with
+   OpenBLAS sgemm over one flat parameter array and one flat gradient array.
 
        OPENBLAS_NUM_THREADS=1 build/char_lstm --transport shm --workers 2 --celgc 30,3 --period 4
+       OPENBLAS_NUM_THREADS=1 build/char_lstm --transport shm --workers 2 --celgc 30,3 --period 1 --average models
        OPENBLAS_NUM_THREADS=1 build/char_lstm --transport shm --workers 2 --lr 30        (diverges)
        OPENBLAS_NUM_THREADS=1 build/char_lstm --transport shm --workers 2 --lr 30 --clip 0.1
        build/char_lstm --gradcheck                     (finite differences against the backward pass)
@@ -428,7 +431,7 @@ static void print_row(FILE *f, const char *fmt, int epoch, double loss, double v
 }
 
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0, 0, 0, 0};
+    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0};
     lstm_options lo = {128, 32, 0, 0};
     lstm m;
     lstm_work work;
@@ -493,9 +496,11 @@ int main(int argc, char **argv) {
 
     /* distopt: the method. Synchronous steps (--period 1) average the gradients, in fp32 or
        compressed; local steps average the models every --period steps, the deltas compressed
-       with --compress. Adaptive batches grow the micro-batches per step. */
+       with --compress; --period 1 --average models averages the models after every step (CELGC
+       then clips each worker's own gradient, as the paper's method does at I = 1). Adaptive
+       batches grow the micro-batches per step. */
     compress = method_configs(&o, &cz, &ccfg, &lcfg);
-    sync = o.period == 1;
+    sync = o.period == 1; /* an average after every step: the replicas are the averaged model */
     dopt_segments_from_sizes(segs, m.sizes, NTENSORS, NULL);
     lcfg.batch = adaptive ? &bc : NULL;
     if ((compress && dopt_compressor_init(&cz, &ccfg, segs, NTENSORS) != DOPT_OK) ||
@@ -513,8 +518,8 @@ int main(int argc, char **argv) {
             printf("celgc eta %g gamma %g", o.celgc_eta, o.celgc_gamma);
         else
             printf("sgd lr %g clip %g", o.lr, o.clip);
-        printf(", period %zu, compress %s, adaptive batch %s; unigram baseline %.4f nats/char\n", o.period, o.compress,
-               o.adaptive, baseline);
+        printf(", period %zu, average %s, compress %s, adaptive batch %s; unigram baseline %.4f nats/char\n", o.period,
+               o.average, o.compress, o.adaptive, baseline);
         printf("%5s %10s %10s %8s %8s %12s %8s %6s\n", "epoch", "train_nats", "val_nats", "val_bpc", "rounds",
                "bytes_sent", "time_s", "batch");
         if (o.csv && (csv = fopen(o.csv, "w")) != NULL)
@@ -565,9 +570,9 @@ int main(int argc, char **argv) {
         train_secs += wall_seconds() - t0;
         if (comm->size > 1) train_bytes += (double)(dopt_comm_traffic_total(comm) - traffic_before);
         /* The epoch's figures: training loss averaged over ranks; validation loss of the averaged
-           model (identical to every replica after a synchronous step; between local averages, an
-           extra fp32 average of a copy, which the training does not see), each rank taking its
-           share of the validation windows. */
+           model (identical to every replica at period 1, where every step ends averaged; between
+           local averages, an extra fp32 average of a copy, which the training does not see), each
+           rank taking its share of the validation windows. */
         loss /= (double)(batches ? batches : 1);
         memcpy(eval, params, m.n * sizeof(float));
         st = dopt_allreduce(comm, &loss, 1, DOPT_F64, DOPT_MEAN);

@@ -36,6 +36,8 @@ typedef struct options {
     double eta;              /* adaptive batch: the test's η (θ for ip/aip), 0: the library default */
     size_t max_units;        /* adaptive batch: at most this many micro-batches per step, 0: 8 */
     double nu;               /* adaptive batch: the augmented test's ν, 0: the library default */
+    const char *average;     /* grads (period 1 only) or models; NULL until parsed: grads at period 1,
+                                models beyond */
     double history;          /* adaptive batch: weight of earlier rounds' statistics, 0: this round's alone */
     double outer_lr;         /* DiLoCo's outer step size on each model average, 0: 1 (plain average) */
     double outer_momentum;   /* its Nesterov momentum, 0: none */
@@ -49,10 +51,12 @@ typedef int (*extra_flag_fn)(void *user, const char *flag, const char *value);
 static inline void usage(const char *prog) {
     fprintf(stderr,
             "usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--compress none|ternary|qsgd|topk|sign|fp16|bf16]\n"
-            "          [--celgc eta,gamma] [--period I] [--clip C] [--seed S] [--steps N] [--epochs N]\n"
-            "          [--batch B] [--lr LR] [--adaptive-batch off|norm|ip|aip] [--batch-eta X]\n"
-            "          [--max-batch-units U] [--batch-nu X] [--batch-history H] [--outer-lr X] [--outer-momentum M]\n"
-            "          [--csv FILE] [--train-limit N] [program's own flags]\n"
+            "          [--celgc eta,gamma] [--period I] [--average grads|models] [--clip C] [--seed S]\n"
+            "          [--steps N] [--epochs N] [--batch B] [--lr LR] [--adaptive-batch off|norm|ip|aip]\n"
+            "          [--batch-eta X] [--max-batch-units U] [--batch-nu X] [--batch-history H]\n"
+            "          [--outer-lr X] [--outer-momentum M] [--csv FILE] [--train-limit N] [program's own flags]\n"
+            "--average: at --period 1, grads (the default) averages the gradients before each step, models\n"
+            "averages the models after it; longer periods take only models (their default).\n"
             "tcp reads DOPT_RANK, DOPT_WORLD_SIZE, DOPT_MASTER_ADDR, DOPT_MASTER_PORT, DOPT_TOKEN;\n"
             "mpi runs under mpirun (Open MPI as root: mpirun --allow-run-as-root -n 2 ...).\n",
             prog);
@@ -78,6 +82,7 @@ static inline void parse_options_extra(options *o, int argc, char **argv, extra_
             o->celgc = 1;
         }
         else if (!strcmp(f, "--period")) o->period = (size_t)strtoul(v, NULL, 10);
+        else if (!strcmp(f, "--average")) o->average = v;
         else if (!strcmp(f, "--clip")) o->clip = strtof(v, NULL);
         else if (!strcmp(f, "--seed")) o->seed = strtoull(v, NULL, 10);
         else if (!strcmp(f, "--steps")) o->steps = atol(v);
@@ -96,6 +101,15 @@ static inline void parse_options_extra(options *o, int argc, char **argv, extra_
         else usage(argv[0]);
     }
     if (o->period < 1 || o->workers < 1) usage(argv[0]);
+    if (o->average == NULL) o->average = o->period == 1 ? "grads" : "models";
+    if (strcmp(o->average, "grads") && strcmp(o->average, "models")) {
+        fprintf(stderr, "unknown --average %s (grads, models)\n", o->average);
+        exit(2);
+    }
+    if (!strcmp(o->average, "grads") && o->period > 1) {
+        fprintf(stderr, "--average grads needs --period 1 (at period %zu only the models are averaged)\n", o->period);
+        exit(2);
+    }
 }
 
 static inline void parse_options(options *o, int argc, char **argv) { parse_options_extra(o, argc, argv, NULL, NULL); }
@@ -163,14 +177,23 @@ static inline int codec_from_name(const char *name, dopt_codec *codec) {
     return 0;
 }
 
-/* The method --compress and --period name, as the compressor's and the driver's configurations
-   (the host adds its own fields, then initialises both); returns 0 for --compress none (then no
-   compressor: do not initialise cz). Period 1 averages the gradients, through cz when there is
-   one; longer periods average the models, their deltas through cz. */
+/* 1 when each step averages the gradients before the update (--period 1, --average grads: the
+   synchronous method); 0 when the models are averaged after the update, every --period steps.
+   At period 1 both communicate once per step, but only the first applies the update rule
+   (CELGC's clipping, say) to the average gradient; the second applies it to each worker's own
+   gradient, then averages the models. */
+static inline int averages_gradients(const options *o) {
+    return o->period == 1 && (o->average == NULL || strcmp(o->average, "models"));
+}
+
+/* The method --compress, --period and --average name, as the compressor's and the driver's
+   configurations (the host adds its own fields, then initialises both); returns 0 for --compress
+   none (then no compressor: do not initialise cz). Gradient averages go through cz when there is
+   one; model averages send their deltas through it. */
 static inline int method_configs(const options *o, dopt_compressor *cz, dopt_compressor_config *ccfg,
                                  dopt_localsgd_config *lcfg) {
     dopt_codec codec = DOPT_CODEC_FP32;
-    int compress = codec_from_name(o->compress, &codec), sync = o->period == 1;
+    int compress = codec_from_name(o->compress, &codec), sync = averages_gradients(o);
     memset(ccfg, 0, sizeof *ccfg);
     ccfg->codec = codec;
     ccfg->seed = o->seed;

@@ -183,9 +183,10 @@ typedef struct evaluation {
 } evaluation;
 
 /* An evaluation on every rank: the train loss since the last one (mean over ranks), the test
-   accuracy of the averaged model on rank 0 (identical to every replica after a synchronous step;
-   between local averages, an extra fp32 average of a copy, which the training does not see), one
-   line of output. Its time and bytes go to pr->eval_secs and pr->eval_bytes, not to training. */
+   accuracy of the averaged model on rank 0 (identical to every replica at period 1, where every
+   step ends averaged; between local averages, an extra fp32 average of a copy, which the training
+   does not see), one line of output. Its time and bytes go to pr->eval_secs and pr->eval_bytes,
+   not to training. */
 static dopt_status evaluate(const evaluation *ev, const float *params, progress *pr, double epoch, uint64_t step,
                             uint64_t rounds, size_t batch) {
     double t_begin = wall_seconds(), loss = pr->loss_sum / (double)(pr->batches ? pr->batches : 1);
@@ -219,7 +220,7 @@ static dopt_status evaluate(const evaluation *ev, const float *params, progress 
 }
 
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, 0, 0, 0};
+    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0};
     size_t ntrain, ntest, nlabels, begin, end, per_rank, i, units;
     unsigned char *train_px, *test_px, *train_y, *test_y, *batch_y;
     float *train_x, *test_x, *params, *grads, *micro, *eval, *batch_x;
@@ -274,7 +275,8 @@ int main(int argc, char **argv) {
 
     /* distopt: the method. Synchronous steps (--period 1) average the gradients, in fp32 or
        compressed; local steps average the models every --period steps, the deltas compressed
-       with --compress. Adaptive batches grow the micro-batches per step by the norm test. */
+       with --compress (at --period 1 too with --average models). Adaptive batches grow the
+       micro-batches per step by the norm test. */
     compress = method_configs(&o, &cz, &ccfg, &lcfg);
     sync = o.period == 1;
     ccfg.clip_c = lo.tern_clip;

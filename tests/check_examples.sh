@@ -56,9 +56,10 @@ else
     failed=1
 fi
 
-# char_lstm: the backward pass against finite differences; CELGC (period 2) at a step size where
-# plain SGD blows up must beat the unigram baseline on 16000 characters, and plain SGD at that
-# step must fail by reporting DIVERGED (not by crashing).
+# char_lstm: the backward pass against finite differences; CELGC at a step size where plain SGD
+# blows up must beat the unigram baseline on 16000 characters, at period 2 and at period 1 with
+# the models averaged (each worker clips its own gradient), and plain SGD at that step must fail
+# by reporting DIVERGED (not by crashing).
 if [ -r /usr/share/games/fortunes/fortunes ]; then
     build char_lstm
     # shellcheck disable=SC2317  # called through expect
@@ -68,6 +69,7 @@ if [ -r /usr/share/games/fortunes/fortunes ]; then
     char_lstm_reports_divergence() { out=$(char_lstm "$@" 2>&1); s=$?; echo "$out" | grep -q DIVERGED || return 0; return "$s"; }
     expect converges "$BUILD/char_lstm" --gradcheck
     expect converges char_lstm --celgc 30,3 --period 2
+    expect converges char_lstm --celgc 30,3 --period 1 --average models
     expect fails char_lstm_reports_divergence --lr 30
 else
     echo "FAIL: the fortunes text is missing (scripts/install-deps.sh installs fortunes)"
