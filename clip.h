@@ -280,8 +280,9 @@ static double dopt__clip_buf_sumsq(const dopt_buf *b) {
    becomes +inf, and a rank whose arguments are invalid fills every sum with NaN; after it:
    NaN anywhere (NaN absorbs everything) → DOPT_ERR_INVALID on every rank; else +inf anywhere →
    DOPT_ERR_NONFINITE on every rank; else the sums are the exact totals. Without a communicator
-   the same decoding gives the local verdict. local is DOPT_OK or DOPT_ERR_INVALID. */
-static dopt_status dopt__clip_agree(dopt_comm *comm, double *sums, size_t k, dopt_status local) {
+   the same decoding gives the local verdict. local is DOPT_OK or DOPT_ERR_INVALID. api is the
+   public call, named in the communicator's detail should the allreduce fail. */
+static dopt_status dopt__clip_agree(dopt_comm *comm, const char *api, double *sums, size_t k, dopt_status local) {
     size_t i;
     int nan_seen = 0, inf_seen = 0;
     for (i = 0; i < k; i++) {
@@ -291,7 +292,9 @@ static dopt_status dopt__clip_agree(dopt_comm *comm, double *sums, size_t k, dop
             sums[i] = INFINITY;
     }
     if (comm != NULL) {
+        const char *prev = dopt_comm_set_api(comm, api);
         dopt_status s = dopt_allreduce(comm, sums, k, DOPT_F64, DOPT_SUM);
+        dopt_comm_set_api(comm, prev);
         if (s != DOPT_OK) return s;
     }
     for (i = 0; i < k; i++) {
@@ -303,9 +306,9 @@ static dopt_status dopt__clip_agree(dopt_comm *comm, double *sums, size_t k, dop
 }
 
 /* A verdict with no numbers attached: the elementwise rules' only collective. */
-static dopt_status dopt__clip_agree_verdict(dopt_comm *comm, dopt_status local) {
+static dopt_status dopt__clip_agree_verdict(dopt_comm *comm, const char *api, dopt_status local) {
     double flag = local == DOPT_ERR_NONFINITE ? INFINITY : 0.0;
-    return dopt__clip_agree(comm, &flag, 1, local == DOPT_ERR_NONFINITE ? DOPT_OK : local);
+    return dopt__clip_agree(comm, api, &flag, 1, local == DOPT_ERR_NONFINITE ? DOPT_OK : local);
 }
 
 /* min(1, limit/norm); 1 for a zero norm or an infinite limit. */
@@ -341,7 +344,7 @@ DOPT_DEF dopt_status dopt_clip_global_norm_factor_buf(dopt_comm *comm, const dop
     if (!dopt__clip_scale_ok(scale) || !dopt__clip_limit_ok(max_norm)) s = DOPT_ERR_INVALID;
     /* scale² inside the sum, so that ranks with different scales still add like terms */
     if (s == DOPT_OK) total = (double)scale * (double)scale * dopt__clip_buf_sumsq(grads);
-    s = dopt__clip_agree(comm, &total, 1, s);
+    s = dopt__clip_agree(comm, "dopt_clip_global_norm", &total, 1, s);
     if (norm) *norm = s == DOPT_OK ? sqrt(total) : NAN;
     if (factor) *factor = s == DOPT_OK ? (float)dopt__clip_factor(sqrt(total), max_norm) : 0.0f;
     return s;
@@ -386,7 +389,7 @@ DOPT_DEF dopt_status dopt_clip_segment_norms(dopt_comm *comm, const dopt_buf *gr
         /* Nowhere to reduce nsegs sums: take part with one NaN, so that peers fail too (with
            DOPT_ERR_INVALID, or DOPT_ERR_MISMATCH from the transport when their count differs). */
         double invalid = 0.0;
-        dopt__clip_agree(comm, &invalid, 1, DOPT_ERR_INVALID);
+        dopt__clip_agree(comm, "dopt_clip_segment_norms", &invalid, 1, DOPT_ERR_INVALID);
         return DOPT_ERR_INVALID;
     }
     k = dopt_buf_nsegs(grads); /* read from the descriptor alone, so the count matches peers' */
@@ -397,7 +400,7 @@ DOPT_DEF dopt_status dopt_clip_segment_norms(dopt_comm *comm, const dopt_buf *gr
         dopt_span seg = dopt_buf_segment(grads, i);
         norms[i] = (double)scale * (double)scale * dopt_sumsq(seg.ptr, seg.count);
     }
-    s = dopt__clip_agree(comm, norms, k, s);
+    s = dopt__clip_agree(comm, "dopt_clip_segment_norms", norms, k, s);
     for (i = 0; i < k; i++) {
         dopt_span seg = dopt_buf_segment(grads, i);
         float limit = max_norms ? max_norms[i] : max_norm;
@@ -437,7 +440,7 @@ DOPT_DEF dopt_status dopt_clip_value(dopt_comm *comm, const dopt_buf *grads, flo
     double bound;
     if (!dopt__clip_scale_ok(scale) || !dopt__clip_limit_ok(max_value)) s = DOPT_ERR_INVALID;
     if (s == DOPT_OK && !dopt__clip_buf_finite(grads)) s = DOPT_ERR_NONFINITE;
-    s = dopt__clip_agree_verdict(comm, s);
+    s = dopt__clip_agree_verdict(comm, "dopt_clip_value", s);
     if (s != DOPT_OK) return s;
     bound = (double)max_value / fabs((double)scale);
     if (bound >= FLT_MAX) return DOPT_OK; /* no float exceeds it */
@@ -456,7 +459,7 @@ DOPT_DEF dopt_status dopt_clip_sigma(dopt_comm *comm, const dopt_buf *grads, flo
     size_t i, k;
     if (!dopt__clip_limit_ok(c)) s = DOPT_ERR_INVALID;
     if (s == DOPT_OK && !dopt__clip_buf_finite(grads)) s = DOPT_ERR_NONFINITE;
-    s = dopt__clip_agree_verdict(comm, s);
+    s = dopt__clip_agree_verdict(comm, "dopt_clip_sigma", s);
     if (s != DOPT_OK) return s;
     k = dopt_buf_nsegs(grads);
     for (i = 0; i < k; i++) {
@@ -500,7 +503,7 @@ DOPT_DEF dopt_status dopt_clip_agc(dopt_comm *comm, const dopt_buf *grads, const
         s = DOPT_ERR_INVALID;
     if (s == DOPT_OK) s = dopt__clip_check_cols(grads, cols);
     if (s == DOPT_OK && (!dopt__clip_buf_finite(grads) || !dopt__clip_buf_finite(params))) s = DOPT_ERR_NONFINITE;
-    s = dopt__clip_agree_verdict(comm, s);
+    s = dopt__clip_agree_verdict(comm, "dopt_clip_agc", s);
     if (s != DOPT_OK) return s;
     k = dopt_buf_nsegs(grads);
     for (i = 0; i < k; i++) {

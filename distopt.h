@@ -105,6 +105,16 @@
      ring allreduce sends 2·(size-1)/size of its payload). dopt_comm_traffic_total sums them;
      zero the struct to start a new count.
 
+     The collectives distopt's own calls make (the replica check, the batch-size decision, the
+     clip verdict, TernGrad's scale sharing, the model average) name that call in the detail:
+     "rank 0: dopt_localsgd_check_replicas: allreduce #68 (i64 max, 2 elems): rank 1 called
+     allreduce #68 (f32 mean, 235146 elems)". A module labels its collectives with
+     dopt_comm_set_api(c, "its call") and puts the previous label back after (labels nest).
+     In a program built with OpenMP (-fopenmp where DISTOPT_IMPLEMENTATION is defined), when
+     several ranks share a host and OMP_NUM_THREADS is unset, the shm, TCP and MPI backends warn
+     once through the log callback — each rank would start a thread per core — with the numbers
+     and the setting to use.
+
    WRITING A BACKEND
      Fill a dopt_comm_vtable, create the communicator with dopt_comm_new, and report errors with
      dopt_comm_fail / dopt_comm_fail_mismatch. Backends only see SUM, MAX and MIN (MEAN arrives
@@ -318,6 +328,8 @@ struct dopt_comm {
     uint64_t *exchange;   /* 2·size words of scratch for allgatherv's size exchange */
     size_t *block_bytes;  /* size entries of scratch for equal-block allgather */
     dopt_traffic traffic; /* what this rank's collectives carried; see COMMUNICATORS */
+    const char *api;      /* the distopt call whose collectives run now, named in details; NULL: the caller's */
+    int local_ranks;      /* ranks of this communicator on this host, 0 when the backend does not know */
     char detail[DOPT_DETAIL_MAX];
 };
 
@@ -348,6 +360,13 @@ DOPT_DEF dopt_status dopt_comm_fail_mismatch(dopt_comm *c, const dopt_coll_desc 
 DOPT_DEF uint64_t dopt_coll_fingerprint(const dopt_coll_desc *d);
 DOPT_DEF int dopt_coll_describe(const dopt_coll_desc *d, char *out, size_t cap);
 DOPT_DEF void dopt_comm_log(dopt_comm *c, dopt_log_level level, const char *fmt, ...) DOPT_PRINTF(3, 4);
+/* For modules: the call to name in details from now on (the string must outlive it); returns the
+   previous label, to put back. */
+DOPT_DEF const char *dopt_comm_set_api(dopt_comm *c, const char *api);
+/* For backends, once the log callback is installed: how many ranks share this host and its
+   cores. In a build with OpenMP (_OPENMP where DISTOPT_IMPLEMENTATION is), with more than one
+   rank per host and OMP_NUM_THREADS unset, warns once: each rank would start a thread per core. */
+DOPT_DEF void dopt_comm_set_host(dopt_comm *c, int local_ranks, int cores);
 
 #ifdef __cplusplus
 }
@@ -365,6 +384,7 @@ DOPT_DEF void dopt_comm_log(dopt_comm *c, dopt_log_level level, const char *fmt,
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* x86 with AVX: the double sums use intrinsics (see VECTOR KERNELS) */
@@ -1275,7 +1295,8 @@ DOPT_DEF dopt_status dopt_comm_fail(dopt_comm *c, const dopt_coll_desc *desc, do
     va_list ap;
     if (c->error != DOPT_OK) return c->error; /* the first error is the one users need */
     if (desc) dopt_coll_describe(desc, what, sizeof what);
-    used = snprintf(c->detail, sizeof c->detail, "rank %d: %s: ", c->rank, what);
+    used = snprintf(c->detail, sizeof c->detail, "rank %d: %s%s%s: ", c->rank, c->api ? c->api : "",
+                    c->api ? ": " : "", what);
     if (used < 0 || (size_t)used >= sizeof c->detail) used = 0;
     va_start(ap, fmt);
     vsnprintf(c->detail + used, sizeof c->detail - (size_t)used, fmt, ap);
@@ -1326,6 +1347,31 @@ DOPT_DEF void dopt_comm_destroy(dopt_comm *c) {
 }
 
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c) { return c ? c->detail : "no communicator"; }
+
+DOPT_DEF void dopt_comm_set_host(dopt_comm *c, int local_ranks, int cores) {
+    if (c == NULL) return;
+    c->local_ranks = local_ranks;
+#ifdef _OPENMP /* the file that holds the implementation is built with OpenMP */
+    if (local_ranks > 1 && cores > 0 && getenv("OMP_NUM_THREADS") == NULL) {
+        int each = cores / local_ranks > 1 ? cores / local_ranks : 1;
+        dopt_comm_log(c, DOPT_LOG_WARN,
+                      "%d ranks share this host's %d cores and OMP_NUM_THREADS is unset: OpenMP starts %d threads "
+                      "in every rank (%d in all), which can make each step many times slower; set "
+                      "OMP_NUM_THREADS=%d (and OPENBLAS_NUM_THREADS=%d) in every rank's environment",
+                      local_ranks, cores, cores, cores * local_ranks, each, each);
+    }
+#else
+    (void)cores;
+#endif
+}
+
+DOPT_DEF const char *dopt_comm_set_api(dopt_comm *c, const char *api) {
+    const char *prev;
+    if (c == NULL) return NULL;
+    prev = c->api;
+    c->api = api;
+    return prev;
+}
 
 DOPT_DEF void dopt_comm_set_log(dopt_comm *c, dopt_log_fn fn, void *user) {
     c->log_fn = fn;

@@ -199,7 +199,7 @@
    the gradient's scale shows within about 1/(1 − h) rounds.
 
    The ACROSS estimator. At each model average, with d_m = x_m − x_anchor rank m's model delta over
-   the round and B_m the samples it processed, d̄ the (weighted) average:
+   the round and B_m the samples it processed (B = Σ_m B_m), d̄ the (weighted) average:
    Var = Σ_m B_m‖d_m − d̄‖² / (N − 1) = (Σ B_m‖d_m‖² − B‖d̄‖²)/(N − 1), ‖∇F‖² ≈ ‖d̄‖² − Var·c with
    c = 1/B (weighted mean) or Σ_m(1/B_m)/N² (plain mean), and the projections on d̂ = d̄/‖d̄‖ from
    ⟨d_m, d̄⟩: two scalar allreduces beyond the average itself. It reads a delta as a gradient sum
@@ -221,7 +221,8 @@
      objects). Errors: DOPT_ERR_INVALID (NULL ls or comm, a bad policy, a batch controller whose
      estimator needs n elements and has another count, a compressor whose segments do not cover
      exactly n packed elements, a compressor with `weighted`, a grad_compressor without
-     sync_grads or the same object as compressor), DOPT_ERR_NOMEM. The object must not move after
+     sync_grads or the same object as compressor, outer_lr negative or not finite, outer_momentum
+     outside [0, 1)), DOPT_ERR_NOMEM. The object must not move after
      init. On failure nothing needs freeing. Not a collective.
 
    void dopt_localsgd_free(dopt_localsgd *ls)
@@ -326,8 +327,10 @@
    dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_config *cfg)
    void dopt_batch_free(dopt_batch *bc)
      n: elements of the gradients dopt_batch_observe will see (WITHIN; 0 is fine for ACROSS).
-     Allocates n doubles and n floats (WITHIN). DOPT_ERR_INVALID for a bad test, estimator, or
-     negative/NaN parameter, max_units < initial_units; DOPT_ERR_NOMEM.
+     Allocates n doubles and n floats (WITHIN), or n doubles and max_units·n floats (WITHIN with
+     DOPT_BATCH_PROJECT_EXACT). DOPT_ERR_INVALID for a bad test, estimator or projection, a
+     negative/NaN threshold, history outside [0, 1), max_units < initial_units;
+     DOPT_ERR_NOMEM.
 
    size_t dopt_batch_units(const dopt_batch *bc)
      The units (micro-batches) per step the host should run now.
@@ -553,6 +556,8 @@ typedef struct dopt_localsgd {
     uint64_t round_steps;    /* steps since the last average */
     double round_samples;    /* samples since the last average (the weight) */
     double step_samples;     /* set by dopt_localsgd_set_step_samples, 0: automatic */
+    uint64_t *replica_words; /* the replica check's exchange: checksum and step of every rank */
+    char api[96];            /* the call whose collectives run now, as details name it */
     char detail[DOPT_LOCALSGD_DETAIL_MAX];
 } dopt_localsgd;
 
@@ -627,6 +632,17 @@ static void dopt__ls_fail_detail(dopt_localsgd *ls, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(ls->detail, sizeof ls->detail, fmt, ap);
     va_end(ap);
+}
+
+/* Names the driver's call in the communicator's details; returns the previous label, which the
+   caller puts back with dopt_comm_set_api. */
+static const char *dopt__ls_label(dopt_localsgd *ls, const char *fmt, ...) DOPT_PRINTF(2, 3);
+static const char *dopt__ls_label(dopt_localsgd *ls, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ls->api, sizeof ls->api, fmt, ap);
+    va_end(ap);
+    return dopt_comm_set_api(ls->comm, ls->api);
 }
 
 /* FNV-1a, 64 bits, continued from h (start with DOPT__FNV_OFFSET). */
@@ -921,7 +937,7 @@ static void dopt__batch_apply(dopt_batch *bc, const dopt_batch_stats *st, dopt_c
    numbers), applies the rule, starts a new round. τ² = Σss/Σdof is the variance of one
    micro-batch gradient; E‖v̄_t‖² = ‖∇F(x_t)‖² + τ²/k_t, so the mean of ‖v̄_t‖² − τ²/k_t over
    the round's steps estimates ‖∇F‖² without that bias. */
-DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm) {
+static dopt_status dopt__batch_decide(dopt_batch *bc, dopt_comm *comm) {
     double v[8], tau2, s_unit, *pool = &bc->pooled.dof;
     dopt_batch_stats st;
     dopt_status s;
@@ -944,6 +960,13 @@ DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm) {
     dopt__batch_apply(bc, &st, comm);
     memset(&bc->round, 0, sizeof bc->round);
     return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm) {
+    const char *prev = dopt_comm_set_api(comm, "dopt_batch_decide");
+    dopt_status s = dopt__batch_decide(bc, comm);
+    dopt_comm_set_api(comm, prev);
+    return s;
 }
 
 /* ===================================================================== LOCAL SGD: INIT AND SCHEDULE */
@@ -998,7 +1021,8 @@ DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size
         memcpy(ls->states, c.states, c.nstates * sizeof(dopt_state_desc));
     }
     ls->work = (float *)DOPT_MALLOC((work ? work : 1) * sizeof(float));
-    if (ls->work == NULL) goto nomem;
+    ls->replica_words = (uint64_t *)DOPT_MALLOC(2 * (size_t)comm->size * sizeof(uint64_t));
+    if (ls->work == NULL || ls->replica_words == NULL) goto nomem;
     if (anchor) {
         ls->anchor = (float *)DOPT_MALLOC((n ? n : 1) * sizeof(float));
         if (ls->anchor == NULL) goto nomem;
@@ -1021,6 +1045,8 @@ DOPT_DEF void dopt_localsgd_free(dopt_localsgd *ls) {
     if (ls->work) DOPT_FREE(ls->work);
     if (ls->anchor) DOPT_FREE(ls->anchor);
     if (ls->outer_v) DOPT_FREE(ls->outer_v);
+    if (ls->replica_words) DOPT_FREE(ls->replica_words);
+    ls->replica_words = NULL;
     ls->states = NULL;
     ls->work = NULL;
     ls->anchor = NULL;
@@ -1201,22 +1227,25 @@ static dopt_status dopt__ls_average_models(dopt_localsgd *ls, const dopt_buf *pa
 }
 
 DOPT_DEF dopt_status dopt_localsgd_after_backward_buf(dopt_localsgd *ls, const dopt_buf *grads) {
+    const char *prev;
+    dopt_status s;
     if (ls == NULL) return DOPT_ERR_INVALID;
     if (dopt__ls_check_buf(grads, ls->n) != DOPT_OK) {
         dopt__ls_fail_detail(ls, "gradients: not a valid descriptor of %zu elements", ls->n);
         return DOPT_ERR_INVALID;
     }
     if (!ls->sync_grads || !dopt_localsgd_is_synchronous(ls, ls->step)) return DOPT_OK;
+    prev = dopt__ls_label(ls, "dopt_localsgd_after_backward: the gradient average of step %llu",
+                          (unsigned long long)ls->step);
     dopt_buf_pack(grads, ls->work);
-    if (ls->grad_compressor) { /* over the packed gradients, the compressor's own segments */
-        dopt_status s = dopt_compress_allreduce(ls->grad_compressor, ls->comm, ls->work, ls->n);
-        if (s != DOPT_OK) return s;
-    } else {
-        dopt_status s = ls->weighted ? dopt_allreduce_weighted_mean(ls->comm, ls->work, ls->n, DOPT_F32,
-                                                                    dopt__ls_step_samples(ls))
-                                     : dopt_allreduce(ls->comm, ls->work, ls->n, DOPT_F32, DOPT_MEAN);
-        if (s != DOPT_OK) return s;
-    }
+    if (ls->grad_compressor) /* over the packed gradients, the compressor's own segments */
+        s = dopt_compress_allreduce(ls->grad_compressor, ls->comm, ls->work, ls->n);
+    else if (ls->weighted)
+        s = dopt_allreduce_weighted_mean(ls->comm, ls->work, ls->n, DOPT_F32, dopt__ls_step_samples(ls));
+    else
+        s = dopt_allreduce(ls->comm, ls->work, ls->n, DOPT_F32, DOPT_MEAN);
+    dopt_comm_set_api(ls->comm, prev);
+    if (s != DOPT_OK) return s;
     dopt_buf_unpack(grads, ls->work);
     return DOPT_OK;
 }
@@ -1231,11 +1260,15 @@ DOPT_DEF dopt_status dopt_localsgd_after_backward(dopt_localsgd *ls, float *grad
 static dopt_status dopt__ls_end_round(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states, int average,
                                       uint64_t t, const char *how) {
     dopt_status s = DOPT_OK;
+    const char *prev = dopt__ls_label(ls, "%s: the average after step %llu",
+                                      *how ? "dopt_localsgd_sync" : "dopt_localsgd_after_step", (unsigned long long)t);
     if (average)
         s = dopt__ls_average_models(ls, params, states);
     else if (ls->anchor && ls->n)
         dopt_buf_pack(params, ls->anchor);
-    if (s == DOPT_OK && ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN) s = dopt_batch_decide(ls->batch, ls->comm);
+    if (s == DOPT_OK && ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN)
+        s = dopt__batch_decide(ls->batch, ls->comm);
+    dopt_comm_set_api(ls->comm, prev);
     if (s != DOPT_OK) {
         dopt__ls_fail_detail(ls, "average after step %llu%s: %s (%s)", (unsigned long long)t, how, dopt_status_str(s),
                              dopt_comm_detail(ls->comm));
@@ -1323,11 +1356,14 @@ static dopt_status dopt__ls_broadcast_packed(dopt_localsgd *ls, const dopt_buf *
 DOPT_DEF dopt_status dopt_localsgd_broadcast_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
     size_t i;
     dopt_status s;
+    const char *prev;
     if (ls == NULL) return DOPT_ERR_INVALID;
     s = dopt__ls_check_layout(ls, params, states);
     if (s != DOPT_OK) return s;
+    prev = dopt__ls_label(ls, "dopt_localsgd_broadcast");
     s = dopt__ls_broadcast_packed(ls, params);
     for (i = 0; s == DOPT_OK && i < ls->nstates; i++) s = dopt__ls_broadcast_packed(ls, &states[i]);
+    dopt_comm_set_api(ls->comm, prev);
     if (s != DOPT_OK) {
         dopt__ls_fail_detail(ls, "broadcast: %s (%s)", dopt_status_str(s), dopt_comm_detail(ls->comm));
         return s;
@@ -1386,12 +1422,61 @@ DOPT_DEF dopt_status dopt_localsgd_celgc_step(dopt_localsgd *ls, float *params, 
 
 /* ===================================================================== REPLICA CHECK */
 
+/* max_i (max_r x_ri − min_r x_ri) = max_r max_i (M_i − x_ri), M the elementwise maximum: one
+   elementwise MAX allreduce in the workspace and one scalar. */
+static dopt_status dopt__ls_replica_spread(dopt_localsgd *ls, const dopt_buf *params, double *spread) {
+    size_t i, j, k = dopt_buf_nsegs(params);
+    const float *m = ls->work;
+    dopt_status s;
+    *spread = 0.0;
+    dopt_buf_pack(params, ls->work);
+    s = dopt_allreduce(ls->comm, ls->work, ls->n, DOPT_F32, DOPT_MAX);
+    if (s != DOPT_OK) return s;
+    for (i = 0; i < k; i++) {
+        dopt_span sp = dopt_buf_segment(params, i);
+        for (j = 0; j < sp.count; j++) {
+            double d = (double)m[j] - (double)sp.ptr[j];
+            if (d > *spread || d != d) *spread = d != d ? INFINITY : d;
+        }
+        m += sp.count;
+    }
+    return dopt_allreduce(ls->comm, spread, 1, DOPT_F64, DOPT_MAX);
+}
+
+/* Every rank's checksum and step in one allgather: ranks at different steps are no replicas. */
+static dopt_status dopt__ls_check_replicas(dopt_localsgd *ls, const dopt_buf *params, int *identical,
+                                           double *max_diff) {
+    uint64_t mine[2], *all = ls->replica_words;
+    size_t i, k = dopt_buf_nsegs(params);
+    int r, same = 1;
+    dopt_status s;
+    mine[0] = DOPT__FNV_OFFSET;
+    mine[1] = ls->step;
+    for (i = 0; i < k; i++) {
+        dopt_span sp = dopt_buf_segment(params, i);
+        mine[0] = dopt__fnv1a(mine[0], sp.ptr, sp.count * sizeof(float));
+    }
+    s = dopt_allgather(ls->comm, mine, all, sizeof mine);
+    if (s != DOPT_OK) return s;
+    for (r = 1; r < ls->comm->size; r++)
+        if (all[2 * r + 1] != all[1]) {
+            dopt__ls_fail_detail(ls, "dopt_localsgd_check_replicas: ranks are at different steps: rank 0 at %llu, "
+                                     "rank %d at %llu",
+                                 (unsigned long long)all[1], r, (unsigned long long)all[2 * r + 1]);
+            return DOPT_ERR_MISMATCH;
+        }
+    for (r = 1; r < ls->comm->size; r++) same &= all[2 * r] == all[0];
+    if (same) {
+        if (identical) *identical = 1;
+        if (max_diff) *max_diff = 0.0;
+        return DOPT_OK;
+    }
+    return max_diff ? dopt__ls_replica_spread(ls, params, max_diff) : DOPT_OK;
+}
+
 DOPT_DEF dopt_status dopt_localsgd_check_replicas_buf(dopt_localsgd *ls, const dopt_buf *params, int *identical,
                                                       double *max_diff) {
-    int64_t h[2];
-    uint64_t hash = DOPT__FNV_OFFSET;
-    size_t i, k;
-    double spread = 0.0;
+    const char *prev;
     dopt_status s;
     if (identical) *identical = 0;
     if (max_diff) *max_diff = NAN;
@@ -1400,42 +1485,10 @@ DOPT_DEF dopt_status dopt_localsgd_check_replicas_buf(dopt_localsgd *ls, const d
         dopt__ls_fail_detail(ls, "replica check: parameters are not a valid descriptor of %zu elements", ls->n);
         return DOPT_ERR_INVALID;
     }
-    k = dopt_buf_nsegs(params);
-    for (i = 0; i < k; i++) {
-        dopt_span sp = dopt_buf_segment(params, i);
-        hash = dopt__fnv1a(hash, sp.ptr, sp.count * sizeof(float));
-    }
-    /* MAX of h and of ~h: equal checksums everywhere iff max h == ~max(~h) (= min h). */
-    memcpy(&h[0], &hash, sizeof hash);
-    hash = ~hash;
-    memcpy(&h[1], &hash, sizeof hash);
-    s = dopt_allreduce(ls->comm, h, 2, DOPT_I64, DOPT_MAX);
-    if (s != DOPT_OK) return s;
-    if (h[0] == ~h[1]) {
-        if (identical) *identical = 1;
-        if (max_diff) *max_diff = 0.0;
-        return DOPT_OK;
-    }
-    /* max_i (max_r x_ri − min_r x_ri) = max_r max_i (M_i − x_ri), M the elementwise maximum. */
-    dopt_buf_pack(params, ls->work);
-    s = dopt_allreduce(ls->comm, ls->work, ls->n, DOPT_F32, DOPT_MAX);
-    if (s != DOPT_OK) return s;
-    {
-        const float *m = ls->work;
-        for (i = 0; i < k; i++) {
-            dopt_span sp = dopt_buf_segment(params, i);
-            size_t j;
-            for (j = 0; j < sp.count; j++) {
-                double d = (double)m[j] - (double)sp.ptr[j];
-                if (d > spread || d != d) spread = d != d ? INFINITY : d;
-            }
-            m += sp.count;
-        }
-    }
-    s = dopt_allreduce(ls->comm, &spread, 1, DOPT_F64, DOPT_MAX);
-    if (s != DOPT_OK) return s;
-    if (max_diff) *max_diff = spread;
-    return DOPT_OK;
+    prev = dopt_comm_set_api(ls->comm, "dopt_localsgd_check_replicas");
+    s = dopt__ls_check_replicas(ls, params, identical, max_diff);
+    dopt_comm_set_api(ls->comm, prev);
+    return s;
 }
 
 DOPT_DEF dopt_status dopt_localsgd_check_replicas(dopt_localsgd *ls, const float *params, int *identical,

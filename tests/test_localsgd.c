@@ -318,6 +318,50 @@ static void body_replica_spread(dopt_comm *c, void *arg) {
 
 DTEST(shm_replica_check_finds_the_largest_difference_between_ranks) { world_run(WORLD_SHM, 3, body_replica_spread, NULL); }
 
+/* The library's own collectives name the call the user made: rank 0 checks the replicas while
+   rank 1 averages after its step (period 1); each rank's detail names its own call. */
+static void body_named_calls(dopt_comm *c, void *arg) {
+    float x[4] = {1, 2, 3, 4};
+    dopt_localsgd ls;
+    dopt_status s;
+    (void)arg;
+    DT_OK(dopt_localsgd_init(&ls, c, 4, NULL));
+    DT_OK(dopt_localsgd_broadcast(&ls, x));
+    s = c->rank == 0 ? dopt_localsgd_check_replicas(&ls, x, NULL, NULL) : dopt_localsgd_after_step(&ls, x);
+    DT_EQ_INT(s, DOPT_ERR_MISMATCH);
+    DT_CHECKF(strstr(dopt_comm_detail(c), c->rank == 0 ? "rank 0: dopt_localsgd_check_replicas: allgather"
+                                                       : "rank 1: dopt_localsgd_after_step: the average after step 0: "
+                                                         "allreduce") != NULL,
+              "detail: %s", dopt_comm_detail(c));
+    dopt_localsgd_free(&ls);
+}
+
+DTEST(shm_internal_collectives_name_the_users_call_in_a_mismatch) { world_run(WORLD_SHM, 2, body_named_calls, NULL); }
+
+/* Ranks a local step apart (period 4: no communication in between) meet in the replica check:
+   every rank is told the steps, not a checksum. */
+static void body_steps_apart(dopt_comm *c, void *arg) {
+    float x[4] = {1, 2, 3, 4};
+    dopt_localsgd ls;
+    dopt_localsgd_config cfg;
+    int identical = -1;
+    (void)arg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.period = 4;
+    DT_OK(dopt_localsgd_init(&ls, c, 4, &cfg));
+    DT_OK(dopt_localsgd_after_step(&ls, x));
+    if (c->rank == 1) DT_OK(dopt_localsgd_after_step(&ls, x));
+    DT_EQ_INT(dopt_localsgd_check_replicas(&ls, x, &identical, NULL), DOPT_ERR_MISMATCH);
+    DT_EQ_INT(identical, 0);
+    DT_CHECKF(strstr(dopt_localsgd_detail(&ls), "dopt_localsgd_check_replicas: ranks are at different steps: rank 0 "
+                                                "at 1, rank 1 at 2") != NULL,
+              "detail: %s", dopt_localsgd_detail(&ls));
+    DT_EQ_INT(c->error, DOPT_OK); /* the communicator is fine: the ranks are out of step, not the transport */
+    dopt_localsgd_free(&ls);
+}
+
+DTEST(shm_replica_check_of_ranks_at_different_steps_names_the_steps) { world_run(WORLD_SHM, 2, body_steps_apart, NULL); }
+
 /* ------------------------------------------------------------------ compressed model deltas */
 
 /* Local SGD (period 4) whose averages send the model delta through a compressor: top-k (a
@@ -809,22 +853,20 @@ DTEST(inner_product_and_augmented_tests_match_hand_values) {
     memset(&c, 0, sizeof c);
     c.test = DOPT_BATCH_INNER_PRODUCT;
     c.theta = 0.5;
-    c.nu = 1.0;
+    c.nu = 0.5; /* θ, ν ≠ 1: squared, not as they are */
     c.unit_samples = 4;
     c.max_units = 100;
     c.multiple = 2;
     /* ip: 10/(0.25·4) = 10 samples → 3 units → 4 */
     DT_EQ_INT(dopt_batch_next_units(&c, 1, &s, &need), 4);
     DT_NEAR(need, 10.0, 1e-12);
-    /* augmented: max(10, 80/(1·4) = 20) = 20 samples → 5 units → 6 */
+    /* augmented: max(10, 80/(0.25·4) = 80) = 80 samples → 20 units */
     c.test = DOPT_BATCH_AUGMENTED;
-    DT_EQ_INT(dopt_batch_next_units(&c, 1, &s, &need), 6);
-    DT_NEAR(need, 20.0, 1e-12);
-    s.orth_var = 4; /* orthogonality passes (1 sample), inner product decides */
+    DT_EQ_INT(dopt_batch_next_units(&c, 1, &s, &need), 20);
+    DT_NEAR(need, 80.0, 1e-12);
+    s.orth_var = 4; /* orthogonality passes (4 samples), inner product decides */
     DT_EQ_INT(dopt_batch_next_units(&c, 1, &s, &need), 4);
     DT_NEAR(need, 10.0, 1e-12);
-    /* Var(⟨∇f_i, g⟩)/(θ²‖g‖⁴) is the same number: Var(⟨∇f_i,ĝ⟩)·‖g‖² / (θ²‖g‖⁴) */
-    DT_NEAR(10.0 * 4.0 / (0.25 * 16.0), need, 1e-12);
 }
 
 /* One step of three micro-batch gradients of 2 samples each, by hand: v = (1,0), (3,2), (2,1);
