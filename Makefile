@@ -24,6 +24,8 @@ CSTD    := -std=c11
 CXXSTD  := -std=c++11
 BLAS_CFLAGS := $(shell pkg-config --cflags openblas 2>/dev/null)
 BLAS_LIBS   := $(shell pkg-config --libs openblas 2>/dev/null || echo -lopenblas)
+# distopt.h's axpy and scale through OpenBLAS (a host without BLAS defines nothing and links nothing)
+BLAS_CFLAGS += -DDOPT_USE_BLAS
 ALL_CFLAGS  := $(CSTD) $(WARN) $(OPT) $(DEFS) $(BLAS_CFLAGS) $(CFLAGS)
 LIBS        := $(BLAS_LIBS) -lm -lpthread -lrt
 

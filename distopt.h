@@ -26,7 +26,11 @@
    | DISTOPT_STATIC               | make every function static                            | every file     |
    | DOPT_MALLOC(sz), DOPT_FREE(p)| replace malloc/free; define both or neither           | impl file      |
    | DOPT_ASSERT(x)               | replace assert() for internal invariants              | impl file      |
-   | DOPT_NO_BLAS                 | never include <cblas.h>; all kernels are plain C      | impl file      |
+   | DOPT_USE_BLAS                | dopt_axpy and dopt_scale through <cblas.h> (link a    | impl file      |
+   |                              | CBLAS, e.g. -lopenblas): 10-30% faster at large sizes |                |
+   |                              | here; without it every kernel is plain C and nothing  |                |
+   |                              | beyond libm is needed                                 |                |
+   | DOPT_NO_BLAS                 | never include <cblas.h>, even with DOPT_USE_BLAS      | impl file      |
 
    CONVENTIONS
    - Every fallible call returns dopt_status: DOPT_OK (0) or a negative code; dopt_status_str()
@@ -423,7 +427,8 @@ DOPT_DEF void dopt_comm_set_host(dopt_comm *c, int local_ranks, int cores);
 #  define DOPT_ASSERT(x) assert(x)
 #endif
 
-#ifndef DOPT_NO_BLAS
+#if defined(DOPT_USE_BLAS) && !defined(DOPT_NO_BLAS)
+#  define DOPT__BLAS 1
 #  include <cblas.h>
 /* OpenBLAS takes int counts; longer vectors go through in pieces of this many elements. */
 #  define DOPT__BLAS_CHUNK ((size_t)1 << 30)
@@ -1097,7 +1102,7 @@ DOPT_DEF double dopt_sumsq(const float *x, size_t n) { return DOPT__SUMSQ(x, n);
 
 DOPT_DEF double dopt_dot(const float *x, const float *y, size_t n) { return DOPT__DOT(x, y, n); }
 
-/* axpy and scale go to OpenBLAS where it is linked: bench_kernels measures its kernels 10-30%
+/* axpy and scale go to OpenBLAS with DOPT_USE_BLAS: bench_kernels measures its kernels 10-30%
    ahead of these loops at every size. Not so the rest: snrm2 is slower than dopt_sumsq, isamax
    no faster than dopt_maxabs, and dsdot (twice as fast) loses about 1e-7 relative accuracy on
    1e6 elements in this OpenBLAS build, which test_core catches, so dot stays here too. */
@@ -1118,7 +1123,7 @@ DOPT__MAYBE_UNUSED static void dopt__scale_portable(float *x, float a, size_t n)
 }
 
 DOPT_DEF void dopt_axpy(float *DOPT_RESTRICT y, float a, const float *DOPT_RESTRICT x, size_t n) {
-#ifndef DOPT_NO_BLAS
+#ifdef DOPT__BLAS
     while (n > 0) {
         size_t k = n < DOPT__BLAS_CHUNK ? n : DOPT__BLAS_CHUNK;
         cblas_saxpy((int)k, a, x, 1, y, 1);
@@ -1132,7 +1137,7 @@ DOPT_DEF void dopt_axpy(float *DOPT_RESTRICT y, float a, const float *DOPT_RESTR
 }
 
 DOPT_DEF void dopt_scale(float *x, float a, size_t n) {
-#ifndef DOPT_NO_BLAS
+#ifdef DOPT__BLAS
     while (n > 0) {
         size_t k = n < DOPT__BLAS_CHUNK ? n : DOPT__BLAS_CHUNK;
         cblas_sscal((int)k, a, x, 1);
@@ -1240,6 +1245,33 @@ DOPT_DEF void dopt_reduce(void *dst, const void *src, size_t count, dopt_dtype d
 }
 
 /* ===================================================================== COMMUNICATOR CORE */
+
+/* For transports reading their launch variables: 1 and *out when var holds a whole number in
+   [min, max]; 0 when it is unset or empty; -1 when it holds anything else, and why names the
+   variable, its value and the rule ("DOPT_WORLD_SIZE=\"abc\" is not a number"). */
+DOPT__MAYBE_UNUSED static int dopt__env_long(const char *var, long min, long max, long *out, char *why, size_t cap) {
+    const char *v = getenv(var), *p;
+    long x = 0;
+    int digits = 0;
+    if (v == NULL || *v == '\0') return 0;
+    for (p = v; *p >= '0' && *p <= '9'; p++, digits++) {
+        if (x > (max - (*p - '0')) / 10) { /* beyond max: stop before it overflows */
+            snprintf(why, cap, "%s=%.40s is out of range (%ld..%ld)", var, v, min, max);
+            return -1;
+        }
+        x = 10 * x + (*p - '0');
+    }
+    if (digits == 0 || *p != '\0') {
+        snprintf(why, cap, "%s=\"%.40s\" is not a number", var, v);
+        return -1;
+    }
+    if (x < min) {
+        snprintf(why, cap, "%s=%ld is out of range (%ld..%ld)", var, x, min, max);
+        return -1;
+    }
+    *out = x;
+    return 1;
+}
 
 static void dopt__vlog(dopt_comm *c, dopt_log_level level, const char *fmt, va_list ap) {
     char msg[DOPT_DETAIL_MAX];

@@ -8,11 +8,11 @@
        #include "transport_mpi.h"
 
    Other files include the two headers without the macro. This header includes <mpi.h> itself, so
-   build with the MPI compiler wrapper (any MPI-3 implementation; tested with Open MPI 4.1.4),
-   with OpenBLAS as distopt.h wants it (or -DDOPT_NO_BLAS):
+   build with the MPI compiler wrapper (any MPI-3 implementation; tested with Open MPI 4.1.4):
 
-       mpicc -std=c11 -O2 -D_GNU_SOURCE $(pkg-config --cflags openblas) train.c \
-             $(pkg-config --libs openblas) -lm -o train          (mpicxx -std=c++11 for C++)
+       mpicc -std=c11 -O2 -D_GNU_SOURCE train.c -lm -o train
+
+   (add -DDOPT_USE_BLAS $(pkg-config --cflags --libs openblas) for distopt.h's BLAS kernels)          (mpicxx -std=c++11 for C++)
 
    In C++, the header defines OMPI_SKIP_MPICXX / MPICH_SKIP_MPICXX before including <mpi.h>
    (the old MPI-2 C++ bindings do not compile cleanly with -Wextra); a program that uses them
@@ -64,6 +64,8 @@
    | argc, argv       | handed to MPI_Init_thread when this call initialises MPI        | NULL, NULL          |
    | log_fn, log_user | logging callback, installed on the communicator, and also told  | silent              |
    |                  | why a create failed (there is no communicator to ask then)       |                     |
+   | allow_singleton  | 1: when this call initialises MPI in a process that no MPI       | refuse: a job of    |
+   |                  | launcher started, run it as a job of one rank                    | one is a mistake    |
 
    FUNCTIONS
 
@@ -75,7 +77,10 @@
      calls, and sets MPI_ERRORS_RETURN on the duplicate only (the program's communicator keeps its
      error handler). comm->rank and comm->size are the rank and size in that communicator. On
      success *out owns the duplicate; release it with dopt_comm_destroy. Errors (*out is NULL):
-     DOPT_ERR_INVALID (out is NULL, the communicator is MPI_COMM_NULL or an intercommunicator),
+     DOPT_ERR_INVALID (out is NULL, the communicator is MPI_COMM_NULL or an intercommunicator;
+     or, when this call would initialise MPI, no MPI launcher started the process — none of
+     OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK, MPI_LOCALNRANKS is set — and allow_singleton is 0:
+     "not started by an MPI launcher ...: start it with mpirun -n N"),
      DOPT_ERR_CLOSED (MPI was already finalized), DOPT_ERR_NOMEM, DOPT_ERR_IO or another status
      translated from an MPI error (below). If create initialised MPI and then failed, MPI stays
      initialised: MPI_Finalize is the program's to call (MPI_Initialized tells).
@@ -178,6 +183,7 @@ typedef struct dopt_mpi_config {
     char ***argv;
     dopt_log_fn log_fn;   /* NULL: silent */
     void *log_user;
+    int allow_singleton;  /* 1: initialise MPI even when no MPI launcher started this process */
 } dopt_mpi_config;
 
 DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg);
@@ -199,6 +205,9 @@ DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h> /* sysconf: the cores of this host */
+#endif
 #include <string.h>
 
 #ifndef DOPT_MPI_MAX_COUNT
@@ -526,6 +535,15 @@ static int dopt__mpi_agree(MPI_Comm comm, int *check, size_t *max_count) {
 }
 
 /* The local part of create: MPI running, the communicator usable, our state allocated. */
+/* 1 when a launcher of Open MPI, MPICH (Hydra), PMIx or Slurm's PMI started this process. */
+static int dopt__mpi_launched(void) {
+    static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"};
+    size_t i;
+    for (i = 0; i < sizeof vars / sizeof vars[0]; i++)
+        if (getenv(vars[i]) != NULL) return 1;
+    return 0;
+}
+
 static dopt_status dopt__mpi_prepare(const dopt_mpi_config *cfg, dopt__mpi **out, MPI_Comm *base, int *size) {
     dopt__mpi *m;
     int initialized = 0, finalized = 0, inter = 0, err, provided = 0;
@@ -538,6 +556,11 @@ static dopt_status dopt__mpi_prepare(const dopt_mpi_config *cfg, dopt__mpi **out
     m->comm = MPI_COMM_NULL;
     *out = m;
     MPI_Initialized(&initialized);
+    if (!initialized && !cfg->allow_singleton && !dopt__mpi_launched())
+        return dopt__mpi_create_fail(cfg, DOPT_ERR_INVALID,
+                                     "not started by an MPI launcher (none of OMPI_COMM_WORLD_SIZE, PMI_SIZE, "
+                                     "PMIX_RANK, MPI_LOCALNRANKS is set), so MPI would make this process a job of "
+                                     "one: start it with mpirun -n N, or set allow_singleton to run alone");
     if (!initialized) {
         err = MPI_Init_thread(cfg->argc, cfg->argv, MPI_THREAD_FUNNELED, &provided);
         if (err != MPI_SUCCESS) return dopt__mpi_create_fail_mpi(cfg, "MPI_Init_thread", err);
@@ -575,6 +598,25 @@ static dopt_status dopt__mpi_connect(const dopt_mpi_config *cfg, dopt__mpi *m, M
     return DOPT_OK;
 }
 
+/* Ranks of comm on this node (MPI_COMM_TYPE_SHARED), 0 when MPI cannot tell. Collective. */
+static int dopt__mpi_local_ranks(MPI_Comm comm) {
+    MPI_Comm node;
+    int n = 0;
+    if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS) return 0;
+    if (MPI_Comm_size(node, &n) != MPI_SUCCESS) n = 0;
+    MPI_Comm_free(&node);
+    return n;
+}
+
+static int dopt__mpi_cores(void) {
+#if defined(_SC_NPROCESSORS_ONLN)
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 && n < INT_MAX ? (int)n : 0;
+#else
+    return 0;
+#endif
+}
+
 DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg) {
     dopt_mpi_config defaults;
     dopt__mpi *m = NULL;
@@ -604,6 +646,7 @@ DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg
     dopt_comm_set_log(c, cfg->log_fn, cfg->log_user);
     dopt_comm_log(c, DOPT_LOG_INFO, "mpi rank %d of %d: %s MPI, mismatch check %s, at most %zu per MPI call", rank,
                   size, m->owns_mpi ? "initialised" : "joined", m->check ? "on" : "off", m->max_count);
+    dopt_comm_set_host(c, dopt__mpi_local_ranks(m->comm), dopt__mpi_cores());
     *out = c;
     return DOPT_OK;
 }

@@ -916,16 +916,24 @@ typedef struct dopt__shm_settings {
 } dopt__shm_settings;
 
 /* A positive decimal int from the environment: 1 found, 0 unset, -1 malformed. */
-static int dopt__shm_env_int(const char *var, int *out) {
-    const char *v = getenv(var);
-    char *end;
-    long x;
-    if (v == NULL || *v == '\0') return 0;
-    errno = 0;
-    x = strtol(v, &end, 10);
-    if (errno != 0 || *end != '\0' || x < 0 || x > INT_MAX) return -1;
-    *out = (int)x;
-    return 1;
+/* The world from DOPT_WORLD_SIZE and DOPT_RANK, each named in why when it is missing or wrong. */
+static dopt_status dopt__shm_env_world(dopt__shm_settings *out, char *why, size_t cap) {
+    long size = 0, rank = 0;
+    int found = dopt__env_long("DOPT_WORLD_SIZE", 1, DOPT__SHM_MAX_RANKS, &size, why, cap);
+    if (found == 0)
+        snprintf(why, cap, "DOPT_WORLD_SIZE is not set and the configuration gives no size (every rank needs "
+                           "DOPT_WORLD_SIZE and DOPT_RANK, or start the job with dopt_shm_fork)");
+    if (found != 1) return DOPT_ERR_INVALID;
+    found = dopt__env_long("DOPT_RANK", 0, INT_MAX, &rank, why, cap);
+    if (found == 0) snprintf(why, cap, "DOPT_RANK is not set (every rank needs its own, 0..%ld)", size - 1);
+    if (found != 1) return DOPT_ERR_INVALID;
+    if (rank >= size) {
+        snprintf(why, cap, "DOPT_RANK=%ld is not below DOPT_WORLD_SIZE=%ld", rank, size);
+        return DOPT_ERR_INVALID;
+    }
+    out->size = (int)size;
+    out->rank = (int)rank;
+    return DOPT_OK;
 }
 
 static int dopt__shm_name_ok(const char *name) {
@@ -952,8 +960,7 @@ static dopt_status dopt__shm_resolve(const dopt_shm_config *cfg, dopt__shm_setti
     if (cfg->size > 0) {
         out->size = cfg->size;
         out->rank = cfg->rank;
-    } else if (dopt__shm_env_int("DOPT_WORLD_SIZE", &out->size) != 1 || dopt__shm_env_int("DOPT_RANK", &out->rank) != 1) {
-        snprintf(why, cap, "no world size in the configuration, and DOPT_WORLD_SIZE / DOPT_RANK are not both set to numbers");
+    } else if (dopt__shm_env_world(out, why, cap) != DOPT_OK) {
         return DOPT_ERR_INVALID;
     }
     if (out->size < 1 || out->size > DOPT__SHM_MAX_RANKS || out->rank < 0 || out->rank >= out->size) {
@@ -978,12 +985,10 @@ static dopt_status dopt__shm_resolve(const dopt_shm_config *cfg, dopt__shm_setti
         return DOPT_ERR_INVALID;
     }
     if (out->timeout_ms == 0) {
-        found = dopt__shm_env_int("DOPT_TIMEOUT_MS", &out->timeout_ms);
-        if (found < 0 || (found == 1 && out->timeout_ms == 0)) {
-            snprintf(why, cap, "DOPT_TIMEOUT_MS is not a positive number of milliseconds");
-            return DOPT_ERR_INVALID;
-        }
-        if (found == 0) out->timeout_ms = DOPT_DEFAULT_TIMEOUT_MS;
+        long ms = DOPT_DEFAULT_TIMEOUT_MS;
+        found = dopt__env_long("DOPT_TIMEOUT_MS", 1, INT_MAX, &ms, why, cap);
+        if (found < 0) return DOPT_ERR_INVALID;
+        out->timeout_ms = (int)ms;
     }
     out->chunk = cfg->chunk_bytes ? cfg->chunk_bytes : DOPT__SHM_DEFAULT_CHUNK;
     if (out->chunk < DOPT__SHM_MIN_CHUNK || out->chunk > DOPT__SHM_MAX_CHUNK) {

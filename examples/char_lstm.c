@@ -406,10 +406,11 @@ static int lstm_flag(void *user, const char *f, const char *v) {
         lo->gradcheck = 1;
         return 1;
     }
-    if ((strcmp(f, "--hidden") && strcmp(f, "--bptt") && strcmp(f, "--val-limit")) || v == NULL) return 0;
-    if (!strcmp(f, "--hidden")) lo->hidden = atoi(v);
-    else if (!strcmp(f, "--bptt")) lo->bptt = atoi(v);
-    else lo->val_limit = atol(v);
+    if (strcmp(f, "--hidden") && strcmp(f, "--bptt") && strcmp(f, "--val-limit")) return 0;
+    if (v == NULL) flag_error("%s needs a value", f);
+    if (!strcmp(f, "--hidden")) lo->hidden = (int)flag_long(f, v, 1, 4096);
+    else if (!strcmp(f, "--bptt")) lo->bptt = (int)flag_long(f, v, 1, 4096);
+    else lo->val_limit = flag_long(f, v, 0, 1L << 40);
     return 2;
 }
 
@@ -457,8 +458,7 @@ int main(int argc, char **argv) {
     const char *csv_fmt = "%d,%.7g,%.7g,%.7g,%llu,%.0f,%.3f,%zu\n";
 
     flush_subnormals();
-    parse_options_extra(&o, argc, argv, lstm_flag, &lo);
-    if (lo.hidden < 1 || lo.bptt < 1) usage(argv[0]);
+    parse_options_extra(&o, argc, argv, lstm_flag, &lo, "[--hidden H] [--bptt T] [--val-limit N] [--gradcheck]");
     load_corpus(&train, &ntrain, &val, &nval, &nfiles);
     if (lo.gradcheck) {
         failed = gradient_check(train, ntrain);
@@ -467,7 +467,6 @@ int main(int argc, char **argv) {
     }
     if (o.train_limit > 0 && (size_t)o.train_limit < ntrain) ntrain = (size_t)o.train_limit;
     if (lo.val_limit > 0 && (size_t)lo.val_limit < nval) nval = (size_t)lo.val_limit;
-    if (o.batch < 1) usage(argv[0]);
     adaptive = batch_config_from_options(&o, &bcfg);
     baseline = unigram_baseline(train, ntrain, val, nval);
     comm = open_comm(&o); /* distopt: from here on, one process per rank */

@@ -12,6 +12,8 @@
 #  endif
 #endif
 
+#include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,71 +50,136 @@ typedef struct options {
    a flag that is not its own. */
 typedef int (*extra_flag_fn)(void *user, const char *flag, const char *value);
 
-static inline void usage(const char *prog) {
-    fprintf(stderr,
-            "usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--compress none|ternary|qsgd|topk|sign|fp16|bf16]\n"
-            "          [--celgc eta,gamma] [--period I] [--average grads|models] [--clip C] [--seed S]\n"
-            "          [--steps N] [--epochs N] [--batch B] [--lr LR] [--adaptive-batch off|norm|ip|aip]\n"
-            "          [--batch-eta X] [--max-batch-units U] [--batch-nu X] [--batch-history H]\n"
-            "          [--outer-lr X] [--outer-momentum M] [--csv FILE] [--train-limit N] [program's own flags]\n"
-            "--average: at --period 1, grads (the default) averages the gradients before each step, models\n"
-            "averages the models after it; longer periods take only models (their default).\n"
-            "tcp reads DOPT_RANK, DOPT_WORLD_SIZE, DOPT_MASTER_ADDR, DOPT_MASTER_PORT, DOPT_TOKEN;\n"
-            "mpi runs under mpirun (Open MPI as root: mpirun --allow-run-as-root -n 2 ...).\n",
-            prog);
+/* A command-line mistake, as getopt-style tools report one: a line naming the flag and what it
+   got, a hint, exit status 2. */
+static inline void flag_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static inline void flag_error(const char *fmt, ...) {
+    va_list ap;
+    fputs("error: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputs("\n(--help lists the flags)\n", stderr);
     exit(2);
 }
 
-static inline void parse_options_extra(options *o, int argc, char **argv, extra_flag_fn extra, void *user) {
+/* A flag's value as a whole number in [min, max], or a flag_error naming the flag. */
+static inline long flag_long(const char *flag, const char *v, long min, long max) {
+    char *end;
+    long x;
+    errno = 0;
+    x = strtol(v, &end, 10);
+    if (end == v || *end != '\0' || errno == ERANGE) flag_error("%s expects a whole number (got \"%s\")", flag, v);
+    if (x < min) flag_error("%s must be >= %ld (got %ld)", flag, min, x);
+    if (x > max) flag_error("%s must be <= %ld (got %ld)", flag, max, x);
+    return x;
+}
+
+/* A flag's value as a finite number in [min, max] (max_open: below max). */
+static inline double flag_double(const char *flag, const char *v, double min, double max, int max_open) {
+    char *end;
+    double x = strtod(v, &end);
+    if (end == v || *end != '\0' || !(x == x) || x - x != 0.0) flag_error("%s expects a number (got \"%s\")", flag, v);
+    if (x < min) flag_error("%s must be >= %g (got %g)", flag, min, x);
+    if (max_open ? !(x < max) : x > max) flag_error("%s must be %s %g (got %g)", flag, max_open ? "<" : "<=", max, x);
+    return x;
+}
+
+/* A flag's value, which must be one of the NULL-terminated choices. */
+static inline const char *flag_choice(const char *flag, const char *v, const char *const *choices) {
+    char list[160] = "";
+    size_t i;
+    for (i = 0; choices[i]; i++) {
+        if (!strcmp(v, choices[i])) return v;
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? ", " : "", choices[i]);
+    }
+    flag_error("%s must be one of %s (got \"%s\")", flag, list, v);
+}
+
+static inline void usage(const char *prog, const char *own) {
+    printf("usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--compress none|ternary|qsgd|topk|sign|fp16|bf16]\n"
+           "          [--celgc eta,gamma] [--period I] [--average grads|models] [--clip C] [--seed S]\n"
+           "          [--steps N] [--epochs N] [--batch B] [--lr LR] [--adaptive-batch off|norm|ip|aip]\n"
+           "          [--batch-eta X] [--max-batch-units U] [--batch-nu X] [--batch-history H]\n"
+           "          [--outer-lr X] [--outer-momentum M] [--csv FILE] [--train-limit N]\n"
+           "          %s\n"
+           "--average: at --period 1, grads (the default) averages the gradients before each step, models\n"
+           "averages the models after it; longer periods take only models (their default).\n"
+           "tcp reads DOPT_RANK, DOPT_WORLD_SIZE, DOPT_MASTER_ADDR, DOPT_MASTER_PORT, DOPT_TOKEN;\n"
+           "mpi runs under mpirun (Open MPI as root: mpirun --allow-run-as-root -n 2 ...).\n",
+           prog, own ? own : "");
+    exit(0);
+}
+
+static const char *const transport_names[] = {"shm", "tcp", "mpi", "self", NULL};
+static const char *const codec_names[] = {"none", "ternary", "qsgd", "topk", "sign", "fp16", "bf16", NULL};
+static const char *const adaptive_names[] = {"off", "norm", "ip", "aip", NULL};
+static const char *const average_names[] = {"grads", "models", NULL};
+
+/* One of the shared flags with its value v; 0 when f is not one of them. */
+static inline int common_flag(options *o, const char *f, const char *v) {
+    if (!strcmp(f, "--transport")) o->transport = flag_choice(f, v, transport_names);
+    else if (!strcmp(f, "--workers")) o->workers = (int)flag_long(f, v, 1, 1024);
+    else if (!strcmp(f, "--compress")) o->compress = flag_choice(f, v, codec_names);
+    else if (!strcmp(f, "--celgc")) {
+        char *end;
+        o->celgc_eta = strtof(v, &end);
+        if (end == v || *end != ',' || !(o->celgc_eta > 0))
+            flag_error("--celgc expects eta,gamma, two positive numbers (got \"%s\")", v);
+        v = end + 1;
+        o->celgc_gamma = strtof(v, &end);
+        if (end == v || *end != '\0' || !(o->celgc_gamma > 0))
+            flag_error("--celgc expects eta,gamma, two positive numbers (got gamma \"%s\")", v);
+        o->celgc = 1;
+    }
+    else if (!strcmp(f, "--period")) o->period = (size_t)flag_long(f, v, 1, 1L << 30);
+    else if (!strcmp(f, "--average")) o->average = flag_choice(f, v, average_names);
+    else if (!strcmp(f, "--clip")) o->clip = (float)flag_double(f, v, 0, 1e30, 0);
+    else if (!strcmp(f, "--seed")) o->seed = (unsigned long long)flag_long(f, v, 0, 0x7FFFFFFFL);
+    else if (!strcmp(f, "--steps")) o->steps = flag_long(f, v, 1, 1L << 40);
+    else if (!strcmp(f, "--epochs")) o->epochs = (int)flag_long(f, v, 1, 100000);
+    else if (!strcmp(f, "--batch")) o->batch = (int)flag_long(f, v, 1, 1 << 20);
+    else if (!strcmp(f, "--lr")) o->lr = (float)flag_double(f, v, 0, 1e30, 0);
+    else if (!strcmp(f, "--adaptive-batch")) o->adaptive = flag_choice(f, v, adaptive_names);
+    else if (!strcmp(f, "--csv")) o->csv = v;
+    else if (!strcmp(f, "--train-limit")) o->train_limit = flag_long(f, v, 0, 1L << 40);
+    else if (!strcmp(f, "--batch-eta")) o->eta = flag_double(f, v, 0, 1e30, 0);
+    else if (!strcmp(f, "--max-batch-units")) o->max_units = (size_t)flag_long(f, v, 2, 1 << 20);
+    else if (!strcmp(f, "--batch-nu")) o->nu = flag_double(f, v, 0, 1e30, 0);
+    else if (!strcmp(f, "--batch-history")) o->history = flag_double(f, v, 0, 1, 1);
+    else if (!strcmp(f, "--outer-lr")) o->outer_lr = flag_double(f, v, 0, 1e30, 0);
+    else if (!strcmp(f, "--outer-momentum")) o->outer_momentum = flag_double(f, v, 0, 1, 1);
+    else return 0;
+    return 1;
+}
+
+/* Every flag, the program's own through extra (own: their usage line); a mistake stops the
+   program with one line naming it. */
+static inline void parse_options_extra(options *o, int argc, char **argv, extra_flag_fn extra, void *user,
+                                       const char *own) {
     int i;
     for (i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int took = extra ? extra(user, f, v) : 0;
+        int took;
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) usage(argv[0], own);
+        took = extra ? extra(user, f, v) : 0;
         if (took > 0) {
             i += took - 1;
             continue;
         }
-        if (v == NULL) usage(argv[0]);
+        if (strncmp(f, "--", 2)) flag_error("unexpected argument \"%s\"", f);
+        if (v == NULL) flag_error("%s needs a value", f);
+        if (!common_flag(o, f, v)) flag_error("unknown flag %s", f);
         i++;
-        if (!strcmp(f, "--transport")) o->transport = v;
-        else if (!strcmp(f, "--workers")) o->workers = atoi(v);
-        else if (!strcmp(f, "--compress")) o->compress = v;
-        else if (!strcmp(f, "--celgc")) {
-            if (sscanf(v, "%f,%f", &o->celgc_eta, &o->celgc_gamma) != 2) usage(argv[0]);
-            o->celgc = 1;
-        }
-        else if (!strcmp(f, "--period")) o->period = (size_t)strtoul(v, NULL, 10);
-        else if (!strcmp(f, "--average")) o->average = v;
-        else if (!strcmp(f, "--clip")) o->clip = strtof(v, NULL);
-        else if (!strcmp(f, "--seed")) o->seed = strtoull(v, NULL, 10);
-        else if (!strcmp(f, "--steps")) o->steps = atol(v);
-        else if (!strcmp(f, "--epochs")) o->epochs = atoi(v);
-        else if (!strcmp(f, "--batch")) o->batch = atoi(v);
-        else if (!strcmp(f, "--lr")) o->lr = strtof(v, NULL);
-        else if (!strcmp(f, "--adaptive-batch")) o->adaptive = v;
-        else if (!strcmp(f, "--csv")) o->csv = v;
-        else if (!strcmp(f, "--train-limit")) o->train_limit = atol(v);
-        else if (!strcmp(f, "--batch-eta")) o->eta = strtod(v, NULL);
-        else if (!strcmp(f, "--max-batch-units")) o->max_units = (size_t)strtoul(v, NULL, 10);
-        else if (!strcmp(f, "--batch-nu")) o->nu = strtod(v, NULL);
-        else if (!strcmp(f, "--batch-history")) o->history = strtod(v, NULL);
-        else if (!strcmp(f, "--outer-lr")) o->outer_lr = strtod(v, NULL);
-        else if (!strcmp(f, "--outer-momentum")) o->outer_momentum = strtod(v, NULL);
-        else usage(argv[0]);
     }
-    if (o->period < 1 || o->workers < 1) usage(argv[0]);
     if (o->average == NULL) o->average = o->period == 1 ? "grads" : "models";
-    if (strcmp(o->average, "grads") && strcmp(o->average, "models")) {
-        fprintf(stderr, "unknown --average %s (grads, models)\n", o->average);
-        exit(2);
-    }
-    if (!strcmp(o->average, "grads") && o->period > 1) {
-        fprintf(stderr, "--average grads needs --period 1 (at period %zu only the models are averaged)\n", o->period);
-        exit(2);
-    }
+    if (!strcmp(o->average, "grads") && o->period > 1)
+        flag_error("--average grads needs --period 1 (at period %zu only the models are averaged)", o->period);
 }
 
-static inline void parse_options(options *o, int argc, char **argv) { parse_options_extra(o, argc, argv, NULL, NULL); }
+static inline void parse_options(options *o, int argc, char **argv) {
+    parse_options_extra(o, argc, argv, NULL, NULL, NULL);
+}
 
 /* --adaptive-batch NAME as a batch-size test configuration; 0 for "off". */
 static inline int batch_config_from_options(const options *o, dopt_batch_config *bcfg) {
@@ -125,9 +192,6 @@ static inline int batch_config_from_options(const options *o, dopt_batch_config 
         bcfg->test = !strcmp(o->adaptive, "ip") ? DOPT_BATCH_INNER_PRODUCT : DOPT_BATCH_AUGMENTED;
         bcfg->theta = o->eta;
         bcfg->nu = o->nu;
-    } else {
-        fprintf(stderr, "unknown --adaptive-batch %s (off, norm, ip, aip)\n", o->adaptive);
-        exit(2);
     }
     bcfg->estimator = DOPT_BATCH_WITHIN;
     bcfg->unit_samples = o->batch > 0 ? (size_t)o->batch : 1;
@@ -135,10 +199,6 @@ static inline int batch_config_from_options(const options *o, dopt_batch_config 
     bcfg->initial_units = 2;
     bcfg->max_units = o->max_units ? o->max_units : 8;
     bcfg->history = o->history;
-    if (bcfg->max_units < 2) {
-        fprintf(stderr, "error: --max-batch-units must be >= 2 with --adaptive-batch (got %zu)\n", bcfg->max_units);
-        exit(2);
-    }
     return 1;
 }
 
@@ -165,7 +225,8 @@ static inline void batch_report_print(const batch_report *r, const dopt_batch *b
            bc->last.grad_norm2, bc->units, bc->cfg.unit_samples);
 }
 
-/* --compress NAME as a compressor configuration; 0 for "none" (fp32, no compressor). */
+/* --compress NAME as a compressor configuration; 0 for "none" (fp32, no compressor), -1 for a
+   name that is none of codec_names. */
 static inline int codec_from_name(const char *name, dopt_codec *codec) {
     static const struct { const char *name; dopt_codec codec; } table[] = {
         {"ternary", DOPT_CODEC_TERNARY}, {"qsgd", DOPT_CODEC_QSGD}, {"topk", DOPT_CODEC_TOPK},
@@ -173,8 +234,7 @@ static inline int codec_from_name(const char *name, dopt_codec *codec) {
     size_t i;
     for (i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(name, table[i].name)) { *codec = table[i].codec; return 1; }
-    if (strcmp(name, "none")) { fprintf(stderr, "unknown --compress %s\n", name); exit(2); }
-    return 0;
+    return strcmp(name, "none") ? -1 : 0;
 }
 
 /* 1 when each step averages the gradients before the update (--period 1, --average grads: the
@@ -238,19 +298,19 @@ static inline dopt_comm *open_comm(const options *o) {
         st = dopt_tcp_create_from_env(&comm);
     } else if (!strcmp(o->transport, "mpi")) {
 #ifdef EXAMPLES_HAVE_MPI
-        st = dopt_mpi_create(&comm, NULL);
+        dopt_mpi_config mcfg;
+        memset(&mcfg, 0, sizeof mcfg);
+        mcfg.log_fn = log_to_stderr; /* a refusal says why, e.g. no mpirun around this process */
+        st = dopt_mpi_create(&comm, &mcfg);
 #else
         fprintf(stderr, "--transport mpi: this build has no MPI (build the examples with mpicc)\n");
         exit(2);
 #endif
-    } else if (!strcmp(o->transport, "self")) {
+    } else { /* self: parse_options took only the four names */
         st = dopt_comm_create_self(&comm);
-    } else {
-        fprintf(stderr, "unknown --transport %s\n", o->transport);
-        exit(2);
     }
-    if (st != DOPT_OK) {
-        fprintf(stderr, "cannot start the %s transport: %s\n", o->transport, dopt_status_str(st));
+    if (st != DOPT_OK) { /* the reason went to log_to_stderr already */
+        fprintf(stderr, "error: cannot start the %s transport (%s)\n", o->transport, dopt_status_str(st));
         exit(1);
     }
     dopt_comm_set_log(comm, log_to_stderr, NULL);

@@ -150,10 +150,10 @@ typedef struct local_options {
 static int local_flag(void *user, const char *f, const char *v) {
     local_options *lo = (local_options *)user;
     if (strcmp(f, "--tern-clip") && strcmp(f, "--evals-per-epoch") && strcmp(f, "--target-acc")) return 0;
-    if (v == NULL) return 0; /* parse_options then prints the usage */
-    if (!strcmp(f, "--tern-clip")) lo->tern_clip = !strcmp(v, "off") ? DOPT_CLIP_OFF : strtof(v, NULL);
-    else if (!strcmp(f, "--evals-per-epoch")) lo->evals_per_epoch = atoi(v);
-    else lo->target_acc = strtod(v, NULL);
+    if (v == NULL) flag_error("%s needs a value", f);
+    if (!strcmp(f, "--tern-clip")) lo->tern_clip = !strcmp(v, "off") ? DOPT_CLIP_OFF : (float)flag_double(f, v, 0, 1e6, 0);
+    else if (!strcmp(f, "--evals-per-epoch")) lo->evals_per_epoch = (int)flag_long(f, v, 1, 1000);
+    else lo->target_acc = flag_double(f, v, 0, 100, 0);
     return 2;
 }
 
@@ -243,8 +243,7 @@ int main(int argc, char **argv) {
     evaluation ev;
     FILE *csv = NULL;
 
-    parse_options_extra(&o, argc, argv, local_flag, &lo);
-    if (lo.evals_per_epoch < 1) usage(argv[0]);
+    parse_options_extra(&o, argc, argv, local_flag, &lo, "[--tern-clip C|off] [--evals-per-epoch E] [--target-acc A]");
     adaptive = batch_config_from_options(&o, &bcfg);
     comm = open_comm(&o); /* distopt: from here on, one process per rank */
 
@@ -270,7 +269,7 @@ int main(int argc, char **argv) {
     act.out = alloc_floats(1000 * OUT);
     act.d1 = alloc_floats((size_t)o.batch * H1);
     act.d2 = alloc_floats((size_t)o.batch * H2);
-    if (o.batch < 1 || o.batch > 1000) usage(argv[0]);
+    if (o.batch > 1000) flag_error("--batch must be <= 1000 here (got %d)", o.batch);
     init_params(params, o.seed + 1000003u * (uint64_t)comm->rank); /* different on purpose: the broadcast fixes it */
 
     /* distopt: the method. Synchronous steps (--period 1) average the gradients, in fp32 or

@@ -66,46 +66,45 @@ typedef struct model_options {
 } model_options;
 
 static void model_usage(const char *prog) {
-    fprintf(stderr,
-            "usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--layers 784,256,128,10] [--batch B]\n"
-            "          [--sample-us X] [--alpha-us A --beta-gbs B] [--seconds S] [--csv FILE]\n"
-            "          [LABEL=]CODEC:B:I[:adaptive] ...\n",
-            prog);
-    exit(2);
+    printf("usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--layers 784,256,128,10] [--batch B]\n"
+           "          [--sample-us X] [--alpha-us A --beta-gbs B] [--seconds S] [--csv FILE]\n"
+           "          [LABEL=]CODEC:B:I[:adaptive] ...\n",
+           prog);
+    exit(0);
 }
 
 static void parse_model_options(model_options *mo, int argc, char **argv) {
     int i;
     for (i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) model_usage(argv[0]);
         if (strncmp(f, "--", 2)) {
-            if (mo->nconfigs == MAX_CONFIGS) model_usage(argv[0]);
+            if (mo->nconfigs == MAX_CONFIGS) flag_error("at most %d configurations (got more)", MAX_CONFIGS);
             mo->configs[mo->nconfigs++] = f;
             continue;
         }
-        if (v == NULL) model_usage(argv[0]);
+        if (v == NULL) flag_error("%s needs a value", f);
         i++;
-        if (!strcmp(f, "--transport")) mo->comm.transport = v;
-        else if (!strcmp(f, "--workers")) mo->comm.workers = atoi(v);
-        else if (!strcmp(f, "--batch")) mo->micro = atoi(v);
-        else if (!strcmp(f, "--sample-us")) mo->sample_us = strtod(v, NULL);
-        else if (!strcmp(f, "--alpha-us")) mo->alpha_us = strtod(v, NULL);
-        else if (!strcmp(f, "--beta-gbs")) mo->beta_gbs = strtod(v, NULL);
-        else if (!strcmp(f, "--seconds")) mo->seconds = strtod(v, NULL);
+        if (!strcmp(f, "--transport")) mo->comm.transport = flag_choice(f, v, transport_names);
+        else if (!strcmp(f, "--workers")) mo->comm.workers = (int)flag_long(f, v, 1, 1024);
+        else if (!strcmp(f, "--batch")) mo->micro = (int)flag_long(f, v, 1, 1 << 20);
+        else if (!strcmp(f, "--sample-us")) mo->sample_us = flag_double(f, v, 0, 1e12, 0);
+        else if (!strcmp(f, "--alpha-us")) mo->alpha_us = flag_double(f, v, 0, 1e12, 0);
+        else if (!strcmp(f, "--beta-gbs")) mo->beta_gbs = flag_double(f, v, 0, 1e12, 0);
+        else if (!strcmp(f, "--seconds")) mo->seconds = flag_double(f, v, 1e-6, 1e6, 0);
         else if (!strcmp(f, "--csv")) mo->csv = v;
         else if (!strcmp(f, "--layers")) {
             char *end = (char *)v;
             for (mo->nlayers = 0; mo->nlayers < MAX_LAYERS && *end; end += *end == ',') {
-                mo->layers[mo->nlayers++] = (int)strtol(end, &end, 10);
-                if (*end != ',' && *end != '\0') model_usage(argv[0]);
+                long w = strtol(end, &end, 10);
+                if ((*end != ',' && *end != '\0') || w < 1 || w > 1 << 20)
+                    flag_error("--layers expects widths >= 1 separated by commas (got \"%s\")", v);
+                mo->layers[mo->nlayers++] = (int)w;
             }
-        } else model_usage(argv[0]);
+        } else flag_error("unknown flag %s", f);
     }
-    if (mo->comm.workers < 1 || mo->micro < 1 || mo->nlayers < 2 || mo->seconds <= 0 ||
-        (mo->alpha_us > 0) != (mo->beta_gbs > 0))
-        model_usage(argv[0]);
-    for (i = 0; i < mo->nlayers; i++)
-        if (mo->layers[i] < 1) model_usage(argv[0]);
+    if (mo->nlayers < 2) flag_error("--layers needs 2 widths at least (an input and an output)");
+    if ((mo->alpha_us > 0) != (mo->beta_gbs > 0)) flag_error("--alpha-us and --beta-gbs go together");
 }
 
 /* ===================================================================== TIMING */
@@ -368,14 +367,19 @@ typedef struct config {
     codec_cost *cc; /* NULL: fp32 */
 } config;
 
-static void parse_config(const char *spec, config *c, const char *prog) {
+static void parse_config(const char *spec, config *c) {
     const char *eq = strchr(spec, '='), *body = eq ? eq + 1 : spec;
     char flag[16] = "";
     int got;
+    dopt_codec codec;
     memset(c, 0, sizeof *c);
     snprintf(c->label, sizeof c->label, "%.*s", eq ? (int)(eq - spec) : (int)strlen(spec), spec);
     got = sscanf(body, "%15[^:]:%lf:%zu:%15s", c->codec_name, &c->batch, &c->period, flag);
-    if (got < 3 || c->batch <= 0 || c->period < 1 || (got == 4 && strcmp(flag, "adaptive"))) model_usage(prog);
+    if (got < 3 || c->batch <= 0 || c->period < 1 || (got == 4 && strcmp(flag, "adaptive")))
+        flag_error("a configuration is [LABEL=]CODEC:B:I[:adaptive] with B > 0 and I >= 1 (got \"%s\")", spec);
+    if (codec_from_name(c->codec_name, &codec) < 0)
+        flag_error("configuration \"%s\": unknown codec \"%s\" (none, ternary, qsgd, topk, sign, fp16, bf16)", spec,
+                   c->codec_name);
     c->adaptive = got == 4;
 }
 
@@ -399,7 +403,7 @@ int main(int argc, char **argv) {
     mo.layers[0] = 784, mo.layers[1] = 256, mo.layers[2] = 128, mo.layers[3] = 10, mo.nlayers = 4;
     mo.micro = 64, mo.seconds = 0.2;
     parse_model_options(&mo, argc, argv);
-    for (i = 0; i < mo.nconfigs; i++) parse_config(mo.configs[i], &cfgs[i], argv[0]);
+    for (i = 0; i < mo.nconfigs; i++) parse_config(mo.configs[i], &cfgs[i]);
     comm = open_comm(&mo.comm);
 
     memset(&g, 0, sizeof g);
@@ -453,7 +457,7 @@ int main(int argc, char **argv) {
         dopt_codec codec;
         dopt_compressor cz;
         dopt_compressor_config ccfg;
-        if (!codec_from_name(cfgs[i].codec_name, &codec)) continue;
+        if (codec_from_name(cfgs[i].codec_name, &codec) != 1) continue; /* none: fp32 (unknown ones were refused) */
         for (j = 0; j < ncosts && strcmp(costs[j].name, cfgs[i].codec_name); j++) {}
         cfgs[i].cc = &costs[j];
         if (j < ncosts) continue;

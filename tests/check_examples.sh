@@ -29,7 +29,33 @@ expect() { # $1: expected outcome (converges | fails), then the command
     fi
 }
 
+# What a user sees on a mistake: exit status $1, the line $2 on stderr exactly once.
+expect_message() {
+    want_status=$1 want_line=$2
+    shift 2
+    out=$("$@" 2>&1 >/dev/null)
+    got_status=$?
+    count=$(printf '%s\n' "$out" | grep -cF -- "$want_line")
+    if [ "$got_status" -eq "$want_status" ] && [ "$count" -eq 1 ]; then
+        echo "ok   says \"$want_line\": $*"
+    else
+        echo "FAIL expected exit $want_status and \"$want_line\" once, got exit $got_status, $count times: $*"
+        printf '%s\n' "$out" | head -5
+        failed=1
+    fi
+}
+
 build least_squares
+expect_message 2 "error: --workers must be >= 1 (got 0)" "$BUILD/least_squares" --workers 0
+expect_message 2 "error: --period must be >= 1 (got 0)" "$BUILD/least_squares" --period 0
+expect_message 2 'error: --compress must be one of none, ternary, qsgd, topk, sign, fp16, bf16 (got "nonsense")' \
+    "$BUILD/least_squares" --compress nonsense
+expect_message 2 "error: --lr expects a number (got \"fast\")" "$BUILD/least_squares" --lr fast
+expect_message 2 "error: unknown flag --wokers" "$BUILD/least_squares" --wokers 2
+expect_message 2 "error: --steps needs a value" "$BUILD/least_squares" --steps
+expect_message 1 "not started by an MPI launcher" env -u OMPI_COMM_WORLD_SIZE -u PMI_SIZE -u PMIX_RANK \
+    -u MPI_LOCALNRANKS "$BUILD/least_squares" --transport mpi
+expect_message 0 "usage: " sh -c '"$0" --help 1>&2' "$BUILD/least_squares"
 # shellcheck disable=SC2317  # called through expect
 least_squares() { "$BUILD/least_squares" --steps 3000 --seed 7 "$@"; }
 expect converges least_squares --transport self
