@@ -30,7 +30,7 @@ ALL_CFLAGS  := $(CSTD) $(WARN) $(OPT) $(DEFS) $(BLAS_CFLAGS) $(CFLAGS)
 LIBS        := $(BLAS_LIBS) -lm -lpthread -lrt
 
 HEADERS  := $(wildcard distopt.h transport_*.h clip.h compress.h localsgd.h)
-TEST_SRC := $(filter-out tests/test_mpi%.c,$(wildcard tests/test_*.c))
+TEST_SRC := $(filter-out tests/test_mpi%.c tests/test_openmp.c,$(wildcard tests/test_*.c))
 MPI_TEST_SRC := $(wildcard tests/test_mpi*.c)
 TESTS    := $(patsubst tests/%.c,$(BUILD)/%,$(TEST_SRC))
 MPI_TESTS := $(patsubst tests/%.c,$(BUILD)/%,$(MPI_TEST_SRC))
@@ -45,6 +45,8 @@ TESTS    += $(BUILD)/test_compress_fused
 # And with clang, which fuses within an expression by default: the vector and portable paths of
 # every codec must still give the same bits.
 TESTS    += $(BUILD)/test_compress_clang
+# The host-sharing warning exists only where the implementation is built with OpenMP.
+TESTS    += $(BUILD)/test_openmp
 BENCH_SRC := $(filter-out bench/bench_allreduce.c,$(wildcard bench/bench_*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/%,$(BENCH_SRC))
 
@@ -93,7 +95,7 @@ $(BUILD):
 # make hosts: distopt inside FANN's and darknet's own training loops (examples/hosts).
 include examples/hosts/hosts.mk
 
-$(filter-out $(BUILD)/test_core_portable $(BUILD)/test_compress_fused $(BUILD)/test_compress_clang,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
+$(filter-out $(BUILD)/test_core_portable $(BUILD)/test_compress_fused $(BUILD)/test_compress_clang $(BUILD)/test_openmp,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 
 $(BUILD)/test_core_portable: tests/test_core.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
@@ -104,6 +106,9 @@ $(BUILD)/test_compress_fused: tests/test_compress.c tests/dtest.h tests/worlds.h
 
 $(BUILD)/test_compress_clang: tests/test_compress.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
 	clang $(ALL_CFLAGS) -o $@ $< $(LIBS)
+
+$(BUILD)/test_openmp: tests/test_openmp.c tests/dtest.h $(HEADERS) | $(BUILD)
+	$(CC) $(ALL_CFLAGS) -fopenmp -o $@ $< $(LIBS)
 
 $(MPI_TESTS): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(MPICC) $(ALL_CFLAGS) -o $@ $< $(LIBS)

@@ -18,7 +18,8 @@
        if (dopt_clip_global_norm(NULL, grads, n, 1.0f, &norm) == DOPT_ERR_NONFINITE) continue;
        sgd_update(params, grads);                   (skip the step on NaN/Inf, else clip to 1)
 
-   llm.c passes a factor to its AdamW instead of rescaling the buffer:
+   An optimizer that takes a factor (llm.c's CUDA trainer: gpt2_update's grad_scale) keeps the
+   buffer as it is (llm.c's CPU trainer takes no factor: clip its buffer as above):
 
        double norm; float factor;
        dopt_clip_global_norm_factor(NULL, grads, n, 1.0f, &norm, &factor);

@@ -11,7 +11,7 @@ SEED=${DEMO_SEED:-1}
 mkdir -p "$BUILD"
 
 scripts/install-deps.sh
-make --no-print-directory BUILD="$BUILD" "$BUILD/fmnist_mlp"
+make --no-print-directory -s BUILD="$BUILD" "$BUILD/fmnist_mlp"
 
 # Two processes on two cores: one BLAS thread each.
 export OPENBLAS_NUM_THREADS=1
@@ -45,21 +45,35 @@ row terngrad_adaptive "  + adaptive batch (norm test eta 1.5, 64 to 512)"
 
 if command -v gnuplot >/dev/null 2>&1; then
     gnuplot <<EOF
-set terminal png size 800,500
+set terminal png size 1500,480 noenhanced
 set output "$BUILD/demo.png"
 set datafile separator ","
-set title "Fashion-MNIST MLP, 2 workers over shared memory"
-set xlabel "epoch"
+set multiplot layout 1,3 title "Fashion-MNIST MLP, 2 workers over shared memory, $EPOCHS epochs"
 set ylabel "test accuracy (%)"
 set key bottom right
 set grid
+set title "per epoch"
+set xlabel "epoch"
 set xtics 1
 plot "$BUILD/demo_fp32.csv" using 1:3 with linespoints title "fp32 synchronous", \
      "$BUILD/demo_terngrad.csv" using 1:3 with linespoints title "TernGrad + local SGD (I=4) + clip", \
      "$BUILD/demo_terngrad_adaptive.csv" using 1:3 with linespoints title "... + adaptive batch"
+set xtics auto
+set logscale x
+set title "against the bytes each worker sent"
+set xlabel "MB sent per worker (log scale)"
+plot "$BUILD/demo_fp32.csv" using (\$5/1e6):3 with linespoints title "fp32 synchronous", \
+     "$BUILD/demo_terngrad.csv" using (\$5/1e6):3 with linespoints title "TernGrad + local SGD (I=4) + clip", \
+     "$BUILD/demo_terngrad_adaptive.csv" using (\$5/1e6):3 with linespoints title "... + adaptive batch"
+set title "against the averaging rounds"
+set xlabel "averaging rounds (log scale)"
+plot "$BUILD/demo_fp32.csv" using 4:3 with linespoints title "fp32 synchronous", \
+     "$BUILD/demo_terngrad.csv" using 4:3 with linespoints title "TernGrad + local SGD (I=4) + clip", \
+     "$BUILD/demo_terngrad_adaptive.csv" using 4:3 with linespoints title "... + adaptive batch"
+unset multiplot
 EOF
     echo
-    echo "accuracy per epoch: $BUILD/demo.png"
+    echo "accuracy per epoch, per MB sent and per averaging round: $BUILD/demo.png"
 else
     echo "gnuplot not found: no plot (the CSV files are $BUILD/demo_*.csv)"
 fi

@@ -24,7 +24,7 @@ mkdir -p "$DATA" "$IMG"
 SEEDS2=$(echo "$SEEDS" | awk '{ print $1, ($2 == "" ? "" : $2) }')
 
 scripts/install-deps.sh
-make --no-print-directory BUILD="$BUILD" "$BUILD/fmnist_mlp" "$BUILD/perf_model"
+make --no-print-directory -s BUILD="$BUILD" "$BUILD/fmnist_mlp" "$BUILD/perf_model"
 export OPENBLAS_NUM_THREADS=1 # one BLAS thread per worker process: the cores are the workers'
 start=$(date +%s)
 REPORT_ONLY=${EXP_REPORT_ONLY:-}
