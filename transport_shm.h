@@ -272,6 +272,7 @@ extern "C" {
                                          (~65 µs to wake) would make the peer sleep in turn */
 #define DOPT__SHM_PURE_SPIN_US 20.0   /* then yield the processor between polls */
 #define DOPT__SHM_LIVENESS_MS 200.0   /* check the ranks not arrived this often */
+#define DOPT__SHM_REPORT_MS 5000.0    /* while the job forms, say who is missing this often */
 #define DOPT__SHM_SLEEP_MS 50.0       /* longest single futex sleep */
 #define DOPT__SHM_STALE_S 2           /* an uninitialised segment this old with no holder is dead */
 
@@ -525,13 +526,35 @@ static dopt_status dopt__shm_check_late(dopt_comm *c, dopt__shm *s, const dopt_c
     return DOPT_OK;
 }
 
+/* The ranks whose epoch has not reached target, as "1, 3" (at most a line); returns how many. */
+static int dopt__shm_list_late(dopt__shm *s, uint64_t target, char *out, size_t cap) {
+    size_t used = 0;
+    int q, n = 0;
+    out[0] = '\0';
+    for (q = 0; q < s->size; q++) {
+        if (__atomic_load_n(&dopt__shm_hot_of(s, q)->epoch, __ATOMIC_SEQ_CST) >= target) continue;
+        if (used + 16 < cap) used += (size_t)snprintf(out + used, cap - used, "%s%d", n ? ", " : "", q);
+        else if (used + 4 < cap && out[used - 1] != '.') used += (size_t)snprintf(out + used, cap - used, "...");
+        n++;
+    }
+    return n;
+}
+
+/* While the job forms (d is NULL), every DOPT__SHM_REPORT_MS: who is still missing. */
+static void dopt__shm_report_wait(dopt_comm *c, dopt__shm *s, uint64_t target, double waited_ms) {
+    char late[256];
+    int n = dopt__shm_list_late(s, target, late, sizeof late);
+    dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: job '%s' waiting for rank%s %s (%d of %d joined, %.0f s)", c->rank, s->job,
+                  n > 1 ? "s" : "", late, s->size - n, s->size, waited_ms / 1e3);
+}
+
 /* Waits until every rank's epoch reaches target: spin, then sleep on the futex; bounded by
    comm->timeout_ms. Completion is checked before failures, so a rank that passed the barrier
    and then failed (a mismatch found right after it) cannot make a slower rank miss it. */
 static dopt_status dopt__shm_wait_all(dopt_comm *c, dopt__shm *s, const dopt_coll_desc *d, uint64_t target,
                                       double spin_us) {
     dopt__shm_sync *sync = dopt__shm_sync_of(s);
-    double start, now, deadline, next_probe, spin_end, yield_from;
+    double start, now, deadline, next_probe, next_report, spin_end, yield_from;
     long spins;
     int late = dopt__shm_first_late(s, 0, target);
     dopt_status st;
@@ -553,6 +576,7 @@ static dopt_status dopt__shm_wait_all(dopt_comm *c, dopt__shm *s, const dopt_col
     }
     deadline = start + (double)c->timeout_ms;
     next_probe = start + DOPT__SHM_LIVENESS_MS;
+    next_report = start + DOPT__SHM_REPORT_MS;
     for (;;) {
         uint32_t seen;
         double nap;
@@ -566,8 +590,17 @@ static dopt_status dopt__shm_wait_all(dopt_comm *c, dopt__shm *s, const dopt_col
         if (probe) next_probe = now + DOPT__SHM_LIVENESS_MS;
         st = dopt__shm_check_late(c, s, d, late, target, probe);
         if (st != DOPT_OK) return st;
+        if (d == NULL && now >= next_report) {
+            dopt__shm_report_wait(c, s, target, now - start);
+            next_report = now + DOPT__SHM_REPORT_MS;
+        }
         if (now >= deadline) {
+            char missing[256];
             int joined = __atomic_load_n(&dopt__shm_cold_of(s, late)->pid, __ATOMIC_ACQUIRE) != 0;
+            int n = dopt__shm_list_late(s, target, missing, sizeof missing);
+            if (d == NULL)
+                return dopt__shm_fail(c, s, d, DOPT_ERR_TIMEOUT, late, "rank%s %s did not join within %d ms (%d of %d joined)",
+                                      n > 1 ? "s" : "", missing, c->timeout_ms, s->size - n, s->size);
             return dopt__shm_fail(c, s, d, DOPT_ERR_TIMEOUT, late, "rank %d did not %s within %d ms", late,
                                   joined ? "arrive" : "join", c->timeout_ms);
         }

@@ -219,6 +219,20 @@ DTEST(rank_that_never_joins_times_out_and_name_is_removed) {
     DT_CHECK(!segment_exists(name));
 }
 
+/* While a job forms, the ranks that have not joined are named every 5 s, and at the timeout. */
+DTEST(waiting_for_missing_ranks_names_them_until_the_timeout) {
+    captured_log log;
+    char name[96];
+    dopt_shm_config cfg;
+    dopt_comm *c = NULL;
+    memset(&log, 0, sizeof log);
+    unique_name(name, sizeof name, "waiting");
+    cfg = config_for(name, 0, 3, 5600, &log);
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_TIMEOUT);
+    DT_CHECKF(strstr(log.text, "waiting for ranks 1, 2 (1 of 3 joined, 5 s)") != NULL, "log: %s", log.text);
+    DT_CHECKF(strstr(log.text, "ranks 1, 2 did not join within 5600 ms (1 of 3 joined)") != NULL, "log: %s", log.text);
+}
+
 DTEST(peer_that_leaves_gives_peer_lost) {
     dopt_comm *c;
     dopt_status s;
@@ -406,7 +420,24 @@ DTEST(bad_configuration_is_invalid_and_explained) {
     unsetenv("DOPT_SHM_NAME");
     cfg = config_for("ok", 0, 0, 0, &log);
     DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
-    DT_CHECKF(strstr(log.text, "DOPT_WORLD_SIZE") != NULL, "log: %s", log.text);
+    DT_CHECKF(strstr(log.text, "DOPT_WORLD_SIZE is not set") != NULL, "log: %s", log.text);
+    /* the launch variables: each mistake named with its value and the rule */
+    setenv("DOPT_WORLD_SIZE", "abc", 1);
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "DOPT_WORLD_SIZE=\"abc\" is not a number") != NULL, "log: %s", log.text);
+    setenv("DOPT_WORLD_SIZE", "2", 1);
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "DOPT_RANK is not set") != NULL, "log: %s", log.text);
+    setenv("DOPT_RANK", "2", 1);
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "DOPT_RANK=2 is not below DOPT_WORLD_SIZE=2") != NULL, "log: %s", log.text);
+    setenv("DOPT_RANK", "0", 1);
+    setenv("DOPT_TIMEOUT_MS", "5s", 1);
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "DOPT_TIMEOUT_MS=\"5s\" is not a number") != NULL, "log: %s", log.text);
+    unsetenv("DOPT_WORLD_SIZE");
+    unsetenv("DOPT_RANK");
+    unsetenv("DOPT_TIMEOUT_MS");
     cfg = config_for("bad/name", 0, 2, 0, &log);
     DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
     cfg = config_for(NULL, 0, 2, 0, &log);
