@@ -79,7 +79,9 @@
        DOPT_ERR_PROTOCOL  a segment under that name, held by a live process, that is not
                           distopt's or is of another protocol version (a program built from
                           another distopt release); an unheld one is replaced like a dead job's.
-       DOPT_ERR_TIMEOUT   a rank did not join within timeout_ms (the detail names the first one).
+       DOPT_ERR_TIMEOUT   a rank did not join within timeout_ms (the detail names every missing
+                          rank; while it waits, a DOPT_LOG_WARN line names them every 5 s:
+                          "job 'j7' waiting for ranks 1, 2 (1 of 3 joined, 10 s)").
        DOPT_ERR_PEER_LOST a rank that had joined died, or left, before the job was complete.
        DOPT_ERR_IO        shm_open, fallocate (no room in /dev/shm), mmap or locking failed.
        DOPT_ERR_NOMEM     allocating the communicator failed.
