@@ -11,6 +11,10 @@
                                   PEER_LOST on a rank whose peer gave up first) and the communicator
                                   to stay poisoned; they need a world of at least 2.
 
+   Every buffer handed to a collective sits between guard bytes that are checked after the call
+   (and, under AddressSanitizer, poisoned, so that reading or writing one byte past the buffer is
+   reported where it happens), and every element of a result is compared with the reference.
+
    A failed check prints "conformance: ..." with the rank and _exit(1)s that rank. */
 #ifndef DOPT_CONFORMANCE_H
 #define DOPT_CONFORMANCE_H
@@ -18,6 +22,63 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define CONFORMANCE_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define CONFORMANCE_ASAN 1
+#endif
+#endif
+#ifdef CONFORMANCE_ASAN
+#include <sanitizer/asan_interface.h>
+#define CONFORMANCE_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define CONFORMANCE_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define CONFORMANCE_POISON(p, n) ((void)(p), (void)(n))
+#define CONFORMANCE_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+/* ------------------------------------------------------------------ guarded buffers */
+
+#define CONFORMANCE_GUARD 64 /* bytes before and after every buffer */
+
+static unsigned char conformance_guard_byte(size_t i) { return (unsigned char)(0xA5 ^ (i * 37)); }
+
+/* bytes of memory (any alignment a double needs) between two guards; free with
+   conformance_release. */
+static void *conformance_alloc(size_t bytes) {
+    unsigned char *base = (unsigned char *)malloc(bytes + 2 * CONFORMANCE_GUARD), *p;
+    size_t i;
+    DT_CHECK(base != NULL);
+    p = base + CONFORMANCE_GUARD;
+    for (i = 0; i < CONFORMANCE_GUARD; i++) base[i] = p[bytes + i] = conformance_guard_byte(i);
+    CONFORMANCE_POISON(base, CONFORMANCE_GUARD);
+    CONFORMANCE_POISON(p + bytes, CONFORMANCE_GUARD);
+    return p;
+}
+
+/* The guards around a buffer of bytes still hold their values: nothing wrote outside it. */
+static void conformance_check_guards(const void *buf, size_t bytes, int rank, const char *what) {
+    unsigned char *p = (unsigned char *)buf, *base = p - CONFORMANCE_GUARD;
+    size_t i;
+    CONFORMANCE_UNPOISON(base, CONFORMANCE_GUARD);
+    CONFORMANCE_UNPOISON(p + bytes, CONFORMANCE_GUARD);
+    for (i = 0; i < CONFORMANCE_GUARD; i++) {
+        DT_CHECKF(base[i] == conformance_guard_byte(i), "conformance: rank %d: %s wrote %zu bytes before its buffer", rank,
+                  what, CONFORMANCE_GUARD - i);
+        DT_CHECKF(p[bytes + i] == conformance_guard_byte(i), "conformance: rank %d: %s wrote byte %zu past its buffer of %zu",
+                  rank, what, i, bytes);
+    }
+    CONFORMANCE_POISON(base, CONFORMANCE_GUARD);
+    CONFORMANCE_POISON(p + bytes, CONFORMANCE_GUARD);
+}
+
+static void conformance_release(void *buf, size_t bytes) {
+    unsigned char *base = (unsigned char *)buf - CONFORMANCE_GUARD;
+    CONFORMANCE_UNPOISON(base, bytes + 2 * CONFORMANCE_GUARD);
+    free(base);
+}
 
 static const size_t conformance_lengths[] = {0, 1, 3, 1000, (1u << 20) + 7};
 #define CONFORMANCE_NLENGTHS (sizeof conformance_lengths / sizeof conformance_lengths[0])
@@ -114,28 +175,29 @@ static void conformance_same_everywhere(dopt_comm *c, const void *buf, size_t by
 
 static void conformance_allreduce_case(dopt_comm *c, size_t n, dopt_dtype dt, dopt_op op, int real) {
     size_t es = dopt_dtype_size(dt), i;
-    void *buf = malloc(n * es + 8), *again = malloc(n * es + 8);
+    void *buf = conformance_alloc(n * es), *again = conformance_alloc(n * es);
     char what[96];
     snprintf(what, sizeof what, "allreduce %s %s n=%zu %s", dopt_dtype_name(dt), dopt_op_name(op), n,
              real ? "real" : "integer");
     conformance_fill(buf, n, dt, c->rank, real);
     DT_CHECKF(dopt_allreduce(c, n ? buf : NULL, n, dt, op) == DOPT_OK, "conformance: rank %d: %s: %s", c->rank, what,
               dopt_comm_detail(c));
+    conformance_check_guards(buf, n * es, c->rank, what);
     for (i = 0; i < n; i++) {
         double got = conformance_get(buf, i, dt), want = conformance_expected(c->size, i, dt, op, real);
         /* exact for integer inputs; for real f32 inputs a few ulps of the magnitude summed */
         double tol = !real ? 0.0 : dt == DOPT_F32 ? 4e-6 * c->size * (1.0 + fabs(want)) : 1e-13 * c->size * (1.0 + fabs(want));
         DT_CHECKF(fabs(got - want) <= tol, "conformance: rank %d: %s: element %zu is %.17g, expected %.17g", c->rank,
                   what, i, got, want);
-        if (n > 5000) i += 997; /* sample large buffers; the hash below covers every byte */
     }
     conformance_same_everywhere(c, buf, n * es, what);
     /* the same inputs give the same bits again */
     conformance_fill(again, n, dt, c->rank, real);
     DT_OK(dopt_allreduce(c, n ? again : NULL, n, dt, op));
+    conformance_check_guards(again, n * es, c->rank, what);
     DT_CHECKF(n == 0 || memcmp(buf, again, n * es) == 0, "conformance: rank %d: %s not deterministic", c->rank, what);
-    free(buf);
-    free(again);
+    conformance_release(buf, n * es);
+    conformance_release(again, n * es);
 }
 
 static void conformance_allreduce_all(dopt_comm *c) {
@@ -158,17 +220,22 @@ static void conformance_allgather_all(dopt_comm *c) {
     size_t k;
     for (k = 0; k < CONFORMANCE_NLENGTHS; k++) {
         size_t n = conformance_lengths[k], i;
-        unsigned char *send = (unsigned char *)malloc(n + 1), *recv = (unsigned char *)malloc(n * (size_t)c->size + 1);
+        unsigned char *send = (unsigned char *)conformance_alloc(n);
+        unsigned char *recv = (unsigned char *)conformance_alloc(n * (size_t)c->size);
         int r;
         for (i = 0; i < n; i++) send[i] = conformance_byte(c->rank, i);
         DT_CHECKF(dopt_allgather(c, send, recv, n) == DOPT_OK, "conformance: rank %d: allgather %zu bytes: %s", c->rank,
                   n, dopt_comm_detail(c));
+        conformance_check_guards(send, n, c->rank, "allgather's send buffer");
+        conformance_check_guards(recv, n * (size_t)c->size, c->rank, "allgather");
+        for (i = 0; i < n; i++)
+            DT_CHECKF(send[i] == conformance_byte(c->rank, i), "conformance: rank %d: allgather wrote its send buffer", c->rank);
         for (r = 0; r < c->size; r++)
             for (i = 0; i < n; i++)
                 DT_CHECKF(recv[(size_t)r * n + i] == conformance_byte(r, i),
                           "conformance: rank %d: allgather %zu bytes: block of rank %d wrong at %zu", c->rank, n, r, i);
-        free(send);
-        free(recv);
+        conformance_release(send, n);
+        conformance_release(recv, n * (size_t)c->size);
     }
 }
 
@@ -182,11 +249,13 @@ static void conformance_allgatherv_all(dopt_comm *c) {
         int r;
         for (r = 0; r < c->size; r++) cap += r == 1 ? 0 : base * (size_t)(r + 1) / (size_t)c->size + (size_t)r;
         mine = c->rank == 1 ? 0 : base * (size_t)(c->rank + 1) / (size_t)c->size + (size_t)c->rank;
-        send = (unsigned char *)malloc(mine + 1);
-        recv = (unsigned char *)malloc(cap + 1);
+        send = (unsigned char *)conformance_alloc(mine);
+        recv = (unsigned char *)conformance_alloc(cap);
         for (i = 0; i < mine; i++) send[i] = conformance_byte(c->rank, i);
         DT_CHECKF(dopt_allgatherv(c, send, mine, recv, cap, sizes) == DOPT_OK, "conformance: rank %d: allgatherv: %s",
                   c->rank, dopt_comm_detail(c));
+        conformance_check_guards(send, mine, c->rank, "allgatherv's send buffer");
+        conformance_check_guards(recv, cap, c->rank, "allgatherv");
         for (r = 0; r < c->size; r++) {
             size_t want = r == 1 ? 0 : base * (size_t)(r + 1) / (size_t)c->size + (size_t)r;
             DT_CHECKF(sizes[r] == want, "conformance: rank %d: allgatherv: rank %d's size %zu, expected %zu", c->rank, r,
@@ -197,8 +266,8 @@ static void conformance_allgatherv_all(dopt_comm *c) {
             off += want;
         }
         free(sizes);
-        free(send);
-        free(recv);
+        conformance_release(send, mine);
+        conformance_release(recv, cap);
     }
 }
 
@@ -208,14 +277,15 @@ static void conformance_broadcast_all(dopt_comm *c) {
     for (k = 0; k < CONFORMANCE_NLENGTHS; k++)
         for (root = 0; root < c->size; root++) {
             size_t n = conformance_lengths[k], i;
-            unsigned char *buf = (unsigned char *)malloc(n + 1);
+            unsigned char *buf = (unsigned char *)conformance_alloc(n);
             for (i = 0; i < n; i++) buf[i] = c->rank == root ? conformance_byte(root, i) : 0xEE;
             DT_CHECKF(dopt_broadcast(c, buf, n, root) == DOPT_OK, "conformance: rank %d: broadcast %zu from %d: %s", c->rank,
                       n, root, dopt_comm_detail(c));
+            conformance_check_guards(buf, n, c->rank, "broadcast");
             for (i = 0; i < n; i++)
                 DT_CHECKF(buf[i] == conformance_byte(root, i), "conformance: rank %d: broadcast %zu bytes from %d wrong at %zu",
                           c->rank, n, root, i);
-            free(buf);
+            conformance_release(buf, n);
         }
 }
 

@@ -7,9 +7,11 @@
    and end the process with status 1, which works the same in a test and in the ranks it forks.
 
    Usage: ./test_x [substring]   runs the tests whose name contains substring (all without it).
-   Output: "ok name (ms)" or "FAIL name: reason" per test, then one machine-readable line
-   "dtest-summary <binary> passed=N failed=M" that tests/run.sh adds up. Exit status 1 on any
-   failure. */
+   Output: "ok name (ms)", "FAIL name: reason" or "skip name: reason" per test, then one
+   machine-readable line "dtest-summary <binary> passed=N failed=M skipped=K" that tests/run.sh
+   adds up. A test skips with DT_SKIP("reason") at its top level (not inside forked ranks) when
+   this machine lacks what it needs (root, a CPU feature): it then counts as skipped, never as
+   passed. Exit status 1 on any failure. */
 #ifndef DTEST_H
 #define DTEST_H
 
@@ -74,6 +76,17 @@ static void dtest_failf(const char *file, int line, const char *fmt, ...) {
     fflush(stderr);
     _exit(1);
 }
+
+/* The test cannot run here (the reason says why); it counts as skipped. */
+#define DTEST_SKIP_STATUS 77
+#define DT_SKIP(...)                                                                               \
+    do {                                                                                           \
+        printf("skip %s: ", dtest_current);                                                        \
+        printf(__VA_ARGS__);                                                                       \
+        printf("\n");                                                                              \
+        fflush(stdout);                                                                            \
+        _exit(DTEST_SKIP_STATUS);                                                                  \
+    } while (0)
 
 #define DT_CHECK(cond)                                                                             \
     do {                                                                                           \
@@ -178,6 +191,7 @@ __attribute__((unused)) static void dtest_set_timeout(const char *name, int seco
         if (strcmp(dtest_list[i].name, name) == 0) dtest_list[i].timeout_s = seconds;
 }
 
+/* 1 passed, 0 failed, 2 skipped. */
 __attribute__((unused)) static int dtest_run_one(const dtest_entry *t) {
     double t0 = dtest_now_ms(), deadline = t0 + t->timeout_s * 1e3;
     int status = 0, timed_out = 0;
@@ -213,6 +227,7 @@ __attribute__((unused)) static int dtest_run_one(const dtest_entry *t) {
         printf("ok   %s (%.0f ms)\n", t->name, dtest_now_ms() - t0);
         return 1;
     }
+    if (!timed_out && WIFEXITED(status) && WEXITSTATUS(status) == DTEST_SKIP_STATUS) return 2; /* it said why */
     if (timed_out)
         printf("FAIL %s: still running after %d s\n", t->name, t->timeout_s);
     else if (WIFSIGNALED(status))
@@ -223,7 +238,7 @@ __attribute__((unused)) static int dtest_run_one(const dtest_entry *t) {
 }
 
 __attribute__((unused)) static int dtest_main(int argc, char **argv) {
-    int i, passed = 0, failed = 0;
+    int i, passed = 0, failed = 0, skipped = 0;
     const char *filter = argc > 1 ? argv[1] : NULL;
     const char *base = strrchr(argv[0], '/');
     base = base ? base + 1 : argv[0];
@@ -231,12 +246,13 @@ __attribute__((unused)) static int dtest_main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     for (i = 0; i < dtest_count; i++) {
         if (filter && !strstr(dtest_list[i].name, filter)) continue;
-        if (dtest_run_one(&dtest_list[i]))
-            passed++;
-        else
-            failed++;
+        switch (dtest_run_one(&dtest_list[i])) {
+        case 1: passed++; break;
+        case 2: skipped++; break;
+        default: failed++;
+        }
     }
-    printf("dtest-summary %s passed=%d failed=%d\n", base, passed, failed);
+    printf("dtest-summary %s passed=%d failed=%d skipped=%d\n", base, passed, failed, skipped);
     return failed ? 1 : 0;
 }
 

@@ -1,12 +1,14 @@
 #!/bin/sh
 # Runs every test program built into the build directory ($1, default build) and prints the total
-# as the last line: "N passed, N failed". Exits 1 when anything failed.
+# as the last line: "N passed, N failed, N skipped" (skipped: what this machine cannot run, e.g.
+# without root; never counted as passed). Exits 1 when anything failed.
 # Programs named test_* use dtest and print a "dtest-summary" line; check_* programs are compile
 # and link checks that pass by exiting 0, as do the scripts tests/check_*.sh (given the build
 # directory); test_mpi* run under mpirun at the world sizes they need.
 BUILD=${1:-build}
 passed=0
 failed=0
+skipped=0
 
 count_summary() { # $1: file holding a program's output, $2: its exit status, $3: its name
     line=$(grep '^dtest-summary ' "$1" | tail -1)
@@ -17,9 +19,11 @@ count_summary() { # $1: file holding a program's output, $2: its exit status, $3
     fi
     p=$(echo "$line" | sed 's/.*passed=\([0-9]*\).*/\1/')
     f=$(echo "$line" | sed 's/.*failed=\([0-9]*\).*/\1/')
+    k=$(echo "$line" | sed -n 's/.*skipped=\([0-9]*\).*/\1/p')
     if [ "$2" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi
     passed=$((passed + p))
     failed=$((failed + f))
+    skipped=$((skipped + ${k:-0}))
 }
 
 out=$(mktemp)
@@ -37,11 +41,16 @@ for t in "$BUILD"/check_*; do
     fi
 done
 
-for t in tests/check_*.sh; do
+for t in tests/check_*.sh; do # exit 77: skipped, the last line saying why
     name=$(basename "$t" .sh)
-    if "$t" "$BUILD" >"$out" 2>&1; then
+    status=0
+    "$t" "$BUILD" >"$out" 2>&1 || status=$?
+    if [ "$status" -eq 0 ]; then
         echo "ok   $name"
         passed=$((passed + 1))
+    elif [ "$status" -eq 77 ]; then
+        echo "skip $name: $(tail -n 1 "$out")"
+        skipped=$((skipped + 1))
     else
         echo "FAIL $name"; cat "$out"
         failed=$((failed + 1))
@@ -54,7 +63,7 @@ for t in "$BUILD"/test_*; do
     case "$name" in test_mpi*) continue ;; esac
     echo "== $name"
     "$t" 2>&1 | tee "$out"
-    status=$(tail -1 "$out" | grep -q '^dtest-summary .* failed=0$' && echo 0 || echo 1)
+    status=$(tail -1 "$out" | grep -q '^dtest-summary .* failed=0\( \|$\)' && echo 0 || echo 1)
     count_summary "$out" "$status" "$name"
 done
 
@@ -75,5 +84,5 @@ for t in "$BUILD"/test_mpi*; do
     done
 done
 
-echo "$passed passed, $failed failed"
+echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
