@@ -6,6 +6,7 @@
 #   make bench    benchmarks (single-threaded kernels, compression, allreduce against MPI; as root
 #                 the compressed allreduce also runs over a 1 Gbit/s veth link between namespaces)
 #   make fuzz     run every fuzz target for FUZZ_SECONDS (default 60) each
+#   make mutate   one-line mutations of the headers, each of which the tests must catch
 #   make demo     two workers on Fashion-MNIST: fp32 against TernGrad + local SGD (README)
 #   make hosts    FANN and darknet from Debian with distopt in their loops (examples/hosts)
 #   make experiments  the measurements of docs/RESULTS.md and its tables and figures (4-11 min)
@@ -55,7 +56,7 @@ FUZZ_SRC := $(wildcard fuzz/fuzz_*.c)
 FUZZERS  := $(patsubst fuzz/%.c,$(BUILD)/%,$(FUZZ_SRC))
 FUZZ_SECONDS ?= 60
 
-.PHONY: all deps test asan bench fuzz demo experiments examples install uninstall clean
+.PHONY: all deps test asan bench fuzz demo experiments examples install uninstall clean mutate
 
 all: $(TESTS) $(MPI_TESTS) $(CHECKS) $(BENCHES) $(BUILD)/bench_allreduce $(EXAMPLES)
 
@@ -72,6 +73,10 @@ experiments: deps $(BUILD)/fmnist_mlp $(BUILD)/perf_model
 	@experiments/run.sh $(BUILD) docs
 
 examples: $(EXAMPLES)
+
+# One-line bugs the tests must catch (tests/mutate.sh lists them); slow, not part of make test.
+mutate: deps
+	@tests/mutate.sh
 
 test: deps
 	@$(MAKE) --no-print-directory all

@@ -826,6 +826,11 @@ DTEST(norm_test_matches_hand_values_rounded_capped_and_monotone) {
     DT_NEAR(need, 40.0, 1e-12);
     s.var = 36; /* 36 samples = 9 units, rounded up to a multiple of 2 */
     DT_EQ_INT(dopt_batch_next_units(&c, 1, &s, &need), 10);
+    s.var = 42; /* 42 samples = 10.5 units: 11, then a multiple of 2 */
+    DT_EQ_INT(dopt_batch_next_units(&c, 1, &s, &need), 12);
+    c.multiple = 1;
+    DT_EQ_INT(dopt_batch_next_units(&c, 1, &s, &need), 11); /* rounded up, not down */
+    c.multiple = 2;
     s.var = 3; /* passes: 3 ≤ 4 samples */
     DT_EQ_INT(dopt_batch_next_units(&c, 1, &s, &need), 1);
     DT_NEAR(need, 3.0, 1e-12);

@@ -354,6 +354,15 @@ static void mismatches_detected_with_the_check(void) {
         CHECK(strstr(dopt_comm_detail(c), "called allreduce #2") != NULL, "detail: %s", dopt_comm_detail(c));
     }
     dopt_comm_destroy(c);
+    /* ranks one collective apart with otherwise identical calls (the last rank's count of calls
+       is one ahead, as after a call that failed on it alone): only the sequence number differs */
+    c = create_checking();
+    CHECK_STATUS(dopt_barrier(c), DOPT_OK, c);
+    if (c->rank == last) c->seq++;
+    CHECK_STATUS(dopt_allreduce(c, buf, 16, DOPT_F32, DOPT_SUM), DOPT_ERR_MISMATCH, c);
+    CHECK(strstr(dopt_comm_detail(c), c->rank == last ? "called allreduce #2" : "called allreduce #3") != NULL,
+          "detail: %s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
     /* matched calls pass the check */
     c = create_checking();
     buf[0] = 1.0f;

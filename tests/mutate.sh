@@ -1,0 +1,116 @@
+#!/bin/sh
+# make mutate: does the test suite catch a one-line bug? For each mutation below, a scratch copy
+# of the repository gets that one change, the tests named for it are built and run there, and the
+# mutation counts as caught when they fail. Prints a line per mutation and, last,
+# "mutation score: CAUGHT/TRIED", naming the survivors; exits 1 when any survived or could not be
+# applied (the text to change is no longer in the file: update the list). Slow (a build per
+# mutation): not part of make test.
+# Usage: tests/mutate.sh [NAME_SUBSTRING]   (from the top directory; only matching mutations)
+set -u
+cd "$(dirname "$0")/.."
+only=${1:-}
+scratch=$(mktemp -d /tmp/distopt-mutate-XXXXXX)
+trap 'rm -rf "$scratch"' EXIT
+git ls-files | tar cf - -T - | tar xf - -C "$scratch"
+tried=0
+caught=0
+survivors=""
+unapplied=""
+
+# Replaces the one occurrence of OLD by NEW in FILE (both literal); 1 when OLD is not there once.
+replace_once() { # $1 file, $2 old, $3 new
+    OLD=$2 NEW=$3 perl -0 -i -ne '
+        my ($o, $n) = ($ENV{OLD}, $ENV{NEW});
+        my $count = () = /\Q$o\E/g;
+        if ($count != 1) { print; exit 3 }
+        s/\Q$o\E/$n/; print' "$1"
+}
+
+# Runs one built test binary with a filter; MPI tests under mpirun at 2 and 3 ranks.
+run_test() { # $1 binary name, $2 filter
+    exe=$scratch/build/$1
+    case $1 in
+    test_mpi*)
+        for np in 2 3; do
+            timeout 300 mpirun --allow-run-as-root --oversubscribe --mca btl_vader_single_copy_mechanism none \
+                -np "$np" "$exe" "$2" >>"$scratch/out" 2>&1 || return 1
+        done ;;
+    *) timeout 600 "$exe" "$2" >>"$scratch/out" 2>&1 || return 1 ;;
+    esac
+    return 0
+}
+
+mutate() { # $1 name, $2 file, $3 old, $4 new, then "binary:filter" ...
+    name=$1 file=$2 old=$3 new=$4
+    shift 4
+    case $name in *"$only"*) ;; *) return ;; esac
+    tried=$((tried + 1))
+    cp "$file" "$scratch/$file"
+    if ! replace_once "$scratch/$file" "$old" "$new"; then
+        cp "$file" "$scratch/$file"
+        echo "NOT APPLIED  $name: the text to change is not in $file exactly once"
+        unapplied="$unapplied $name"
+        return
+    fi
+    : >"$scratch/out"
+    verdict=survived
+    for t in "$@"; do
+        bin=${t%%:*} filter=${t#*:}
+        if ! make -s -C "$scratch" BUILD=build "build/$bin" >>"$scratch/out" 2>&1; then
+            verdict="caught (does not build)"
+            break
+        fi
+        if ! run_test "$bin" "$filter"; then
+            verdict="caught by $bin $filter"
+            break
+        fi
+    done
+    cp "$file" "$scratch/$file"
+    case $verdict in
+    survived) survivors="$survivors $name"; echo "SURVIVED     $name ($file)" ;;
+    *) caught=$((caught + 1)); echo "caught       $name: $verdict" ;;
+    esac
+}
+
+# ---------------------------------------------------------------- the mutations
+# name, file, old text, new text, tests that must catch it (binary:filter, "" runs all).
+
+mutate ring-segment-length transport_tcp.h \
+    '*len = q + (ui < rem ? 1 : 0);' '*len = q + (ui <= rem ? 1 : 0);' test_tcp:conformance
+mutate mean-divides-by-size distopt.h \
+    'case DOPT_F32: dopt_scale((float *)buf, 1.0f / (float)size, count); break;' \
+    'case DOPT_F32: dopt_scale((float *)buf, 1.0f / (float)(size + 1), count); break;' test_shm:conformance_world_2
+mutate fingerprint-ignores-count distopt.h \
+    'return dopt__mix64(h ^ d->count);' 'return dopt__mix64(h);' test_mpi:mismatches
+mutate broadcast-root-ignored distopt.h \
+    'd.root = root;' 'd.root = 0;' test_shm:conformance_world_2
+mutate clip-factor-inverted clip.h \
+    'return norm > (double)limit ? (double)limit / norm : 1.0;' 'return norm > (double)limit ? norm / (double)limit : 1.0;' \
+    test_clip:
+mutate celgc-rule-max clip.h \
+    '*step = limited < (double)eta ? limited : (double)eta;' '*step = limited > (double)eta ? limited : (double)eta;' \
+    test_clip:celgc
+mutate augmented-nu-not-squared localsgd.h \
+    'if (g2 > 0.0) return v / (tol * tol * g2);' 'if (g2 > 0.0) return v / (tol * g2);' test_localsgd:inner_product
+mutate batch-rounds-down localsgd.h \
+    'units_d = ceil(need / (double)c.unit_samples);' 'units_d = floor(need / (double)c.unit_samples);' \
+    test_localsgd:norm_test
+mutate variance-bias-kept localsgd.h \
+    'st.grad_norm2 = v[7] > 0.0 ? (v[5] - tau2 * v[6]) / v[7] : NAN;' 'st.grad_norm2 = v[7] > 0.0 ? v[5] / v[7] : NAN;' \
+    test_localsgd:within
+mutate drift-counted-as-noise localsgd.h \
+    'if (ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt_batch_end_step(ls->batch);' '' \
+    test_localsgd:within_variance
+mutate outer-momentum-not-nesterov localsgd.h \
+    'd += mu * (double)ls->outer_v[i];' '' test_localsgd:outer
+mutate replica-steps-not-compared localsgd.h \
+    'if (all[2 * r + 1] != all[1]) {' 'if (0) {' test_localsgd:replica
+mutate mpi-check-ignores-seq transport_mpi.h \
+    'if (v[0] == fp && v[1] == ~fp && v[2] == d->seq && v[3] == ~d->seq) return DOPT_OK;' \
+    'if (v[0] == fp && v[1] == ~fp) return DOPT_OK;' test_mpi:mismatches
+mutate shm-dead-rank-misnamed transport_shm.h \
+    '"rank %d (pid %d) died", q, (int)cold->pid);' '"rank %d (pid %d) died", (q + 1) % s->size, (int)cold->pid);' \
+    test_shm:peer_killed
+
+echo "mutation score: $caught/$tried${survivors:+ (survived:$survivors)}${unapplied:+ (not applied:$unapplied)}"
+[ "$caught" -eq "$tried" ]
