@@ -1493,7 +1493,7 @@ DOPT_DEF dopt_status dopt_allreduce_weighted_mean(dopt_comm *c, void *buf, size_
     /* The total goes first, so that a bad total is known everywhere before any buffer is touched. */
     s = dopt_allreduce(c, &total, 1, DOPT_F64, DOPT_SUM);
     if (s != DOPT_OK) return s;
-    if (!(total > 0.0) || !isfinite(total))
+    if (!(total > 0.0) || !dopt__is_finite(total))
         return dopt__fail_agreed(c, count, dt, "weights sum to a non-positive or non-finite total, or a buffer is NULL",
                                  total);
     share = weight / total;
