@@ -441,70 +441,65 @@ static unsigned dopt__unpack_block(const uint8_t *in, size_t m, unsigned w, uint
    -ffast-math or -Ofast lets the compiler assume that no float is NaN or infinite: it may fold
    isnan(), x != x and comparisons with infinity to constants, and may as well assume so of any
    float it computed, but it knows nothing of bits it loads. Encoders take the maximum of |x| as
-   bits in a pass they make anyway; decoders test the exponents of the values a message carries. */
+   bits in a pass they make anyway; decoders take it over the values a message carries. */
 
 #define DOPT__F32_ABS 0x7FFFFFFFu
 #define DOPT__F32_MAX_BITS 0x7F7FFFFFu /* FLT_MAX: every finite |x| is at most this */
-#define DOPT__F32_EXP 0x7F800000u      /* all ones: NaN or ±inf */
-#define DOPT__F16_EXP 0x7C00u          /* the same in fp16 */
-#define DOPT__BF16_EXP 0x7F80u         /* and in bf16 */
+#define DOPT__F32_INF 0x7F800000u      /* |x| from here up: ±inf, then NaN */
+#define DOPT__HALF_ABS 0x7FFFu         /* fp16 and bf16: the sign is bit 15 */
+#define DOPT__F16_INF 0x7C00u          /* the same in fp16 */
+#define DOPT__BF16_INF 0x7F80u         /* and in bf16 */
 
-/* The loops below run in lanes with a fixed trip count, then a tail: that form vectorizes at -O2
-   (a loop over n elements does not). */
+/* The loops below take the maximum of |value| as bits (an and and an unsigned max per vector,
+   cheaper than collecting compares), in lanes with a fixed trip count, then a tail: that form
+   vectorizes at -O2 (a loop over n elements does not). */
 #define DOPT__CHECK_LANES 32
 
-/* max |x_i| as bits: above DOPT__F32_MAX_BITS when some x_i is NaN or ±inf. */
-static uint32_t dopt__absbits_max(const float *DOPT_RESTRICT x, size_t n) {
-    uint32_t m[DOPT__CHECK_LANES] = {0}, r = 0;
-    size_t i, full = n - n % DOPT__CHECK_LANES;
+/* max |x_i| as bits over count f32 values at p (an array of floats, or a message at any
+   alignment): above DOPT__F32_MAX_BITS when some x_i is NaN or ±inf. */
+static uint32_t dopt__absbits_max(const void *DOPT_RESTRICT p, size_t count) {
+    const unsigned char *b = (const unsigned char *)p;
+    uint32_t m[DOPT__CHECK_LANES] = {0}, r = 0, u;
+    size_t i, full = count - count % DOPT__CHECK_LANES;
     int j;
     for (i = 0; i < full; i += DOPT__CHECK_LANES)
         for (j = 0; j < DOPT__CHECK_LANES; j++) {
-            uint32_t a = dopt__f32_bits(x[i + j]) & DOPT__F32_ABS;
-            m[j] = a > m[j] ? a : m[j];
+            memcpy(&u, b + 4 * (i + j), 4);
+            u &= DOPT__F32_ABS;
+            m[j] = u > m[j] ? u : m[j];
         }
-    for (; i < n; i++) {
-        uint32_t a = dopt__f32_bits(x[i]) & DOPT__F32_ABS;
-        r = a > r ? a : r;
+    for (; i < count; i++) {
+        memcpy(&u, b + 4 * i, 4);
+        u &= DOPT__F32_ABS;
+        r = u > r ? u : r;
     }
     for (j = 0; j < DOPT__CHECK_LANES; j++) r = m[j] > r ? m[j] : r;
     return r;
 }
 
 /* 1 when none of the count f32 values at p (any alignment) is NaN or ±inf. */
-static int dopt__f32_bytes_finite(const unsigned char *DOPT_RESTRICT p, size_t count) {
-    uint32_t bad[DOPT__CHECK_LANES] = {0}, any = 0, u;
-    size_t i, full = count - count % DOPT__CHECK_LANES;
-    int j;
-    for (i = 0; i < full; i += DOPT__CHECK_LANES)
-        for (j = 0; j < DOPT__CHECK_LANES; j++) {
-            memcpy(&u, p + 4 * (i + j), 4);
-            bad[j] |= (uint32_t)((u & DOPT__F32_EXP) == DOPT__F32_EXP);
-        }
-    for (; i < count; i++) {
-        memcpy(&u, p + 4 * i, 4);
-        any |= (uint32_t)((u & DOPT__F32_EXP) == DOPT__F32_EXP);
-    }
-    for (j = 0; j < DOPT__CHECK_LANES; j++) any |= bad[j];
-    return any == 0;
+static int dopt__f32_bytes_finite(const unsigned char *p, size_t count) {
+    return dopt__absbits_max(p, count) <= DOPT__F32_MAX_BITS;
 }
 
-/* The same for count 16-bit values whose exponent bits are `ones` (DOPT__F16_EXP, DOPT__BF16_EXP). */
-static int dopt__u16_bytes_finite(const unsigned char *DOPT_RESTRICT p, size_t count, uint16_t ones) {
-    uint16_t bad[DOPT__CHECK_LANES] = {0}, any = 0, h;
+/* The same for count 16-bit values (fp16: inf = DOPT__F16_INF, bf16: DOPT__BF16_INF). */
+static int dopt__u16_bytes_finite(const unsigned char *DOPT_RESTRICT p, size_t count, uint16_t inf) {
+    uint16_t m[DOPT__CHECK_LANES] = {0}, r = 0, h;
     size_t i, full = count - count % DOPT__CHECK_LANES;
     int j;
     for (i = 0; i < full; i += DOPT__CHECK_LANES)
         for (j = 0; j < DOPT__CHECK_LANES; j++) {
             memcpy(&h, p + 2 * (i + j), 2);
-            bad[j] |= (uint16_t)((h & ones) == ones);
+            h &= DOPT__HALF_ABS;
+            m[j] = h > m[j] ? h : m[j];
         }
     for (; i < count; i++) {
         memcpy(&h, p + 2 * i, 2);
-        any |= (uint16_t)((h & ones) == ones);
+        h &= DOPT__HALF_ABS;
+        r = h > r ? h : r;
     }
-    for (j = 0; j < DOPT__CHECK_LANES; j++) any |= bad[j];
-    return any == 0;
+    for (j = 0; j < DOPT__CHECK_LANES; j++) r = m[j] > r ? m[j] : r;
+    return r < inf;
 }
 
 /* A scale or a norm on the wire: finite and not negative (-0 included), by its bits. */
@@ -550,14 +545,14 @@ static float dopt__bf16_to_f32(uint16_t h) { return dopt__bits_f32((uint32_t)h <
    encoders return 1 when every value they wrote is finite: a NaN or ±inf in x, or a value that
    rounds beyond the format's largest (fp16: |x| >= 65520), is not. */
 DOPT__MAYBE_UNUSED static int dopt__f16_encode_portable(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
-    uint32_t bad = 0;
+    uint32_t m = 0;
     size_t i;
     for (i = 0; i < n; i++) {
         uint16_t h = dopt__f32_to_f16(x[i]);
         memcpy(out + 2 * i, &h, 2);
-        bad |= (uint32_t)((h & DOPT__F16_EXP) == DOPT__F16_EXP);
+        m = (h & DOPT__HALF_ABS) > m ? (h & DOPT__HALF_ABS) : m;
     }
-    return bad == 0;
+    return m < DOPT__F16_INF;
 }
 
 DOPT__MAYBE_UNUSED static void dopt__f16_accum_portable(float *DOPT_RESTRICT y, float w, const unsigned char *DOPT_RESTRICT in, size_t n) {
@@ -574,15 +569,19 @@ DOPT__MAYBE_UNUSED static void dopt__f16_accum_portable(float *DOPT_RESTRICT y, 
 /* F16C converts 8 at a time with the same rounding (NaN payloads may differ: both are NaN). */
 static int dopt__f16_encode(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
 #ifdef DOPT__F16C
-    const __m128i ones = _mm_set1_epi16((short)DOPT__F16_EXP);
-    __m128i bad = _mm_setzero_si128();
+    const __m128i abs_mask = _mm_set1_epi16((short)DOPT__HALF_ABS);
+    __m128i m = _mm_setzero_si128();
+    uint16_t lanes[8];
     size_t i, n8 = n - n % 8;
+    int j, finite = 1;
     for (i = 0; i < n8; i += 8) {
         __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
         _mm_storeu_si128((__m128i *)(void *)(out + 2 * i), h);
-        bad = _mm_or_si128(bad, _mm_cmpeq_epi16(_mm_and_si128(h, ones), ones));
+        m = _mm_max_epu16(m, _mm_and_si128(h, abs_mask));
     }
-    return dopt__f16_encode_portable(x + n8, out + 2 * n8, n - n8) && _mm_testz_si128(bad, bad);
+    _mm_storeu_si128((__m128i *)(void *)lanes, m);
+    for (j = 0; j < 8; j++) finite &= lanes[j] < DOPT__F16_INF;
+    return dopt__f16_encode_portable(x + n8, out + 2 * n8, n - n8) && finite;
 #else
     return dopt__f16_encode_portable(x, out, n);
 #endif
@@ -607,41 +606,46 @@ static void dopt__f16_accum(float *DOPT_RESTRICT y, float w, const unsigned char
    Returns 1 when every value is finite (|x| < 0x7F7F8000 as bits, below which nothing rounds
    up to infinity). */
 static int dopt__bf16_encode(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
-    uint16_t h[DOPT__BLOCK], bad = 0;
+    uint16_t h[DOPT__BLOCK], m[DOPT__BLOCK] = {0}, r = 0;
     size_t i, j, full = n - n % DOPT__BLOCK;
     for (i = 0; i < full; i += DOPT__BLOCK) {
         for (j = 0; j < DOPT__BLOCK; j++) {
+            uint16_t a;
             h[j] = dopt__f32_to_bf16(x[i + j]);
-            bad |= (uint16_t)((h[j] & DOPT__BF16_EXP) == DOPT__BF16_EXP);
+            a = h[j] & DOPT__HALF_ABS;
+            m[j] = a > m[j] ? a : m[j];
         }
         memcpy(out + 2 * i, h, sizeof h);
     }
     for (j = 0; j < n - full; j++) {
         h[j] = dopt__f32_to_bf16(x[full + j]);
-        bad |= (uint16_t)((h[j] & DOPT__BF16_EXP) == DOPT__BF16_EXP);
+        r = (h[j] & DOPT__HALF_ABS) > r ? (h[j] & DOPT__HALF_ABS) : r;
     }
     if (n > full) memcpy(out + 2 * full, h, 2 * (n - full));
-    return bad == 0;
+    for (j = 0; j < DOPT__BLOCK; j++) r = m[j] > r ? m[j] : r;
+    return r < DOPT__BF16_INF;
 }
 
 /* fp32 on the wire: the values as they are; returns 1 when all are finite. */
 static int dopt__f32_encode(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
-    uint32_t bad[DOPT__CHECK_LANES] = {0}, any = 0, u;
+    uint32_t m[DOPT__CHECK_LANES] = {0}, r = 0, u;
     size_t i, full = n - n % DOPT__CHECK_LANES;
     int j;
     for (i = 0; i < full; i += DOPT__CHECK_LANES)
         for (j = 0; j < DOPT__CHECK_LANES; j++) {
             u = dopt__f32_bits(x[i + j]);
             memcpy(out + 4 * (i + j), &u, 4);
-            bad[j] |= (uint32_t)((u & DOPT__F32_EXP) == DOPT__F32_EXP);
+            u &= DOPT__F32_ABS;
+            m[j] = u > m[j] ? u : m[j];
         }
     for (; i < n; i++) {
         u = dopt__f32_bits(x[i]);
         memcpy(out + 4 * i, &u, 4);
-        any |= (uint32_t)((u & DOPT__F32_EXP) == DOPT__F32_EXP);
+        u &= DOPT__F32_ABS;
+        r = u > r ? u : r;
     }
-    for (j = 0; j < DOPT__CHECK_LANES; j++) any |= bad[j];
-    return any == 0;
+    for (j = 0; j < DOPT__CHECK_LANES; j++) r = m[j] > r ? m[j] : r;
+    return r < DOPT__F32_INF;
 }
 
 /* y[0..m) += w·v[0..m): a full block has a constant trip count, which vectorizes at -O2. */
@@ -1811,8 +1815,8 @@ static int dopt__check_body(const dopt_compressor *cz, const unsigned char *m) {
             if (ok && n > j) ok = dopt__unpack_block(data + j / 8, n - j, 1, c) == 0;
             break;
         }
-        case DOPT_CODEC_FP16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__F16_EXP); break;
-        case DOPT_CODEC_BF16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__BF16_EXP); break;
+        case DOPT_CODEC_FP16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__F16_INF); break;
+        case DOPT_CODEC_BF16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__BF16_INF); break;
         case DOPT_CODEC_FP32: ok = ok && a == 0 && b == 0 && dopt__f32_bytes_finite(data, n); break;
         }
         if (!ok) return 0;
