@@ -214,26 +214,14 @@ extern "C" {
 
 /* ===================================================================== ARGUMENT CHECKS */
 
-/* NaN and infinity by their bits, so that a host built with -ffast-math (where isnan() and
-   isfinite() may be folded to constants) still sees them. */
-static int dopt__clip_is_nan(double v) {
-    uint64_t u;
-    memcpy(&u, &v, sizeof u);
-    return (u & 0x7FF0000000000000ull) == 0x7FF0000000000000ull && (u & 0x000FFFFFFFFFFFFFull) != 0;
-}
+/* NaN and infinity are told by their bits (distopt.h's dopt__is_nan and dopt__is_finite), so that
+   a host built with -ffast-math, where isnan() and isfinite() may be folded to constants, still
+   sees them. A threshold: positive; +inf allowed (never clips). */
+static int dopt__clip_limit_ok(float t) { return !dopt__is_nan(t) && t > 0.0f; }
 
-static int dopt__clip_is_finite(double v) {
-    uint64_t u;
-    memcpy(&u, &v, sizeof u);
-    return (u & 0x7FF0000000000000ull) != 0x7FF0000000000000ull;
-}
+static int dopt__clip_positive_finite(float t) { return dopt__is_finite(t) && t > 0.0f; }
 
-/* A threshold: positive; +inf allowed (never clips). */
-static int dopt__clip_limit_ok(float t) { return !dopt__clip_is_nan(t) && t > 0.0f; }
-
-static int dopt__clip_positive_finite(float t) { return dopt__clip_is_finite(t) && t > 0.0f; }
-
-static int dopt__clip_scale_ok(float s) { return dopt__clip_is_finite(s) && s != 0.0f; }
+static int dopt__clip_scale_ok(float s) { return dopt__is_finite(s) && s != 0.0f; }
 
 static dopt_status dopt__clip_check_buf(const dopt_buf *b) {
     return b != NULL && dopt_buf_validate(b) == DOPT_OK ? DOPT_OK : DOPT_ERR_INVALID;
@@ -289,7 +277,7 @@ static dopt_status dopt__clip_agree(dopt_comm *comm, const char *api, double *su
     for (i = 0; i < k; i++) {
         if (local != DOPT_OK)
             sums[i] = NAN;
-        else if (!dopt__clip_is_finite(sums[i]))
+        else if (!dopt__is_finite(sums[i]))
             sums[i] = INFINITY;
     }
     if (comm != NULL) {
@@ -299,8 +287,8 @@ static dopt_status dopt__clip_agree(dopt_comm *comm, const char *api, double *su
         if (s != DOPT_OK) return s;
     }
     for (i = 0; i < k; i++) {
-        nan_seen |= dopt__clip_is_nan(sums[i]);
-        inf_seen |= !dopt__clip_is_finite(sums[i]);
+        nan_seen |= dopt__is_nan(sums[i]);
+        inf_seen |= !dopt__is_finite(sums[i]);
     }
     if (nan_seen) return DOPT_ERR_INVALID;
     return inf_seen ? DOPT_ERR_NONFINITE : DOPT_OK;
@@ -527,7 +515,7 @@ static dopt_status dopt__celgc_check(float scale, float eta, float gamma) {
 /* min(eta, gamma/(‖scale·g‖ + ε)) in double, from an already validated buffer. */
 static dopt_status dopt__celgc_compute_step(const dopt_buf *grads, float scale, float eta, float gamma, double *step) {
     double ss = dopt__clip_buf_sumsq(grads), limited;
-    if (!dopt__clip_is_finite(ss)) return DOPT_ERR_NONFINITE;
+    if (!dopt__is_finite(ss)) return DOPT_ERR_NONFINITE;
     limited = (double)gamma / (fabs((double)scale) * sqrt(ss) + DOPT_CELGC_EPS);
     *step = limited < (double)eta ? limited : (double)eta;
     return DOPT_OK;
@@ -565,7 +553,7 @@ DOPT_DEF dopt_status dopt_celgc_step_buf(const dopt_buf *params, const dopt_buf 
     float keep, a;
     dopt_status s = dopt__clip_check_pair(params, grads);
     if (s == DOPT_OK) s = dopt__celgc_check(scale, eta, gamma);
-    if (s == DOPT_OK && !(dopt__clip_is_finite(weight_decay) && weight_decay >= 0.0f)) s = DOPT_ERR_INVALID;
+    if (s == DOPT_OK && !(dopt__is_finite(weight_decay) && weight_decay >= 0.0f)) s = DOPT_ERR_INVALID;
     if (s == DOPT_OK) s = dopt__celgc_compute_step(grads, scale, eta, gamma, &step);
     if (s != DOPT_OK) return s;
     /* in float arithmetic, where an overflow is an infinity rather than an out-of-range

@@ -97,7 +97,8 @@
      scales (no sharing: no communicator here). With error feedback it compresses p = g + e and
      sets e = p - C(p). Advances the step (the RNG key). grads is not modified. Errors:
      DOPT_ERR_INVALID (layout mismatch, capacity too small, NULL arguments), DOPT_ERR_NONFINITE
-     (ternary: a NaN or infinity in a segment; nothing is written and the state is unchanged).
+     (any codec: see NON-FINITE GRADIENTS; out then holds the flagged message, *bytes is set,
+     and the step and the residual are unchanged).
 
    dopt_status dopt_compress_decode(const dopt_compressor *cz, const void *msg, size_t bytes,
                                     float weight, const dopt_buf *accum)
@@ -105,9 +106,11 @@
      scatter list, the layout's segment counts). The message is validated completely before
      accum is touched; anything that does not follow the format below — a wrong magic, version,
      codec, layout, size, a 2-bit code 11, a level above s, an index out of range or out of
-     order, non-zero padding or unused bits, a negative or non-finite scale — returns
-     DOPT_ERR_PROTOCOL. Never reads outside msg[0, bytes) nor writes outside accum. Pure: may be
-     called from several threads on different accum buffers.
+     order, non-zero padding or unused bits, a negative or non-finite scale or norm, a NaN or
+     infinity among the values (fp32, fp16, bf16, top-k's, ternary's fp32 segments) — returns
+     DOPT_ERR_PROTOCOL. A flagged message (its sender's gradient was not finite) returns
+     DOPT_ERR_NONFINITE, accum untouched. Never reads outside msg[0, bytes) nor writes outside
+     accum. Pure: may be called from several threads on different accum buffers.
 
    dopt_status dopt_compress_allreduce(dopt_compressor *cz, dopt_comm *comm, float *grads,
                                        size_t n)
@@ -124,12 +127,16 @@
      or scales not shared), other codecs and N > 127 accumulate the N messages in rank order
      into the zeroed segments, y += (w·s_r)·t_r. The first
      call sizes the gather buffer for comm->size messages (one allocation, kept for later calls;
-     a larger world later grows it once). Errors: those of the collectives (the communicator's
-     detail names them), DOPT_ERR_INVALID, DOPT_ERR_NONFINITE (ternary: some rank's gradient
-     holds a NaN or infinity; every rank returns it and no rank's grads are changed),
-     DOPT_ERR_PROTOCOL (a message that fails validation: every rank sees the same bytes, so every
-     rank fails alike), DOPT_ERR_NOMEM (first call only). Every rank must call it with the same
-     layout and configuration. One thread at a time per compressor.
+     a larger world later grows it once). The step and the residual change only when the call
+     succeeds. Errors: those of the collectives, DOPT_ERR_INVALID, DOPT_ERR_NONFINITE (some
+     rank's gradient holds a NaN or infinity: see NON-FINITE GRADIENTS), DOPT_ERR_PROTOCOL (a
+     message that fails validation: every rank sees the same bytes, so every rank fails alike),
+     DOPT_ERR_NOMEM (first call only). The communicator's detail names the failed collective as
+     "dopt_compress_allreduce: allgather ..." (the message exchange) or
+     "dopt_compress_allreduce: scale sharing: allreduce ..." — unless the caller has labelled the
+     communicator itself (localsgd.h does, with the call the user made): that label stays. Every
+     rank must call it with the same layout and configuration. One thread at a time per
+     compressor.
 
    const void *dopt_compress_message(const dopt_compressor *cz, int rank, size_t *bytes)
      After an allreduce: rank's message as gathered (for inspection and tests); NULL before.
@@ -141,6 +148,25 @@
      magic "DOPS", version, codec, element count, step, residual (f32 each, when EF is on).
      Load validates all of it against this compressor (DOPT_ERR_PROTOCOL otherwise, state
      unchanged). Save: DOPT_ERR_INVALID when capacity is too small.
+
+   NON-FINITE GRADIENTS
+     One rule for every codec. When a rank's gradient — with error feedback, p = g + e — holds
+     a NaN or an infinity in a segment (elements in gaps between segments are never read), or a
+     value its codec cannot carry (fp16: |x| >= 65520, which would round to infinity; bf16: |x|
+     that rounds beyond 3.39e38; QSGD: a bucket whose norm exceeds FLT_MAX), then
+     dopt_compress_allreduce returns DOPT_ERR_NONFINITE on every rank together, writes nothing
+     into any rank's grads, and leaves every rank's step and residual as they were: skip the step
+     and go on with the next one. dopt_compress_encode returns it too, with the same state kept.
+     How every rank learns it, at no extra round trip: with scale sharing (ternary's default)
+     the flag rides in the allreduce MAX of the scales, and the call returns before the message
+     exchange; otherwise the rank sends a flagged message (the header with the non-finite flag,
+     zeros after it) in the allgather it makes anyway, and every rank finds the flag before it
+     reads any body. The detection tests bits (an exponent of all ones) of the values each
+     encoder reads in a pass it makes anyway (ternary's statistics, QSGD's norms, top-k's keys,
+     sign's scale, the fp16/bf16/fp32 conversion), so it holds in hosts built with -Ofast or
+     -ffast-math, where the compiler may assume that no float is NaN or infinite and fold
+     isnan() or x != x away. The plain allreduce of distopt.h (dopt_allreduce) checks nothing:
+     NaN and infinity pass through it like any value.
 
    RANDOMNESS
      Ternary and QSGD round with distopt's Philox generator, the stream (seed, rank,
@@ -158,9 +184,11 @@
 
      message header, 32 bytes
        0  u32  magic 0x43504F44 (the bytes "DOPC")
-       4  u8   version, 1
+       4  u8   version, 2 (version 1 had no flags: byte 6 was reserved)
        5  u8   codec (dopt_codec)
-       6  u16  reserved, 0
+       6  u8   flags: bit 0 = the sender's gradient was not finite (its message carries nothing:
+               every byte after the header is 0); the other bits 0
+       7  u8   reserved, 0
        8  u32  number of segments
       12  u32  rank of the sender (the allreduce checks that message r says r)
       16  u64  elements in all segments
@@ -187,6 +215,9 @@
      FP16     0                    0                   count IEEE binary16
      BF16     0                    0                   count bfloat16 (upper half of a f32)
      FP32     0                    0                   count f32
+
+     Every value a message carries is finite: scales and norms are finite and not negative, and
+     no f32, fp16 or bf16 value has an exponent of all ones.
 
      Bit packing (1, 2 and 4 bits): a segment's codes go in blocks of 64 elements (the last may
      be shorter). A block of m elements of w bits takes q = ceil(m·w / 8) bytes; its element t
@@ -225,7 +256,7 @@ typedef enum dopt_ef_mode { DOPT_EF_AUTO = 0, DOPT_EF_ON = 1, DOPT_EF_OFF = 2 } 
 
 #define DOPT_CLIP_OFF (-1.0f)
 #define DOPT_COMPRESS_MAGIC 0x43504F44u /* "DOPC" */
-#define DOPT_COMPRESS_VERSION 1
+#define DOPT_COMPRESS_VERSION 2
 #define DOPT_COMPRESS_HEADER_BYTES 32
 #define DOPT_COMPRESS_RECORD_BYTES 16
 
@@ -404,6 +435,76 @@ static unsigned dopt__unpack_block(const uint8_t *in, size_t m, unsigned w, uint
     return bad;
 }
 
+/* ===================================================================== NAN AND INFINITY BY THEIR BITS
+
+   Every check below is an integer test of bits loaded from memory. A host built with
+   -ffast-math or -Ofast lets the compiler assume that no float is NaN or infinite: it may fold
+   isnan(), x != x and comparisons with infinity to constants, and may as well assume so of any
+   float it computed, but it knows nothing of bits it loads. Encoders take the maximum of |x| as
+   bits in a pass they make anyway; decoders take it over the values a message carries. */
+
+#define DOPT__F32_ABS 0x7FFFFFFFu
+#define DOPT__F32_MAX_BITS 0x7F7FFFFFu /* FLT_MAX: every finite |x| is at most this */
+#define DOPT__F32_INF 0x7F800000u      /* |x| from here up: ±inf, then NaN */
+#define DOPT__HALF_ABS 0x7FFFu         /* fp16 and bf16: the sign is bit 15 */
+#define DOPT__F16_INF 0x7C00u          /* the same in fp16 */
+#define DOPT__BF16_INF 0x7F80u         /* and in bf16 */
+
+/* The loops below take the maximum of |value| as bits (an and and an unsigned max per vector,
+   cheaper than collecting compares), in lanes with a fixed trip count, then a tail: that form
+   vectorizes at -O2 (a loop over n elements does not). */
+#define DOPT__CHECK_LANES 32
+
+/* max |x_i| as bits over count f32 values at p (an array of floats, or a message at any
+   alignment): above DOPT__F32_MAX_BITS when some x_i is NaN or ±inf. */
+static uint32_t dopt__absbits_max(const void *DOPT_RESTRICT p, size_t count) {
+    const unsigned char *b = (const unsigned char *)p;
+    uint32_t m[DOPT__CHECK_LANES] = {0}, r = 0, u;
+    size_t i, full = count - count % DOPT__CHECK_LANES;
+    int j;
+    for (i = 0; i < full; i += DOPT__CHECK_LANES)
+        for (j = 0; j < DOPT__CHECK_LANES; j++) {
+            memcpy(&u, b + 4 * (i + j), 4);
+            u &= DOPT__F32_ABS;
+            m[j] = u > m[j] ? u : m[j];
+        }
+    for (; i < count; i++) {
+        memcpy(&u, b + 4 * i, 4);
+        u &= DOPT__F32_ABS;
+        r = u > r ? u : r;
+    }
+    for (j = 0; j < DOPT__CHECK_LANES; j++) r = m[j] > r ? m[j] : r;
+    return r;
+}
+
+/* 1 when none of the count f32 values at p (any alignment) is NaN or ±inf. */
+static int dopt__f32_bytes_finite(const unsigned char *p, size_t count) {
+    return dopt__absbits_max(p, count) <= DOPT__F32_MAX_BITS;
+}
+
+/* The same for count 16-bit values (fp16: inf = DOPT__F16_INF, bf16: DOPT__BF16_INF). */
+static int dopt__u16_bytes_finite(const unsigned char *DOPT_RESTRICT p, size_t count, uint16_t inf) {
+    uint16_t m[DOPT__CHECK_LANES] = {0}, r = 0, h;
+    size_t i, full = count - count % DOPT__CHECK_LANES;
+    int j;
+    for (i = 0; i < full; i += DOPT__CHECK_LANES)
+        for (j = 0; j < DOPT__CHECK_LANES; j++) {
+            memcpy(&h, p + 2 * (i + j), 2);
+            h &= DOPT__HALF_ABS;
+            m[j] = h > m[j] ? h : m[j];
+        }
+    for (; i < count; i++) {
+        memcpy(&h, p + 2 * i, 2);
+        h &= DOPT__HALF_ABS;
+        r = h > r ? h : r;
+    }
+    for (j = 0; j < DOPT__CHECK_LANES; j++) r = m[j] > r ? m[j] : r;
+    return r < inf;
+}
+
+/* A scale or a norm on the wire: finite and not negative (-0 included), by its bits. */
+static int dopt__scale_ok(uint32_t bits) { return bits <= DOPT__F32_MAX_BITS || bits == 0x80000000u; }
+
 /* ===================================================================== HALF PRECISION (FP16, BF16) */
 
 /* float -> IEEE binary16, round to nearest even; NaN becomes a quiet NaN. Branch-free selects so
@@ -440,13 +541,18 @@ static uint16_t dopt__f32_to_bf16(float f) {
 
 static float dopt__bf16_to_f32(uint16_t h) { return dopt__bits_f32((uint32_t)h << 16); }
 
-/* Messages may sit at any alignment (a caller's buffer), so 16-bit words go through memcpy. */
-DOPT__MAYBE_UNUSED static void dopt__f16_encode_portable(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
+/* Messages may sit at any alignment (a caller's buffer), so 16-bit words go through memcpy. The
+   encoders return 1 when every value they wrote is finite: a NaN or ±inf in x, or a value that
+   rounds beyond the format's largest (fp16: |x| >= 65520), is not. */
+DOPT__MAYBE_UNUSED static int dopt__f16_encode_portable(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
+    uint32_t m = 0;
     size_t i;
     for (i = 0; i < n; i++) {
         uint16_t h = dopt__f32_to_f16(x[i]);
         memcpy(out + 2 * i, &h, 2);
+        m = (h & DOPT__HALF_ABS) > m ? (h & DOPT__HALF_ABS) : m;
     }
+    return m < DOPT__F16_INF;
 }
 
 DOPT__MAYBE_UNUSED static void dopt__f16_accum_portable(float *DOPT_RESTRICT y, float w, const unsigned char *DOPT_RESTRICT in, size_t n) {
@@ -461,14 +567,23 @@ DOPT__MAYBE_UNUSED static void dopt__f16_accum_portable(float *DOPT_RESTRICT y, 
 }
 
 /* F16C converts 8 at a time with the same rounding (NaN payloads may differ: both are NaN). */
-static void dopt__f16_encode(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
+static int dopt__f16_encode(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
 #ifdef DOPT__F16C
+    const __m128i abs_mask = _mm_set1_epi16((short)DOPT__HALF_ABS);
+    __m128i m = _mm_setzero_si128();
+    uint16_t lanes[8];
     size_t i, n8 = n - n % 8;
-    for (i = 0; i < n8; i += 8)
-        _mm_storeu_si128((__m128i *)(void *)(out + 2 * i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-    dopt__f16_encode_portable(x + n8, out + 2 * n8, n - n8);
+    int j, finite = 1;
+    for (i = 0; i < n8; i += 8) {
+        __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128((__m128i *)(void *)(out + 2 * i), h);
+        m = _mm_max_epu16(m, _mm_and_si128(h, abs_mask));
+    }
+    _mm_storeu_si128((__m128i *)(void *)lanes, m);
+    for (j = 0; j < 8; j++) finite &= lanes[j] < DOPT__F16_INF;
+    return dopt__f16_encode_portable(x + n8, out + 2 * n8, n - n8) && finite;
 #else
-    dopt__f16_encode_portable(x, out, n);
+    return dopt__f16_encode_portable(x, out, n);
 #endif
 }
 
@@ -487,16 +602,50 @@ static void dopt__f16_accum(float *DOPT_RESTRICT y, float w, const unsigned char
 }
 
 /* bf16 goes through a 64-element local array so that the conversion loop has a fixed trip
-   count and aligned stores (it vectorizes) and the message, at any alignment, gets one memcpy. */
-static void dopt__bf16_encode(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
-    uint16_t h[DOPT__BLOCK];
+   count and aligned stores (it vectorizes) and the message, at any alignment, gets one memcpy.
+   Returns 1 when every value is finite (|x| < 0x7F7F8000 as bits, below which nothing rounds
+   up to infinity). */
+static int dopt__bf16_encode(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
+    uint16_t h[DOPT__BLOCK], m[DOPT__BLOCK] = {0}, r = 0;
     size_t i, j, full = n - n % DOPT__BLOCK;
     for (i = 0; i < full; i += DOPT__BLOCK) {
-        for (j = 0; j < DOPT__BLOCK; j++) h[j] = dopt__f32_to_bf16(x[i + j]);
+        for (j = 0; j < DOPT__BLOCK; j++) {
+            uint16_t a;
+            h[j] = dopt__f32_to_bf16(x[i + j]);
+            a = h[j] & DOPT__HALF_ABS;
+            m[j] = a > m[j] ? a : m[j];
+        }
         memcpy(out + 2 * i, h, sizeof h);
     }
-    for (j = 0; j < n - full; j++) h[j] = dopt__f32_to_bf16(x[full + j]);
+    for (j = 0; j < n - full; j++) {
+        h[j] = dopt__f32_to_bf16(x[full + j]);
+        r = (h[j] & DOPT__HALF_ABS) > r ? (h[j] & DOPT__HALF_ABS) : r;
+    }
     if (n > full) memcpy(out + 2 * full, h, 2 * (n - full));
+    for (j = 0; j < DOPT__BLOCK; j++) r = m[j] > r ? m[j] : r;
+    return r < DOPT__BF16_INF;
+}
+
+/* fp32 on the wire: the values as they are; returns 1 when all are finite. */
+static int dopt__f32_encode(const float *DOPT_RESTRICT x, unsigned char *DOPT_RESTRICT out, size_t n) {
+    uint32_t m[DOPT__CHECK_LANES] = {0}, r = 0, u;
+    size_t i, full = n - n % DOPT__CHECK_LANES;
+    int j;
+    for (i = 0; i < full; i += DOPT__CHECK_LANES)
+        for (j = 0; j < DOPT__CHECK_LANES; j++) {
+            u = dopt__f32_bits(x[i + j]);
+            memcpy(out + 4 * (i + j), &u, 4);
+            u &= DOPT__F32_ABS;
+            m[j] = u > m[j] ? u : m[j];
+        }
+    for (; i < n; i++) {
+        u = dopt__f32_bits(x[i]);
+        memcpy(out + 4 * i, &u, 4);
+        u &= DOPT__F32_ABS;
+        r = u > r ? u : r;
+    }
+    for (j = 0; j < DOPT__CHECK_LANES; j++) r = m[j] > r ? m[j] : r;
+    return r < DOPT__F32_INF;
 }
 
 /* y[0..m) += w·v[0..m): a full block has a constant trip count, which vectorizes at -O2. */
@@ -544,11 +693,16 @@ static void dopt__seg_rng(const dopt_compressor *cz, int rank, size_t seg, dopt_
 /* One pass: max |x|, and the sums of (x - x0) and (x - x0)² for σ. Float lanes are flushed into
    double lanes every 1024 elements and the 64 double lanes are added up once at the end: the
    vectorizer keeps everything in registers, no flush waits on a serial chain of double adds,
-   the rounding error of a flush stays ~1e-6 relative, and σ only sets a clipping threshold. */
+   the rounding error of a flush stays ~1e-6 relative, and σ only sets a clipping threshold.
+
+   max |x| is taken over the bits, |x| as the unsigned integer x & 0x7FFFFFFF: for non-negative
+   floats the integer order is the float order, +inf is 0x7F800000 and every NaN lies above it,
+   so the maximum says at once whether the segment holds a NaN or an infinity. Integer compares
+   of the loaded bits cost what the float max did, and no compiler option that assumes finite
+   floats (-ffast-math, -Ofast) can remove them. */
 typedef struct dopt__stats {
     double s1, s2;
-    float maxabs;
-    int nan; /* a NaN was seen (max skips them; the sum does not) */
+    uint32_t maxbits; /* the bits of max |x|; above DOPT__F32_MAX_BITS for NaN or ±inf */
 } dopt__stats;
 
 #define DOPT__STAT_LANES 64
@@ -564,16 +718,18 @@ typedef struct dopt__stats {
 #endif
 #define DOPT__AHEAD 8192u
 
-/* chunk blocks of 64 lanes into the float accumulators a1, a2 (zero on entry) and m. */
+/* chunk blocks of 64 lanes into the float accumulators a1, a2 (zero on entry) and the |x| bits
+   maxima m. */
 DOPT__MAYBE_UNUSED static void dopt__stats_chunk_portable(const float *DOPT_RESTRICT x, size_t chunk, float shift,
                                                           float *DOPT_RESTRICT a1, float *DOPT_RESTRICT a2,
-                                                          float *DOPT_RESTRICT m) {
+                                                          uint32_t *DOPT_RESTRICT m) {
     size_t k, i = 0;
     int j;
     for (k = 0; k < chunk; k++, i += DOPT__STAT_LANES) {
         for (j = 0; j < 4; j++) DOPT__PREFETCH(x + i + 16 * j, DOPT__AHEAD);
         for (j = 0; j < DOPT__STAT_LANES; j++) {
-            float v = x[i + j], d = v - shift, a = fabsf(v), dd;
+            float v = x[i + j], d = v - shift, dd;
+            uint32_t a = dopt__f32_bits(v) & DOPT__F32_ABS;
             dd = d * d; /* its own statement: a compiler that contracts (clang) makes no fma */
             a1[j] += d;
             a2[j] += dd;
@@ -586,15 +742,17 @@ DOPT__MAYBE_UNUSED static void dopt__stats_chunk_portable(const float *DOPT_REST
 /* The same 64 lanes in four registers each: the same additions in the same order, so the same
    bits as the loop above (the tests compare them); four registers keep four add chains in
    flight. */
-static void dopt__stats_chunk_avx512(const float *x, size_t chunk, float shift, float *a1, float *a2, float *m) {
+static void dopt__stats_chunk_avx512(const float *x, size_t chunk, float shift, float *a1, float *a2, uint32_t *m) {
     const __m512 sh = _mm512_set1_ps(shift);
-    __m512 v1[4], v2[4], vm[4];
+    const __m512i abs_mask = _mm512_set1_epi32((int)DOPT__F32_ABS);
+    __m512 v1[4], v2[4];
+    __m512i vm[4];
     size_t k, i = 0;
     int q;
     for (q = 0; q < 4; q++) {
         v1[q] = _mm512_loadu_ps(a1 + 16 * q);
         v2[q] = _mm512_loadu_ps(a2 + 16 * q);
-        vm[q] = _mm512_loadu_ps(m + 16 * q);
+        vm[q] = _mm512_loadu_si512((const void *)(m + 16 * q));
     }
     for (k = 0; k < chunk; k++, i += DOPT__STAT_LANES)
         for (q = 0; q < 4; q++) {
@@ -602,25 +760,25 @@ static void dopt__stats_chunk_avx512(const float *x, size_t chunk, float shift, 
             DOPT__PREFETCH(x + i + 16 * q, DOPT__AHEAD);
             v1[q] = _mm512_add_ps(v1[q], d);
             v2[q] = _mm512_add_ps(v2[q], _mm512_mul_ps(d, d));
-            vm[q] = _mm512_max_ps(_mm512_abs_ps(v), vm[q]);
+            vm[q] = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), vm[q]);
         }
     for (q = 0; q < 4; q++) {
         _mm512_storeu_ps(a1 + 16 * q, v1[q]);
         _mm512_storeu_ps(a2 + 16 * q, v2[q]);
-        _mm512_storeu_ps(m + 16 * q, vm[q]);
+        _mm512_storeu_si512((void *)(m + 16 * q), vm[q]);
     }
 }
 #endif
 
 static void dopt__stats_run(const float *DOPT_RESTRICT x, size_t n, float shift, dopt__stats *st) {
-    float a1[DOPT__STAT_LANES], a2[DOPT__STAT_LANES], m[DOPT__STAT_LANES];
+    float a1[DOPT__STAT_LANES], a2[DOPT__STAT_LANES];
+    uint32_t m[DOPT__STAT_LANES], mx = 0;
     double d1[DOPT__STAT_LANES], d2[DOPT__STAT_LANES];
     size_t i = 0, blocks = n / DOPT__STAT_LANES, b;
     int j;
     double s1 = 0.0, s2 = 0.0;
-    float mx = 0.0f;
     for (j = 0; j < DOPT__STAT_LANES; j++) {
-        m[j] = 0.0f;
+        m[j] = 0;
         d1[j] = d2[j] = 0.0;
     }
     for (b = 0; b < blocks;) {
@@ -645,33 +803,34 @@ static void dopt__stats_run(const float *DOPT_RESTRICT x, size_t n, float shift,
     }
     for (; i < n; i++) {
         double d = (double)x[i] - (double)shift;
-        float a = fabsf(x[i]);
+        uint32_t a = dopt__f32_bits(x[i]) & DOPT__F32_ABS;
         s1 += d;
         s2 += d * d;
         mx = a > mx ? a : mx;
     }
     st->s1 = s1;
     st->s2 = s2;
-    st->maxabs = mx;
-    /* Only a NaN input makes a sum of squares NaN (the float lanes of finite values near FLT_MAX
-       overflow to +inf, never NaN); the plain sums' lanes can overflow to +inf and -inf. */
-    st->nan = s2 != s2;
+    st->maxbits = mx;
 }
 
 /* TernGrad step 1 and 2 for one segment: the clip bound c·σ (FLT_MAX when clipping is off or σ
-   is 0) and the local scale max |clip(g)| = min(max |g|, bound). Returns 0 for non-finite data. */
+   is 0) and the local scale max |clip(g)| = min(max |g|, bound). Returns 0 for non-finite data.
+   (Finite values near FLT_MAX may overflow the float lanes of the sums to ±inf: var is then not
+   a positive finite number and the segment goes unclipped.) */
 static int dopt__tern_segment_scale(const float *x, size_t n, float c, float *bound, float *scale) {
     dopt__stats st;
     double var, b;
+    float maxabs;
     *bound = FLT_MAX;
     *scale = 0.0f;
     if (n == 0) return 1;
     dopt__stats_run(x, n, x[0], &st);
-    if (st.nan || !(st.maxabs <= FLT_MAX)) return 0;
+    if (st.maxbits > DOPT__F32_MAX_BITS) return 0;
+    maxabs = dopt__bits_f32(st.maxbits);
     var = st.s2 / (double)n - (st.s1 / (double)n) * (st.s1 / (double)n);
-    b = (double)c * sqrt(var > 0.0 ? var : 0.0);
-    if (c > 0.0f && var > 0.0 && b < (double)FLT_MAX) *bound = (float)b;
-    *scale = st.maxabs < *bound ? st.maxabs : *bound;
+    b = (double)c * sqrt(dopt__is_finite(var) && var > 0.0 ? var : 0.0);
+    if (c > 0.0f && b > 0.0 && b < (double)FLT_MAX) *bound = (float)b;
+    *scale = maxabs < *bound ? maxabs : *bound;
     return 1;
 }
 
@@ -1108,8 +1267,11 @@ static void dopt__qsgd_codes(const float *DOPT_RESTRICT x, const float *DOPT_RES
 
 #define DOPT__QSGD_RUN 256 /* elements whose words are generated together */
 
-static void dopt__qsgd_encode_segment(const float *x, size_t n, size_t bucket, unsigned s, const dopt_rng *rng,
-                                      unsigned char *body) {
+/* Returns 0, having written only some norms, when a bucket holds a NaN or ±inf or its norm is
+   beyond what a float holds (the bits of a bucket are checked right after its sum of squares
+   read them, while they are in L1). */
+static int dopt__qsgd_encode_segment(const float *x, size_t n, size_t bucket, unsigned s, const dopt_rng *rng,
+                                     unsigned char *body) {
     size_t nb = dopt__qsgd_nbuckets(n, bucket), b, i, j, t;
     unsigned w = dopt__qsgd_width(s);
     unsigned char *codes = body + 4 * nb;
@@ -1118,7 +1280,9 @@ static void dopt__qsgd_encode_segment(const float *x, size_t n, size_t bucket, u
     uint8_t c[DOPT__BLOCK];
     for (b = 0; b < nb; b++) {
         size_t lo = b * bucket, len = n - lo < bucket ? n - lo : bucket;
-        dopt__put_le32(body + 4 * b, dopt__f32_bits((float)sqrt(dopt_sumsq(x + lo, len))));
+        double ss = dopt_sumsq(x + lo, len);
+        if (dopt__absbits_max(x + lo, len) > DOPT__F32_MAX_BITS || ss > (double)FLT_MAX * (double)FLT_MAX) return 0;
+        dopt__put_le32(body + 4 * b, dopt__f32_bits((float)sqrt(ss)));
     }
     for (j = 0; j < n; j += DOPT__QSGD_RUN) {
         size_t run = n - j < DOPT__QSGD_RUN ? n - j : DOPT__QSGD_RUN;
@@ -1142,6 +1306,7 @@ static void dopt__qsgd_encode_segment(const float *x, size_t n, size_t bucket, u
                 dopt__pack_block(c, m, 4, codes + i / 2);
         }
     }
+    return 1;
 }
 
 /* Validates a segment's norms and codes (no output). Full 4-bit blocks use every bit, so
@@ -1151,10 +1316,8 @@ static int dopt__qsgd_check(const unsigned char *body, size_t n, size_t bucket, 
     unsigned w = dopt__qsgd_width(s), bad = 0;
     const unsigned char *codes = body + 4 * nb;
     uint8_t c[DOPT__BLOCK];
-    for (b = 0; b < nb; b++) {
-        float norm = dopt__bits_f32(dopt__get_le32(body + 4 * b));
-        if (!(norm >= 0.0f && norm <= FLT_MAX)) return 0;
-    }
+    for (b = 0; b < nb; b++)
+        if (!dopt__scale_ok(dopt__get_le32(body + 4 * b))) return 0;
     if (w == 8) {
         for (i = 0; i < n; i++) {
             int v = (int)(int8_t)codes[i];
@@ -1214,10 +1377,26 @@ static size_t dopt__topk_k(size_t n, double ratio) {
     return n == 0 ? 0 : kk;
 }
 
-/* |v| with NaN mapped to +inf, so that the selection has a total order. */
-static float dopt__topk_key(float v) {
-    float a = fabsf(v);
-    return a != a ? INFINITY : a;
+/* The keys |x_i| into work, as bits (x & 0x7FFFFFFF: exactly fabsf, whatever the compiler's
+   options); returns 0 when some x_i is NaN or ±inf, so that the selection below only ever sees
+   finite keys, which have a total order. */
+static int dopt__topk_keys(const float *DOPT_RESTRICT x, size_t n, float *DOPT_RESTRICT work) {
+    uint32_t m[DOPT__CHECK_LANES] = {0}, r = 0, a;
+    size_t i, full = n - n % DOPT__CHECK_LANES;
+    int j;
+    for (i = 0; i < full; i += DOPT__CHECK_LANES)
+        for (j = 0; j < DOPT__CHECK_LANES; j++) {
+            a = dopt__f32_bits(x[i + j]) & DOPT__F32_ABS;
+            m[j] = a > m[j] ? a : m[j];
+            work[i + j] = dopt__bits_f32(a);
+        }
+    for (; i < n; i++) {
+        a = dopt__f32_bits(x[i]) & DOPT__F32_ABS;
+        r = a > r ? a : r;
+        work[i] = dopt__bits_f32(a);
+    }
+    for (j = 0; j < DOPT__CHECK_LANES; j++) r = m[j] > r ? m[j] : r;
+    return r <= DOPT__F32_MAX_BITS;
 }
 
 /* The k-th largest of a[0..n), 1 <= k <= n, by quickselect with a three-way partition (runs of
@@ -1252,13 +1431,13 @@ static float dopt__kth_largest(float *a, size_t n, size_t k) {
     }
 }
 
-/* The k-th largest key of x[0..n), by radix passes first. Keys are non-negative floats (or
-   +inf), whose bit patterns order like the values: a histogram of their top 11 bits (exponent
+/* The k-th largest of the n keys in work, by radix passes first. Keys are non-negative finite
+   floats, whose bit patterns order like the values: a histogram of their top 11 bits (exponent
    and 3 mantissa bits) finds the bucket that holds the k-th largest, and only that bucket's
-   keys are copied into work; a second histogram of the next 11 bits narrows them again, and
-   the few left go through the quickselect. Branch-free streaming passes instead of a
-   quickselect over all n, and the same value (the k-th largest is unique). Four interleaved
-   histograms keep runs of equal buckets from serializing on one counter. */
+   keys are kept (compacted at the front of work); a second histogram of the next 11 bits
+   narrows them again, and the few left go through the quickselect. Branch-free streaming
+   passes instead of a quickselect over all n, and the same value (the k-th largest is unique).
+   Four interleaved histograms keep runs of equal buckets from serializing on one counter. */
 #define DOPT__TOPK_BUCKETS 2048
 
 /* The bucket (bits >> shift & 2047) holding the k-th largest of the counts, and how many
@@ -1275,12 +1454,11 @@ static uint32_t dopt__topk_bucket(uint32_t (*hist)[DOPT__TOPK_BUCKETS], size_t k
     return bucket;
 }
 
-static float dopt__topk_threshold(const float *DOPT_RESTRICT x, size_t n, size_t k, float *DOPT_RESTRICT work) {
+static float dopt__topk_threshold(float *work, size_t n, size_t k) {
     static const unsigned shifts[2] = {20, 9};
     uint32_t hist[4][DOPT__TOPK_BUCKETS];
     size_t i, m = n, above, j;
     int level;
-    for (i = 0; i < n; i++) work[i] = dopt__topk_key(x[i]);
     for (level = 0; level < 2 && m > 64; level++) {
         unsigned sh = shifts[level];
         size_t m4 = m - m % 4, kept = 0;
@@ -1301,13 +1479,15 @@ static float dopt__topk_threshold(const float *DOPT_RESTRICT x, size_t n, size_t
     return dopt__kth_largest(work, m, k);
 }
 
-/* Body: k indices (increasing), then k values: the k largest |x_i|, ties to the lower index. */
-static void dopt__topk_encode_segment(const float *x, size_t n, size_t k, float *work, unsigned char *body) {
+/* Body: k indices (increasing), then k values: the k largest |x_i|, ties to the lower index.
+   Returns 0, having written nothing, when some x_i is NaN or ±inf. */
+static int dopt__topk_encode_segment(const float *x, size_t n, size_t k, float *work, unsigned char *body) {
     size_t i, greater = 0, taken = 0, ties;
     float thr;
-    if (k == 0) return;
-    thr = dopt__topk_threshold(x, n, k, work);
-    for (i = 0; i < n; i++) greater += dopt__topk_key(x[i]) > thr;
+    if (k == 0) return 1;
+    if (!dopt__topk_keys(x, n, work)) return 0;
+    thr = dopt__topk_threshold(work, n, k);
+    for (i = 0; i < n; i++) greater += fabsf(x[i]) > thr;
     ties = k - greater;
     /* Blocks of 64 are first counted branch-free (vectorized); only blocks with a candidate
        are walked element by element. */
@@ -1315,11 +1495,11 @@ static void dopt__topk_encode_segment(const float *x, size_t n, size_t k, float 
         size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK, t;
         unsigned any = 0;
         if (m == DOPT__BLOCK)
-            for (t = 0; t < DOPT__BLOCK; t++) any += dopt__topk_key(x[i + t]) >= thr;
+            for (t = 0; t < DOPT__BLOCK; t++) any += fabsf(x[i + t]) >= thr;
         else
             any = 1;
         for (t = 0; any && t < m && taken < k; t++) {
-            float key = dopt__topk_key(x[i + t]);
+            float key = fabsf(x[i + t]);
             if (key > thr || (key == thr && ties > 0)) {
                 if (!(key > thr)) ties--;
                 dopt__put_le32(body + 4 * taken, (uint32_t)(i + t));
@@ -1328,6 +1508,7 @@ static void dopt__topk_encode_segment(const float *x, size_t n, size_t k, float 
             }
         }
     }
+    return 1;
 }
 
 static int dopt__topk_check(const unsigned char *body, size_t n, size_t k) {
@@ -1338,7 +1519,7 @@ static int dopt__topk_check(const unsigned char *body, size_t n, size_t k) {
         if (idx >= n || (j > 0 && idx <= prev)) return 0;
         prev = idx;
     }
-    return 1;
+    return dopt__f32_bytes_finite(body + 4 * k, k);
 }
 
 static void dopt__topk_accum(float *y, size_t k, float weight, const unsigned char *body) {
@@ -1352,16 +1533,30 @@ static void dopt__topk_accum(float *y, size_t k, float weight, const unsigned ch
 
 /* ===================================================================== SIGN (EF-SIGNSGD) */
 
-/* 1 bit per element, 1 for x < 0; the scale ‖x‖₁/n goes in the record. */
-static float dopt__sign_scale(const float *x, size_t n) {
+/* 1 bit per element, 1 for x < 0; the scale ‖x‖₁/n goes in the record. |x| is taken as bits,
+   and their maximum beside the sum: returns 0 when some x_i is NaN or ±inf. */
+static int dopt__sign_scale(const float *x, size_t n, float *scale) {
     double acc[16] = {0}, s = 0.0;
+    uint32_t m[16] = {0}, mx = 0;
     size_t i, full = n - n % 16;
     int j;
     for (i = 0; i < full; i += 16)
-        for (j = 0; j < 16; j++) acc[j] += (double)fabsf(x[i + j]);
-    for (j = 0; j < 16; j++) s += acc[j];
-    for (i = full; i < n; i++) s += (double)fabsf(x[i]);
-    return n ? (float)(s / (double)n) : 0.0f;
+        for (j = 0; j < 16; j++) {
+            uint32_t a = dopt__f32_bits(x[i + j]) & DOPT__F32_ABS;
+            m[j] = a > m[j] ? a : m[j];
+            acc[j] += (double)dopt__bits_f32(a);
+        }
+    for (j = 0; j < 16; j++) {
+        s += acc[j];
+        mx = m[j] > mx ? m[j] : mx;
+    }
+    for (i = full; i < n; i++) {
+        uint32_t a = dopt__f32_bits(x[i]) & DOPT__F32_ABS;
+        mx = a > mx ? a : mx;
+        s += (double)dopt__bits_f32(a);
+    }
+    *scale = n ? (float)(s / (double)n) : 0.0f;
+    return mx <= DOPT__F32_MAX_BITS;
 }
 
 /* Full blocks: the 64 sign bits as a mask (bit t: element t, one compare per 16 with AVX-512),
@@ -1459,6 +1654,8 @@ static size_t dopt__message_bytes(const dopt_compressor *cz) {
     return total;
 }
 
+#define DOPT__MSG_NONFINITE 1u /* header byte 6 (flags): the sender's gradient holds a NaN or ±inf */
+
 static void dopt__write_header(const dopt_compressor *cz, int rank, unsigned char *out) {
     dopt__put_le32(out, DOPT_COMPRESS_MAGIC);
     out[4] = DOPT_COMPRESS_VERSION;
@@ -1468,6 +1665,13 @@ static void dopt__write_header(const dopt_compressor *cz, int rank, unsigned cha
     dopt__put_le32(out + 12, (uint32_t)rank);
     dopt__put_le64(out + 16, (uint64_t)cz->count);
     dopt__put_le64(out + 24, (uint64_t)cz->msg_bytes);
+}
+
+/* The message of a rank whose gradient is not finite: the header with the flag, then zeros. */
+static void dopt__write_nonfinite(const dopt_compressor *cz, int rank, unsigned char *out) {
+    dopt__write_header(cz, rank, out);
+    out[6] = DOPT__MSG_NONFINITE;
+    memset(out + DOPT_COMPRESS_HEADER_BYTES, 0, cz->msg_bytes - DOPT_COMPRESS_HEADER_BYTES);
 }
 
 /* The span of segment i, checked against the layout's count. */
@@ -1493,9 +1697,12 @@ static void dopt__tern_scales(dopt_compressor *cz, const dopt_buf *g) {
     }
 }
 
-/* Writes the message of g (p with error feedback) into out, msg_bytes long. Ternary takes its
-   scales and bounds from cz->scales and cz->bounds. */
-static void dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank, unsigned char *out) {
+/* Writes the message of g (p with error feedback) into out, msg_bytes long, and returns 1; or
+   returns 0 at the first segment that holds a NaN or ±inf, or a value its codec cannot carry
+   (out then holds part of a message). Each codec finds them in a pass over the segment it makes
+   anyway. Ternary takes its scales and bounds from cz->scales and cz->bounds, which
+   dopt__tern_scales found finite. */
+static int dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank, unsigned char *out) {
     size_t i;
     unsigned char *p = out + DOPT_COMPRESS_HEADER_BYTES;
     dopt__write_header(cz, rank, out);
@@ -1504,6 +1711,7 @@ static void dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int ran
         size_t n = sp.count, body = dopt__body_bytes(&cz->cfg, n);
         unsigned char *rec = p, *data = p + DOPT_COMPRESS_RECORD_BYTES;
         uint32_t a = 0, b = 0;
+        int finite = 1;
         dopt_rng rng;
         dopt__seg_rng(cz, rank, i, &rng);
         memset(data + body, 0, dopt__pad8(body) - body);
@@ -1520,27 +1728,30 @@ static void dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int ran
         case DOPT_CODEC_QSGD:
             a = (uint32_t)cz->cfg.qsgd_bucket;
             b = cz->cfg.qsgd_levels;
-            dopt__qsgd_encode_segment(sp.ptr, n, cz->cfg.qsgd_bucket, cz->cfg.qsgd_levels, &rng, data);
+            finite = dopt__qsgd_encode_segment(sp.ptr, n, cz->cfg.qsgd_bucket, cz->cfg.qsgd_levels, &rng, data);
             break;
         case DOPT_CODEC_TOPK:
             a = (uint32_t)dopt__topk_k(n, cz->cfg.topk_ratio);
-            dopt__topk_encode_segment(sp.ptr, n, a, cz->select, data);
+            finite = dopt__topk_encode_segment(sp.ptr, n, a, cz->select, data);
             break;
-        case DOPT_CODEC_SIGN:
-            b = dopt__f32_bits(dopt__sign_scale(sp.ptr, n));
-            dopt__sign_encode_segment(sp.ptr, n, data);
-            break;
-        case DOPT_CODEC_FP16: dopt__f16_encode(sp.ptr, data, n); break;
-        case DOPT_CODEC_BF16: dopt__bf16_encode(sp.ptr, data, n); break;
-        case DOPT_CODEC_FP32:
-            if (n) memcpy(data, sp.ptr, 4 * n);
+        case DOPT_CODEC_SIGN: {
+            float scale;
+            finite = dopt__sign_scale(sp.ptr, n, &scale);
+            b = dopt__f32_bits(scale);
+            if (finite) dopt__sign_encode_segment(sp.ptr, n, data);
             break;
         }
+        case DOPT_CODEC_FP16: finite = dopt__f16_encode(sp.ptr, data, n); break;
+        case DOPT_CODEC_BF16: finite = dopt__bf16_encode(sp.ptr, data, n); break;
+        case DOPT_CODEC_FP32: finite = dopt__f32_encode(sp.ptr, data, n); break;
+        }
+        if (!finite) return 0;
         dopt__put_le64(rec, (uint64_t)n);
         dopt__put_le32(rec + 8, a);
         dopt__put_le32(rec + 12, b);
         p = data + dopt__pad8(body);
     }
+    return 1;
 }
 
 /* ===================================================================== DECODE */
@@ -1552,21 +1763,31 @@ static int dopt__zero_bytes(const unsigned char *p, size_t n) {
     return any == 0;
 }
 
-static int dopt__scale_ok(float s) { return s >= 0.0f && s <= FLT_MAX; }
-
-/* Checks every byte of a message against the layout; returns the message's rank field or -1. */
-static long dopt__validate(const dopt_compressor *cz, const unsigned char *m, size_t bytes) {
-    const dopt_compressor_config *cfg = &cz->cfg;
-    const unsigned char *p;
-    size_t i;
-    if (bytes != cz->msg_bytes || bytes < DOPT_COMPRESS_HEADER_BYTES) return -1;
-    if (dopt__get_le32(m) != DOPT_COMPRESS_MAGIC || m[4] != DOPT_COMPRESS_VERSION || m[5] != (unsigned char)cfg->codec ||
-        m[6] != 0 || m[7] != 0 || dopt__get_le32(m + 8) != (uint64_t)cz->nsegs ||
-        dopt__get_le64(m + 16) != (uint64_t)cz->count || dopt__get_le64(m + 24) != (uint64_t)bytes)
+/* Checks a message's header against the layout, and that a flagged message (a non-finite
+   gradient) is zeros after it; returns the message's rank field or -1. */
+static long dopt__check_header(const dopt_compressor *cz, const unsigned char *m, size_t bytes) {
+    const size_t h = DOPT_COMPRESS_HEADER_BYTES;
+    if (bytes != cz->msg_bytes || bytes < h) return -1;
+    if (dopt__get_le32(m) != DOPT_COMPRESS_MAGIC || m[4] != DOPT_COMPRESS_VERSION ||
+        m[5] != (unsigned char)cz->cfg.codec || (m[6] & ~DOPT__MSG_NONFINITE) != 0 || m[7] != 0 ||
+        dopt__get_le32(m + 8) != (uint64_t)cz->nsegs || dopt__get_le64(m + 16) != (uint64_t)cz->count ||
+        dopt__get_le64(m + 24) != (uint64_t)bytes)
         return -1;
-    p = m + DOPT_COMPRESS_HEADER_BYTES;
-    /* The layout fixes every record's size, and bytes == msg_bytes, so every read below stays
-       inside the message. */
+    if ((m[6] & DOPT__MSG_NONFINITE) && !dopt__zero_bytes(m + h, bytes - h)) return -1;
+    return (long)dopt__get_le32(m + 12);
+}
+
+static int dopt__flagged_nonfinite(const unsigned char *m) { return (m[6] & DOPT__MSG_NONFINITE) != 0; }
+
+/* Checks every segment of a message whose header passed and that carries values; 1 when all
+   follow the format. Every value must be finite: a rank's own NaN or infinity never reaches the
+   wire (its message is flagged instead), so a non-finite value is malformed. */
+static int dopt__check_body(const dopt_compressor *cz, const unsigned char *m) {
+    const dopt_compressor_config *cfg = &cz->cfg;
+    const unsigned char *p = m + DOPT_COMPRESS_HEADER_BYTES;
+    size_t i;
+    /* The layout fixes every record's size, and the header checked the message's size, so every
+       read below stays inside the message. */
     for (i = 0; i < cz->nsegs; i++) {
         size_t n = cz->segs[i].count, body = dopt__body_bytes(cfg, n);
         const unsigned char *data = p + DOPT_COMPRESS_RECORD_BYTES;
@@ -1575,9 +1796,9 @@ static long dopt__validate(const dopt_compressor *cz, const unsigned char *m, si
         switch (cfg->codec) {
         case DOPT_CODEC_TERNARY:
             if (n < cfg->fp32_below)
-                ok = ok && a == 1 && b == 0;
+                ok = ok && a == 1 && b == 0 && dopt__f32_bytes_finite(data, n);
             else
-                ok = ok && a == 0 && dopt__scale_ok(dopt__bits_f32(b)) && dopt__tern_check(data, n) == 0;
+                ok = ok && a == 0 && dopt__scale_ok(b) && dopt__tern_check(data, n) == 0;
             break;
         case DOPT_CODEC_QSGD:
             ok = ok && a == (uint32_t)cfg->qsgd_bucket && b == cfg->qsgd_levels &&
@@ -1589,19 +1810,19 @@ static long dopt__validate(const dopt_compressor *cz, const unsigned char *m, si
         case DOPT_CODEC_SIGN: {
             uint8_t c[DOPT__BLOCK];
             size_t j;
-            ok = ok && a == 0 && dopt__scale_ok(dopt__bits_f32(b));
+            ok = ok && a == 0 && dopt__scale_ok(b);
             j = n - n % DOPT__BLOCK; /* full blocks use every bit: only the tail can be malformed */
             if (ok && n > j) ok = dopt__unpack_block(data + j / 8, n - j, 1, c) == 0;
             break;
         }
-        case DOPT_CODEC_FP16:
-        case DOPT_CODEC_BF16:
-        case DOPT_CODEC_FP32: ok = ok && a == 0 && b == 0; break;
+        case DOPT_CODEC_FP16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__F16_INF); break;
+        case DOPT_CODEC_BF16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__BF16_INF); break;
+        case DOPT_CODEC_FP32: ok = ok && a == 0 && b == 0 && dopt__f32_bytes_finite(data, n); break;
         }
-        if (!ok) return -1;
+        if (!ok) return 0;
         p = data + dopt__pad8(body);
     }
-    return (long)dopt__get_le32(m + 12);
+    return 1;
 }
 
 /* Adds weight · C(g) of a validated message into accum. */
@@ -1636,7 +1857,9 @@ DOPT_DEF dopt_status dopt_compress_decode(const dopt_compressor *cz, const void 
                                           const dopt_buf *accum) {
     if (cz == NULL || cz->segs == NULL || accum == NULL || (msg == NULL && bytes > 0)) return DOPT_ERR_INVALID;
     if (!dopt__segment_matches(cz, accum)) return DOPT_ERR_INVALID;
-    if (msg == NULL || dopt__validate(cz, (const unsigned char *)msg, bytes) < 0) return DOPT_ERR_PROTOCOL;
+    if (msg == NULL || dopt__check_header(cz, (const unsigned char *)msg, bytes) < 0) return DOPT_ERR_PROTOCOL;
+    if (dopt__flagged_nonfinite((const unsigned char *)msg)) return DOPT_ERR_NONFINITE;
+    if (!dopt__check_body(cz, (const unsigned char *)msg)) return DOPT_ERR_PROTOCOL;
     dopt__accumulate(cz, (const unsigned char *)msg, weight, accum);
     return DOPT_OK;
 }
@@ -1680,27 +1903,51 @@ static void dopt__ef_update(dopt_compressor *cz, const unsigned char *msg) {
 
 /* ===================================================================== PUBLIC ENCODE */
 
+/* The label of the allreduce's collectives in the communicator's details, unless the caller
+   (localsgd.h) has set its own: details name the call the user made. Returns the label to put
+   back. */
+static const char *dopt__compress_label(dopt_comm *comm, const char *api) {
+    return dopt_comm_set_api(comm, comm->api ? comm->api : api);
+}
+
+static int dopt__shares_scales(const dopt_compressor *cz) {
+    return cz->cfg.codec == DOPT_CODEC_TERNARY && !cz->cfg.no_scale_sharing;
+}
+
+/* This rank's message of grads into out: p = g + e with error feedback (in the work buffer),
+   ternary's scales (shared over `share` when it is given and sharing is on), the message. When
+   p holds a NaN or ±inf, out gets the flagged message and the result is DOPT_ERR_NONFINITE;
+   with scale sharing every rank has then learnt it from the allreduce and returns it too. The
+   step and the residual do not change here: dopt__commit does that once the step is done. */
 static dopt_status dopt__encode_local(dopt_compressor *cz, const dopt_buf *grads, int rank, unsigned char *out,
                                       dopt_comm *share) {
     dopt_buf p = *grads;
-    dopt_status s;
     if (cz->ef) p = dopt__ef_prepare(cz, grads);
     if (cz->cfg.codec == DOPT_CODEC_TERNARY) {
         dopt__tern_scales(cz, &p);
-        /* Step 3, scale sharing: one allreduce MAX of the scales and the non-finite flag. Without
-           sharing the flag still goes round, so that every rank stops together. */
-        if (share != NULL) {
-            int shared = !cz->cfg.no_scale_sharing;
-            s = dopt_allreduce(share, shared ? cz->scales : cz->scales + cz->nsegs, shared ? cz->nsegs + 1 : 1,
-                               DOPT_F32, DOPT_MAX);
+        /* Step 3, scale sharing: one allreduce MAX of the scales and the non-finite flag. */
+        if (share != NULL && dopt__shares_scales(cz)) {
+            const char *prev = dopt__compress_label(share, "dopt_compress_allreduce: scale sharing");
+            dopt_status s = dopt_allreduce(share, cz->scales, cz->nsegs + 1, DOPT_F32, DOPT_MAX);
+            dopt_comm_set_api(share, prev);
             if (s != DOPT_OK) return s;
         }
-        if (cz->scales[cz->nsegs] != 0.0f) return DOPT_ERR_NONFINITE;
+        if (cz->scales[cz->nsegs] != 0.0f) {
+            dopt__write_nonfinite(cz, rank, out);
+            return DOPT_ERR_NONFINITE;
+        }
     }
-    dopt__encode_message(cz, &p, rank, out);
-    if (cz->ef) dopt__ef_update(cz, out);
-    cz->step++;
+    if (!dopt__encode_message(cz, &p, rank, out)) {
+        dopt__write_nonfinite(cz, rank, out);
+        return DOPT_ERR_NONFINITE;
+    }
     return DOPT_OK;
+}
+
+/* The step is done: e = p - C(p) from this rank's own message, and the next step's RNG key. */
+static void dopt__commit(dopt_compressor *cz, const unsigned char *own) {
+    if (cz->ef) dopt__ef_update(cz, own);
+    cz->step++;
 }
 
 DOPT_DEF size_t dopt_compress_bound(const dopt_compressor *cz) { return cz ? cz->msg_bytes : 0; }
@@ -1711,9 +1958,9 @@ DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *g
     if (cz == NULL || cz->segs == NULL || grads == NULL || out == NULL || bytes == NULL) return DOPT_ERR_INVALID;
     if (capacity < cz->msg_bytes || !dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
     s = dopt__encode_local(cz, grads, cz->cfg.rank, (unsigned char *)out, NULL);
-    if (s != DOPT_OK) return s;
-    *bytes = cz->msg_bytes;
-    return DOPT_OK;
+    *bytes = cz->msg_bytes; /* the flagged message too: a peer that decodes it learns the verdict */
+    if (s == DOPT_OK) dopt__commit(cz, (const unsigned char *)out);
+    return s;
 }
 
 /* ===================================================================== COMPRESSED ALLREDUCE */
@@ -1766,7 +2013,25 @@ static void dopt__tern_average(dopt_compressor *cz, int nmsg, float weight, cons
     }
 }
 
+/* The verdict on the N gathered messages, the same on every rank since every rank holds the same
+   bytes: DOPT_ERR_PROTOCOL for a header that does not follow the format (or names another rank),
+   then DOPT_ERR_NONFINITE when a message is flagged (no body is read), then DOPT_ERR_PROTOCOL for
+   a body that does not follow it. */
+static dopt_status dopt__gathered_verdict(const dopt_compressor *cz, int nmsg) {
+    int r, nonfinite = 0;
+    for (r = 0; r < nmsg; r++) {
+        const unsigned char *m = cz->gather + (size_t)r * cz->msg_bytes;
+        if (dopt__check_header(cz, m, cz->msg_bytes) != (long)r) return DOPT_ERR_PROTOCOL;
+        nonfinite |= dopt__flagged_nonfinite(m);
+    }
+    if (nonfinite) return DOPT_ERR_NONFINITE;
+    for (r = 0; r < nmsg; r++)
+        if (!dopt__check_body(cz, cz->gather + (size_t)r * cz->msg_bytes)) return DOPT_ERR_PROTOCOL;
+    return DOPT_OK;
+}
+
 DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
+    const char *prev;
     dopt_status s;
     size_t i;
     int r;
@@ -1778,14 +2043,17 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     cz->gathered = 0;
     cz->cfg.rank = comm->rank;
     s = dopt__encode_local(cz, grads, comm->rank, cz->msg, comm);
-    if (s != DOPT_OK) return s;
+    /* A non-finite gradient goes out as a flagged message, unless scale sharing has already told
+       every rank. */
+    if (s != DOPT_OK && (s != DOPT_ERR_NONFINITE || dopt__shares_scales(cz))) return s;
+    prev = dopt__compress_label(comm, "dopt_compress_allreduce");
     s = dopt_allgather(comm, cz->msg, cz->gather, cz->msg_bytes);
+    dopt_comm_set_api(comm, prev);
     if (s != DOPT_OK) return s;
     cz->gathered = comm->size;
-    /* Every rank validates the same N messages, so every rank reaches the same verdict. */
-    for (r = 0; r < comm->size; r++)
-        if (dopt__validate(cz, cz->gather + (size_t)r * cz->msg_bytes, cz->msg_bytes) != (long)r)
-            return DOPT_ERR_PROTOCOL;
+    s = dopt__gathered_verdict(cz, comm->size);
+    if (s != DOPT_OK) return s;
+    dopt__commit(cz, cz->msg);
     weight = 1.0f / (float)comm->size;
     if (cz->cfg.codec == DOPT_CODEC_TERNARY && comm->size <= DOPT__TERN_SUM_MAX) {
         dopt__tern_average(cz, comm->size, weight, grads);
@@ -1815,6 +2083,7 @@ DOPT_DEF const void *dopt_compress_message(const dopt_compressor *cz, int rank, 
 /* ===================================================================== STATE SAVE / LOAD */
 
 #define DOPT__STATE_MAGIC 0x53504F44u /* "DOPS" */
+#define DOPT__STATE_VERSION 1 /* its own number: the state's format did not change with the wire's */
 #define DOPT__STATE_HEADER 32
 
 DOPT_DEF size_t dopt_compress_state_bytes(const dopt_compressor *cz) {
@@ -1827,7 +2096,7 @@ DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *o
     if (cz == NULL || out == NULL || capacity < dopt_compress_state_bytes(cz)) return DOPT_ERR_INVALID;
     memset(o, 0, DOPT__STATE_HEADER);
     dopt__put_le32(o, DOPT__STATE_MAGIC);
-    o[4] = DOPT_COMPRESS_VERSION;
+    o[4] = DOPT__STATE_VERSION;
     o[5] = (unsigned char)cz->cfg.codec;
     o[6] = (unsigned char)cz->ef;
     dopt__put_le64(o + 8, (uint64_t)cz->count);
@@ -1840,16 +2109,11 @@ DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *i
     const unsigned char *p = (const unsigned char *)in;
     if (cz == NULL || (in == NULL && bytes > 0)) return DOPT_ERR_INVALID;
     if (bytes != dopt_compress_state_bytes(cz) || dopt__get_le32(p) != DOPT__STATE_MAGIC ||
-        p[4] != DOPT_COMPRESS_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
+        p[4] != DOPT__STATE_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
         p[7] != 0 || dopt__get_le64(p + 8) != (uint64_t)cz->count || !dopt__zero_bytes(p + 24, 8))
         return DOPT_ERR_PROTOCOL;
     if (cz->ef && cz->count) {
-        size_t i;
-        for (i = 0; i < cz->count; i++) {
-            float v;
-            memcpy(&v, p + DOPT__STATE_HEADER + 4 * i, 4);
-            if (!(v >= -FLT_MAX && v <= FLT_MAX)) return DOPT_ERR_PROTOCOL;
-        }
+        if (!dopt__f32_bytes_finite(p + DOPT__STATE_HEADER, cz->count)) return DOPT_ERR_PROTOCOL;
         memcpy(cz->residual, p + DOPT__STATE_HEADER, 4 * cz->count);
     }
     cz->step = dopt__get_le64(p + 16);
@@ -1874,8 +2138,11 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec) {
 static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
     if ((unsigned)c->codec > (unsigned)DOPT_CODEC_FP32 || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF)
         return DOPT_ERR_INVALID;
+    /* NaN first, by its bits: under -ffast-math GCC compiles x == 0 so that it holds for NaN, which
+       would then take the default */
+    if (dopt__is_nan(c->clip_c) || dopt__is_nan(c->topk_ratio)) return DOPT_ERR_INVALID;
     if (c->clip_c == 0.0f) c->clip_c = 2.5f;
-    if (c->clip_c != c->clip_c || c->clip_c > FLT_MAX) return DOPT_ERR_INVALID;
+    if (!dopt__is_finite(c->clip_c) && c->clip_c > 0.0f) return DOPT_ERR_INVALID;
     if (c->clip_c < 0.0f) c->clip_c = DOPT_CLIP_OFF;
     if (c->qsgd_levels == 0) c->qsgd_levels = 7;
     if (c->qsgd_levels > 127) return DOPT_ERR_INVALID;

@@ -89,7 +89,13 @@
      collectives are blocking, in place where it makes sense, and must be called by every rank in
      the same order with matching arguments:
      - dopt_allreduce(c, buf, count, dtype, op): dtypes F32, F64, I32, I64; ops SUM, MAX, MIN, MEAN
-       (sum then divide by size; integer MEAN truncates toward zero).
+       (sum then divide by size; integer MEAN truncates toward zero). It checks no value: a NaN
+       or an infinity in one rank's buffer passes through (SUM and MEAN make that element NaN or
+       infinite on every rank; MAX and MIN may keep or drop a NaN), in any build. To skip a step
+       with a non-finite gradient on every rank together, have the ranks agree first
+       (dopt_all_finite, then one allreduce of the verdict; clip.h's dopt_clip_global_norm
+       carries it in the norm's own allreduce), or average through compress.h's
+       dopt_compress_allreduce, which refuses non-finite gradients for every codec.
      - dopt_allreduce_weighted_mean(c, buf, count, dtype, weight): Σ w_r·buf_r / Σ w_r for F32/F64;
        DOPT_ERR_INVALID on every rank when Σ w_r is not positive.
      - dopt_allgather(c, send, recv, bytes): rank r's block lands at recv + r·bytes.
@@ -587,6 +593,23 @@ DOPT__MAYBE_UNUSED static uint32_t dopt__get_le32(const unsigned char *p) {
 
 DOPT__MAYBE_UNUSED static uint64_t dopt__get_le64(const unsigned char *p) {
     return (uint64_t)dopt__get_le32(p) | (uint64_t)dopt__get_le32(p + 4) << 32;
+}
+
+/* ===================================================================== NAN AND INFINITY BY THEIR BITS */
+
+/* For the modules' checks that must hold in hosts built with -ffast-math or -Ofast, under which
+   the compiler may assume that no float is NaN or infinite and fold isnan(), isfinite(), x != x
+   and comparisons with infinity to constants: integer tests on the bits survive. */
+DOPT__MAYBE_UNUSED static int dopt__is_nan(double v) {
+    uint64_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x7FF0000000000000ull) == 0x7FF0000000000000ull && (u & 0x000FFFFFFFFFFFFFull) != 0;
+}
+
+DOPT__MAYBE_UNUSED static int dopt__is_finite(double v) {
+    uint64_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x7FF0000000000000ull) != 0x7FF0000000000000ull;
 }
 
 /* ===================================================================== PHILOX-4x32-10 RNG */
@@ -1502,7 +1525,7 @@ DOPT_DEF dopt_status dopt_allreduce_weighted_mean(dopt_comm *c, void *buf, size_
     /* The total goes first, so that a bad total is known everywhere before any buffer is touched. */
     s = dopt_allreduce(c, &total, 1, DOPT_F64, DOPT_SUM);
     if (s != DOPT_OK) return s;
-    if (!(total > 0.0) || !isfinite(total))
+    if (!(total > 0.0) || !dopt__is_finite(total))
         return dopt__fail_agreed(c, count, dt, "weights sum to a non-positive or non-finite total, or a buffer is NULL",
                                  total);
     share = weight / total;

@@ -624,7 +624,7 @@ extern "C" {
 
 /* ===================================================================== SMALL HELPERS */
 
-static int dopt__ls_finite(double v) { return v == v && v - v == 0.0; }
+static int dopt__ls_finite(double v) { return dopt__is_finite(v); } /* by its bits: -ffast-math folds v == v */
 
 static void dopt__ls_fail_detail(dopt_localsgd *ls, const char *fmt, ...) DOPT_PRINTF(2, 3);
 static void dopt__ls_fail_detail(dopt_localsgd *ls, const char *fmt, ...) {
@@ -729,7 +729,7 @@ static void dopt__batch_defaults(dopt_batch_config *c) {
 /* The samples one test asks for: v/(tol²·g2). A gradient estimate of zero or below (the noise
    accounts for all of ‖ḡ‖²) asks for more than any batch when there is noise. NaN: no answer. */
 static double dopt__batch_ratio(double v, double tol, double g2) {
-    if (!dopt__ls_finite(v) || v < 0.0 || g2 != g2) return NAN;
+    if (!dopt__ls_finite(v) || v < 0.0 || dopt__is_nan(g2)) return NAN;
     if (g2 > 0.0) return v / (tol * tol * g2);
     return v > 0.0 ? INFINITY : NAN;
 }
@@ -741,7 +741,7 @@ static double dopt__batch_needed(const dopt_batch_config *c, const dopt_batch_st
     need = dopt__batch_ratio(st->ip_var, c->theta, st->grad_norm2);
     if (c->test == DOPT_BATCH_AUGMENTED) {
         orth = dopt__batch_ratio(st->orth_var, c->nu, st->grad_norm2);
-        need = need != need || orth != orth ? NAN : (orth > need ? orth : need);
+        need = dopt__is_nan(need) || dopt__is_nan(orth) ? NAN : (orth > need ? orth : need);
     }
     return need;
 }
@@ -755,7 +755,7 @@ DOPT_DEF size_t dopt_batch_next_units(const dopt_batch_config *cfg, size_t curre
     dopt__batch_defaults(&c);
     need = st ? dopt__batch_needed(&c, st) : NAN;
     if (needed_samples) *needed_samples = need;
-    if (need != need || !(need > (double)current_units * (double)c.unit_samples)) return current_units;
+    if (dopt__is_nan(need) || !(need > (double)current_units * (double)c.unit_samples)) return current_units;
     units_d = ceil(need / (double)c.unit_samples);
     if (!(units_d < (double)c.max_units)) return c.max_units > current_units ? c.max_units : current_units;
     units = (size_t)units_d;
@@ -775,7 +775,8 @@ DOPT_DEF dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_
         (unsigned)c.projection > (unsigned)DOPT_BATCH_PROJECT_EXACT)
         return DOPT_ERR_INVALID;
     if (!(c.eta >= 0.0) || !(c.theta >= 0.0) || !(c.nu >= 0.0) || !dopt__ls_finite(c.eta) ||
-        !dopt__ls_finite(c.theta) || !dopt__ls_finite(c.nu) || !(c.history >= 0.0 && c.history < 1.0))
+        !dopt__ls_finite(c.theta) || !dopt__ls_finite(c.nu) || !dopt__ls_finite(c.history) ||
+        !(c.history >= 0.0 && c.history < 1.0))
         return DOPT_ERR_INVALID;
     dopt__batch_defaults(&c);
     if (c.max_units < c.initial_units) return DOPT_ERR_INVALID;
@@ -887,7 +888,7 @@ DOPT_DEF void dopt_batch_end_step(dopt_batch *bc) {
         pss = dopt__batch_exact_proj_ss(bc, k, sqrt(mean2));
     else if (!bc->micro && bc->dir_norm > 0.0)
         pss = bc->proj_sumsq - bc->proj_sum * bc->proj_sum / k;
-    if (pss == pss) {
+    if (!dopt__is_nan(pss)) {
         r->proj_dof += k - 1.0;
         r->proj_ss += pss < 0.0 ? 0.0 : (pss > ss ? ss : pss);
         r->proj_total += ss;
@@ -912,9 +913,9 @@ DOPT_DEF void dopt_batch_end_step(dopt_batch *bc) {
 
 /* Why the statistics cannot decide, or NULL when they can. */
 static const char *dopt__batch_undecided_why(const dopt_batch_config *c, const dopt_batch_stats *st) {
-    if (dopt__batch_needed(c, st) == dopt__batch_needed(c, st)) return NULL;
-    if (st->var != st->var) return "no variance: no step of the round had 2 micro-batches (or one worker, ACROSS)";
-    if (c->test != DOPT_BATCH_NORM && st->ip_var != st->ip_var)
+    if (!dopt__is_nan(dopt__batch_needed(c, st))) return NULL;
+    if (dopt__is_nan(st->var)) return "no variance: no step of the round had 2 micro-batches (or one worker, ACROSS)";
+    if (c->test != DOPT_BATCH_NORM && dopt__is_nan(st->ip_var))
         return "no projection direction yet (the first step, DOPT_BATCH_PROJECT_PREVIOUS)";
     return "a zero gradient with zero variance, or a non-finite statistic";
 }
@@ -997,9 +998,10 @@ DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size
         (c.grad_compressor->segs == NULL || c.grad_compressor->count != n || c.grad_compressor->flat_end != n ||
          c.weighted || !c.sync_grads || c.grad_compressor == c.compressor))
         return DOPT_ERR_INVALID;
+    /* NaN first, by its bits: under GCC's -ffast-math NaN == 0.0 holds and would take the default */
+    if (!dopt__ls_finite(c.outer_lr) || !dopt__ls_finite(c.outer_momentum)) return DOPT_ERR_INVALID;
     if (c.outer_lr == 0.0) c.outer_lr = 1.0;
-    if (!dopt__ls_finite(c.outer_lr) || c.outer_lr < 0.0 || !(c.outer_momentum >= 0.0 && c.outer_momentum < 1.0))
-        return DOPT_ERR_INVALID;
+    if (c.outer_lr < 0.0 || !(c.outer_momentum >= 0.0 && c.outer_momentum < 1.0)) return DOPT_ERR_INVALID;
     ls->outer = c.outer_lr != 1.0 || c.outer_momentum != 0.0;
     anchor = c.keep_anchor || c.compressor || ls->outer || (c.batch && c.batch->cfg.estimator == DOPT_BATCH_ACROSS);
     ls->comm = comm;
@@ -1380,7 +1382,7 @@ DOPT_DEF dopt_status dopt_localsgd_broadcast(dopt_localsgd *ls, float *params) {
 /* ===================================================================== CELGC COMPOSITION */
 
 static int dopt__ls_celgc_args_ok(float scale, float eta, float gamma, float wd) {
-    return dopt__ls_finite(scale) && scale != 0.0f && dopt__ls_finite(eta) && eta > 0.0f && gamma == gamma &&
+    return dopt__ls_finite(scale) && scale != 0.0f && dopt__ls_finite(eta) && eta > 0.0f && !dopt__is_nan(gamma) &&
            gamma > 0.0f && dopt__ls_finite(wd) && wd >= 0.0f;
 }
 
@@ -1436,7 +1438,7 @@ static dopt_status dopt__ls_replica_spread(dopt_localsgd *ls, const dopt_buf *pa
         dopt_span sp = dopt_buf_segment(params, i);
         for (j = 0; j < sp.count; j++) {
             double d = (double)m[j] - (double)sp.ptr[j];
-            if (d > *spread || d != d) *spread = d != d ? INFINITY : d;
+            if (d > *spread || dopt__is_nan(d)) *spread = dopt__is_nan(d) ? INFINITY : d;
         }
         m += sp.count;
     }

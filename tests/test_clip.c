@@ -169,7 +169,7 @@ DTEST(elements_near_flt_max_do_not_overflow) {
     for (i = 0; i < n; i++) x[i] = (i % 3 == 0) ? -FLT_MAX : FLT_MAX;
     DT_OK(dopt_clip_global_norm(NULL, x, n, 1.0f, &norm));
     DT_CHECK(rel_err(norm, (double)FLT_MAX * sqrt((double)n)) < 1e-15);
-    for (i = 0; i < n; i++) DT_CHECK(isfinite(x[i]) && fabsf(x[i]) > 0.0f);
+    for (i = 0; i < n; i++) DT_CHECK(dopt__is_finite(x[i]) && fabsf(x[i]) > 0.0f);
     DT_CHECK(rel_err(sqrt(ref_sumsq(x, n)), 1.0) < 1e-6);
     free(x);
 }
@@ -604,11 +604,11 @@ static void expect_nonfinite_everywhere(size_t n, size_t pos, float bad) {
     orig = copy_floats(x, n);
     worig = copy_floats(w, n);
     DT_EQ_INT(dopt_clip_global_norm(NULL, x, n, 0.1f, &norm), DOPT_ERR_NONFINITE);
-    DT_CHECK(isnan(norm));
+    DT_CHECK(dopt__is_nan(norm));
     DT_EQ_INT(dopt_clip_global_norm_factor(NULL, x, n, 0.1f, &norm, &factor), DOPT_ERR_NONFINITE);
-    DT_CHECK(isnan(norm) && factor == 0.0f);
+    DT_CHECK(dopt__is_nan(norm) && factor == 0.0f);
     DT_EQ_INT(dopt_clip_segment_norms(NULL, &b, 1.0f, NULL, 0.1f, norms), DOPT_ERR_NONFINITE);
-    DT_CHECK(isnan(norms[0]));
+    DT_CHECK(dopt__is_nan(norms[0]));
     DT_EQ_INT(dopt_clip_value(NULL, &b, 1.0f, 0.1f), DOPT_ERR_NONFINITE);
     DT_EQ_INT(dopt_clip_sigma(NULL, &b, 2.5f), DOPT_ERR_NONFINITE);
     DT_EQ_INT(dopt_clip_agc(NULL, &b, &wb, NULL, 1.0f, 0.01f, 1e-3f), DOPT_ERR_NONFINITE);
@@ -653,7 +653,7 @@ DTEST(bad_arguments_are_invalid_and_touch_nothing) {
         float t = bad_limits[i];
         limits[0] = t;
         DT_EQ_INT(dopt_clip_global_norm(NULL, x, 40, t, &norm), DOPT_ERR_INVALID);
-        DT_CHECK(isnan(norm));
+        DT_CHECK(dopt__is_nan(norm));
         DT_EQ_INT(dopt_clip_global_norm_factor(NULL, x, 40, t, &norm, &factor), DOPT_ERR_INVALID);
         DT_CHECK(factor == 0.0f);
         DT_EQ_INT(dopt_clip_segment_norms(NULL, &b, 1.0f, NULL, t, norms), DOPT_ERR_INVALID);
@@ -664,7 +664,7 @@ DTEST(bad_arguments_are_invalid_and_touch_nothing) {
         DT_EQ_INT(dopt_clip_agc(NULL, &b, &wb, NULL, 1.0f, 0.01f, t), DOPT_ERR_INVALID);     /* eps */
         DT_EQ_INT(dopt_celgc_step_size(x, 40, t, 1.0f, &step), DOPT_ERR_INVALID);            /* eta */
         DT_EQ_INT(dopt_celgc_step_size(x, 40, 0.1f, t, &step), DOPT_ERR_INVALID);            /* gamma */
-        DT_EQ_INT(dopt_celgc_step(w, x, 40, 0.1f, 1.0f, t < 0 || isnan(t) ? t : -1.0f), DOPT_ERR_INVALID); /* wd */
+        DT_EQ_INT(dopt_celgc_step(w, x, 40, 0.1f, 1.0f, t < 0 || dopt__is_nan(t) ? t : -1.0f), DOPT_ERR_INVALID); /* wd */
     }
     /* scales: zero, NaN, infinite */
     {
@@ -898,7 +898,7 @@ static void body_nonfinite_on_one_rank(dopt_comm *c, void *unused) {
         if (bad) *victim = round == 0 ? NAN : -INFINITY;
         snap = mr_snapshot(&g);
         DT_EQ_INT(dopt_clip_global_norm_buf(c, &g.buf, 1.0f, 1.0f, &norm), DOPT_ERR_NONFINITE);
-        DT_CHECK(isnan(norm));
+        DT_CHECK(dopt__is_nan(norm));
         DT_EQ_INT(dopt_clip_global_norm_factor_buf(c, &g.buf, 1.0f, 1.0f, &norm, &factor), DOPT_ERR_NONFINITE);
         DT_EQ_INT(dopt_clip_segment_norms(c, &g.buf, 1.0f, NULL, 1.0f, norms), DOPT_ERR_NONFINITE);
         DT_EQ_INT(dopt_clip_value(c, &g.buf, 1.0f, 0.1f), DOPT_ERR_NONFINITE);
