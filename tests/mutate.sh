@@ -111,6 +111,16 @@ mutate mpi-check-ignores-seq transport_mpi.h \
 mutate shm-dead-rank-misnamed transport_shm.h \
     '"rank %d (pid %d) died", q, (int)cold->pid);' '"rank %d (pid %d) died", (q + 1) % s->size, (int)cold->pid);' \
     test_shm:peer_killed
+mutate compress-average-weight compress.h \
+    'weight = 1.0f / (float)comm->size;' 'weight = 1.0f / (float)(comm->size + 1);' test_compress:equals_serial
+mutate per-rank-scale-average-drops-1/N compress.h \
+    'dopt__tern_accum(sp.ptr, n, weight * b, data[r]);' 'dopt__tern_accum(sp.ptr, n, b, data[r]);' \
+    test_compress:equals_serial
+mutate shared-scale-is-min compress.h \
+    'dopt_allreduce(share, cz->scales, cz->nsegs + 1, DOPT_F32, DOPT_MAX);' \
+    'dopt_allreduce(share, cz->scales, cz->nsegs + 1, DOPT_F32, DOPT_MIN);' test_compress:equals_serial
+mutate ef-residual-sign compress.h \
+    'dopt__accumulate(cz, msg, -1.0f, &e);' 'dopt__accumulate(cz, msg, 1.0f, &e);' test_compress:ef_residual
 
 echo "mutation score: $caught/$tried${survivors:+ (survived:$survivors)}${unapplied:+ (not applied:$unapplied)}"
 [ "$caught" -eq "$tried" ]
