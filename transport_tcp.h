@@ -129,8 +129,9 @@
                          op, root or count: "rank 1: allreduce #7 (f32 sum, 16 elems): rank 2
                          called allreduce #7 (f32 sum, 17 elems)". Checked before any payload.
      DOPT_ERR_PEER_LOST  a peer closed its connection or its process died ("rank 2 closed the
-                         connection", "connection to rank 2 lost while sending: ..."), or
-                         destroyed its communicator while this rank still needed data from it.
+                         connection", "connection to rank 2 lost while sending: Broken pipe"),
+                         or destroyed its communicator while this rank still needed data from
+                         it.
      DOPT_ERR_TIMEOUT    nothing moved for timeout_ms: "no progress for 2000 ms waiting for
                          data from rank 3". The clock restarts with every byte that moves, so a
                          long transfer is never cut while it progresses.
@@ -143,20 +144,32 @@
 
    WHAT EVERY RANK SEES WHEN ONE FAILS
 
-   The rank that detects an error sends every peer an ABORT frame carrying its status and its
-   detail, then writes nothing more; a peer to which it was half-way through a frame gets its
-   connection shut instead (it sees "rank R closed the connection", followed by "rank Q's is
-   closed too" when another connection has closed as well, as a dead rank's has). A rank that
-   receives an
-   ABORT fails with the sender's status and detail: "rank 0: allreduce #7 (f32 sum, 16 elems):
-   rank 1 aborted: rank 1: allreduce #7 (f32 sum, 16 elems): rank 2 called allreduce #7 (f32
-   sum, 17 elems)", and aborts in turn. Every rank watches every connection during every
-   collective, so:
+   Every survivor's detail names the rank whose failure it is (the culprit) first, and who saw
+   it when that was another rank: "rank 0: allreduce #16 (f32 sum, 16777216 elems): rank 1
+   closed the connection (reported by rank 2)".
+   - The rank that detects an error sends every peer an ABORT frame carrying its status, the
+     culprit (the dead, silent or mismatching peer; itself for its own errors), itself as the
+     reporter, and its reason. A frame it was half-way through sending to a peer is finished
+     first (with whatever its buffer holds: the receiver fails anyway), so that the ABORT after
+     it can be read; what a peer has not taken within min(timeout_ms, 1 s) is cut and that
+     connection shut. Nothing is written afterwards.
+   - A rank that receives an ABORT fails with its status and words, " (reported by rank R)"
+     added, and passes the same culprit, reporter and words on. A mismatch's words carry both
+     calls: "rank 2 called allreduce #7 (f32 sum, 17 elems) and rank 1 allreduce #7 (f32 sum,
+     16 elems) (reported by rank 1)".
+   - A connection that ends without an ABORT (while this rank needs it) ended with its process:
+     at a frame boundary that rank is the culprit ("rank 2 closed the connection", "connection
+     to rank 2 lost while sending: Broken pipe"). Mid-frame it may also be a rank cut while
+     aborting because of another, so this rank first waits up to min(timeout_ms, 0.5 s) for an
+     ABORT from another peer or for another connection to end at a boundary, and names that
+     rank instead ("rank 1 closed the connection; rank 2's is closed too").
+   Every rank watches every connection during every collective, so:
    - a mismatch gives DOPT_ERR_MISMATCH on every rank, each detail naming both calls;
-   - a killed peer gives DOPT_ERR_PEER_LOST on every survivor that was waiting on it or on a
-     rank that was, naming the dead rank, typically within milliseconds;
+   - a killed peer gives DOPT_ERR_PEER_LOST on every survivor, naming the dead rank, typically
+     within milliseconds (tests/test_faults.c kills each rank of worlds of 3 and 4 at random
+     moments of a run of ring allreduces and checks every survivor's detail);
    - a stuck (live but silent) peer gives DOPT_ERR_TIMEOUT after timeout_ms on the ranks
-     waiting for it, and the others get their abort at once.
+     waiting for it, and the others get their abort at once, naming it.
    A rank whose part of a collective was already complete when the error happened (the root of
    a broadcast, or a rank that had everything it needed) returns DOPT_OK and fails at its next
    collective with the peer's status. dopt_comm_destroy says goodbye to every peer (waiting at
@@ -187,12 +200,12 @@
    happens or the timeout. Blocking round trips cost ~65 us on a VM, spinning ones ~8 us; the
    yield keeps oversubscribed worlds (more ranks than cores) and loopback softirqs moving.
 
-   WIRE FORMAT (all integers little-endian; protocol version DOPT_TCP_PROTOCOL_VERSION = 1)
+   WIRE FORMAT (all integers little-endian; protocol version DOPT_TCP_PROTOCOL_VERSION = 2)
 
    Handshake record, 96 bytes, the only thing exchanged before a connection is admitted:
        off size  field
          0    4  magic "DOPT"
-         4    2  protocol version (1)
+         4    2  protocol version (2)
          6    2  type: 1 HELLO, 2 ACCEPT, 3 REFUSE, 4 WELCOME, 5 READY, 6 GO
          8    4  world size (>= 1)
         12    4  sender's rank (< world size)
@@ -213,7 +226,7 @@
    Frame header, 48 bytes, before every payload; validated whole before any payload is used:
        off size  field
          0    4  magic "DOPF"
-         4    1  protocol version (1)
+         4    1  protocol version (2)
          5    1  type: 1 DATA, 2 ABORT, 3 GOODBYE
          6    1  collective: 1 allreduce, 2 allgather, 3 allgatherv, 4 broadcast, 5 barrier
                  (0 only on GOODBYE)
@@ -222,15 +235,20 @@
          9    3  reserved, zero
         12    4  sender's rank
         16    4  root (broadcast, else 0)
-        20    4  ABORT: the sender's dopt_status (negative, int32); else 0
+        20    4  ABORT: the failure's dopt_status (negative, int32); else 0
         24    8  sequence number of the sender's collective
-        32    8  the collective's count (allreduce: elements; allgather: bytes per rank;
-                 allgatherv: total bytes; broadcast: bytes; barrier: 0)
-        40    8  payload bytes that follow (ABORT: at most 512, the sender's detail text;
-                 GOODBYE: 0)
+        32    8  DATA: the collective's count (allreduce: elements; allgather: bytes per
+                 rank; allgatherv: total bytes; broadcast: bytes; barrier: 0).
+                 ABORT: 4 bytes the culprit's rank, then 4 bytes the reporter's rank.
+                 GOODBYE: 0
+        40    8  payload bytes that follow (ABORT: at most 512, the reporter's reason, without
+                 its "rank R: <collective>: " prefix; GOODBYE: 0)
    A DATA frame must carry the receiver's collective (kind, dtype, op, root, sequence number and
    count all equal), name the connection's peer as sender, and announce exactly the payload the
    receiver posted for it.
+   An ABORT carries the sender's collective (its sequence number decides whether it belongs to
+   the receiver's current collective or a later one) and must name ranks of the world; its text
+   is read only after the header has passed.
    Collectives send one DATA frame per step (ring step, tree edge, exchange) per peer.
 
    SECURITY
@@ -248,7 +266,7 @@
 extern "C" {
 #endif
 
-#define DOPT_TCP_PROTOCOL_VERSION 1
+#define DOPT_TCP_PROTOCOL_VERSION 2
 #define DOPT_TCP_TOKEN_MAX 64 /* bytes of a job token */
 
 typedef struct dopt_tcp_config {
@@ -321,7 +339,9 @@ extern "C" {
 #define DOPT__TCP_DIRECT_MIN (64u << 10)  /* copied payloads at least this long skip the stage */
 #define DOPT__TCP_SMALL_DEFAULT (64u << 10)
 #define DOPT__TCP_SPIN_DEFAULT_US 50
-#define DOPT__TCP_MAX_PENDING 32          /* unauthenticated connections held at once in setup */
+#define DOPT__TCP_MAX_PENDING 32          /* unauthenticated connections held at once */
+#define DOPT__TCP_FLUSH_MS 1000           /* an aborting rank writes its aborts for at most this long */
+#define DOPT__TCP_BLAME_MS 500            /* a connection that ends mid-frame waits this long for a culprit */
 
 enum { DOPT__TCP_DATA = 1, DOPT__TCP_ABORT = 2, DOPT__TCP_GOODBYE = 3 };
 enum {
@@ -367,6 +387,11 @@ typedef struct dopt__tcp_peer {
     int broken;                 /* nothing more may be written (after an abort) */
     int gone;                   /* said goodbye: destroyed its communicator */
     uint64_t goodbye_seq;
+    int closed;                 /* its connection ended without an abort: the order it was seen in (1, 2, ...) */
+    int closed_mid;             /* ... in the middle of a frame to this rank */
+    int close_err;              /* ... with this errno (0: an orderly end of stream) */
+    int close_sending;          /* ... seen by a send */
+    size_t abort_sent;          /* bytes of this rank's ABORT frame written to it */
 } dopt__tcp_peer;
 
 typedef struct dopt__tcp {
@@ -382,6 +407,10 @@ typedef struct dopt__tcp {
     size_t *blk_off, *blk_len;
     unsigned char *scratch;
     size_t scratch_cap;
+    int closes;                 /* connections seen ending in the current collective */
+    double blame_deadline;      /* one did: name the culprit by then (0: none) */
+    unsigned char abort_msg[DOPT__TCP_FRAME_BYTES + DOPT_DETAIL_MAX]; /* this rank's ABORT frame */
+    size_t abort_len;           /* its length; 0 until this rank aborts */
 } dopt__tcp;
 
 /* ===================================================================== BYTES AND CLOCK
@@ -478,11 +507,13 @@ static const char *dopt__tcp_entry_decode(const unsigned char *in, unsigned char
 /* ===================================================================== FRAME HEADERS */
 
 typedef struct dopt__tcp_frame {
-    int type;           /* DATA, ABORT or GOODBYE */
-    dopt_coll_desc desc; /* the sender's collective */
+    int type;            /* DATA, ABORT or GOODBYE */
+    dopt_coll_desc desc; /* the sender's collective (an ABORT's carries no count) */
     int sender;
-    int status;         /* ABORT: the sender's error */
-    uint64_t bytes;     /* payload that follows */
+    int status;          /* ABORT: the error */
+    int culprit;         /* ABORT: the rank whose failure it is */
+    int reporter;        /* ABORT: the rank that saw it first */
+    uint64_t bytes;      /* payload that follows */
 } dopt__tcp_frame;
 
 static void dopt__tcp_frame_encode(unsigned char *out, int type, const dopt_coll_desc *d, int sender, int status,
@@ -500,6 +531,15 @@ static void dopt__tcp_frame_encode(unsigned char *out, int type, const dopt_coll
     dopt__put_le64(out + 24, d->seq);
     dopt__put_le64(out + 32, d->count);
     dopt__put_le64(out + 40, bytes);
+}
+
+/* An ABORT header: the sender's collective without its count, whose field carries the culprit
+   and the reporter instead. */
+static void dopt__tcp_abort_encode(unsigned char *out, const dopt_coll_desc *d, int sender, int status, int culprit,
+                                   int reporter, uint64_t bytes) {
+    dopt__tcp_frame_encode(out, DOPT__TCP_ABORT, d, sender, status, bytes);
+    dopt__put_le32(out + 32, (uint32_t)culprit);
+    dopt__put_le32(out + 36, (uint32_t)reporter);
 }
 
 /* NULL when in[0..48) is a well-formed frame header, else why not. Only syntax is checked here;
@@ -527,8 +567,13 @@ static const char *dopt__tcp_frame_decode(const unsigned char *in, dopt__tcp_fra
     f->status = (int)status;
     f->bytes = dopt__get_le64(in + 40);
     if (f->type == DOPT__TCP_ABORT) {
+        uint32_t culprit = dopt__get_le32(in + 32), reporter = dopt__get_le32(in + 36);
         if (status >= 0 || status < (int32_t)DOPT_ERR_CLOSED) return "abort without an error status";
         if (f->bytes > DOPT_DETAIL_MAX) return "abort message too long";
+        if (culprit > (uint32_t)INT_MAX || reporter > (uint32_t)INT_MAX) return "rank out of range";
+        f->desc.count = 0;
+        f->culprit = (int)culprit;
+        f->reporter = (int)reporter;
     } else if (status != 0) {
         return "status on a frame that is not an abort";
     }
@@ -558,64 +603,226 @@ static dopt_status dopt__tcp_frame_check(dopt_comm *c, const dopt_coll_desc *wan
 
 /* ===================================================================== FAILING AND ABORTING */
 
-/* After this rank failed: tell every peer why with an ABORT frame, so that nobody waits for the
-   timeout. Where a frame is half sent an abort cannot be framed, so the connection is shut for
-   writing instead and the peer sees this rank close. Nothing is written afterwards. */
-static dopt_status dopt__tcp_abort_all(dopt_comm *c, const dopt_coll_desc *d) {
+/* The reason in this rank's detail: what follows its "rank R: <collective>: " prefix. */
+static const char *dopt__tcp_reason(const dopt_comm *c, const dopt_coll_desc *d) {
+    char what[160], prefix[DOPT_DETAIL_MAX];
+    int n;
+    dopt_coll_describe(d, what, sizeof what);
+    n = snprintf(prefix, sizeof prefix, "rank %d: %s%s%s: ", c->rank, c->api ? c->api : "", c->api ? ": " : "", what);
+    if (n > 0 && (size_t)n < sizeof prefix && strncmp(c->detail, prefix, (size_t)n) == 0) return c->detail + n;
+    return c->detail;
+}
+
+/* Writes what is left for peer p once this rank aborts: the rest of a half-sent frame (whatever
+   its source holds now: the receiver fails anyway, it only needs the frame to end so that the
+   abort after it can be read), then the abort. 1: all written; 0: the socket is full; -1: the
+   connection is gone. */
+static int dopt__tcp_flush_peer(dopt__tcp *t, int p) {
+    dopt__tcp_peer *P = &t->peers[p];
+    for (;;) {
+        dopt__tcp_op *o = P->tx_mid ? &t->ops[P->tx_cur] : NULL;
+        size_t hdr_left = o ? DOPT__TCP_FRAME_BYTES - o->hdr_done : 0, body_left = o ? o->bytes - o->done : 0, sent, k;
+        struct iovec iov[3];
+        struct msghdr msg;
+        ssize_t n;
+        int nv = 0;
+        if (hdr_left) {
+            iov[nv].iov_base = o->hdr + o->hdr_done;
+            iov[nv++].iov_len = hdr_left;
+        }
+        if (body_left) {
+            iov[nv].iov_base = o->ptr + o->done;
+            iov[nv++].iov_len = body_left;
+        }
+        if (P->abort_sent < t->abort_len) {
+            iov[nv].iov_base = t->abort_msg + P->abort_sent;
+            iov[nv++].iov_len = t->abort_len - P->abort_sent;
+        }
+        if (nv == 0) return 1;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)nv;
+        n = sendmsg(P->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+        sent = (size_t)n;
+        if (o) {
+            k = sent < hdr_left ? sent : hdr_left;
+            o->hdr_done += (unsigned)k;
+            sent -= k;
+            k = sent < body_left ? sent : body_left;
+            o->done += k;
+            sent -= k;
+            P->tx_mid = !(o->hdr_done == DOPT__TCP_FRAME_BYTES && o->done == o->bytes);
+        }
+        P->abort_sent += sent;
+    }
+}
+
+/* After this rank failed: tell every peer why with an ABORT frame naming the culprit (the rank
+   whose failure it is) and the reporter (the rank that saw it first), so that nobody waits for
+   the timeout and everybody names the same rank. A frame half-sent to a peer is finished first;
+   all peers are written at once, reading (and dropping) what they send meanwhile so that two
+   aborting ranks never wait on each other. What cannot be written within
+   min(timeout, DOPT__TCP_FLUSH_MS) is cut: that connection is shut, and the peer sees this rank
+   close. Nothing is written afterwards. */
+static dopt_status dopt__tcp_abort_all(dopt_comm *c, const dopt_coll_desc *d, int culprit, int reporter,
+                                       const char *why) {
     dopt__tcp *t = (dopt__tcp *)c->impl;
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES];
-    size_t len = strlen(c->detail);
+    size_t len = strlen(why);
+    double deadline = dopt__tcp_now_ms() + (c->timeout_ms < DOPT__TCP_FLUSH_MS ? c->timeout_ms : DOPT__TCP_FLUSH_MS);
     int p;
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_ABORT, d, c->rank, (int)c->error, len);
+    if (t->abort_len) return c->error; /* told them already */
+    if (len > DOPT_DETAIL_MAX) len = DOPT_DETAIL_MAX;
+    dopt__tcp_abort_encode(t->abort_msg, d, c->rank, (int)c->error, culprit, reporter, len);
+    memcpy(t->abort_msg + DOPT__TCP_FRAME_BYTES, why, len);
+    t->abort_len = DOPT__TCP_FRAME_BYTES + len;
+    for (;;) {
+        int np = 0, pending = 0, n, i;
+        for (p = 0; p < t->size; p++) {
+            dopt__tcp_peer *P = &t->peers[p];
+            short ev;
+            if (p == t->rank || P->fd < 0) continue;
+            if (!P->broken) {
+                int r = dopt__tcp_flush_peer(t, p);
+                if (r != 0) P->broken = 1;
+                pending |= r == 0;
+            }
+            ev = (short)((P->broken ? 0 : POLLOUT) | (P->closed ? 0 : POLLIN));
+            if (!ev) continue;
+            t->pfd[np].fd = P->fd;
+            t->pfd[np].events = ev;
+            t->pfd[np].revents = 0;
+            t->pfd_peer[np++] = p;
+        }
+        if (!pending || dopt__tcp_now_ms() >= deadline) break;
+        n = poll(t->pfd, (nfds_t)np, dopt__tcp_ms_left(deadline));
+        if (n < 0 && errno != EINTR) break;
+        for (i = 0; i < np && n > 0; i++) {
+            dopt__tcp_peer *P = &t->peers[t->pfd_peer[i]];
+            ssize_t k;
+            if (!(t->pfd[i].revents & (POLLIN | POLLHUP | POLLERR)) || P->closed) continue;
+            k = recv(P->fd, P->stage, DOPT__TCP_STAGE_BYTES, MSG_DONTWAIT);
+            if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+                P->closed = ++t->closes;
+        }
+    }
     for (p = 0; p < t->size; p++) {
         dopt__tcp_peer *P = &t->peers[p];
-        struct iovec iov[2];
-        struct msghdr msg;
-        ssize_t n = -1;
         if (p == t->rank || P->fd < 0 || P->broken) continue;
-        if (!P->tx_mid) {
-            iov[0].iov_base = hdr;
-            iov[0].iov_len = sizeof hdr;
-            iov[1].iov_base = c->detail;
-            iov[1].iov_len = len;
-            memset(&msg, 0, sizeof msg);
-            msg.msg_iov = iov;
-            msg.msg_iovlen = 2;
-            n = sendmsg(P->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-        }
-        if (n != (ssize_t)(sizeof hdr + len)) shutdown(P->fd, SHUT_WR);
+        shutdown(P->fd, SHUT_WR);
         P->broken = 1;
     }
     return c->error;
 }
 
-static dopt_status dopt__tcp_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, const char *fmt, ...)
-    DOPT_PRINTF(4, 5);
-static dopt_status dopt__tcp_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, const char *fmt, ...) {
+static dopt_status dopt__tcp_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, int culprit, const char *fmt,
+                                  ...) DOPT_PRINTF(5, 6);
+static dopt_status dopt__tcp_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, int culprit, const char *fmt,
+                                  ...) {
     char msg[DOPT_DETAIL_MAX];
     va_list ap;
+    if (c->error != DOPT_OK) return c->error;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     dopt_comm_fail(c, d, s, "%s", msg);
-    return d ? dopt__tcp_abort_all(c, d) : c->error;
+    return dopt__tcp_abort_all(c, d, culprit, c->rank, msg);
 }
 
-static dopt_status dopt__tcp_errno_fail(dopt_comm *c, const dopt_coll_desc *d, int peer, int err, const char *doing) {
-    if (err == EPIPE || err == ECONNRESET || err == ENOTCONN || err == ECONNABORTED)
-        return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, "connection to rank %d lost while %s: %s", peer, doing,
-                              strerror(err));
-    return dopt__tcp_fail(c, d, DOPT_ERR_IO, "%s (rank %d): %s", doing, peer, strerror(err));
+/* This rank's detail was just set by a check of peer p's frame: abort naming p. A mismatch's
+   abort carries this rank's call as well, so that p itself learns both sides. */
+static dopt_status dopt__tcp_abort_checked(dopt_comm *c, const dopt_coll_desc *d, int p) {
+    char why[DOPT_DETAIL_MAX], mine[160];
+    const char *reason = dopt__tcp_reason(c, d);
+    size_t n = strlen(reason);
+    if (n >= sizeof why) n = sizeof why - 1;
+    memcpy(why, reason, n);
+    why[n] = '\0';
+    if (c->error == DOPT_ERR_MISMATCH) {
+        dopt_coll_describe(d, mine, sizeof mine);
+        snprintf(why + n, sizeof why - n, " and rank %d %s", c->rank, mine);
+    }
+    return dopt__tcp_abort_all(c, d, p, c->rank, why);
 }
 
-/* A peer's ABORT frame, whole in its stage: fail with the peer's status and its words. */
-static dopt_status dopt__tcp_peer_aborted(dopt_comm *c, const dopt_coll_desc *d, int peer, const dopt__tcp_frame *f,
+/* A peer's ABORT frame, whole in its stage: fail with its status, naming its culprit first and
+   its reporter after ("rank 1 closed the connection (reported by rank 2)"), and pass it on. */
+static dopt_status dopt__tcp_peer_aborted(dopt_comm *c, const dopt_coll_desc *d, const dopt__tcp_frame *f,
                                           const unsigned char *text) {
     char why[DOPT_DETAIL_MAX + 1];
     size_t i, n = (size_t)f->bytes;
+    if (c->error != DOPT_OK) return c->error;
     for (i = 0; i < n; i++) why[i] = (text[i] >= 0x20 && text[i] < 0x7F) ? (char)text[i] : '?';
     why[n] = '\0';
-    return dopt__tcp_fail(c, d, (dopt_status)f->status, "rank %d aborted: %s", peer, why);
+    dopt_comm_fail(c, d, (dopt_status)f->status, "%s (reported by rank %d)", why, f->reporter);
+    return dopt__tcp_abort_all(c, d, f->culprit, f->reporter, why);
+}
+
+/* ===================================================================== A CONNECTION THAT ENDS */
+
+static int dopt__tcp_conn_lost(int err) {
+    return err == EPIPE || err == ECONNRESET || err == ENOTCONN || err == ECONNABORTED;
+}
+
+/* 1 when p's connection ended part-way through a frame to this rank: a header, a payload or an
+   abort begun and not finished. */
+static int dopt__tcp_mid_frame(const dopt__tcp *t, int p) {
+    const dopt__tcp_peer *P = &t->peers[p];
+    const dopt__tcp_op *o = P->rx_cur >= 0 ? &t->ops[P->rx_cur] : NULL;
+    return P->hi > P->lo || (o && o->hdr_done && o->done < o->bytes);
+}
+
+/* Peer p's connection ended (err: 0 for an end of stream, else the errno of the call that saw
+   it) without an abort while this collective still needs p. The rank named must be the one that
+   failed, and an end of stream does not say which: a rank that aborts because of another's death
+   ends its connections too. But it sends an abort first, finishing any half-sent frame to do so,
+   and is cut mid-frame only when the receiver did not read for DOPT__TCP_FLUSH_MS. So an end at
+   a frame boundary is p's own death (or exit): p is named once the other connections have been
+   read once more (an abort naming someone else may be there). An end in the middle of a frame
+   waits up to DOPT__TCP_BLAME_MS for better evidence: an abort from another peer, or another
+   connection ending at a boundary. dopt__tcp_run decides (dopt__tcp_blame). */
+static void dopt__tcp_mark_closed(const dopt_comm *c, dopt__tcp *t, int p, int err, int sending) {
+    dopt__tcp_peer *P = &t->peers[p];
+    double by;
+    if (P->closed) return;
+    P->closed = ++t->closes;
+    P->close_err = err;
+    P->close_sending = sending;
+    P->closed_mid = dopt__tcp_mid_frame(t, p);
+    by = dopt__tcp_now_ms();
+    if (P->closed_mid) by += c->timeout_ms < DOPT__TCP_BLAME_MS ? c->timeout_ms : DOPT__TCP_BLAME_MS;
+    if (t->blame_deadline == 0 || by < t->blame_deadline) t->blame_deadline = by;
+}
+
+static int dopt__tcp_open_peers(const dopt__tcp *t) {
+    int p, n = 0;
+    for (p = 0; p < t->size; p++) n += p != t->rank && t->peers[p].fd >= 0 && !t->peers[p].closed;
+    return n;
+}
+
+/* Names the rank whose connection ended: the first seen ending at a frame boundary, else the
+   first seen at all; the others that ended are listed after it. */
+static dopt_status dopt__tcp_blame(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d) {
+    char also[160] = "";
+    size_t used = 0;
+    int p, culprit = -1;
+    const dopt__tcp_peer *C;
+    for (p = 0; p < t->size; p++) {
+        const dopt__tcp_peer *P = &t->peers[p];
+        if (p == t->rank || !P->closed) continue;
+        if (culprit < 0 || (t->peers[culprit].closed_mid && !P->closed_mid) ||
+            (t->peers[culprit].closed_mid == P->closed_mid && P->closed < t->peers[culprit].closed))
+            culprit = p;
+    }
+    for (p = 0; p < t->size && used + 32 < sizeof also; p++)
+        if (p != t->rank && p != culprit && t->peers[p].closed)
+            used += (size_t)snprintf(also + used, sizeof also - used, "; rank %d's is closed too", p);
+    C = &t->peers[culprit];
+    if (C->close_err)
+        return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, culprit, "connection to rank %d lost while %s: %s%s", culprit,
+                              C->close_sending ? "sending" : "receiving", strerror(C->close_err), also);
+    return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, culprit, "rank %d closed the connection%s", culprit, also);
 }
 
 /* ===================================================================== SCHEDULES: RING, TREE, CHAIN, DISSEMINATION */
@@ -727,9 +934,9 @@ static void dopt__tcp_rx_next(dopt__tcp_peer *P, dopt__tcp_op *o) {
 static dopt_status dopt__tcp_unexpected(dopt_comm *c, const dopt_coll_desc *d, int p, const dopt__tcp_frame *f) {
     if (f->sender == p && !dopt__tcp_same_coll(d, &f->desc)) {
         dopt_comm_fail_mismatch(c, d, &f->desc, p);
-        return dopt__tcp_abort_all(c, d);
+        return dopt__tcp_abort_checked(c, d, p);
     }
-    return dopt__tcp_fail(c, d, DOPT_ERR_PROTOCOL, "rank %d sent a frame this rank did not expect", p);
+    return dopt__tcp_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a frame this rank did not expect", p);
 }
 
 /* Consumes what peer p's stage holds: frame headers (validated before anything of the payload is
@@ -747,28 +954,32 @@ static dopt_status dopt__tcp_consume(dopt_comm *c, dopt__tcp *t, const dopt_coll
             if (avail < DOPT__TCP_FRAME_BYTES || P->parked) return DOPT_OK;
             why = dopt__tcp_frame_decode(P->stage + P->lo, &f);
             if (why)
-                return dopt__tcp_fail(c, d, DOPT_ERR_PROTOCOL, "rank %d sent a malformed frame header: %s", p, why);
+                return dopt__tcp_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a malformed frame header: %s", p, why);
             if (o == NULL && f.desc.seq > d->seq && f.type != DOPT__TCP_GOODBYE) {
                 P->parked = 1; /* a later collective's frame, an abort included: this one may still finish */
                 return DOPT_OK;
             }
             if (f.type == DOPT__TCP_ABORT) {
+                if (f.culprit >= t->size || f.reporter >= t->size)
+                    return dopt__tcp_fail(c, d, DOPT_ERR_PROTOCOL, p,
+                                          "rank %d sent an abort naming ranks %d and %d in a world of %d", p, f.culprit,
+                                          f.reporter, t->size);
                 if (avail < DOPT__TCP_FRAME_BYTES + f.bytes) return DOPT_OK;
-                return dopt__tcp_peer_aborted(c, d, p, &f, P->stage + P->lo + DOPT__TCP_FRAME_BYTES);
+                return dopt__tcp_peer_aborted(c, d, &f, P->stage + P->lo + DOPT__TCP_FRAME_BYTES);
             }
             if (f.type == DOPT__TCP_GOODBYE) {
                 P->lo += DOPT__TCP_FRAME_BYTES;
                 P->gone = 1;
                 P->goodbye_seq = f.desc.seq;
                 if (o)
-                    return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST,
+                    return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, p,
                                           "rank %d destroyed its communicator after its collective #%llu", p,
                                           (unsigned long long)f.desc.seq);
                 continue;
             }
             if (o == NULL) return dopt__tcp_unexpected(c, d, p, &f);
             s = dopt__tcp_frame_check(c, d, p, &f, o->bytes);
-            if (s != DOPT_OK) return dopt__tcp_abort_all(c, d);
+            if (s != DOPT_OK) return dopt__tcp_abort_checked(c, d, p);
             P->lo += DOPT__TCP_FRAME_BYTES;
             o->hdr_done = 1;
             avail -= DOPT__TCP_FRAME_BYTES;
@@ -791,23 +1002,6 @@ static dopt_status dopt__tcp_consume(dopt_comm *c, dopt__tcp *t, const dopt_coll
         if (o->done < o->bytes) return DOPT_OK;
         dopt__tcp_rx_next(P, o);
     }
-}
-
-/* A peer closed mid-collective. A rank that aborts while it is half-way through a frame to us
-   can only shut the connection, so its close may stand for another rank's death: look, without
-   waiting, for another connection that is closed too, and name that rank as well. */
-static dopt_status dopt__tcp_closed(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d, int p) {
-    int q;
-    for (q = 0; q < t->size; q++) {
-        unsigned char b;
-        ssize_t n;
-        if (q == p || q == t->rank || t->peers[q].fd < 0 || t->peers[q].gone) continue;
-        n = recv(t->peers[q].fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-        if (n == 0 || (n < 0 && (errno == ECONNRESET || errno == EPIPE)))
-            return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, "rank %d closed the connection; rank %d's is closed too",
-                                  p, q);
-    }
-    return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, "rank %d closed the connection", p);
 }
 
 static dopt_status dopt__tcp_pump_rx(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d, int p, int *progress) {
@@ -853,34 +1047,39 @@ static dopt_status dopt__tcp_pump_rx(dopt_comm *c, dopt__tcp *t, const dopt_coll
             }
             continue;
         }
-        if (n == 0) {
-            if (P->rx_cur < 0) {
-                /* Nothing more is needed from p in this collective, so it may finish; a later one
-                   that needs p finds the connection closed. */
-                P->parked = 1;
-                return DOPT_OK;
-            }
-            if (P->gone)
-                return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST,
-                                      "rank %d destroyed its communicator after its collective #%llu", p,
-                                      (unsigned long long)P->goodbye_seq);
-            return dopt__tcp_closed(c, t, d, p);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return DOPT_OK;
+        if (n < 0 && !dopt__tcp_conn_lost(errno))
+            return dopt__tcp_fail(c, d, DOPT_ERR_IO, c->rank, "receiving from rank %d: %s", p, strerror(errno));
+        if (P->rx_cur < 0) {
+            /* Nothing more is needed from p in this collective, so it may finish; a later one
+               that needs p finds the connection closed. */
+            P->parked = 1;
+            return DOPT_OK;
         }
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return DOPT_OK;
-        return dopt__tcp_errno_fail(c, d, p, errno, "receiving");
+        if (P->gone)
+            return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, p,
+                                  "rank %d destroyed its communicator after its collective #%llu", p,
+                                  (unsigned long long)P->goodbye_seq);
+        dopt__tcp_mark_closed(c, t, p, n < 0 ? errno : 0, 0);
+        return DOPT_OK;
     }
 }
 
 /* ===================================================================== PROGRESS ENGINE: SENDING */
 
 /* A peer that failed sends an abort and may close at once; our send then meets a reset before
-   the abort was read. What the peer said explains more than "broken pipe", so read it first. */
+   the abort was read. What the peer said explains more than "broken pipe", so read it first;
+   without one, the connection has ended (dopt__tcp_mark_closed). */
 static dopt_status dopt__tcp_send_failed(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d, int p, int err) {
     int progress = 0;
-    dopt_status s = dopt__tcp_pump_rx(c, t, d, p, &progress);
+    dopt_status s;
+    if (!dopt__tcp_conn_lost(err))
+        return dopt__tcp_fail(c, d, DOPT_ERR_IO, c->rank, "sending to rank %d: %s", p, strerror(err));
+    s = dopt__tcp_pump_rx(c, t, d, p, &progress);
     if (s != DOPT_OK) return s;
-    return dopt__tcp_errno_fail(c, d, p, err, "sending");
+    dopt__tcp_mark_closed(c, t, p, err, 1);
+    return DOPT_OK;
 }
 
 static dopt_status dopt__tcp_pump_tx(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d, int p, int *progress) {
@@ -931,19 +1130,33 @@ static dopt_status dopt__tcp_pump_tx(dopt_comm *c, dopt__tcp *t, const dopt_coll
 
 /* ===================================================================== PROGRESS ENGINE: WAITING */
 
+/* Nothing moved for the timeout: the culprit is the first rank waited for. */
 static dopt_status dopt__tcp_timed_out(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d) {
     char who[160] = "";
     size_t used = 0;
-    int p;
+    int p, culprit = -1;
+    if (t->blame_deadline > 0) return dopt__tcp_blame(c, t, d); /* a connection ended: that says more */
     for (p = 0; p < t->size && used < sizeof who - 40; p++) {
         dopt__tcp_peer *P = &t->peers[p];
+        int waited = 1;
         if (p == t->rank) continue;
         if (P->rx_cur >= 0)
             used += (size_t)snprintf(who + used, sizeof who - used, "%sdata from rank %d", used ? ", " : "", p);
         else if (P->tx_cur >= 0 && P->tx_blocked)
             used += (size_t)snprintf(who + used, sizeof who - used, "%srank %d to read", used ? ", " : "", p);
+        else
+            waited = 0;
+        if (waited && culprit < 0) culprit = p;
     }
-    return dopt__tcp_fail(c, d, DOPT_ERR_TIMEOUT, "no progress for %d ms waiting for %s", c->timeout_ms, who);
+    return dopt__tcp_fail(c, d, DOPT_ERR_TIMEOUT, culprit < 0 ? c->rank : culprit,
+                          "no progress for %d ms waiting for %s", c->timeout_ms, who);
+}
+
+/* A connection ended in this collective (dopt__tcp_mark_closed) and the connections that remain
+   were polled once since: name the culprit when its time has come or nobody is left to say more. */
+static int dopt__tcp_blame_due(const dopt__tcp *t, int polled_since) {
+    return polled_since && t->blame_deadline > 0 &&
+           (dopt__tcp_now_ms() >= t->blame_deadline || dopt__tcp_open_peers(t) == 0);
 }
 
 /* Runs the planned schedule to its end: sends whatever is ready, receives whatever has arrived,
@@ -953,18 +1166,19 @@ static dopt_status dopt__tcp_timed_out(dopt_comm *c, dopt__tcp *t, const dopt_co
 static dopt_status dopt__tcp_run(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d) {
     double last = dopt__tcp_now_ms(), spin_end = last + (t->spin_us > 0 ? t->spin_us / 1000.0 : 0.0);
     int q;
+    t->blame_deadline = 0;
     for (q = 0; q < t->size; q++) /* frames a fast peer sent before this rank got here */
         if (q != t->rank && t->peers[q].hi > t->peers[q].lo) {
             dopt_status s = dopt__tcp_consume(c, t, d, q);
             if (s != DOPT_OK) return s;
         }
     for (;;) {
-        int p, np = 0, busy = 0, progress = 0, n, i;
+        int p, np = 0, busy = 0, progress = 0, n, i, blaming;
         dopt_status s;
         for (p = 0; p < t->size; p++) {
             dopt__tcp_peer *P = &t->peers[p];
             if (p == t->rank) continue;
-            if (P->tx_cur >= 0 && !P->tx_blocked) {
+            if (P->tx_cur >= 0 && !P->tx_blocked && !P->closed) {
                 s = dopt__tcp_pump_tx(c, t, d, p, &progress);
                 if (s != DOPT_OK) return s;
             }
@@ -974,7 +1188,7 @@ static dopt_status dopt__tcp_run(dopt_comm *c, dopt__tcp *t, const dopt_coll_des
         for (p = 0; p < t->size; p++) {
             dopt__tcp_peer *P = &t->peers[p];
             short ev = 0;
-            if (p == t->rank) continue;
+            if (p == t->rank || P->closed) continue;
             if (!P->parked) ev |= POLLIN;
             if (P->tx_cur >= 0 && P->tx_blocked) ev |= POLLOUT;
             if (!ev) continue;
@@ -983,21 +1197,24 @@ static dopt_status dopt__tcp_run(dopt_comm *c, dopt__tcp *t, const dopt_coll_des
             t->pfd[np].revents = 0;
             t->pfd_peer[np++] = p;
         }
+        blaming = t->blame_deadline > 0; /* and the poll below looks at the others once more */
         n = poll(t->pfd, (nfds_t)np, 0);
         if (n == 0 && !progress) {
-            double now = dopt__tcp_now_ms();
+            double now = dopt__tcp_now_ms(), until = last + (double)c->timeout_ms;
             if (now < spin_end) {
                 /* Yield, not just spin: on loopback the peer's packets may be processed by a
                    softirq thread that needs this core; pure spinning measured 2x slower. */
                 sched_yield();
                 continue;
             }
+            if (dopt__tcp_blame_due(t, blaming)) return dopt__tcp_blame(c, t, d);
             if (now - last >= (double)c->timeout_ms) return dopt__tcp_timed_out(c, t, d);
-            n = poll(t->pfd, (nfds_t)np, dopt__tcp_ms_left(last + (double)c->timeout_ms));
+            if (t->blame_deadline > 0 && t->blame_deadline < until) until = t->blame_deadline;
+            n = poll(t->pfd, (nfds_t)np, dopt__tcp_ms_left(until));
         }
         if (n < 0) {
             if (errno == EINTR) continue;
-            return dopt__tcp_fail(c, d, DOPT_ERR_IO, "poll: %s", strerror(errno));
+            return dopt__tcp_fail(c, d, DOPT_ERR_IO, c->rank, "poll: %s", strerror(errno));
         }
         for (i = 0; i < np && n > 0; i++) {
             short re = t->pfd[i].revents;
@@ -1008,6 +1225,7 @@ static dopt_status dopt__tcp_run(dopt_comm *c, dopt__tcp *t, const dopt_coll_des
                 if (s != DOPT_OK) return s;
             }
         }
+        if (dopt__tcp_blame_due(t, blaming)) return dopt__tcp_blame(c, t, d);
         if (progress) {
             last = dopt__tcp_now_ms();
             spin_end = last + (t->spin_us > 0 ? t->spin_us / 1000.0 : 0.0);
@@ -1025,7 +1243,8 @@ static dopt_status dopt__tcp_need_scratch(dopt_comm *c, dopt__tcp *t, const dopt
     t->scratch = (unsigned char *)DOPT_MALLOC(bytes);
     t->scratch_cap = t->scratch ? bytes : 0;
     if (t->scratch == NULL)
-        return dopt__tcp_fail(c, d, DOPT_ERR_NOMEM, "cannot allocate %llu bytes of scratch", (unsigned long long)bytes);
+        return dopt__tcp_fail(c, d, DOPT_ERR_NOMEM, c->rank, "cannot allocate %llu bytes of scratch",
+                              (unsigned long long)bytes);
     return DOPT_OK;
 }
 

@@ -558,7 +558,8 @@ DTEST(frame_header_round_trips) {
     d.dtype = DOPT_I64;
     d.op = DOPT_MIN;
     dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 7, 0, 4096);
-    DT_CHECK(memcmp(hdr, "DOPF", 4) == 0 && hdr[4] == 1 && hdr[24] == 0x08 && hdr[31] == 0x01); /* little-endian */
+    DT_CHECK(memcmp(hdr, "DOPF", 4) == 0 && hdr[4] == DOPT_TCP_PROTOCOL_VERSION && hdr[24] == 0x08 &&
+             hdr[31] == 0x01); /* little-endian */
     DT_CHECK(dopt__tcp_frame_decode(hdr, &f) == NULL);
     DT_CHECK(f.type == DOPT__TCP_DATA && f.sender == 7 && f.bytes == 4096 && dopt__tcp_same_coll(&f.desc, &d));
 }
@@ -580,9 +581,9 @@ DTEST(frame_validator_refuses_crafted_headers) {
     hdr[0] = 'X';
     DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
     hdr[0] = 'D';
-    hdr[4] = 2;
+    hdr[4] = DOPT_TCP_PROTOCOL_VERSION + 1;
     DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
-    hdr[4] = 1;
+    hdr[4] = DOPT_TCP_PROTOCOL_VERSION;
     hdr[5] = 9;
     DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
     hdr[5] = DOPT__TCP_DATA;
@@ -641,7 +642,7 @@ DTEST(handshake_decoder_refuses_malformed_records) {
     rec[12] = 3;
     rec[4] = 7; /* another version: reported, and the version is kept for the answer */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL && g.version == 7);
-    rec[4] = 1;
+    rec[4] = DOPT_TCP_PROTOCOL_VERSION;
     rec[22] = 1; /* a refusal reason on a HELLO */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
     rec[22] = 0;
@@ -705,19 +706,36 @@ DTEST(frame_larger_than_posted_buffer_is_protocol_error) {
     close(fd);
 }
 
+/* The abort's words come first, then who reported them; control bytes are not passed on. */
 DTEST(abort_frame_from_a_peer_fails_with_its_status_and_words) {
-    unsigned char frame[DOPT__TCP_FRAME_BYTES + 64];
-    static const char why[] = "rank 1: allreduce #1: rank 2 called barrier #1\n\x01";
+    unsigned char frame[DOPT__TCP_FRAME_BYTES + 128];
+    static const char why[] = "rank 0 called allreduce #1 (f32 sum, 4 elems) and rank 1 barrier #1\n\x01";
     float x[4] = {1, 2, 3, 4};
     dopt_coll_desc d = allreduce_desc(1, 4);
     int fd;
     dopt_comm *c = pair_comm(&fd, 5000);
-    dopt__tcp_frame_encode(frame, DOPT__TCP_ABORT, &d, 1, DOPT_ERR_MISMATCH, sizeof why - 1);
+    dopt__tcp_abort_encode(frame, &d, 1, DOPT_ERR_MISMATCH, 0, 1, sizeof why - 1);
     memcpy(frame + DOPT__TCP_FRAME_BYTES, why, sizeof why - 1);
     DT_CHECK(write(fd, frame, DOPT__TCP_FRAME_BYTES + sizeof why - 1) > 0);
     DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_MISMATCH);
-    DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1 aborted: rank 1: allreduce #1: rank 2 called barrier #1??") != NULL,
+    DT_CHECKF(strstr(dopt_comm_detail(c), "allreduce #1 (f32 sum, 4 elems): rank 0 called allreduce #1 (f32 sum, 4 "
+                                          "elems) and rank 1 barrier #1?? (reported by rank 1)") != NULL,
               "%s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
+    close(fd);
+}
+
+/* An abort that names a rank outside the world is refused before its words are read. */
+DTEST(abort_naming_a_rank_outside_the_world_is_protocol_error) {
+    unsigned char frame[DOPT__TCP_FRAME_BYTES];
+    float x[4] = {1, 2, 3, 4};
+    dopt_coll_desc d = allreduce_desc(1, 4);
+    int fd;
+    dopt_comm *c = pair_comm(&fd, 5000);
+    dopt__tcp_abort_encode(frame, &d, 1, DOPT_ERR_PEER_LOST, 7, 1, 100); /* 100 bytes announced, none sent */
+    DT_CHECK(write(fd, frame, sizeof frame) == (ssize_t)sizeof frame);
+    DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_PROTOCOL);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "naming ranks 7 and 1 in a world of 2") != NULL, "%s", dopt_comm_detail(c));
     dopt_comm_destroy(c);
     close(fd);
 }
@@ -735,6 +753,150 @@ DTEST(goodbye_before_needed_data_is_peer_lost) {
     DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1 destroyed its communicator") != NULL, "%s", dopt_comm_detail(c));
     dopt_comm_destroy(c);
     close(fd);
+}
+
+/* Rank 0 of a world of 3 over socketpairs; the test plays ranks 1 and 2 on fds[1] and fds[2]. */
+static dopt_comm *trio_comm(int fds[3], int timeout_ms) {
+    int sv[2], mine[3], r;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    mine[0] = fds[0] = -1;
+    for (r = 1; r < 3; r++) {
+        DT_CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+        mine[r] = sv[0];
+        fds[r] = sv[1];
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.rank = 0;
+    cfg.world_size = 3;
+    cfg.timeout_ms = timeout_ms;
+    DT_OK(dopt_tcp_create_from_sockets(&c, mine, &cfg));
+    return c;
+}
+
+/* Rank 1 ends its connection half-way through a frame, as a rank does whose abort could not be
+   finished; rank 2 ends its own at a frame boundary, as a dead rank's does. Rank 1 is seen first
+   (ranks are served in order), yet rank 2 is named. */
+DTEST(connection_ending_mid_frame_is_not_blamed_before_one_ending_at_a_boundary) {
+    unsigned char hdr[DOPT__TCP_FRAME_BYTES + 8];
+    float x[4] = {1, 2, 3, 4};
+    dopt_coll_desc d = allreduce_desc(1, 4);
+    int fds[3];
+    dopt_comm *c = trio_comm(fds, 5000);
+    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 1, 0, 16);
+    memset(hdr + DOPT__TCP_FRAME_BYTES, 0, 8);
+    DT_CHECK(write(fds[1], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
+    close(fds[1]);
+    close(fds[2]);
+    DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_PEER_LOST);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "(f32 sum, 4 elems): rank 2 closed the connection; rank 1's is closed too"),
+              "%s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
+}
+
+/* Rank 1 ends its connection mid-frame; rank 2 is alive and says, in an abort, that rank 1
+   failed before that. The abort's words are what rank 0 reports. */
+DTEST(abort_from_another_peer_is_preferred_to_a_connection_that_ended) {
+    unsigned char hdr[DOPT__TCP_FRAME_BYTES + 8], frame[DOPT__TCP_FRAME_BYTES + 64];
+    static const char why[] = "no progress for 100 ms waiting for data from rank 1";
+    float x[4] = {1, 2, 3, 4};
+    dopt_coll_desc d = allreduce_desc(1, 4);
+    int fds[3];
+    dopt_comm *c = trio_comm(fds, 5000);
+    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 1, 0, 16);
+    memset(hdr + DOPT__TCP_FRAME_BYTES, 0, 8);
+    DT_CHECK(write(fds[1], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
+    close(fds[1]);
+    dopt__tcp_abort_encode(frame, &d, 2, DOPT_ERR_TIMEOUT, 1, 2, sizeof why - 1);
+    memcpy(frame + DOPT__TCP_FRAME_BYTES, why, sizeof why - 1);
+    DT_CHECK(write(fds[2], frame, DOPT__TCP_FRAME_BYTES + sizeof why - 1) > 0);
+    DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_TIMEOUT);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "(f32 sum, 4 elems): no progress for 100 ms waiting for data from rank 1 "
+                                          "(reported by rank 2)"),
+              "%s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
+    close(fds[2]);
+}
+
+/* What one end of a connection received, parsed as frames: the DATA frames' payload bytes in
+   all, then the abort. Reads until the abort is whole or the connection ends. */
+typedef struct frame_reader {
+    int fd;
+    uint64_t data_frames, data_bytes;
+    dopt__tcp_frame abort;
+    char abort_text[DOPT_DETAIL_MAX + 1];
+    int got_abort;
+} frame_reader;
+
+static void *read_frames(void *arg) {
+    frame_reader *fr = (frame_reader *)arg;
+    static unsigned char buf[1 << 16];
+    size_t have = 0;
+    uint64_t skip = 0;
+    for (;;) {
+        ssize_t n = read(fr->fd, buf + have, sizeof buf - have);
+        size_t used = 0;
+        if (n <= 0) return NULL;
+        have += (size_t)n;
+        for (;;) {
+            dopt__tcp_frame f;
+            if (skip) {
+                size_t k = have - used < skip ? have - used : (size_t)skip;
+                used += k;
+                skip -= k;
+                if (skip) break;
+            }
+            if (have - used < DOPT__TCP_FRAME_BYTES || dopt__tcp_frame_decode(buf + used, &f) != NULL) break;
+            if (f.type == DOPT__TCP_ABORT) {
+                if (have - used < DOPT__TCP_FRAME_BYTES + f.bytes) break;
+                fr->abort = f;
+                memcpy(fr->abort_text, buf + used + DOPT__TCP_FRAME_BYTES, (size_t)f.bytes);
+                fr->abort_text[f.bytes] = '\0';
+                fr->got_abort = 1;
+                return NULL;
+            }
+            used += DOPT__TCP_FRAME_BYTES;
+            fr->data_frames++;
+            fr->data_bytes += f.bytes;
+            skip = f.bytes;
+        }
+        memmove(buf, buf + used, have - used);
+        have -= used;
+    }
+}
+
+/* Rank 0 forwards, in a ring allreduce, what it receives from rank 2 to rank 1. Rank 2 sends
+   half a frame and ends its connection, so rank 0 fails while half-way through its frame to rank
+   1: it finishes that frame and then sends rank 1 an abort that names rank 2, reported by rank 0. */
+DTEST(aborting_rank_finishes_its_half_sent_frame_then_sends_its_abort) {
+    size_t count = (size_t)3 << 14, block = count / 3 * sizeof(float); /* the ring: 64 KiB blocks */
+    float *x = (float *)calloc(count, sizeof(float)), *from2 = (float *)calloc(count, sizeof(float));
+    unsigned char hdr[DOPT__TCP_FRAME_BYTES];
+    dopt_coll_desc d = allreduce_desc(1, count);
+    frame_reader fr;
+    pthread_t th;
+    int fds[3];
+    dopt_comm *c = trio_comm(fds, 5000);
+    memset(&fr, 0, sizeof fr);
+    fr.fd = fds[1];
+    DT_CHECK(pthread_create(&th, NULL, read_frames, &fr) == 0);
+    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 2, 0, block);
+    DT_CHECK(write(fds[2], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
+    DT_CHECK(write(fds[2], from2, block / 2) == (ssize_t)(block / 2));
+    close(fds[2]);
+    DT_EQ_INT(dopt_allreduce(c, x, count, DOPT_F32, DOPT_SUM), DOPT_ERR_PEER_LOST);
+    DT_CHECK(pthread_join(th, NULL) == 0);
+    DT_CHECKF(fr.got_abort, "no abort after %llu frames", (unsigned long long)fr.data_frames);
+    DT_EQ_INT(fr.data_frames, 2); /* block 0, then block 2 finished */
+    DT_EQ_INT(fr.data_bytes, 2 * block);
+    DT_EQ_INT(fr.abort.culprit, 2);
+    DT_EQ_INT(fr.abort.reporter, 0);
+    DT_EQ_INT(fr.abort.status, DOPT_ERR_PEER_LOST);
+    DT_CHECKF(strcmp(fr.abort_text, "rank 2 closed the connection") == 0, "%s", fr.abort_text);
+    dopt_comm_destroy(c);
+    close(fds[1]);
+    free(x);
+    free(from2);
 }
 
 DTEST(peer_closing_mid_payload_is_peer_lost) {
