@@ -17,11 +17,21 @@
        #define DISTOPT_IMPLEMENTATION
        #include "distopt.h"
        #include "transport_tcp.h"
+       #include <stdio.h>
+       #include <string.h>
+
+       static void say(void *user, dopt_log_level level, const char *message) {
+           (void)user;
+           if (level <= DOPT_LOG_WARN) fprintf(stderr, "distopt: %s\n", message);
+       }
 
        int main(void) {
            float grads[1000] = {0};
+           dopt_tcp_config base;
            dopt_comm *comm;
-           if (dopt_tcp_create_from_env(&comm) != DOPT_OK) return 1;   (DOPT_RANK, ...)
+           memset(&base, 0, sizeof base);
+           base.log_fn = say;    (whom the start waits for, and why it failed)
+           if (dopt_tcp_create_from_env(&comm, &base) != DOPT_OK) return 1;   (DOPT_RANK, ...)
            grads[0] = (float)comm->rank;
            if (dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN) != DOPT_OK) return 1;
            dopt_comm_destroy(comm);
@@ -38,41 +48,60 @@
 
    CONFIGURATION (dopt_tcp_config; zero means the default)
 
-   | field               | meaning                                                   | zero means         |
-   |---------------------|-----------------------------------------------------------|--------------------|
-   | rank, world_size    | this process's rank in [0, world_size); world_size >= 1   | (required)         |
-   | master_addr         | rank 0's IPv4 address or host name                        | "127.0.0.1"        |
-   | master_port         | rank 0's rendezvous port. On rank 0, 0 lets the kernel    | rank 0: any free   |
-   |                     | pick a free port, reported through on_listen; the other   | port; others: an   |
-   |                     | ranks must be given the real port                         | error              |
-   | bind_addr           | where this rank listens (rank 0: for everyone; others:    | rank 0: master_addr|
-   |                     | for the ranks above it). "0.0.0.0" listens everywhere     | others: the local  |
-   |                     |                                                           | address toward 0   |
-   | timeout_ms          | bound on every wait, the whole rendezvous included        | 300000 (300 s)     |
-   | token               | job token, at most DOPT_TCP_TOKEN_MAX (64) bytes; every   | "" (no token)      |
-   |                     | connection must present the same one                      |                    |
-   | socket_buffer_bytes | SO_SNDBUF/SO_RCVBUF (capped by net.core.[rw]mem_max)      | kernel autotuning  |
-   | small_bytes         | latency-optimal algorithms up to this many bytes (see     | 65536              |
-   |                     | ALGORITHMS)                                               |                    |
-   | spin_us             | after progress, poll without sleeping this long before a  | 50; negative: never|
-   |                     | blocking poll()                                           | spin               |
-   | log_fn, log_user    | logging callback, installed on the communicator; it is    | silent             |
-   |                     | also how a failed create tells why (there is no           |                    |
-   |                     | communicator to ask then): one DOPT_LOG_ERROR line        |                    |
-   | on_listen,          | rank 0 only: on_listen(on_listen_user, port) once the     | not called         |
-   | on_listen_user      | rendezvous port listens, before waiting for the others    |                    |
+   | field                 | meaning                                                   | zero means         |
+   |-----------------------|-----------------------------------------------------------|--------------------|
+   | rank, world_size      | this process's rank in [0, world_size); world_size >= 1   | (required)         |
+   | master_addr           | rank 0's IPv4 address or host name                        | "127.0.0.1"        |
+   | master_port           | rank 0's rendezvous port. On rank 0, 0 lets the kernel    | rank 0: any free   |
+   |                       | pick a free port, reported through on_listen; the other   | port; others: an   |
+   |                       | ranks must be given the real port                         | error              |
+   | bind_addr             | where this rank listens (rank 0: for everyone; others:    | rank 0: master_addr|
+   |                       | for the ranks above it). "0.0.0.0" listens everywhere     | others: the local  |
+   |                       |                                                           | address toward 0   |
+   | timeout_ms            | bound on every wait of a collective: it fails when        | 300000 (300 s)     |
+   |                       | nothing moved for this long                               |                    |
+   | rendezvous_timeout_ms | bound on the whole rendezvous (create), the retries to    | 600000 (10 min)    |
+   |                       | reach rank 0 included; see STARTING UP                    |                    |
+   | rendezvous_report_ms  | while the rendezvous waits, say this often whom it waits  | 5000; negative:    |
+   |                       | for (DOPT_LOG_WARN)                                       | never              |
+   | token                 | job token, at most DOPT_TCP_TOKEN_MAX (64) bytes; every   | "" (no token)      |
+   |                       | connection must present the same one                      |                    |
+   | socket_buffer_bytes   | SO_SNDBUF/SO_RCVBUF (capped by net.core.[rw]mem_max)      | kernel autotuning  |
+   | small_bytes           | latency-optimal algorithms up to this many bytes (see     | 65536              |
+   |                       | ALGORITHMS)                                               |                    |
+   | spin_us               | after progress, poll without sleeping this long before a  | 50; negative: never|
+   |                       | blocking poll()                                           | spin               |
+   | log_fn, log_user      | logging callback, installed on the communicator. It also  | silent             |
+   |                       | hears the rendezvous (whom it waits for, joiners refused) |                    |
+   |                       | and is how a failed create tells why (there is no         |                    |
+   |                       | communicator to ask then): exactly one DOPT_LOG_ERROR line|                    |
+   | on_listen,            | rank 0 only: on_listen(on_listen_user, port) once the     | not called         |
+   | on_listen_user        | rendezvous port listens, before waiting for the others    |                    |
 
    ENVIRONMENT (dopt_tcp_config_from_env, dopt_tcp_create_from_env)
 
-   | variable          | field        | required                    |
-   |-------------------|--------------|-----------------------------|
-   | DOPT_RANK         | rank         | yes                         |
-   | DOPT_WORLD_SIZE   | world_size   | yes                         |
-   | DOPT_MASTER_ADDR  | master_addr  | no (127.0.0.1)              |
-   | DOPT_MASTER_PORT  | master_port  | yes when the world is > 1   |
-   | DOPT_TIMEOUT_MS   | timeout_ms   | no (300000)                 |
-   | DOPT_TOKEN        | token        | no ("")                     |
-   | DOPT_BIND_ADDR    | bind_addr    | no                          |
+   | variable                   | field                 | required                           |
+   |----------------------------|-----------------------|------------------------------------|
+   | DOPT_RANK                  | rank                  | yes                                |
+   | DOPT_WORLD_SIZE            | world_size            | yes                                |
+   | DOPT_MASTER_ADDR           | master_addr           | no (127.0.0.1)                     |
+   | DOPT_MASTER_PORT           | master_port           | yes when the world is > 1 (on rank |
+   |                            |                       | 0, unless the config has on_listen)|
+   | DOPT_TIMEOUT_MS            | timeout_ms            | no (the config's, else 300000)     |
+   | DOPT_RENDEZVOUS_TIMEOUT_MS | rendezvous_timeout_ms | no (the config's, else 600000)     |
+   | DOPT_TOKEN                 | token                 | no ("")                            |
+   | DOPT_BIND_ADDR             | bind_addr             | no                                 |
+
+   The variables that describe the job (rank, world size, where rank 0 is, the token, where to
+   listen) come from the environment alone, unset ones meaning the default; the timeouts only
+   when set. Every other field is the caller's. A value that does not fit is refused with one
+   DOPT_LOG_ERROR line through the config's log_fn naming the variable, its value and the rule:
+       DOPT_WORLD_SIZE="abc" is not a number
+       DOPT_RANK=2 is not below DOPT_WORLD_SIZE=2
+       DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it)
+       DOPT_MASTER_PORT is not set: rank 1 needs rank 0's port
+       DOPT_MASTER_PORT=70000 is above 65535
+       DOPT_TOKEN is 70 bytes long, more than 64
 
    FUNCTIONS
 
@@ -81,15 +110,26 @@
      to it (retrying with backoff while it is not up yet), present their rank, world size and
      token, and receive from rank 0 the table of everyone's listening address; each rank then
      connects to the ranks below it and accepts the ranks above it, and rank 0 lets all go once
-     all report ready. All of it within cfg->timeout_ms. On success *comm is a communicator of
-     cfg->world_size ranks (a world of 1 opens no socket); destroy it with dopt_comm_destroy.
-     On failure *comm is NULL, every socket is closed, and the reason went to cfg->log_fn.
-     cfg and its strings are read during the call only.
-   dopt_tcp_config_from_env(&cfg) fills cfg from the environment (table above); the strings
-     point into the environment. DOPT_ERR_INVALID when a required variable is missing, a number
-     is malformed or out of range, the rank is not below the world size, or the token is too
-     long. Change fields afterwards as you like.
-   dopt_tcp_create_from_env(&comm) is the two above in one call.
+     all report ready. All of it within cfg->rendezvous_timeout_ms, saying whom it waits for
+     (STARTING UP). A joiner that dies before the job forms does not end it: rank 0 frees its
+     rank, or, once the table has gone out, has every rank start the rendezvous over, and waits
+     for the real one. Rank 0 keeps listening for the communicator's life, so that a late joiner
+     (a second process given a rank already taken) is refused at once, during rank 0's
+     collectives, instead of finding nobody there. On success *comm is a communicator of
+     cfg->world_size ranks (a world of 1 opens no socket) that knows how many ranks share this
+     rank's rendezvous address (dopt_comm_set_host, with the cores online); destroy it with
+     dopt_comm_destroy. On failure *comm is NULL, every socket is closed, and the reason went to
+     cfg->log_fn in exactly one DOPT_LOG_ERROR line. cfg and its strings are read during the
+     call only.
+   dopt_tcp_config_from_env(&cfg) sets cfg's fields from the environment (ENVIRONMENT above;
+     the strings point into it) and keeps the others, log_fn and log_user included, as the
+     caller set them: zero cfg first, or start from a config of your own. DOPT_ERR_INVALID, said
+     through cfg->log_fn, when a required variable is missing, a number is malformed or out of
+     range, the rank is not below the world size, or the token is too long; cfg is then left as
+     it was.
+   dopt_tcp_create_from_env(&comm, base) is the two above in one call, starting from *base (NULL:
+     a zero config): what the environment does not set (log_fn, log_user, on_listen, spin_us,
+     socket_buffer_bytes, small_bytes, a timeout whose variable is unset) is base's.
    dopt_tcp_create_from_sockets(&comm, fds, &cfg) makes a communicator over connected stream
      sockets the caller already has (its own launcher, socketpair() between forked processes):
      fds[r] talks to rank r (fds[cfg->rank] is ignored). Both ends of every connection must be
@@ -102,21 +142,59 @@
    independent. No signal handler is installed: every send uses MSG_NOSIGNAL, so a dead peer
    cannot kill the process with SIGPIPE.
 
+   STARTING UP: WHAT THE LOG SAYS
+
+   While the rendezvous waits, every rendezvous_report_ms (5 s) each rank says whom it waits
+   for, at DOPT_LOG_WARN:
+       rank 0: waiting for ranks 1, 3 (2 of 4 joined, 12 s)
+       rank 1: waiting for rank 0 at 10.0.0.1:29500 (Connection refused, 5 s)
+       rank 1: waiting for the other ranks to join rank 0 at 10.0.0.1:29500 (10 s)
+       rank 2: waiting for rank 3 to connect (5 s)
+   WARN, not INFO: a rank still missing after seconds is how a launch gone wrong first shows (a
+   rank not started, a wrong port or address), so callbacks that show only warnings (the
+   examples' does) must show it; a healthy start is over before the first report and logs
+   nothing. A rank that refuses a joiner says so at once (WARN), naming it, and keeps waiting
+   for the real rank; the joiner's create fails with the reason:
+       rank 0: refused a joiner from 127.0.0.1:41234 claiming rank 1: token differs
+       rank 0: refused a joiner from 127.0.0.1:41240 claiming rank 1: its world size is 3, this
+         job's 2
+       rank 0: refused a joiner from 127.0.0.1:41250 claiming rank 1: rank 1 is already taken by
+         127.0.0.1:41230
+       rank 1: setup: rank 1 is already taken by 127.0.0.1:41230 (rank 0 at 127.0.0.1:29500
+         refused this process)
+   A joiner that dies before the job forms (WARN):
+       rank 0: rank 1 (from 127.0.0.1:41234) closed its connection before the job formed;
+         starting the rendezvous over
+       rank 2: rank 0 started the rendezvous over (a rank left before the job formed); joining
+         again
+   The rendezvous is bounded by rendezvous_timeout_ms, 10 min unless set, twice the collective
+   timeout: ranks of one job may start minutes apart (nodes that come up late, containers being
+   pulled, data loaded before the create), and the wait is not silent (the reports above), so
+   a long bound costs only time the reports account for. The timeout names the missing ranks and
+   the last joiner refused:
+       rank 0: setup: timed out after 600000 ms waiting for rank 1 (1 of 2 joined); refused a
+         joiner from 127.0.0.1:41234 claiming rank 1: token differs
+
    ERRORS
 
-   From create (the detail, "rank R: setup: ...", goes to cfg->log_fn):
-     DOPT_ERR_INVALID    a bad configuration (rank out of range, no master_port on a rank other
-                         than 0, token too long, unresolvable address), or rank 0 refused this
-                         rank: another process already joined with the same rank, or the world
-                         sizes differ.
+   From create (the detail, "rank R: setup: ...", goes to cfg->log_fn, once):
+     DOPT_ERR_INVALID    a bad configuration ("tcp: invalid configuration: rank 2 is outside
+                         0..1", no master_port on a rank other than 0, token too long,
+                         unresolvable address, or the environment: ENVIRONMENT), or rank 0
+                         refused this rank: "rank 1 is already taken by 127.0.0.1:41230", it
+                         does not admit that rank, or the world sizes differ.
      DOPT_ERR_AUTH       rank 0 (or a peer) refused this rank's token, or a peer answered with
                          a different token: this process is not part of that job.
-     DOPT_ERR_TIMEOUT    not everyone arrived within timeout_ms (rank 0 names the missing
-                         ranks), or rank 0 was never reachable.
-     DOPT_ERR_PEER_LOST  a rank failed or left during the rendezvous; rank 0 then closes every
-                         connection, so every rank stops at once instead of at its timeout.
+     DOPT_ERR_TIMEOUT    not everyone arrived within rendezvous_timeout_ms (rank 0 names the
+                         missing ranks), or rank 0 was never reachable ("could not connect to
+                         rank 0 at 127.0.0.1:29500 within 600000 ms (1206 tries): Connection
+                         refused").
+     DOPT_ERR_PEER_LOST  rank 0 failed during the rendezvous (it then closes every connection,
+                         so every rank stops at once instead of at its bound), or a connection
+                         to another rank ended and rank 0 did not start over within 2 s.
      DOPT_ERR_PROTOCOL   a peer spoke another protocol version or sent malformed records.
-     DOPT_ERR_IO         a socket call failed (for example the port is already in use).
+     DOPT_ERR_IO         a socket call failed: "cannot listen on 127.0.0.1:29500: Address
+                         already in use".
      DOPT_ERR_NOMEM      an allocation failed.
    Strangers never fail the job: a connection to rank 0 (or to any listening rank) that sends
    bytes other than a valid HELLO, a wrong token, a wrong world size, a rank already taken, or
@@ -129,8 +207,9 @@
                          op, root or count: "rank 1: allreduce #7 (f32 sum, 16 elems): rank 2
                          called allreduce #7 (f32 sum, 17 elems)". Checked before any payload.
      DOPT_ERR_PEER_LOST  a peer closed its connection or its process died ("rank 2 closed the
-                         connection", "connection to rank 2 lost while sending: ..."), or
-                         destroyed its communicator while this rank still needed data from it.
+                         connection", "connection to rank 2 lost while sending: Broken pipe"),
+                         or destroyed its communicator while this rank still needed data from
+                         it.
      DOPT_ERR_TIMEOUT    nothing moved for timeout_ms: "no progress for 2000 ms waiting for
                          data from rank 3". The clock restarts with every byte that moves, so a
                          long transfer is never cut while it progresses.
@@ -143,20 +222,32 @@
 
    WHAT EVERY RANK SEES WHEN ONE FAILS
 
-   The rank that detects an error sends every peer an ABORT frame carrying its status and its
-   detail, then writes nothing more; a peer to which it was half-way through a frame gets its
-   connection shut instead (it sees "rank R closed the connection", followed by "rank Q's is
-   closed too" when another connection has closed as well, as a dead rank's has). A rank that
-   receives an
-   ABORT fails with the sender's status and detail: "rank 0: allreduce #7 (f32 sum, 16 elems):
-   rank 1 aborted: rank 1: allreduce #7 (f32 sum, 16 elems): rank 2 called allreduce #7 (f32
-   sum, 17 elems)", and aborts in turn. Every rank watches every connection during every
-   collective, so:
+   Every survivor's detail names the rank whose failure it is (the culprit) first, and who saw
+   it when that was another rank: "rank 0: allreduce #16 (f32 sum, 16777216 elems): rank 1
+   closed the connection (reported by rank 2)".
+   - The rank that detects an error sends every peer an ABORT frame carrying its status, the
+     culprit (the dead, silent or mismatching peer; itself for its own errors), itself as the
+     reporter, and its reason. A frame it was half-way through sending to a peer is finished
+     first (with whatever its buffer holds: the receiver fails anyway), so that the ABORT after
+     it can be read; what a peer has not taken within min(timeout_ms, 1 s) is cut and that
+     connection shut. Nothing is written afterwards.
+   - A rank that receives an ABORT fails with its status and words, " (reported by rank R)"
+     added, and passes the same culprit, reporter and words on. A mismatch's words carry both
+     calls: "rank 2 called allreduce #7 (f32 sum, 17 elems) and rank 1 allreduce #7 (f32 sum,
+     16 elems) (reported by rank 1)".
+   - A connection that ends without an ABORT (while this rank needs it) ended with its process:
+     at a frame boundary that rank is the culprit ("rank 2 closed the connection", "connection
+     to rank 2 lost while sending: Broken pipe"). Mid-frame it may also be a rank cut while
+     aborting because of another, so this rank first waits up to min(timeout_ms, 0.5 s) for an
+     ABORT from another peer or for another connection to end at a boundary, and names that
+     rank instead ("rank 1 closed the connection; rank 2's is closed too").
+   Every rank watches every connection during every collective, so:
    - a mismatch gives DOPT_ERR_MISMATCH on every rank, each detail naming both calls;
-   - a killed peer gives DOPT_ERR_PEER_LOST on every survivor that was waiting on it or on a
-     rank that was, naming the dead rank, typically within milliseconds;
+   - a killed peer gives DOPT_ERR_PEER_LOST on every survivor, naming the dead rank, typically
+     within milliseconds (tests/test_faults.c kills each rank of worlds of 3 and 4 at random
+     moments of a run of ring allreduces and checks every survivor's detail);
    - a stuck (live but silent) peer gives DOPT_ERR_TIMEOUT after timeout_ms on the ranks
-     waiting for it, and the others get their abort at once.
+     waiting for it, and the others get their abort at once, naming it.
    A rank whose part of a collective was already complete when the error happened (the root of
    a broadcast, or a rank that had everything it needed) returns DOPT_OK and fails at its next
    collective with the peer's status. dopt_comm_destroy says goodbye to every peer (waiting at
@@ -187,18 +278,20 @@
    happens or the timeout. Blocking round trips cost ~65 us on a VM, spinning ones ~8 us; the
    yield keeps oversubscribed worlds (more ranks than cores) and loopback softirqs moving.
 
-   WIRE FORMAT (all integers little-endian; protocol version DOPT_TCP_PROTOCOL_VERSION = 1)
+   WIRE FORMAT (all integers little-endian; protocol version DOPT_TCP_PROTOCOL_VERSION = 2)
 
    Handshake record, 96 bytes, the only thing exchanged before a connection is admitted:
        off size  field
          0    4  magic "DOPT"
-         4    2  protocol version (1)
-         6    2  type: 1 HELLO, 2 ACCEPT, 3 REFUSE, 4 WELCOME, 5 READY, 6 GO
+         4    2  protocol version (2)
+         6    2  type: 1 HELLO, 2 ACCEPT, 3 REFUSE, 4 WELCOME, 5 READY, 6 GO, 7 AGAIN
          8    4  world size (>= 1)
         12    4  sender's rank (< world size)
         16    4  HELLO: sender's listening IPv4 address, network order (0.0.0.0: use the
-                 address the connection came from)
-        20    2  HELLO: sender's listening port
+                 address the connection came from). REFUSE for a rank taken: the address
+                 the connection holding it came from
+        20    2  HELLO: sender's listening port. REFUSE for a rank taken: that connection's
+                 port
         22    2  REFUSE: reason (1 token, 2 world size, 3 rank not expected, 4 rank taken,
                  5 version); 0 on every other type
         24    8  reserved, zero
@@ -208,12 +301,15 @@
    the connector checks too) or REFUSE and closes. Rank 0 sends each rank WELCOME followed by
    size entries of 8 bytes (IPv4 address 4 bytes network order, port 2, reserved 2 = 0), the
    listening addresses of all ranks. Each rank k then connects to ranks 1..k-1 (HELLO/ACCEPT),
-   accepts ranks k+1..size-1, sends READY to rank 0, and waits for GO.
+   accepts ranks k+1..size-1, sends READY to rank 0, and waits for GO. When a rank's connection
+   to rank 0 ends before GO, rank 0 sends every other rank AGAIN and closes their connections;
+   they close all of theirs and join again from the HELLO. Rank 0 answers HELLOs (ACCEPT or
+   REFUSE) on its listening socket as long as its communicator lives.
 
    Frame header, 48 bytes, before every payload; validated whole before any payload is used:
        off size  field
          0    4  magic "DOPF"
-         4    1  protocol version (1)
+         4    1  protocol version (2)
          5    1  type: 1 DATA, 2 ABORT, 3 GOODBYE
          6    1  collective: 1 allreduce, 2 allgather, 3 allgatherv, 4 broadcast, 5 barrier
                  (0 only on GOODBYE)
@@ -222,15 +318,20 @@
          9    3  reserved, zero
         12    4  sender's rank
         16    4  root (broadcast, else 0)
-        20    4  ABORT: the sender's dopt_status (negative, int32); else 0
+        20    4  ABORT: the failure's dopt_status (negative, int32); else 0
         24    8  sequence number of the sender's collective
-        32    8  the collective's count (allreduce: elements; allgather: bytes per rank;
-                 allgatherv: total bytes; broadcast: bytes; barrier: 0)
-        40    8  payload bytes that follow (ABORT: at most 512, the sender's detail text;
-                 GOODBYE: 0)
+        32    8  DATA: the collective's count (allreduce: elements; allgather: bytes per
+                 rank; allgatherv: total bytes; broadcast: bytes; barrier: 0).
+                 ABORT: 4 bytes the culprit's rank, then 4 bytes the reporter's rank.
+                 GOODBYE: 0
+        40    8  payload bytes that follow (ABORT: at most 512, the reporter's reason, without
+                 its "rank R: <collective>: " prefix; GOODBYE: 0)
    A DATA frame must carry the receiver's collective (kind, dtype, op, root, sequence number and
    count all equal), name the connection's peer as sender, and announce exactly the payload the
    receiver posted for it.
+   An ABORT carries the sender's collective (its sequence number decides whether it belongs to
+   the receiver's current collective or a later one) and must name ranks of the world; its text
+   is read only after the header has passed.
    Collectives send one DATA frame per step (ring step, tree edge, exchange) per peer.
 
    SECURITY
@@ -248,7 +349,7 @@
 extern "C" {
 #endif
 
-#define DOPT_TCP_PROTOCOL_VERSION 1
+#define DOPT_TCP_PROTOCOL_VERSION 2
 #define DOPT_TCP_TOKEN_MAX 64 /* bytes of a job token */
 
 typedef struct dopt_tcp_config {
@@ -263,6 +364,9 @@ typedef struct dopt_tcp_config {
     int socket_buffer_bytes;   /* SO_SNDBUF and SO_RCVBUF; 0: the kernel's autotuning */
     size_t small_bytes;        /* latency-optimal algorithms up to this many bytes; 0: 65536 */
     int spin_us;               /* poll without sleeping this long after progress; 0: 50; <0: never */
+    int rendezvous_timeout_ms; /* bound on the whole rendezvous; 0: 600000 */
+    int rendezvous_report_ms;  /* while the rendezvous waits, say who is missing this often; 0: 5000;
+                                  <0: never */
     dopt_log_fn log_fn;        /* installed on the communicator; also told why a create failed */
     void *log_user;
     void (*on_listen)(void *user, int port); /* rank 0: called once its rendezvous port listens */
@@ -271,7 +375,7 @@ typedef struct dopt_tcp_config {
 
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg);
 DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg);
-DOPT_DEF dopt_status dopt_tcp_create_from_env(dopt_comm **out);
+DOPT_DEF dopt_status dopt_tcp_create_from_env(dopt_comm **out, const dopt_tcp_config *base);
 DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fds, const dopt_tcp_config *cfg);
 
 #ifdef __cplusplus
@@ -321,7 +425,13 @@ extern "C" {
 #define DOPT__TCP_DIRECT_MIN (64u << 10)  /* copied payloads at least this long skip the stage */
 #define DOPT__TCP_SMALL_DEFAULT (64u << 10)
 #define DOPT__TCP_SPIN_DEFAULT_US 50
-#define DOPT__TCP_MAX_PENDING 32          /* unauthenticated connections held at once in setup */
+#define DOPT__TCP_MAX_PENDING 32          /* unauthenticated connections held at once */
+#define DOPT__TCP_FLUSH_MS 1000           /* an aborting rank writes its aborts for at most this long */
+#define DOPT__TCP_BLAME_MS 500            /* a connection that ends mid-frame waits this long for a culprit */
+#define DOPT__TCP_RENDEZVOUS_DEFAULT_MS 600000 /* see the manual's configuration table */
+#define DOPT__TCP_REPORT_DEFAULT_MS 5000
+#define DOPT__TCP_VERDICT_MS 2000         /* a rank whose peer connection failed in setup waits for rank 0's word */
+#define DOPT__TCP_RESTART ((dopt_status)1) /* private: rank 0 said AGAIN, the rendezvous starts over */
 
 enum { DOPT__TCP_DATA = 1, DOPT__TCP_ABORT = 2, DOPT__TCP_GOODBYE = 3 };
 enum {
@@ -330,7 +440,8 @@ enum {
     DOPT__TCP_REFUSE = 3,
     DOPT__TCP_WELCOME = 4,
     DOPT__TCP_READY = 5,
-    DOPT__TCP_GO = 6
+    DOPT__TCP_GO = 6,
+    DOPT__TCP_AGAIN = 7
 };
 enum {
     DOPT__TCP_WRONG_TOKEN = 1,
@@ -358,6 +469,8 @@ typedef struct dopt__tcp_peer {
     int fd;
     unsigned char addr[4];      /* listening address, IPv4 in network order (setup) */
     uint32_t port;
+    unsigned char from[4];      /* where its connection to this rank came from (an acceptor's view) */
+    uint32_t from_port;
     unsigned char *stage;       /* bytes received but not yet consumed are [lo, hi) */
     size_t lo, hi;
     int tx_cur, tx_tail, rx_cur, rx_tail; /* this collective's queues */
@@ -367,7 +480,21 @@ typedef struct dopt__tcp_peer {
     int broken;                 /* nothing more may be written (after an abort) */
     int gone;                   /* said goodbye: destroyed its communicator */
     uint64_t goodbye_seq;
+    int closed;                 /* its connection ended without an abort: the order it was seen in (1, 2, ...) */
+    int closed_mid;             /* ... in the middle of a frame to this rank */
+    int close_err;              /* ... with this errno (0: an orderly end of stream) */
+    int close_sending;          /* ... seen by a send */
+    size_t abort_sent;          /* bytes of this rank's ABORT frame written to it */
 } dopt__tcp_peer;
+
+/* A connection not yet admitted: its address and the handshake record read so far. */
+typedef struct dopt__tcp_pending {
+    int fd;
+    size_t got;
+    unsigned char rec[DOPT__TCP_HS_BYTES];
+    unsigned char addr[4];
+    uint32_t port;
+} dopt__tcp_pending;
 
 typedef struct dopt__tcp {
     int rank, size, ready;
@@ -382,6 +509,17 @@ typedef struct dopt__tcp {
     size_t *blk_off, *blk_len;
     unsigned char *scratch;
     size_t scratch_cap;
+    int closes;                 /* connections seen ending in the current collective */
+    double blame_deadline;      /* one did: name the culprit by then (0: none) */
+    unsigned char abort_msg[DOPT__TCP_FRAME_BYTES + DOPT_DETAIL_MAX]; /* this rank's ABORT frame */
+    size_t abort_len;           /* its length; 0 until this rank aborts */
+    /* the rendezvous (rank 0 keeps its listening socket and lobby, to refuse late joiners) */
+    int lfd;                    /* listening socket, or -1 */
+    dopt__tcp_pending pend[DOPT__TCP_MAX_PENDING]; /* connections not yet admitted */
+    int npend;
+    int rdv_timeout_ms, report_ms;
+    double setup_start, next_report;
+    char refusal[DOPT_DETAIL_MAX / 2]; /* the last joiner refused, for rank 0's timeout */
 } dopt__tcp;
 
 /* ===================================================================== BYTES AND CLOCK
@@ -457,7 +595,7 @@ static const char *dopt__tcp_hs_decode(const unsigned char *in, dopt__tcp_hs *h)
     h->port = dopt__get_le16(in + 20);
     h->reason = dopt__get_le16(in + 22);
     memcpy(h->token, in + 32, DOPT_TCP_TOKEN_MAX);
-    if (h->type < DOPT__TCP_HELLO || h->type > DOPT__TCP_GO) return "unknown record type";
+    if (h->type < DOPT__TCP_HELLO || h->type > DOPT__TCP_AGAIN) return "unknown record type";
     if (!dopt__tcp_all_zero(in + 24, 8)) return "reserved bytes are not zero";
     if (h->world < 1 || h->world > (uint32_t)INT_MAX) return "world size out of range";
     if (h->rank >= h->world) return "rank not below the world size";
@@ -478,11 +616,13 @@ static const char *dopt__tcp_entry_decode(const unsigned char *in, unsigned char
 /* ===================================================================== FRAME HEADERS */
 
 typedef struct dopt__tcp_frame {
-    int type;           /* DATA, ABORT or GOODBYE */
-    dopt_coll_desc desc; /* the sender's collective */
+    int type;            /* DATA, ABORT or GOODBYE */
+    dopt_coll_desc desc; /* the sender's collective (an ABORT's carries no count) */
     int sender;
-    int status;         /* ABORT: the sender's error */
-    uint64_t bytes;     /* payload that follows */
+    int status;          /* ABORT: the error */
+    int culprit;         /* ABORT: the rank whose failure it is */
+    int reporter;        /* ABORT: the rank that saw it first */
+    uint64_t bytes;      /* payload that follows */
 } dopt__tcp_frame;
 
 static void dopt__tcp_frame_encode(unsigned char *out, int type, const dopt_coll_desc *d, int sender, int status,
@@ -500,6 +640,15 @@ static void dopt__tcp_frame_encode(unsigned char *out, int type, const dopt_coll
     dopt__put_le64(out + 24, d->seq);
     dopt__put_le64(out + 32, d->count);
     dopt__put_le64(out + 40, bytes);
+}
+
+/* An ABORT header: the sender's collective without its count, whose field carries the culprit
+   and the reporter instead. */
+static void dopt__tcp_abort_encode(unsigned char *out, const dopt_coll_desc *d, int sender, int status, int culprit,
+                                   int reporter, uint64_t bytes) {
+    dopt__tcp_frame_encode(out, DOPT__TCP_ABORT, d, sender, status, bytes);
+    dopt__put_le32(out + 32, (uint32_t)culprit);
+    dopt__put_le32(out + 36, (uint32_t)reporter);
 }
 
 /* NULL when in[0..48) is a well-formed frame header, else why not. Only syntax is checked here;
@@ -527,8 +676,13 @@ static const char *dopt__tcp_frame_decode(const unsigned char *in, dopt__tcp_fra
     f->status = (int)status;
     f->bytes = dopt__get_le64(in + 40);
     if (f->type == DOPT__TCP_ABORT) {
+        uint32_t culprit = dopt__get_le32(in + 32), reporter = dopt__get_le32(in + 36);
         if (status >= 0 || status < (int32_t)DOPT_ERR_CLOSED) return "abort without an error status";
         if (f->bytes > DOPT_DETAIL_MAX) return "abort message too long";
+        if (culprit > (uint32_t)INT_MAX || reporter > (uint32_t)INT_MAX) return "rank out of range";
+        f->desc.count = 0;
+        f->culprit = (int)culprit;
+        f->reporter = (int)reporter;
     } else if (status != 0) {
         return "status on a frame that is not an abort";
     }
@@ -558,64 +712,226 @@ static dopt_status dopt__tcp_frame_check(dopt_comm *c, const dopt_coll_desc *wan
 
 /* ===================================================================== FAILING AND ABORTING */
 
-/* After this rank failed: tell every peer why with an ABORT frame, so that nobody waits for the
-   timeout. Where a frame is half sent an abort cannot be framed, so the connection is shut for
-   writing instead and the peer sees this rank close. Nothing is written afterwards. */
-static dopt_status dopt__tcp_abort_all(dopt_comm *c, const dopt_coll_desc *d) {
+/* The reason in this rank's detail: what follows its "rank R: <collective>: " prefix. */
+static const char *dopt__tcp_reason(const dopt_comm *c, const dopt_coll_desc *d) {
+    char what[160], prefix[DOPT_DETAIL_MAX];
+    int n;
+    dopt_coll_describe(d, what, sizeof what);
+    n = snprintf(prefix, sizeof prefix, "rank %d: %s%s%s: ", c->rank, c->api ? c->api : "", c->api ? ": " : "", what);
+    if (n > 0 && (size_t)n < sizeof prefix && strncmp(c->detail, prefix, (size_t)n) == 0) return c->detail + n;
+    return c->detail;
+}
+
+/* Writes what is left for peer p once this rank aborts: the rest of a half-sent frame (whatever
+   its source holds now: the receiver fails anyway, it only needs the frame to end so that the
+   abort after it can be read), then the abort. 1: all written; 0: the socket is full; -1: the
+   connection is gone. */
+static int dopt__tcp_flush_peer(dopt__tcp *t, int p) {
+    dopt__tcp_peer *P = &t->peers[p];
+    for (;;) {
+        dopt__tcp_op *o = P->tx_mid ? &t->ops[P->tx_cur] : NULL;
+        size_t hdr_left = o ? DOPT__TCP_FRAME_BYTES - o->hdr_done : 0, body_left = o ? o->bytes - o->done : 0, sent, k;
+        struct iovec iov[3];
+        struct msghdr msg;
+        ssize_t n;
+        int nv = 0;
+        if (hdr_left) {
+            iov[nv].iov_base = o->hdr + o->hdr_done;
+            iov[nv++].iov_len = hdr_left;
+        }
+        if (body_left) {
+            iov[nv].iov_base = o->ptr + o->done;
+            iov[nv++].iov_len = body_left;
+        }
+        if (P->abort_sent < t->abort_len) {
+            iov[nv].iov_base = t->abort_msg + P->abort_sent;
+            iov[nv++].iov_len = t->abort_len - P->abort_sent;
+        }
+        if (nv == 0) return 1;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)nv;
+        n = sendmsg(P->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+        sent = (size_t)n;
+        if (o) {
+            k = sent < hdr_left ? sent : hdr_left;
+            o->hdr_done += (unsigned)k;
+            sent -= k;
+            k = sent < body_left ? sent : body_left;
+            o->done += k;
+            sent -= k;
+            P->tx_mid = !(o->hdr_done == DOPT__TCP_FRAME_BYTES && o->done == o->bytes);
+        }
+        P->abort_sent += sent;
+    }
+}
+
+/* After this rank failed: tell every peer why with an ABORT frame naming the culprit (the rank
+   whose failure it is) and the reporter (the rank that saw it first), so that nobody waits for
+   the timeout and everybody names the same rank. A frame half-sent to a peer is finished first;
+   all peers are written at once, reading (and dropping) what they send meanwhile so that two
+   aborting ranks never wait on each other. What cannot be written within
+   min(timeout, DOPT__TCP_FLUSH_MS) is cut: that connection is shut, and the peer sees this rank
+   close. Nothing is written afterwards. */
+static dopt_status dopt__tcp_abort_all(dopt_comm *c, const dopt_coll_desc *d, int culprit, int reporter,
+                                       const char *why) {
     dopt__tcp *t = (dopt__tcp *)c->impl;
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES];
-    size_t len = strlen(c->detail);
+    size_t len = strlen(why);
+    double deadline = dopt__tcp_now_ms() + (c->timeout_ms < DOPT__TCP_FLUSH_MS ? c->timeout_ms : DOPT__TCP_FLUSH_MS);
     int p;
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_ABORT, d, c->rank, (int)c->error, len);
+    if (t->abort_len) return c->error; /* told them already */
+    if (len > DOPT_DETAIL_MAX) len = DOPT_DETAIL_MAX;
+    dopt__tcp_abort_encode(t->abort_msg, d, c->rank, (int)c->error, culprit, reporter, len);
+    memcpy(t->abort_msg + DOPT__TCP_FRAME_BYTES, why, len);
+    t->abort_len = DOPT__TCP_FRAME_BYTES + len;
+    for (;;) {
+        int np = 0, pending = 0, n, i;
+        for (p = 0; p < t->size; p++) {
+            dopt__tcp_peer *P = &t->peers[p];
+            short ev;
+            if (p == t->rank || P->fd < 0) continue;
+            if (!P->broken) {
+                int r = dopt__tcp_flush_peer(t, p);
+                if (r != 0) P->broken = 1;
+                pending |= r == 0;
+            }
+            ev = (short)((P->broken ? 0 : POLLOUT) | (P->closed ? 0 : POLLIN));
+            if (!ev) continue;
+            t->pfd[np].fd = P->fd;
+            t->pfd[np].events = ev;
+            t->pfd[np].revents = 0;
+            t->pfd_peer[np++] = p;
+        }
+        if (!pending || dopt__tcp_now_ms() >= deadline) break;
+        n = poll(t->pfd, (nfds_t)np, dopt__tcp_ms_left(deadline));
+        if (n < 0 && errno != EINTR) break;
+        for (i = 0; i < np && n > 0; i++) {
+            dopt__tcp_peer *P = &t->peers[t->pfd_peer[i]];
+            ssize_t k;
+            if (!(t->pfd[i].revents & (POLLIN | POLLHUP | POLLERR)) || P->closed) continue;
+            k = recv(P->fd, P->stage, DOPT__TCP_STAGE_BYTES, MSG_DONTWAIT);
+            if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+                P->closed = ++t->closes;
+        }
+    }
     for (p = 0; p < t->size; p++) {
         dopt__tcp_peer *P = &t->peers[p];
-        struct iovec iov[2];
-        struct msghdr msg;
-        ssize_t n = -1;
         if (p == t->rank || P->fd < 0 || P->broken) continue;
-        if (!P->tx_mid) {
-            iov[0].iov_base = hdr;
-            iov[0].iov_len = sizeof hdr;
-            iov[1].iov_base = c->detail;
-            iov[1].iov_len = len;
-            memset(&msg, 0, sizeof msg);
-            msg.msg_iov = iov;
-            msg.msg_iovlen = 2;
-            n = sendmsg(P->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-        }
-        if (n != (ssize_t)(sizeof hdr + len)) shutdown(P->fd, SHUT_WR);
+        shutdown(P->fd, SHUT_WR);
         P->broken = 1;
     }
     return c->error;
 }
 
-static dopt_status dopt__tcp_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, const char *fmt, ...)
-    DOPT_PRINTF(4, 5);
-static dopt_status dopt__tcp_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, const char *fmt, ...) {
+static dopt_status dopt__tcp_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, int culprit, const char *fmt,
+                                  ...) DOPT_PRINTF(5, 6);
+static dopt_status dopt__tcp_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, int culprit, const char *fmt,
+                                  ...) {
     char msg[DOPT_DETAIL_MAX];
     va_list ap;
+    if (c->error != DOPT_OK) return c->error;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     dopt_comm_fail(c, d, s, "%s", msg);
-    return d ? dopt__tcp_abort_all(c, d) : c->error;
+    return dopt__tcp_abort_all(c, d, culprit, c->rank, msg);
 }
 
-static dopt_status dopt__tcp_errno_fail(dopt_comm *c, const dopt_coll_desc *d, int peer, int err, const char *doing) {
-    if (err == EPIPE || err == ECONNRESET || err == ENOTCONN || err == ECONNABORTED)
-        return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, "connection to rank %d lost while %s: %s", peer, doing,
-                              strerror(err));
-    return dopt__tcp_fail(c, d, DOPT_ERR_IO, "%s (rank %d): %s", doing, peer, strerror(err));
+/* This rank's detail was just set by a check of peer p's frame: abort naming p. A mismatch's
+   abort carries this rank's call as well, so that p itself learns both sides. */
+static dopt_status dopt__tcp_abort_checked(dopt_comm *c, const dopt_coll_desc *d, int p) {
+    char why[DOPT_DETAIL_MAX], mine[160];
+    const char *reason = dopt__tcp_reason(c, d);
+    size_t n = strlen(reason);
+    if (n >= sizeof why) n = sizeof why - 1;
+    memcpy(why, reason, n);
+    why[n] = '\0';
+    if (c->error == DOPT_ERR_MISMATCH) {
+        dopt_coll_describe(d, mine, sizeof mine);
+        snprintf(why + n, sizeof why - n, " and rank %d %s", c->rank, mine);
+    }
+    return dopt__tcp_abort_all(c, d, p, c->rank, why);
 }
 
-/* A peer's ABORT frame, whole in its stage: fail with the peer's status and its words. */
-static dopt_status dopt__tcp_peer_aborted(dopt_comm *c, const dopt_coll_desc *d, int peer, const dopt__tcp_frame *f,
+/* A peer's ABORT frame, whole in its stage: fail with its status, naming its culprit first and
+   its reporter after ("rank 1 closed the connection (reported by rank 2)"), and pass it on. */
+static dopt_status dopt__tcp_peer_aborted(dopt_comm *c, const dopt_coll_desc *d, const dopt__tcp_frame *f,
                                           const unsigned char *text) {
     char why[DOPT_DETAIL_MAX + 1];
     size_t i, n = (size_t)f->bytes;
+    if (c->error != DOPT_OK) return c->error;
     for (i = 0; i < n; i++) why[i] = (text[i] >= 0x20 && text[i] < 0x7F) ? (char)text[i] : '?';
     why[n] = '\0';
-    return dopt__tcp_fail(c, d, (dopt_status)f->status, "rank %d aborted: %s", peer, why);
+    dopt_comm_fail(c, d, (dopt_status)f->status, "%s (reported by rank %d)", why, f->reporter);
+    return dopt__tcp_abort_all(c, d, f->culprit, f->reporter, why);
+}
+
+/* ===================================================================== A CONNECTION THAT ENDS */
+
+static int dopt__tcp_conn_lost(int err) {
+    return err == EPIPE || err == ECONNRESET || err == ENOTCONN || err == ECONNABORTED;
+}
+
+/* 1 when p's connection ended part-way through a frame to this rank: a header, a payload or an
+   abort begun and not finished. */
+static int dopt__tcp_mid_frame(const dopt__tcp *t, int p) {
+    const dopt__tcp_peer *P = &t->peers[p];
+    const dopt__tcp_op *o = P->rx_cur >= 0 ? &t->ops[P->rx_cur] : NULL;
+    return P->hi > P->lo || (o && o->hdr_done && o->done < o->bytes);
+}
+
+/* Peer p's connection ended (err: 0 for an end of stream, else the errno of the call that saw
+   it) without an abort while this collective still needs p. The rank named must be the one that
+   failed, and an end of stream does not say which: a rank that aborts because of another's death
+   ends its connections too. But it sends an abort first, finishing any half-sent frame to do so,
+   and is cut mid-frame only when the receiver did not read for DOPT__TCP_FLUSH_MS. So an end at
+   a frame boundary is p's own death (or exit): p is named once the other connections have been
+   read once more (an abort naming someone else may be there). An end in the middle of a frame
+   waits up to DOPT__TCP_BLAME_MS for better evidence: an abort from another peer, or another
+   connection ending at a boundary. dopt__tcp_run decides (dopt__tcp_blame). */
+static void dopt__tcp_mark_closed(const dopt_comm *c, dopt__tcp *t, int p, int err, int sending) {
+    dopt__tcp_peer *P = &t->peers[p];
+    double by;
+    if (P->closed) return;
+    P->closed = ++t->closes;
+    P->close_err = err;
+    P->close_sending = sending;
+    P->closed_mid = dopt__tcp_mid_frame(t, p);
+    by = dopt__tcp_now_ms();
+    if (P->closed_mid) by += c->timeout_ms < DOPT__TCP_BLAME_MS ? c->timeout_ms : DOPT__TCP_BLAME_MS;
+    if (t->blame_deadline == 0 || by < t->blame_deadline) t->blame_deadline = by;
+}
+
+static int dopt__tcp_open_peers(const dopt__tcp *t) {
+    int p, n = 0;
+    for (p = 0; p < t->size; p++) n += p != t->rank && t->peers[p].fd >= 0 && !t->peers[p].closed;
+    return n;
+}
+
+/* Names the rank whose connection ended: the first seen ending at a frame boundary, else the
+   first seen at all; the others that ended are listed after it. */
+static dopt_status dopt__tcp_blame(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d) {
+    char also[160] = "";
+    size_t used = 0;
+    int p, culprit = -1;
+    const dopt__tcp_peer *C;
+    for (p = 0; p < t->size; p++) {
+        const dopt__tcp_peer *P = &t->peers[p];
+        if (p == t->rank || !P->closed) continue;
+        if (culprit < 0 || (t->peers[culprit].closed_mid && !P->closed_mid) ||
+            (t->peers[culprit].closed_mid == P->closed_mid && P->closed < t->peers[culprit].closed))
+            culprit = p;
+    }
+    for (p = 0; p < t->size && used + 32 < sizeof also; p++)
+        if (p != t->rank && p != culprit && t->peers[p].closed)
+            used += (size_t)snprintf(also + used, sizeof also - used, "; rank %d's is closed too", p);
+    C = &t->peers[culprit];
+    if (C->close_err)
+        return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, culprit, "connection to rank %d lost while %s: %s%s", culprit,
+                              C->close_sending ? "sending" : "receiving", strerror(C->close_err), also);
+    return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, culprit, "rank %d closed the connection%s", culprit, also);
 }
 
 /* ===================================================================== SCHEDULES: RING, TREE, CHAIN, DISSEMINATION */
@@ -727,9 +1043,9 @@ static void dopt__tcp_rx_next(dopt__tcp_peer *P, dopt__tcp_op *o) {
 static dopt_status dopt__tcp_unexpected(dopt_comm *c, const dopt_coll_desc *d, int p, const dopt__tcp_frame *f) {
     if (f->sender == p && !dopt__tcp_same_coll(d, &f->desc)) {
         dopt_comm_fail_mismatch(c, d, &f->desc, p);
-        return dopt__tcp_abort_all(c, d);
+        return dopt__tcp_abort_checked(c, d, p);
     }
-    return dopt__tcp_fail(c, d, DOPT_ERR_PROTOCOL, "rank %d sent a frame this rank did not expect", p);
+    return dopt__tcp_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a frame this rank did not expect", p);
 }
 
 /* Consumes what peer p's stage holds: frame headers (validated before anything of the payload is
@@ -747,28 +1063,32 @@ static dopt_status dopt__tcp_consume(dopt_comm *c, dopt__tcp *t, const dopt_coll
             if (avail < DOPT__TCP_FRAME_BYTES || P->parked) return DOPT_OK;
             why = dopt__tcp_frame_decode(P->stage + P->lo, &f);
             if (why)
-                return dopt__tcp_fail(c, d, DOPT_ERR_PROTOCOL, "rank %d sent a malformed frame header: %s", p, why);
+                return dopt__tcp_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a malformed frame header: %s", p, why);
             if (o == NULL && f.desc.seq > d->seq && f.type != DOPT__TCP_GOODBYE) {
                 P->parked = 1; /* a later collective's frame, an abort included: this one may still finish */
                 return DOPT_OK;
             }
             if (f.type == DOPT__TCP_ABORT) {
+                if (f.culprit >= t->size || f.reporter >= t->size)
+                    return dopt__tcp_fail(c, d, DOPT_ERR_PROTOCOL, p,
+                                          "rank %d sent an abort naming ranks %d and %d in a world of %d", p, f.culprit,
+                                          f.reporter, t->size);
                 if (avail < DOPT__TCP_FRAME_BYTES + f.bytes) return DOPT_OK;
-                return dopt__tcp_peer_aborted(c, d, p, &f, P->stage + P->lo + DOPT__TCP_FRAME_BYTES);
+                return dopt__tcp_peer_aborted(c, d, &f, P->stage + P->lo + DOPT__TCP_FRAME_BYTES);
             }
             if (f.type == DOPT__TCP_GOODBYE) {
                 P->lo += DOPT__TCP_FRAME_BYTES;
                 P->gone = 1;
                 P->goodbye_seq = f.desc.seq;
                 if (o)
-                    return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST,
+                    return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, p,
                                           "rank %d destroyed its communicator after its collective #%llu", p,
                                           (unsigned long long)f.desc.seq);
                 continue;
             }
             if (o == NULL) return dopt__tcp_unexpected(c, d, p, &f);
             s = dopt__tcp_frame_check(c, d, p, &f, o->bytes);
-            if (s != DOPT_OK) return dopt__tcp_abort_all(c, d);
+            if (s != DOPT_OK) return dopt__tcp_abort_checked(c, d, p);
             P->lo += DOPT__TCP_FRAME_BYTES;
             o->hdr_done = 1;
             avail -= DOPT__TCP_FRAME_BYTES;
@@ -791,23 +1111,6 @@ static dopt_status dopt__tcp_consume(dopt_comm *c, dopt__tcp *t, const dopt_coll
         if (o->done < o->bytes) return DOPT_OK;
         dopt__tcp_rx_next(P, o);
     }
-}
-
-/* A peer closed mid-collective. A rank that aborts while it is half-way through a frame to us
-   can only shut the connection, so its close may stand for another rank's death: look, without
-   waiting, for another connection that is closed too, and name that rank as well. */
-static dopt_status dopt__tcp_closed(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d, int p) {
-    int q;
-    for (q = 0; q < t->size; q++) {
-        unsigned char b;
-        ssize_t n;
-        if (q == p || q == t->rank || t->peers[q].fd < 0 || t->peers[q].gone) continue;
-        n = recv(t->peers[q].fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-        if (n == 0 || (n < 0 && (errno == ECONNRESET || errno == EPIPE)))
-            return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, "rank %d closed the connection; rank %d's is closed too",
-                                  p, q);
-    }
-    return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, "rank %d closed the connection", p);
 }
 
 static dopt_status dopt__tcp_pump_rx(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d, int p, int *progress) {
@@ -853,34 +1156,39 @@ static dopt_status dopt__tcp_pump_rx(dopt_comm *c, dopt__tcp *t, const dopt_coll
             }
             continue;
         }
-        if (n == 0) {
-            if (P->rx_cur < 0) {
-                /* Nothing more is needed from p in this collective, so it may finish; a later one
-                   that needs p finds the connection closed. */
-                P->parked = 1;
-                return DOPT_OK;
-            }
-            if (P->gone)
-                return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST,
-                                      "rank %d destroyed its communicator after its collective #%llu", p,
-                                      (unsigned long long)P->goodbye_seq);
-            return dopt__tcp_closed(c, t, d, p);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return DOPT_OK;
+        if (n < 0 && !dopt__tcp_conn_lost(errno))
+            return dopt__tcp_fail(c, d, DOPT_ERR_IO, c->rank, "receiving from rank %d: %s", p, strerror(errno));
+        if (P->rx_cur < 0) {
+            /* Nothing more is needed from p in this collective, so it may finish; a later one
+               that needs p finds the connection closed. */
+            P->parked = 1;
+            return DOPT_OK;
         }
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return DOPT_OK;
-        return dopt__tcp_errno_fail(c, d, p, errno, "receiving");
+        if (P->gone)
+            return dopt__tcp_fail(c, d, DOPT_ERR_PEER_LOST, p,
+                                  "rank %d destroyed its communicator after its collective #%llu", p,
+                                  (unsigned long long)P->goodbye_seq);
+        dopt__tcp_mark_closed(c, t, p, n < 0 ? errno : 0, 0);
+        return DOPT_OK;
     }
 }
 
 /* ===================================================================== PROGRESS ENGINE: SENDING */
 
 /* A peer that failed sends an abort and may close at once; our send then meets a reset before
-   the abort was read. What the peer said explains more than "broken pipe", so read it first. */
+   the abort was read. What the peer said explains more than "broken pipe", so read it first;
+   without one, the connection has ended (dopt__tcp_mark_closed). */
 static dopt_status dopt__tcp_send_failed(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d, int p, int err) {
     int progress = 0;
-    dopt_status s = dopt__tcp_pump_rx(c, t, d, p, &progress);
+    dopt_status s;
+    if (!dopt__tcp_conn_lost(err))
+        return dopt__tcp_fail(c, d, DOPT_ERR_IO, c->rank, "sending to rank %d: %s", p, strerror(err));
+    s = dopt__tcp_pump_rx(c, t, d, p, &progress);
     if (s != DOPT_OK) return s;
-    return dopt__tcp_errno_fail(c, d, p, err, "sending");
+    dopt__tcp_mark_closed(c, t, p, err, 1);
+    return DOPT_OK;
 }
 
 static dopt_status dopt__tcp_pump_tx(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d, int p, int *progress) {
@@ -931,19 +1239,39 @@ static dopt_status dopt__tcp_pump_tx(dopt_comm *c, dopt__tcp *t, const dopt_coll
 
 /* ===================================================================== PROGRESS ENGINE: WAITING */
 
+/* Nothing moved for the timeout: the culprit is the first rank waited for. */
 static dopt_status dopt__tcp_timed_out(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d) {
     char who[160] = "";
     size_t used = 0;
-    int p;
+    int p, culprit = -1;
+    if (t->blame_deadline > 0) return dopt__tcp_blame(c, t, d); /* a connection ended: that says more */
     for (p = 0; p < t->size && used < sizeof who - 40; p++) {
         dopt__tcp_peer *P = &t->peers[p];
+        int waited = 1;
         if (p == t->rank) continue;
         if (P->rx_cur >= 0)
             used += (size_t)snprintf(who + used, sizeof who - used, "%sdata from rank %d", used ? ", " : "", p);
         else if (P->tx_cur >= 0 && P->tx_blocked)
             used += (size_t)snprintf(who + used, sizeof who - used, "%srank %d to read", used ? ", " : "", p);
+        else
+            waited = 0;
+        if (waited && culprit < 0) culprit = p;
     }
-    return dopt__tcp_fail(c, d, DOPT_ERR_TIMEOUT, "no progress for %d ms waiting for %s", c->timeout_ms, who);
+    return dopt__tcp_fail(c, d, DOPT_ERR_TIMEOUT, culprit < 0 ? c->rank : culprit,
+                          "no progress for %d ms waiting for %s", c->timeout_ms, who);
+}
+
+/* Rank 0 keeps listening after the rendezvous, so that a late joiner (a second process with a
+   rank already taken, a rank of another job on the same port) is refused at once: its listening
+   socket and the connections not yet admitted are polled with the peers (RENDEZVOUS: JOINERS). */
+static int dopt__tcp_lobby_add(dopt__tcp *t, int np);
+static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, int lo, int hi);
+
+/* A connection ended in this collective (dopt__tcp_mark_closed) and the connections that remain
+   were polled once since: name the culprit when its time has come or nobody is left to say more. */
+static int dopt__tcp_blame_due(const dopt__tcp *t, int polled_since) {
+    return polled_since && t->blame_deadline > 0 &&
+           (dopt__tcp_now_ms() >= t->blame_deadline || dopt__tcp_open_peers(t) == 0);
 }
 
 /* Runs the planned schedule to its end: sends whatever is ready, receives whatever has arrived,
@@ -953,18 +1281,19 @@ static dopt_status dopt__tcp_timed_out(dopt_comm *c, dopt__tcp *t, const dopt_co
 static dopt_status dopt__tcp_run(dopt_comm *c, dopt__tcp *t, const dopt_coll_desc *d) {
     double last = dopt__tcp_now_ms(), spin_end = last + (t->spin_us > 0 ? t->spin_us / 1000.0 : 0.0);
     int q;
+    t->blame_deadline = 0;
     for (q = 0; q < t->size; q++) /* frames a fast peer sent before this rank got here */
         if (q != t->rank && t->peers[q].hi > t->peers[q].lo) {
             dopt_status s = dopt__tcp_consume(c, t, d, q);
             if (s != DOPT_OK) return s;
         }
     for (;;) {
-        int p, np = 0, busy = 0, progress = 0, n, i;
+        int p, np = 0, busy = 0, progress = 0, n, i, blaming, npeers;
         dopt_status s;
         for (p = 0; p < t->size; p++) {
             dopt__tcp_peer *P = &t->peers[p];
             if (p == t->rank) continue;
-            if (P->tx_cur >= 0 && !P->tx_blocked) {
+            if (P->tx_cur >= 0 && !P->tx_blocked && !P->closed) {
                 s = dopt__tcp_pump_tx(c, t, d, p, &progress);
                 if (s != DOPT_OK) return s;
             }
@@ -974,7 +1303,7 @@ static dopt_status dopt__tcp_run(dopt_comm *c, dopt__tcp *t, const dopt_coll_des
         for (p = 0; p < t->size; p++) {
             dopt__tcp_peer *P = &t->peers[p];
             short ev = 0;
-            if (p == t->rank) continue;
+            if (p == t->rank || P->closed) continue;
             if (!P->parked) ev |= POLLIN;
             if (P->tx_cur >= 0 && P->tx_blocked) ev |= POLLOUT;
             if (!ev) continue;
@@ -983,23 +1312,28 @@ static dopt_status dopt__tcp_run(dopt_comm *c, dopt__tcp *t, const dopt_coll_des
             t->pfd[np].revents = 0;
             t->pfd_peer[np++] = p;
         }
+        npeers = np;
+        np = dopt__tcp_lobby_add(t, np);
+        blaming = t->blame_deadline > 0; /* and the poll below looks at the others once more */
         n = poll(t->pfd, (nfds_t)np, 0);
         if (n == 0 && !progress) {
-            double now = dopt__tcp_now_ms();
+            double now = dopt__tcp_now_ms(), until = last + (double)c->timeout_ms;
             if (now < spin_end) {
                 /* Yield, not just spin: on loopback the peer's packets may be processed by a
                    softirq thread that needs this core; pure spinning measured 2x slower. */
                 sched_yield();
                 continue;
             }
+            if (dopt__tcp_blame_due(t, blaming)) return dopt__tcp_blame(c, t, d);
             if (now - last >= (double)c->timeout_ms) return dopt__tcp_timed_out(c, t, d);
-            n = poll(t->pfd, (nfds_t)np, dopt__tcp_ms_left(last + (double)c->timeout_ms));
+            if (t->blame_deadline > 0 && t->blame_deadline < until) until = t->blame_deadline;
+            n = poll(t->pfd, (nfds_t)np, dopt__tcp_ms_left(until));
         }
         if (n < 0) {
             if (errno == EINTR) continue;
-            return dopt__tcp_fail(c, d, DOPT_ERR_IO, "poll: %s", strerror(errno));
+            return dopt__tcp_fail(c, d, DOPT_ERR_IO, c->rank, "poll: %s", strerror(errno));
         }
-        for (i = 0; i < np && n > 0; i++) {
+        for (i = 0; i < npeers && n > 0; i++) {
             short re = t->pfd[i].revents;
             p = t->pfd_peer[i];
             if (re & (POLLOUT | POLLERR | POLLHUP)) t->peers[p].tx_blocked = 0; /* the send says why */
@@ -1008,6 +1342,8 @@ static dopt_status dopt__tcp_run(dopt_comm *c, dopt__tcp *t, const dopt_coll_des
                 if (s != DOPT_OK) return s;
             }
         }
+        if (n > 0 && np > npeers) dopt__tcp_lobby_serve(c, t, npeers, np, 1, t->size);
+        if (dopt__tcp_blame_due(t, blaming)) return dopt__tcp_blame(c, t, d);
         if (progress) {
             last = dopt__tcp_now_ms();
             spin_end = last + (t->spin_us > 0 ? t->spin_us / 1000.0 : 0.0);
@@ -1025,7 +1361,8 @@ static dopt_status dopt__tcp_need_scratch(dopt_comm *c, dopt__tcp *t, const dopt
     t->scratch = (unsigned char *)DOPT_MALLOC(bytes);
     t->scratch_cap = t->scratch ? bytes : 0;
     if (t->scratch == NULL)
-        return dopt__tcp_fail(c, d, DOPT_ERR_NOMEM, "cannot allocate %llu bytes of scratch", (unsigned long long)bytes);
+        return dopt__tcp_fail(c, d, DOPT_ERR_NOMEM, c->rank, "cannot allocate %llu bytes of scratch",
+                              (unsigned long long)bytes);
     return DOPT_OK;
 }
 
@@ -1135,6 +1472,8 @@ static void dopt__tcp_free(dopt__tcp *t) {
             if (t->peers[p].fd >= 0) close(t->peers[p].fd);
             DOPT_FREE(t->peers[p].stage);
         }
+    if (t->lfd >= 0) close(t->lfd);
+    for (p = 0; p < t->npend; p++) close(t->pend[p].fd);
     DOPT_FREE(t->peers);
     DOPT_FREE(t->ops);
     DOPT_FREE(t->pfd);
@@ -1232,55 +1571,70 @@ static void dopt__tcp_sockaddr(struct sockaddr_in *sa, const unsigned char addr[
     memcpy(&sa->sin_addr.s_addr, addr, 4);
 }
 
-static dopt_status dopt__tcp_resolve(dopt_comm *c, const char *host, unsigned char addr[4]) {
-    struct addrinfo hints, *res = NULL;
-    int rc;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_INET;
-    hints.ai_socktype = SOCK_STREAM;
-    rc = getaddrinfo(host, NULL, &hints, &res);
-    if (rc != 0 || res == NULL)
-        return dopt_comm_fail(c, NULL, DOPT_ERR_INVALID, "cannot resolve \"%s\" to an IPv4 address: %s", host,
-                              gai_strerror(rc));
-    memcpy(addr, &((struct sockaddr_in *)(void *)res->ai_addr)->sin_addr.s_addr, 4);
-    freeaddrinfo(res);
-    return DOPT_OK;
+/* ===================================================================== RENDEZVOUS: FAILING AND REPORTING */
+
+/* Records a setup failure without logging it: the rendezvous may yet start over (a rank left
+   before the job formed), and a failed create logs its one reason at its end. */
+static dopt_status dopt__tcp_setup_fail(dopt_comm *c, dopt_status s, const char *fmt, ...) DOPT_PRINTF(3, 4);
+static dopt_status dopt__tcp_setup_fail(dopt_comm *c, dopt_status s, const char *fmt, ...) {
+    char msg[DOPT_DETAIL_MAX];
+    dopt_log_fn fn = c->log_fn;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    c->log_fn = NULL;
+    dopt_comm_fail(c, NULL, s, "%s", msg);
+    c->log_fn = fn;
+    return c->error;
 }
 
-static dopt_status dopt__tcp_listen(dopt_comm *c, dopt__tcp *t, const unsigned char addr[4], uint32_t port, int *fd_out,
-                                    uint32_t *port_out) {
-    struct sockaddr_in sa;
-    socklen_t len = sizeof sa;
-    char where[32];
-    int one = 1, fd = dopt__tcp_new_socket(t->sockbuf);
-    dopt__tcp_addr_str(addr, port, where, sizeof where);
-    if (fd < 0) return dopt_comm_fail(c, NULL, DOPT_ERR_IO, "socket: %s", strerror(errno));
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    dopt__tcp_sockaddr(&sa, addr, port);
-    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(fd, SOMAXCONN) < 0 ||
-        getsockname(fd, (struct sockaddr *)&sa, &len) < 0) {
-        int err = errno;
-        close(fd);
-        return dopt_comm_fail(c, NULL, DOPT_ERR_IO, "cannot listen on %s: %s", where, strerror(err));
-    }
-    *fd_out = fd;
-    *port_out = ntohs(sa.sin_port);
-    return DOPT_OK;
+/* Forgets a setup failure that starting over makes moot. */
+static void dopt__tcp_setup_forget(dopt_comm *c) {
+    c->error = DOPT_OK;
+    c->detail[0] = '\0';
 }
 
-/* During setup every rank but 0 keeps an eye on its connection to rank 0: rank 0 closes all
-   connections when any rank fails, and nothing else arrives on it before GO. */
-static dopt_status dopt__tcp_setup_lost(dopt_comm *c, int watch_fd) {
-    char b;
-    ssize_t n = recv(watch_fd, &b, 1, MSG_DONTWAIT | MSG_PEEK);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return DOPT_OK;
-    if (n > 0) return dopt_comm_fail(c, NULL, DOPT_ERR_PROTOCOL, "rank 0 sent an unexpected record during setup");
-    return dopt_comm_fail(c, NULL, DOPT_ERR_PEER_LOST, "rank 0 closed its connection during setup (a rank failed)");
+/* 1 when the rendezvous has waited report_ms more since its last report (the next is then
+   scheduled). */
+static int dopt__tcp_report_due(dopt__tcp *t) {
+    double now = dopt__tcp_now_ms();
+    if (t->report_ms <= 0 || now < t->next_report) return 0;
+    t->next_report = now + t->report_ms;
+    return 1;
 }
 
-/* Waits until fd is ready for events (or watch_fd readable): DOPT_OK, TIMEOUT, or the watch's
-   failure. */
+static int dopt__tcp_waited_s(const dopt__tcp *t) { return (int)((dopt__tcp_now_ms() - t->setup_start) / 1000.0); }
+
+/* How long a setup poll() may sleep: until the deadline or the next report. */
+static int dopt__tcp_setup_ms(const dopt__tcp *t, double deadline) {
+    double until = deadline;
+    if (t->report_ms > 0 && t->next_report < until) until = t->next_report;
+    return dopt__tcp_ms_left(until);
+}
+
+/* "rank 3" or "ranks 1, 3": the ranks of [lo, hi) not connected yet (ready = 0), or connected
+   but not yet READY (ready = 1, rank 0). Returns how many. */
+static int dopt__tcp_list(const dopt__tcp *t, int lo, int hi, int ready, char *out, size_t cap) {
+    int r, n = 0, listed = 0;
+    size_t used;
+    for (r = lo; r < hi; r++) n += ready ? t->peers[r].hi < DOPT__TCP_HS_BYTES : t->peers[r].fd < 0;
+    used = (size_t)snprintf(out, cap, "rank%s ", n == 1 ? "" : "s");
+    for (r = lo; r < hi && used + 24 < cap; r++)
+        if (ready ? t->peers[r].hi < DOPT__TCP_HS_BYTES : t->peers[r].fd < 0)
+            used += (size_t)snprintf(out + used, cap - used, "%s%d", listed++ ? ", " : "", r);
+    if (listed < n) snprintf(out + used, cap - used, " and %d more", n - listed);
+    return n;
+}
+
+/* ===================================================================== RENDEZVOUS: WAITING ON SOCKETS */
+
+static dopt_status dopt__tcp_setup_lost(dopt_comm *c, int watch_fd, double deadline);
+
+/* Waits until fd is ready for events, watching watch_fd (rank 0's connection, or -1) and saying
+   every report_ms that it waits for `what`. DOPT_OK, TIMEOUT, AGAIN or the watch's failure. */
 static dopt_status dopt__tcp_wait(dopt_comm *c, int fd, short events, double deadline, int watch_fd, const char *what) {
+    dopt__tcp *t = (dopt__tcp *)c->impl;
     for (;;) {
         struct pollfd pf[2];
         int n, np = 1;
@@ -1293,23 +1647,26 @@ static dopt_status dopt__tcp_wait(dopt_comm *c, int fd, short events, double dea
             pf[1].revents = 0;
             np = 2;
         }
-        n = poll(pf, (nfds_t)np, dopt__tcp_ms_left(deadline));
+        if (dopt__tcp_report_due(t))
+            dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: waiting for %s (%d s)", t->rank, what, dopt__tcp_waited_s(t));
+        n = poll(pf, (nfds_t)np, dopt__tcp_setup_ms(t, deadline));
         if (n < 0 && errno == EINTR) continue;
-        if (n < 0) return dopt_comm_fail(c, NULL, DOPT_ERR_IO, "poll: %s", strerror(errno));
+        if (n < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "poll: %s", strerror(errno));
         if (np == 2 && pf[1].revents) {
-            dopt_status s = dopt__tcp_setup_lost(c, watch_fd);
+            dopt_status s = dopt__tcp_setup_lost(c, watch_fd, deadline);
             if (s != DOPT_OK) return s;
         }
         if (pf[0].revents) return DOPT_OK;
-        if (n == 0 && dopt__tcp_now_ms() >= deadline)
-            return dopt_comm_fail(c, NULL, DOPT_ERR_TIMEOUT, "timed out after %d ms %s", c->timeout_ms, what);
+        if (dopt__tcp_now_ms() >= deadline)
+            return dopt__tcp_setup_fail(c, DOPT_ERR_TIMEOUT, "timed out after %d ms waiting for %s", t->rdv_timeout_ms,
+                                        what);
     }
 }
 
 static dopt_status dopt__tcp_send_all(dopt_comm *c, int fd, const unsigned char *buf, size_t n, double deadline,
                                       const char *who) {
     char what[96];
-    snprintf(what, sizeof what, "sending to %s", who);
+    snprintf(what, sizeof what, "%s to read", who);
     while (n > 0) {
         ssize_t k = send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k > 0) {
@@ -1323,15 +1680,14 @@ static dopt_status dopt__tcp_send_all(dopt_comm *c, int fd, const unsigned char 
             if (s != DOPT_OK) return s;
             continue;
         }
-        return dopt_comm_fail(c, NULL, DOPT_ERR_PEER_LOST, "lost %s during setup: %s", who, strerror(errno));
+        return dopt__tcp_setup_fail(c, DOPT_ERR_PEER_LOST, "lost %s during setup: %s", who, strerror(errno));
     }
     return DOPT_OK;
 }
 
+/* Reads n bytes from `who`; `what` says what the wait is for (reports, timeout). */
 static dopt_status dopt__tcp_recv_all(dopt_comm *c, int fd, unsigned char *buf, size_t n, double deadline, int watch_fd,
-                                      const char *who) {
-    char what[96];
-    snprintf(what, sizeof what, "waiting for %s", who);
+                                      const char *who, const char *what) {
     while (n > 0) {
         ssize_t k = recv(fd, buf, n, MSG_DONTWAIT);
         if (k > 0) {
@@ -1339,29 +1695,88 @@ static dopt_status dopt__tcp_recv_all(dopt_comm *c, int fd, unsigned char *buf, 
             n -= (size_t)k;
             continue;
         }
-        if (k == 0) return dopt_comm_fail(c, NULL, DOPT_ERR_PEER_LOST, "%s closed the connection during setup", who);
+        if (k == 0)
+            return dopt__tcp_setup_fail(c, DOPT_ERR_PEER_LOST, "%s closed the connection during setup", who);
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
             dopt_status s = dopt__tcp_wait(c, fd, POLLIN, deadline, watch_fd, what);
             if (s != DOPT_OK) return s;
             continue;
         }
-        return dopt_comm_fail(c, NULL, DOPT_ERR_PEER_LOST, "lost %s during setup: %s", who, strerror(errno));
+        return dopt__tcp_setup_fail(c, DOPT_ERR_PEER_LOST, "lost %s during setup: %s", who, strerror(errno));
     }
     return DOPT_OK;
 }
 
+/* Every rank but 0 watches its connection to rank 0 during setup: before GO nothing arrives on
+   it but AGAIN (rank 0 starts the rendezvous over), and rank 0 closes it when it fails. */
+static dopt_status dopt__tcp_setup_lost(dopt_comm *c, int watch_fd, double deadline) {
+    unsigned char rec[DOPT__TCP_HS_BYTES];
+    dopt__tcp_hs h;
+    dopt_status s;
+    ssize_t n = recv(watch_fd, rec, 1, MSG_DONTWAIT | MSG_PEEK);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return DOPT_OK;
+    if (n <= 0)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_PEER_LOST,
+                                    "rank 0 closed its connection during setup (rank 0 failed: its log says why)");
+    s = dopt__tcp_recv_all(c, watch_fd, rec, sizeof rec, deadline, -1, "rank 0", "the rest of rank 0's record");
+    if (s != DOPT_OK) return s;
+    if (dopt__tcp_hs_decode(rec, &h) == NULL && h.type == DOPT__TCP_AGAIN && h.rank == 0) return DOPT__TCP_RESTART;
+    return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "rank 0 sent an unexpected record during setup");
+}
+
+static dopt_status dopt__tcp_resolve(dopt_comm *c, const char *host, unsigned char addr[4]) {
+    struct addrinfo hints, *res = NULL;
+    int rc;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    rc = getaddrinfo(host, NULL, &hints, &res);
+    if (rc != 0 || res == NULL)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "cannot resolve \"%s\" to an IPv4 address: %s", host,
+                                    gai_strerror(rc));
+    memcpy(addr, &((struct sockaddr_in *)(void *)res->ai_addr)->sin_addr.s_addr, 4);
+    freeaddrinfo(res);
+    return DOPT_OK;
+}
+
+static dopt_status dopt__tcp_listen(dopt_comm *c, dopt__tcp *t, const unsigned char addr[4], uint32_t port, int *fd_out,
+                                    uint32_t *port_out) {
+    struct sockaddr_in sa;
+    socklen_t len = sizeof sa;
+    char where[32];
+    int one = 1, fd = dopt__tcp_new_socket(t->sockbuf);
+    dopt__tcp_addr_str(addr, port, where, sizeof where);
+    if (fd < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "socket: %s", strerror(errno));
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    dopt__tcp_sockaddr(&sa, addr, port);
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(fd, SOMAXCONN) < 0 ||
+        getsockname(fd, (struct sockaddr *)&sa, &len) < 0) {
+        int err = errno;
+        close(fd);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "cannot listen on %s: %s", where, strerror(err));
+    }
+    *fd_out = fd;
+    *port_out = ntohs(sa.sin_port);
+    return DOPT_OK;
+}
+
 /* Connects to addr:port, retrying with backoff (10 ms doubling to 500 ms) while nobody listens
-   there yet, until the deadline. */
+   there yet, until the deadline; says every report_ms that it is still trying and why. */
 static dopt_status dopt__tcp_connect(dopt_comm *c, dopt__tcp *t, const unsigned char addr[4], uint32_t port,
                                      double deadline, int watch_fd, const char *who, int *fd_out) {
-    int backoff = 10, tries = 0;
+    int backoff = 10, tries = 0, err = 0;
     for (;;) {
         struct sockaddr_in sa;
-        int fd = dopt__tcp_new_socket(t->sockbuf), err = 0;
+        int fd;
         socklen_t len = sizeof err;
         dopt_status s;
-        if (fd < 0) return dopt_comm_fail(c, NULL, DOPT_ERR_IO, "socket: %s", strerror(errno));
+        if (err && dopt__tcp_report_due(t)) /* why the last try failed: the report to look for */
+            dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: waiting for %s (%s, %d s)", t->rank, who, strerror(err),
+                          dopt__tcp_waited_s(t));
+        fd = dopt__tcp_new_socket(t->sockbuf);
+        err = 0;
+        if (fd < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "socket: %s", strerror(errno));
         dopt__tcp_sockaddr(&sa, addr, port);
         tries++;
         if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
@@ -1382,16 +1797,16 @@ static dopt_status dopt__tcp_connect(dopt_comm *c, dopt__tcp *t, const unsigned 
         close(fd);
         if (err != ECONNREFUSED && err != ETIMEDOUT && err != ECONNRESET && err != EHOSTUNREACH &&
             err != ENETUNREACH && err != EAGAIN)
-            return dopt_comm_fail(c, NULL, DOPT_ERR_IO, "cannot connect to %s: %s", who, strerror(err));
+            return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "cannot connect to %s: %s", who, strerror(err));
         if (dopt__tcp_now_ms() + backoff >= deadline)
-            return dopt_comm_fail(c, NULL, DOPT_ERR_TIMEOUT, "could not connect to %s within %d ms (%d tries): %s", who,
-                                  c->timeout_ms, tries, strerror(err));
+            return dopt__tcp_setup_fail(c, DOPT_ERR_TIMEOUT, "could not connect to %s within %d ms (%d tries): %s", who,
+                                        t->rdv_timeout_ms, tries, strerror(err));
         if (watch_fd >= 0) {
             struct pollfd pf;
             pf.fd = watch_fd;
             pf.events = POLLIN;
             pf.revents = 0;
-            if (poll(&pf, 1, backoff) > 0 && (s = dopt__tcp_setup_lost(c, watch_fd)) != DOPT_OK) return s;
+            if (poll(&pf, 1, backoff) > 0 && (s = dopt__tcp_setup_lost(c, watch_fd, deadline)) != DOPT_OK) return s;
         } else {
             poll(NULL, 0, backoff);
         }
@@ -1419,38 +1834,44 @@ static dopt_status dopt__tcp_send_record(dopt_comm *c, dopt__tcp *t, int fd, uin
     return dopt__tcp_send_all(c, fd, rec, sizeof rec, deadline, who);
 }
 
-/* Reads one record of the given type from rank `from`. */
+/* Reads one record of the given type from rank `from`; from rank 0, AGAIN instead says the
+   rendezvous starts over. */
 static dopt_status dopt__tcp_recv_record(dopt_comm *c, dopt__tcp *t, int fd, int from, uint32_t type, double deadline,
-                                         int watch_fd, const char *who, dopt__tcp_hs *h) {
+                                         const char *who, const char *what, dopt__tcp_hs *h) {
     unsigned char rec[DOPT__TCP_HS_BYTES];
     const char *why;
-    dopt_status s = dopt__tcp_recv_all(c, fd, rec, sizeof rec, deadline, watch_fd, who);
+    dopt_status s = dopt__tcp_recv_all(c, fd, rec, sizeof rec, deadline, -1, who, what);
     if (s != DOPT_OK) return s;
     why = dopt__tcp_hs_decode(rec, h);
-    if (why) return dopt_comm_fail(c, NULL, DOPT_ERR_PROTOCOL, "%s sent a malformed handshake record: %s", who, why);
+    if (why)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s sent a malformed handshake record: %s", who, why);
+    if (from == 0 && h->type == DOPT__TCP_AGAIN && h->rank == 0) return DOPT__TCP_RESTART;
     if (h->type != type || h->world != (uint32_t)t->size || h->rank != (uint32_t)from)
-        return dopt_comm_fail(c, NULL, DOPT_ERR_PROTOCOL,
-                              "%s sent record type %u of rank %u in a world of %u, expected type %u of rank %d of %d",
-                              who, (unsigned)h->type, (unsigned)h->rank, (unsigned)h->world, (unsigned)type, from,
-                              t->size);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL,
+                                    "%s sent record type %u of rank %u in a world of %u, expected type %u of rank %d "
+                                    "of %d",
+                                    who, (unsigned)h->type, (unsigned)h->rank, (unsigned)h->world, (unsigned)type, from,
+                                    t->size);
     return DOPT_OK;
 }
 
 static dopt_status dopt__tcp_refused(dopt_comm *c, const dopt__tcp *t, const dopt__tcp_hs *h, const char *who) {
+    char holder[32];
     switch (h->reason) {
     case DOPT__TCP_WRONG_TOKEN:
-        return dopt_comm_fail(c, NULL, DOPT_ERR_AUTH, "%s refused this rank: wrong job token", who);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_AUTH, "%s refused this rank: the job token differs", who);
     case DOPT__TCP_WRONG_WORLD:
-        return dopt_comm_fail(c, NULL, DOPT_ERR_INVALID, "%s refused this rank: its world size is %u, ours %d", who,
-                              (unsigned)h->world, t->size);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "%s refused this rank: its world size is %u, this rank's %d",
+                                    who, (unsigned)h->world, t->size);
     case DOPT__TCP_DUPLICATE_RANK:
-        return dopt_comm_fail(c, NULL, DOPT_ERR_INVALID,
-                              "%s refused this rank: another process already joined as rank %d", who, t->rank);
+        dopt__tcp_addr_str(h->addr, h->port, holder, sizeof holder);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "rank %d is already taken by %s (%s refused this process)",
+                                    t->rank, holder, who);
     case DOPT__TCP_WRONG_RANK:
-        return dopt_comm_fail(c, NULL, DOPT_ERR_INVALID, "%s refused this rank: it does not expect rank %d", who,
-                              t->rank);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "%s refused this rank: it does not admit rank %d", who,
+                                    t->rank);
     }
-    return dopt_comm_fail(c, NULL, DOPT_ERR_PROTOCOL, "%s refused this rank: different protocol version", who);
+    return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s refused this rank: different protocol version", who);
 }
 
 /* The connecting side: HELLO with our rank, listening address and token; the acceptor answers
@@ -1458,48 +1879,55 @@ static dopt_status dopt__tcp_refused(dopt_comm *c, const dopt__tcp *t, const dop
 static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer, const unsigned char my_addr[4],
                                    uint32_t my_port, double deadline, int watch_fd, const char *who) {
     unsigned char rec[DOPT__TCP_HS_BYTES];
+    char what[96];
     dopt__tcp_hs h;
     const char *why;
     dopt_status s;
+    snprintf(what, sizeof what, "%s to answer", who);
     dopt__tcp_hs_init(&h, t, DOPT__TCP_HELLO);
     memcpy(h.addr, my_addr, 4);
     h.port = my_port;
     memcpy(h.token, t->token, DOPT_TCP_TOKEN_MAX);
     dopt__tcp_hs_encode(rec, &h);
     s = dopt__tcp_send_all(c, fd, rec, sizeof rec, deadline, who);
-    if (s == DOPT_OK) s = dopt__tcp_recv_all(c, fd, rec, sizeof rec, deadline, watch_fd, who);
+    if (s == DOPT_OK) s = dopt__tcp_recv_all(c, fd, rec, sizeof rec, deadline, watch_fd, who, what);
     if (s != DOPT_OK) return s;
     why = dopt__tcp_hs_decode(rec, &h);
-    if (why) return dopt_comm_fail(c, NULL, DOPT_ERR_PROTOCOL, "%s answered with a malformed record: %s", who, why);
+    if (why)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s answered with a malformed record: %s", who, why);
     if (h.type == DOPT__TCP_REFUSE) return dopt__tcp_refused(c, t, &h, who);
     if (h.type != DOPT__TCP_ACCEPT || h.rank != (uint32_t)peer || h.world != (uint32_t)t->size)
-        return dopt_comm_fail(c, NULL, DOPT_ERR_PROTOCOL, "%s answered as rank %u of %u with record type %u", who,
-                              (unsigned)h.rank, (unsigned)h.world, (unsigned)h.type);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s answered as rank %u of %u with record type %u", who,
+                                    (unsigned)h.rank, (unsigned)h.world, (unsigned)h.type);
     if (!dopt__tcp_token_equal(h.token, t->token))
-        return dopt_comm_fail(c, NULL, DOPT_ERR_AUTH, "%s presented a different job token", who);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_AUTH, "%s presented a different job token", who);
     return DOPT_OK;
 }
 
-/* ===================================================================== RENDEZVOUS: ACCEPTING */
+/* ===================================================================== RENDEZVOUS: JOINERS */
 
-typedef struct dopt__tcp_pending {
-    int fd;
-    size_t got;
-    unsigned char rec[DOPT__TCP_HS_BYTES];
-    unsigned char addr[4];
-    uint32_t port;
-} dopt__tcp_pending;
-
-static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, uint32_t reason, const char *why) {
+/* Refuses connection q, saying why in the log (WARN) and, for a joiner (h: its HELLO), in a
+   REFUSE record; a rank already taken is answered with where its holder connected from. */
+static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, const dopt__tcp_hs *h, uint32_t reason,
+                             const char *why) {
     char from[32];
     dopt__tcp_addr_str(q->addr, q->port, from, sizeof from);
-    dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: refused a connection from %s: %s", t->rank, from, why);
+    if (h) {
+        snprintf(t->refusal, sizeof t->refusal, "a joiner from %s claiming rank %u: %s", from, (unsigned)h->rank, why);
+        dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: refused %s", t->rank, t->refusal);
+    } else {
+        dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: refused a connection from %s: %s", t->rank, from, why);
+    }
     if (reason) {
         unsigned char rec[DOPT__TCP_HS_BYTES];
-        dopt__tcp_hs h;
-        dopt__tcp_hs_init(&h, t, DOPT__TCP_REFUSE);
-        h.reason = reason;
-        dopt__tcp_hs_encode(rec, &h);
+        dopt__tcp_hs answer;
+        dopt__tcp_hs_init(&answer, t, DOPT__TCP_REFUSE);
+        answer.reason = reason;
+        if (reason == DOPT__TCP_DUPLICATE_RANK && h) {
+            memcpy(answer.addr, t->peers[h->rank].from, 4);
+            answer.port = t->peers[h->rank].from_port;
+        }
+        dopt__tcp_hs_encode(rec, &answer);
         (void)!send(q->fd, rec, sizeof rec, MSG_NOSIGNAL | MSG_DONTWAIT);
     }
     close(q->fd);
@@ -1508,45 +1936,52 @@ static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, u
 
 /* Reads from one unauthenticated connection. Returns 1 when it joined as a rank in [lo, hi),
    -1 when it was refused and closed, 0 while its HELLO is incomplete. A stranger never fails the
-   job: it is refused and the accept loop goes on. */
+   job: it is refused and the rendezvous goes on. */
 static int dopt__tcp_pending_read(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, int lo, int hi) {
     dopt__tcp_hs h, answer;
     const char *why;
+    char text[96], holder[32];
     ssize_t n = recv(q->fd, q->rec + q->got, sizeof q->rec - q->got, MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
     if (n <= 0) {
-        dopt__tcp_refuse(c, t, q, 0, "closed before its handshake");
+        dopt__tcp_refuse(c, t, q, NULL, 0, "closed before its handshake");
         return -1;
     }
     q->got += (size_t)n;
     if (memcmp(q->rec, "DOPT", q->got < 4 ? q->got : 4) != 0) {
-        dopt__tcp_refuse(c, t, q, 0, "not a distopt handshake");
+        dopt__tcp_refuse(c, t, q, NULL, 0, "not a distopt handshake");
         return -1;
     }
     if (q->got < sizeof q->rec) return 0;
     why = dopt__tcp_hs_decode(q->rec, &h);
     if (why && h.version != DOPT_TCP_PROTOCOL_VERSION && h.version != 0) {
-        dopt__tcp_refuse(c, t, q, DOPT__TCP_WRONG_VERSION, why);
+        snprintf(text, sizeof text, "protocol version %u, this rank's %d", (unsigned)h.version,
+                 DOPT_TCP_PROTOCOL_VERSION);
+        dopt__tcp_refuse(c, t, q, NULL, DOPT__TCP_WRONG_VERSION, text);
         return -1;
     }
     if (why || h.type != DOPT__TCP_HELLO) {
-        dopt__tcp_refuse(c, t, q, 0, why ? why : "not a HELLO");
+        dopt__tcp_refuse(c, t, q, NULL, 0, why ? why : "not a HELLO");
         return -1;
     }
     if (!dopt__tcp_token_equal(h.token, t->token)) {
-        dopt__tcp_refuse(c, t, q, DOPT__TCP_WRONG_TOKEN, "wrong job token");
+        dopt__tcp_refuse(c, t, q, &h, DOPT__TCP_WRONG_TOKEN, "token differs");
         return -1;
     }
     if (h.world != (uint32_t)t->size) {
-        dopt__tcp_refuse(c, t, q, DOPT__TCP_WRONG_WORLD, "different world size");
+        snprintf(text, sizeof text, "its world size is %u, this job's %d", (unsigned)h.world, t->size);
+        dopt__tcp_refuse(c, t, q, &h, DOPT__TCP_WRONG_WORLD, text);
         return -1;
     }
     if (h.rank < (uint32_t)lo || h.rank >= (uint32_t)hi) {
-        dopt__tcp_refuse(c, t, q, DOPT__TCP_WRONG_RANK, "a rank this one does not accept from");
+        snprintf(text, sizeof text, "rank %d admits ranks %d to %d only", t->rank, lo, hi - 1);
+        dopt__tcp_refuse(c, t, q, &h, DOPT__TCP_WRONG_RANK, text);
         return -1;
     }
     if (t->peers[h.rank].fd >= 0) {
-        dopt__tcp_refuse(c, t, q, DOPT__TCP_DUPLICATE_RANK, "its rank already joined");
+        dopt__tcp_addr_str(t->peers[h.rank].from, t->peers[h.rank].from_port, holder, sizeof holder);
+        snprintf(text, sizeof text, "rank %u is already taken by %s", (unsigned)h.rank, holder);
+        dopt__tcp_refuse(c, t, q, &h, DOPT__TCP_DUPLICATE_RANK, text);
         return -1;
     }
     dopt__tcp_hs_init(&answer, t, DOPT__TCP_ACCEPT);
@@ -1554,162 +1989,170 @@ static int dopt__tcp_pending_read(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending 
     dopt__tcp_hs_encode(q->rec, &answer);
     /* a fresh connection always has room for one record; one that has not is not worth waiting for */
     if (send(q->fd, q->rec, sizeof q->rec, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof q->rec) {
-        dopt__tcp_refuse(c, t, q, 0, "closed during its handshake");
+        dopt__tcp_refuse(c, t, q, NULL, 0, "closed during its handshake");
         return -1;
     }
     /* a rank that listens on the wildcard address is reached at the address it came from */
     memcpy(t->peers[h.rank].addr, dopt__tcp_all_zero(h.addr, 4) ? q->addr : h.addr, 4);
     t->peers[h.rank].port = h.port;
+    memcpy(t->peers[h.rank].from, q->addr, 4);
+    t->peers[h.rank].from_port = q->port;
     t->peers[h.rank].fd = q->fd;
     q->fd = -1;
     return 1;
 }
 
-static void dopt__tcp_missing(const dopt__tcp *t, int lo, int hi, char *out, size_t cap) {
-    size_t used = 0;
-    int r;
-    out[0] = '\0';
-    for (r = lo; r < hi && used + 16 < cap; r++)
-        if (t->peers[r].fd < 0) used += (size_t)snprintf(out + used, cap - used, "%s%d", used ? ", " : "", r);
-}
-
-/* Accepts connections on lfd until ranks lo .. hi-1 have all joined, holding up to
-   DOPT__TCP_MAX_PENDING unauthenticated connections at once so that a silent stranger cannot
-   stall the job. */
-static dopt_status dopt__tcp_accept_ranks(dopt_comm *c, dopt__tcp *t, int lfd, int lo, int hi, double deadline,
-                                          int watch_fd) {
-    dopt__tcp_pending pend[DOPT__TCP_MAX_PENDING];
-    struct pollfd pf[DOPT__TCP_MAX_PENDING + 2];
-    int npend = 0, joined = 0, i;
-    dopt_status s = DOPT_OK;
-    while (joined < hi - lo) {
-        int n, np = 0, base, ms = dopt__tcp_ms_left(deadline);
-        if (ms <= 0) {
-            char missing[128];
-            dopt__tcp_missing(t, lo, hi, missing, sizeof missing);
-            s = dopt_comm_fail(c, NULL, DOPT_ERR_TIMEOUT, "timed out after %d ms waiting for rank(s) %s to connect",
-                               c->timeout_ms, missing);
-            break;
-        }
-        pf[np].fd = lfd;
-        pf[np].events = POLLIN;
-        pf[np++].revents = 0;
-        if (watch_fd >= 0) {
-            pf[np].fd = watch_fd;
-            pf[np].events = POLLIN;
-            pf[np++].revents = 0;
-        }
-        base = np;
-        for (i = 0; i < npend; i++) {
-            pf[np].fd = pend[i].fd;
-            pf[np].events = POLLIN;
-            pf[np++].revents = 0;
-        }
-        n = poll(pf, (nfds_t)np, ms);
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) {
-            s = dopt_comm_fail(c, NULL, DOPT_ERR_IO, "poll: %s", strerror(errno));
-            break;
-        }
-        if (watch_fd >= 0 && pf[1].revents && (s = dopt__tcp_setup_lost(c, watch_fd)) != DOPT_OK) break;
-        for (i = npend - 1; i >= 0; i--) {
-            int r;
-            if (!pf[base + i].revents) continue;
-            r = dopt__tcp_pending_read(c, t, &pend[i], lo, hi);
-            if (r == 0) continue;
-            joined += r > 0;
-            pend[i] = pend[--npend];
-        }
-        while (pf[0].revents & POLLIN) {
-            struct sockaddr_in sa;
-            socklen_t len = sizeof sa;
-            int fd = accept(lfd, (struct sockaddr *)&sa, &len);
-            if (fd < 0) break;
-            if (dopt__tcp_set_nonblocking(fd) < 0) {
-                close(fd);
-                continue;
-            }
-            dopt__tcp_tune(fd, 0);
-            if (npend == DOPT__TCP_MAX_PENDING) { /* the oldest has had the longest to speak */
-                dopt__tcp_refuse(c, t, &pend[0], 0, "too many connections without a handshake");
-                pend[0] = pend[--npend];
-            }
-            pend[npend].fd = fd;
-            pend[npend].got = 0;
-            memcpy(pend[npend].addr, &sa.sin_addr.s_addr, 4);
-            pend[npend].port = ntohs(sa.sin_port);
-            npend++;
-        }
+/* Appends the listening socket and the connections not yet admitted to t->pfd from index np;
+   returns the new count. */
+static int dopt__tcp_lobby_add(dopt__tcp *t, int np) {
+    int i;
+    if (t->lfd < 0) return np;
+    t->pfd[np].fd = t->lfd;
+    t->pfd[np].events = POLLIN;
+    t->pfd[np].revents = 0;
+    t->pfd_peer[np++] = -1;
+    for (i = 0; i < t->npend; i++) {
+        t->pfd[np].fd = t->pend[i].fd;
+        t->pfd[np].events = POLLIN;
+        t->pfd[np].revents = 0;
+        t->pfd_peer[np++] = -2 - i;
     }
-    for (i = 0; i < npend; i++) close(pend[i].fd);
-    return s;
+    return np;
 }
 
-/* ===================================================================== RENDEZVOUS: RANK 0 AND THE OTHERS */
+/* Serves the entries [from, np) that dopt__tcp_lobby_add put in t->pfd: reads HELLOs, admits
+   ranks of [lo, hi) whose place is free, refuses the others, accepts new connections (holding
+   up to DOPT__TCP_MAX_PENDING without a handshake, so that silent strangers cannot stall the
+   job: the oldest is dropped first). Returns how many ranks joined. */
+static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, int lo, int hi) {
+    int i, joined = 0, listening = 0;
+    for (i = np - 1; i >= from; i--) { /* backwards: removing pend[k] moves a later one, already served, into it */
+        int k, r;
+        if (!t->pfd[i].revents) continue;
+        if (t->pfd_peer[i] == -1) {
+            listening = 1;
+            continue;
+        }
+        k = -2 - t->pfd_peer[i];
+        r = dopt__tcp_pending_read(c, t, &t->pend[k], lo, hi);
+        if (r == 0) continue;
+        joined += r > 0;
+        t->pend[k] = t->pend[--t->npend];
+    }
+    while (listening) {
+        struct sockaddr_in sa;
+        socklen_t len = sizeof sa;
+        int fd = accept(t->lfd, (struct sockaddr *)&sa, &len);
+        if (fd < 0) break;
+        if (dopt__tcp_set_nonblocking(fd) < 0) {
+            close(fd);
+            continue;
+        }
+        dopt__tcp_tune(fd, 0);
+        if (t->npend == DOPT__TCP_MAX_PENDING) { /* the oldest has had the longest to speak */
+            dopt__tcp_refuse(c, t, &t->pend[0], NULL, 0, "too many connections without a handshake");
+            t->pend[0] = t->pend[--t->npend];
+        }
+        t->pend[t->npend].fd = fd;
+        t->pend[t->npend].got = 0;
+        memcpy(t->pend[t->npend].addr, &sa.sin_addr.s_addr, 4);
+        t->pend[t->npend].port = ntohs(sa.sin_port);
+        t->npend++;
+    }
+    return joined;
+}
 
-/* Rank 0: waits for READY from every rank at once, so that the first rank to fail ends the setup
-   at once (rank 0 then closes every connection, which the others are watching). The stages, not
-   yet used, hold the partial records. */
-static dopt_status dopt__tcp_gather_ready(dopt_comm *c, dopt__tcp *t, double deadline) {
-    int left = t->size - 1, r;
-    while (left > 0) {
-        int n, np = 0, i, ms = dopt__tcp_ms_left(deadline);
-        if (ms <= 0)
-            return dopt_comm_fail(c, NULL, DOPT_ERR_TIMEOUT,
-                                  "timed out after %d ms waiting for every rank to connect to the others",
-                                  c->timeout_ms);
-        for (r = 1; r < t->size; r++)
-            if (t->peers[r].hi < DOPT__TCP_HS_BYTES) {
+/* Rank 0, before the job formed: admitted rank r's connection ended (its process crashed or
+   gave up) or spoke out of turn. It is closed and the rank is free again; `then` says what rank
+   0 does next. */
+static void dopt__tcp_left_early(dopt_comm *c, dopt__tcp *t, int r, const char *how, const char *then) {
+    char from[32];
+    dopt__tcp_addr_str(t->peers[r].from, t->peers[r].from_port, from, sizeof from);
+    dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: rank %d (from %s) %s before the job formed; %s", t->rank, r, from, how,
+                  then);
+    close(t->peers[r].fd);
+    t->peers[r].fd = -1;
+    t->peers[r].lo = t->peers[r].hi = 0;
+}
+
+/* Admits ranks lo .. hi-1 on t->lfd until all have joined. Rank 0 also watches the ranks it has
+   admitted: one whose connection ends before the job forms frees its rank for the real one.
+   The other ranks watch rank 0 (watch_fd). Every report_ms it says who is missing. */
+static dopt_status dopt__tcp_admit(dopt_comm *c, dopt__tcp *t, int lo, int hi, double deadline, int watch_fd) {
+    char missing[160];
+    int joined = 0, r;
+    for (r = lo; r < hi; r++) joined += t->peers[r].fd >= 0;
+    while (joined < hi - lo) {
+        int n, np = 0, i, base;
+        if (dopt__tcp_now_ms() >= deadline) {
+            dopt__tcp_list(t, lo, hi, 0, missing, sizeof missing);
+            if (t->rank != 0)
+                return dopt__tcp_setup_fail(c, DOPT_ERR_TIMEOUT, "timed out after %d ms waiting for %s to connect",
+                                            t->rdv_timeout_ms, missing);
+            return dopt__tcp_setup_fail(c, DOPT_ERR_TIMEOUT, "timed out after %d ms waiting for %s (%d of %d joined)%s%s",
+                                        t->rdv_timeout_ms, missing, joined + 1, t->size, t->refusal[0] ? "; refused " : "",
+                                        t->refusal);
+        }
+        if (dopt__tcp_report_due(t)) {
+            dopt__tcp_list(t, lo, hi, 0, missing, sizeof missing);
+            if (t->rank == 0)
+                dopt_comm_log(c, DOPT_LOG_WARN, "rank 0: waiting for %s (%d of %d joined, %d s)", missing, joined + 1,
+                              t->size, dopt__tcp_waited_s(t));
+            else
+                dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: waiting for %s to connect (%d s)", t->rank, missing,
+                              dopt__tcp_waited_s(t));
+        }
+        if (watch_fd >= 0) {
+            t->pfd[np].fd = watch_fd;
+            t->pfd[np].events = POLLIN;
+            t->pfd[np].revents = 0;
+            t->pfd_peer[np++] = -1;
+        }
+        for (r = lo; r < hi && t->rank == 0; r++)
+            if (t->peers[r].fd >= 0) {
                 t->pfd[np].fd = t->peers[r].fd;
                 t->pfd[np].events = POLLIN;
                 t->pfd[np].revents = 0;
                 t->pfd_peer[np++] = r;
             }
-        n = poll(t->pfd, (nfds_t)np, ms);
-        if (n < 0 && errno != EINTR) return dopt_comm_fail(c, NULL, DOPT_ERR_IO, "poll: %s", strerror(errno));
-        for (i = 0; i < np && n > 0; i++) {
-            dopt__tcp_peer *P = &t->peers[t->pfd_peer[i]];
+        base = np;
+        np = dopt__tcp_lobby_add(t, np);
+        n = poll(t->pfd, (nfds_t)np, dopt__tcp_setup_ms(t, deadline));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "poll: %s", strerror(errno));
+        if (n == 0) continue;
+        for (i = 0; i < base; i++) {
+            char b, then[48];
             ssize_t k;
             if (!t->pfd[i].revents) continue;
-            k = recv(P->fd, P->stage + P->hi, DOPT__TCP_HS_BYTES - P->hi, MSG_DONTWAIT);
-            if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
-                return dopt_comm_fail(c, NULL, DOPT_ERR_PEER_LOST, "rank %d closed its connection during setup",
-                                      t->pfd_peer[i]);
-            if (k > 0) P->hi += (size_t)k;
-            if (P->hi == DOPT__TCP_HS_BYTES) {
-                dopt__tcp_hs h;
-                const char *why = dopt__tcp_hs_decode(P->stage, &h);
-                if (why == NULL && (h.type != DOPT__TCP_READY || h.rank != (uint32_t)t->pfd_peer[i])) why = "not READY";
-                if (why)
-                    return dopt_comm_fail(c, NULL, DOPT_ERR_PROTOCOL, "rank %d sent a bad record during setup: %s",
-                                          t->pfd_peer[i], why);
-                left--;
+            if (t->pfd_peer[i] < 0) {
+                dopt_status s = dopt__tcp_setup_lost(c, watch_fd, deadline);
+                if (s != DOPT_OK) return s;
+                continue;
             }
+            r = t->pfd_peer[i];
+            k = recv(t->peers[r].fd, &b, 1, MSG_DONTWAIT | MSG_PEEK);
+            if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+            snprintf(then, sizeof then, "waiting for rank %d again", r);
+            dopt__tcp_left_early(c, t, r, k > 0 ? "spoke out of turn" : "closed its connection", then);
+            joined--;
         }
+        joined += dopt__tcp_lobby_serve(c, t, base, np, lo, hi);
     }
-    for (r = 0; r < t->size; r++) t->peers[r].hi = 0;
     return DOPT_OK;
 }
 
-/* Rank 0: listens, admits ranks 1 .. n-1, sends each the table of listening addresses, waits
-   until every rank has built its connections (READY) and lets them all go (GO). */
-static dopt_status dopt__tcp_rendezvous_root(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
-                                             const unsigned char addr[4], double deadline) {
+/* ===================================================================== RENDEZVOUS: RANK 0 AND THE OTHERS */
+
+/* Rank 0: sends every rank WELCOME and the table of everyone's listening address. A rank whose
+   connection is gone left before the job formed: AGAIN. */
+static dopt_status dopt__tcp_send_tables(dopt_comm *c, dopt__tcp *t, double deadline) {
     size_t table_bytes = DOPT__TCP_HS_BYTES + (size_t)t->size * DOPT__TCP_ENTRY_BYTES;
-    unsigned char *table;
-    int lfd = -1, r;
-    uint32_t port;
+    unsigned char *table = (unsigned char *)DOPT_MALLOC(table_bytes);
     dopt__tcp_hs h;
-    dopt_status s = dopt__tcp_listen(c, t, addr, (uint32_t)cfg->master_port, &lfd, &port);
-    if (s != DOPT_OK) return s;
-    memcpy(t->peers[0].addr, addr, 4);
-    t->peers[0].port = port;
-    if (cfg->on_listen) cfg->on_listen(cfg->on_listen_user, (int)port);
-    s = dopt__tcp_accept_ranks(c, t, lfd, 1, t->size, deadline, -1);
-    close(lfd);
-    if (s != DOPT_OK) return s;
-    table = (unsigned char *)DOPT_MALLOC(table_bytes);
-    if (table == NULL) return dopt_comm_fail(c, NULL, DOPT_ERR_NOMEM, "cannot allocate the peer table");
+    dopt_status s = DOPT_OK;
+    int r;
+    if (table == NULL) return dopt__tcp_setup_fail(c, DOPT_ERR_NOMEM, "cannot allocate the peer table");
     dopt__tcp_hs_init(&h, t, DOPT__TCP_WELCOME);
     dopt__tcp_hs_encode(table, &h);
     for (r = 0; r < t->size; r++) {
@@ -1722,9 +2165,111 @@ static dopt_status dopt__tcp_rendezvous_root(dopt_comm *c, dopt__tcp *t, const d
         char who[24];
         snprintf(who, sizeof who, "rank %d", r);
         s = dopt__tcp_send_all(c, t->peers[r].fd, table, table_bytes, deadline, who);
+        if (s == DOPT_ERR_PEER_LOST) {
+            dopt__tcp_setup_forget(c);
+            dopt__tcp_left_early(c, t, r, "closed its connection", "starting the rendezvous over");
+            s = DOPT__TCP_RESTART;
+        }
     }
     DOPT_FREE(table);
-    if (s == DOPT_OK) s = dopt__tcp_gather_ready(c, t, deadline);
+    return s;
+}
+
+/* Rank 0: waits for READY from every rank at once. A rank whose connection ends first left
+   before the job formed (the others may have the table with its address): AGAIN. The stages,
+   not yet used, hold the partial records. Late joiners are refused meanwhile. */
+static dopt_status dopt__tcp_gather_ready(dopt_comm *c, dopt__tcp *t, double deadline) {
+    char waiting[160];
+    int r;
+    for (;;) {
+        int n, np = 0, i, base;
+        if (dopt__tcp_list(t, 1, t->size, 1, waiting, sizeof waiting) == 0) break;
+        if (dopt__tcp_now_ms() >= deadline)
+            return dopt__tcp_setup_fail(c, DOPT_ERR_TIMEOUT,
+                                        "timed out after %d ms waiting for %s to connect to the others (all %d joined)",
+                                        t->rdv_timeout_ms, waiting, t->size);
+        if (dopt__tcp_report_due(t))
+            dopt_comm_log(c, DOPT_LOG_WARN, "rank 0: all %d ranks joined; waiting for %s to connect to the others (%d s)",
+                          t->size, waiting, dopt__tcp_waited_s(t));
+        for (r = 1; r < t->size; r++)
+            if (t->peers[r].hi < DOPT__TCP_HS_BYTES) {
+                t->pfd[np].fd = t->peers[r].fd;
+                t->pfd[np].events = POLLIN;
+                t->pfd[np].revents = 0;
+                t->pfd_peer[np++] = r;
+            }
+        base = np;
+        np = dopt__tcp_lobby_add(t, np);
+        n = poll(t->pfd, (nfds_t)np, dopt__tcp_setup_ms(t, deadline));
+        if (n < 0 && errno != EINTR) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "poll: %s", strerror(errno));
+        for (i = 0; i < base && n > 0; i++) {
+            dopt__tcp_peer *P;
+            ssize_t k;
+            if (!t->pfd[i].revents) continue;
+            r = t->pfd_peer[i];
+            P = &t->peers[r];
+            k = recv(P->fd, P->stage + P->hi, DOPT__TCP_HS_BYTES - P->hi, MSG_DONTWAIT);
+            if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+                dopt__tcp_left_early(c, t, r, "closed its connection", "starting the rendezvous over");
+                return DOPT__TCP_RESTART;
+            }
+            if (k > 0) P->hi += (size_t)k;
+            if (P->hi == DOPT__TCP_HS_BYTES) {
+                dopt__tcp_hs h;
+                const char *why = dopt__tcp_hs_decode(P->stage, &h);
+                if (why == NULL && (h.type != DOPT__TCP_READY || h.rank != (uint32_t)r)) why = "not READY";
+                if (why)
+                    return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "rank %d sent a bad record during setup: %s", r,
+                                                why);
+            }
+        }
+        if (n > 0) dopt__tcp_lobby_serve(c, t, base, np, 1, t->size);
+    }
+    for (r = 0; r < t->size; r++) t->peers[r].hi = 0;
+    return DOPT_OK;
+}
+
+/* Rank 0, after a rank left before the job formed: tells every other rank to start over (AGAIN)
+   and closes their connections; they join again from the start. The listening socket stays. */
+static void dopt__tcp_start_over(dopt__tcp *t) {
+    unsigned char rec[DOPT__TCP_HS_BYTES], sink[256];
+    dopt__tcp_hs h;
+    int r;
+    dopt__tcp_hs_init(&h, t, DOPT__TCP_AGAIN);
+    dopt__tcp_hs_encode(rec, &h);
+    for (r = 1; r < t->size; r++) {
+        dopt__tcp_peer *P = &t->peers[r];
+        if (P->fd < 0) continue;
+        (void)!send(P->fd, rec, sizeof rec, MSG_NOSIGNAL | MSG_DONTWAIT);
+        shutdown(P->fd, SHUT_WR);
+        while (recv(P->fd, sink, sizeof sink, MSG_DONTWAIT) > 0) continue; /* so that close() sends no reset */
+        close(P->fd);
+        P->fd = -1;
+        P->lo = P->hi = 0;
+    }
+}
+
+/* Rank 0: listens, admits ranks 1 .. n-1, sends each the table of listening addresses, waits
+   until every rank has built its connections (READY) and lets them all go (GO). A rank that
+   leaves before that makes the rendezvous start over; the listening socket stays open for the
+   communicator's life, so that late joiners are refused instead of finding no one. */
+static dopt_status dopt__tcp_rendezvous_root(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
+                                             const unsigned char addr[4], const unsigned char master[4],
+                                             double deadline) {
+    uint32_t port;
+    int r;
+    dopt_status s = dopt__tcp_listen(c, t, addr, (uint32_t)cfg->master_port, &t->lfd, &port);
+    if (s != DOPT_OK) return s;
+    memcpy(t->peers[0].addr, dopt__tcp_all_zero(addr, 4) ? master : addr, 4); /* where the others reach it */
+    t->peers[0].port = port;
+    if (cfg->on_listen) cfg->on_listen(cfg->on_listen_user, (int)port);
+    for (;;) {
+        s = dopt__tcp_admit(c, t, 1, t->size, deadline, -1);
+        if (s == DOPT_OK) s = dopt__tcp_send_tables(c, t, deadline);
+        if (s == DOPT_OK) s = dopt__tcp_gather_ready(c, t, deadline);
+        if (s != DOPT__TCP_RESTART) break;
+        dopt__tcp_start_over(t);
+    }
     for (r = 1; r < t->size && s == DOPT_OK; r++) {
         char who[24];
         snprintf(who, sizeof who, "rank %d", r);
@@ -1733,17 +2278,35 @@ static dopt_status dopt__tcp_rendezvous_root(dopt_comm *c, dopt__tcp *t, const d
     return s;
 }
 
-/* Rank k > 0: joins rank 0, learns the others' addresses, connects to ranks 1 .. k-1, accepts
-   ranks k+1 .. n-1, then reports READY and waits for GO. Every wait also watches the connection
-   to rank 0, which rank 0 closes if any rank fails. */
-static dopt_status dopt__tcp_rendezvous_rank(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
-                                             const unsigned char master[4], double deadline) {
+/* Rank k > 0, after a connection to another rank failed while building them: that rank may have
+   been told to start over, or have died (rank 0 sees it too). Rank 0's word decides, if it comes
+   within DOPT__TCP_VERDICT_MS: AGAIN, or the failure stands. */
+static dopt_status dopt__tcp_verdict(dopt_comm *c, int fd0, double deadline, dopt_status s) {
+    double until = dopt__tcp_now_ms() + DOPT__TCP_VERDICT_MS;
+    struct pollfd pf;
+    if (until > deadline) until = deadline;
+    pf.fd = fd0;
+    pf.events = POLLIN;
+    pf.revents = 0;
+    if (poll(&pf, 1, dopt__tcp_ms_left(until)) > 0 && dopt__tcp_setup_lost(c, fd0, until) == DOPT__TCP_RESTART) {
+        dopt__tcp_setup_forget(c);
+        return DOPT__TCP_RESTART;
+    }
+    return s;
+}
+
+/* Rank k > 0, one attempt: joins rank 0, learns the others' addresses, connects to ranks
+   1 .. k-1, accepts ranks k+1 .. n-1, then reports READY and waits for GO. Every wait also
+   watches the connection to rank 0, which carries AGAIN when the rendezvous starts over and
+   ends when rank 0 fails. */
+static dopt_status dopt__tcp_join(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg, const unsigned char master[4],
+                                  double deadline) {
     struct sockaddr_in sa;
     socklen_t len = sizeof sa;
     unsigned char bind_addr[4], *table = NULL;
     size_t table_bytes = (size_t)t->size * DOPT__TCP_ENTRY_BYTES;
-    char who[64], where[32];
-    int lfd = -1, fd0 = -1, r;
+    char who[64], where[32], what[128];
+    int fd0 = -1, r;
     uint32_t port;
     dopt__tcp_hs h;
     dopt_status s;
@@ -1757,20 +2320,22 @@ static dopt_status dopt__tcp_rendezvous_rank(dopt_comm *c, dopt__tcp *t, const d
     } else if (getsockname(fd0, (struct sockaddr *)&sa, &len) == 0) {
         memcpy(bind_addr, &sa.sin_addr.s_addr, 4); /* the interface that reaches rank 0 */
     } else {
-        s = dopt_comm_fail(c, NULL, DOPT_ERR_IO, "getsockname: %s", strerror(errno));
+        s = dopt__tcp_setup_fail(c, DOPT_ERR_IO, "getsockname: %s", strerror(errno));
     }
-    if (s == DOPT_OK) s = dopt__tcp_listen(c, t, bind_addr, 0, &lfd, &port);
+    if (s == DOPT_OK) s = dopt__tcp_listen(c, t, bind_addr, 0, &t->lfd, &port);
     if (s == DOPT_OK) s = dopt__tcp_hello(c, t, fd0, 0, bind_addr, port, deadline, -1, who);
-    if (s == DOPT_OK) s = dopt__tcp_recv_record(c, t, fd0, 0, DOPT__TCP_WELCOME, deadline, -1, who, &h);
+    snprintf(what, sizeof what, "the other ranks to join %s", who);
+    if (s == DOPT_OK) s = dopt__tcp_recv_record(c, t, fd0, 0, DOPT__TCP_WELCOME, deadline, who, what, &h);
     if (s == DOPT_OK && (table = (unsigned char *)DOPT_MALLOC(table_bytes)) == NULL)
-        s = dopt_comm_fail(c, NULL, DOPT_ERR_NOMEM, "cannot allocate the peer table");
-    if (s == DOPT_OK) s = dopt__tcp_recv_all(c, fd0, table, table_bytes, deadline, -1, who);
-    for (r = 1; r < t->size && s == DOPT_OK; r++) {
+        s = dopt__tcp_setup_fail(c, DOPT_ERR_NOMEM, "cannot allocate the peer table");
+    if (s == DOPT_OK) s = dopt__tcp_recv_all(c, fd0, table, table_bytes, deadline, -1, who, what);
+    for (r = 0; r < t->size && s == DOPT_OK; r++) {
         const char *why = dopt__tcp_entry_decode(table + (size_t)r * DOPT__TCP_ENTRY_BYTES, t->peers[r].addr,
                                                  &t->peers[r].port);
-        if (why) s = dopt_comm_fail(c, NULL, DOPT_ERR_PROTOCOL, "rank 0's peer table entry %d: %s", r, why);
+        if (why) s = dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "rank 0's peer table entry %d: %s", r, why);
     }
     DOPT_FREE(table);
+    if (s != DOPT_OK) return s;
     for (r = 1; r < t->rank && s == DOPT_OK; r++) {
         int fd = -1;
         dopt__tcp_addr_str(t->peers[r].addr, t->peers[r].port, where, sizeof where);
@@ -1780,18 +2345,55 @@ static dopt_status dopt__tcp_rendezvous_rank(dopt_comm *c, dopt__tcp *t, const d
         t->peers[r].fd = fd;
         s = dopt__tcp_hello(c, t, fd, r, bind_addr, port, deadline, fd0, who);
     }
-    if (s == DOPT_OK) s = dopt__tcp_accept_ranks(c, t, lfd, t->rank + 1, t->size, deadline, fd0);
-    if (lfd >= 0) close(lfd);
-    if (s == DOPT_OK) s = dopt__tcp_send_record(c, t, fd0, DOPT__TCP_READY, deadline, "rank 0");
-    if (s == DOPT_OK) s = dopt__tcp_recv_record(c, t, fd0, 0, DOPT__TCP_GO, deadline, -1, "rank 0", &h);
+    if (s == DOPT_OK) s = dopt__tcp_admit(c, t, t->rank + 1, t->size, deadline, fd0);
+    if (s == DOPT_ERR_PEER_LOST) s = dopt__tcp_verdict(c, fd0, deadline, s);
+    if (s != DOPT_OK) return s;
+    close(t->lfd);
+    t->lfd = -1;
+    s = dopt__tcp_send_record(c, t, fd0, DOPT__TCP_READY, deadline, "rank 0");
+    if (s == DOPT_OK)
+        s = dopt__tcp_recv_record(c, t, fd0, 0, DOPT__TCP_GO, deadline, "rank 0",
+                                  "rank 0's go (the other ranks are still connecting to each other)", &h);
     return s;
+}
+
+/* Closes every connection and the listening socket: what a rank does before joining again. */
+static void dopt__tcp_close_all(dopt__tcp *t) {
+    int r;
+    for (r = 0; r < t->size; r++)
+        if (t->peers[r].fd >= 0) {
+            close(t->peers[r].fd);
+            t->peers[r].fd = -1;
+        }
+    if (t->lfd >= 0) close(t->lfd);
+    t->lfd = -1;
+    for (r = 0; r < t->npend; r++) close(t->pend[r].fd);
+    t->npend = 0;
+}
+
+/* Rank k > 0: joins until the job forms, again from the start each time rank 0 says AGAIN. */
+static dopt_status dopt__tcp_rendezvous_rank(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
+                                             const unsigned char master[4], double deadline) {
+    for (;;) {
+        dopt_status s = dopt__tcp_join(c, t, cfg, master, deadline);
+        if (s != DOPT__TCP_RESTART) return s;
+        dopt__tcp_close_all(t);
+        dopt_comm_log(c, DOPT_LOG_WARN,
+                      "rank %d: rank 0 started the rendezvous over (a rank left before the job formed); joining again",
+                      t->rank);
+    }
 }
 
 /* ===================================================================== CREATE */
 
-static dopt_status dopt__tcp_config_error(const dopt_tcp_config *cfg, const char *why) {
-    char msg[DOPT_DETAIL_MAX];
+static dopt_status dopt__tcp_config_error(const dopt_tcp_config *cfg, const char *fmt, ...) DOPT_PRINTF(2, 3);
+static dopt_status dopt__tcp_config_error(const dopt_tcp_config *cfg, const char *fmt, ...) {
+    char why[DOPT_DETAIL_MAX / 2], msg[DOPT_DETAIL_MAX];
+    va_list ap;
     if (cfg && cfg->log_fn) {
+        va_start(ap, fmt);
+        vsnprintf(why, sizeof why, fmt, ap);
+        va_end(ap);
         snprintf(msg, sizeof msg, "tcp: invalid configuration: %s", why);
         cfg->log_fn(cfg->log_user, DOPT_LOG_ERROR, msg);
     }
@@ -1807,27 +2409,35 @@ static dopt_status dopt__tcp_new(dopt_comm **out, const dopt_tcp_config *cfg) {
     int p;
     if (out == NULL || cfg == NULL) return dopt__tcp_config_error(cfg, "NULL argument");
     *out = NULL;
-    if (cfg->world_size < 1 || cfg->rank < 0 || cfg->rank >= cfg->world_size)
-        return dopt__tcp_config_error(cfg, "rank outside [0, world_size)");
+    if (cfg->world_size < 1) return dopt__tcp_config_error(cfg, "world_size %d is below 1", cfg->world_size);
+    if (cfg->rank < 0 || cfg->rank >= cfg->world_size)
+        return dopt__tcp_config_error(cfg, "rank %d is outside 0..%d", cfg->rank, cfg->world_size - 1);
     if (cfg->master_port < 0 || cfg->master_port > 65535)
-        return dopt__tcp_config_error(cfg, "master_port outside [0, 65535]");
+        return dopt__tcp_config_error(cfg, "master_port %d is outside 0..65535", cfg->master_port);
     toklen = cfg->token ? strlen(cfg->token) : 0;
-    if (toklen > DOPT_TCP_TOKEN_MAX) return dopt__tcp_config_error(cfg, "token longer than DOPT_TCP_TOKEN_MAX bytes");
-    if (cfg->socket_buffer_bytes < 0) return dopt__tcp_config_error(cfg, "negative socket_buffer_bytes");
+    if (toklen > DOPT_TCP_TOKEN_MAX)
+        return dopt__tcp_config_error(cfg, "the token is %lu bytes, more than DOPT_TCP_TOKEN_MAX (%d)",
+                                      (unsigned long)toklen, DOPT_TCP_TOKEN_MAX);
+    if (cfg->socket_buffer_bytes < 0)
+        return dopt__tcp_config_error(cfg, "socket_buffer_bytes %d is negative", cfg->socket_buffer_bytes);
     t = (dopt__tcp *)DOPT_MALLOC(sizeof *t);
-    if (t == NULL) return DOPT_ERR_NOMEM;
+    if (t == NULL) goto nomem;
     memset(t, 0, sizeof *t);
     t->rank = cfg->rank;
     t->size = cfg->world_size;
+    t->lfd = -1;
     t->small_bytes = cfg->small_bytes ? cfg->small_bytes : DOPT__TCP_SMALL_DEFAULT;
     t->spin_us = cfg->spin_us == 0 ? DOPT__TCP_SPIN_DEFAULT_US : cfg->spin_us;
     t->sockbuf = cfg->socket_buffer_bytes;
+    t->rdv_timeout_ms = cfg->rendezvous_timeout_ms > 0 ? cfg->rendezvous_timeout_ms : DOPT__TCP_RENDEZVOUS_DEFAULT_MS;
+    t->report_ms = cfg->rendezvous_report_ms == 0 ? DOPT__TCP_REPORT_DEFAULT_MS : cfg->rendezvous_report_ms;
     if (toklen) memcpy(t->token, cfg->token, toklen);
     t->cap_ops = 4 * t->size + 64;
     t->peers = (dopt__tcp_peer *)DOPT_MALLOC(sizeof(dopt__tcp_peer) * (size_t)t->size);
     t->ops = (dopt__tcp_op *)DOPT_MALLOC(sizeof(dopt__tcp_op) * (size_t)t->cap_ops);
-    t->pfd = (struct pollfd *)DOPT_MALLOC(sizeof(struct pollfd) * (size_t)t->size);
-    t->pfd_peer = (int *)DOPT_MALLOC(sizeof(int) * (size_t)t->size);
+    /* peers, then the listening socket, a watched connection and the connections not admitted yet */
+    t->pfd = (struct pollfd *)DOPT_MALLOC(sizeof(struct pollfd) * ((size_t)t->size + DOPT__TCP_MAX_PENDING + 2));
+    t->pfd_peer = (int *)DOPT_MALLOC(sizeof(int) * ((size_t)t->size + DOPT__TCP_MAX_PENDING + 2));
     t->blk_off = (size_t *)DOPT_MALLOC(sizeof(size_t) * (size_t)t->size);
     t->blk_len = (size_t *)DOPT_MALLOC(sizeof(size_t) * (size_t)t->size);
     if (t->peers) memset(t->peers, 0, sizeof(dopt__tcp_peer) * (size_t)t->size);
@@ -1836,18 +2446,21 @@ static dopt_status dopt__tcp_new(dopt_comm **out, const dopt_tcp_config *cfg) {
         if (p != t->rank && (t->peers[p].stage = (unsigned char *)DOPT_MALLOC(DOPT__TCP_STAGE_BYTES)) == NULL) break;
     if (!t->peers || !t->ops || !t->pfd || !t->pfd_peer || !t->blk_off || !t->blk_len || p < t->size) {
         dopt__tcp_free(t);
-        return DOPT_ERR_NOMEM;
+        goto nomem;
     }
     s = dopt_comm_new(&c, t->rank, t->size, &dopt__tcp_vtable, t);
     if (s != DOPT_OK) {
         dopt__tcp_free(t);
-        return s;
+        goto nomem;
     }
     c->log_fn = cfg->log_fn;
     c->log_user = cfg->log_user;
     if (cfg->timeout_ms > 0) c->timeout_ms = cfg->timeout_ms;
     *out = c;
     return DOPT_OK;
+nomem:
+    if (cfg->log_fn) cfg->log_fn(cfg->log_user, DOPT_LOG_ERROR, "tcp: cannot allocate a communicator's state");
+    return DOPT_ERR_NOMEM;
 }
 
 DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fds, const dopt_tcp_config *cfg) {
@@ -1881,6 +2494,13 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
     return DOPT_OK;
 }
 
+/* Ranks whose rendezvous address is this rank's: on one host, as far as the table can tell. */
+static int dopt__tcp_local_ranks(const dopt__tcp *t) {
+    int r, n = 0;
+    for (r = 0; r < t->size; r++) n += memcmp(t->peers[r].addr, t->peers[t->rank].addr, 4) == 0;
+    return n;
+}
+
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg) {
     dopt_comm *c = NULL;
     dopt__tcp *t;
@@ -1892,70 +2512,110 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
     s = dopt__tcp_new(&c, cfg);
     if (s != DOPT_OK) return s;
     t = (dopt__tcp *)c->impl;
-    deadline = dopt__tcp_now_ms() + (double)c->timeout_ms;
+    t->setup_start = dopt__tcp_now_ms();
+    t->next_report = t->setup_start + t->report_ms;
+    deadline = t->setup_start + (double)t->rdv_timeout_ms;
     if (t->size > 1) {
         if (cfg->rank != 0 && cfg->master_port == 0)
-            s = dopt_comm_fail(c, NULL, DOPT_ERR_INVALID, "master_port is needed on every rank but 0");
+            s = dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "master_port is needed on every rank but 0");
         if (s == DOPT_OK) s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", master);
         if (s == DOPT_OK && t->rank == 0) {
             if (cfg->bind_addr == NULL) memcpy(bind_addr, master, 4);
             else s = dopt__tcp_resolve(c, cfg->bind_addr, bind_addr);
-            if (s == DOPT_OK) s = dopt__tcp_rendezvous_root(c, t, cfg, bind_addr, deadline);
+            if (s == DOPT_OK) s = dopt__tcp_rendezvous_root(c, t, cfg, bind_addr, master, deadline);
         } else if (s == DOPT_OK) {
             s = dopt__tcp_rendezvous_rank(c, t, cfg, master, deadline);
         }
     }
     if (s != DOPT_OK) {
+        dopt_comm_log(c, DOPT_LOG_ERROR, "%s", c->detail); /* the one line that says why */
         dopt_comm_destroy(c);
-        *out = NULL;
         return s;
     }
     t->ready = 1;
+    dopt_comm_set_host(c, t->size == 1 ? 1 : dopt__tcp_local_ranks(t), (int)sysconf(_SC_NPROCESSORS_ONLN));
     *out = c;
     return DOPT_OK;
 }
 
 /* ===================================================================== ENVIRONMENT */
 
-/* 1 when name is unset (value untouched) or an integer in [lo, hi]; 0 when malformed. */
-static int dopt__tcp_env_int(const char *name, long lo, long hi, int *value) {
+static dopt_status dopt__tcp_env_error(const dopt_tcp_config *cfg, const char *fmt, ...) DOPT_PRINTF(2, 3);
+static dopt_status dopt__tcp_env_error(const dopt_tcp_config *cfg, const char *fmt, ...) {
+    char msg[DOPT_DETAIL_MAX];
+    va_list ap;
+    if (cfg->log_fn) {
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof msg, fmt, ap);
+        va_end(ap);
+        cfg->log_fn(cfg->log_user, DOPT_LOG_ERROR, msg);
+    }
+    return DOPT_ERR_INVALID;
+}
+
+/* One integer variable: 1 when set (into *value), 0 when unset or empty, -1 when it is not a
+   number in [lo, hi] (said through cfg->log_fn). */
+static int dopt__tcp_env_int(const dopt_tcp_config *cfg, const char *name, long lo, long hi, int *value) {
     const char *s = getenv(name);
     char *end;
     long v;
-    if (s == NULL || *s == '\0') return 1;
+    if (s == NULL || *s == '\0') return 0;
     errno = 0;
     v = strtol(s, &end, 10);
-    if (errno != 0 || *end != '\0' || v < lo || v > hi) return 0;
+    if (end == s || *end != '\0') return dopt__tcp_env_error(cfg, "%s=\"%s\" is not a number", name, s), -1;
+    if (v < lo) return dopt__tcp_env_error(cfg, "%s=%s is below %ld", name, s, lo), -1;
+    if (errno == ERANGE || v > hi) return dopt__tcp_env_error(cfg, "%s=%s is above %ld", name, s, hi), -1;
     *value = (int)v;
     return 1;
 }
 
 DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
+    dopt_tcp_config env;
     const char *s;
+    int has_rank, has_world, has_port;
     if (cfg == NULL) return DOPT_ERR_INVALID;
-    memset(cfg, 0, sizeof *cfg);
-    cfg->rank = -1;
-    cfg->world_size = -1;
-    if (!dopt__tcp_env_int("DOPT_RANK", 0, INT_MAX - 1, &cfg->rank) ||
-        !dopt__tcp_env_int("DOPT_WORLD_SIZE", 1, INT_MAX, &cfg->world_size) ||
-        !dopt__tcp_env_int("DOPT_MASTER_PORT", 1, 65535, &cfg->master_port) ||
-        !dopt__tcp_env_int("DOPT_TIMEOUT_MS", 1, INT_MAX, &cfg->timeout_ms))
+    env = *cfg;
+    if ((has_world = dopt__tcp_env_int(cfg, "DOPT_WORLD_SIZE", 1, INT_MAX, &env.world_size)) < 0 ||
+        (has_rank = dopt__tcp_env_int(cfg, "DOPT_RANK", 0, INT_MAX - 1, &env.rank)) < 0 ||
+        (has_port = dopt__tcp_env_int(cfg, "DOPT_MASTER_PORT", 1, 65535, &env.master_port)) < 0 ||
+        dopt__tcp_env_int(cfg, "DOPT_TIMEOUT_MS", 1, INT_MAX, &env.timeout_ms) < 0 ||
+        dopt__tcp_env_int(cfg, "DOPT_RENDEZVOUS_TIMEOUT_MS", 1, INT_MAX, &env.rendezvous_timeout_ms) < 0)
         return DOPT_ERR_INVALID;
-    if (cfg->rank < 0 || cfg->world_size < 1 || cfg->rank >= cfg->world_size) return DOPT_ERR_INVALID;
-    if (cfg->world_size > 1 && cfg->master_port == 0) return DOPT_ERR_INVALID;
+    if (!has_rank)
+        return dopt__tcp_env_error(
+            cfg, "DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it)");
+    if (!has_world)
+        return dopt__tcp_env_error(
+            cfg, "DOPT_WORLD_SIZE is not set (every rank needs it; or start the job with a launcher that sets it)");
+    if (env.rank >= env.world_size)
+        return dopt__tcp_env_error(cfg, "DOPT_RANK=%d is not below DOPT_WORLD_SIZE=%d", env.rank, env.world_size);
+    if (!has_port) env.master_port = 0;
+    if (!has_port && env.world_size > 1 && env.rank > 0)
+        return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: rank %d needs rank 0's port", env.rank);
+    if (!has_port && env.world_size > 1 && env.on_listen == NULL)
+        return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: the other ranks need rank 0's port");
     s = getenv("DOPT_MASTER_ADDR");
-    cfg->master_addr = s && *s ? s : NULL;
+    env.master_addr = s && *s ? s : NULL;
     s = getenv("DOPT_BIND_ADDR");
-    cfg->bind_addr = s && *s ? s : NULL;
-    cfg->token = getenv("DOPT_TOKEN");
-    if (cfg->token && strlen(cfg->token) > DOPT_TCP_TOKEN_MAX) return DOPT_ERR_INVALID;
+    env.bind_addr = s && *s ? s : NULL;
+    s = getenv("DOPT_TOKEN");
+    env.token = s && *s ? s : NULL;
+    if (env.token && strlen(env.token) > DOPT_TCP_TOKEN_MAX)
+        return dopt__tcp_env_error(cfg, "DOPT_TOKEN is %lu bytes long, more than %d", (unsigned long)strlen(env.token),
+                                   DOPT_TCP_TOKEN_MAX);
+    *cfg = env;
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_tcp_create_from_env(dopt_comm **out) {
+DOPT_DEF dopt_status dopt_tcp_create_from_env(dopt_comm **out, const dopt_tcp_config *base) {
     dopt_tcp_config cfg;
-    dopt_status s = dopt_tcp_config_from_env(&cfg);
+    dopt_status s;
     if (out) *out = NULL;
+    if (base)
+        cfg = *base;
+    else
+        memset(&cfg, 0, sizeof cfg);
+    s = dopt_tcp_config_from_env(&cfg);
     if (s != DOPT_OK) return s;
     return dopt_tcp_create(out, &cfg);
 }

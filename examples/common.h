@@ -295,7 +295,10 @@ static inline dopt_comm *open_comm(const options *o) {
         cfg.log_fn = log_to_stderr;
         st = dopt_shm_fork(&comm, o->workers, &cfg);
     } else if (!strcmp(o->transport, "tcp")) {
-        st = dopt_tcp_create_from_env(&comm);
+        dopt_tcp_config base;
+        memset(&base, 0, sizeof base);
+        base.log_fn = log_to_stderr; /* a failed start says why */
+        st = dopt_tcp_create_from_env(&comm, &base);
     } else if (!strcmp(o->transport, "mpi")) {
 #ifdef EXAMPLES_HAVE_MPI
         dopt_mpi_config mcfg;

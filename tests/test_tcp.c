@@ -82,10 +82,58 @@ static void capture_log(void *user, dopt_log_level level, const char *message) {
     if (level <= DOPT_LOG_ERROR) snprintf(l->text, sizeof l->text, "%s", message);
 }
 
+/* Every log line, "E ", "W ", "I " or "D " then the message, and how many were errors. */
+typedef struct all_log {
+    char text[16384];
+    int errors;
+} all_log;
+
+static void collect_log(void *user, dopt_log_level level, const char *message) {
+    all_log *l = (all_log *)user;
+    size_t used = strlen(l->text);
+    l->errors += level == DOPT_LOG_ERROR;
+    snprintf(l->text + used, sizeof l->text - used, "%c %s\n", "EWID"[level], message);
+}
+
+/* Log lines written to a pipe (one write each, so lines of several processes never mix), for a
+   process that watches another's rendezvous while it runs. */
+static void pipe_log(void *user, dopt_log_level level, const char *message) {
+    char line[DOPT_DETAIL_MAX + 8];
+    int n = snprintf(line, sizeof line, "%c %s\n", "EWID"[level], message);
+    if (write((int)(intptr_t)user, line, (size_t)n) != n) return;
+}
+
+/* Reads the pipe until a line contains `needle` (at most 30 s); returns that line in out. */
+static void wait_for_line(int fd, const char *needle, char *out, size_t cap) {
+    static char seen[65536];
+    static size_t used;
+    for (;;) {
+        struct pollfd pf;
+        char *hit = strstr(seen, needle), *start, *end;
+        ssize_t n;
+        if (hit && (end = strchr(hit, '\n')) != NULL) { /* a whole line: take it out of what was seen */
+            for (start = hit; start > seen && start[-1] != '\n'; start--) continue;
+            snprintf(out, cap, "%.*s", (int)(end - start), start);
+            memmove(start, end + 1, used - (size_t)(end + 1 - seen) + 1);
+            used -= (size_t)(end + 1 - start);
+            return;
+        }
+        pf.fd = fd;
+        pf.events = POLLIN;
+        pf.revents = 0;
+        DT_CHECKF(poll(&pf, 1, 30000) == 1, "no log line with \"%s\" within 30 s; seen:\n%s", needle, seen);
+        n = read(fd, seen + used, sizeof seen - 1 - used);
+        DT_CHECK(n > 0);
+        used += (size_t)n;
+        seen[used] = '\0';
+    }
+}
+
 /* ------------------------------------------------------------------ conformance */
 
 static void conformance_rank(int rank, void *arg) {
     dopt_comm *c = world_join((tcp_world *)arg, rank);
+    DT_EQ_INT(c->local_ranks, c->size); /* one host, one address */
     conformance_run(c);
     dopt_comm_destroy(c);
 }
@@ -367,7 +415,8 @@ static void duplicate_rank(int rank, void *arg) {
         cfg.log_user = &log;
         s = dopt_tcp_create(&c, &cfg);
         if (s != DOPT_OK) {
-            DT_CHECKF(s == DOPT_ERR_INVALID && strstr(log.text, "already joined") != NULL, "%d %s", (int)s, log.text);
+            DT_CHECKF(s == DOPT_ERR_INVALID && strstr(log.text, "rank 1 is already taken by 127.0.0.1:") != NULL,
+                      "%d %s", (int)s, log.text);
             dtest_write_int(w->gate_pipe[1], s);
             return;
         }
@@ -384,28 +433,272 @@ DTEST(second_process_claiming_a_rank_is_refused) {
     DT_EQ_INT(dtest_spawn(4, duplicate_rank, &w, 60), 0);
 }
 
+/* A world and a pipe that carries the log lines of its ranks to a process watching them. */
+typedef struct watched_world {
+    tcp_world w; /* must stay first: world_join takes the case as a world */
+    int log_pipe[2];
+    int result_pipe[2];
+} watched_world;
+
+static void watched_init(watched_world *ww, int n) {
+    world_init(&ww->w, n, 20000);
+    DT_CHECK(pipe(ww->log_pipe) == 0 && pipe(ww->result_pipe) == 0);
+}
+
+static void watched_config(watched_world *ww, int rank, dopt_tcp_config *cfg) {
+    world_config(&ww->w, rank, cfg);
+    cfg->rendezvous_report_ms = 100;
+    cfg->log_fn = pipe_log;
+    cfg->log_user = (void *)(intptr_t)ww->log_pipe[1];
+}
+
+static void sum_of_ones(dopt_comm *c) {
+    int32_t v = 1;
+    DT_OK(dopt_allreduce(c, &v, 1, DOPT_I32, DOPT_SUM));
+    DT_EQ_INT(v, c->size);
+}
+
+/* While rank 2 has not started, ranks 0 and 1 say (every 100 ms here) whom they wait for; the
+   watcher starts rank 2 once it has read both. */
+static void waiting_rank(int rank, void *arg) {
+    watched_world *ww = (watched_world *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    char line[DOPT_DETAIL_MAX + 8];
+    if (rank == 3) {
+        wait_for_line(ww->log_pipe[0], "W rank 0: waiting for rank 2 (2 of 3 joined, ", line, sizeof line);
+        wait_for_line(ww->log_pipe[0], "W rank 1: waiting for the other ranks to join rank 0 at 127.0.0.1:", line,
+                      sizeof line);
+        DT_CHECKF(strstr(line, " s)") != NULL, "%s", line);
+        dtest_write_int(ww->w.gate_pipe[1], 1);
+        return;
+    }
+    if (rank == 2) dtest_read_int(ww->w.gate_pipe[0], "the watcher's go-ahead");
+    watched_config(ww, rank, &cfg);
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    sum_of_ones(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(rendezvous_says_whom_it_waits_for_until_they_come) {
+    watched_world ww;
+    watched_init(&ww, 3);
+    DT_EQ_INT(dtest_spawn(4, waiting_rank, &ww, 60), 0);
+}
+
+/* A second process told it is rank 1 starts after the job has formed: rank 0, which keeps
+   listening, refuses it at once (while its collectives run), naming the address that holds the
+   rank; the duplicate's create fails with that reason, long before its own bound. */
+static void late_duplicate_rank(int rank, void *arg) {
+    watched_world *ww = (watched_world *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    all_log log;
+    dopt_status s;
+    int32_t stop = 0;
+    memset(&log, 0, sizeof log);
+    if (rank == 2) {
+        dtest_read_int(ww->w.gate_pipe[0], "the job's go-ahead");
+        world_config(&ww->w, 1, &cfg);
+        cfg.rendezvous_timeout_ms = 600000;
+        cfg.log_fn = collect_log;
+        cfg.log_user = &log;
+        s = dopt_tcp_create(&c, &cfg);
+        DT_CHECK(c == NULL);
+        DT_CHECKF(s == DOPT_ERR_INVALID && log.errors == 1 &&
+                      strstr(log.text, "E rank 1: setup: rank 1 is already taken by 127.0.0.1:"),
+                  "%d\n%s", (int)s, log.text);
+        dtest_write_int(ww->result_pipe[1], s);
+        return;
+    }
+    world_config(&ww->w, rank, &cfg);
+    cfg.log_fn = collect_log;
+    cfg.log_user = &log;
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    if (rank == 0) dtest_write_int(ww->w.gate_pipe[1], 1);
+    while (!stop) { /* collectives until the duplicate has its answer */
+        if (rank == 0) {
+            struct pollfd pf;
+            pf.fd = ww->result_pipe[0];
+            pf.events = POLLIN;
+            pf.revents = 0;
+            stop = poll(&pf, 1, 1) == 1;
+        }
+        DT_OK(dopt_allreduce(c, &stop, 1, DOPT_I32, DOPT_MAX));
+    }
+    if (rank == 0)
+        DT_CHECKF(strstr(log.text, "W rank 0: refused a joiner from 127.0.0.1:") &&
+                      strstr(log.text, " claiming rank 1: rank 1 is already taken by 127.0.0.1:"),
+                  "%s", log.text);
+    sum_of_ones(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(duplicate_rank_after_the_job_formed_is_refused_at_once) {
+    watched_world ww;
+    watched_init(&ww, 2);
+    ww.w.port_copies = 2; /* rank 1 and the duplicate */
+    DT_EQ_INT(dtest_spawn(3, late_duplicate_rank, &ww, 60), 0);
+}
+
+/* Two joiners claim rank 1 before the real one: one of another job (token), one with another
+   world size. Each learns why at once; rank 0 says so too, naming them, and keeps waiting; the
+   real rank 1 then joins. */
+static void impostors_rank(int rank, void *arg) {
+    watched_world *ww = (watched_world *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    char line[DOPT_DETAIL_MAX + 8];
+    if (rank == 2) {
+        all_log log;
+        int port = dtest_read_int(ww->w.port_pipe[0], "rank 0's port");
+        memset(&cfg, 0, sizeof cfg);
+        memset(&log, 0, sizeof log);
+        cfg.rank = 1;
+        cfg.world_size = 2;
+        cfg.master_port = port;
+        cfg.token = "another-job";
+        cfg.log_fn = collect_log;
+        cfg.log_user = &log;
+        DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_AUTH);
+        DT_CHECKF(strstr(log.text, "refused this rank: the job token differs"), "%s", log.text);
+        wait_for_line(ww->log_pipe[0], "W rank 0: refused a joiner from 127.0.0.1:", line, sizeof line);
+        DT_CHECKF(strstr(line, " claiming rank 1: token differs"), "%s", line);
+        cfg.token = ww->w.token;
+        cfg.world_size = 3;
+        DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+        DT_CHECKF(strstr(log.text, "refused this rank: its world size is 2, this rank's 3"), "%s", log.text);
+        wait_for_line(ww->log_pipe[0], "W rank 0: refused a joiner from 127.0.0.1:", line, sizeof line);
+        DT_CHECKF(strstr(line, " claiming rank 1: its world size is 3, this job's 2"), "%s", line);
+        dtest_write_int(ww->w.gate_pipe[1], port);
+        return;
+    }
+    watched_config(ww, rank, &cfg);
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    sum_of_ones(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(joiners_refused_for_token_or_world_size_are_named_by_rank_0_which_waits_on) {
+    watched_world ww;
+    watched_init(&ww, 2);
+    ww.w.gated = 1; /* rank 1 starts once the impostors are done */
+    ww.w.port_copies = 1;
+    DT_EQ_INT(dtest_spawn(3, impostors_rank, &ww, 60), 0);
+}
+
+static int read_exactly(int fd, unsigned char *buf, size_t n) {
+    while (n > 0) {
+        struct pollfd pf;
+        ssize_t k;
+        pf.fd = fd;
+        pf.events = POLLIN;
+        pf.revents = 0;
+        if (poll(&pf, 1, 30000) != 1 || (k = read(fd, buf, n)) <= 0) return -1;
+        buf += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* A process with the job's token joins as rank 1 (a real HELLO, listening where the others can
+   connect), receives the table, then dies before the job forms. Rank 0 starts the rendezvous
+   over: every rank joins again (a world of 3 has one that must be told), and the real rank 1,
+   started after the crash, completes the job. */
+static void crashing_joiner(watched_world *ww) {
+    unsigned char rec[DOPT__TCP_HS_BYTES], welcome[DOPT__TCP_HS_BYTES + 4 * DOPT__TCP_ENTRY_BYTES];
+    struct sockaddr_in sa;
+    socklen_t len = sizeof sa;
+    char line[DOPT_DETAIL_MAX + 8];
+    dopt__tcp_hs h;
+    int port = dtest_read_int(ww->w.port_pipe[0], "rank 0's port"), fd, lfd = socket(AF_INET, SOCK_STREAM, 0);
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    DT_CHECK(bind(lfd, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(lfd, 4) == 0);
+    DT_CHECK(getsockname(lfd, (struct sockaddr *)&sa, &len) == 0);
+    fd = connect_loopback(port);
+    memset(&h, 0, sizeof h);
+    h.version = DOPT_TCP_PROTOCOL_VERSION;
+    h.type = DOPT__TCP_HELLO;
+    h.world = (uint32_t)ww->w.n;
+    h.rank = 1;
+    memcpy(h.addr, &sa.sin_addr.s_addr, 4);
+    h.port = ntohs(sa.sin_port);
+    memcpy(h.token, ww->w.token, strlen(ww->w.token));
+    dopt__tcp_hs_encode(rec, &h);
+    DT_CHECK(write(fd, rec, sizeof rec) == (ssize_t)sizeof rec);
+    DT_CHECK(read_exactly(fd, rec, sizeof rec) == 0 && rec[6] == DOPT__TCP_ACCEPT);
+    DT_CHECK(read_exactly(fd, welcome, DOPT__TCP_HS_BYTES + (size_t)ww->w.n * DOPT__TCP_ENTRY_BYTES) == 0);
+    DT_CHECK(welcome[6] == DOPT__TCP_WELCOME);
+    close(fd); /* the crash */
+    close(lfd);
+    wait_for_line(ww->log_pipe[0], "W rank 0: rank 1 (from 127.0.0.1:", line, sizeof line);
+    DT_CHECKF(strstr(line, " closed its connection before the job formed; starting the rendezvous over"), "%s", line);
+    if (ww->w.n == 3)
+        wait_for_line(ww->log_pipe[0],
+                      "W rank 2: rank 0 started the rendezvous over (a rank left before the job formed); joining again",
+                      line, sizeof line);
+    dtest_write_int(ww->w.gate_pipe[1], port);
+}
+
+static void crash_world_rank(int rank, void *arg) {
+    watched_world *ww = (watched_world *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    if (rank == ww->w.n) {
+        crashing_joiner(ww);
+        return;
+    }
+    ww->w.gated = rank == 1; /* this process's copy: the real rank 1 waits for the crash */
+    watched_config(ww, rank, &cfg);
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    sum_of_ones(c);
+    dopt_comm_destroy(c);
+}
+
+static void crash_world(int n) {
+    watched_world ww;
+    watched_init(&ww, n);
+    ww.w.port_copies = n - 1; /* the crashing joiner, and rank 2 */
+    DT_EQ_INT(dtest_spawn(n + 1, crash_world_rank, &ww, 60), 0);
+}
+
+DTEST(joiner_dying_before_the_job_forms_does_not_end_it_world_of_2) { crash_world(2); }
+DTEST(joiner_dying_before_the_job_forms_does_not_end_it_world_of_3) { crash_world(3); }
+
+/* The rendezvous has its own bound (the collective timeout here is 10 min); rank 0's one error
+   line names the missing rank, and rank 1 (whose own bound is longer) learns at once that rank 0
+   gave up. */
 static void missing_rank(int rank, void *arg) {
     tcp_world *w = (tcp_world *)arg;
     dopt_tcp_config cfg;
     dopt_comm *c = NULL;
-    last_log log;
+    all_log log;
     dopt_status s;
     memset(&log, 0, sizeof log);
     world_config(w, rank, &cfg);
-    cfg.log_fn = capture_log;
+    cfg.timeout_ms = 600000;
+    cfg.rendezvous_timeout_ms = rank == 0 ? 1000 : 60000;
+    cfg.log_fn = collect_log;
     cfg.log_user = &log;
     s = dopt_tcp_create(&c, &cfg);
     DT_CHECK(c == NULL);
+    DT_CHECKF(log.errors == 1, "%d error lines:\n%s", log.errors, log.text);
     if (rank == 0) {
-        DT_CHECKF(s == DOPT_ERR_TIMEOUT && strstr(log.text, "rank(s) 2") != NULL, "%d %s", (int)s, log.text);
+        DT_CHECKF(s == DOPT_ERR_TIMEOUT &&
+                      strstr(log.text, "E rank 0: setup: timed out after 1000 ms waiting for rank 2 (2 of 3 joined)\n"),
+                  "%d %s", (int)s, log.text);
     } else {
-        DT_CHECKF(s == DOPT_ERR_TIMEOUT || s == DOPT_ERR_PEER_LOST, "%d %s", (int)s, log.text);
+        DT_CHECKF(s == DOPT_ERR_PEER_LOST && strstr(log.text, "E rank 1: setup: rank 0 at 127.0.0.1:") &&
+                      strstr(log.text, " closed the connection during setup\n"),
+                  "%d %s", (int)s, log.text);
     }
 }
 
-DTEST(rendezvous_times_out_when_a_rank_never_arrives) {
+DTEST(rendezvous_times_out_naming_the_rank_that_never_arrives) {
     tcp_world w;
-    world_init(&w, 3, 1000);
+    world_init(&w, 3, 0);
     w.port_copies = 1;
     DT_EQ_INT(dtest_spawn(2, missing_rank, &w, 60), 0); /* rank 2 never starts */
 }
@@ -420,7 +713,8 @@ static void lone_rank(int rank, void *arg) {
     cfg.rank = 1;
     cfg.world_size = 2;
     cfg.master_port = *(int *)arg;
-    cfg.timeout_ms = 300;
+    cfg.timeout_ms = 600000;
+    cfg.rendezvous_timeout_ms = 300;
     s = dopt_tcp_create(&c, &cfg);
     DT_CHECKF(s == DOPT_ERR_TIMEOUT && c == NULL, "%d", (int)s);
 }
@@ -447,7 +741,8 @@ DTEST(connect_retries_end_in_timeout_without_rank_0) {
 }
 
 /* Each rank listens where it is told (here other loopback addresses), and the peer table that
-   rank 0 sends carries those addresses to the ranks that connect to it. */
+   rank 0 sends carries those addresses to the ranks that connect to it. The table is also how a
+   rank counts the ranks on its host. */
 static void bind_rank(int rank, void *arg) {
     static const char *addrs[3] = {"127.0.0.1", "127.0.0.2", "127.0.0.3"};
     tcp_world *w = (tcp_world *)arg;
@@ -457,6 +752,7 @@ static void bind_rank(int rank, void *arg) {
     world_config(w, rank, &cfg);
     cfg.bind_addr = addrs[rank];
     DT_OK(dopt_tcp_create(&c, &cfg));
+    DT_EQ_INT(c->local_ranks, 1); /* as far as addresses tell, three hosts */
     DT_OK(dopt_allreduce(c, &v, 1, DOPT_F64, DOPT_SUM));
     DT_CHECK(v == 3.0);
     dopt_comm_destroy(c);
@@ -468,9 +764,14 @@ DTEST(bind_addresses_reach_the_peers_through_the_table) {
     world_run(&w, bind_rank, 0);
 }
 
+/* Every rank from the environment, with a base config for what the environment does not say
+   (the log, a rendezvous bound); DOPT_TIMEOUT_MS wins over the base's timeout. All ranks share
+   one address: each is told it has 3 ranks on its host. */
 static void env_rank(int rank, void *arg) {
     char text[16];
+    dopt_tcp_config base;
     dopt_comm *c = NULL;
+    all_log log;
     int32_t v = rank + 1;
     snprintf(text, sizeof text, "%d", rank);
     setenv("DOPT_RANK", text, 1);
@@ -480,11 +781,19 @@ static void env_rank(int rank, void *arg) {
     setenv("DOPT_MASTER_PORT", text, 1);
     setenv("DOPT_TIMEOUT_MS", "20000", 1);
     setenv("DOPT_TOKEN", "env-job", 1);
-    DT_OK(dopt_tcp_create_from_env(&c));
-    DT_CHECK(c->rank == rank && c->size == 3 && c->timeout_ms == 20000);
+    memset(&base, 0, sizeof base);
+    memset(&log, 0, sizeof log);
+    base.log_fn = collect_log;
+    base.log_user = &log;
+    base.timeout_ms = 1234;
+    base.rendezvous_timeout_ms = 60000;
+    DT_OK(dopt_tcp_create_from_env(&c, &base));
+    DT_CHECK(c->rank == rank && c->size == 3 && c->timeout_ms == 20000 && c->log_fn == collect_log);
+    DT_EQ_INT(c->local_ranks, 3);
     DT_OK(dopt_allreduce(c, &v, 1, DOPT_I32, DOPT_SUM));
     DT_EQ_INT(v, 6);
     dopt_comm_destroy(c);
+    DT_CHECKF(log.errors == 0, "%s", log.text);
 }
 
 DTEST(create_from_env_joins_the_world) {
@@ -492,31 +801,135 @@ DTEST(create_from_env_joins_the_world) {
     DT_EQ_INT(dtest_spawn(3, env_rank, &port, 60), 0);
 }
 
-DTEST(config_from_env_rejects_missing_or_malformed_values) {
+static void clear_env(void) {
+    static const char *names[] = {"DOPT_RANK",   "DOPT_WORLD_SIZE", "DOPT_MASTER_ADDR", "DOPT_MASTER_PORT",
+                                  "DOPT_TOKEN",  "DOPT_BIND_ADDR",  "DOPT_TIMEOUT_MS",  "DOPT_RENDEZVOUS_TIMEOUT_MS"};
+    size_t i;
+    for (i = 0; i < sizeof names / sizeof names[0]; i++) unsetenv(names[i]);
+}
+
+/* The environment as it stands is refused with exactly this one error line, and both the config
+   (left as it was) and create_from_env (no communicator) say so. */
+static void expect_env_error(const char *line) {
     dopt_tcp_config cfg;
     dopt_comm sentinel, *c = &sentinel; /* create must set it to NULL */
-    unsetenv("DOPT_RANK");
+    all_log log;
+    char want[DOPT_DETAIL_MAX + 8];
+    memset(&cfg, 0, sizeof cfg);
+    memset(&log, 0, sizeof log);
+    cfg.log_fn = collect_log;
+    cfg.log_user = &log;
+    cfg.spin_us = 7;
+    snprintf(want, sizeof want, "E %s\n", line);
+    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strcmp(log.text, want) == 0, "expected \"%s\", got \"%s\"", line, log.text);
+    DT_CHECK(cfg.spin_us == 7 && cfg.rank == 0 && cfg.world_size == 0 && cfg.log_fn == collect_log);
+    DT_EQ_INT(dopt_tcp_create_from_env(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECK(c == NULL);
+    DT_CHECKF(log.errors == 2 && strcmp(log.text + strlen(want), want) == 0, "%s", log.text); /* once per call */
+}
+
+DTEST(config_from_env_names_the_variable_its_value_and_the_rule) {
+    clear_env();
     setenv("DOPT_WORLD_SIZE", "2", 1);
     setenv("DOPT_MASTER_PORT", "4000", 1);
-    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
-    DT_EQ_INT(dopt_tcp_create_from_env(&c), DOPT_ERR_INVALID);
-    DT_CHECK(c == NULL);
+    expect_env_error("DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it)");
     setenv("DOPT_RANK", "1x", 1);
-    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
+    expect_env_error("DOPT_RANK=\"1x\" is not a number");
     setenv("DOPT_RANK", "2", 1);
-    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
+    expect_env_error("DOPT_RANK=2 is not below DOPT_WORLD_SIZE=2");
+    setenv("DOPT_RANK", "-1", 1);
+    expect_env_error("DOPT_RANK=-1 is below 0");
     setenv("DOPT_RANK", "1", 1);
+    setenv("DOPT_WORLD_SIZE", "abc", 1);
+    expect_env_error("DOPT_WORLD_SIZE=\"abc\" is not a number");
+    unsetenv("DOPT_WORLD_SIZE");
+    expect_env_error("DOPT_WORLD_SIZE is not set (every rank needs it; or start the job with a launcher that sets it)");
+    setenv("DOPT_WORLD_SIZE", "2", 1);
     unsetenv("DOPT_MASTER_PORT");
-    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
+    expect_env_error("DOPT_MASTER_PORT is not set: rank 1 needs rank 0's port");
+    setenv("DOPT_RANK", "0", 1);
+    expect_env_error("DOPT_MASTER_PORT is not set: the other ranks need rank 0's port");
+    setenv("DOPT_RANK", "1", 1);
     setenv("DOPT_MASTER_PORT", "70000", 1);
-    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
+    expect_env_error("DOPT_MASTER_PORT=70000 is above 65535");
     setenv("DOPT_MASTER_PORT", "4000", 1);
+    setenv("DOPT_RENDEZVOUS_TIMEOUT_MS", "soon", 1);
+    expect_env_error("DOPT_RENDEZVOUS_TIMEOUT_MS=\"soon\" is not a number");
+    unsetenv("DOPT_RENDEZVOUS_TIMEOUT_MS");
     setenv("DOPT_TOKEN", "0123456789012345678901234567890123456789012345678901234567890123456789", 1);
-    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
-    unsetenv("DOPT_TOKEN");
-    unsetenv("DOPT_MASTER_ADDR");
+    expect_env_error("DOPT_TOKEN is 70 bytes long, more than 64");
+}
+
+/* What the environment does not set stays as the caller set it (the timeouts included); what it
+   describes of the job (rank, world, where rank 0 is, the token) comes from it alone. */
+DTEST(config_from_env_keeps_what_the_environment_does_not_set) {
+    dopt_tcp_config cfg;
+    last_log log;
+    clear_env();
+    setenv("DOPT_RANK", "1", 1);
+    setenv("DOPT_WORLD_SIZE", "2", 1);
+    setenv("DOPT_MASTER_PORT", "4000", 1);
+    memset(&cfg, 0, sizeof cfg);
+    memset(&log, 0, sizeof log);
+    cfg.log_fn = capture_log;
+    cfg.log_user = &log;
+    cfg.spin_us = -1;
+    cfg.socket_buffer_bytes = 1 << 20;
+    cfg.small_bytes = 1234;
+    cfg.timeout_ms = 1111;
+    cfg.rendezvous_timeout_ms = 2222;
+    cfg.token = "compiled-in";
+    cfg.master_addr = "10.1.2.3";
     DT_OK(dopt_tcp_config_from_env(&cfg));
-    DT_CHECK(cfg.rank == 1 && cfg.world_size == 2 && cfg.master_port == 4000 && cfg.master_addr == NULL);
+    DT_CHECK(cfg.rank == 1 && cfg.world_size == 2 && cfg.master_port == 4000);
+    DT_CHECK(cfg.log_fn == capture_log && cfg.log_user == &log && cfg.spin_us == -1 &&
+             cfg.socket_buffer_bytes == 1 << 20 && cfg.small_bytes == 1234);
+    DT_CHECK(cfg.timeout_ms == 1111 && cfg.rendezvous_timeout_ms == 2222);
+    DT_CHECK(cfg.token == NULL && cfg.master_addr == NULL && cfg.bind_addr == NULL);
+    setenv("DOPT_TIMEOUT_MS", "5000", 1);
+    setenv("DOPT_RENDEZVOUS_TIMEOUT_MS", "6000", 1);
+    DT_OK(dopt_tcp_config_from_env(&cfg));
+    DT_CHECK(cfg.timeout_ms == 5000 && cfg.rendezvous_timeout_ms == 6000);
+    clear_env();
+}
+
+/* A create that fails says why in exactly one error line: a configuration error, a port already
+   in use, a name that does not resolve. */
+DTEST(failing_create_logs_its_reason_once) {
+    struct sockaddr_in sa;
+    socklen_t len = sizeof sa;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    all_log log;
+    char want[128];
+    int busy = socket(AF_INET, SOCK_STREAM, 0);
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    DT_CHECK(bind(busy, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(busy, 1) == 0);
+    DT_CHECK(getsockname(busy, (struct sockaddr *)&sa, &len) == 0);
+    memset(&cfg, 0, sizeof cfg);
+    memset(&log, 0, sizeof log);
+    cfg.world_size = 2;
+    cfg.master_port = ntohs(sa.sin_port);
+    cfg.log_fn = collect_log;
+    cfg.log_user = &log;
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_IO);
+    snprintf(want, sizeof want, "E rank 0: setup: cannot listen on 127.0.0.1:%d: Address already in use\n",
+             cfg.master_port);
+    DT_CHECKF(strcmp(log.text, want) == 0 && log.errors == 1, "%s", log.text);
+    memset(&log, 0, sizeof log);
+    cfg.rank = 2;
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strcmp(log.text, "E tcp: invalid configuration: rank 2 is outside 0..1\n") == 0, "%s", log.text);
+    memset(&log, 0, sizeof log);
+    cfg.rank = 1;
+    cfg.master_addr = "no-such-host.invalid";
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(log.errors == 1 && strstr(log.text, "E rank 1: setup: cannot resolve \"no-such-host.invalid\""), "%s",
+              log.text);
+    close(busy);
 }
 
 DTEST(invalid_configs_are_refused_before_any_connection) {
@@ -558,7 +971,8 @@ DTEST(frame_header_round_trips) {
     d.dtype = DOPT_I64;
     d.op = DOPT_MIN;
     dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 7, 0, 4096);
-    DT_CHECK(memcmp(hdr, "DOPF", 4) == 0 && hdr[4] == 1 && hdr[24] == 0x08 && hdr[31] == 0x01); /* little-endian */
+    DT_CHECK(memcmp(hdr, "DOPF", 4) == 0 && hdr[4] == DOPT_TCP_PROTOCOL_VERSION && hdr[24] == 0x08 &&
+             hdr[31] == 0x01); /* little-endian */
     DT_CHECK(dopt__tcp_frame_decode(hdr, &f) == NULL);
     DT_CHECK(f.type == DOPT__TCP_DATA && f.sender == 7 && f.bytes == 4096 && dopt__tcp_same_coll(&f.desc, &d));
 }
@@ -580,9 +994,9 @@ DTEST(frame_validator_refuses_crafted_headers) {
     hdr[0] = 'X';
     DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
     hdr[0] = 'D';
-    hdr[4] = 2;
+    hdr[4] = DOPT_TCP_PROTOCOL_VERSION + 1;
     DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
-    hdr[4] = 1;
+    hdr[4] = DOPT_TCP_PROTOCOL_VERSION;
     hdr[5] = 9;
     DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
     hdr[5] = DOPT__TCP_DATA;
@@ -641,7 +1055,7 @@ DTEST(handshake_decoder_refuses_malformed_records) {
     rec[12] = 3;
     rec[4] = 7; /* another version: reported, and the version is kept for the answer */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL && g.version == 7);
-    rec[4] = 1;
+    rec[4] = DOPT_TCP_PROTOCOL_VERSION;
     rec[22] = 1; /* a refusal reason on a HELLO */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
     rec[22] = 0;
@@ -705,19 +1119,36 @@ DTEST(frame_larger_than_posted_buffer_is_protocol_error) {
     close(fd);
 }
 
+/* The abort's words come first, then who reported them; control bytes are not passed on. */
 DTEST(abort_frame_from_a_peer_fails_with_its_status_and_words) {
-    unsigned char frame[DOPT__TCP_FRAME_BYTES + 64];
-    static const char why[] = "rank 1: allreduce #1: rank 2 called barrier #1\n\x01";
+    unsigned char frame[DOPT__TCP_FRAME_BYTES + 128];
+    static const char why[] = "rank 0 called allreduce #1 (f32 sum, 4 elems) and rank 1 barrier #1\n\x01";
     float x[4] = {1, 2, 3, 4};
     dopt_coll_desc d = allreduce_desc(1, 4);
     int fd;
     dopt_comm *c = pair_comm(&fd, 5000);
-    dopt__tcp_frame_encode(frame, DOPT__TCP_ABORT, &d, 1, DOPT_ERR_MISMATCH, sizeof why - 1);
+    dopt__tcp_abort_encode(frame, &d, 1, DOPT_ERR_MISMATCH, 0, 1, sizeof why - 1);
     memcpy(frame + DOPT__TCP_FRAME_BYTES, why, sizeof why - 1);
     DT_CHECK(write(fd, frame, DOPT__TCP_FRAME_BYTES + sizeof why - 1) > 0);
     DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_MISMATCH);
-    DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1 aborted: rank 1: allreduce #1: rank 2 called barrier #1??") != NULL,
+    DT_CHECKF(strstr(dopt_comm_detail(c), "allreduce #1 (f32 sum, 4 elems): rank 0 called allreduce #1 (f32 sum, 4 "
+                                          "elems) and rank 1 barrier #1?? (reported by rank 1)") != NULL,
               "%s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
+    close(fd);
+}
+
+/* An abort that names a rank outside the world is refused before its words are read. */
+DTEST(abort_naming_a_rank_outside_the_world_is_protocol_error) {
+    unsigned char frame[DOPT__TCP_FRAME_BYTES];
+    float x[4] = {1, 2, 3, 4};
+    dopt_coll_desc d = allreduce_desc(1, 4);
+    int fd;
+    dopt_comm *c = pair_comm(&fd, 5000);
+    dopt__tcp_abort_encode(frame, &d, 1, DOPT_ERR_PEER_LOST, 7, 1, 100); /* 100 bytes announced, none sent */
+    DT_CHECK(write(fd, frame, sizeof frame) == (ssize_t)sizeof frame);
+    DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_PROTOCOL);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "naming ranks 7 and 1 in a world of 2") != NULL, "%s", dopt_comm_detail(c));
     dopt_comm_destroy(c);
     close(fd);
 }
@@ -735,6 +1166,150 @@ DTEST(goodbye_before_needed_data_is_peer_lost) {
     DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1 destroyed its communicator") != NULL, "%s", dopt_comm_detail(c));
     dopt_comm_destroy(c);
     close(fd);
+}
+
+/* Rank 0 of a world of 3 over socketpairs; the test plays ranks 1 and 2 on fds[1] and fds[2]. */
+static dopt_comm *trio_comm(int fds[3], int timeout_ms) {
+    int sv[2], mine[3], r;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    mine[0] = fds[0] = -1;
+    for (r = 1; r < 3; r++) {
+        DT_CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+        mine[r] = sv[0];
+        fds[r] = sv[1];
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.rank = 0;
+    cfg.world_size = 3;
+    cfg.timeout_ms = timeout_ms;
+    DT_OK(dopt_tcp_create_from_sockets(&c, mine, &cfg));
+    return c;
+}
+
+/* Rank 1 ends its connection half-way through a frame, as a rank does whose abort could not be
+   finished; rank 2 ends its own at a frame boundary, as a dead rank's does. Rank 1 is seen first
+   (ranks are served in order), yet rank 2 is named. */
+DTEST(connection_ending_mid_frame_is_not_blamed_before_one_ending_at_a_boundary) {
+    unsigned char hdr[DOPT__TCP_FRAME_BYTES + 8];
+    float x[4] = {1, 2, 3, 4};
+    dopt_coll_desc d = allreduce_desc(1, 4);
+    int fds[3];
+    dopt_comm *c = trio_comm(fds, 5000);
+    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 1, 0, 16);
+    memset(hdr + DOPT__TCP_FRAME_BYTES, 0, 8);
+    DT_CHECK(write(fds[1], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
+    close(fds[1]);
+    close(fds[2]);
+    DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_PEER_LOST);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "(f32 sum, 4 elems): rank 2 closed the connection; rank 1's is closed too"),
+              "%s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
+}
+
+/* Rank 1 ends its connection mid-frame; rank 2 is alive and says, in an abort, that rank 1
+   failed before that. The abort's words are what rank 0 reports. */
+DTEST(abort_from_another_peer_is_preferred_to_a_connection_that_ended) {
+    unsigned char hdr[DOPT__TCP_FRAME_BYTES + 8], frame[DOPT__TCP_FRAME_BYTES + 64];
+    static const char why[] = "no progress for 100 ms waiting for data from rank 1";
+    float x[4] = {1, 2, 3, 4};
+    dopt_coll_desc d = allreduce_desc(1, 4);
+    int fds[3];
+    dopt_comm *c = trio_comm(fds, 5000);
+    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 1, 0, 16);
+    memset(hdr + DOPT__TCP_FRAME_BYTES, 0, 8);
+    DT_CHECK(write(fds[1], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
+    close(fds[1]);
+    dopt__tcp_abort_encode(frame, &d, 2, DOPT_ERR_TIMEOUT, 1, 2, sizeof why - 1);
+    memcpy(frame + DOPT__TCP_FRAME_BYTES, why, sizeof why - 1);
+    DT_CHECK(write(fds[2], frame, DOPT__TCP_FRAME_BYTES + sizeof why - 1) > 0);
+    DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_TIMEOUT);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "(f32 sum, 4 elems): no progress for 100 ms waiting for data from rank 1 "
+                                          "(reported by rank 2)"),
+              "%s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
+    close(fds[2]);
+}
+
+/* What one end of a connection received, parsed as frames: the DATA frames' payload bytes in
+   all, then the abort. Reads until the abort is whole or the connection ends. */
+typedef struct frame_reader {
+    int fd;
+    uint64_t data_frames, data_bytes;
+    dopt__tcp_frame abort;
+    char abort_text[DOPT_DETAIL_MAX + 1];
+    int got_abort;
+} frame_reader;
+
+static void *read_frames(void *arg) {
+    frame_reader *fr = (frame_reader *)arg;
+    static unsigned char buf[1 << 16];
+    size_t have = 0;
+    uint64_t skip = 0;
+    for (;;) {
+        ssize_t n = read(fr->fd, buf + have, sizeof buf - have);
+        size_t used = 0;
+        if (n <= 0) return NULL;
+        have += (size_t)n;
+        for (;;) {
+            dopt__tcp_frame f;
+            if (skip) {
+                size_t k = have - used < skip ? have - used : (size_t)skip;
+                used += k;
+                skip -= k;
+                if (skip) break;
+            }
+            if (have - used < DOPT__TCP_FRAME_BYTES || dopt__tcp_frame_decode(buf + used, &f) != NULL) break;
+            if (f.type == DOPT__TCP_ABORT) {
+                if (have - used < DOPT__TCP_FRAME_BYTES + f.bytes) break;
+                fr->abort = f;
+                memcpy(fr->abort_text, buf + used + DOPT__TCP_FRAME_BYTES, (size_t)f.bytes);
+                fr->abort_text[f.bytes] = '\0';
+                fr->got_abort = 1;
+                return NULL;
+            }
+            used += DOPT__TCP_FRAME_BYTES;
+            fr->data_frames++;
+            fr->data_bytes += f.bytes;
+            skip = f.bytes;
+        }
+        memmove(buf, buf + used, have - used);
+        have -= used;
+    }
+}
+
+/* Rank 0 forwards, in a ring allreduce, what it receives from rank 2 to rank 1. Rank 2 sends
+   half a frame and ends its connection, so rank 0 fails while half-way through its frame to rank
+   1: it finishes that frame and then sends rank 1 an abort that names rank 2, reported by rank 0. */
+DTEST(aborting_rank_finishes_its_half_sent_frame_then_sends_its_abort) {
+    size_t count = (size_t)3 << 14, block = count / 3 * sizeof(float); /* the ring: 64 KiB blocks */
+    float *x = (float *)calloc(count, sizeof(float)), *from2 = (float *)calloc(count, sizeof(float));
+    unsigned char hdr[DOPT__TCP_FRAME_BYTES];
+    dopt_coll_desc d = allreduce_desc(1, count);
+    frame_reader fr;
+    pthread_t th;
+    int fds[3];
+    dopt_comm *c = trio_comm(fds, 5000);
+    memset(&fr, 0, sizeof fr);
+    fr.fd = fds[1];
+    DT_CHECK(pthread_create(&th, NULL, read_frames, &fr) == 0);
+    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 2, 0, block);
+    DT_CHECK(write(fds[2], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
+    DT_CHECK(write(fds[2], from2, block / 2) == (ssize_t)(block / 2));
+    close(fds[2]);
+    DT_EQ_INT(dopt_allreduce(c, x, count, DOPT_F32, DOPT_SUM), DOPT_ERR_PEER_LOST);
+    DT_CHECK(pthread_join(th, NULL) == 0);
+    DT_CHECKF(fr.got_abort, "no abort after %llu frames", (unsigned long long)fr.data_frames);
+    DT_EQ_INT(fr.data_frames, 2); /* block 0, then block 2 finished */
+    DT_EQ_INT(fr.data_bytes, 2 * block);
+    DT_EQ_INT(fr.abort.culprit, 2);
+    DT_EQ_INT(fr.abort.reporter, 0);
+    DT_EQ_INT(fr.abort.status, DOPT_ERR_PEER_LOST);
+    DT_CHECKF(strcmp(fr.abort_text, "rank 2 closed the connection") == 0, "%s", fr.abort_text);
+    dopt_comm_destroy(c);
+    close(fds[1]);
+    free(x);
+    free(from2);
 }
 
 DTEST(peer_closing_mid_payload_is_peer_lost) {

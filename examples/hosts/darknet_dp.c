@@ -114,7 +114,7 @@ int main(int argc, char **argv) {
                        "[--transport shm|tcp] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
                        "          [--period I] [--train-limit N] [--seed S]");
     shuffle = o.seed;
-    st = strcmp(o.transport, "tcp") ? dopt_shm_fork(&comm, o.workers, NULL) : dopt_tcp_create_from_env(&comm); /* distopt */
+    st = strcmp(o.transport, "tcp") ? dopt_shm_fork(&comm, o.workers, NULL) : dopt_tcp_create_from_env(&comm, NULL); /* distopt */
     if (st != DOPT_OK) return fprintf(stderr, "cannot start the transport: %s\n", dopt_status_str(st)), 1; /* distopt */
     verbose = comm->rank == 0;                                                              /* distopt */
 

@@ -80,7 +80,7 @@ int main(int argc, char **argv) {
                        "          [--hidden H] [--train-limit N] [--seed S] [--compress none|ternary] [--clip C]");
     tern = !strcmp(o.compress, "ternary");
     shuffle = o.seed;
-    st = strcmp(o.transport, "tcp") ? dopt_shm_fork(&comm, o.workers, NULL) : dopt_tcp_create_from_env(&comm); /* distopt */
+    st = strcmp(o.transport, "tcp") ? dopt_shm_fork(&comm, o.workers, NULL) : dopt_tcp_create_from_env(&comm, NULL); /* distopt */
     if (st != DOPT_OK) return fprintf(stderr, "cannot start the transport: %s\n", dopt_status_str(st)), 1; /* distopt */
     verbose = comm->rank == 0;                                                              /* distopt */
 
