@@ -111,6 +111,12 @@ mutate mpi-check-ignores-seq transport_mpi.h \
 mutate shm-dead-rank-misnamed transport_shm.h \
     '"rank %d (pid %d) died", q, (int)cold->pid);' '"rank %d (pid %d) died", (q + 1) % s->size, (int)cold->pid);' \
     test_shm:peer_killed
+mutate tcp-abort-culprit-ignored transport_tcp.h \
+    'dopt_comm_fail(c, d, (dopt_status)f->status, "%s (reported by rank %d)", why, f->reporter);' \
+    'dopt_comm_fail(c, d, (dopt_status)f->status, "rank %d closed the connection", f->reporter);' test_faults:tcp
+mutate tcp-closed-connection-misnamed transport_tcp.h \
+    '"rank %d closed the connection%s", culprit, also);' '"rank %d closed the connection%s", (culprit + 1) % t->size, also);' \
+    test_faults:tcp
 mutate compress-average-weight compress.h \
     'weight = 1.0f / (float)comm->size;' 'weight = 1.0f / (float)(comm->size + 1);' test_compress:equals_serial
 mutate per-rank-scale-average-drops-1/N compress.h \
