@@ -268,8 +268,13 @@ static void early_leaver_rank(int rank, void *arg) {
         DT_OK(dopt_allreduce(c, buf, n, DOPT_F32, DOPT_SUM));
         DT_CHECK(buf[n - 1] == (float)(w->n * (w->n - 1) / 2));
     }
-    if (rank != 0) usleep(20000); /* rank 0 destroys first */
     free(buf);
+    if (rank == 0) { /* rank 0 leaves first, then lets the others go */
+        dopt_comm_destroy(c);
+        for (it = 1; it < w->n; it++) dtest_write_int(w->gate_pipe[1], 1);
+        return;
+    }
+    dtest_read_int(w->gate_pipe[0], "rank 0's departure");
     dopt_comm_destroy(c);
 }
 
