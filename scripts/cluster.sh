@@ -1,0 +1,129 @@
+#!/bin/sh
+# A cluster of simulated hosts on this machine: network namespaces joined through a bridge, each
+# host's link shaped by tc. Root only. Only the namespaces' own addresses and loopback are used.
+#
+#   scripts/cluster.sh up H [--rate 1gbit] [--delay 0.5ms] [--loss 0.01] [--ipv6] [--no-ipv4]
+#   scripts/cluster.sh exec HOST CMD ...      run CMD on host HOST (0 .. H-1)
+#   scripts/cluster.sh addr HOST              the host's address (IPv4, else IPv6)
+#   scripts/cluster.sh down                   remove everything (also what a killed run left)
+#
+# Names carry the cluster's name, DOPT_CLUSTER (default "dc"), so that two runs with different
+# names cannot collide: namespaces NAME-h0 .., bridge NAME-br, veths NAME-v0 ... Host i has
+# 10.231.0.(i+1)/24 (and fd00:dc::(i+1)/64 with --ipv6) on its eth0. --rate shapes each host's
+# link both ways with tbf (egress of the host's eth0 and of its bridge port); --delay needs
+# netem, which some kernels lack: up then says the delay is absent and goes on; --loss P drops
+# each packet arriving at a host with probability P (iptables' statistic match). `up` first
+# removes a cluster of the same name left by a killed run; a trap removes a half-made one.
+set -eu
+
+NAME=${DOPT_CLUSTER:-dc}
+STATE=/run/distopt-cluster/$NAME
+
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+need_root() { [ "$(id -u)" -eq 0 ] || { echo "skipped: needs root" >&2; exit 77; }; }
+hosts() { cat "$STATE/hosts" 2>/dev/null || echo 0; }
+
+down() { # (sh has no local variables: this one's are d_*)
+    d_n=$(hosts)
+    d_i=0
+    # namespaces of a half-made cluster too: any NAME-hK that exists
+    for ns in $(ip netns list 2>/dev/null | awk '{ print $1 }' | grep -E "^$NAME-h[0-9]+$" || true); do
+        ip netns del "$ns" 2>/dev/null || true
+    done
+    while [ "$d_i" -lt "$d_n" ]; do
+        ip link del "$NAME-v$d_i" 2>/dev/null || true
+        d_i=$((d_i + 1))
+    done
+    ip link del "$NAME-br" 2>/dev/null || true
+    rm -rf "$STATE"
+}
+
+up() {
+    n=$1
+    shift
+    rate="" delay="" loss="" v6=0 v4=1
+    while [ $# -gt 0 ]; do
+        case $1 in
+        --rate) rate=$2; shift 2 ;;
+        --delay) delay=$2; shift 2 ;;
+        --loss) loss=$2; shift 2 ;;
+        --ipv6) v6=1; shift ;;
+        --no-ipv4) v4=0; v6=1; shift ;;
+        *) die "unknown option $1" ;;
+        esac
+    done
+    case $n in '' | *[!0-9]*) die "up needs a number of hosts (got \"$n\")" ;; esac
+    [ "$n" -ge 1 ] && [ "$n" -le 64 ] || die "1 to 64 hosts (got $n)"
+    down
+    mkdir -p "$STATE"
+    trap 'down; exit 1' INT TERM
+    trap 'status=$?; [ $status -eq 0 ] || down' EXIT
+    ip link add "$NAME-br" type bridge
+    ip link set "$NAME-br" up
+    netem=1
+    if [ -n "$delay" ] && ! tc qdisc add dev "$NAME-br" root netem delay "$delay" 2>/dev/null; then
+        netem=0
+        echo "cluster.sh: this kernel has no netem: links get no delay (--delay $delay ignored)"
+    fi
+    [ -n "$delay" ] && [ "$netem" -eq 1 ] && tc qdisc del dev "$NAME-br" root
+    i=0
+    while [ "$i" -lt "$n" ]; do
+        ns=$NAME-h$i
+        ip netns add "$ns"
+        ip link add "$NAME-v$i" type veth peer name "$NAME-e$i"
+        ip link set "$NAME-e$i" netns "$ns"
+        ip -n "$ns" link set "$NAME-e$i" name eth0
+        ip link set "$NAME-v$i" master "$NAME-br"
+        ip link set "$NAME-v$i" up
+        ip -n "$ns" link set lo up
+        [ "$v4" -eq 1 ] && ip -n "$ns" addr add "10.231.0.$((i + 1))/24" dev eth0
+        [ "$v6" -eq 1 ] && ip -n "$ns" addr add "fd00:dc::$((i + 1))/64" dev eth0 nodad
+        ip -n "$ns" link set eth0 up
+        if [ -n "$rate" ] || { [ -n "$delay" ] && [ "$netem" -eq 1 ]; }; then
+            for side in "-n $ns eth0" "$NAME-v$i"; do
+                dev=${side##* }
+                nsopt=${side% *}
+                [ "$nsopt" = "$side" ] && nsopt=""
+                # shellcheck disable=SC2086 # nsopt is "-n NS" or nothing
+                if [ -n "$delay" ] && [ "$netem" -eq 1 ]; then
+                    tc $nsopt qdisc add dev "$dev" root handle 1: netem delay "$delay"
+                    [ -n "$rate" ] && tc $nsopt qdisc add dev "$dev" parent 1: handle 2: tbf rate "$rate" burst 256kb latency 50ms
+                else
+                    tc $nsopt qdisc add dev "$dev" root tbf rate "$rate" burst 256kb latency 50ms
+                fi
+            done
+        fi
+        if [ -n "$loss" ]; then
+            command -v iptables >/dev/null 2>&1 || die "--loss needs iptables (apt-get install iptables)"
+            ip netns exec "$ns" iptables -A INPUT -i eth0 -m statistic --mode random --probability "$loss" -j DROP
+        fi
+        i=$((i + 1))
+        echo "$i" >"$STATE/hosts"
+    done
+    trap - INT TERM EXIT
+    echo "cluster $NAME: $n hosts${rate:+, links at $rate}$( [ -n "$delay" ] && [ "$netem" -eq 1 ] && echo ", delay $delay")${loss:+, loss $loss}: $(i=0; while [ $i -lt "$n" ]; do printf '%s ' "$(addr "$i")"; i=$((i + 1)); done)"
+}
+
+addr() {
+    ns=$NAME-h$1
+    a=$(ip -n "$ns" -4 -o addr show dev eth0 2>/dev/null | awk '{ split($4, a, "/"); print a[1] }')
+    [ -n "$a" ] || a=$(ip -n "$ns" -6 -o addr show dev eth0 scope global 2>/dev/null | awk '{ split($4, a, "/"); print a[1] }')
+    [ -n "$a" ] || die "no host $1 in cluster $NAME"
+    echo "$a"
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case $cmd in
+up) need_root; up "$@" ;;
+down) need_root; down ;;
+exec)
+    need_root
+    [ $# -ge 2 ] || die "exec HOST CMD ..."
+    h=$1
+    shift
+    ip netns list | awk '{ print $1 }' | grep -qx "$NAME-h$h" || die "no host $h in cluster $NAME"
+    exec ip netns exec "$NAME-h$h" "$@" ;;
+addr) need_root; addr "${1:?addr HOST}" ;;
+*) die "usage: cluster.sh up H [--rate R] [--delay D] [--loss P] [--ipv6] [--no-ipv4] | exec HOST CMD ... | addr HOST | down" ;;
+esac
