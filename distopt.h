@@ -391,6 +391,7 @@ DOPT_DEF void dopt_comm_set_host(dopt_comm *c, int local_ranks, int cores);
 #if defined(DISTOPT_IMPLEMENTATION) && !defined(DOPT__DISTOPT_IMPLEMENTED)
 #define DOPT__DISTOPT_IMPLEMENTED
 
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -1271,25 +1272,29 @@ DOPT_DEF void dopt_reduce(void *dst, const void *src, size_t count, dopt_dtype d
 
 /* For transports reading their launch variables: 1 and *out when var holds a whole number in
    [min, max]; 0 when it is unset or empty; -1 when it holds anything else, and why names the
-   variable, its value and the rule ("DOPT_WORLD_SIZE=\"abc\" is not a number"). */
+   variable, its value and the rule ("DOPT_WORLD_SIZE=\"abc\" is not a number", "DOPT_RANK=-1 is
+   below 0"). */
 DOPT__MAYBE_UNUSED static int dopt__env_long(const char *var, long min, long max, long *out, char *why, size_t cap) {
     const char *v = getenv(var), *p;
     long x = 0;
-    int digits = 0;
+    int neg, digits = 0, huge = 0;
     if (v == NULL || *v == '\0') return 0;
-    for (p = v; *p >= '0' && *p <= '9'; p++, digits++) {
-        if (x > (max - (*p - '0')) / 10) { /* beyond max: stop before it overflows */
-            snprintf(why, cap, "%s=%.40s is out of range (%ld..%ld)", var, v, min, max);
-            return -1;
-        }
-        x = 10 * x + (*p - '0');
+    neg = *v == '-';
+    for (p = v + neg; *p >= '0' && *p <= '9'; p++, digits++) {
+        if (x > (LONG_MAX - (*p - '0')) / 10) huge = 1; /* stop before it overflows */
+        else x = 10 * x + (*p - '0');
     }
     if (digits == 0 || *p != '\0') {
         snprintf(why, cap, "%s=\"%.40s\" is not a number", var, v);
         return -1;
     }
-    if (x < min) {
-        snprintf(why, cap, "%s=%ld is out of range (%ld..%ld)", var, x, min, max);
+    if (neg) x = -x;
+    if (neg ? huge || x < min : x < min) {
+        snprintf(why, cap, "%s=%.40s is below %ld", var, v, min);
+        return -1;
+    }
+    if (huge || x > max) {
+        snprintf(why, cap, "%s=%.40s is above %ld", var, v, max);
         return -1;
     }
     *out = x;

@@ -624,8 +624,6 @@ extern "C" {
 
 /* ===================================================================== SMALL HELPERS */
 
-static int dopt__ls_finite(double v) { return dopt__is_finite(v); } /* by its bits: -ffast-math folds v == v */
-
 static void dopt__ls_fail_detail(dopt_localsgd *ls, const char *fmt, ...) DOPT_PRINTF(2, 3);
 static void dopt__ls_fail_detail(dopt_localsgd *ls, const char *fmt, ...) {
     va_list ap;
@@ -729,7 +727,7 @@ static void dopt__batch_defaults(dopt_batch_config *c) {
 /* The samples one test asks for: v/(tol²·g2). A gradient estimate of zero or below (the noise
    accounts for all of ‖ḡ‖²) asks for more than any batch when there is noise. NaN: no answer. */
 static double dopt__batch_ratio(double v, double tol, double g2) {
-    if (!dopt__ls_finite(v) || v < 0.0 || dopt__is_nan(g2)) return NAN;
+    if (!dopt__is_finite(v) || v < 0.0 || dopt__is_nan(g2)) return NAN;
     if (g2 > 0.0) return v / (tol * tol * g2);
     return v > 0.0 ? INFINITY : NAN;
 }
@@ -774,8 +772,8 @@ DOPT_DEF dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_
     if ((unsigned)c.test > (unsigned)DOPT_BATCH_AUGMENTED || (unsigned)c.estimator > (unsigned)DOPT_BATCH_ACROSS ||
         (unsigned)c.projection > (unsigned)DOPT_BATCH_PROJECT_EXACT)
         return DOPT_ERR_INVALID;
-    if (!(c.eta >= 0.0) || !(c.theta >= 0.0) || !(c.nu >= 0.0) || !dopt__ls_finite(c.eta) ||
-        !dopt__ls_finite(c.theta) || !dopt__ls_finite(c.nu) || !dopt__ls_finite(c.history) ||
+    if (!(c.eta >= 0.0) || !(c.theta >= 0.0) || !(c.nu >= 0.0) || !dopt__is_finite(c.eta) ||
+        !dopt__is_finite(c.theta) || !dopt__is_finite(c.nu) || !dopt__is_finite(c.history) ||
         !(c.history >= 0.0 && c.history < 1.0))
         return DOPT_ERR_INVALID;
     dopt__batch_defaults(&c);
@@ -822,23 +820,28 @@ DOPT_DEF dopt_status dopt_batch_observe_buf(dopt_batch *bc, const dopt_buf *grad
     double sq = 0.0, proj = 0.0, sc = (double)scale;
     float *keep;
     if (bc == NULL || bc->cfg.estimator != DOPT_BATCH_WITHIN || dopt__ls_check_buf(grad, bc->n) != DOPT_OK ||
-        !dopt__ls_finite(sc) || sc == 0.0)
+        !dopt__is_finite(sc) || sc == 0.0)
         return DOPT_ERR_INVALID;
     if (bc->micro && bc->observed >= bc->cfg.max_units) return DOPT_ERR_INVALID; /* no room to keep it */
     keep = bc->micro ? bc->micro + (size_t)bc->observed * bc->n : NULL;
     k = dopt_buf_nsegs(grad);
-    for (i = 0; i < k; i++) {
+    for (i = 0; i < k; i++) { /* one pass over each segment: kept (EXACT) or projected (PREVIOUS) */
         dopt_span sp = dopt_buf_segment(grad, i);
         double *sum = bc->sum + off;
-        for (j = 0; j < sp.count; j++) {
-            double v = sc * (double)sp.ptr[j];
-            sum[j] += v;
-            sq += v * v;
-        }
         if (keep)
-            for (j = 0; j < sp.count; j++) keep[off + j] = (float)(sc * (double)sp.ptr[j]);
+            for (j = 0; j < sp.count; j++) {
+                double v = sc * (double)sp.ptr[j];
+                sum[j] += v;
+                sq += v * v;
+                keep[off + j] = (float)v;
+            }
         else
-            for (j = 0; j < sp.count; j++) proj += sc * (double)sp.ptr[j] * (double)bc->dir[off + j];
+            for (j = 0; j < sp.count; j++) {
+                double v = sc * (double)sp.ptr[j];
+                sum[j] += v;
+                sq += v * v;
+                proj += v * (double)bc->dir[off + j];
+            }
         off += sp.count;
     }
     bc->sumsq += sq;
@@ -999,7 +1002,7 @@ DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size
          c.weighted || !c.sync_grads || c.grad_compressor == c.compressor))
         return DOPT_ERR_INVALID;
     /* NaN first, by its bits: under GCC's -ffast-math NaN == 0.0 holds and would take the default */
-    if (!dopt__ls_finite(c.outer_lr) || !dopt__ls_finite(c.outer_momentum)) return DOPT_ERR_INVALID;
+    if (!dopt__is_finite(c.outer_lr) || !dopt__is_finite(c.outer_momentum)) return DOPT_ERR_INVALID;
     if (c.outer_lr == 0.0) c.outer_lr = 1.0;
     if (c.outer_lr < 0.0 || !(c.outer_momentum >= 0.0 && c.outer_momentum < 1.0)) return DOPT_ERR_INVALID;
     ls->outer = c.outer_lr != 1.0 || c.outer_momentum != 0.0;
@@ -1065,7 +1068,7 @@ DOPT_DEF int dopt_localsgd_should_sync(const dopt_localsgd *ls, uint64_t step) {
 }
 
 DOPT_DEF dopt_status dopt_localsgd_set_step_samples(dopt_localsgd *ls, double samples) {
-    if (ls == NULL || !dopt__ls_finite(samples) || samples < 0.0) return DOPT_ERR_INVALID;
+    if (ls == NULL || !dopt__is_finite(samples) || samples < 0.0) return DOPT_ERR_INVALID;
     ls->step_samples = samples;
     return DOPT_OK;
 }
@@ -1382,8 +1385,8 @@ DOPT_DEF dopt_status dopt_localsgd_broadcast(dopt_localsgd *ls, float *params) {
 /* ===================================================================== CELGC COMPOSITION */
 
 static int dopt__ls_celgc_args_ok(float scale, float eta, float gamma, float wd) {
-    return dopt__ls_finite(scale) && scale != 0.0f && dopt__ls_finite(eta) && eta > 0.0f && !dopt__is_nan(gamma) &&
-           gamma > 0.0f && dopt__ls_finite(wd) && wd >= 0.0f;
+    return dopt__is_finite(scale) && scale != 0.0f && dopt__is_finite(eta) && eta > 0.0f && !dopt__is_nan(gamma) &&
+           gamma > 0.0f && dopt__is_finite(wd) && wd >= 0.0f;
 }
 
 DOPT_DEF dopt_status dopt_localsgd_celgc_step_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *grads,

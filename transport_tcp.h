@@ -2556,17 +2556,12 @@ static dopt_status dopt__tcp_env_error(const dopt_tcp_config *cfg, const char *f
 /* One integer variable: 1 when set (into *value), 0 when unset or empty, -1 when it is not a
    number in [lo, hi] (said through cfg->log_fn). */
 static int dopt__tcp_env_int(const dopt_tcp_config *cfg, const char *name, long lo, long hi, int *value) {
-    const char *s = getenv(name);
-    char *end;
+    char why[160];
     long v;
-    if (s == NULL || *s == '\0') return 0;
-    errno = 0;
-    v = strtol(s, &end, 10);
-    if (end == s || *end != '\0') return dopt__tcp_env_error(cfg, "%s=\"%s\" is not a number", name, s), -1;
-    if (v < lo) return dopt__tcp_env_error(cfg, "%s=%s is below %ld", name, s, lo), -1;
-    if (errno == ERANGE || v > hi) return dopt__tcp_env_error(cfg, "%s=%s is above %ld", name, s, hi), -1;
-    *value = (int)v;
-    return 1;
+    int found = dopt__env_long(name, lo, hi, &v, why, sizeof why);
+    if (found < 0) return dopt__tcp_env_error(cfg, "%s", why), -1;
+    if (found) *value = (int)v;
+    return found;
 }
 
 DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
