@@ -125,6 +125,40 @@
      once through the log callback — each rank would start a thread per core — with the numbers
      and the setting to use.
 
+   LAUNCH VARIABLES
+     dopt_launch_read(&info, why, cap) reads where this process stands in its job from the
+     environment, for the transports' ..._config_from_env and launch.h's one-call start:
+     | what             | read from, first found wins                                             |
+     |------------------|-------------------------------------------------------------------------|
+     | rank, world size | the first launcher that sets both: Open MPI (OMPI_COMM_WORLD_RANK,      |
+     |                  | _SIZE), PMI/MPICH (PMI_RANK, PMI_SIZE), Slurm (SLURM_PROCID,            |
+     |                  | SLURM_NTASKS), torchrun (RANK, WORLD_SIZE); else DOPT_RANK and          |
+     |                  | DOPT_WORLD_SIZE. DOPT_* set beside a launcher must say the same.        |
+     | local rank, size | the same launcher's (OMPI_COMM_WORLD_LOCAL_RANK/_SIZE, MPI_LOCALRANKID/ |
+     |                  | MPI_LOCALNRANKS, SLURM_LOCALID and this node's entry of                 |
+     |                  | SLURM_STEP_TASKS_PER_NODE, LOCAL_RANK/LOCAL_WORLD_SIZE), or             |
+     |                  | DOPT_LOCAL_RANK/DOPT_LOCAL_SIZE; -1 when unknown                        |
+     | rank 0's host    | DOPT_MASTER_ADDR; MASTER_ADDR; 127.0.0.1 when the local size is the     |
+     |                  | world size; under Slurm the first node of SLURM_STEP_NODELIST (rank 0   |
+     |                  | runs there with Slurm's default block distribution; "n[03-05]" gives    |
+     |                  | n03), else SLURM_LAUNCH_NODE_IPADDR (where srun ran, which need not run |
+     |                  | rank 0); else none ("")                                                 |
+     | its port         | DOPT_MASTER_PORT; MASTER_PORT (plus one under torchrun itself, where    |
+     |                  | TORCHELASTIC_RUN_ID is set: torchrun's own store holds MASTER_PORT);    |
+     |                  | else one derived from the job's name, 20000 + FNV-1a(name) mod 12000,   |
+     |                  | the same on every rank; else 0                                          |
+     | job name         | slurm-JOB.STEP, ompi-JOBID (OMPI_MCA_ess_base_jobid), pmi-KVSNAME,      |
+     |                  | torchrun-ADDR.PORT; "" without a launcher                               |
+     | transport        | DOPT_TRANSPORT: shm, tcp, mpi or self; "" when unset                    |
+     A launcher that sets only one of its rank and size variables, a malformed number, a rank
+     not below the size, DOPT_* disagreeing with the launcher ("DOPT_WORLD_SIZE=4 but
+     OMPI_COMM_WORLD_SIZE=8: they name two different jobs; unset DOPT_WORLD_SIZE") or an unknown
+     DOPT_TRANSPORT is DOPT_ERR_INVALID with why naming the variables. A launcher nested in
+     another must win over the outer one's inherited variables: mpirun inside a Slurm allocation
+     is read as Open MPI by the order above; torchrun's workers (TORCHELASTIC_RUN_ID is set, by
+     torchrun only) are read as torchrun's first, so torchrun started by srun works too.
+     info->rank_from and info->master_from say which variables were used.
+
    WRITING A BACKEND
      Fill a dopt_comm_vtable, create the communicator with dopt_comm_new, and report errors with
      dopt_comm_fail / dopt_comm_fail_mismatch. Backends only see SUM, MAX and MIN (MEAN arrives
@@ -377,6 +411,25 @@ DOPT_DEF const char *dopt_comm_set_api(dopt_comm *c, const char *api);
    cores. In a build with OpenMP (_OPENMP where DISTOPT_IMPLEMENTATION is), with more than one
    rank per host and OMP_NUM_THREADS unset, warns once: each rank would start a thread per core. */
 DOPT_DEF void dopt_comm_set_host(dopt_comm *c, int local_ranks, int cores);
+
+/* ===================================================================== LAUNCH VARIABLES */
+
+#define DOPT_LAUNCH_ADDR_MAX 255
+
+/* Where this process stands in its job, as its launcher's variables say (see LAUNCH VARIABLES). */
+typedef struct dopt_launch_info {
+    int rank, world_size;       /* -1: no variable sets them (world_size alone: DOPT_WORLD_SIZE) */
+    int local_rank, local_size; /* this host's share of the job; -1: unknown */
+    char master_addr[DOPT_LAUNCH_ADDR_MAX + 1]; /* rank 0's host; "": none named */
+    int master_port;            /* the rendezvous port; 0: none named or derived */
+    char transport[8];          /* DOPT_TRANSPORT: "shm", "tcp", "mpi", "self"; "": unset */
+    char job[96];               /* a name every rank of the job shares, from the launcher; "": none */
+    const char *launcher;       /* "Open MPI", "PMI", "Slurm", "torchrun", "DOPT" or "" */
+    char rank_from[96];         /* the variables rank and world size came from */
+    char master_from[128];      /* where master_addr and master_port came from */
+} dopt_launch_info;
+
+DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t cap);
 
 #ifdef __cplusplus
 }
@@ -1299,6 +1352,255 @@ DOPT__MAYBE_UNUSED static int dopt__env_long(const char *var, long min, long max
     }
     *out = x;
     return 1;
+}
+
+/* ===================================================================== LAUNCH VARIABLES */
+
+/* One launcher's names for rank, world size, local rank and local size (NULL: it has none). */
+typedef struct dopt__launcher {
+    const char *name, *rank, *size, *local_rank, *local_size;
+} dopt__launcher;
+
+static const dopt__launcher dopt__launchers[] = {
+    {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"PMI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+    {"Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", NULL},
+    {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+};
+
+static int dopt__env_set(const char *var) {
+    const char *v = var ? getenv(var) : NULL;
+    return v != NULL && *v != '\0';
+}
+
+/* dopt__env_long into an int in [lo, INT_MAX]; -1 with why on a malformed value. */
+static int dopt__launch_int(const char *var, long lo, int *out, char *why, size_t cap) {
+    long v = 0;
+    int found = var ? dopt__env_long(var, lo, INT_MAX, &v, why, cap) : 0;
+    if (found == 1) *out = (int)v;
+    return found;
+}
+
+/* Slurm's tasks on node `node` from a list such as "2(x3),1" (3 nodes with 2 tasks, then 1);
+   -1 when the list is malformed or shorter. */
+static int dopt__slurm_tasks_on(const char *list, long node) {
+    const char *p = list;
+    while (*p) {
+        long tasks = 0, times = 1;
+        if (*p < '0' || *p > '9') return -1;
+        while (*p >= '0' && *p <= '9' && tasks < INT_MAX) tasks = 10 * tasks + (*p++ - '0');
+        if (p[0] == '(' && p[1] == 'x') {
+            times = 0;
+            for (p += 2; *p >= '0' && *p <= '9' && times < INT_MAX; p++) times = 10 * times + (*p - '0');
+            if (*p++ != ')') return -1;
+        }
+        if (node < times) return tasks <= INT_MAX ? (int)tasks : -1;
+        node -= times;
+        if (*p == ',') p++;
+        else if (*p) return -1;
+    }
+    return -1;
+}
+
+/* The first host of a Slurm node list: "n[01-04,07],m3" gives "n01". 0 on a malformed list. */
+static int dopt__slurm_first_host(const char *list, char *out, size_t cap) {
+    size_t n = 0;
+    const char *p;
+    for (p = list; *p && *p != ',' && *p != '['; p++)
+        if (n + 1 < cap) out[n++] = *p;
+    if (*p == '[')
+        for (p++; *p >= '0' && *p <= '9'; p++)
+            if (n + 1 < cap) out[n++] = *p;
+    out[n] = '\0';
+    return n > 0 && n + 1 < cap;
+}
+
+/* FNV-1a, 64 bits, continued from h (start with DOPT__FNV_OFFSET): the derived port here,
+   localsgd.h's replica and state checksums. */
+#define DOPT__FNV_OFFSET 0xCBF29CE484222325ull
+#define DOPT__FNV_PRIME 0x100000001B3ull
+
+DOPT__MAYBE_UNUSED static uint64_t dopt__fnv1a(uint64_t h, const void *data, size_t bytes) {
+    const unsigned char *p = (const unsigned char *)data;
+    size_t i;
+    for (i = 0; i < bytes; i++) h = (h ^ p[i]) * DOPT__FNV_PRIME;
+    return h;
+}
+
+/* The job's shared name from its launcher: only [A-Za-z0-9._-], so it can name a segment. */
+static void dopt__launch_job(dopt_launch_info *info, const char *l) {
+    const char *a = NULL, *b = NULL, *prefix = "";
+    char *p;
+    if (!strcmp(l, "Slurm")) prefix = "slurm-", a = getenv("SLURM_JOB_ID"), b = getenv("SLURM_STEP_ID");
+    else if (!strcmp(l, "Open MPI")) prefix = "ompi-", a = getenv("OMPI_MCA_ess_base_jobid");
+    else if (!strcmp(l, "PMI")) prefix = "pmi-", a = getenv("PMI_KVSNAME");
+    else if (!strcmp(l, "torchrun")) prefix = "torchrun-", a = getenv("MASTER_ADDR"), b = getenv("MASTER_PORT");
+    if (a == NULL || *a == '\0') return;
+    snprintf(info->job, sizeof info->job, "%s%s%s%s", prefix, a, b ? "." : "", b ? b : "");
+    for (p = info->job; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == '.' ||
+              *p == '-'))
+            *p = '_';
+}
+
+/* DOPT_<what> against the launcher's value: the launcher's when DOPT's is unset, an error
+   naming both when they differ. */
+static dopt_status dopt__launch_agree(const char *dopt_var, const char *other_var, int *value, long lo, char *why,
+                                      size_t cap) {
+    int mine = -1, found = dopt__launch_int(dopt_var, lo, &mine, why, cap);
+    if (found < 0) return DOPT_ERR_INVALID;
+    if (found == 0) return DOPT_OK;
+    if (*value >= 0 && mine != *value) {
+        snprintf(why, cap, "%s=%d but %s=%d: they name two different jobs; unset %s", dopt_var, mine, other_var,
+                 *value, dopt_var);
+        return DOPT_ERR_INVALID;
+    }
+    *value = mine;
+    return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t cap) {
+    const dopt__launcher *L = NULL;
+    const char *t, *addr, *port_var = NULL;
+    const char *local_size_var = "", *rank_var = "DOPT_RANK", *size_var = "DOPT_WORLD_SIZE";
+    size_t i;
+    if (info == NULL || why == NULL || cap == 0) return DOPT_ERR_INVALID;
+    why[0] = '\0';
+    memset(info, 0, sizeof *info);
+    info->rank = info->world_size = info->local_rank = info->local_size = -1;
+    info->launcher = "";
+    t = getenv("DOPT_TRANSPORT");
+    if (t && *t) {
+        if (strcmp(t, "shm") && strcmp(t, "tcp") && strcmp(t, "mpi") && strcmp(t, "self")) {
+            snprintf(why, cap, "DOPT_TRANSPORT=\"%.40s\" is not one of shm, tcp, mpi, self", t);
+            return DOPT_ERR_INVALID;
+        }
+        snprintf(info->transport, sizeof info->transport, "%s", t);
+    }
+    /* The first launcher that sets both rank and size; one that sets only one of them before it
+       is an error (a later one is another program's leftover and is ignored). */
+    for (i = 0; i < 4 && L == NULL; i++) {
+        /* torchrun's workers read torchrun's first: it always runs inside whatever started it */
+        static const int plain[4] = {0, 1, 2, 3}, torchrun_first[4] = {3, 0, 1, 2};
+        const dopt__launcher *c = &dopt__launchers[(dopt__env_set("TORCHELASTIC_RUN_ID") ? torchrun_first : plain)[i]];
+        int has_rank = dopt__env_set(c->rank), has_size = dopt__env_set(c->size);
+        if (has_rank != has_size) {
+            snprintf(why, cap, "%s is set but %s is not (%s's launcher sets both; unset the stray one)",
+                     has_rank ? c->rank : c->size, has_rank ? c->size : c->rank, c->name);
+            return DOPT_ERR_INVALID;
+        }
+        if (!has_rank) continue;
+        if (dopt__launch_int(c->size, 1, &info->world_size, why, cap) < 0 ||
+            dopt__launch_int(c->rank, 0, &info->rank, why, cap) < 0 ||
+            dopt__launch_int(c->local_rank, 0, &info->local_rank, why, cap) < 0 ||
+            dopt__launch_int(c->local_size, 1, &info->local_size, why, cap) < 0)
+            return DOPT_ERR_INVALID;
+        L = c;
+        rank_var = c->rank;
+        size_var = c->size;
+        if (c->local_size) local_size_var = c->local_size;
+    }
+    if (L && !strcmp(L->name, "Slurm")) { /* the tasks on this node, from the step's layout */
+        const char *list = getenv("SLURM_STEP_TASKS_PER_NODE");
+        long node = 0;
+        if (list == NULL || *list == '\0') list = getenv("SLURM_TASKS_PER_NODE");
+        if (list && *list && dopt__env_long("SLURM_NODEID", 0, INT_MAX, &node, why, cap) >= 0) {
+            info->local_size = dopt__slurm_tasks_on(list, node);
+            local_size_var = "SLURM_STEP_TASKS_PER_NODE";
+        }
+        why[0] = '\0';
+    }
+    /* DOPT_* may restate what the launcher says, or say what it does not */
+    if (dopt__launch_agree("DOPT_WORLD_SIZE", size_var, &info->world_size, 1, why, cap) != DOPT_OK ||
+        dopt__launch_agree("DOPT_RANK", rank_var, &info->rank, 0, why, cap) != DOPT_OK ||
+        dopt__launch_agree("DOPT_LOCAL_RANK", L && L->local_rank ? L->local_rank : "the launcher's local rank",
+                           &info->local_rank, 0, why, cap) != DOPT_OK ||
+        dopt__launch_agree("DOPT_LOCAL_SIZE", local_size_var[0] ? local_size_var : "the launcher's local size",
+                           &info->local_size, 1, why, cap) != DOPT_OK)
+        return DOPT_ERR_INVALID;
+    if (info->rank >= 0 && info->world_size < 0) {
+        snprintf(why, cap, "DOPT_RANK is set but DOPT_WORLD_SIZE is not (every rank needs both)");
+        return DOPT_ERR_INVALID;
+    }
+    if (info->rank >= info->world_size && info->rank >= 0) {
+        snprintf(why, cap, "%s=%d is not below %s=%d", L && !dopt__env_set("DOPT_RANK") ? rank_var : "DOPT_RANK",
+                 info->rank, L && !dopt__env_set("DOPT_WORLD_SIZE") ? size_var : "DOPT_WORLD_SIZE", info->world_size);
+        return DOPT_ERR_INVALID;
+    }
+    if (info->local_size > info->world_size && info->world_size > 0) {
+        snprintf(why, cap, "%s=%d is above the world size %d", local_size_var[0] ? local_size_var : "DOPT_LOCAL_SIZE",
+                 info->local_size, info->world_size);
+        return DOPT_ERR_INVALID;
+    }
+    if (info->local_rank >= 0 && info->local_size > 0 && info->local_rank >= info->local_size) {
+        snprintf(why, cap, "the local rank %d is not below the local size %d (%s)", info->local_rank,
+                 info->local_size, L ? L->name : "DOPT_LOCAL_RANK, DOPT_LOCAL_SIZE");
+        return DOPT_ERR_INVALID;
+    }
+    if (L) {
+        info->launcher = L->name;
+        snprintf(info->rank_from, sizeof info->rank_from, "%s, %s", rank_var, size_var);
+        dopt__launch_job(info, L->name);
+    } else if (info->rank >= 0) {
+        info->launcher = "DOPT";
+        snprintf(info->rank_from, sizeof info->rank_from, "DOPT_RANK, DOPT_WORLD_SIZE");
+    }
+    /* The meeting point: DOPT_MASTER_*, else MASTER_* (torchrun's, or a job script's), else
+       this host when every rank is on it, else Slurm's first node of the step. */
+    if ((addr = getenv("DOPT_MASTER_ADDR")) && *addr) {
+        snprintf(info->master_from, sizeof info->master_from, "DOPT_MASTER_ADDR");
+    } else if ((addr = getenv("MASTER_ADDR")) && *addr) {
+        snprintf(info->master_from, sizeof info->master_from, "MASTER_ADDR");
+    } else if (info->local_size > 0 && info->local_size == info->world_size) {
+        addr = "127.0.0.1";
+        snprintf(info->master_from, sizeof info->master_from, "every rank on this host (%s)", local_size_var);
+    } else if (L && !strcmp(L->name, "Slurm")) {
+        const char *list = getenv("SLURM_STEP_NODELIST");
+        const char *which = "SLURM_STEP_NODELIST";
+        if (list == NULL || *list == '\0') list = getenv("SLURM_JOB_NODELIST"), which = "SLURM_JOB_NODELIST";
+        if (list && *list && dopt__slurm_first_host(list, info->master_addr, sizeof info->master_addr)) {
+            snprintf(info->master_from, sizeof info->master_from, "the first node of %s", which);
+        } else if ((addr = getenv("SLURM_LAUNCH_NODE_IPADDR")) && *addr) {
+            snprintf(info->master_from, sizeof info->master_from, "SLURM_LAUNCH_NODE_IPADDR");
+        }
+    } else {
+        addr = NULL;
+    }
+    if (addr && *addr) {
+        if (strlen(addr) > DOPT_LAUNCH_ADDR_MAX) {
+            snprintf(why, cap, "%s is %lu characters long, more than %d", info->master_from,
+                     (unsigned long)strlen(addr), DOPT_LAUNCH_ADDR_MAX);
+            return DOPT_ERR_INVALID;
+        }
+        snprintf(info->master_addr, sizeof info->master_addr, "%s", addr);
+    }
+    if (dopt__env_set("DOPT_MASTER_PORT")) port_var = "DOPT_MASTER_PORT";
+    else if (dopt__env_set("MASTER_PORT")) port_var = "MASTER_PORT";
+    if (port_var) {
+        if (dopt__launch_int(port_var, 1, &info->master_port, why, cap) < 0) return DOPT_ERR_INVALID;
+        if (info->master_port > 65535) {
+            snprintf(why, cap, "%s=%d is above 65535", port_var, info->master_port);
+            return DOPT_ERR_INVALID;
+        }
+        /* under torchrun itself its own store holds MASTER_PORT on rank 0's host */
+        if (!strcmp(port_var, "MASTER_PORT") && dopt__env_set("TORCHELASTIC_RUN_ID")) {
+            if (info->master_port == 65535) {
+                snprintf(why, cap, "MASTER_PORT=65535 leaves no port above it for distopt (torchrun's store holds "
+                                   "MASTER_PORT); set DOPT_MASTER_PORT");
+                return DOPT_ERR_INVALID;
+            }
+            info->master_port++;
+        }
+        snprintf(info->master_from + strlen(info->master_from), sizeof info->master_from - strlen(info->master_from),
+                 "%s%s%s", info->master_from[0] ? ", " : "", port_var,
+                 !strcmp(port_var, "MASTER_PORT") && dopt__env_set("TORCHELASTIC_RUN_ID") ? " + 1" : "");
+    } else if (info->job[0]) { /* the same on every rank; outside the kernel's ephemeral range */
+        info->master_port = 20000 + (int)(dopt__fnv1a(DOPT__FNV_OFFSET, info->job, strlen(info->job)) % 12000u);
+        snprintf(info->master_from + strlen(info->master_from), sizeof info->master_from - strlen(info->master_from),
+                 "%sport derived from the job name %.60s", info->master_from[0] ? ", " : "", info->job);
+    }
+    return DOPT_OK;
 }
 
 static void dopt__vlog(dopt_comm *c, dopt_log_level level, const char *fmt, va_list ap) {

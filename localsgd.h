@@ -643,17 +643,6 @@ static const char *dopt__ls_label(dopt_localsgd *ls, const char *fmt, ...) {
     return dopt_comm_set_api(ls->comm, ls->api);
 }
 
-/* FNV-1a, 64 bits, continued from h (start with DOPT__FNV_OFFSET). */
-#define DOPT__FNV_OFFSET 0xCBF29CE484222325ull
-#define DOPT__FNV_PRIME 0x100000001B3ull
-
-static uint64_t dopt__fnv1a(uint64_t h, const void *data, size_t bytes) {
-    const unsigned char *p = (const unsigned char *)data;
-    size_t i;
-    for (i = 0; i < bytes; i++) h = (h ^ p[i]) * DOPT__FNV_PRIME;
-    return h;
-}
-
 static dopt_status dopt__ls_check_buf(const dopt_buf *b, size_t n) {
     if (b == NULL || dopt_buf_validate(b) != DOPT_OK || dopt_buf_count(b) != n) return DOPT_ERR_INVALID;
     return DOPT_OK;

@@ -56,9 +56,9 @@
    | field            | meaning                                                          | zero means          |
    |------------------|------------------------------------------------------------------|---------------------|
    | comm             | pointer to the MPI_Comm to work on; read during create only      | MPI_COMM_WORLD      |
-   | check            | 1: check before every collective that all ranks called the same  | DOPT_MPI_CHECK from |
-   |                  | one (see MISMATCHES); -1: never; agreed at create (any rank on:  | the environment     |
-   |                  | all on)                                                          | ("1" on; unset off) |
+   | check            | 1: check before every collective that all ranks called the same  | off                 |
+   |                  | one (see MISMATCHES); 0 or -1: never; agreed at create (any rank |                     |
+   |                  | on: all on)                                                      |                     |
    | max_count        | as DOPT_MPI_MAX_COUNT, per communicator; the smallest of the     | DOPT_MPI_MAX_COUNT  |
    |                  | ranks' values is used; clamped to INT_MAX                        |                     |
    | argc, argv       | handed to MPI_Init_thread when this call initialises MPI        | NULL, NULL          |
@@ -68,6 +68,12 @@
    |                  | launcher started, run it as a job of one rank                    | one is a mistake    |
 
    FUNCTIONS
+
+   dopt_status dopt_mpi_config_from_env(dopt_mpi_config *cfg)
+     The one setting the environment may give: DOPT_MPI_CHECK=1 sets check to 1, =0 to -1;
+     unset or empty leaves cfg alone; anything else is DOPT_ERR_INVALID, said through
+     cfg->log_fn. A config is never read from the environment otherwise: dopt_mpi_create takes
+     cfg as it is. (launch.h's dopt_comm_create_from_env calls this for you.)
 
    dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg)
      Collective over the ranks of cfg->comm (MPI_COMM_WORLD by default). Initialises MPI if
@@ -177,7 +183,7 @@ extern "C" {
 
 typedef struct dopt_mpi_config {
     const MPI_Comm *comm; /* NULL: MPI_COMM_WORLD */
-    int check;            /* 1 on, -1 off, 0: environment variable DOPT_MPI_CHECK (default off) */
+    int check;            /* 1 on; 0 or -1 off (dopt_mpi_config_from_env reads DOPT_MPI_CHECK) */
     size_t max_count;     /* 0: DOPT_MPI_MAX_COUNT */
     int *argc;            /* for MPI_Init_thread; may be NULL */
     char ***argv;
@@ -187,6 +193,7 @@ typedef struct dopt_mpi_config {
 } dopt_mpi_config;
 
 DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg);
+DOPT_DEF dopt_status dopt_mpi_config_from_env(dopt_mpi_config *cfg);
 
 #ifdef __cplusplus
 }
@@ -513,11 +520,22 @@ static const dopt_comm_vtable dopt__mpi_vtable = {"mpi",
                                                   dopt__mpi_destroy};
 
 /* The check setting this rank asks for: the config's, else the environment's. */
-static int dopt__mpi_check_wanted(const dopt_mpi_config *cfg) {
-    const char *env;
-    if (cfg->check != 0) return cfg->check > 0;
-    env = getenv("DOPT_MPI_CHECK");
-    return env != NULL && env[0] != '\0' && strcmp(env, "0") != 0;
+static int dopt__mpi_check_wanted(const dopt_mpi_config *cfg) { return cfg->check > 0; }
+
+DOPT_DEF dopt_status dopt_mpi_config_from_env(dopt_mpi_config *cfg) {
+    const char *env = getenv("DOPT_MPI_CHECK");
+    if (cfg == NULL) return DOPT_ERR_INVALID;
+    if (env == NULL || env[0] == '\0') return DOPT_OK;
+    if (strcmp(env, "0") && strcmp(env, "1")) {
+        if (cfg->log_fn) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "DOPT_MPI_CHECK=\"%.40s\" is not 0 or 1", env);
+            cfg->log_fn(cfg->log_user, DOPT_LOG_ERROR, msg);
+        }
+        return DOPT_ERR_INVALID;
+    }
+    cfg->check = env[0] == '1' ? 1 : -1;
+    return DOPT_OK;
 }
 
 /* Both settings change which MPI calls a collective makes, so every rank must use the same: the

@@ -38,7 +38,7 @@
        DOPT_SHM_NAME=job7 DOPT_WORLD_SIZE=2 DOPT_RANK=1 ./train
 
        dopt_comm *comm;
-       if (dopt_shm_create(&comm, NULL) != DOPT_OK) return 1;   (configuration from the environment)
+       if (dopt_shm_create(&comm, NULL) != DOPT_OK) return 1;   (NULL: the environment's configuration)
        ...
        dopt_comm_destroy(comm);
 
@@ -46,19 +46,29 @@
 
    | field        | meaning                                                     | zero means                  |
    |--------------|-------------------------------------------------------------|-----------------------------|
-   | name         | job name: 1..200 of [A-Za-z0-9._-]; names the segment       | DOPT_SHM_NAME (required     |
-   |              | /dev/shm/dopt.NAME while the job forms                      | when size > 1); the fork    |
-   |              |                                                             | helper makes a unique one   |
-   | rank, size   | this process's rank and the world size; size 0 takes both   | DOPT_RANK, DOPT_WORLD_SIZE  |
-   |              | from the environment (the fork helper sets both itself)     |                             |
-   | timeout_ms   | bound on every wait, joining included (comm->timeout_ms)    | DOPT_TIMEOUT_MS, else 300 s |
+   | name         | job name: 1..200 of [A-Za-z0-9._-]; names the segment       | env_name (required when     |
+   |              | /dev/shm/dopt.NAME while the job forms                      | size > 1); the fork helper  |
+   |              |                                                             | makes a unique one          |
+   | rank, size   | this process's rank and the world size (the fork helper     | size 0 is refused           |
+   |              | sets both itself)                                           |                             |
+   | timeout_ms   | bound on every wait, joining included (comm->timeout_ms)    | 300 s                       |
    | chunk_bytes  | bytes each rank moves per pipeline step; the segment holds  | 256 KiB                     |
    |              | 3 per rank, so memory is size·3·chunk_bytes whatever the    |                             |
    |              | message size; 64 B .. 1 GiB; every rank must give the same |                             |
    | log_fn,      | logging callback, installed on the communicator, and told   | silent                      |
    | log_user     | why a create failed (there is no communicator to ask then)  |                             |
 
+   A config is never read from the environment by itself; dopt_shm_config_from_env fills one.
+
    FUNCTIONS
+
+   dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg)
+     Sets rank, size, env_name and timeout_ms from the environment (and name to NULL): rank and
+     world size from the launch variables distopt.h reads (DOPT_RANK/DOPT_WORLD_SIZE, mpirun,
+     srun or torchrun's; see LAUNCH VARIABLES there), the name from DOPT_SHM_NAME or else the
+     job's name the launcher gives (Slurm's job and step, Open MPI's job id), DOPT_TIMEOUT_MS
+     when set. DOPT_ERR_INVALID, said through cfg->log_fn, when no rank or size is given, a value
+     is malformed, or the launcher puts some of the job's ranks on other hosts.
 
    dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg)
      Joins the job: the first of its ranks to arrive creates the segment (any rank may be first),
@@ -69,10 +79,11 @@
      leaves nothing in /dev/shm, and the name can be reused at once by the next job. A segment
      left by a job that died while forming (every process that joined it has exited, or one of
      them died, or the job failed) is removed and replaced. A world of size 1 needs no name and
-     no segment. On success *out owns the mapping; release it with dopt_comm_destroy. On failure
-     *out is NULL and log_fn is told why. Errors:
-       DOPT_ERR_INVALID   out is NULL; no name, a bad name or bad size/rank (not configured and
-                          not in the environment); chunk_bytes or timeout_ms out of range; the
+     no segment. cfg NULL takes the configuration from the environment (as
+     dopt_shm_config_from_env, silent on failure). On success *out owns the mapping; release it
+     with dopt_comm_destroy. On failure *out is NULL and log_fn is told why. Errors:
+       DOPT_ERR_INVALID   out is NULL; no name, a bad name or bad size/rank (size 0 included);
+                          chunk_bytes or timeout_ms out of range; the
                           job's segment was made for another world size or chunk size; or this
                           rank is already held by a live process (another job is forming under
                           the same name — a live job is never taken over).
@@ -169,17 +180,21 @@
 extern "C" {
 #endif
 
+#define DOPT_SHM_NAME_MAX 200 /* characters of a job name */
+
 typedef struct dopt_shm_config {
-    const char *name;   /* NULL: DOPT_SHM_NAME */
+    const char *name;   /* NULL: env_name when it is not empty */
     int rank;           /* with size; ignored by dopt_shm_fork */
-    int size;           /* 0: rank and size from DOPT_RANK and DOPT_WORLD_SIZE */
-    int timeout_ms;     /* 0: DOPT_TIMEOUT_MS, else DOPT_DEFAULT_TIMEOUT_MS */
+    int size;           /* >= 1; ignored by dopt_shm_fork */
+    int timeout_ms;     /* 0: DOPT_DEFAULT_TIMEOUT_MS */
     size_t chunk_bytes; /* 0: 256 KiB */
     dopt_log_fn log_fn; /* NULL: silent */
     void *log_user;
+    char env_name[DOPT_SHM_NAME_MAX + 1]; /* the name dopt_shm_config_from_env found */
 } dopt_shm_config;
 
 DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg);
+DOPT_DEF dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg);
 DOPT_DEF dopt_status dopt_shm_fork(dopt_comm **out, int nranks, const dopt_shm_config *cfg);
 DOPT_DEF int dopt_shm_fork_finish(dopt_comm *comm, int status);
 
@@ -950,27 +965,6 @@ typedef struct dopt__shm_settings {
     size_t chunk;
 } dopt__shm_settings;
 
-/* A positive decimal int from the environment: 1 found, 0 unset, -1 malformed. */
-/* The world from DOPT_WORLD_SIZE and DOPT_RANK, each named in why when it is missing or wrong. */
-static dopt_status dopt__shm_env_world(dopt__shm_settings *out, char *why, size_t cap) {
-    long size = 0, rank = 0;
-    int found = dopt__env_long("DOPT_WORLD_SIZE", 1, DOPT__SHM_MAX_RANKS, &size, why, cap);
-    if (found == 0)
-        snprintf(why, cap, "DOPT_WORLD_SIZE is not set and the configuration gives no size (every rank needs "
-                           "DOPT_WORLD_SIZE and DOPT_RANK, or start the job with dopt_shm_fork)");
-    if (found != 1) return DOPT_ERR_INVALID;
-    found = dopt__env_long("DOPT_RANK", 0, INT_MAX, &rank, why, cap);
-    if (found == 0) snprintf(why, cap, "DOPT_RANK is not set (every rank needs its own, 0..%ld)", size - 1);
-    if (found != 1) return DOPT_ERR_INVALID;
-    if (rank >= size) {
-        snprintf(why, cap, "DOPT_RANK=%ld is not below DOPT_WORLD_SIZE=%ld", rank, size);
-        return DOPT_ERR_INVALID;
-    }
-    out->size = (int)size;
-    out->rank = (int)rank;
-    return DOPT_OK;
-}
-
 static int dopt__shm_name_ok(const char *name) {
     size_t i, n = strlen(name);
     if (n == 0 || n > DOPT__SHM_NAME_MAX) return 0;
@@ -985,26 +979,21 @@ static int dopt__shm_name_ok(const char *name) {
 
 /* The configuration with the environment and defaults filled in; why says what is wrong. */
 static dopt_status dopt__shm_resolve(const dopt_shm_config *cfg, dopt__shm_settings *out, char *why, size_t cap) {
-    const char *name = cfg->name ? cfg->name : getenv("DOPT_SHM_NAME");
-    int found;
+    const char *name = cfg->name ? cfg->name : cfg->env_name[0] ? cfg->env_name : NULL;
     memset(out, 0, sizeof *out);
-    if (cfg->size < 0 || cfg->size > DOPT__SHM_MAX_RANKS) {
-        snprintf(why, cap, "size %d outside 0..%d", cfg->size, DOPT__SHM_MAX_RANKS);
+    if (cfg->size == 0) {
+        snprintf(why, cap, "size is 0: set rank and size, or fill the config with dopt_shm_config_from_env");
         return DOPT_ERR_INVALID;
     }
-    if (cfg->size > 0) {
-        out->size = cfg->size;
-        out->rank = cfg->rank;
-    } else if (dopt__shm_env_world(out, why, cap) != DOPT_OK) {
-        return DOPT_ERR_INVALID;
-    }
+    out->size = cfg->size;
+    out->rank = cfg->rank;
     if (out->size < 1 || out->size > DOPT__SHM_MAX_RANKS || out->rank < 0 || out->rank >= out->size) {
         snprintf(why, cap, "rank %d of world size %d: need 0 <= rank < size <= %d", out->rank, out->size,
                  DOPT__SHM_MAX_RANKS);
         return DOPT_ERR_INVALID;
     }
     if (out->size > 1 && name == NULL) {
-        snprintf(why, cap, "no job name: set dopt_shm_config.name or DOPT_SHM_NAME");
+        snprintf(why, cap, "no job name: set dopt_shm_config.name, or DOPT_SHM_NAME with dopt_shm_config_from_env");
         return DOPT_ERR_INVALID;
     }
     if (name != NULL) {
@@ -1019,12 +1008,7 @@ static dopt_status dopt__shm_resolve(const dopt_shm_config *cfg, dopt__shm_setti
         snprintf(why, cap, "timeout_ms %d is negative", cfg->timeout_ms);
         return DOPT_ERR_INVALID;
     }
-    if (out->timeout_ms == 0) {
-        long ms = DOPT_DEFAULT_TIMEOUT_MS;
-        found = dopt__env_long("DOPT_TIMEOUT_MS", 1, INT_MAX, &ms, why, cap);
-        if (found < 0) return DOPT_ERR_INVALID;
-        out->timeout_ms = (int)ms;
-    }
+    if (out->timeout_ms == 0) out->timeout_ms = DOPT_DEFAULT_TIMEOUT_MS;
     out->chunk = cfg->chunk_bytes ? cfg->chunk_bytes : DOPT__SHM_DEFAULT_CHUNK;
     if (out->chunk < DOPT__SHM_MIN_CHUNK || out->chunk > DOPT__SHM_MAX_CHUNK) {
         snprintf(why, cap, "chunk_bytes %zu outside %zu..%zu", out->chunk, DOPT__SHM_MIN_CHUNK, DOPT__SHM_MAX_CHUNK);
@@ -1263,16 +1247,61 @@ static dopt_status dopt__shm_join(dopt_comm *c, dopt__shm *s) {
     return st;
 }
 
+/* The job's rank, size, name and timeout from the launch variables (distopt.h's
+   dopt_launch_read) and DOPT_SHM_NAME, DOPT_TIMEOUT_MS. */
+DOPT_DEF dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg) {
+    dopt_launch_info info;
+    char why[DOPT__SHM_REASON_MAX];
+    const char *name = getenv("DOPT_SHM_NAME");
+    long ms = 0;
+    if (cfg == NULL) return DOPT_ERR_INVALID;
+    if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    if (info.world_size < 0)
+        return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID,
+                                     "DOPT_WORLD_SIZE is not set and no launcher's variables give a world size (every "
+                                     "rank needs DOPT_WORLD_SIZE and DOPT_RANK, or start the job with a launcher, or "
+                                     "with dopt_shm_fork)");
+    if (info.rank < 0) {
+        snprintf(why, sizeof why, "DOPT_RANK is not set (every rank needs its own, 0..%d)", info.world_size - 1);
+        return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    }
+    if (info.world_size > DOPT__SHM_MAX_RANKS) {
+        snprintf(why, sizeof why, "a world of %d ranks (%s) is more than shared memory's %d", info.world_size,
+                 info.rank_from, DOPT__SHM_MAX_RANKS);
+        return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    }
+    if (info.local_size > 0 && info.local_size < info.world_size) {
+        snprintf(why, sizeof why, "shared memory joins the ranks of one host, but %s's variables put %d of the %d "
+                 "ranks on this one: use the TCP or MPI transport", info.launcher, info.local_size, info.world_size);
+        return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    }
+    if (dopt__env_long("DOPT_TIMEOUT_MS", 1, INT_MAX, &ms, why, sizeof why) < 0)
+        return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    if (name && *name && strlen(name) > DOPT_SHM_NAME_MAX) {
+        snprintf(why, sizeof why, "DOPT_SHM_NAME is %lu characters long, more than %d", (unsigned long)strlen(name),
+                 DOPT_SHM_NAME_MAX);
+        return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    }
+    snprintf(cfg->env_name, sizeof cfg->env_name, "%s", name && *name ? name : info.job);
+    cfg->name = NULL;
+    cfg->rank = info.rank;
+    cfg->size = info.world_size;
+    if (ms > 0) cfg->timeout_ms = (int)ms;
+    return DOPT_OK;
+}
+
 DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg) {
-    dopt_shm_config defaults;
+    dopt_shm_config from_env;
     dopt__shm_settings set;
     dopt__shm *s;
     dopt_comm *c = NULL;
     char why[DOPT__SHM_REASON_MAX];
     dopt_status st;
-    if (cfg == NULL) {
-        memset(&defaults, 0, sizeof defaults);
-        cfg = &defaults;
+    if (cfg == NULL) { /* NULL asks for the environment's configuration */
+        memset(&from_env, 0, sizeof from_env);
+        st = dopt_shm_config_from_env(&from_env);
+        if (st != DOPT_OK) return st;
+        cfg = &from_env;
     }
     if (out == NULL) return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, "out is NULL");
     *out = NULL;

@@ -371,6 +371,8 @@ typedef struct dopt_tcp_config {
     void *log_user;
     void (*on_listen)(void *user, int port); /* rank 0: called once its rendezvous port listens */
     void *on_listen_user;
+    char master_host[DOPT_LAUNCH_ADDR_MAX + 1]; /* used when master_addr is NULL: a host name
+                                  dopt_tcp_config_from_env derived (Slurm's first node) */
 } dopt_tcp_config;
 
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg);
@@ -2518,7 +2520,7 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
     if (t->size > 1) {
         if (cfg->rank != 0 && cfg->master_port == 0)
             s = dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "master_port is needed on every rank but 0");
-        if (s == DOPT_OK) s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", master);
+        if (s == DOPT_OK) s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : cfg->master_host[0] ? cfg->master_host : "127.0.0.1", master);
         if (s == DOPT_OK && t->rank == 0) {
             if (cfg->bind_addr == NULL) memcpy(bind_addr, master, 4);
             else s = dopt__tcp_resolve(c, cfg->bind_addr, bind_addr);
@@ -2566,31 +2568,35 @@ static int dopt__tcp_env_int(const dopt_tcp_config *cfg, const char *name, long 
 
 DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
     dopt_tcp_config env;
+    dopt_launch_info info;
+    char why[DOPT_DETAIL_MAX];
     const char *s;
-    int has_rank, has_world, has_port;
     if (cfg == NULL) return DOPT_ERR_INVALID;
     env = *cfg;
-    if ((has_world = dopt__tcp_env_int(cfg, "DOPT_WORLD_SIZE", 1, INT_MAX, &env.world_size)) < 0 ||
-        (has_rank = dopt__tcp_env_int(cfg, "DOPT_RANK", 0, INT_MAX - 1, &env.rank)) < 0 ||
-        (has_port = dopt__tcp_env_int(cfg, "DOPT_MASTER_PORT", 1, 65535, &env.master_port)) < 0 ||
-        dopt__tcp_env_int(cfg, "DOPT_TIMEOUT_MS", 1, INT_MAX, &env.timeout_ms) < 0 ||
+    if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__tcp_env_error(cfg, "%s", why);
+    if (dopt__tcp_env_int(cfg, "DOPT_TIMEOUT_MS", 1, INT_MAX, &env.timeout_ms) < 0 ||
         dopt__tcp_env_int(cfg, "DOPT_RENDEZVOUS_TIMEOUT_MS", 1, INT_MAX, &env.rendezvous_timeout_ms) < 0)
         return DOPT_ERR_INVALID;
-    if (!has_rank)
-        return dopt__tcp_env_error(
-            cfg, "DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it)");
-    if (!has_world)
-        return dopt__tcp_env_error(
-            cfg, "DOPT_WORLD_SIZE is not set (every rank needs it; or start the job with a launcher that sets it)");
-    if (env.rank >= env.world_size)
-        return dopt__tcp_env_error(cfg, "DOPT_RANK=%d is not below DOPT_WORLD_SIZE=%d", env.rank, env.world_size);
-    if (!has_port) env.master_port = 0;
-    if (!has_port && env.world_size > 1 && env.rank > 0)
+    if (info.rank < 0)
+        return dopt__tcp_env_error(cfg, "DOPT_RANK is not set (every rank needs it; or start the job with a launcher "
+                                        "that sets it: mpirun, srun, torchrun)");
+    env.rank = info.rank;
+    env.world_size = info.world_size;
+    env.master_addr = NULL;
+    env.master_host[0] = '\0';
+    if (info.master_addr[0]) {
+        snprintf(env.master_host, sizeof env.master_host, "%s", info.master_addr);
+    } else if (info.local_size > 0 && info.local_size < info.world_size) {
+        return dopt__tcp_env_error(cfg, "rank 0's address is unknown: %s's variables put %d of the %d ranks on this "
+                                        "host and none names rank 0's host; set DOPT_MASTER_ADDR to it (mpirun: -x "
+                                        "DOPT_MASTER_ADDR=<host>)",
+                                   info.launcher, info.local_size, info.world_size);
+    }
+    env.master_port = info.master_port;
+    if (env.master_port == 0 && env.world_size > 1 && env.rank > 0)
         return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: rank %d needs rank 0's port", env.rank);
-    if (!has_port && env.world_size > 1 && env.on_listen == NULL)
+    if (env.master_port == 0 && env.world_size > 1 && env.on_listen == NULL)
         return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: the other ranks need rank 0's port");
-    s = getenv("DOPT_MASTER_ADDR");
-    env.master_addr = s && *s ? s : NULL;
     s = getenv("DOPT_BIND_ADDR");
     env.bind_addr = s && *s ? s : NULL;
     s = getenv("DOPT_TOKEN");

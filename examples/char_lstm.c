@@ -432,7 +432,7 @@ static void print_row(FILE *f, const char *fmt, int epoch, double loss, double v
 }
 
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0};
+    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0};
     lstm_options lo = {128, 32, 0, 0};
     lstm m;
     lstm_work work;
@@ -512,7 +512,7 @@ int main(int argc, char **argv) {
     if (comm->rank == 0) {
         printf("char_lstm: %s, %d worker(s), %zu training characters from %d files (%zu per worker), %zu validation "
                "characters; LSTM hidden %d, %zu parameters, BPTT %d, batch %d windows per worker; ",
-               o.transport, comm->size, ntrain, nfiles, per_rank, nval, lo.hidden, m.n, lo.bptt, o.batch);
+               comm->vt->name, comm->size, ntrain, nfiles, per_rank, nval, lo.hidden, m.n, lo.bptt, o.batch);
         if (o.celgc)
             printf("celgc eta %g gamma %g", o.celgc_eta, o.celgc_gamma);
         else

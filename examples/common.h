@@ -1,7 +1,8 @@
 /* common.h — what the examples share and a real host would write its own way: command-line
    flags, opening the communicator the user asked for, the wall clock. Not part of distopt.
-   Include after the distopt headers, in the file that defines DISTOPT_IMPLEMENTATION. Built with
-   mpicc (the Makefile does), --transport mpi is there too: start the ranks with mpirun. */
+   Include after the distopt headers (launch.h last among them), in the file that defines
+   DISTOPT_IMPLEMENTATION. Built with mpicc (the Makefile does), --transport mpi is there too:
+   start the ranks with mpirun. */
 #ifndef DOPT_EXAMPLES_COMMON_H
 #define DOPT_EXAMPLES_COMMON_H
 
@@ -11,6 +12,7 @@
 #    define EXAMPLES_HAVE_MPI 1
 #  endif
 #endif
+#include "launch.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -20,8 +22,8 @@
 #include <time.h>
 
 typedef struct options {
-    const char *transport;   /* shm, tcp, mpi, self */
-    int workers;             /* shm fork helper */
+    const char *transport;   /* shm, tcp, mpi, self; NULL: as the environment says (launch.h) */
+    int workers;             /* ranks to fork when no launcher started this one; 0: DOPT_WORLD_SIZE, else 1 */
     const char *compress;    /* none, ternary, qsgd, topk, sign, fp16, bf16 */
     int celgc;               /* 1 when --celgc eta,gamma was given */
     float celgc_eta, celgc_gamma;
@@ -105,7 +107,8 @@ static inline void usage(const char *prog, const char *own) {
            "          %s\n"
            "--average: at --period 1, grads (the default) averages the gradients before each step, models\n"
            "averages the models after it; longer periods take only models (their default).\n"
-           "tcp reads DOPT_RANK, DOPT_WORLD_SIZE, DOPT_MASTER_ADDR, DOPT_MASTER_PORT, DOPT_TOKEN;\n"
+           "Without --transport the environment decides (DOPT_TRANSPORT; mpirun, srun, torchrun or DOPT_RANK\n"
+           "variables; else --workers N ranks forked over shared memory, or one rank): see launch.h.\n"
            "mpi runs under mpirun (Open MPI as root: mpirun --allow-run-as-root -n 2 ...).\n",
            prog, own ? own : "");
     exit(0);
@@ -284,39 +287,17 @@ static inline void log_to_stderr(void *user, dopt_log_level level, const char *m
     fprintf(stderr, "distopt: %s\n", msg);
 }
 
-/* The communicator --transport names. With shm this forks: the rest of main runs in every
-   worker, and main must end with dopt_shm_fork_finish (which is harmless for the others). */
+/* The communicator the environment and --transport/--workers ask for. A shared-memory world
+   without a launcher forks: the rest of main runs in every worker, and main must end with
+   dopt_shm_fork_finish (which only destroys the others). */
 static inline dopt_comm *open_comm(const options *o) {
     dopt_comm *comm = NULL;
-    dopt_status st;
-    if (!strcmp(o->transport, "shm")) {
-        dopt_shm_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.log_fn = log_to_stderr;
-        st = dopt_shm_fork(&comm, o->workers, &cfg);
-    } else if (!strcmp(o->transport, "tcp")) {
-        dopt_tcp_config base;
-        memset(&base, 0, sizeof base);
-        base.log_fn = log_to_stderr; /* a failed start says why */
-        st = dopt_tcp_create_from_env(&comm, &base);
-    } else if (!strcmp(o->transport, "mpi")) {
-#ifdef EXAMPLES_HAVE_MPI
-        dopt_mpi_config mcfg;
-        memset(&mcfg, 0, sizeof mcfg);
-        mcfg.log_fn = log_to_stderr; /* a refusal says why, e.g. no mpirun around this process */
-        st = dopt_mpi_create(&comm, &mcfg);
-#else
-        fprintf(stderr, "--transport mpi: this build has no MPI (build the examples with mpicc)\n");
-        exit(2);
-#endif
-    } else { /* self: parse_options took only the four names */
-        st = dopt_comm_create_self(&comm);
-    }
-    if (st != DOPT_OK) { /* the reason went to log_to_stderr already */
-        fprintf(stderr, "error: cannot start the %s transport (%s)\n", o->transport, dopt_status_str(st));
-        exit(1);
-    }
-    dopt_comm_set_log(comm, log_to_stderr, NULL);
+    dopt_launch_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.transport = o->transport;
+    cfg.world_size = o->workers;
+    cfg.log_fn = log_to_stderr; /* a failed start says why */
+    if (dopt_launch_create(&comm, &cfg) != DOPT_OK) exit(1);
     return comm;
 }
 

@@ -220,7 +220,7 @@ static dopt_status evaluate(const evaluation *ev, const float *params, progress 
 }
 
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0};
+    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0};
     size_t ntrain, ntest, nlabels, begin, end, per_rank, i, units;
     unsigned char *train_px, *test_px, *train_y, *test_y, *batch_y;
     float *train_x, *test_x, *params, *grads, *micro, *eval, *batch_x;
@@ -291,7 +291,7 @@ int main(int argc, char **argv) {
     if (comm->rank == 0) {
         printf("fmnist_mlp: %s, %d worker(s), %zu training images (%zu per worker), batch %d per worker, lr %g, "
                "compress %s, %s, period %zu, clip %g, adaptive batch %s\n",
-               o.transport, comm->size, ntrain, per_rank, o.batch, o.lr, o.compress, o.celgc ? "celgc" : "sgd",
+               comm->vt->name, comm->size, ntrain, per_rank, o.batch, o.lr, o.compress, o.celgc ? "celgc" : "sgd",
                o.period, o.clip, o.adaptive);
         printf("%7s %10s %9s %8s %12s %8s %6s %8s\n", "epoch", "loss", "test_acc", "rounds", "bytes_sent", "time_s",
                "batch", "steps");

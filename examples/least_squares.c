@@ -41,7 +41,7 @@ static void gradient(const float *A, const float *b, const float *x, size_t begi
 }
 
 int main(int argc, char **argv) {
-    options o = {"self", 2, "none", 0, 0, 0, 1, 1, 3000, 0, 0, 0.05f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0};
+    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 3000, 0, 0, 0.05f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0};
     static float A[ROWS * DIM], b[ROWS];
     float xstar[DIM], x[DIM] = {0}, g[DIM];
     uint64_t data_rng, rng;
@@ -108,7 +108,7 @@ int main(int argc, char **argv) {
     if (comm->rank == 0)
         printf("least_squares: %s, %d rank(s), compress %s, %s, period %zu: |x - x*| = %.3g (|x*| = %.3g) after %ld "
                "steps; %llu averaging rounds (%llu collectives), %llu bytes of gradient/model messages sent per rank; %s\n",
-               o.transport, comm->size, o.compress, o.celgc ? "celgc" : "sgd", o.period, dist, ref, step,
+               comm->vt->name, comm->size, o.compress, o.celgc ? "celgc" : "sgd", o.period, dist, ref, step,
                (unsigned long long)messages, (unsigned long long)comm->seq,
                (unsigned long long)(comm->size == 1 ? 0 : messages * (compress ? dopt_compress_bound(&cz) : DIM * sizeof(float))),
                failed ? "NOT CONVERGED" : "converged");

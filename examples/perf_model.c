@@ -398,7 +398,7 @@ int main(int argc, char **argv) {
     FILE *csv = NULL;
 
     memset(&mo, 0, sizeof mo);
-    mo.comm.transport = "self", mo.comm.workers = 2, mo.comm.compress = "none", mo.comm.period = 1;
+    mo.comm.transport = NULL, mo.comm.workers = 0, mo.comm.compress = "none", mo.comm.period = 1;
     mo.comm.adaptive = "off";
     mo.layers[0] = 784, mo.layers[1] = 256, mo.layers[2] = 128, mo.layers[3] = 10, mo.nlayers = 4;
     mo.micro = 64, mo.seconds = 0.2;
@@ -481,7 +481,7 @@ int main(int argc, char **argv) {
     }
 
     if (comm->rank == 0) {
-        printf("perf_model: %s, %d rank(s), MLP", mo.comm.transport, g.N);
+        printf("perf_model: %s, %d rank(s), MLP", comm->vt->name, g.N);
         for (i = 0; i < mo.nlayers; i++) printf("%s%d", i ? "-" : " ", mo.layers[i]);
         printf(" (%zu parameters, %zu tensors), micro-batch %d\n\n", g.n, g.nsegs, g.micro);
         printf("ingredients (slowest rank, median of %d):\n", REPEATS);

@@ -9,7 +9,7 @@ BUILD=${1:-build}
 cd "$(dirname "$0")/.."
 mkdir -p "$BUILD"
 status=0
-for h in distopt.h transport_*.h clip.h compress.h localsgd.h; do
+for h in distopt.h transport_*.h clip.h compress.h localsgd.h launch.h; do
     [ -f "$h" ] || continue
     src="$BUILD/standalone_$(basename "$h" .h).c"
     printf '#define DISTOPT_IMPLEMENTATION\n#include "../%s"\nint main(void) { return 0; }\n' "$h" > "$src"

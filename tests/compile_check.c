@@ -13,6 +13,7 @@
 #include "../compress.h"
 #include "../localsgd.h"
 #include "../transport_tcp.h"
+#include "../launch.h"
 
 #ifdef DOPT_CHECK_STATIC
 int main(void) {

@@ -5,6 +5,7 @@
 #include "../compress.h"
 #include "../localsgd.h"
 #include "../transport_tcp.h"
+#include "../launch.h"
 
 int main(void) {
     dopt_comm *c;

@@ -8,6 +8,7 @@
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_mpi.h"
+#include "../launch.h"
 
 int main(void) {
     dopt_mpi_config cfg;

@@ -96,11 +96,12 @@ static void create_initialises_mpi_when_needed(void) {
     MPI_Initialized(&initialized);
     DT_CHECKF(!initialized, "MPI is already initialised before the first create");
     cfg.max_count = (size_t)INT_MAX; /* the production limit: one MPI call per collective */
-    check_env = getenv("DOPT_MPI_CHECK"); /* the default is what this test checks */
+    check_env = getenv("DOPT_MPI_CHECK"); /* a config never reads the environment by itself */
     if (check_env) snprintf(saved, sizeof saved, "%s", check_env);
-    unsetenv("DOPT_MPI_CHECK");
+    setenv("DOPT_MPI_CHECK", "1", 1);
     world = create_or_die(&cfg);
     if (check_env) setenv("DOPT_MPI_CHECK", saved, 1);
+    else unsetenv("DOPT_MPI_CHECK");
     MPI_Initialized(&initialized);
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world_size);
@@ -385,6 +386,7 @@ static void settings_are_agreed_at_create(void) {
     float buf[16] = {0};
     if (world_rank == 0) setenv("DOPT_MPI_CHECK", "1", 1);
     if (world_rank == 0) cfg.max_count = 500;
+    CHECK(dopt_mpi_config_from_env(&cfg) == DOPT_OK, "config_from_env failed: %s", log.text);
     c = create_or_die(&cfg);
     unsetenv("DOPT_MPI_CHECK");
     CHECK(strstr(log.text, "mismatch check on, at most 500 per MPI call") != NULL, "log: %s", log.text);
@@ -392,14 +394,18 @@ static void settings_are_agreed_at_create(void) {
     CHECK_STATUS(dopt_allreduce(c, buf, 16, DOPT_F32, c->rank == c->size - 1 ? DOPT_MAX : DOPT_SUM), DOPT_ERR_MISMATCH,
                  c);
     dopt_comm_destroy(c);
-    /* check = -1 wins over the environment */
-    setenv("DOPT_MPI_CHECK", "1", 1);
+    /* DOPT_MPI_CHECK=0 turns it off; a value that is not 0 or 1 is refused and named */
+    setenv("DOPT_MPI_CHECK", "0", 1);
     cfg = config_logging_to(&log);
-    cfg.check = -1;
+    cfg.check = 1;
+    CHECK(dopt_mpi_config_from_env(&cfg) == DOPT_OK && cfg.check == -1, "check %d", cfg.check);
     c = create_or_die(&cfg);
-    unsetenv("DOPT_MPI_CHECK");
     CHECK(strstr(log.text, "mismatch check off") != NULL, "log: %s", log.text);
     dopt_comm_destroy(c);
+    setenv("DOPT_MPI_CHECK", "yes", 1);
+    CHECK(dopt_mpi_config_from_env(&cfg) == DOPT_ERR_INVALID, "DOPT_MPI_CHECK=yes accepted");
+    CHECK(strstr(log.text, "DOPT_MPI_CHECK=\"yes\" is not 0 or 1") != NULL, "log: %s", log.text);
+    unsetenv("DOPT_MPI_CHECK");
 }
 
 /* ------------------------------------------------------------------ the end of MPI */

@@ -419,21 +419,52 @@ DTEST(bad_configuration_is_invalid_and_explained) {
     unsetenv("DOPT_RANK");
     unsetenv("DOPT_SHM_NAME");
     cfg = config_for("ok", 0, 0, 0, &log);
-    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID); /* a config never reads the environment */
+    DT_CHECKF(strstr(log.text, "size is 0") != NULL, "log: %s", log.text);
+    setenv("DOPT_WORLD_SIZE", "2", 1);
+    setenv("DOPT_RANK", "1", 1);
+    setenv("DOPT_SHM_NAME", "from-env", 1);
+    setenv("DOPT_TIMEOUT_MS", "4321", 1);
+    DT_OK(dopt_shm_config_from_env(&cfg));
+    DT_CHECK(cfg.size == 2 && cfg.rank == 1 && cfg.timeout_ms == 4321 && cfg.name == NULL &&
+             !strcmp(cfg.env_name, "from-env"));
+    unsetenv("DOPT_WORLD_SIZE");
+    unsetenv("DOPT_RANK");
+    unsetenv("DOPT_SHM_NAME");
+    unsetenv("DOPT_TIMEOUT_MS");
+    /* a launcher's variables say the same; ranks on several hosts cannot share memory */
+    setenv("OMPI_COMM_WORLD_RANK", "3", 1);
+    setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+    setenv("OMPI_MCA_ess_base_jobid", "77", 1);
+    cfg = config_for("ok", 0, 0, 0, &log);
+    DT_EQ_INT(dopt_shm_config_from_env(&cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "2 of the 4 ranks on this one") != NULL, "log: %s", log.text);
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4", 1);
+    DT_OK(dopt_shm_config_from_env(&cfg));
+    DT_CHECKF(cfg.size == 4 && cfg.rank == 3 && !strcmp(cfg.env_name, "ompi-77"), "%d %d %s", cfg.size, cfg.rank,
+              cfg.env_name);
+    unsetenv("OMPI_COMM_WORLD_RANK");
+    unsetenv("OMPI_COMM_WORLD_SIZE");
+    unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    unsetenv("OMPI_MCA_ess_base_jobid");
+    cfg = config_for("ok", 0, 0, 0, &log);
+    DT_EQ_INT(dopt_shm_config_from_env(&cfg), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_shm_config_from_env(&cfg), DOPT_ERR_INVALID);
     DT_CHECKF(strstr(log.text, "DOPT_WORLD_SIZE is not set") != NULL, "log: %s", log.text);
     /* the launch variables: each mistake named with its value and the rule */
     setenv("DOPT_WORLD_SIZE", "abc", 1);
-    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_shm_config_from_env(&cfg), DOPT_ERR_INVALID);
     DT_CHECKF(strstr(log.text, "DOPT_WORLD_SIZE=\"abc\" is not a number") != NULL, "log: %s", log.text);
     setenv("DOPT_WORLD_SIZE", "2", 1);
-    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_shm_config_from_env(&cfg), DOPT_ERR_INVALID);
     DT_CHECKF(strstr(log.text, "DOPT_RANK is not set") != NULL, "log: %s", log.text);
     setenv("DOPT_RANK", "2", 1);
-    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_shm_config_from_env(&cfg), DOPT_ERR_INVALID);
     DT_CHECKF(strstr(log.text, "DOPT_RANK=2 is not below DOPT_WORLD_SIZE=2") != NULL, "log: %s", log.text);
     setenv("DOPT_RANK", "0", 1);
     setenv("DOPT_TIMEOUT_MS", "5s", 1);
-    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_shm_config_from_env(&cfg), DOPT_ERR_INVALID);
     DT_CHECKF(strstr(log.text, "DOPT_TIMEOUT_MS=\"5s\" is not a number") != NULL, "log: %s", log.text);
     unsetenv("DOPT_WORLD_SIZE");
     unsetenv("DOPT_RANK");

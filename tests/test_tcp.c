@@ -807,8 +807,12 @@ DTEST(create_from_env_joins_the_world) {
 }
 
 static void clear_env(void) {
-    static const char *names[] = {"DOPT_RANK",   "DOPT_WORLD_SIZE", "DOPT_MASTER_ADDR", "DOPT_MASTER_PORT",
-                                  "DOPT_TOKEN",  "DOPT_BIND_ADDR",  "DOPT_TIMEOUT_MS",  "DOPT_RENDEZVOUS_TIMEOUT_MS"};
+    static const char *names[] = {"DOPT_RANK", "DOPT_WORLD_SIZE", "DOPT_MASTER_ADDR", "DOPT_MASTER_PORT", "DOPT_TOKEN",
+                                  "DOPT_BIND_ADDR", "DOPT_TIMEOUT_MS", "DOPT_RENDEZVOUS_TIMEOUT_MS", "DOPT_LOCAL_RANK",
+                                  "DOPT_LOCAL_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                                  "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE",
+                                  "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                  "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++) unsetenv(names[i]);
 }
@@ -838,7 +842,8 @@ DTEST(config_from_env_names_the_variable_its_value_and_the_rule) {
     clear_env();
     setenv("DOPT_WORLD_SIZE", "2", 1);
     setenv("DOPT_MASTER_PORT", "4000", 1);
-    expect_env_error("DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it)");
+    expect_env_error("DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it: "
+                     "mpirun, srun, torchrun)");
     setenv("DOPT_RANK", "1x", 1);
     expect_env_error("DOPT_RANK=\"1x\" is not a number");
     setenv("DOPT_RANK", "2", 1);
@@ -849,7 +854,7 @@ DTEST(config_from_env_names_the_variable_its_value_and_the_rule) {
     setenv("DOPT_WORLD_SIZE", "abc", 1);
     expect_env_error("DOPT_WORLD_SIZE=\"abc\" is not a number");
     unsetenv("DOPT_WORLD_SIZE");
-    expect_env_error("DOPT_WORLD_SIZE is not set (every rank needs it; or start the job with a launcher that sets it)");
+    expect_env_error("DOPT_RANK is set but DOPT_WORLD_SIZE is not (every rank needs both)");
     setenv("DOPT_WORLD_SIZE", "2", 1);
     unsetenv("DOPT_MASTER_PORT");
     expect_env_error("DOPT_MASTER_PORT is not set: rank 1 needs rank 0's port");

@@ -13,15 +13,16 @@
    The lines marked "distopt" are all the data-parallel version adds (examples/hosts/run.sh
    counts them).
 
-       build/darknet_dp --transport shm --workers 2 --batch 32
-       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=0 build/darknet_dp --transport tcp &
-       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 build/darknet_dp --transport tcp
+       build/darknet_dp --workers 2 --batch 32
+       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=0 build/darknet_dp &
+       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 build/darknet_dp
 
    --batch is each worker's minibatch: 2 workers at --batch 32 take the steps of 1 process at
    --batch 64. --epochs and the data set size fix the steps, and the poly policy's max_batches. */
 #define DISTOPT_IMPLEMENTATION /* distopt */
 #include "transport_shm.h"     /* distopt */
 #include "transport_tcp.h"     /* distopt */
+#include "launch.h"            /* distopt */
 #include "localsgd.h"          /* distopt */
 
 #include <darknet.h>
@@ -98,7 +99,7 @@ static double test_accuracy(network *net, data test) {
 /* ===================================================================== TRAINING */
 
 int main(int argc, char **argv) {
-    host_options o = {"shm", "none", 1, 3, 64, 1, 4, 0.1f, 0, 20000, 1};
+    host_options o = {NULL, "none", 0, 3, 64, 1, 4, 0.1f, 0, 20000, 1};
     size_t ntrain, ntest, nlabels, begin = 0, end, i, s, steps;
     unsigned char *train_px, *train_labels, *test_px, *test_labels;
     float *train_xblock, *train_yblock, *test_xblock, *test_yblock;
@@ -111,10 +112,10 @@ int main(int argc, char **argv) {
     dopt_span spans[5 * MAX_LAYERS]; dopt_buf params = {.spans = spans};                    /* distopt layout */
 
     host_parse_options(&o, argc, argv,
-                       "[--transport shm|tcp] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
+                       "[--transport shm|tcp|self] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
                        "          [--period I] [--train-limit N] [--seed S]");
     shuffle = o.seed;
-    st = strcmp(o.transport, "tcp") ? dopt_shm_fork(&comm, o.workers, NULL) : dopt_tcp_create_from_env(&comm, NULL); /* distopt */
+    st = dopt_launch_create(&comm, &(dopt_launch_config){o.transport, o.workers, NULL, NULL}); /* distopt */
     if (st != DOPT_OK) return fprintf(stderr, "cannot start the transport: %s\n", dopt_status_str(st)), 1; /* distopt */
     verbose = comm->rank == 0;                                                              /* distopt */
 
@@ -149,7 +150,7 @@ int main(int argc, char **argv) {
 
     if (verbose)
         printf("darknet_dp: %s, %zu training images, minibatch %d, lr %g (poly), period %d, %zu parameters in %zu arrays\n",
-               o.transport, ntrain, o.batch, o.lr, o.period, dopt_buf_count(&params), params.nspans);
+               comm->vt->name, ntrain, o.batch, o.lr, o.period, dopt_buf_count(&params), params.nspans);
     for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {                          /* distopt: stop on an error */
         for (i = ntrain; i > 1; i--) { /* Fisher-Yates on the rows */
             size_t r;

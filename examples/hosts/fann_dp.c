@@ -12,15 +12,16 @@
    bitwise identical, which the end of the run checks. The lines marked "distopt" are all that
    the data-parallel version adds to the single-process loop (examples/hosts/run.sh counts them).
 
-       build/fann_dp --transport shm --workers 2 --epochs 3
-       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=0 build/fann_dp --transport tcp &
-       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 build/fann_dp --transport tcp
+       build/fann_dp --workers 2 --epochs 3
+       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=0 build/fann_dp &
+       DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 build/fann_dp
 
    --batch is each worker's minibatch: 2 workers at --batch 32 take the steps of 1 process at
    --batch 64 (the update divides the averaged slopes by the minibatch, as FANN does). */
 #define DISTOPT_IMPLEMENTATION /* distopt */
 #include "transport_shm.h"     /* distopt */
 #include "transport_tcp.h"     /* distopt */
+#include "launch.h"            /* distopt */
 #include "localsgd.h"          /* distopt: brings clip.h and compress.h */
 
 #include <floatfann.h>
@@ -63,7 +64,7 @@ static double test_accuracy(struct fann *ann, const fann_type *x, const unsigned
 /* ===================================================================== TRAINING */
 
 int main(int argc, char **argv) {
-    host_options o = {"shm", "none", 1, 3, 64, 64, 1, 0.7f, 0, 20000, 1};
+    host_options o = {NULL, "none", 0, 3, 64, 64, 1, 0.7f, 0, 20000, 1};
     size_t ntrain, ntest, nlabels, begin = 0, end, i, s, step = 0, steps;
     unsigned char *train_px, *train_labels, *test_px, *test_labels;
     fann_type *train_x, *train_y, *test_x, *test_y;
@@ -76,11 +77,11 @@ int main(int argc, char **argv) {
     dopt_compressor cz = {0}; dopt_segment segs[MAX_LAYERS]; size_t nsegs = 0;              /* distopt option */
 
     host_parse_options(&o, argc, argv,
-                       "[--transport shm|tcp] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
+                       "[--transport shm|tcp|self] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
                        "          [--hidden H] [--train-limit N] [--seed S] [--compress none|ternary] [--clip C]");
     tern = !strcmp(o.compress, "ternary");
     shuffle = o.seed;
-    st = strcmp(o.transport, "tcp") ? dopt_shm_fork(&comm, o.workers, NULL) : dopt_tcp_create_from_env(&comm, NULL); /* distopt */
+    st = dopt_launch_create(&comm, &(dopt_launch_config){o.transport, o.workers, NULL, NULL}); /* distopt */
     if (st != DOPT_OK) return fprintf(stderr, "cannot start the transport: %s\n", dopt_status_str(st)), 1; /* distopt */
     verbose = comm->rank == 0;                                                              /* distopt */
 
@@ -116,7 +117,7 @@ int main(int argc, char **argv) {
     if (st == DOPT_OK) st = dopt_localsgd_broadcast(&ls, ann->weights);                     /* distopt */
 
     if (verbose)
-        printf("fann_dp: %s, %zu training images, minibatch %d, lr %g, hidden %d, compress %s, clip %g\n", o.transport,
+        printf("fann_dp: %s, %zu training images, minibatch %d, lr %g, hidden %d, compress %s, clip %g\n", comm->vt->name,
                ntrain, o.batch, o.lr, o.hidden, o.compress, o.clip);
     for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {                          /* distopt: stop on an error */
         for (i = 0; i < ntrain; i++) order[i] = i;

@@ -34,7 +34,7 @@ static inline void host_parse_options(host_options *o, int argc, char **argv, co
         else if (!strcmp(f, "--clip")) o->clip = strtof(v, NULL);
         else break;
     }
-    if (i != argc || o->workers < 1 || o->epochs < 1 || o->batch < 1 || o->hidden < 1 || o->period < 1 ||
+    if (i != argc || o->workers < 0 || o->epochs < 1 || o->batch < 1 || o->hidden < 1 || o->period < 1 ||
         (strcmp(o->compress, "none") && strcmp(o->compress, "ternary"))) {
         fprintf(stderr, "usage: %s %s\n", argv[0], flags);
         exit(2);

@@ -1,0 +1,278 @@
+/* launch.h — start a job the way clusters start jobs: one call reads who this process is from
+   the launcher's variables (mpirun, srun, torchrun, or DOPT_*), picks the transport and returns
+   the communicator. Part of distopt 0.1.0. MIT licence (see the end of distopt.h).
+
+   DO THIS in exactly one C or C++ file of your program: include the transports the program may
+   run on, then this header, all after the implementation macro:
+
+       #define DISTOPT_IMPLEMENTATION
+       #include "distopt.h"
+       #include "transport_shm.h"     (any of the three; transport_mpi.h needs mpicc)
+       #include "transport_tcp.h"
+       #include "launch.h"
+
+   The call can start exactly the transports included before this header in that file.
+
+   QUICK START
+
+       dopt_comm *comm;
+       if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;   (the reason is on stderr)
+       ... train, with comm->rank of comm->size ...
+       return dopt_shm_fork_finish(comm, 0);   (or dopt_comm_destroy(comm); return 0;)
+
+   and start it any of these ways:
+
+       ./train                                              a world of one (self)
+       DOPT_WORLD_SIZE=4 ./train                            4 ranks forked on this host (shm)
+       mpirun -n 8 ./train                                  MPI if the program has it, else see below
+       DOPT_TRANSPORT=tcp mpirun -n 8 -x DOPT_TRANSPORT -x DOPT_MASTER_ADDR=node1 ./train
+       srun -n 8 ./train                                    TCP; rank 0 on the step's first node
+       torchrun --nnodes 2 --nproc-per-node 4 ... ./train   TCP at MASTER_ADDR:MASTER_PORT + 1
+       DOPT_RANK=0 DOPT_WORLD_SIZE=2 DOPT_MASTER_ADDR=10.0.0.1 DOPT_MASTER_PORT=29500 ./train
+
+   WHO THIS PROCESS IS
+     distopt.h's dopt_launch_read (see LAUNCH VARIABLES there) reads rank, world size, local rank
+     and size, and the meeting point, from DOPT_*, then Open MPI's or PMI's variables, then
+     Slurm's, then torchrun's. Conflicting or incomplete settings are DOPT_ERR_INVALID with a line
+     naming the variables, before anything waits.
+
+   WHICH TRANSPORT
+     cfg->transport, else DOPT_TRANSPORT (shm, tcp, mpi, self), else:
+     1. started by mpirun or another PMI launcher, and transport_mpi.h is included: mpi;
+     2. no launcher and no rank: a world of cfg->world_size, else DOPT_WORLD_SIZE, else 1 —
+        self for one rank, else that many ranks forked on this host by transport_shm.h;
+     3. a world of one: self;
+     4. every rank on this host (the launcher's local size is the world size), shm included,
+        and a job name known (DOPT_SHM_NAME, Slurm's job and step, Open MPI's job id): shm;
+     5. tcp when included, else shm when every rank is on this host, else DOPT_ERR_INVALID
+        naming what the program would need.
+     DOPT_TRANSPORT=shm without a rank forks too; with a rank it joins by name. A transport this
+     program was not built with is DOPT_ERR_INVALID naming the header to include.
+
+   CONFIGURATION (dopt_launch_config; NULL or all zero means the defaults)
+
+   | field       | meaning                                                          | zero means        |
+   |-------------|------------------------------------------------------------------|-------------------|
+   | transport   | "shm", "tcp", "mpi", "self"; wins over DOPT_TRANSPORT            | DOPT_TRANSPORT,   |
+   |             |                                                                  | else chosen above |
+   | world_size  | the ranks to fork when no launcher started this process; a       | DOPT_WORLD_SIZE,  |
+   |             | launcher that started another number is DOPT_ERR_INVALID         | else 1            |
+   | log_fn,     | told why a start failed and, installed on the communicator,      | DOPT_LOG_WARN and |
+   | log_user    | everything after (as each transport's log_fn)                    | ERROR to stderr   |
+
+   Each transport's settings come from its own ..._config_from_env (DOPT_TIMEOUT_MS, DOPT_TOKEN,
+   DOPT_SOCKET_IFNAME, DOPT_SHM_NAME, DOPT_MPI_CHECK, ...; see each header's ENVIRONMENT).
+
+   FUNCTIONS
+
+   dopt_status dopt_comm_create_from_env(dopt_comm **out)
+     dopt_launch_create(out, NULL).
+
+   dopt_status dopt_launch_create(dopt_comm **out, const dopt_launch_config *cfg)
+     Reads the environment, chooses the transport and creates the communicator (a forked shm
+     job returns in every rank). One DOPT_LOG_INFO line says what was chosen and from which
+     variables. On failure *out is NULL, one DOPT_LOG_ERROR line says why, and the status is the
+     transport's (DOPT_ERR_INVALID for the environment's mistakes, DOPT_ERR_TIMEOUT when the
+     ranks did not all arrive, ...). With the default logger this is the one place distopt
+     prints: without a log_fn a failed start would be silent.
+
+   const char *dopt_launch_choose(const dopt_launch_info *info, const dopt_launch_config *cfg,
+                                  char *why, size_t cap)
+     The transport the rules above choose for info ("shm", "tcp", "mpi", "self"; a forked shm
+     job is "shm"), or NULL with why filled. No side effects: for printing and tests.
+*/
+#ifndef DISTOPT_LAUNCH_H
+#define DISTOPT_LAUNCH_H
+
+#include "distopt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dopt_launch_config {
+    const char *transport; /* "shm", "tcp", "mpi", "self"; NULL: DOPT_TRANSPORT, else chosen */
+    int world_size;        /* ranks to fork without a launcher; 0: DOPT_WORLD_SIZE, else 1 */
+    dopt_log_fn log_fn;    /* NULL: warnings and errors to stderr */
+    void *log_user;
+} dopt_launch_config;
+
+DOPT_DEF dopt_status dopt_comm_create_from_env(dopt_comm **out);
+DOPT_DEF dopt_status dopt_launch_create(dopt_comm **out, const dopt_launch_config *cfg);
+DOPT_DEF const char *dopt_launch_choose(const dopt_launch_info *info, const dopt_launch_config *cfg, char *why,
+                                        size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DISTOPT_LAUNCH_H */
+
+/* =====================================================================================
+   IMPLEMENTATION — stop reading here if you only want the API.
+   ===================================================================================== */
+
+#if defined(DISTOPT_IMPLEMENTATION) && !defined(DOPT__LAUNCH_IMPLEMENTED)
+#define DOPT__LAUNCH_IMPLEMENTED
+
+#include <stdio.h>
+#include <string.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#ifdef DISTOPT_TRANSPORT_SHM_H
+#  define DOPT__LAUNCH_SHM 1
+#else
+#  define DOPT__LAUNCH_SHM 0
+#endif
+#ifdef DISTOPT_TRANSPORT_TCP_H
+#  define DOPT__LAUNCH_TCP 1
+#else
+#  define DOPT__LAUNCH_TCP 0
+#endif
+#ifdef DISTOPT_TRANSPORT_MPI_H
+#  define DOPT__LAUNCH_MPI 1
+#else
+#  define DOPT__LAUNCH_MPI 0
+#endif
+
+static void dopt__launch_stderr(void *user, dopt_log_level level, const char *message) {
+    (void)user;
+    if (level <= DOPT_LOG_WARN) fprintf(stderr, "distopt: %s\n", message);
+}
+
+/* The world a launcher-less start asks for: cfg's, else DOPT_WORLD_SIZE's, else 1. */
+static int dopt__launch_fork_size(const dopt_launch_info *info, const dopt_launch_config *cfg) {
+    if (cfg && cfg->world_size > 0) return cfg->world_size;
+    return info->world_size > 0 ? info->world_size : 1;
+}
+
+static int dopt__launch_built(const char *t) {
+    if (!strcmp(t, "shm")) return DOPT__LAUNCH_SHM;
+    if (!strcmp(t, "tcp")) return DOPT__LAUNCH_TCP;
+    if (!strcmp(t, "mpi")) return DOPT__LAUNCH_MPI;
+    return !strcmp(t, "self");
+}
+
+DOPT_DEF const char *dopt_launch_choose(const dopt_launch_info *info, const dopt_launch_config *cfg, char *why,
+                                        size_t cap) {
+    const char *t = cfg && cfg->transport ? cfg->transport : info->transport[0] ? info->transport : NULL;
+    const char *shm_name = getenv("DOPT_SHM_NAME");
+    int launched = info->rank >= 0, all_here = info->local_size > 0 && info->local_size == info->world_size;
+    if (cfg && cfg->world_size > 0 && launched && cfg->world_size != info->world_size) {
+        snprintf(why, cap, "the program asks for %d ranks but %s say the job has %d", cfg->world_size,
+                 info->rank_from, info->world_size);
+        return NULL;
+    }
+    if (t) {
+        if (strcmp(t, "shm") && strcmp(t, "tcp") && strcmp(t, "mpi") && strcmp(t, "self")) {
+            snprintf(why, cap, "transport \"%.40s\" is not one of shm, tcp, mpi, self", t);
+            return NULL;
+        }
+        if (!dopt__launch_built(t)) {
+            snprintf(why, cap, "transport %s: this program was built without transport_%s.h (include it before "
+                               "launch.h%s)", t, t, !strcmp(t, "mpi") ? " and build with mpicc" : "");
+            return NULL;
+        }
+        if (!strcmp(t, "self") && (launched ? info->world_size : dopt__launch_fork_size(info, cfg)) > 1) {
+            snprintf(why, cap, "transport self is a world of one, but %s ask for %d ranks",
+                     launched ? info->rank_from : "DOPT_WORLD_SIZE", launched ? info->world_size
+                                                                             : dopt__launch_fork_size(info, cfg));
+            return NULL;
+        }
+        if (!strcmp(t, "tcp") && !launched && dopt__launch_fork_size(info, cfg) > 1) {
+            snprintf(why, cap, "transport tcp: DOPT_RANK is not set and no launcher's variables give a rank (start "
+                               "every rank with DOPT_RANK and DOPT_WORLD_SIZE, or with mpirun, srun or torchrun)");
+            return NULL;
+        }
+        return t;
+    }
+    if (launched && (!strcmp(info->launcher, "Open MPI") || !strcmp(info->launcher, "PMI")) && DOPT__LAUNCH_MPI)
+        return "mpi";
+    if (!launched) {
+        if (dopt__launch_fork_size(info, cfg) == 1) return "self";
+        if (DOPT__LAUNCH_SHM) return "shm";
+        snprintf(why, cap, "a world of %d ranks with no launcher needs transport_shm.h to fork them, or a launcher "
+                           "(mpirun, srun, torchrun, DOPT_RANK) to start each", dopt__launch_fork_size(info, cfg));
+        return NULL;
+    }
+    if (info->world_size == 1) return "self";
+    if (all_here && DOPT__LAUNCH_SHM && (info->job[0] || (shm_name && *shm_name))) return "shm";
+    if (DOPT__LAUNCH_TCP) return "tcp";
+    if (all_here && DOPT__LAUNCH_SHM) return "shm";
+    snprintf(why, cap, "%s started %d ranks %s; this program has no transport for that (include transport_tcp.h, or "
+                       "transport_mpi.h and build with mpicc)", info->launcher, info->world_size,
+             all_here ? "without a job name for shared memory (set DOPT_SHM_NAME)" : "that may span hosts");
+    return NULL;
+}
+
+static dopt_status dopt__launch_fail(dopt_log_fn log_fn, void *user, dopt_status st, const char *why) {
+    char msg[DOPT_DETAIL_MAX];
+    snprintf(msg, sizeof msg, "cannot start the job: %.480s", why);
+    log_fn(user, DOPT_LOG_ERROR, msg);
+    return st;
+}
+
+DOPT_DEF dopt_status dopt_comm_create_from_env(dopt_comm **out) { return dopt_launch_create(out, NULL); }
+
+DOPT_DEF dopt_status dopt_launch_create(dopt_comm **out, const dopt_launch_config *cfg) {
+    dopt_launch_info info;
+    dopt_log_fn log_fn = cfg && cfg->log_fn ? cfg->log_fn : dopt__launch_stderr;
+    void *user = cfg && cfg->log_fn ? cfg->log_user : NULL;
+    char why[DOPT_DETAIL_MAX];
+    const char *t;
+    dopt_status st = DOPT_ERR_INVALID;
+    if (out == NULL) return DOPT_ERR_INVALID;
+    *out = NULL;
+    if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__launch_fail(log_fn, user, st, why);
+    t = dopt_launch_choose(&info, cfg, why, sizeof why);
+    if (t == NULL) return dopt__launch_fail(log_fn, user, st, why);
+    snprintf(why, sizeof why, "transport %s; %s%.96s%s%.128s%s", t, info.rank_from[0] ? "rank and size from " : "no launcher",
+             info.rank_from, info.master_from[0] ? "; meeting point from " : "", info.master_from,
+             cfg && cfg->transport ? " (the program chose the transport)" : "");
+    log_fn(user, DOPT_LOG_INFO, why);
+    if (!strcmp(t, "self")) {
+        st = dopt_comm_create_self(out);
+        if (st == DOPT_OK) dopt_comm_set_log(*out, log_fn, user);
+        return st;
+    }
+#if DOPT__LAUNCH_SHM
+    if (!strcmp(t, "shm")) {
+        dopt_shm_config sc;
+        memset(&sc, 0, sizeof sc);
+        sc.log_fn = log_fn;
+        sc.log_user = user;
+        if (info.rank < 0) return dopt_shm_fork(out, dopt__launch_fork_size(&info, cfg), &sc);
+        st = dopt_shm_config_from_env(&sc);
+        return st == DOPT_OK ? dopt_shm_create(out, &sc) : st;
+    }
+#endif
+#if DOPT__LAUNCH_TCP
+    if (!strcmp(t, "tcp")) {
+        dopt_tcp_config tc;
+        memset(&tc, 0, sizeof tc);
+        tc.log_fn = log_fn;
+        tc.log_user = user;
+        return dopt_tcp_create_from_env(out, &tc);
+    }
+#endif
+#if DOPT__LAUNCH_MPI
+    if (!strcmp(t, "mpi")) {
+        dopt_mpi_config mc;
+        memset(&mc, 0, sizeof mc);
+        mc.log_fn = log_fn;
+        mc.log_user = user;
+        st = dopt_mpi_config_from_env(&mc);
+        return st == DOPT_OK ? dopt_mpi_create(out, &mc) : st;
+    }
+#endif
+    return dopt__launch_fail(log_fn, user, DOPT_ERR_INVALID, "no transport"); /* not reached: choose checked */
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DISTOPT_IMPLEMENTATION && !DOPT__LAUNCH_IMPLEMENTED */
