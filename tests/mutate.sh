@@ -128,5 +128,16 @@ mutate shared-scale-is-min compress.h \
 mutate ef-residual-sign compress.h \
     'dopt__accumulate(cz, msg, -1.0f, &e);' 'dopt__accumulate(cz, msg, 1.0f, &e);' test_compress:ef_residual
 
+mutate launch-torchrun-port-not-moved distopt.h \
+    '            info->master_port++;' '            (void)0;' test_launch:torchrun
+mutate launch-dopt-conflict-ignored distopt.h \
+    '    if (*value >= 0 && mine != *value) {' '    if (0 && mine != *value) {' test_launch:mistakes
+mutate launch-slurm-node-list-range distopt.h \
+    '        if (node < times) return tasks <= INT_MAX ? (int)tasks : -1;' \
+    '        if (node <= times) return tasks <= INT_MAX ? (int)tasks : -1;' test_launch:slurm
+mutate launch-shm-without-a-name launch.h \
+    '    if (all_here && DOPT__LAUNCH_SHM && (info->job[0] || (shm_name && *shm_name))) return "shm";' \
+    '    if (all_here && DOPT__LAUNCH_SHM && (!info->job[0] || (shm_name && *shm_name))) return "shm";' \
+    test_launch:transport
 echo "mutation score: $caught/$tried${survivors:+ (survived:$survivors)}${unapplied:+ (not applied:$unapplied)}"
 [ "$caught" -eq "$tried" ]
