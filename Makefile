@@ -4,7 +4,10 @@
 #   make asan     the tests again under AddressSanitizer + UndefinedBehaviorSanitizer (with
 #                 float-cast-overflow: a float out of an integer's range is an error too)
 #   make bench    benchmarks (single-threaded kernels, compression, allreduce against MPI; as root
-#                 the compressed allreduce also runs over a 1 Gbit/s veth link between namespaces)
+#                 the compressed allreduce also runs over a 1 Gbit/s veth link between namespaces,
+#                 and allreduce across 4 simulated hosts: bench/cluster.sh)
+#   make cluster-test  the simulated-cluster checks alone (root): least_squares over TCP between
+#                 2 hosts, test_mpi under mpirun on 4 (tests/check_cluster*.sh)
 #   make fuzz     run every fuzz target for FUZZ_SECONDS (default 60) each
 #   make mutate   one-line mutations of the headers, each of which the tests must catch
 #   make demo     two workers on Fashion-MNIST: fp32 against TernGrad + local SGD (README)
@@ -60,7 +63,7 @@ FUZZ_SRC := $(wildcard fuzz/fuzz_*.c)
 FUZZERS  := $(patsubst fuzz/%.c,$(BUILD)/%,$(FUZZ_SRC))
 FUZZ_SECONDS ?= 60
 
-.PHONY: all deps test asan bench fuzz demo experiments examples install uninstall clean mutate
+.PHONY: all deps test asan bench fuzz demo experiments examples install uninstall clean mutate cluster-test
 
 all: $(TESTS) $(FAST_MATH_TESTS) $(MPI_TESTS) $(CHECKS) $(BENCHES) $(BUILD)/bench_allreduce $(EXAMPLES)
 
@@ -91,12 +94,19 @@ asan: deps
 		build-asan-tests
 	@ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/run.sh build-asan
 
+cluster-test: deps
+	@if [ "$$(id -u)" -ne 0 ]; then echo "cluster-test: skipped: needs root (network namespaces)"; exit 0; fi; \
+	for t in tests/check_cluster.sh tests/check_cluster_mpi.sh; do \
+		s=0; $$t $(BUILD) || s=$$?; [ $$s -eq 0 ] || [ $$s -eq 77 ] || exit 1; \
+	done
+
 .PHONY: build-asan-tests
 build-asan-tests: $(TESTS)
 
 bench: deps $(BENCHES) $(BUILD)/bench_allreduce
 	@for b in $(BENCHES); do OPENBLAS_NUM_THREADS=1 $$b || exit 1; done
 	@OPENBLAS_NUM_THREADS=1 bench/run_allreduce.sh $(BUILD)
+	@OPENBLAS_NUM_THREADS=1 bench/cluster.sh $(BUILD)
 
 $(BUILD):
 	@mkdir -p $(BUILD)

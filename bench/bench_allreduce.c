@@ -4,6 +4,7 @@
    Open MPI forced onto TCP):
 
        mpirun -np 2 build/bench_allreduce [RAW_NAME [BACKENDS]]
+       DOPT_RANK=r DOPT_WORLD_SIZE=n DOPT_MASTER_ADDR=a DOPT_MASTER_PORT=p build/bench_allreduce --from-env
 
    RAW_NAME    name printed for plain MPI_Allreduce on MPI_COMM_WORLD (default mpi-raw; the TCP run
                says mpi-raw-tcp). Every other backend's ratio is against it.
@@ -24,7 +25,12 @@
    allreduce puts on each rank's link, comparable across world sizes); ratio: the median over the
    paired repetitions of raw time / backend time, i.e. backend busbw / raw MPI busbw (1 for raw).
    The shm backend's job name is agreed through MPI_Bcast, the TCP port picked by rank 0 and
-   shared the same way; ranks and world size come from MPI. */
+   shared the same way; ranks and world size come from MPI.
+
+   --from-env: no MPI at all (MPI is never initialised), for ranks started one by one by any
+   launcher (bench/cluster.sh starts them on simulated hosts): dopt-tcp alone, joined through
+   dopt_tcp_create_from_env (TCP's ENVIRONMENT), and timed through that communicator's own
+   barrier and max-allreduce; its ratio is 1. */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_mpi.h"
@@ -34,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define REPS 9
@@ -52,16 +59,22 @@ typedef struct bench_backend {
 } bench_backend;
 
 static int world_rank, world_size;
+static dopt_comm *env_world; /* --from-env: the TCP communicator that also times; NULL: MPI times */
 
 static void die(const char *what, dopt_comm *c) {
     fprintf(stderr, "bench_allreduce rank %d: %s: %s\n", world_rank, what, c ? dopt_comm_detail(c) : "");
-    MPI_Abort(MPI_COMM_WORLD, 1);
+    if (env_world == NULL) MPI_Abort(MPI_COMM_WORLD, 1);
+    exit(1);
 }
 
 /* Errors only: a backend that cannot start says why before the job aborts. */
 static void log_errors(void *user, dopt_log_level level, const char *message) {
     (void)user;
-    if (level == DOPT_LOG_ERROR) fprintf(stderr, "bench_allreduce rank %d: %s\n", world_rank, message);
+    if (level != DOPT_LOG_ERROR) return;
+    if (world_rank < 0) /* --from-env, before the communicator exists: the message names the rank */
+        fprintf(stderr, "bench_allreduce: %s\n", message);
+    else
+        fprintf(stderr, "bench_allreduce rank %d: %s\n", world_rank, message);
 }
 
 static void run_calls(bench_backend *b, float *buf, size_t n, long calls) {
@@ -80,15 +93,35 @@ static void run_calls(bench_backend *b, float *buf, size_t n, long calls) {
     }
 }
 
+static void world_barrier(void) {
+    if (env_world == NULL)
+        MPI_Barrier(MPI_COMM_WORLD);
+    else if (dopt_barrier(env_world) != DOPT_OK)
+        die("barrier failed", env_world);
+}
+
+static double world_max(double t) {
+    if (env_world == NULL)
+        MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    else if (dopt_allreduce(env_world, &t, 1, DOPT_F64, DOPT_MAX) != DOPT_OK)
+        die("max of the times failed", env_world);
+    return t;
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    if (env_world == NULL) return MPI_Wtime();
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 /* Seconds per call over `calls` calls, as the slowest rank saw it (the same value on every rank). */
 static double time_calls(bench_backend *b, float *buf, size_t n, long calls) {
-    double t0, t;
-    MPI_Barrier(MPI_COMM_WORLD);
-    t0 = MPI_Wtime();
+    double t0;
+    world_barrier();
+    t0 = now_seconds();
     run_calls(b, buf, n, calls);
-    t = (MPI_Wtime() - t0) / (double)calls;
-    MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    return t;
+    return world_max((now_seconds() - t0) / (double)calls);
 }
 
 /* Every rank takes the same decisions because time_calls agrees on the time. */
@@ -189,20 +222,41 @@ static dopt_comm *create_tcp(void) {
     return c;
 }
 
+/* --from-env: dopt-tcp is the only backend and the one that times. */
+static int start_from_env(bench_backend *bs) {
+    dopt_tcp_config base;
+    memset(&base, 0, sizeof base);
+    base.log_fn = log_errors;
+    world_rank = -1; /* until the environment says */
+    if (dopt_tcp_create_from_env(&env_world, &base) != DOPT_OK) exit(1);
+    world_rank = env_world->rank;
+    world_size = env_world->size;
+    bs[0].name = "dopt-tcp";
+    bs[0].kind = BENCH_DOPT;
+    bs[0].comm = env_world;
+    return 1;
+}
+
 int main(int argc, char **argv) {
     static const size_t sizes[] = {4u << 10, 64u << 10, 1u << 20, 16u << 20, 64u << 20};
+    const int from_env = argc > 1 && strcmp(argv[1], "--from-env") == 0;
     const char *raw_name = argc > 1 ? argv[1] : "mpi-raw";
     const char *list = argc > 2 ? argv[2] : NULL;
     bench_backend bs[MAX_BACKENDS];
     int nb = 0, provided, b;
     size_t k;
     float *buf;
-    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
-    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
     memset(bs, 0, sizeof bs);
-    bs[nb].name = raw_name;
-    bs[nb++].kind = BENCH_RAW;
+    if (from_env) {
+        nb = start_from_env(bs);
+        list = ""; /* no other backend */
+    } else {
+        MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+        MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+        MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+        bs[nb].name = raw_name;
+        bs[nb++].kind = BENCH_RAW;
+    }
     if (wanted(list, "mpi")) {
         bs[nb].name = "dopt-mpi";
         bs[nb].kind = BENCH_DOPT;
@@ -238,6 +292,6 @@ int main(int argc, char **argv) {
     for (k = 0; k < sizeof sizes / sizeof sizes[0]; k++) bench_size(bs, nb, buf, sizes[k]);
     for (b = 0; b < nb; b++) dopt_comm_destroy(bs[b].comm);
     free(buf);
-    MPI_Finalize();
+    if (!from_env) MPI_Finalize();
     return 0;
 }

@@ -5,6 +5,8 @@
 #   scripts/cluster.sh up H [--rate 1gbit] [--delay 0.5ms] [--loss 0.01] [--ipv6] [--no-ipv4]
 #   scripts/cluster.sh exec HOST CMD ...      run CMD on host HOST (0 .. H-1)
 #   scripts/cluster.sh addr HOST              the host's address (IPv4, else IPv6)
+#   scripts/cluster.sh hostfile SLOTS         an Open MPI hostfile: every host with SLOTS slots
+#   scripts/cluster.sh mpirun PER_HOST ARGS   Open MPI's mpirun across the hosts (OPEN MPI below)
 #   scripts/cluster.sh down                   remove everything (also what a killed run left)
 #
 # Names carry the cluster's name, DOPT_CLUSTER (default "dc"), so that two runs with different
@@ -14,6 +16,24 @@
 # netem, which some kernels lack: up then says the delay is absent and goes on; --loss P drops
 # each packet arriving at a host with probability P (iptables' statistic match). `up` first
 # removes a cluster of the same name left by a killed run; a trap removes a half-made one.
+#
+# OPEN MPI. `mpirun PER_HOST ARGS` runs mpirun ARGS on host 0 (so that it and its daemons meet
+# on the hosts' own addresses; the root namespace gets none) with PER_HOST slots on every host,
+# hence PER_HOST x H ranks unless ARGS has -np. Hosts are named NAME-hI in the hostfile; mpirun
+# starts host 0's ranks itself and the other hosts' daemons through scripts/netns-rsh, its rsh
+# agent, which reaches NAME-hI with `ip netns exec`. mpirun and every daemon run in a UTS
+# namespace whose hostname is NAME-hI: with the one hostname they would all share, the ranks of
+# different hosts take the same names for their shared-memory segments and session directories
+# (vader crashes). Ranks of one host find each other local and use shared memory (vader); ranks
+# of different hosts use TCP over the shaped links. Options:
+#   --mca plm_rsh_agent .../netns-rsh      start each host's daemon in its namespace
+#   --mca oob_tcp_if_include eth0          daemons and mpirun talk over the hosts' links ...
+#   --mca btl_tcp_if_include eth0          ... and so do ranks (every host's link is its eth0)
+#   --mca mpi_yield_when_idle 1            H x PER_HOST ranks share this machine's cores, but
+#                                          each daemon sees all of them and so no oversubscription:
+#                                          ranks that spin instead of yielding starve each other
+#   --mca btl_vader_single_copy_mechanism none   as tests/run.sh: CMA needs ptrace rights that
+#                                          containers often deny
 set -eu
 
 NAME=${DOPT_CLUSTER:-dc}
@@ -23,13 +43,41 @@ die() { echo "cluster.sh: $*" >&2; exit 1; }
 need_root() { [ "$(id -u)" -eq 0 ] || { echo "skipped: needs root" >&2; exit 77; }; }
 hosts() { cat "$STATE/hosts" 2>/dev/null || echo 0; }
 
+hostfile() {
+    case $1 in '' | *[!0-9]* | 0) die "hostfile needs a number of slots per host (got \"$1\")" ;; esac
+    h_n=$(hosts)
+    [ "$h_n" -gt 0 ] || die "no cluster $NAME"
+    h_i=0
+    while [ "$h_i" -lt "$h_n" ]; do
+        echo "$NAME-h$h_i slots=$1"
+        h_i=$((h_i + 1))
+    done
+}
+
+run_mpirun() {
+    per_host=${1:-}
+    [ $# -gt 0 ] && shift
+    [ "$(hosts)" -gt 0 ] || die "no cluster $NAME"
+    command -v mpirun >/dev/null 2>&1 || die "mpirun needs Open MPI (apt-get install openmpi-bin)"
+    hostfile "$per_host" >"$STATE/hostfile"
+    # shellcheck disable=SC2016 # $1 is the inner shell's
+    exec ip netns exec "$NAME-h0" unshare --uts -- sh -c 'hostname "$1" && shift && exec "$@"' sh "$NAME-h0" \
+        mpirun --allow-run-as-root --hostfile "$STATE/hostfile" \
+        --mca plm_rsh_agent "$(cd "$(dirname "$0")" && pwd)/netns-rsh" \
+        --mca oob_tcp_if_include eth0 --mca btl_tcp_if_include eth0 \
+        --mca mpi_yield_when_idle 1 --mca btl_vader_single_copy_mechanism none "$@"
+}
+
 down() { # (sh has no local variables: this one's are d_*)
     d_n=$(hosts)
     d_i=0
-    # namespaces of a half-made cluster too: any NAME-hK that exists
+    # namespaces of a half-made cluster too: any NAME-hK that exists; what still runs on a host
+    # (the daemons and ranks of a killed mpirun) is ended first
     for ns in $(ip netns list 2>/dev/null | awk '{ print $1 }' | grep -E "^$NAME-h[0-9]+$" || true); do
+        ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
         ip netns del "$ns" 2>/dev/null || true
     done
+    rm -rf "${TMPDIR:-/tmp}/ompi.$NAME-h"[0-9]* # Open MPI's session directories, left by a killed mpirun
     while [ "$d_i" -lt "$d_n" ]; do
         ip link del "$NAME-v$d_i" 2>/dev/null || true
         d_i=$((d_i + 1))
@@ -125,5 +173,7 @@ exec)
     ip netns list | awk '{ print $1 }' | grep -qx "$NAME-h$h" || die "no host $h in cluster $NAME"
     exec ip netns exec "$NAME-h$h" "$@" ;;
 addr) need_root; addr "${1:?addr HOST}" ;;
-*) die "usage: cluster.sh up H [--rate R] [--delay D] [--loss P] [--ipv6] [--no-ipv4] | exec HOST CMD ... | addr HOST | down" ;;
+hostfile) need_root; hostfile "${1:?hostfile SLOTS}" ;;
+mpirun) need_root; run_mpirun "$@" ;;
+*) die "usage: cluster.sh up H [--rate R] [--delay D] [--loss P] [--ipv6] [--no-ipv4] | exec HOST CMD ... | addr HOST | hostfile SLOTS | mpirun PER_HOST ARGS ... | down" ;;
 esac

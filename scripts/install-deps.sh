@@ -8,7 +8,7 @@
 set -eu
 
 PACKAGES="build-essential pkg-config libopenblas-dev zlib1g-dev openmpi-bin libopenmpi-dev \
-clang libclang-rt-dev dataset-fashion-mnist fortunes gnuplot-nox iproute2"
+clang libclang-rt-dev dataset-fashion-mnist fortunes gnuplot-nox iproute2 iptables slurm-wlm munge"
 if [ "${1:-}" = hosts ]; then
     PACKAGES="$PACKAGES libfann-dev darknet"
 fi

@@ -1,0 +1,81 @@
+#!/bin/sh
+# Allreduce across simulated hosts: scripts/cluster.sh makes H = 4 hosts whose links are shaped
+# to 1 Gbit/s (and delayed 0.5 ms where the kernel has netem), 2 ranks on each (N = 8 ranks), and
+# times an f32 sum allreduce in place of 64 KiB, 1 MiB, 16 MiB and 64 MiB (build/bench_allreduce:
+# a warm-up, then the median of 9 repetitions of at least 20 ms each, the slowest rank's time):
+#   dopt-tcp     distopt's TCP transport, its 8 processes started one by one on their hosts with
+#                `cluster.sh exec HOST env DOPT_RANK=... bench_allreduce --from-env`; ranks of
+#                one host talk over loopback, of different hosts over the links
+#   mpi-raw-tcp  MPI_Allreduce of Open MPI started by `cluster.sh mpirun 2` (daemons reached
+#                through scripts/netns-rsh); ranks of one host use shared memory, of different
+#                hosts TCP over the links
+# One line per backend and size:
+#   bench cluster hosts=4 ranks=8 backend=B bytes=n us=t busbw_GBps=x link_ratio=r us_min=.. us_max=..
+# us: microseconds per call (median); us_min, us_max: the fastest and slowest repetition;
+#   busbw      = 2·(N−1)/N · bytes / time                  (GB/s; N ranks)
+#   link_ratio = bound / time, bound = 2·(H−1)/H · bytes / R
+# with R the shaped rate of a host's link in bytes/s (1 Gbit/s = 125e6 B/s): the time a
+# bandwidth-optimal allreduce needs to move the data each host must send over its one link
+# (docs/DESIGN §9), so link_ratio 1 is the link's limit (latency left out).
+# Root only: otherwise prints "skipped: needs root" and exits 0. About 2 minutes.
+# Usage: bench/cluster.sh [build-dir]
+set -eu
+BUILD=${1:-build}
+cd "$(dirname "$0")/.."
+if [ "$(id -u)" -ne 0 ]; then echo "skipped: needs root"; exit 0; fi
+HOSTS=4
+PER_HOST=2
+RANKS=$((HOSTS * PER_HOST))
+RATE_BYTES=125000000 # --rate 1gbit
+DOPT_CLUSTER=cb$$
+export DOPT_CLUSTER
+trap 'scripts/cluster.sh down' EXIT
+trap 'exit 1' INT TERM
+make --no-print-directory -s BUILD="$BUILD" "$BUILD/bench_allreduce" >/dev/null
+BENCH=$(cd "$BUILD" && pwd)/bench_allreduce
+LOGS=$BUILD/bench_cluster
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
+scripts/cluster.sh up $HOSTS --rate 1gbit --delay 0.5ms
+
+# bench allreduce lines on stdin -> bench cluster lines (64 KiB and up)
+report() {
+    awk -v hosts=$HOSTS -v ranks=$RANKS -v rate=$RATE_BYTES '
+        $1 == "bench" && $2 == "allreduce" && $3 ~ /^backend=/ {
+            for (i = 3; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
+            if (f["bytes"] < 65536) next
+            t = f["us"] * 1e-6
+            printf "bench cluster hosts=%d ranks=%d backend=%s bytes=%d us=%s busbw_GBps=%.3f link_ratio=%.3f us_min=%s us_max=%s\n",
+                hosts, ranks, f["backend"], f["bytes"], f["us"], 2 * (ranks - 1) / ranks * f["bytes"] / t / 1e9,
+                2 * (hosts - 1) / hosts * f["bytes"] / rate / t, f["us_min"], f["us_max"]
+        }'
+}
+
+# dopt-tcp: one process per rank, rank r on host r / PER_HOST
+master=$(scripts/cluster.sh addr 0)
+port=$((20000 + $$ % 20000))
+pids=""
+r=0
+while [ $r -lt $RANKS ]; do
+    timeout 600 scripts/cluster.sh exec $((r / PER_HOST)) env DOPT_RANK=$r DOPT_WORLD_SIZE=$RANKS \
+        DOPT_MASTER_ADDR="$master" DOPT_MASTER_PORT=$port DOPT_TOKEN="bench-cluster-$$" \
+        "$BENCH" --from-env >"$LOGS/dopt-tcp.rank$r.log" 2>&1 &
+    pids="$pids $!"
+    r=$((r + 1))
+done
+status=0
+for p in $pids; do wait "$p" || status=1; done
+if [ $status -ne 0 ]; then
+    echo "bench/cluster.sh: dopt-tcp failed:" >&2
+    tail -n 3 "$LOGS"/dopt-tcp.rank*.log >&2
+    exit 1
+fi
+report <"$LOGS/dopt-tcp.rank0.log"
+
+# mpi-raw-tcp: bench_allreduce's raw MPI_Allreduce alone
+if ! timeout 600 scripts/cluster.sh mpirun $PER_HOST "$BENCH" mpi-raw-tcp none >"$LOGS/mpi-raw-tcp.log" 2>&1; then
+    echo "bench/cluster.sh: mpi-raw-tcp failed:" >&2
+    tail -n 10 "$LOGS/mpi-raw-tcp.log" >&2
+    exit 1
+fi
+report <"$LOGS/mpi-raw-tcp.log"
