@@ -6,8 +6,9 @@
 #   make bench    benchmarks (single-threaded kernels, compression, allreduce against MPI; as root
 #                 the compressed allreduce also runs over a 1 Gbit/s veth link between namespaces,
 #                 and allreduce across 4 simulated hosts: bench/cluster.sh)
-#   make cluster-test  the simulated-cluster checks alone (root): least_squares over TCP between
-#                 2 hosts, test_mpi under mpirun on 4 (tests/check_cluster*.sh)
+#   make cluster-test  the simulated-cluster and launcher checks alone (root): 8 ranks on 4 hosts
+#                 over TCP from DOPT_* and torchrun's variables, test_mpi and TCP under mpirun
+#                 across them, srun on a local Slurm (tests/check_cluster*.sh, check_slurm.sh)
 #   make fuzz     run every fuzz target for FUZZ_SECONDS (default 60) each
 #   make mutate   one-line mutations of the headers, each of which the tests must catch
 #   make demo     two workers on Fashion-MNIST: fp32 against TernGrad + local SGD (README)
@@ -96,7 +97,7 @@ asan: deps
 
 cluster-test: deps
 	@if [ "$$(id -u)" -ne 0 ]; then echo "cluster-test: skipped: needs root (network namespaces)"; exit 0; fi; \
-	for t in tests/check_cluster.sh tests/check_cluster_mpi.sh; do \
+	for t in tests/check_cluster.sh tests/check_cluster_mpi.sh tests/check_slurm.sh; do \
 		s=0; $$t $(BUILD) || s=$$?; [ $$s -eq 0 ] || [ $$s -eq 77 ] || exit 1; \
 	done
 

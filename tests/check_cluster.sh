@@ -19,7 +19,7 @@ PER_HOST=2
 N=$((HOSTS * PER_HOST))
 DOPT_CLUSTER=ck$$
 export DOPT_CLUSTER
-LOGS=$BUILD/check_cluster
+LOGS=$BUILD/logs.check_cluster
 trap 'scripts/cluster.sh down' EXIT
 make --no-print-directory -s BUILD="$BUILD" "$BUILD/least_squares" >/dev/null || { echo "FAIL: cannot build least_squares"; exit 1; }
 rm -rf "$LOGS" && mkdir -p "$LOGS"

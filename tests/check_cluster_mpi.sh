@@ -6,10 +6,10 @@
 # different hosts talked over TCP across the shaped links, as they cannot over shared memory.
 # Then the cluster is removed. Needs root (skipped otherwise, exit 77).
 #
+# Then least_squares over distopt's TCP transport with its 8 ranks started by the same mpirun
+# (rank and world size from Open MPI's variables through launch.h's one call, rank 0's address
+# and port from DOPT_*): it must print what the same 8 ranks forked on one host print.
 # More under the same mpirun: run_under_mpirun NAME REGEX MIN_BYTES [MPIRUN_ARGS] CMD ... below.
-# CHECK_TCP_UNDER_MPIRUN=1 adds least_squares over distopt's TCP transport with its ranks started
-# by mpirun (rank and world size from Open MPI's variables, rank 0's address and port from
-# DOPT_*); off by default: it needs the library's one-call launch (DOPT_TRANSPORT), not there yet.
 # Usage: tests/check_cluster_mpi.sh BUILD_DIR
 set -u
 BUILD=${1:-build}
@@ -63,9 +63,16 @@ run_under_mpirun() {
 
 rm -rf "$BUILD"/check_cluster_mpi.*
 run_under_mpirun test_mpi '^dtest-summary .* failed=0( |$)' $((16 << 20)) "$BUILD_ABS/test_mpi"
-if [ "${CHECK_TCP_UNDER_MPIRUN:-0}" = 1 ]; then
-    run_under_mpirun least_squares_tcp "^least_squares: tcp, $((HOSTS * PER_HOST)) rank.*; converged$" $((64 << 10)) \
-        -x DOPT_TRANSPORT=tcp -x DOPT_MASTER_ADDR="$(scripts/cluster.sh addr 0)" -x DOPT_MASTER_PORT=$((20000 + $$ % 20000)) \
-        "$BUILD_ABS/least_squares" --steps 3000 --seed 7
+"$BUILD/least_squares" --workers $((HOSTS * PER_HOST)) --steps 3000 --seed 7 >"$BUILD/check_cluster_mpi.reference.log" 2>&1
+want=$(sed -n 's/^least_squares: [a-z]*, //p' "$BUILD/check_cluster_mpi.reference.log")
+run_under_mpirun least_squares_tcp "^least_squares: tcp, $((HOSTS * PER_HOST)) rank.*; converged$" $((64 << 10)) \
+    -x DOPT_TRANSPORT=tcp -x DOPT_MASTER_ADDR="$(scripts/cluster.sh addr 0)" -x DOPT_MASTER_PORT=$((20000 + $$ % 20000)) \
+    "$BUILD_ABS/least_squares" --steps 3000 --seed 7
+got=$(sed -n 's/^least_squares: tcp, //p' "$BUILD/check_cluster_mpi.least_squares_tcp.log")
+if [ -z "$want" ] || [ "$got" != "$want" ]; then
+    echo "FAIL least_squares_tcp under mpirun does not match the same ranks forked on one host"
+    echo "  want: $want"
+    echo "  got:  $got"
+    failed=1
 fi
 exit $failed
