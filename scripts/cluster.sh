@@ -3,8 +3,9 @@
 # host's link shaped by tc. Root only. Only the namespaces' own addresses and loopback are used.
 #
 #   scripts/cluster.sh up H [--rate 1gbit] [--delay 0.5ms] [--loss 0.01] [--ipv6] [--no-ipv4]
+#                           [--second-net]
 #   scripts/cluster.sh exec HOST CMD ...      run CMD on host HOST (0 .. H-1)
-#   scripts/cluster.sh addr HOST              the host's address (IPv4, else IPv6)
+#   scripts/cluster.sh addr HOST [IFACE]      the host's address on eth0 or IFACE (IPv4, else IPv6)
 #   scripts/cluster.sh hostfile SLOTS         an Open MPI hostfile: every host with SLOTS slots
 #   scripts/cluster.sh mpirun PER_HOST ARGS   Open MPI's mpirun across the hosts (OPEN MPI below)
 #   scripts/cluster.sh down                   remove everything (also what a killed run left)
@@ -14,7 +15,9 @@
 # 10.231.0.(i+1)/24 (and fd00:dc::(i+1)/64 with --ipv6) on its eth0. --rate shapes each host's
 # link both ways with tbf (egress of the host's eth0 and of its bridge port); --delay needs
 # netem, which some kernels lack: up then says the delay is absent and goes on; --loss P drops
-# each packet arriving at a host with probability P (iptables' statistic match). `up` first
+# each packet arriving at a host with probability P (iptables' statistic match); --second-net
+# gives every host a second network on eth1 (bridge NAME-br1, 10.232.0.(i+1)/24 and
+# fd00:dd::(i+1)/64 with --ipv6, not shaped), to choose between by name. `up` first
 # removes a cluster of the same name left by a killed run; a trap removes a half-made one.
 #
 # OPEN MPI. `mpirun PER_HOST ARGS` runs mpirun ARGS on host 0 (so that it and its daemons meet
@@ -80,16 +83,18 @@ down() { # (sh has no local variables: this one's are d_*)
     rm -rf "${TMPDIR:-/tmp}/ompi.$NAME-h"[0-9]* # Open MPI's session directories, left by a killed mpirun
     while [ "$d_i" -lt "$d_n" ]; do
         ip link del "$NAME-v$d_i" 2>/dev/null || true
+        ip link del "$NAME-w$d_i" 2>/dev/null || true
         d_i=$((d_i + 1))
     done
     ip link del "$NAME-br" 2>/dev/null || true
+    ip link del "$NAME-br1" 2>/dev/null || true
     rm -rf "$STATE"
 }
 
 up() {
     n=$1
     shift
-    rate="" delay="" loss="" v6=0 v4=1
+    rate="" delay="" loss="" v6=0 v4=1 second=0
     while [ $# -gt 0 ]; do
         case $1 in
         --rate) rate=$2; shift 2 ;;
@@ -97,6 +102,7 @@ up() {
         --loss) loss=$2; shift 2 ;;
         --ipv6) v6=1; shift ;;
         --no-ipv4) v4=0; v6=1; shift ;;
+        --second-net) second=1; shift ;;
         *) die "unknown option $1" ;;
         esac
     done
@@ -108,6 +114,10 @@ up() {
     trap 'status=$?; [ $status -eq 0 ] || down' EXIT
     ip link add "$NAME-br" type bridge
     ip link set "$NAME-br" up
+    if [ "$second" -eq 1 ]; then
+        ip link add "$NAME-br1" type bridge
+        ip link set "$NAME-br1" up
+    fi
     netem=1
     if [ -n "$delay" ] && ! tc qdisc add dev "$NAME-br" root netem delay "$delay" 2>/dev/null; then
         netem=0
@@ -127,6 +137,16 @@ up() {
         [ "$v4" -eq 1 ] && ip -n "$ns" addr add "10.231.0.$((i + 1))/24" dev eth0
         [ "$v6" -eq 1 ] && ip -n "$ns" addr add "fd00:dc::$((i + 1))/64" dev eth0 nodad
         ip -n "$ns" link set eth0 up
+        if [ "$second" -eq 1 ]; then # eth1: a second network, not shaped
+            ip link add "$NAME-w$i" type veth peer name "$NAME-f$i"
+            ip link set "$NAME-f$i" netns "$ns"
+            ip -n "$ns" link set "$NAME-f$i" name eth1
+            ip link set "$NAME-w$i" master "$NAME-br1"
+            ip link set "$NAME-w$i" up
+            [ "$v4" -eq 1 ] && ip -n "$ns" addr add "10.232.0.$((i + 1))/24" dev eth1
+            [ "$v6" -eq 1 ] && ip -n "$ns" addr add "fd00:dd::$((i + 1))/64" dev eth1 nodad
+            ip -n "$ns" link set eth1 up
+        fi
         if [ -n "$rate" ] || { [ -n "$delay" ] && [ "$netem" -eq 1 ]; }; then
             for side in "-n $ns eth0" "$NAME-v$i"; do
                 dev=${side##* }
@@ -152,10 +172,11 @@ up() {
     echo "cluster $NAME: $n hosts${rate:+, links at $rate}$( [ -n "$delay" ] && [ "$netem" -eq 1 ] && echo ", delay $delay")${loss:+, loss $loss}: $(i=0; while [ $i -lt "$n" ]; do printf '%s ' "$(addr "$i")"; i=$((i + 1)); done)"
 }
 
-addr() {
+addr() { # $1 host, $2 interface (eth0)
     ns=$NAME-h$1
-    a=$(ip -n "$ns" -4 -o addr show dev eth0 2>/dev/null | awk '{ split($4, a, "/"); print a[1] }')
-    [ -n "$a" ] || a=$(ip -n "$ns" -6 -o addr show dev eth0 scope global 2>/dev/null | awk '{ split($4, a, "/"); print a[1] }')
+    dev=${2:-eth0}
+    a=$(ip -n "$ns" -4 -o addr show dev "$dev" 2>/dev/null | awk '{ split($4, a, "/"); print a[1] }')
+    [ -n "$a" ] || a=$(ip -n "$ns" -6 -o addr show dev "$dev" scope global 2>/dev/null | awk '{ split($4, a, "/"); print a[1] }')
     [ -n "$a" ] || die "no host $1 in cluster $NAME"
     echo "$a"
 }
@@ -172,8 +193,8 @@ exec)
     shift
     ip netns list | awk '{ print $1 }' | grep -qx "$NAME-h$h" || die "no host $h in cluster $NAME"
     exec ip netns exec "$NAME-h$h" "$@" ;;
-addr) need_root; addr "${1:?addr HOST}" ;;
+addr) need_root; addr "${1:?addr HOST [IFACE]}" "${2:-}" ;;
 hostfile) need_root; hostfile "${1:?hostfile SLOTS}" ;;
 mpirun) need_root; run_mpirun "$@" ;;
-*) die "usage: cluster.sh up H [--rate R] [--delay D] [--loss P] [--ipv6] [--no-ipv4] | exec HOST CMD ... | addr HOST | hostfile SLOTS | mpirun PER_HOST ARGS ... | down" ;;
+*) die "usage: cluster.sh up H [--rate R] [--delay D] [--loss P] [--ipv6] [--no-ipv4] [--second-net] | exec HOST CMD ... | addr HOST [IFACE] | hostfile SLOTS | mpirun PER_HOST ARGS ... | down" ;;
 esac
