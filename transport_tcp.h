@@ -46,18 +46,35 @@
    Across machines, give every rank DOPT_MASTER_ADDR=<rank 0's address>; each rank listens for
    its peers on the address of the interface that reached rank 0 (or DOPT_BIND_ADDR).
 
+   ADDRESSES
+
+   IPv4 and IPv6 alike. master_addr (DOPT_MASTER_ADDR) is a host name, an IPv4 or an IPv6
+   address, optionally with rank 0's port attached: "node7", "node7:29500", "10.0.0.1",
+   "10.0.0.1:29500", "fd00::1", "[fd00::1]", "[fd00::1]:29500" (an IPv6 address without
+   brackets has no port). An attached port stands for master_port; both set and different is an
+   error naming both. bind_addr (DOPT_BIND_ADDR) takes the same forms without a port; "0.0.0.0"
+   and "::" listen on every address of that family (the others then reach the rank at the
+   address its connection to rank 0 came from). A name is resolved with getaddrinfo, either
+   family, and its first address is used, in the order the resolver gives (RFC 6724's, which
+   puts destinations this host cannot reach last; /etc/gai.conf changes it); write an address to
+   choose another. Link-local IPv6 addresses (fe80::/10) are refused: they need an interface
+   scope the other ranks cannot be told. Each socket is made of its address's family (AF_INET or
+   AF_INET6, never a dual-stack socket), so an IPv4 job runs on hosts booted with IPv6 disabled.
+   Messages print addresses as 10.0.0.1:29500 or [fd00::1]:29500.
+
    CONFIGURATION (dopt_tcp_config; zero means the default)
 
    | field                 | meaning                                                   | zero means         |
    |-----------------------|-----------------------------------------------------------|--------------------|
    | rank, world_size      | this process's rank in [0, world_size); world_size >= 1   | (required)         |
-   | master_addr           | rank 0's IPv4 address or host name                        | "127.0.0.1"        |
+   | master_addr           | rank 0's host name, IPv4 or IPv6 address, optionally with | "127.0.0.1"        |
+   |                       | its port: "node7:29500", "[fd00::1]:29500" (ADDRESSES)    |                    |
    | master_port           | rank 0's rendezvous port. On rank 0, 0 lets the kernel    | rank 0: any free   |
    |                       | pick a free port, reported through on_listen; the other   | port; others: an   |
-   |                       | ranks must be given the real port                         | error              |
+   |                       | ranks must be given the real port (here or in master_addr)| error              |
    | bind_addr             | where this rank listens (rank 0: for everyone; others:    | rank 0: master_addr|
-   |                       | for the ranks above it). "0.0.0.0" listens everywhere     | others: the local  |
-   |                       |                                                           | address toward 0   |
+   |                       | for the ranks above it): name, IPv4 or IPv6 address.      | others: the local  |
+   |                       | "0.0.0.0" or "::" listens on every address of its family  | address toward 0   |
    | timeout_ms            | bound on every wait of a collective: it fails when        | 300000 (300 s)     |
    |                       | nothing moved for this long                               |                    |
    | rendezvous_timeout_ms | bound on the whole rendezvous (create), the retries to    | 600000 (10 min)    |
@@ -84,9 +101,10 @@
    |----------------------------|-----------------------|------------------------------------|
    | DOPT_RANK                  | rank                  | yes                                |
    | DOPT_WORLD_SIZE            | world_size            | yes                                |
-   | DOPT_MASTER_ADDR           | master_addr           | no (127.0.0.1)                     |
+   | DOPT_MASTER_ADDR           | master_addr           | no (127.0.0.1); may carry the port |
    | DOPT_MASTER_PORT           | master_port           | yes when the world is > 1 (on rank |
    |                            |                       | 0, unless the config has on_listen)|
+   |                            |                       | and DOPT_MASTER_ADDR has no port   |
    | DOPT_TIMEOUT_MS            | timeout_ms            | no (the config's, else 300000)     |
    | DOPT_RENDEZVOUS_TIMEOUT_MS | rendezvous_timeout_ms | no (the config's, else 600000)     |
    | DOPT_TOKEN                 | token                 | no ("")                            |
@@ -101,6 +119,7 @@
        DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it)
        DOPT_MASTER_PORT is not set: rank 1 needs rank 0's port
        DOPT_MASTER_PORT=70000 is above 65535
+       DOPT_MASTER_ADDR="[fd00::1]:29500" names port 29500 but DOPT_MASTER_PORT=29501
        DOPT_TOKEN is 70 bytes long, more than 64
 
    FUNCTIONS
@@ -123,10 +142,11 @@
      call only.
    dopt_tcp_config_from_env(&cfg) sets cfg's fields from the environment (ENVIRONMENT above;
      the strings point into it) and keeps the others, log_fn and log_user included, as the
-     caller set them: zero cfg first, or start from a config of your own. DOPT_ERR_INVALID, said
+     caller set them: zero cfg first, or start from a config of your own. A port attached to
+     DOPT_MASTER_ADDR sets master_port (master_addr keeps the whole text). DOPT_ERR_INVALID, said
      through cfg->log_fn, when a required variable is missing, a number is malformed or out of
-     range, the rank is not below the world size, or the token is too long; cfg is then left as
-     it was.
+     range, the rank is not below the world size, DOPT_MASTER_ADDR does not parse or its port
+     differs from DOPT_MASTER_PORT, or the token is too long; cfg is then left as it was.
    dopt_tcp_create_from_env(&comm, base) is the two above in one call, starting from *base (NULL:
      a zero config): what the environment does not set (log_fn, log_user, on_listen, spin_us,
      socket_buffer_bytes, small_bytes, a timeout whose variable is unset) is base's.
@@ -179,8 +199,10 @@
 
    From create (the detail, "rank R: setup: ...", goes to cfg->log_fn, once):
      DOPT_ERR_INVALID    a bad configuration ("tcp: invalid configuration: rank 2 is outside
-                         0..1", no master_port on a rank other than 0, token too long,
-                         unresolvable address, or the environment: ENVIRONMENT), or rank 0
+                         0..1", no master_port on a rank other than 0, token too long, an
+                         address that does not parse or resolve, "master_addr \"[::1]:29500\"
+                         names port 29500 but master_port is 29501", or the environment:
+                         ENVIRONMENT), or rank 0
                          refused this rank: "rank 1 is already taken by 127.0.0.1:41230", it
                          does not admit that rank, or the world sizes differ.
      DOPT_ERR_AUTH       rank 0 (or a peer) refused this rank's token, or a peer answered with
@@ -192,7 +214,9 @@
      DOPT_ERR_PEER_LOST  rank 0 failed during the rendezvous (it then closes every connection,
                          so every rank stops at once instead of at its bound), or a connection
                          to another rank ended and rank 0 did not start over within 2 s.
-     DOPT_ERR_PROTOCOL   a peer spoke another protocol version or sent malformed records.
+     DOPT_ERR_PROTOCOL   a peer spoke another protocol version ("rank 0 at 10.0.0.1:29500
+                         speaks protocol version 2, this rank version 3 (another release of
+                         distopt: give every rank the same one)") or sent malformed records.
      DOPT_ERR_IO         a socket call failed: "cannot listen on 127.0.0.1:29500: Address
                          already in use".
      DOPT_ERR_NOMEM      an allocation failed.
@@ -278,29 +302,35 @@
    happens or the timeout. Blocking round trips cost ~65 us on a VM, spinning ones ~8 us; the
    yield keeps oversubscribed worlds (more ranks than cores) and loopback softirqs moving.
 
-   WIRE FORMAT (all integers little-endian; protocol version DOPT_TCP_PROTOCOL_VERSION = 2)
+   WIRE FORMAT (all integers little-endian; protocol version DOPT_TCP_PROTOCOL_VERSION = 3)
+
+   An address on the wire is 16 bytes in network order: IPv6 as it is, IPv4 as its IPv4-mapped
+   IPv6 form ::ffff:a.b.c.d.
 
    Handshake record, 96 bytes, the only thing exchanged before a connection is admitted:
        off size  field
          0    4  magic "DOPT"
-         4    2  protocol version (2)
-         6    2  type: 1 HELLO, 2 ACCEPT, 3 REFUSE, 4 WELCOME, 5 READY, 6 GO, 7 AGAIN
+         4    1  protocol version (3)
+         5    1  type: 1 HELLO, 2 ACCEPT, 3 REFUSE, 4 WELCOME, 5 READY, 6 GO, 7 AGAIN
+         6    2  HELLO: sender's listening port. REFUSE for a rank taken: the port the
+                 connection holding it came from; 0 on every other type
          8    4  world size (>= 1)
         12    4  sender's rank (< world size)
-        16    4  HELLO: sender's listening IPv4 address, network order (0.0.0.0: use the
-                 address the connection came from). REFUSE for a rank taken: the address
-                 the connection holding it came from
-        20    2  HELLO: sender's listening port. REFUSE for a rank taken: that connection's
-                 port
-        22    2  REFUSE: reason (1 token, 2 world size, 3 rank not expected, 4 rank taken,
-                 5 version); 0 on every other type
-        24    8  reserved, zero
-        32   64  HELLO and ACCEPT: job token, zero-padded (compared in constant time);
-                 zero on every other type
+        16   16  HELLO: sender's listening address (:: or ::ffff:0.0.0.0, a wildcard: use
+                 the address the connection came from). REFUSE for a rank taken: the address
+                 the connection holding it came from; zero on every other type
+        32   64  HELLO and ACCEPT: job token, zero-padded (compared in constant time).
+                 REFUSE: 2 bytes the reason (1 token, 2 world size, 3 rank not expected,
+                 4 rank taken, 5 version), 2 zero, 4 the rank the refusal is about
+                 (0: none), 56 zero. Zero on every other type
+   Version 2 had its version as 16 bits at offset 4: a rank of version 2 reads 3 + 256 x type
+   there, another version, and refuses; a version 2 HELLO (bytes 4-5 = 2, 0) is answered with a
+   REFUSE in version 2's layout (version 2 at 4, type 3 at 6, reason 5 at 22) so that its rank
+   reports "different protocol version". Either side fails at once with DOPT_ERR_PROTOCOL.
    Setup: a rank connects, sends HELLO; the acceptor answers ACCEPT (with its own token, which
    the connector checks too) or REFUSE and closes. Rank 0 sends each rank WELCOME followed by
-   size entries of 8 bytes (IPv4 address 4 bytes network order, port 2, reserved 2 = 0), the
-   listening addresses of all ranks. Each rank k then connects to ranks 1..k-1 (HELLO/ACCEPT),
+   size entries of 20 bytes (address 16 bytes, port 2, reserved 2 = 0), the listening
+   addresses of all ranks. Each rank k then connects to ranks 1..k-1 (HELLO/ACCEPT),
    accepts ranks k+1..size-1, sends READY to rank 0, and waits for GO. When a rank's connection
    to rank 0 ends before GO, rank 0 sends every other rank AGAIN and closes their connections;
    they close all of theirs and join again from the HELLO. Rank 0 answers HELLOs (ACCEPT or
@@ -309,7 +339,7 @@
    Frame header, 48 bytes, before every payload; validated whole before any payload is used:
        off size  field
          0    4  magic "DOPF"
-         4    1  protocol version (2)
+         4    1  protocol version (3)
          5    1  type: 1 DATA, 2 ABORT, 3 GOODBYE
          6    1  collective: 1 allreduce, 2 allgather, 3 allgatherv, 4 broadcast, 5 barrier
                  (0 only on GOODBYE)
@@ -349,16 +379,17 @@
 extern "C" {
 #endif
 
-#define DOPT_TCP_PROTOCOL_VERSION 2
+#define DOPT_TCP_PROTOCOL_VERSION 3
 #define DOPT_TCP_TOKEN_MAX 64 /* bytes of a job token */
 
 typedef struct dopt_tcp_config {
     int rank;                  /* this process's rank, 0 .. world_size - 1 */
     int world_size;            /* number of ranks, >= 1 */
-    const char *master_addr;   /* rank 0's IPv4 address or host name; NULL: "127.0.0.1" */
+    const char *master_addr;   /* rank 0's host name, IPv4 or IPv6 address, optionally with its port
+                                  ("host:29500", "[fd00::1]:29500"); NULL: "127.0.0.1" */
     int master_port;           /* rank 0's rendezvous port; 0 on rank 0: any free port (on_listen) */
-    const char *bind_addr;     /* where this rank listens; NULL: rank 0 master_addr, others the
-                                  local address of their connection to rank 0 */
+    const char *bind_addr;     /* where this rank listens (a name, IPv4 or IPv6 address); NULL: rank 0
+                                  master_addr, others the local address of their connection to rank 0 */
     int timeout_ms;            /* bound on every wait, rendezvous included; 0: 300000 */
     const char *token;         /* job token, at most DOPT_TCP_TOKEN_MAX bytes; NULL: "" */
     int socket_buffer_bytes;   /* SO_SNDBUF and SO_RCVBUF; 0: the kernel's autotuning */
@@ -391,6 +422,7 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
 #if defined(DISTOPT_IMPLEMENTATION) && !defined(DOPT__TCP_IMPLEMENTED)
 #define DOPT__TCP_IMPLEMENTED
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -420,7 +452,9 @@ extern "C" {
 
 #define DOPT__TCP_FRAME_BYTES 48          /* every frame header */
 #define DOPT__TCP_HS_BYTES 96             /* every handshake record */
-#define DOPT__TCP_ENTRY_BYTES 8           /* one rank's listening address in the peer table */
+#define DOPT__TCP_ENTRY_BYTES 20          /* one rank's listening address in the peer table */
+#define DOPT__TCP_ADDR_CHARS 64           /* "[ffff:...:255.255.255.255]:65535" and its NUL */
+#define DOPT__TCP_HOST_MAX 256            /* the host part of master_addr or bind_addr, NUL included */
 #define DOPT__TCP_STAGE_BYTES (256u << 10) /* per-peer receive staging buffer */
 #define DOPT__TCP_DIRECT_MIN (64u << 10)  /* copied payloads at least this long skip the stage */
 #define DOPT__TCP_SMALL_DEFAULT (64u << 10)
@@ -467,9 +501,9 @@ typedef struct dopt__tcp_op {
 
 typedef struct dopt__tcp_peer {
     int fd;
-    unsigned char addr[4];      /* listening address, IPv4 in network order (setup) */
+    unsigned char addr[16];     /* listening address (setup; see ADDRESSES) */
     uint32_t port;
-    unsigned char from[4];      /* where its connection to this rank came from (an acceptor's view) */
+    unsigned char from[16];     /* where its connection to this rank came from (an acceptor's view) */
     uint32_t from_port;
     unsigned char *stage;       /* bytes received but not yet consumed are [lo, hi) */
     size_t lo, hi;
@@ -492,7 +526,7 @@ typedef struct dopt__tcp_pending {
     int fd;
     size_t got;
     unsigned char rec[DOPT__TCP_HS_BYTES];
-    unsigned char addr[4];
+    unsigned char addr[16];
     uint32_t port;
 } dopt__tcp_pending;
 
@@ -555,60 +589,174 @@ static int dopt__tcp_ms_left(double deadline) {
     return (int)left + 1;
 }
 
-static void dopt__tcp_addr_str(const unsigned char addr[4], uint32_t port, char *out, size_t cap) {
-    snprintf(out, cap, "%u.%u.%u.%u:%u", addr[0], addr[1], addr[2], addr[3], (unsigned)port);
+/* ===================================================================== ADDRESSES
+
+   An address is 16 bytes in network order: an IPv6 address as it is, an IPv4 address in its
+   IPv4-mapped form ::ffff:a.b.c.d, so that one field of a record or the peer table holds either.
+   A socket is made of the family its address is (AF_INET for a mapped one), never a dual-stack
+   AF_INET6 socket, which a host booted with IPv6 disabled cannot make. */
+
+static const unsigned char dopt__tcp_v4_prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+
+static int dopt__tcp_is_v4(const unsigned char a[16]) { return memcmp(a, dopt__tcp_v4_prefix, 12) == 0; }
+
+static void dopt__tcp_set_v4(unsigned char a[16], const void *in4) {
+    memcpy(a, dopt__tcp_v4_prefix, 12);
+    memcpy(a + 12, in4, 4);
+}
+
+/* 0.0.0.0 or ::, where a rank listens on every address of that family */
+static int dopt__tcp_is_any(const unsigned char a[16]) {
+    return dopt__tcp_is_v4(a) ? dopt__tcp_all_zero(a + 12, 4) : dopt__tcp_all_zero(a, 16);
+}
+
+/* fe80::/10 means something only with an interface scope, which no record carries */
+static int dopt__tcp_is_link_local(const unsigned char a[16]) { return a[0] == 0xfe && (a[1] & 0xc0) == 0x80; }
+
+/* "1.2.3.4" or "fd00::1" */
+static void dopt__tcp_host_str(const unsigned char a[16], char *out, size_t cap) {
+    char text[INET6_ADDRSTRLEN];
+    if (inet_ntop(dopt__tcp_is_v4(a) ? AF_INET : AF_INET6, dopt__tcp_is_v4(a) ? a + 12 : a, text, sizeof text) == NULL)
+        snprintf(text, sizeof text, "?");
+    snprintf(out, cap, "%s", text);
+}
+
+/* "1.2.3.4:29500" or "[fd00::1]:29500" */
+static void dopt__tcp_addr_str(const unsigned char a[16], uint32_t port, char *out, size_t cap) {
+    char host[INET6_ADDRSTRLEN];
+    dopt__tcp_host_str(a, host, sizeof host);
+    snprintf(out, cap, dopt__tcp_is_v4(a) ? "%s:%u" : "[%s]:%u", host, (unsigned)port);
+}
+
+/* The socket address of a:port, of a's family; returns its length. */
+static socklen_t dopt__tcp_sockaddr(struct sockaddr_storage *ss, const unsigned char a[16], uint32_t port) {
+    memset(ss, 0, sizeof *ss);
+    if (dopt__tcp_is_v4(a)) {
+        struct sockaddr_in *sa = (struct sockaddr_in *)(void *)ss;
+        sa->sin_family = AF_INET;
+        sa->sin_port = htons((uint16_t)port);
+        memcpy(&sa->sin_addr.s_addr, a + 12, 4);
+        return (socklen_t)sizeof *sa;
+    } else {
+        struct sockaddr_in6 *sa = (struct sockaddr_in6 *)(void *)ss;
+        sa->sin6_family = AF_INET6;
+        sa->sin6_port = htons((uint16_t)port);
+        memcpy(&sa->sin6_addr, a, 16);
+        return (socklen_t)sizeof *sa;
+    }
+}
+
+/* The address and port of an IPv4 or IPv6 socket address; 0, or -1 for another family. */
+static int dopt__tcp_from_sockaddr(const struct sockaddr_storage *ss, unsigned char a[16], uint32_t *port) {
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *sa = (const struct sockaddr_in *)(const void *)ss;
+        dopt__tcp_set_v4(a, &sa->sin_addr.s_addr);
+        *port = ntohs(sa->sin_port);
+        return 0;
+    }
+    if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *sa = (const struct sockaddr_in6 *)(const void *)ss;
+        memcpy(a, &sa->sin6_addr, 16);
+        *port = ntohs(sa->sin6_port);
+        return 0;
+    }
+    return -1;
+}
+
+/* Splits master_addr or bind_addr text into its host and its port (0: none). The forms: "host",
+   "host:29500", "1.2.3.4", "1.2.3.4:29500", "fd00::1" (two colons or more: an IPv6 address,
+   which carries no port), "[fd00::1]" and "[fd00::1]:29500". NULL, or what is wrong with it, to
+   follow its quoted text in a message. */
+static const char *dopt__tcp_split_addr(const char *text, char *host, size_t cap, int *port) {
+    const char *end = text + strlen(text), *colon = strrchr(text, ':'), *port_text = NULL;
+    size_t len;
+    *port = 0;
+    if (*text == '[') {
+        const char *bracket = strchr(text, ']');
+        if (bracket == NULL) return "has a '[' without its ']'";
+        if (bracket[1] != '\0' && bracket[1] != ':') return "has text after its ']' that is not :port";
+        if (bracket[1] == ':') port_text = bracket + 2;
+        text++;
+        end = bracket;
+    } else if (colon && strchr(text, ':') == colon) { /* exactly one colon: host:port */
+        port_text = colon + 1;
+        end = colon;
+    }
+    len = (size_t)(end - text);
+    if (len == 0) return "has no host";
+    if (len >= cap) return "is too long";
+    memcpy(host, text, len);
+    host[len] = '\0';
+    if (port_text) {
+        long v = 0;
+        const char *p;
+        for (p = port_text; *p >= '0' && *p <= '9' && v <= 65535; p++) v = v * 10 + (*p - '0');
+        if (p == port_text || *p != '\0' || v < 1 || v > 65535) return "has a port that is not a number in 1..65535";
+        *port = (int)v;
+    }
+    return NULL;
 }
 
 /* ===================================================================== HANDSHAKE RECORDS */
 
 /* Every handshake message is one fixed 96-byte record (layout in the manual above). */
 typedef struct dopt__tcp_hs {
-    uint32_t version, type, world, rank, port, reason;
-    unsigned char addr[4];
+    uint32_t version, type, world, rank, port, reason, subject;
+    unsigned char addr[16];
     unsigned char token[DOPT_TCP_TOKEN_MAX];
 } dopt__tcp_hs;
 
 static void dopt__tcp_hs_encode(unsigned char *out, const dopt__tcp_hs *h) {
     memset(out, 0, DOPT__TCP_HS_BYTES);
     memcpy(out, "DOPT", 4);
-    dopt__put_le16(out + 4, h->version);
-    dopt__put_le16(out + 6, h->type);
+    out[4] = (unsigned char)h->version;
+    out[5] = (unsigned char)h->type;
+    dopt__put_le16(out + 6, h->port);
     dopt__put_le32(out + 8, h->world);
     dopt__put_le32(out + 12, h->rank);
-    memcpy(out + 16, h->addr, 4);
-    dopt__put_le16(out + 20, h->port);
-    dopt__put_le16(out + 22, h->reason);
-    memcpy(out + 32, h->token, DOPT_TCP_TOKEN_MAX);
+    memcpy(out + 16, h->addr, 16);
+    if (h->type == DOPT__TCP_REFUSE) { /* a refusal carries no token: its reason takes the place */
+        dopt__put_le16(out + 32, h->reason);
+        dopt__put_le32(out + 36, h->subject);
+    } else {
+        memcpy(out + 32, h->token, DOPT_TCP_TOKEN_MAX);
+    }
 }
 
 /* NULL when in[0..96) is a well-formed record of this protocol version, else why not. h->version
-   is filled even when the version is not ours, so that an acceptor can answer "wrong version". */
+   is filled even when the version is not ours, so that an acceptor can answer "wrong version"
+   (a record of version 2 has its 16-bit version there: 2, then a zero byte). */
 static const char *dopt__tcp_hs_decode(const unsigned char *in, dopt__tcp_hs *h) {
     memset(h, 0, sizeof *h);
     if (memcmp(in, "DOPT", 4) != 0) return "bad magic";
-    h->version = dopt__get_le16(in + 4);
+    h->version = in[4];
     if (h->version != DOPT_TCP_PROTOCOL_VERSION) return "unknown protocol version";
-    h->type = dopt__get_le16(in + 6);
+    h->type = in[5];
+    h->port = dopt__get_le16(in + 6);
     h->world = dopt__get_le32(in + 8);
     h->rank = dopt__get_le32(in + 12);
-    memcpy(h->addr, in + 16, 4);
-    h->port = dopt__get_le16(in + 20);
-    h->reason = dopt__get_le16(in + 22);
-    memcpy(h->token, in + 32, DOPT_TCP_TOKEN_MAX);
+    memcpy(h->addr, in + 16, 16);
     if (h->type < DOPT__TCP_HELLO || h->type > DOPT__TCP_AGAIN) return "unknown record type";
-    if (!dopt__tcp_all_zero(in + 24, 8)) return "reserved bytes are not zero";
     if (h->world < 1 || h->world > (uint32_t)INT_MAX) return "world size out of range";
     if (h->rank >= h->world) return "rank not below the world size";
-    if ((h->type == DOPT__TCP_REFUSE) != (h->reason != 0)) return "refusal reason on the wrong record";
-    if (h->reason > DOPT__TCP_WRONG_VERSION) return "unknown refusal reason";
+    if (h->type != DOPT__TCP_REFUSE) {
+        memcpy(h->token, in + 32, DOPT_TCP_TOKEN_MAX);
+        return NULL;
+    }
+    h->reason = dopt__get_le16(in + 32);
+    h->subject = dopt__get_le32(in + 36);
+    if (h->reason < DOPT__TCP_WRONG_TOKEN || h->reason > DOPT__TCP_WRONG_VERSION) return "unknown refusal reason";
+    if (!dopt__tcp_all_zero(in + 34, 2) || !dopt__tcp_all_zero(in + 40, DOPT__TCP_HS_BYTES - 40))
+        return "reserved bytes are not zero";
+    if (h->subject >= h->world) return "refusal about a rank not below the world size";
     return NULL;
 }
 
 /* One entry of the peer table rank 0 sends after its WELCOME record. */
-static const char *dopt__tcp_entry_decode(const unsigned char *in, unsigned char addr[4], uint32_t *port) {
-    memcpy(addr, in, 4);
-    *port = dopt__get_le16(in + 4);
-    if (dopt__get_le16(in + 6) != 0) return "reserved bytes are not zero";
+static const char *dopt__tcp_entry_decode(const unsigned char *in, unsigned char addr[16], uint32_t *port) {
+    memcpy(addr, in, 16);
+    *port = dopt__get_le16(in + 16);
+    if (dopt__get_le16(in + 18) != 0) return "reserved bytes are not zero";
     if (*port == 0) return "port 0";
     return NULL;
 }
@@ -1553,8 +1701,9 @@ static void dopt__tcp_tune(int fd, int sockbuf) {
     }
 }
 
-static int dopt__tcp_new_socket(int sockbuf) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
+/* A socket of addr's family (ADDRESSES). */
+static int dopt__tcp_new_socket(const unsigned char addr[16], int sockbuf) {
+    int fd = socket(dopt__tcp_is_v4(addr) ? AF_INET : AF_INET6, SOCK_STREAM, 0);
     if (fd < 0) return -1;
     if (dopt__tcp_set_nonblocking(fd) < 0) {
         close(fd);
@@ -1562,13 +1711,6 @@ static int dopt__tcp_new_socket(int sockbuf) {
     }
     dopt__tcp_tune(fd, sockbuf);
     return fd;
-}
-
-static void dopt__tcp_sockaddr(struct sockaddr_in *sa, const unsigned char addr[4], uint32_t port) {
-    memset(sa, 0, sizeof *sa);
-    sa->sin_family = AF_INET;
-    sa->sin_port = htons((uint16_t)port);
-    memcpy(&sa->sin_addr.s_addr, addr, 4);
 }
 
 /* ===================================================================== RENDEZVOUS: FAILING AND REPORTING */
@@ -1725,61 +1867,82 @@ static dopt_status dopt__tcp_setup_lost(dopt_comm *c, int watch_fd, double deadl
     return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "rank 0 sent an unexpected record during setup");
 }
 
-static dopt_status dopt__tcp_resolve(dopt_comm *c, const char *host, unsigned char addr[4]) {
-    struct addrinfo hints, *res = NULL;
-    int rc;
+/* A name or an address, in one of dopt__tcp_split_addr's forms (its port aside), to an address.
+   A name may give several: the first IPv4 or
+   IPv6 one, in the order getaddrinfo gives them (RFC 6724's, which puts addresses this host cannot
+   reach last; /etc/gai.conf can change it), that is not link-local IPv6 (ADDRESSES). */
+static dopt_status dopt__tcp_resolve(dopt_comm *c, const char *text, unsigned char addr[16]) {
+    struct addrinfo hints, *res = NULL, *ai;
+    char host[DOPT__TCP_HOST_MAX];
+    int rc, link_local = 0, port;
+    if (dopt__tcp_split_addr(text, host, sizeof host, &port) != NULL) /* checked by dopt__tcp_check_addrs */
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "cannot parse \"%s\"", text);
     memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_INET;
+    hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
     rc = getaddrinfo(host, NULL, &hints, &res);
     if (rc != 0 || res == NULL)
-        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "cannot resolve \"%s\" to an IPv4 address: %s", host,
-                                    gai_strerror(rc));
-    memcpy(addr, &((struct sockaddr_in *)(void *)res->ai_addr)->sin_addr.s_addr, 4);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "cannot resolve \"%s\": %s", host,
+                                    rc ? gai_strerror(rc) : "no address");
+    for (ai = res; ai; ai = ai->ai_next) {
+        struct sockaddr_storage ss;
+        uint32_t port;
+        if (ai->ai_addrlen > sizeof ss) continue;
+        memset(&ss, 0, sizeof ss);
+        memcpy(&ss, ai->ai_addr, ai->ai_addrlen);
+        if (dopt__tcp_from_sockaddr(&ss, addr, &port) < 0) continue;
+        if (!dopt__tcp_is_link_local(addr)) break;
+        link_local = 1;
+    }
     freeaddrinfo(res);
+    if (ai == NULL)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "cannot use \"%s\": %s", host,
+                                    link_local ? "a link-local IPv6 address (fe80::/10) needs an interface scope, "
+                                                 "which the other ranks cannot be told; use a global or "
+                                                 "unique-local address"
+                                               : "no IPv4 or IPv6 address");
     return DOPT_OK;
 }
 
-static dopt_status dopt__tcp_listen(dopt_comm *c, dopt__tcp *t, const unsigned char addr[4], uint32_t port, int *fd_out,
+static dopt_status dopt__tcp_listen(dopt_comm *c, dopt__tcp *t, const unsigned char addr[16], uint32_t port, int *fd_out,
                                     uint32_t *port_out) {
-    struct sockaddr_in sa;
-    socklen_t len = sizeof sa;
-    char where[32];
-    int one = 1, fd = dopt__tcp_new_socket(t->sockbuf);
+    struct sockaddr_storage ss;
+    socklen_t len = dopt__tcp_sockaddr(&ss, addr, port);
+    unsigned char bound[16];
+    char where[DOPT__TCP_ADDR_CHARS];
+    int one = 1, fd = dopt__tcp_new_socket(addr, t->sockbuf);
     dopt__tcp_addr_str(addr, port, where, sizeof where);
-    if (fd < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "socket: %s", strerror(errno));
+    if (fd < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "cannot listen on %s: socket: %s", where, strerror(errno));
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    dopt__tcp_sockaddr(&sa, addr, port);
-    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(fd, SOMAXCONN) < 0 ||
-        getsockname(fd, (struct sockaddr *)&sa, &len) < 0) {
+    if (bind(fd, (struct sockaddr *)&ss, len) < 0 || listen(fd, SOMAXCONN) < 0 ||
+        (len = sizeof ss, getsockname(fd, (struct sockaddr *)&ss, &len)) < 0) {
         int err = errno;
         close(fd);
         return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "cannot listen on %s: %s", where, strerror(err));
     }
     *fd_out = fd;
-    *port_out = ntohs(sa.sin_port);
+    (void)dopt__tcp_from_sockaddr(&ss, bound, port_out);
     return DOPT_OK;
 }
 
 /* Connects to addr:port, retrying with backoff (10 ms doubling to 500 ms) while nobody listens
    there yet, until the deadline; says every report_ms that it is still trying and why. */
-static dopt_status dopt__tcp_connect(dopt_comm *c, dopt__tcp *t, const unsigned char addr[4], uint32_t port,
+static dopt_status dopt__tcp_connect(dopt_comm *c, dopt__tcp *t, const unsigned char addr[16], uint32_t port,
                                      double deadline, int watch_fd, const char *who, int *fd_out) {
     int backoff = 10, tries = 0, err = 0;
     for (;;) {
-        struct sockaddr_in sa;
+        struct sockaddr_storage ss;
+        socklen_t ss_len = dopt__tcp_sockaddr(&ss, addr, port), len = sizeof err;
         int fd;
-        socklen_t len = sizeof err;
         dopt_status s;
         if (err && dopt__tcp_report_due(t)) /* why the last try failed: the report to look for */
             dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: waiting for %s (%s, %d s)", t->rank, who, strerror(err),
                           dopt__tcp_waited_s(t));
-        fd = dopt__tcp_new_socket(t->sockbuf);
+        fd = dopt__tcp_new_socket(addr, t->sockbuf);
         err = 0;
-        if (fd < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "socket: %s", strerror(errno));
-        dopt__tcp_sockaddr(&sa, addr, port);
+        if (fd < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "cannot connect to %s: socket: %s", who, strerror(errno));
         tries++;
-        if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        if (connect(fd, (struct sockaddr *)&ss, ss_len) < 0) {
             err = errno;
             if (err == EINPROGRESS) {
                 s = dopt__tcp_wait(c, fd, POLLOUT, deadline, watch_fd, who);
@@ -1834,6 +1997,17 @@ static dopt_status dopt__tcp_send_record(dopt_comm *c, dopt__tcp *t, int fd, uin
     return dopt__tcp_send_all(c, fd, rec, sizeof rec, deadline, who);
 }
 
+/* A record that did not decode, from `who`: another protocol version is said as such, since it is
+   what a rank of another release of distopt sends (version 2 reads ours as another version too). */
+static dopt_status dopt__tcp_malformed(dopt_comm *c, const dopt__tcp_hs *h, const char *why, const char *who) {
+    if (h->version != DOPT_TCP_PROTOCOL_VERSION && h->version != 0)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL,
+                                    "%s speaks protocol version %u, this rank version %d (another release of "
+                                    "distopt: give every rank the same one)",
+                                    who, (unsigned)h->version, DOPT_TCP_PROTOCOL_VERSION);
+    return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s sent a malformed handshake record: %s", who, why);
+}
+
 /* Reads one record of the given type from rank `from`; from rank 0, AGAIN instead says the
    rendezvous starts over. */
 static dopt_status dopt__tcp_recv_record(dopt_comm *c, dopt__tcp *t, int fd, int from, uint32_t type, double deadline,
@@ -1843,8 +2017,7 @@ static dopt_status dopt__tcp_recv_record(dopt_comm *c, dopt__tcp *t, int fd, int
     dopt_status s = dopt__tcp_recv_all(c, fd, rec, sizeof rec, deadline, -1, who, what);
     if (s != DOPT_OK) return s;
     why = dopt__tcp_hs_decode(rec, h);
-    if (why)
-        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s sent a malformed handshake record: %s", who, why);
+    if (why) return dopt__tcp_malformed(c, h, why, who);
     if (from == 0 && h->type == DOPT__TCP_AGAIN && h->rank == 0) return DOPT__TCP_RESTART;
     if (h->type != type || h->world != (uint32_t)t->size || h->rank != (uint32_t)from)
         return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL,
@@ -1856,7 +2029,7 @@ static dopt_status dopt__tcp_recv_record(dopt_comm *c, dopt__tcp *t, int fd, int
 }
 
 static dopt_status dopt__tcp_refused(dopt_comm *c, const dopt__tcp *t, const dopt__tcp_hs *h, const char *who) {
-    char holder[32];
+    char holder[DOPT__TCP_ADDR_CHARS];
     switch (h->reason) {
     case DOPT__TCP_WRONG_TOKEN:
         return dopt__tcp_setup_fail(c, DOPT_ERR_AUTH, "%s refused this rank: the job token differs", who);
@@ -1876,7 +2049,7 @@ static dopt_status dopt__tcp_refused(dopt_comm *c, const dopt__tcp *t, const dop
 
 /* The connecting side: HELLO with our rank, listening address and token; the acceptor answers
    ACCEPT with its own token (checked too: a process of another job is not a peer) or REFUSE. */
-static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer, const unsigned char my_addr[4],
+static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer, const unsigned char my_addr[16],
                                    uint32_t my_port, double deadline, int watch_fd, const char *who) {
     unsigned char rec[DOPT__TCP_HS_BYTES];
     char what[96];
@@ -1885,7 +2058,7 @@ static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer,
     dopt_status s;
     snprintf(what, sizeof what, "%s to answer", who);
     dopt__tcp_hs_init(&h, t, DOPT__TCP_HELLO);
-    memcpy(h.addr, my_addr, 4);
+    memcpy(h.addr, my_addr, 16);
     h.port = my_port;
     memcpy(h.token, t->token, DOPT_TCP_TOKEN_MAX);
     dopt__tcp_hs_encode(rec, &h);
@@ -1893,8 +2066,7 @@ static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer,
     if (s == DOPT_OK) s = dopt__tcp_recv_all(c, fd, rec, sizeof rec, deadline, watch_fd, who, what);
     if (s != DOPT_OK) return s;
     why = dopt__tcp_hs_decode(rec, &h);
-    if (why)
-        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s answered with a malformed record: %s", who, why);
+    if (why) return dopt__tcp_malformed(c, &h, why, who);
     if (h.type == DOPT__TCP_REFUSE) return dopt__tcp_refused(c, t, &h, who);
     if (h.type != DOPT__TCP_ACCEPT || h.rank != (uint32_t)peer || h.world != (uint32_t)t->size)
         return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s answered as rank %u of %u with record type %u", who,
@@ -1906,11 +2078,24 @@ static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer,
 
 /* ===================================================================== RENDEZVOUS: JOINERS */
 
+/* A REFUSE for another version in the layout of version 2 (16-bit version at 4, type at 6, reason
+   at 22), so that a rank of that release reads "different protocol version", not a record it
+   cannot parse. */
+static void dopt__tcp_v2_refusal(unsigned char *out, const dopt__tcp *t) {
+    memset(out, 0, DOPT__TCP_HS_BYTES);
+    memcpy(out, "DOPT", 4);
+    dopt__put_le16(out + 4, 2);
+    dopt__put_le16(out + 6, DOPT__TCP_REFUSE);
+    dopt__put_le32(out + 8, (uint32_t)t->size);
+    dopt__put_le32(out + 12, (uint32_t)t->rank);
+    dopt__put_le16(out + 22, DOPT__TCP_WRONG_VERSION);
+}
+
 /* Refuses connection q, saying why in the log (WARN) and, for a joiner (h: its HELLO), in a
    REFUSE record; a rank already taken is answered with where its holder connected from. */
 static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, const dopt__tcp_hs *h, uint32_t reason,
                              const char *why) {
-    char from[32];
+    char from[DOPT__TCP_ADDR_CHARS];
     dopt__tcp_addr_str(q->addr, q->port, from, sizeof from);
     if (h) {
         snprintf(t->refusal, sizeof t->refusal, "a joiner from %s claiming rank %u: %s", from, (unsigned)h->rank, why);
@@ -1924,10 +2109,13 @@ static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, c
         dopt__tcp_hs_init(&answer, t, DOPT__TCP_REFUSE);
         answer.reason = reason;
         if (reason == DOPT__TCP_DUPLICATE_RANK && h) {
-            memcpy(answer.addr, t->peers[h->rank].from, 4);
+            memcpy(answer.addr, t->peers[h->rank].from, 16);
             answer.port = t->peers[h->rank].from_port;
         }
-        dopt__tcp_hs_encode(rec, &answer);
+        if (reason == DOPT__TCP_WRONG_VERSION && q->rec[4] == 2 && q->rec[5] == 0)
+            dopt__tcp_v2_refusal(rec, t);
+        else
+            dopt__tcp_hs_encode(rec, &answer);
         (void)!send(q->fd, rec, sizeof rec, MSG_NOSIGNAL | MSG_DONTWAIT);
     }
     close(q->fd);
@@ -1940,7 +2128,7 @@ static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, c
 static int dopt__tcp_pending_read(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, int lo, int hi) {
     dopt__tcp_hs h, answer;
     const char *why;
-    char text[96], holder[32];
+    char text[96 + DOPT__TCP_ADDR_CHARS], holder[DOPT__TCP_ADDR_CHARS];
     ssize_t n = recv(q->fd, q->rec + q->got, sizeof q->rec - q->got, MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
     if (n <= 0) {
@@ -1993,9 +2181,9 @@ static int dopt__tcp_pending_read(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending 
         return -1;
     }
     /* a rank that listens on the wildcard address is reached at the address it came from */
-    memcpy(t->peers[h.rank].addr, dopt__tcp_all_zero(h.addr, 4) ? q->addr : h.addr, 4);
+    memcpy(t->peers[h.rank].addr, dopt__tcp_is_any(h.addr) ? q->addr : h.addr, 16);
     t->peers[h.rank].port = h.port;
-    memcpy(t->peers[h.rank].from, q->addr, 4);
+    memcpy(t->peers[h.rank].from, q->addr, 16);
     t->peers[h.rank].from_port = q->port;
     t->peers[h.rank].fd = q->fd;
     q->fd = -1;
@@ -2040,9 +2228,9 @@ static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, i
         t->pend[k] = t->pend[--t->npend];
     }
     while (listening) {
-        struct sockaddr_in sa;
-        socklen_t len = sizeof sa;
-        int fd = accept(t->lfd, (struct sockaddr *)&sa, &len);
+        struct sockaddr_storage ss;
+        socklen_t len = sizeof ss;
+        int fd = accept(t->lfd, (struct sockaddr *)&ss, &len);
         if (fd < 0) break;
         if (dopt__tcp_set_nonblocking(fd) < 0) {
             close(fd);
@@ -2055,8 +2243,10 @@ static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, i
         }
         t->pend[t->npend].fd = fd;
         t->pend[t->npend].got = 0;
-        memcpy(t->pend[t->npend].addr, &sa.sin_addr.s_addr, 4);
-        t->pend[t->npend].port = ntohs(sa.sin_port);
+        if (dopt__tcp_from_sockaddr(&ss, t->pend[t->npend].addr, &t->pend[t->npend].port) < 0) {
+            memset(t->pend[t->npend].addr, 0, 16);
+            t->pend[t->npend].port = 0;
+        }
         t->npend++;
     }
     return joined;
@@ -2066,7 +2256,7 @@ static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, i
    gave up) or spoke out of turn. It is closed and the rank is free again; `then` says what rank
    0 does next. */
 static void dopt__tcp_left_early(dopt_comm *c, dopt__tcp *t, int r, const char *how, const char *then) {
-    char from[32];
+    char from[DOPT__TCP_ADDR_CHARS];
     dopt__tcp_addr_str(t->peers[r].from, t->peers[r].from_port, from, sizeof from);
     dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: rank %d (from %s) %s before the job formed; %s", t->rank, r, from, how,
                   then);
@@ -2157,9 +2347,9 @@ static dopt_status dopt__tcp_send_tables(dopt_comm *c, dopt__tcp *t, double dead
     dopt__tcp_hs_encode(table, &h);
     for (r = 0; r < t->size; r++) {
         unsigned char *e = table + DOPT__TCP_HS_BYTES + (size_t)r * DOPT__TCP_ENTRY_BYTES;
-        memcpy(e, t->peers[r].addr, 4);
-        dopt__put_le16(e + 4, t->peers[r].port);
-        dopt__put_le16(e + 6, 0);
+        memcpy(e, t->peers[r].addr, 16);
+        dopt__put_le16(e + 16, t->peers[r].port);
+        dopt__put_le16(e + 18, 0);
     }
     for (r = 1; r < t->size && s == DOPT_OK; r++) {
         char who[24];
@@ -2254,13 +2444,16 @@ static void dopt__tcp_start_over(dopt__tcp *t) {
    leaves before that makes the rendezvous start over; the listening socket stays open for the
    communicator's life, so that late joiners are refused instead of finding no one. */
 static dopt_status dopt__tcp_rendezvous_root(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
-                                             const unsigned char addr[4], const unsigned char master[4],
-                                             double deadline) {
+                                             uint32_t master_port, double deadline) {
+    unsigned char master[16], addr[16];
     uint32_t port;
     int r;
-    dopt_status s = dopt__tcp_listen(c, t, addr, (uint32_t)cfg->master_port, &t->lfd, &port);
+    dopt_status s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", master);
+    if (s == DOPT_OK && cfg->bind_addr) s = dopt__tcp_resolve(c, cfg->bind_addr, addr);
+    else if (s == DOPT_OK) memcpy(addr, master, 16);
+    if (s == DOPT_OK) s = dopt__tcp_listen(c, t, addr, master_port, &t->lfd, &port);
     if (s != DOPT_OK) return s;
-    memcpy(t->peers[0].addr, dopt__tcp_all_zero(addr, 4) ? master : addr, 4); /* where the others reach it */
+    memcpy(t->peers[0].addr, dopt__tcp_is_any(addr) ? master : addr, 16); /* where the others reach it */
     t->peers[0].port = port;
     if (cfg->on_listen) cfg->on_listen(cfg->on_listen_user, (int)port);
     for (;;) {
@@ -2299,29 +2492,27 @@ static dopt_status dopt__tcp_verdict(dopt_comm *c, int fd0, double deadline, dop
    1 .. k-1, accepts ranks k+1 .. n-1, then reports READY and waits for GO. Every wait also
    watches the connection to rank 0, which carries AGAIN when the rendezvous starts over and
    ends when rank 0 fails. */
-static dopt_status dopt__tcp_join(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg, const unsigned char master[4],
-                                  double deadline) {
-    struct sockaddr_in sa;
-    socklen_t len = sizeof sa;
-    unsigned char bind_addr[4], *table = NULL;
+static dopt_status dopt__tcp_join(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg, const unsigned char master[16],
+                                  uint32_t master_port, double deadline) {
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    unsigned char bind_addr[16], *table = NULL;
     size_t table_bytes = (size_t)t->size * DOPT__TCP_ENTRY_BYTES;
-    char who[64], where[32], what[128];
+    char who[32 + DOPT__TCP_ADDR_CHARS], where[DOPT__TCP_ADDR_CHARS], what[64 + sizeof who];
     int fd0 = -1, r;
     uint32_t port;
     dopt__tcp_hs h;
     dopt_status s;
-    dopt__tcp_addr_str(master, (uint32_t)cfg->master_port, where, sizeof where);
+    dopt__tcp_addr_str(master, master_port, where, sizeof where);
     snprintf(who, sizeof who, "rank 0 at %s", where);
-    s = dopt__tcp_connect(c, t, master, (uint32_t)cfg->master_port, deadline, -1, who, &fd0);
+    s = dopt__tcp_connect(c, t, master, master_port, deadline, -1, who, &fd0);
     if (s != DOPT_OK) return s;
     t->peers[0].fd = fd0;
     if (cfg->bind_addr) {
         s = dopt__tcp_resolve(c, cfg->bind_addr, bind_addr);
-    } else if (getsockname(fd0, (struct sockaddr *)&sa, &len) == 0) {
-        memcpy(bind_addr, &sa.sin_addr.s_addr, 4); /* the interface that reaches rank 0 */
-    } else {
+    } else if (getsockname(fd0, (struct sockaddr *)&ss, &len) < 0 || dopt__tcp_from_sockaddr(&ss, bind_addr, &port) < 0) {
         s = dopt__tcp_setup_fail(c, DOPT_ERR_IO, "getsockname: %s", strerror(errno));
-    }
+    } /* else the interface that reaches rank 0 */
     if (s == DOPT_OK) s = dopt__tcp_listen(c, t, bind_addr, 0, &t->lfd, &port);
     if (s == DOPT_OK) s = dopt__tcp_hello(c, t, fd0, 0, bind_addr, port, deadline, -1, who);
     snprintf(what, sizeof what, "the other ranks to join %s", who);
@@ -2373,9 +2564,12 @@ static void dopt__tcp_close_all(dopt__tcp *t) {
 
 /* Rank k > 0: joins until the job forms, again from the start each time rank 0 says AGAIN. */
 static dopt_status dopt__tcp_rendezvous_rank(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
-                                             const unsigned char master[4], double deadline) {
+                                             uint32_t master_port, double deadline) {
+    unsigned char master[16];
+    dopt_status s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", master);
+    if (s != DOPT_OK) return s;
     for (;;) {
-        dopt_status s = dopt__tcp_join(c, t, cfg, master, deadline);
+        s = dopt__tcp_join(c, t, cfg, master, master_port, deadline);
         if (s != DOPT__TCP_RESTART) return s;
         dopt__tcp_close_all(t);
         dopt_comm_log(c, DOPT_LOG_WARN,
@@ -2497,35 +2691,55 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
 /* Ranks whose rendezvous address is this rank's: on one host, as far as the table can tell. */
 static int dopt__tcp_local_ranks(const dopt__tcp *t) {
     int r, n = 0;
-    for (r = 0; r < t->size; r++) n += memcmp(t->peers[r].addr, t->peers[t->rank].addr, 4) == 0;
+    for (r = 0; r < t->size; r++) n += memcmp(t->peers[r].addr, t->peers[t->rank].addr, 16) == 0;
     return n;
+}
+
+/* master_addr and bind_addr as written (dopt__tcp_split_addr's forms); *port: rank 0's port, from
+   master_addr when it has one (master_port, when set too, must say the same), else master_port. */
+static dopt_status dopt__tcp_check_addrs(const dopt_tcp_config *cfg, int *port) {
+    char host[DOPT__TCP_HOST_MAX];
+    const char *why;
+    int attached;
+    *port = cfg->master_port;
+    if (cfg->master_addr) {
+        why = dopt__tcp_split_addr(cfg->master_addr, host, sizeof host, &attached);
+        if (why) return dopt__tcp_config_error(cfg, "master_addr \"%s\" %s", cfg->master_addr, why);
+        if (attached && cfg->master_port && attached != cfg->master_port)
+            return dopt__tcp_config_error(cfg, "master_addr \"%s\" names port %d but master_port is %d",
+                                          cfg->master_addr, attached, cfg->master_port);
+        if (attached) *port = attached;
+    }
+    if (cfg->bind_addr) {
+        why = dopt__tcp_split_addr(cfg->bind_addr, host, sizeof host, &attached);
+        if (why == NULL && attached) why = "has a port (rank 0 listens on master_port, the others on a free one)";
+        if (why) return dopt__tcp_config_error(cfg, "bind_addr \"%s\" %s", cfg->bind_addr, why);
+    }
+    return DOPT_OK;
 }
 
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg) {
     dopt_comm *c = NULL;
     dopt__tcp *t;
-    unsigned char master[4], bind_addr[4];
     double deadline;
     dopt_status s;
+    int port;
     if (out == NULL) return dopt__tcp_config_error(cfg, "NULL out");
     *out = NULL;
     s = dopt__tcp_new(&c, cfg);
+    if (s == DOPT_OK && (s = dopt__tcp_check_addrs(cfg, &port)) != DOPT_OK) dopt_comm_destroy(c);
     if (s != DOPT_OK) return s;
     t = (dopt__tcp *)c->impl;
     t->setup_start = dopt__tcp_now_ms();
     t->next_report = t->setup_start + t->report_ms;
     deadline = t->setup_start + (double)t->rdv_timeout_ms;
     if (t->size > 1) {
-        if (cfg->rank != 0 && cfg->master_port == 0)
+        if (cfg->rank != 0 && port == 0)
             s = dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "master_port is needed on every rank but 0");
-        if (s == DOPT_OK) s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", master);
-        if (s == DOPT_OK && t->rank == 0) {
-            if (cfg->bind_addr == NULL) memcpy(bind_addr, master, 4);
-            else s = dopt__tcp_resolve(c, cfg->bind_addr, bind_addr);
-            if (s == DOPT_OK) s = dopt__tcp_rendezvous_root(c, t, cfg, bind_addr, master, deadline);
-        } else if (s == DOPT_OK) {
-            s = dopt__tcp_rendezvous_rank(c, t, cfg, master, deadline);
-        }
+        else if (t->rank == 0)
+            s = dopt__tcp_rendezvous_root(c, t, cfg, (uint32_t)port, deadline);
+        else
+            s = dopt__tcp_rendezvous_rank(c, t, cfg, (uint32_t)port, deadline);
     }
     if (s != DOPT_OK) {
         dopt_comm_log(c, DOPT_LOG_ERROR, "%s", c->detail); /* the one line that says why */
@@ -2564,6 +2778,24 @@ static int dopt__tcp_env_int(const dopt_tcp_config *cfg, const char *name, long 
     return found;
 }
 
+/* DOPT_MASTER_ADDR may carry rank 0's port ("host:29500", "[fd00::1]:29500"): it then stands for
+   DOPT_MASTER_PORT, which, when set too, must say the same. -1 when it does not parse or agree
+   (said through cfg->log_fn). */
+static int dopt__tcp_env_master_port(const dopt_tcp_config *cfg, int *port, int *has_port) {
+    char host[DOPT__TCP_HOST_MAX];
+    const char *text = getenv("DOPT_MASTER_ADDR"), *why;
+    int attached;
+    if (text == NULL || *text == '\0') return 0;
+    why = dopt__tcp_split_addr(text, host, sizeof host, &attached);
+    if (why) return dopt__tcp_env_error(cfg, "DOPT_MASTER_ADDR=\"%s\" %s", text, why), -1;
+    if (attached && *has_port && attached != *port)
+        return dopt__tcp_env_error(cfg, "DOPT_MASTER_ADDR=\"%s\" names port %d but DOPT_MASTER_PORT=%d", text,
+                                   attached, *port),
+               -1;
+    if (attached) *port = attached, *has_port = 1;
+    return 0;
+}
+
 DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
     dopt_tcp_config env;
     const char *s;
@@ -2584,6 +2816,7 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
             cfg, "DOPT_WORLD_SIZE is not set (every rank needs it; or start the job with a launcher that sets it)");
     if (env.rank >= env.world_size)
         return dopt__tcp_env_error(cfg, "DOPT_RANK=%d is not below DOPT_WORLD_SIZE=%d", env.rank, env.world_size);
+    if (dopt__tcp_env_master_port(cfg, &env.master_port, &has_port) < 0) return DOPT_ERR_INVALID;
     if (!has_port) env.master_port = 0;
     if (!has_port && env.world_size > 1 && env.rank > 0)
         return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: rank %d needs rank 0's port", env.rank);

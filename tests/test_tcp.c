@@ -25,6 +25,9 @@ typedef struct tcp_world {
     int port_copies;   /* how many readers rank 0's port is written for */
     int gated;         /* ranks 1.. read the port from the gate, which a stranger opens */
     const char *token;
+    const char *master_addr; /* every rank's; NULL: the default */
+    int port_in_addr;  /* ranks 1.. are told rank 0's port in master_addr ("[::1]:PORT"), not master_port */
+    char addr_text[DOPT__TCP_HOST_MAX + 8];
     int port_pipe[2];
     int gate_pipe[2];
 } tcp_world;
@@ -50,13 +53,23 @@ static void world_config(tcp_world *w, int rank, dopt_tcp_config *cfg) {
     cfg->world_size = w->n;
     cfg->timeout_ms = w->timeout_ms;
     cfg->token = w->token;
+    cfg->master_addr = w->master_addr;
     if (rank == 0) {
         cfg->on_listen = world_on_listen;
         cfg->on_listen_user = w;
     } else if (w->n > 1) {
         cfg->master_port = dtest_read_int(w->gated ? w->gate_pipe[0] : w->port_pipe[0], "rank 0's port");
     }
+    if (rank > 0 && w->port_in_addr) {
+        snprintf(w->addr_text, sizeof w->addr_text, strchr(w->master_addr, ':') ? "[%s]:%d" : "%s:%d",
+                 w->master_addr, cfg->master_port);
+        cfg->master_addr = w->addr_text;
+        cfg->master_port = rank == 2 ? cfg->master_port : 0; /* rank 2 says it twice, the same */
+    }
 }
+
+/* The address rank r listens on, as rank c->rank's peer table has it. */
+static const unsigned char *table_addr(dopt_comm *c, int r) { return ((dopt__tcp *)c->impl)->peers[r].addr; }
 
 static dopt_comm *world_join(tcp_world *w, int rank) {
     dopt_tcp_config cfg;
@@ -628,14 +641,14 @@ static void crashing_joiner(watched_world *ww) {
     h.type = DOPT__TCP_HELLO;
     h.world = (uint32_t)ww->w.n;
     h.rank = 1;
-    memcpy(h.addr, &sa.sin_addr.s_addr, 4);
+    dopt__tcp_set_v4(h.addr, &sa.sin_addr.s_addr);
     h.port = ntohs(sa.sin_port);
     memcpy(h.token, ww->w.token, strlen(ww->w.token));
     dopt__tcp_hs_encode(rec, &h);
     DT_CHECK(write(fd, rec, sizeof rec) == (ssize_t)sizeof rec);
-    DT_CHECK(read_exactly(fd, rec, sizeof rec) == 0 && rec[6] == DOPT__TCP_ACCEPT);
+    DT_CHECK(read_exactly(fd, rec, sizeof rec) == 0 && rec[5] == DOPT__TCP_ACCEPT);
     DT_CHECK(read_exactly(fd, welcome, DOPT__TCP_HS_BYTES + (size_t)ww->w.n * DOPT__TCP_ENTRY_BYTES) == 0);
-    DT_CHECK(welcome[6] == DOPT__TCP_WELCOME);
+    DT_CHECK(welcome[5] == DOPT__TCP_WELCOME);
     close(fd); /* the crash */
     close(lfd);
     wait_for_line(ww->log_pipe[0], "W rank 0: rank 1 (from 127.0.0.1:", line, sizeof line);
@@ -769,11 +782,239 @@ DTEST(bind_addresses_reach_the_peers_through_the_table) {
     world_run(&w, bind_rank, 0);
 }
 
+/* ------------------------------------------------------------------ IPv6 and the forms of an address */
+
+static const unsigned char ipv6_loopback[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+
+/* Every rank reaches rank 0 at ::1 and listens there (the address of its connection to rank 0):
+   every entry of every peer table is ::1, every connection an IPv6 socket, and the collectives
+   run over them. */
+static void ipv6_rank(int rank, void *arg) {
+    tcp_world *w = (tcp_world *)arg;
+    dopt_comm *c = world_join(w, rank);
+    int r;
+    for (r = 0; r < c->size; r++) {
+        struct sockaddr_storage ss;
+        socklen_t len = sizeof ss;
+        DT_CHECKF(memcmp(table_addr(c, r), ipv6_loopback, 16) == 0, "rank %d's entry for rank %d", rank, r);
+        if (r == rank) continue;
+        DT_CHECK(getsockname(((dopt__tcp *)c->impl)->peers[r].fd, (struct sockaddr *)&ss, &len) == 0);
+        DT_EQ_INT(ss.ss_family, AF_INET6);
+    }
+    DT_EQ_INT(c->local_ranks, c->size);
+    if (w->port_in_addr)
+        sum_of_ones(c);
+    else
+        conformance_run(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(world_over_ipv6_loopback) {
+    tcp_world w;
+    world_init(&w, 3, 20000);
+    w.master_addr = "::1";
+    world_run(&w, ipv6_rank, 0);
+}
+
+/* Ranks 1 and 2 are told "[::1]:PORT" (rank 2 also master_port = PORT, which agrees). */
+DTEST(world_over_ipv6_with_the_port_in_master_addr) {
+    tcp_world w;
+    world_init(&w, 3, 20000);
+    w.master_addr = "::1";
+    w.port_in_addr = 1;
+    world_run(&w, ipv6_rank, 0);
+}
+
+DTEST(address_text_splits_into_host_and_port) {
+    static const struct {
+        const char *text, *host;
+        int port;
+    } good[] = {{"myhost", "myhost", 0},           {"myhost:29500", "myhost", 29500},
+                {"1.2.3.4", "1.2.3.4", 0},         {"1.2.3.4:29500", "1.2.3.4", 29500},
+                {"fd00::1", "fd00::1", 0},         {"::1", "::1", 0},
+                {"[fd00::1]", "fd00::1", 0},       {"[fd00::1]:29500", "fd00::1", 29500},
+                {"[::ffff:1.2.3.4]:1", "::ffff:1.2.3.4", 1}, {"h:65535", "h", 65535}};
+    static const char *bad[] = {"",          ":29500",    "host:",          "host:0",      "host:65536",
+                                "host:29x",  "[fd00::1",  "[fd00::1]29500", "[fd00::1]:", "[]:29500",
+                                "[::1]:-1"};
+    char host[DOPT__TCP_HOST_MAX], longer[DOPT__TCP_HOST_MAX + 1];
+    size_t i;
+    int port;
+    for (i = 0; i < sizeof good / sizeof good[0]; i++) {
+        const char *why = dopt__tcp_split_addr(good[i].text, host, sizeof host, &port);
+        DT_CHECKF(why == NULL && strcmp(host, good[i].host) == 0 && port == good[i].port, "\"%s\": %s, \"%s\", %d",
+                  good[i].text, why ? why : "ok", host, port);
+    }
+    for (i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        DT_CHECKF(dopt__tcp_split_addr(bad[i], host, sizeof host, &port) != NULL, "\"%s\" accepted", bad[i]);
+    memset(longer, 'a', sizeof longer - 1);
+    longer[sizeof longer - 1] = '\0';
+    DT_CHECK(dopt__tcp_split_addr(longer, host, sizeof host, &port) != NULL);
+}
+
+DTEST(addresses_print_as_ipv4_or_bracketed_ipv6) {
+    static const unsigned char v4[4] = {192, 0, 2, 1};
+    static const unsigned char fd00_1[16] = {0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    unsigned char a[16];
+    char text[DOPT__TCP_ADDR_CHARS];
+    dopt__tcp_set_v4(a, v4);
+    dopt__tcp_addr_str(a, 29500, text, sizeof text);
+    DT_CHECKF(strcmp(text, "192.0.2.1:29500") == 0, "%s", text);
+    dopt__tcp_addr_str(fd00_1, 29500, text, sizeof text);
+    DT_CHECKF(strcmp(text, "[fd00::1]:29500") == 0, "%s", text);
+    memset(a, 0xff, sizeof a);
+    dopt__tcp_addr_str(a, 65535, text, sizeof text);
+    DT_CHECKF(strcmp(text, "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535") == 0, "%s", text);
+}
+
+/* A world of 1 opens no socket, but its addresses are checked as written all the same. */
+DTEST(port_in_master_addr_and_another_master_port_are_refused_naming_both) {
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    all_log log;
+    memset(&cfg, 0, sizeof cfg);
+    memset(&log, 0, sizeof log);
+    cfg.world_size = 1;
+    cfg.log_fn = collect_log;
+    cfg.log_user = &log;
+    cfg.master_addr = "[::1]:4000";
+    cfg.master_port = 4001;
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECK(c == NULL);
+    DT_CHECKF(strcmp(log.text, "E tcp: invalid configuration: master_addr \"[::1]:4000\" names port 4000 but "
+                               "master_port is 4001\n") == 0,
+              "%s", log.text);
+    cfg.master_port = 4000; /* the same port twice is fine */
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    dopt_comm_destroy(c);
+    memset(&log, 0, sizeof log);
+    cfg.master_addr = "myhost:4000x";
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "master_addr \"myhost:4000x\" has a port that is not a number in 1..65535"), "%s",
+              log.text);
+    memset(&log, 0, sizeof log);
+    cfg.master_addr = NULL;
+    cfg.bind_addr = "[::1]:5";
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "bind_addr \"[::1]:5\" has a port"), "%s", log.text);
+    cfg.bind_addr = "[::1]";
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    dopt_comm_destroy(c);
+}
+
+/* The HELLO of a rank of protocol version 2 (its 16-bit version at 4, type at 6, IPv4 address at
+   16, port at 20, token at 32). */
+static void v2_record(unsigned char *rec, int type, int world, int rank, int port, const char *token) {
+    memset(rec, 0, DOPT__TCP_HS_BYTES);
+    memcpy(rec, "DOPT", 4);
+    dopt__put_le16(rec + 4, 2);
+    dopt__put_le16(rec + 6, (uint32_t)type);
+    dopt__put_le32(rec + 8, (uint32_t)world);
+    dopt__put_le32(rec + 12, (uint32_t)rank);
+    rec[16] = 127;
+    rec[19] = 1;
+    dopt__put_le16(rec + 20, (uint32_t)port);
+    if (token) memcpy(rec + 32, token, strlen(token));
+}
+
+/* A rank of the previous release (version 2) claims rank 1: rank 0 refuses it at once, in a record
+   that release reads as "different protocol version" (reason 5 at 22), says so in its log, and the
+   real rank 1 then joins. */
+static void old_joiner_rank(int rank, void *arg) {
+    watched_world *ww = (watched_world *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    if (rank == 2) {
+        unsigned char rec[DOPT__TCP_HS_BYTES];
+        char line[DOPT_DETAIL_MAX + 8];
+        int port = dtest_read_int(ww->w.port_pipe[0], "rank 0's port"), fd = connect_loopback(port);
+        v2_record(rec, DOPT__TCP_HELLO, 2, 1, 40000, ww->w.token);
+        DT_CHECK(write(fd, rec, sizeof rec) == (ssize_t)sizeof rec);
+        DT_CHECK(read_exactly(fd, rec, sizeof rec) == 0);
+        DT_CHECK(memcmp(rec, "DOPT", 4) == 0);
+        DT_EQ_INT(dopt__get_le16(rec + 4), 2);
+        DT_EQ_INT(dopt__get_le16(rec + 6), DOPT__TCP_REFUSE);
+        DT_EQ_INT(dopt__get_le32(rec + 8), 2);
+        DT_EQ_INT(dopt__get_le16(rec + 22), DOPT__TCP_WRONG_VERSION);
+        expect_closed(fd);
+        wait_for_line(ww->log_pipe[0], "W rank 0: refused a connection from 127.0.0.1:", line, sizeof line);
+        DT_CHECKF(strstr(line, ": protocol version 2, this rank's 3"), "%s", line);
+        dtest_write_int(ww->w.gate_pipe[1], port);
+        return;
+    }
+    watched_config(ww, rank, &cfg);
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    sum_of_ones(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(joiner_of_protocol_version_2_is_refused_in_its_own_layout) {
+    watched_world ww;
+    watched_init(&ww, 2);
+    ww.w.gated = 1; /* the real rank 1 starts once the old one was refused */
+    ww.w.port_copies = 1;
+    DT_EQ_INT(dtest_spawn(3, old_joiner_rank, &ww, 60), 0);
+}
+
+/* Rank 0 of the previous release: it reads this rank's HELLO as another version (its 16-bit
+   version field is not 2) and answers as that release does. This rank fails at once with
+   PROTOCOL naming both versions, long before its rendezvous bound. */
+static void old_rank_0(int rank, void *arg) {
+    int *pipe_fds = (int *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    all_log log;
+    char want[128];
+    int port;
+    if (rank == 0) {
+        struct sockaddr_in sa;
+        socklen_t len = sizeof sa;
+        unsigned char rec[DOPT__TCP_HS_BYTES];
+        int lfd = socket(AF_INET, SOCK_STREAM, 0), fd;
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        DT_CHECK(bind(lfd, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(lfd, 4) == 0);
+        DT_CHECK(getsockname(lfd, (struct sockaddr *)&sa, &len) == 0);
+        dtest_write_int(pipe_fds[1], ntohs(sa.sin_port));
+        fd = accept(lfd, NULL, NULL);
+        DT_CHECK(fd >= 0 && read_exactly(fd, rec, sizeof rec) == 0);
+        DT_CHECK(memcmp(rec, "DOPT", 4) == 0 && dopt__get_le16(rec + 4) != 2);
+        v2_record(rec, DOPT__TCP_REFUSE, 2, 0, 0, NULL);
+        memset(rec + 16, 0, 8);
+        dopt__put_le16(rec + 22, DOPT__TCP_WRONG_VERSION);
+        DT_CHECK(write(fd, rec, sizeof rec) == (ssize_t)sizeof rec);
+        expect_closed(fd);
+        close(lfd);
+        return;
+    }
+    port = dtest_read_int(pipe_fds[0], "the old rank 0's port");
+    memset(&cfg, 0, sizeof cfg);
+    memset(&log, 0, sizeof log);
+    cfg.rank = 1;
+    cfg.world_size = 2;
+    cfg.master_port = port;
+    cfg.rendezvous_timeout_ms = 600000;
+    cfg.log_fn = collect_log;
+    cfg.log_user = &log;
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_PROTOCOL);
+    snprintf(want, sizeof want, "E rank 1: setup: rank 0 at 127.0.0.1:%d speaks protocol version 2, this rank version 3",
+             port);
+    DT_CHECKF(strncmp(log.text, want, strlen(want)) == 0 && log.errors == 1, "%s", log.text);
+}
+
+DTEST(rank_0_of_protocol_version_2_is_named_at_once) {
+    int pipe_fds[2];
+    DT_CHECK(pipe(pipe_fds) == 0);
+    DT_EQ_INT(dtest_spawn(2, old_rank_0, pipe_fds, 60), 0);
+}
+
 /* Every rank from the environment, with a base config for what the environment does not say
    (the log, a rendezvous bound); DOPT_TIMEOUT_MS wins over the base's timeout. All ranks share
-   one address: each is told it has 3 ranks on its host. */
+   one address: each is told it has 3 ranks on its host. Rank 1 is told rank 0's port in
+   DOPT_MASTER_ADDR instead of DOPT_MASTER_PORT. */
 static void env_rank(int rank, void *arg) {
-    char text[16];
+    char text[32];
     dopt_tcp_config base;
     dopt_comm *c = NULL;
     all_log log;
@@ -784,6 +1025,11 @@ static void env_rank(int rank, void *arg) {
     setenv("DOPT_MASTER_ADDR", "127.0.0.1", 1);
     snprintf(text, sizeof text, "%d", *(int *)arg);
     setenv("DOPT_MASTER_PORT", text, 1);
+    if (rank == 1) {
+        snprintf(text, sizeof text, "127.0.0.1:%d", *(int *)arg);
+        setenv("DOPT_MASTER_ADDR", text, 1);
+        unsetenv("DOPT_MASTER_PORT");
+    }
     setenv("DOPT_TIMEOUT_MS", "20000", 1);
     setenv("DOPT_TOKEN", "env-job", 1);
     memset(&base, 0, sizeof base);
@@ -864,6 +1110,16 @@ DTEST(config_from_env_names_the_variable_its_value_and_the_rule) {
     unsetenv("DOPT_RENDEZVOUS_TIMEOUT_MS");
     setenv("DOPT_TOKEN", "0123456789012345678901234567890123456789012345678901234567890123456789", 1);
     expect_env_error("DOPT_TOKEN is 70 bytes long, more than 64");
+    unsetenv("DOPT_TOKEN");
+    setenv("DOPT_MASTER_ADDR", "[::1]:4001", 1);
+    expect_env_error("DOPT_MASTER_ADDR=\"[::1]:4001\" names port 4001 but DOPT_MASTER_PORT=4000");
+    setenv("DOPT_MASTER_ADDR", "[::1", 1);
+    expect_env_error("DOPT_MASTER_ADDR=\"[::1\" has a '[' without its ']'");
+    setenv("DOPT_MASTER_ADDR", "myhost:port", 1);
+    expect_env_error("DOPT_MASTER_ADDR=\"myhost:port\" has a port that is not a number in 1..65535");
+    unsetenv("DOPT_MASTER_PORT");
+    setenv("DOPT_MASTER_ADDR", "fd00::1", 1); /* a bare IPv6 address has no port */
+    expect_env_error("DOPT_MASTER_PORT is not set: rank 1 needs rank 0's port");
 }
 
 /* What the environment does not set stays as the caller set it (the timeouts included); what it
@@ -896,6 +1152,15 @@ DTEST(config_from_env_keeps_what_the_environment_does_not_set) {
     setenv("DOPT_RENDEZVOUS_TIMEOUT_MS", "6000", 1);
     DT_OK(dopt_tcp_config_from_env(&cfg));
     DT_CHECK(cfg.timeout_ms == 5000 && cfg.rendezvous_timeout_ms == 6000);
+    /* rank 0's port in DOPT_MASTER_ADDR stands for DOPT_MASTER_PORT, and may repeat it */
+    unsetenv("DOPT_MASTER_PORT");
+    setenv("DOPT_MASTER_ADDR", "[fd00::1]:4100", 1);
+    DT_OK(dopt_tcp_config_from_env(&cfg));
+    DT_CHECK(cfg.master_port == 4100 && cfg.master_addr && strcmp(cfg.master_addr, "[fd00::1]:4100") == 0);
+    setenv("DOPT_MASTER_PORT", "4100", 1);
+    setenv("DOPT_MASTER_ADDR", "myhost:4100", 1);
+    DT_OK(dopt_tcp_config_from_env(&cfg));
+    DT_CHECK(cfg.master_port == 4100);
     clear_env();
 }
 
@@ -1041,42 +1306,80 @@ DTEST(frame_one_sequence_ahead_is_a_mismatch_naming_both_sides) {
     dopt_comm_destroy(c);
 }
 
-DTEST(handshake_decoder_refuses_malformed_records) {
-    unsigned char rec[DOPT__TCP_HS_BYTES], addr[4];
+/* The layout of the manual's WIRE FORMAT, byte by byte: a HELLO from [fd00::1]:5555 and a
+   refusal, then records that must be refused. */
+DTEST(handshake_records_have_the_documented_layout) {
+    static const unsigned char fd00_1[16] = {0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    unsigned char rec[DOPT__TCP_HS_BYTES];
     dopt__tcp_hs h, g;
-    uint32_t port;
     memset(&h, 0, sizeof h);
     h.version = DOPT_TCP_PROTOCOL_VERSION;
     h.type = DOPT__TCP_HELLO;
     h.world = 4;
     h.rank = 3;
     h.port = 5555;
+    memcpy(h.addr, fd00_1, 16);
     memcpy(h.token, "secret", 6);
     dopt__tcp_hs_encode(rec, &h);
+    DT_EQ_INT(DOPT_TCP_PROTOCOL_VERSION, 3);
+    DT_CHECK(memcmp(rec, "DOPT", 4) == 0 && rec[4] == 3 && rec[5] == DOPT__TCP_HELLO);
+    DT_CHECK(rec[6] == (5555 & 0xff) && rec[7] == 5555 >> 8 && rec[8] == 4 && rec[12] == 3);
+    DT_CHECK(memcmp(rec + 16, fd00_1, 16) == 0 && memcmp(rec + 32, "secret", 7) == 0);
+    DT_CHECK(dopt__get_le16(rec + 4) != 2); /* what a rank of version 2 reads: another version */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) == NULL && g.rank == 3 && g.port == 5555 &&
-             dopt__tcp_token_equal(g.token, h.token));
+             memcmp(g.addr, fd00_1, 16) == 0 && dopt__tcp_token_equal(g.token, h.token));
+    /* a refusal: its reason and the rank it is about where a token would be */
+    h.type = DOPT__TCP_REFUSE;
+    h.reason = DOPT__TCP_DUPLICATE_RANK;
+    h.subject = 2;
+    dopt__tcp_hs_encode(rec, &h);
+    DT_CHECK(rec[32] == DOPT__TCP_DUPLICATE_RANK && rec[33] == 0 && rec[36] == 2 && rec[38] == 0);
+    DT_CHECK(dopt__tcp_all_zero(rec + 40, DOPT__TCP_HS_BYTES - 40));
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) == NULL && g.reason == DOPT__TCP_DUPLICATE_RANK && g.subject == 2);
+    rec[36] = 4; /* about rank 4 of 4 */
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
+    rec[36] = 2;
+    rec[50] = 1; /* reserved */
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
+    rec[50] = 0;
+    rec[32] = 0; /* a refusal without a reason */
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
+    rec[32] = 99;
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
+    rec[32] = DOPT__TCP_DUPLICATE_RANK;
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) == NULL);
     rec[12] = 4; /* rank 4 of 4 */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
     rec[12] = 3;
+    rec[5] = 9; /* unknown type */
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
+    rec[5] = DOPT__TCP_HELLO;
     rec[4] = 7; /* another version: reported, and the version is kept for the answer */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL && g.version == 7);
     rec[4] = DOPT_TCP_PROTOCOL_VERSION;
-    rec[22] = 1; /* a refusal reason on a HELLO */
-    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
-    rec[22] = 0;
-    rec[30] = 1;
-    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
-    rec[30] = 0;
     rec[8] = rec[9] = rec[10] = rec[11] = 0; /* world of 0 */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
     memset(rec, 0, 8);
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
-    memset(rec, 0, sizeof rec);
-    rec[4] = 0x39;
-    rec[5] = 0x30; /* port 12345 */
-    DT_CHECK(dopt__tcp_entry_decode(rec, addr, &port) == NULL && port == 12345);
-    rec[7] = 1;
-    DT_CHECK(dopt__tcp_entry_decode(rec, addr, &port) != NULL);
+}
+
+DTEST(peer_table_entries_are_20_bytes_address_port_reserved) {
+    unsigned char e[DOPT__TCP_ENTRY_BYTES], addr[16];
+    uint32_t port;
+    DT_EQ_INT(DOPT__TCP_ENTRY_BYTES, 20);
+    memset(e, 0, sizeof e);
+    e[10] = e[11] = 0xff;
+    e[12] = 10;
+    e[15] = 7; /* ::ffff:10.0.0.7 */
+    e[16] = 0x39;
+    e[17] = 0x30; /* port 12345 */
+    DT_CHECK(dopt__tcp_entry_decode(e, addr, &port) == NULL && port == 12345 && memcmp(addr, e, 16) == 0);
+    DT_CHECK(dopt__tcp_is_v4(addr) && addr[12] == 10 && addr[15] == 7);
+    e[19] = 1;
+    DT_CHECK(dopt__tcp_entry_decode(e, addr, &port) != NULL);
+    e[19] = 0;
+    e[16] = e[17] = 0;
+    DT_CHECK(dopt__tcp_entry_decode(e, addr, &port) != NULL);
 }
 
 DTEST(ring_segments_tile_counts_beyond_2_pow_32) {
