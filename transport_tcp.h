@@ -44,23 +44,8 @@
        DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 ./train
 
    Across machines, give every rank DOPT_MASTER_ADDR=<rank 0's address>; each rank listens for
-   its peers on the address of the interface that reached rank 0 (or DOPT_BIND_ADDR).
-
-   ADDRESSES
-
-   IPv4 and IPv6 alike. master_addr (DOPT_MASTER_ADDR) is a host name, an IPv4 or an IPv6
-   address, optionally with rank 0's port attached: "node7", "node7:29500", "10.0.0.1",
-   "10.0.0.1:29500", "fd00::1", "[fd00::1]", "[fd00::1]:29500" (an IPv6 address without
-   brackets has no port). An attached port stands for master_port; both set and different is an
-   error naming both. bind_addr (DOPT_BIND_ADDR) takes the same forms without a port; "0.0.0.0"
-   and "::" listen on every address of that family (the others then reach the rank at the
-   address its connection to rank 0 came from). A name is resolved with getaddrinfo, either
-   family, and its first address is used, in the order the resolver gives (RFC 6724's, which
-   puts destinations this host cannot reach last; /etc/gai.conf changes it); write an address to
-   choose another. Link-local IPv6 addresses (fe80::/10) are refused: they need an interface
-   scope the other ranks cannot be told. Each socket is made of its address's family (AF_INET or
-   AF_INET6, never a dual-stack socket), so an IPv4 job runs on hosts booted with IPv6 disabled.
-   Messages print addresses as 10.0.0.1:29500 or [fd00::1]:29500.
+   its peers on the address of the interface that reached rank 0, or on the interface that
+   DOPT_SOCKET_IFNAME names (DOPT_SOCKET_IFNAME=eth0), or on DOPT_BIND_ADDR.
 
    CONFIGURATION (dopt_tcp_config; zero means the default)
 
@@ -74,7 +59,12 @@
    |                       | ranks must be given the real port (here or in master_addr)| error              |
    | bind_addr             | where this rank listens (rank 0: for everyone; others:    | rank 0: master_addr|
    |                       | for the ranks above it): name, IPv4 or IPv6 address.      | others: the local  |
-   |                       | "0.0.0.0" or "::" listens on every address of its family  | address toward 0   |
+   |                       | "0.0.0.0" or "::" listens on every address of its family  | address toward 0;  |
+   |                       |                                                           | socket_ifname's if |
+   |                       |                                                           | set (INTERFACES)   |
+   | socket_ifname         | the interface(s) to take this rank's address from:        | as bind_addr says  |
+   |                       | "eth" (prefixes), "=eth1" (exact), "^lo,docker" (all but) |                    |
+   |                       | (INTERFACES); bind_addr, when set, wins                   |                    |
    | timeout_ms            | bound on every wait of a collective: it fails when        | 300000 (300 s)     |
    |                       | nothing moved for this long                               |                    |
    | rendezvous_timeout_ms | bound on the whole rendezvous (create), the retries to    | 600000 (10 min)    |
@@ -109,11 +99,13 @@
    | DOPT_RENDEZVOUS_TIMEOUT_MS | rendezvous_timeout_ms | no (the config's, else 600000)     |
    | DOPT_TOKEN                 | token                 | no ("")                            |
    | DOPT_BIND_ADDR             | bind_addr             | no                                 |
+   | DOPT_SOCKET_IFNAME         | socket_ifname         | no                                 |
 
    The variables that describe the job (rank, world size, where rank 0 is, the token, where to
-   listen) come from the environment alone, unset ones meaning the default; the timeouts only
-   when set. Every other field is the caller's. A value that does not fit is refused with one
-   DOPT_LOG_ERROR line through the config's log_fn naming the variable, its value and the rule:
+   listen, on which interface) come from the environment alone, unset ones meaning the default;
+   the timeouts only when set. Every other field is the caller's. A value that does not fit is
+   refused with one DOPT_LOG_ERROR line through the config's log_fn naming the variable, its
+   value and the rule:
        DOPT_WORLD_SIZE="abc" is not a number
        DOPT_RANK=2 is not below DOPT_WORLD_SIZE=2
        DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it)
@@ -121,6 +113,42 @@
        DOPT_MASTER_PORT=70000 is above 65535
        DOPT_MASTER_ADDR="[fd00::1]:29500" names port 29500 but DOPT_MASTER_PORT=29501
        DOPT_TOKEN is 70 bytes long, more than 64
+
+   ADDRESSES
+
+   IPv4 and IPv6 alike. master_addr (DOPT_MASTER_ADDR) is a host name, an IPv4 or an IPv6
+   address, optionally with rank 0's port attached: "node7", "node7:29500", "10.0.0.1",
+   "10.0.0.1:29500", "fd00::1", "[fd00::1]", "[fd00::1]:29500" (an IPv6 address without
+   brackets has no port). An attached port stands for master_port; both set and different is an
+   error naming both. bind_addr (DOPT_BIND_ADDR) takes the same forms without a port; "0.0.0.0"
+   and "::" listen on every address of that family (the others then reach the rank at the
+   address its connection to rank 0 came from). A name is resolved with getaddrinfo, either
+   family, and its first address is used, in the order the resolver gives (RFC 6724's, which
+   puts destinations this host cannot reach last; /etc/gai.conf changes it); write an address to
+   choose another. Link-local IPv6 addresses (fe80::/10) are refused: they need an interface
+   scope the other ranks cannot be told. Each socket is made of its address's family (AF_INET or
+   AF_INET6, never a dual-stack socket), so an IPv4 job runs on hosts booted with IPv6 disabled.
+   Messages print addresses as 10.0.0.1:29500 or [fd00::1]:29500.
+
+   INTERFACES
+
+   socket_ifname (DOPT_SOCKET_IFNAME) chooses the network interface whose address a rank listens
+   on and is reached at, with NCCL_SOCKET_IFNAME's rule: a comma-separated list of interface
+   name prefixes ("eth" is eth0, eth1, ...; "eth,ib"), exact names after a leading "="
+   ("=eth1"), every interface but those after a leading "^" ("^lo,docker"; "^=" for exact
+   names). Of the interfaces it matches, the first in the system's order (getifaddrs'; on Linux
+   `ip link`'s) that is up with an IPv4 or IPv6 address (link-local IPv6 aside) is chosen. On
+   an interface with both, its IPv4 address is chosen unless the master address is IPv6 (then
+   its IPv6 one): the job keeps to one family where it can. Where each rank listens:
+   - rank 0: bind_addr if set; else master_addr if set; else socket_ifname's address if set
+     (IPv4 first); else 127.0.0.1. A wildcard bind_addr ("0.0.0.0", "::") listens everywhere
+     and is told to the others as socket_ifname's address if set, else as master_addr.
+   - the others: bind_addr if set; else socket_ifname's address if set; else the local address
+     of their connection to rank 0 (the interface that reached it).
+   So bind_addr, set explicitly, wins over socket_ifname. A socket_ifname that matches no such
+   interface is DOPT_ERR_INVALID naming the interfaces there are and their addresses:
+       rank 1: setup: socket_ifname "=eth9" matches no interface that is up with an IPv4 or
+         IPv6 address; this host has lo 127.0.0.1 ::1, eth0 10.0.0.2 fd00::2, docker0 (down)
 
    FUNCTIONS
 
@@ -201,8 +229,9 @@
      DOPT_ERR_INVALID    a bad configuration ("tcp: invalid configuration: rank 2 is outside
                          0..1", no master_port on a rank other than 0, token too long, an
                          address that does not parse or resolve, "master_addr \"[::1]:29500\"
-                         names port 29500 but master_port is 29501", or the environment:
-                         ENVIRONMENT), or rank 0
+                         names port 29500 but master_port is 29501", a socket_ifname that
+                         matches no interface (naming those there are: INTERFACES), or the
+                         environment: ENVIRONMENT), or rank 0
                          refused this rank: "rank 1 is already taken by 127.0.0.1:41230", it
                          does not admit that rank, or the world sizes differ.
      DOPT_ERR_AUTH       rank 0 (or a peer) refused this rank's token, or a peer answered with
@@ -390,6 +419,9 @@ typedef struct dopt_tcp_config {
     int master_port;           /* rank 0's rendezvous port; 0 on rank 0: any free port (on_listen) */
     const char *bind_addr;     /* where this rank listens (a name, IPv4 or IPv6 address); NULL: rank 0
                                   master_addr, others the local address of their connection to rank 0 */
+    const char *socket_ifname; /* the interface whose address this rank listens on and is reached at:
+                                  "eth" (prefixes), "=eth1" (names), "^lo,docker" (all but); NULL: as
+                                  bind_addr says (INTERFACES) */
     int timeout_ms;            /* bound on every wait, rendezvous included; 0: 300000 */
     const char *token;         /* job token, at most DOPT_TCP_TOKEN_MAX bytes; NULL: "" */
     int socket_buffer_bytes;   /* SO_SNDBUF and SO_RCVBUF; 0: the kernel's autotuning */
@@ -425,7 +457,9 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <limits.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -695,6 +729,103 @@ static const char *dopt__tcp_split_addr(const char *text, char *host, size_t cap
         *port = (int)v;
     }
     return NULL;
+}
+
+/* ===================================================================== INTERFACES (socket_ifname) */
+
+/* 1 when socket_ifname's list chooses interface `name`. NCCL_SOCKET_IFNAME's rule: a
+   comma-separated list of name prefixes ("eth": eth0, eth1, ...); a leading "=" makes them exact
+   names; a leading "^" chooses every interface but those ("^=" for exact names). */
+static int dopt__tcp_ifname_match(const char *spec, const char *name) {
+    int exclude = 0, exact = 0, hit = 0;
+    if (*spec == '^') exclude = 1, spec++;
+    if (*spec == '=') exact = 1, spec++;
+    while (*spec && !hit) {
+        size_t len = strcspn(spec, ",");
+        if (len > 0 && strncmp(name, spec, len) == 0) hit = !exact || name[len] == '\0';
+        spec += len + (spec[len] == ',');
+    }
+    return hit != exclude;
+}
+
+/* 1 when the list names at least one interface or prefix ("", "^", "=," name none). */
+static int dopt__tcp_ifname_valid(const char *spec) {
+    if (*spec == '^') spec++;
+    if (*spec == '=') spec++;
+    return spec[strspn(spec, ",")] != '\0';
+}
+
+/* The address of an interface entry that a rank can listen on and tell the others about: IPv4 or
+   IPv6 but link-local (ADDRESSES), on an interface that is up. 1 when there is one (in a). */
+static int dopt__tcp_if_usable(const struct ifaddrs *i, unsigned char a[16]) {
+    struct sockaddr_storage ss;
+    uint32_t port;
+    size_t len;
+    if (i->ifa_addr == NULL || !(i->ifa_flags & IFF_UP)) return 0;
+    if (i->ifa_addr->sa_family == AF_INET) len = sizeof(struct sockaddr_in);
+    else if (i->ifa_addr->sa_family == AF_INET6) len = sizeof(struct sockaddr_in6);
+    else return 0;
+    memset(&ss, 0, sizeof ss);
+    memcpy(&ss, i->ifa_addr, len);
+    return dopt__tcp_from_sockaddr(&ss, a, &port) == 0 && !dopt__tcp_is_link_local(a);
+}
+
+/* getifaddrs lists an interface's entries (link, IPv4, IPv6) apart: 1 for the first entry of its
+   name, which stands for the interface, in the system's order (on Linux `ip link`'s). */
+static int dopt__tcp_if_first(const struct ifaddrs *list, const struct ifaddrs *i) {
+    const struct ifaddrs *j;
+    for (j = list; j != i; j = j->ifa_next)
+        if (strcmp(j->ifa_name, i->ifa_name) == 0) return 0;
+    return 1;
+}
+
+/* Interface i's usable address, of the family asked for (want_v6) when it has both; the first of
+   that family as listed. 1 when it has one. */
+static int dopt__tcp_if_addr(const struct ifaddrs *i, int want_v6, unsigned char addr[16]) {
+    const struct ifaddrs *j;
+    int found = 0;
+    for (j = i; j; j = j->ifa_next) {
+        unsigned char a[16];
+        if (strcmp(j->ifa_name, i->ifa_name) != 0 || !dopt__tcp_if_usable(j, a)) continue;
+        if (!found || (dopt__tcp_is_v4(addr) == want_v6 && dopt__tcp_is_v4(a) != want_v6)) memcpy(addr, a, 16);
+        found = 1;
+    }
+    return found;
+}
+
+/* "lo 127.0.0.1 ::1, eth0 192.0.2.2 fd00::2, ifb0 (down)": every interface and the addresses a
+   rank could use there, for a message that says what to choose from. */
+static void dopt__tcp_if_list(const struct ifaddrs *list, char *out, size_t cap) {
+    const struct ifaddrs *i, *j;
+    size_t used = 0;
+    int listed = 0, left = 0;
+    out[0] = '\0';
+    for (i = list; i; i = i->ifa_next) {
+        char part[256];
+        size_t n;
+        int addrs = 0, up = 0;
+        if (!dopt__tcp_if_first(list, i)) continue;
+        n = (size_t)snprintf(part, sizeof part, "%s%s", listed ? ", " : "", i->ifa_name);
+        for (j = i; j; j = j->ifa_next) {
+            unsigned char a[16];
+            char host[INET6_ADDRSTRLEN];
+            if (strcmp(j->ifa_name, i->ifa_name) != 0) continue;
+            up |= (j->ifa_flags & IFF_UP) != 0;
+            if (!dopt__tcp_if_usable(j, a) || n + sizeof host + 2 > sizeof part) continue;
+            dopt__tcp_host_str(a, host, sizeof host);
+            n += (size_t)snprintf(part + n, sizeof part - n, " %s", host);
+            addrs++;
+        }
+        if (addrs == 0) n += (size_t)snprintf(part + n, sizeof part - n, up ? " (no usable address)" : " (down)");
+        if (used + n + 16 < cap) {
+            memcpy(out + used, part, n + 1);
+            used += n;
+            listed++;
+        } else {
+            left++;
+        }
+    }
+    if (left) snprintf(out + used, cap - used, " and %d more", left);
 }
 
 /* ===================================================================== HANDSHAKE RECORDS */
@@ -1904,8 +2035,33 @@ static dopt_status dopt__tcp_resolve(dopt_comm *c, const char *text, unsigned ch
     return DOPT_OK;
 }
 
-static dopt_status dopt__tcp_listen(dopt_comm *c, dopt__tcp *t, const unsigned char addr[16], uint32_t port, int *fd_out,
-                                    uint32_t *port_out) {
+/* The address of this host that socket_ifname chooses: of the interfaces it matches, the first in
+   the system's order that is up with a usable address (dopt__tcp_if_usable); of that interface's
+   addresses, one of the family asked for (want_v6) when it has both. INVALID naming the
+   interfaces there are when it matches none; ifname gets the interface's name. */
+static dopt_status dopt__tcp_ifname_addr(dopt_comm *c, const char *spec, int want_v6, unsigned char addr[16],
+                                         char *ifname, size_t cap) {
+    struct ifaddrs *list = NULL, *i;
+    char there[DOPT_DETAIL_MAX / 2 + 64];
+    if (getifaddrs(&list) < 0)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "socket_ifname \"%s\": getifaddrs: %s", spec, strerror(errno));
+    for (i = list; i; i = i->ifa_next)
+        if (dopt__tcp_if_first(list, i) && dopt__tcp_ifname_match(spec, i->ifa_name) &&
+            dopt__tcp_if_addr(i, want_v6, addr)) {
+            snprintf(ifname, cap, "%s", i->ifa_name);
+            freeifaddrs(list);
+            return DOPT_OK;
+        }
+    dopt__tcp_if_list(list, there, DOPT_DETAIL_MAX / 2 + 64);
+    freeifaddrs(list);
+    return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID,
+                                "socket_ifname \"%s\" matches no interface that is up with an IPv4 or IPv6 address; "
+                                "this host has %s",
+                                spec, there);
+}
+
+static dopt_status dopt__tcp_listen(dopt_comm *c, dopt__tcp *t, const unsigned char addr[16], uint32_t port,
+                                    int *fd_out, uint32_t *port_out) {
     struct sockaddr_storage ss;
     socklen_t len = dopt__tcp_sockaddr(&ss, addr, port);
     unsigned char bound[16];
@@ -1940,7 +2096,8 @@ static dopt_status dopt__tcp_connect(dopt_comm *c, dopt__tcp *t, const unsigned 
                           dopt__tcp_waited_s(t));
         fd = dopt__tcp_new_socket(addr, t->sockbuf);
         err = 0;
-        if (fd < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "cannot connect to %s: socket: %s", who, strerror(errno));
+        if (fd < 0)
+            return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "cannot connect to %s: socket: %s", who, strerror(errno));
         tries++;
         if (connect(fd, (struct sockaddr *)&ss, ss_len) < 0) {
             err = errno;
@@ -2443,17 +2600,36 @@ static void dopt__tcp_start_over(dopt__tcp *t) {
    until every rank has built its connections (READY) and lets them all go (GO). A rank that
    leaves before that makes the rendezvous start over; the listening socket stays open for the
    communicator's life, so that late joiners are refused instead of finding no one. */
+/* Rank 0's listening address (addr) and the address it tells the others it has (told): where
+   master_addr is, else socket_ifname's choice (IPv4 first), else 127.0.0.1; bind_addr, when set,
+   is where it listens, and is told unless it is a wildcard (then socket_ifname's choice, of
+   master_addr's family first, is told). */
+static dopt_status dopt__tcp_root_addr(dopt_comm *c, const dopt_tcp_config *cfg, unsigned char addr[16],
+                                       unsigned char told[16]) {
+    char ifname[IFNAMSIZ + 1];
+    const char *ifs = cfg->socket_ifname;
+    dopt_status s;
+    if (cfg->master_addr == NULL && ifs)
+        s = dopt__tcp_ifname_addr(c, ifs, 0, told, ifname, sizeof ifname);
+    else
+        s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", told);
+    memcpy(addr, told, 16);
+    if (s != DOPT_OK || cfg->bind_addr == NULL) return s;
+    s = dopt__tcp_resolve(c, cfg->bind_addr, addr);
+    if (s == DOPT_OK && !dopt__tcp_is_any(addr)) memcpy(told, addr, 16);
+    else if (s == DOPT_OK && ifs && cfg->master_addr)
+        s = dopt__tcp_ifname_addr(c, ifs, !dopt__tcp_is_v4(told), told, ifname, sizeof ifname);
+    return s;
+}
+
 static dopt_status dopt__tcp_rendezvous_root(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
                                              uint32_t master_port, double deadline) {
-    unsigned char master[16], addr[16];
+    unsigned char addr[16];
     uint32_t port;
     int r;
-    dopt_status s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", master);
-    if (s == DOPT_OK && cfg->bind_addr) s = dopt__tcp_resolve(c, cfg->bind_addr, addr);
-    else if (s == DOPT_OK) memcpy(addr, master, 16);
+    dopt_status s = dopt__tcp_root_addr(c, cfg, addr, t->peers[0].addr);
     if (s == DOPT_OK) s = dopt__tcp_listen(c, t, addr, master_port, &t->lfd, &port);
     if (s != DOPT_OK) return s;
-    memcpy(t->peers[0].addr, dopt__tcp_is_any(addr) ? master : addr, 16); /* where the others reach it */
     t->peers[0].port = port;
     if (cfg->on_listen) cfg->on_listen(cfg->on_listen_user, (int)port);
     for (;;) {
@@ -2492,27 +2668,31 @@ static dopt_status dopt__tcp_verdict(dopt_comm *c, int fd0, double deadline, dop
    1 .. k-1, accepts ranks k+1 .. n-1, then reports READY and waits for GO. Every wait also
    watches the connection to rank 0, which carries AGAIN when the rendezvous starts over and
    ends when rank 0 fails. */
-static dopt_status dopt__tcp_join(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg, const unsigned char master[16],
-                                  uint32_t master_port, double deadline) {
+static dopt_status dopt__tcp_join(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
+                                  const unsigned char master[16], uint32_t master_port, double deadline) {
     struct sockaddr_storage ss;
     socklen_t len = sizeof ss;
     unsigned char bind_addr[16], *table = NULL;
     size_t table_bytes = (size_t)t->size * DOPT__TCP_ENTRY_BYTES;
-    char who[32 + DOPT__TCP_ADDR_CHARS], where[DOPT__TCP_ADDR_CHARS], what[64 + sizeof who];
+    char who[32 + DOPT__TCP_ADDR_CHARS], where[DOPT__TCP_ADDR_CHARS], what[64 + sizeof who], ifname[IFNAMSIZ + 1];
     int fd0 = -1, r;
     uint32_t port;
     dopt__tcp_hs h;
     dopt_status s;
     dopt__tcp_addr_str(master, master_port, where, sizeof where);
     snprintf(who, sizeof who, "rank 0 at %s", where);
-    s = dopt__tcp_connect(c, t, master, master_port, deadline, -1, who, &fd0);
+    if (cfg->bind_addr)
+        s = dopt__tcp_resolve(c, cfg->bind_addr, bind_addr);
+    else if (cfg->socket_ifname)
+        s = dopt__tcp_ifname_addr(c, cfg->socket_ifname, !dopt__tcp_is_v4(master), bind_addr, ifname, sizeof ifname);
+    else
+        s = DOPT_OK;
+    if (s == DOPT_OK) s = dopt__tcp_connect(c, t, master, master_port, deadline, -1, who, &fd0);
     if (s != DOPT_OK) return s;
     t->peers[0].fd = fd0;
-    if (cfg->bind_addr) {
-        s = dopt__tcp_resolve(c, cfg->bind_addr, bind_addr);
-    } else if (getsockname(fd0, (struct sockaddr *)&ss, &len) < 0 || dopt__tcp_from_sockaddr(&ss, bind_addr, &port) < 0) {
+    if (cfg->bind_addr == NULL && cfg->socket_ifname == NULL && /* then the interface that reaches rank 0 */
+        (getsockname(fd0, (struct sockaddr *)&ss, &len) < 0 || dopt__tcp_from_sockaddr(&ss, bind_addr, &port) < 0))
         s = dopt__tcp_setup_fail(c, DOPT_ERR_IO, "getsockname: %s", strerror(errno));
-    } /* else the interface that reaches rank 0 */
     if (s == DOPT_OK) s = dopt__tcp_listen(c, t, bind_addr, 0, &t->lfd, &port);
     if (s == DOPT_OK) s = dopt__tcp_hello(c, t, fd0, 0, bind_addr, port, deadline, -1, who);
     snprintf(what, sizeof what, "the other ranks to join %s", who);
@@ -2695,7 +2875,8 @@ static int dopt__tcp_local_ranks(const dopt__tcp *t) {
     return n;
 }
 
-/* master_addr and bind_addr as written (dopt__tcp_split_addr's forms); *port: rank 0's port, from
+/* master_addr and bind_addr as written (dopt__tcp_split_addr's forms), socket_ifname naming
+   something; *port: rank 0's port, from
    master_addr when it has one (master_port, when set too, must say the same), else master_port. */
 static dopt_status dopt__tcp_check_addrs(const dopt_tcp_config *cfg, int *port) {
     char host[DOPT__TCP_HOST_MAX];
@@ -2715,6 +2896,8 @@ static dopt_status dopt__tcp_check_addrs(const dopt_tcp_config *cfg, int *port) 
         if (why == NULL && attached) why = "has a port (rank 0 listens on master_port, the others on a free one)";
         if (why) return dopt__tcp_config_error(cfg, "bind_addr \"%s\" %s", cfg->bind_addr, why);
     }
+    if (cfg->socket_ifname && !dopt__tcp_ifname_valid(cfg->socket_ifname))
+        return dopt__tcp_config_error(cfg, "socket_ifname \"%s\" names no interface", cfg->socket_ifname);
     return DOPT_OK;
 }
 
@@ -2826,6 +3009,8 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
     env.master_addr = s && *s ? s : NULL;
     s = getenv("DOPT_BIND_ADDR");
     env.bind_addr = s && *s ? s : NULL;
+    s = getenv("DOPT_SOCKET_IFNAME");
+    env.socket_ifname = s && *s ? s : NULL;
     s = getenv("DOPT_TOKEN");
     env.token = s && *s ? s : NULL;
     if (env.token && strlen(env.token) > DOPT_TCP_TOKEN_MAX)

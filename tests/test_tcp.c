@@ -12,6 +12,8 @@
 #include "conformance.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -786,6 +788,19 @@ DTEST(bind_addresses_reach_the_peers_through_the_table) {
 
 static const unsigned char ipv6_loopback[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
 
+/* 1 when this host can listen on ::1 (a host booted with IPv6 disabled cannot). */
+static int have_ipv6_loopback(void) {
+    struct sockaddr_in6 sa;
+    int fd = socket(AF_INET6, SOCK_STREAM, 0), ok;
+    if (fd < 0) return 0;
+    memset(&sa, 0, sizeof sa);
+    sa.sin6_family = AF_INET6;
+    sa.sin6_addr = in6addr_loopback;
+    ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+    close(fd);
+    return ok;
+}
+
 /* Every rank reaches rank 0 at ::1 and listens there (the address of its connection to rank 0):
    every entry of every peer table is ::1, every connection an IPv6 socket, and the collectives
    run over them. */
@@ -811,6 +826,7 @@ static void ipv6_rank(int rank, void *arg) {
 
 DTEST(world_over_ipv6_loopback) {
     tcp_world w;
+    if (!have_ipv6_loopback()) DT_SKIP("this host cannot listen on ::1 (IPv6 disabled)");
     world_init(&w, 3, 20000);
     w.master_addr = "::1";
     world_run(&w, ipv6_rank, 0);
@@ -819,6 +835,7 @@ DTEST(world_over_ipv6_loopback) {
 /* Ranks 1 and 2 are told "[::1]:PORT" (rank 2 also master_port = PORT, which agrees). */
 DTEST(world_over_ipv6_with_the_port_in_master_addr) {
     tcp_world w;
+    if (!have_ipv6_loopback()) DT_SKIP("this host cannot listen on ::1 (IPv6 disabled)");
     world_init(&w, 3, 20000);
     w.master_addr = "::1";
     w.port_in_addr = 1;
@@ -900,6 +917,172 @@ DTEST(port_in_master_addr_and_another_master_port_are_refused_naming_both) {
     cfg.bind_addr = "[::1]";
     DT_OK(dopt_tcp_create(&c, &cfg));
     dopt_comm_destroy(c);
+}
+
+/* ------------------------------------------------------------------ choosing the interface (socket_ifname) */
+
+DTEST(socket_ifname_lists_prefixes_exact_names_and_exclusions) {
+    DT_CHECK(dopt__tcp_ifname_match("eth", "eth0") && dopt__tcp_ifname_match("eth", "eth1"));
+    DT_CHECK(!dopt__tcp_ifname_match("eth", "veth0") && !dopt__tcp_ifname_match("eth", "et"));
+    DT_CHECK(dopt__tcp_ifname_match("eth,ib", "ib0") && dopt__tcp_ifname_match("ib,,eth", "eth2"));
+    DT_CHECK(!dopt__tcp_ifname_match("eth,ib", "lo"));
+    DT_CHECK(dopt__tcp_ifname_match("=eth1", "eth1") && !dopt__tcp_ifname_match("=eth1", "eth10"));
+    DT_CHECK(!dopt__tcp_ifname_match("=eth1", "eth") && dopt__tcp_ifname_match("=eth1,lo", "lo"));
+    DT_CHECK(!dopt__tcp_ifname_match("^lo,docker", "lo") && !dopt__tcp_ifname_match("^lo,docker", "docker0"));
+    DT_CHECK(dopt__tcp_ifname_match("^lo,docker", "eth0") && dopt__tcp_ifname_match("^lo", "eth0"));
+    DT_CHECK(!dopt__tcp_ifname_match("^=lo", "lo") && dopt__tcp_ifname_match("^=lo", "lo2"));
+    DT_CHECK(dopt__tcp_ifname_valid("eth") && dopt__tcp_ifname_valid("^lo") && dopt__tcp_ifname_valid("=,x"));
+    DT_CHECK(!dopt__tcp_ifname_valid("") && !dopt__tcp_ifname_valid("^") && !dopt__tcp_ifname_valid("^=,,"));
+}
+
+/* lo has 127.0.0.1 and (IPv6 on) ::1: the family asked for is the one chosen. */
+DTEST(socket_ifname_chooses_the_family_asked_for_on_an_interface_with_both) {
+    unsigned char a[16];
+    char name[IFNAMSIZ + 1];
+    dopt_comm *c;
+    DT_OK(dopt_comm_create_self(&c));
+    DT_OK(dopt__tcp_ifname_addr(c, "lo", 0, a, name, sizeof name));
+    DT_CHECK(strcmp(name, "lo") == 0 && dopt__tcp_is_v4(a) && a[12] == 127);
+    if (have_ipv6_loopback()) {
+        DT_OK(dopt__tcp_ifname_addr(c, "=lo", 1, a, name, sizeof name));
+        DT_CHECK(memcmp(a, ipv6_loopback, 16) == 0);
+    }
+    dopt_comm_destroy(c);
+}
+
+/* Rank 0 listens at master_addr ::1; ranks 1 and 2 listen on lo's address of master_addr's
+   family, ::1 (not 127.0.0.1), which every peer table then holds. */
+static void ifname_lo_rank(int rank, void *arg) {
+    tcp_world *w = (tcp_world *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    int r;
+    world_config(w, rank, &cfg);
+    cfg.socket_ifname = rank == 2 ? "=lo" : "lo";
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    for (r = 0; r < c->size; r++)
+        DT_CHECKF(memcmp(table_addr(c, r), ipv6_loopback, 16) == 0, "rank %d's entry for rank %d", rank, r);
+    sum_of_ones(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(world_with_socket_ifname_lo_listens_on_loopback_of_the_masters_family) {
+    tcp_world w;
+    if (!have_ipv6_loopback()) DT_SKIP("this host cannot listen on ::1 (IPv6 disabled)");
+    world_init(&w, 3, 20000);
+    w.master_addr = "::1";
+    world_run(&w, ifname_lo_rank, 0);
+}
+
+/* The interface "^lo" chooses, found without the library: the first in getifaddrs' order whose
+   name does not begin with "lo", up, with an IPv4 address (else a non-link-local IPv6 one). Its
+   address as text and as 16 bytes; 0 when this host has none. */
+static int other_interface(char *text, size_t cap, unsigned char a[16]) {
+    struct ifaddrs *list, *i, *j;
+    int found = 0, family;
+    DT_CHECK(getifaddrs(&list) == 0);
+    for (i = list; i && !found; i = i->ifa_next) {
+        for (j = list; strcmp(j->ifa_name, i->ifa_name) != 0; j = j->ifa_next) continue;
+        if (j != i || strncmp(i->ifa_name, "lo", 2) == 0) continue; /* not the interface's first entry, or lo */
+        for (family = AF_INET; !found; family = AF_INET6) {
+            for (j = list; j && !found; j = j->ifa_next) {
+                if (strcmp(j->ifa_name, i->ifa_name) != 0 || !j->ifa_addr || !(j->ifa_flags & IFF_UP) ||
+                    j->ifa_addr->sa_family != family)
+                    continue;
+                if (family == AF_INET) {
+                    struct in_addr *in4 = &((struct sockaddr_in *)(void *)j->ifa_addr)->sin_addr;
+                    dopt__tcp_set_v4(a, in4);
+                    found = inet_ntop(AF_INET, in4, text, (socklen_t)cap) != NULL;
+                } else {
+                    struct in6_addr *in6 = &((struct sockaddr_in6 *)(void *)j->ifa_addr)->sin6_addr;
+                    if (IN6_IS_ADDR_LINKLOCAL(in6)) continue;
+                    memcpy(a, in6, 16);
+                    found = inet_ntop(AF_INET6, in6, text, (socklen_t)cap) != NULL;
+                }
+            }
+            if (family == AF_INET6) break;
+        }
+    }
+    freeifaddrs(list);
+    return found;
+}
+
+typedef struct other_world {
+    tcp_world w; /* must stay first: world_join takes the case as a world */
+    char text[INET6_ADDRSTRLEN];
+    unsigned char addr[16];
+} other_world;
+
+/* Rank 0, told no master_addr, listens on the chosen interface's address; the others are told
+   that address and listen there too: every peer table holds it for every rank. */
+static void ifname_other_rank(int rank, void *arg) {
+    other_world *ow = (other_world *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    int r;
+    world_config(&ow->w, rank, &cfg);
+    cfg.socket_ifname = "^lo";
+    cfg.master_addr = rank == 0 ? NULL : ow->text;
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    for (r = 0; r < c->size; r++)
+        DT_CHECKF(memcmp(table_addr(c, r), ow->addr, 16) == 0, "rank %d's entry for rank %d is not %s", rank, r,
+                  ow->text);
+    sum_of_ones(c);
+    dopt_comm_destroy(c);
+}
+
+/* With an interface besides lo, the job runs on its address; without one, "^lo" matches nothing
+   and create says so, naming lo and its address. */
+DTEST(world_with_socket_ifname_excluding_lo_listens_on_another_interface) {
+    other_world ow;
+    world_init(&ow.w, 3, 20000);
+    if (!other_interface(ow.text, sizeof ow.text, ow.addr)) {
+        dopt_tcp_config cfg;
+        dopt_comm *c = NULL;
+        all_log log;
+        memset(&cfg, 0, sizeof cfg);
+        memset(&log, 0, sizeof log);
+        cfg.world_size = 2;
+        cfg.socket_ifname = "^lo";
+        cfg.log_fn = collect_log;
+        cfg.log_user = &log;
+        DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+        DT_CHECKF(strstr(log.text, "socket_ifname \"^lo\" matches no interface") && strstr(log.text, "lo 127.0.0.1"),
+                  "%s", log.text);
+        printf("  (no interface but lo here: checked its error)\n");
+        return;
+    }
+    world_run(&ow.w, ifname_other_rank, 0);
+}
+
+/* Rank 0 and rank 1 (which has no rank 0 to reach: it fails before trying) both name the
+   interfaces there are, lo and its address among them. */
+DTEST(socket_ifname_matching_no_interface_names_the_interfaces_there_are) {
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    all_log log;
+    int rank;
+    for (rank = 0; rank < 2; rank++) {
+        memset(&cfg, 0, sizeof cfg);
+        memset(&log, 0, sizeof log);
+        cfg.rank = rank;
+        cfg.world_size = 2;
+        cfg.master_port = rank ? free_port() : 0;
+        cfg.rendezvous_timeout_ms = 600000;
+        cfg.socket_ifname = "=nosuch0";
+        cfg.log_fn = collect_log;
+        cfg.log_user = &log;
+        DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+        DT_CHECKF(log.errors == 1 && strstr(log.text, "setup: socket_ifname \"=nosuch0\" matches no interface that is "
+                                                      "up with an IPv4 or IPv6 address; this host has ") &&
+                      strstr(log.text, "lo 127.0.0.1"),
+                  "%s", log.text);
+    }
+    memset(&log, 0, sizeof log);
+    cfg.socket_ifname = "^";
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strcmp(log.text, "E tcp: invalid configuration: socket_ifname \"^\" names no interface\n") == 0, "%s",
+              log.text);
 }
 
 /* The HELLO of a rank of protocol version 2 (its 16-bit version at 4, type at 6, IPv4 address at
@@ -998,8 +1181,8 @@ static void old_rank_0(int rank, void *arg) {
     cfg.log_fn = collect_log;
     cfg.log_user = &log;
     DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_PROTOCOL);
-    snprintf(want, sizeof want, "E rank 1: setup: rank 0 at 127.0.0.1:%d speaks protocol version 2, this rank version 3",
-             port);
+    snprintf(want, sizeof want,
+             "E rank 1: setup: rank 0 at 127.0.0.1:%d speaks protocol version 2, this rank version 3", port);
     DT_CHECKF(strncmp(log.text, want, strlen(want)) == 0 && log.errors == 1, "%s", log.text);
 }
 
@@ -1053,8 +1236,9 @@ DTEST(create_from_env_joins_the_world) {
 }
 
 static void clear_env(void) {
-    static const char *names[] = {"DOPT_RANK",   "DOPT_WORLD_SIZE", "DOPT_MASTER_ADDR", "DOPT_MASTER_PORT",
-                                  "DOPT_TOKEN",  "DOPT_BIND_ADDR",  "DOPT_TIMEOUT_MS",  "DOPT_RENDEZVOUS_TIMEOUT_MS"};
+    static const char *names[] = {"DOPT_RANK",          "DOPT_WORLD_SIZE", "DOPT_MASTER_ADDR",
+                                  "DOPT_MASTER_PORT",   "DOPT_TOKEN",      "DOPT_BIND_ADDR",
+                                  "DOPT_SOCKET_IFNAME", "DOPT_TIMEOUT_MS", "DOPT_RENDEZVOUS_TIMEOUT_MS"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++) unsetenv(names[i]);
 }
@@ -1142,12 +1326,16 @@ DTEST(config_from_env_keeps_what_the_environment_does_not_set) {
     cfg.rendezvous_timeout_ms = 2222;
     cfg.token = "compiled-in";
     cfg.master_addr = "10.1.2.3";
+    cfg.socket_ifname = "eth";
     DT_OK(dopt_tcp_config_from_env(&cfg));
     DT_CHECK(cfg.rank == 1 && cfg.world_size == 2 && cfg.master_port == 4000);
     DT_CHECK(cfg.log_fn == capture_log && cfg.log_user == &log && cfg.spin_us == -1 &&
              cfg.socket_buffer_bytes == 1 << 20 && cfg.small_bytes == 1234);
     DT_CHECK(cfg.timeout_ms == 1111 && cfg.rendezvous_timeout_ms == 2222);
-    DT_CHECK(cfg.token == NULL && cfg.master_addr == NULL && cfg.bind_addr == NULL);
+    DT_CHECK(cfg.token == NULL && cfg.master_addr == NULL && cfg.bind_addr == NULL && cfg.socket_ifname == NULL);
+    setenv("DOPT_SOCKET_IFNAME", "^lo,docker", 1);
+    DT_OK(dopt_tcp_config_from_env(&cfg));
+    DT_CHECK(cfg.socket_ifname && strcmp(cfg.socket_ifname, "^lo,docker") == 0);
     setenv("DOPT_TIMEOUT_MS", "5000", 1);
     setenv("DOPT_RENDEZVOUS_TIMEOUT_MS", "6000", 1);
     DT_OK(dopt_tcp_config_from_env(&cfg));
