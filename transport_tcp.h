@@ -140,9 +140,11 @@
    `ip link`'s) that is up with an IPv4 or IPv6 address (link-local IPv6 aside) is chosen. On
    an interface with both, its IPv4 address is chosen unless the master address is IPv6 (then
    its IPv6 one): the job keeps to one family where it can. Where each rank listens:
-   - rank 0: bind_addr if set; else master_addr if set; else socket_ifname's address if set
-     (IPv4 first); else 127.0.0.1. A wildcard bind_addr ("0.0.0.0", "::") listens everywhere
-     and is told to the others as socket_ifname's address if set, else as master_addr.
+   - rank 0: bind_addr if set; else master_addr if set (every address of its family when it is
+     a name this host resolves to loopback: LOOPBACK); else socket_ifname's address if set
+     (IPv4 first); else 127.0.0.1. Listening everywhere (a wildcard bind_addr, "0.0.0.0" or
+     "::", or that name), it is told to the others as socket_ifname's address if set, else as
+     master_addr.
    - the others: bind_addr if set; else socket_ifname's address if set; else the local address
      of their connection to rank 0 (the interface that reached it).
    So bind_addr, set explicitly, wins over socket_ifname. A socket_ifname that matches no such
@@ -150,12 +152,50 @@
        rank 1: setup: socket_ifname "=eth9" matches no interface that is up with an IPv4 or
          IPv6 address; this host has lo 127.0.0.1 ::1, eth0 10.0.0.2 fd00::2, docker0 (down)
 
+   LOOPBACK: NEVER TOLD TO ANOTHER HOST
+
+   A loopback address (127.0.0.0/8, ::1) is, on every host, that host: a rank of another host
+   told to connect to one would connect to itself and wait. The rule, which never lets a job
+   wait for the rendezvous timeout because of it:
+   - A rank other than 0 that reaches rank 0 at an address that is not loopback (so ranks may
+     run on other hosts) refuses to be reached at a loopback address, before it connects:
+         rank 1: setup: this rank would be reached at 127.0.0.1 (socket_ifname "lo": interface
+           lo): a loopback address, where other hosts cannot reach it, and it reaches rank 0 at
+           10.0.0.1:29500, which is not one (ranks may run on other hosts); give it an address
+           other hosts reach: DOPT_SOCKET_IFNAME=<interface> or DOPT_BIND_ADDR=<address> (or,
+           when every rank runs on this host, DOPT_MASTER_ADDR=127.0.0.1)
+   - Rank 0, once every rank joined, takes the job to run on its host when every connection
+     came from a loopback address, and then loopback addresses serve. When one came from
+     another address (another host, as far as rank 0 can tell, even when it is this one), no
+     rank may be reached at a loopback address, rank 0 included: its own address is where it
+     listens, or master_addr when it listens everywhere (so a rank 0 with bind_addr "0.0.0.0"
+     and no master_addr, 127.0.0.1, is refused). If one would be, rank 0 refuses the job: every
+     rank fails at once with DOPT_ERR_INVALID naming that rank and address:
+         rank 0: setup: rank 1 would be reached at 127.0.0.1:41000 (it joined from
+           127.0.0.1:52114): a loopback address, where other hosts cannot reach it, and rank 2
+           joined from 10.0.0.3:40222, which is not one (another host, as far as rank 0 can
+           tell); give it an address other hosts reach: DOPT_MASTER_ADDR=<rank 0's address as
+           other hosts reach it>, DOPT_SOCKET_IFNAME=<interface> or DOPT_BIND_ADDR=<address>
+         rank 2: setup: rank 0 at 10.0.0.1:29500 refused the job: rank 1 would be reached at
+           127.0.0.1:41000, a loopback address, and ranks joined from other hosts, ...
+   - A master_addr that is a name (not an address, not localhost) that rank 0's host resolves
+     to a loopback address, the /etc/hosts line "127.0.1.1 node7" of many distributions while
+     the other hosts resolve node7 to its real address, makes rank 0 listen on every address of
+     that family: the ranks of other hosts reach it and are refused at once as above ("rank 0
+     would be reached at 127.0.1.1:29500 (master_addr "node7", which this host resolves to
+     127.0.1.1)"), instead of retrying a port nobody listens on. With socket_ifname set, rank 0
+     is told at that interface's address instead, and the job runs.
+   Not caught: a rank 0 given a loopback address as such (master_addr 127.0.0.1, or unset, with
+   no bind_addr) listens there only, so ranks of other hosts, told its real address, cannot
+   connect at all: they say so ("Connection refused") every report until the rendezvous timeout.
+
    FUNCTIONS
 
    dopt_tcp_create(&comm, &cfg) joins the world described by cfg and returns when every rank is
-     connected to every other: rank 0 listens on master_addr:master_port; the other ranks connect
-     to it (retrying with backoff while it is not up yet), present their rank, world size and
-     token, and receive from rank 0 the table of everyone's listening address; each rank then
+     connected to every other: rank 0 listens on master_addr:master_port (ADDRESSES,
+     INTERFACES, LOOPBACK); the other ranks connect to it (retrying with backoff while it is not
+     up yet), present their rank, world size and token, and receive from rank 0 the table of
+     everyone's listening address; each rank then
      connects to the ranks below it and accepts the ranks above it, and rank 0 lets all go once
      all report ready. All of it within cfg->rendezvous_timeout_ms, saying whom it waits for
      (STARTING UP). A joiner that dies before the job forms does not end it: rank 0 frees its
@@ -230,7 +270,8 @@
                          0..1", no master_port on a rank other than 0, token too long, an
                          address that does not parse or resolve, "master_addr \"[::1]:29500\"
                          names port 29500 but master_port is 29501", a socket_ifname that
-                         matches no interface (naming those there are: INTERFACES), or the
+                         matches no interface (naming those there are: INTERFACES), a loopback
+                         address that other hosts would be told (LOOPBACK), or the
                          environment: ENVIRONMENT), or rank 0
                          refused this rank: "rank 1 is already taken by 127.0.0.1:41230", it
                          does not admit that rank, or the world sizes differ.
@@ -342,25 +383,30 @@
          4    1  protocol version (3)
          5    1  type: 1 HELLO, 2 ACCEPT, 3 REFUSE, 4 WELCOME, 5 READY, 6 GO, 7 AGAIN
          6    2  HELLO: sender's listening port. REFUSE for a rank taken: the port the
-                 connection holding it came from; 0 on every other type
+                 connection holding it came from; for a loopback (6): that rank's port; 0 on
+                 every other type
          8    4  world size (>= 1)
         12    4  sender's rank (< world size)
         16   16  HELLO: sender's listening address (:: or ::ffff:0.0.0.0, a wildcard: use
                  the address the connection came from). REFUSE for a rank taken: the address
-                 the connection holding it came from; zero on every other type
+                 the connection holding it came from; for a loopback (6): that address; zero
+                 on every other type
         32   64  HELLO and ACCEPT: job token, zero-padded (compared in constant time).
                  REFUSE: 2 bytes the reason (1 token, 2 world size, 3 rank not expected,
-                 4 rank taken, 5 version), 2 zero, 4 the rank the refusal is about
-                 (0: none), 56 zero. Zero on every other type
+                 4 rank taken, 5 version, 6 loopback: a rank would be reached at the
+                 loopback address at 16, port at 6, by ranks of other hosts), 2 zero, 4 the
+                 rank the refusal is about (reason 6: that rank; else 0), 56 zero. Zero on
+                 every other type
    Version 2 had its version as 16 bits at offset 4: a rank of version 2 reads 3 + 256 x type
    there, another version, and refuses; a version 2 HELLO (bytes 4-5 = 2, 0) is answered with a
    REFUSE in version 2's layout (version 2 at 4, type 3 at 6, reason 5 at 22) so that its rank
    reports "different protocol version". Either side fails at once with DOPT_ERR_PROTOCOL.
    Setup: a rank connects, sends HELLO; the acceptor answers ACCEPT (with its own token, which
-   the connector checks too) or REFUSE and closes. Rank 0 sends each rank WELCOME followed by
-   size entries of 20 bytes (address 16 bytes, port 2, reserved 2 = 0), the listening
-   addresses of all ranks. Each rank k then connects to ranks 1..k-1 (HELLO/ACCEPT),
-   accepts ranks k+1..size-1, sends READY to rank 0, and waits for GO. When a rank's connection
+   the connector checks too) or REFUSE and closes. Once all joined, rank 0 sends each rank
+   REFUSE (6) when the table would break LOOPBACK's rule, else WELCOME followed by size entries
+   of 20 bytes (address 16 bytes, port 2, reserved 2 = 0), the listening addresses of all
+   ranks. Each rank k then connects to ranks 1..k-1 (HELLO/ACCEPT), accepts ranks
+   k+1..size-1, sends READY to rank 0, and waits for GO. When a rank's connection
    to rank 0 ends before GO, rank 0 sends every other rank AGAIN and closes their connections;
    they close all of theirs and join again from the HELLO. Rank 0 answers HELLOs (ACCEPT or
    REFUSE) on its listening socket as long as its communicator lives.
@@ -469,6 +515,7 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -500,6 +547,9 @@ extern "C" {
 #define DOPT__TCP_REPORT_DEFAULT_MS 5000
 #define DOPT__TCP_VERDICT_MS 2000         /* a rank whose peer connection failed in setup waits for rank 0's word */
 #define DOPT__TCP_RESTART ((dopt_status)1) /* private: rank 0 said AGAIN, the rendezvous starts over */
+#define DOPT__TCP_LOOPBACK_ADVICE /* the end of a refusal for a loopback address (LOOPBACK) */ \
+    "give it an address other hosts reach: DOPT_MASTER_ADDR=<rank 0's address as other hosts reach it>, " \
+    "DOPT_SOCKET_IFNAME=<interface> or DOPT_BIND_ADDR=<address>"
 
 enum { DOPT__TCP_DATA = 1, DOPT__TCP_ABORT = 2, DOPT__TCP_GOODBYE = 3 };
 enum {
@@ -516,7 +566,8 @@ enum {
     DOPT__TCP_WRONG_WORLD = 2,
     DOPT__TCP_WRONG_RANK = 3,
     DOPT__TCP_DUPLICATE_RANK = 4,
-    DOPT__TCP_WRONG_VERSION = 5
+    DOPT__TCP_WRONG_VERSION = 5,
+    DOPT__TCP_LOOPBACK = 6 /* a rank would be told to other hosts at a loopback address (LOOPBACK) */
 };
 
 /* ===================================================================== STATE */
@@ -642,6 +693,11 @@ static void dopt__tcp_set_v4(unsigned char a[16], const void *in4) {
 /* 0.0.0.0 or ::, where a rank listens on every address of that family */
 static int dopt__tcp_is_any(const unsigned char a[16]) {
     return dopt__tcp_is_v4(a) ? dopt__tcp_all_zero(a + 12, 4) : dopt__tcp_all_zero(a, 16);
+}
+
+/* 127.0.0.0/8 or ::1: this host, on every host */
+static int dopt__tcp_is_loopback(const unsigned char a[16]) {
+    return dopt__tcp_is_v4(a) ? a[12] == 127 : dopt__tcp_all_zero(a, 15) && a[15] == 1;
 }
 
 /* fe80::/10 means something only with an interface scope, which no record carries */
@@ -876,7 +932,7 @@ static const char *dopt__tcp_hs_decode(const unsigned char *in, dopt__tcp_hs *h)
     }
     h->reason = dopt__get_le16(in + 32);
     h->subject = dopt__get_le32(in + 36);
-    if (h->reason < DOPT__TCP_WRONG_TOKEN || h->reason > DOPT__TCP_WRONG_VERSION) return "unknown refusal reason";
+    if (h->reason < DOPT__TCP_WRONG_TOKEN || h->reason > DOPT__TCP_LOOPBACK) return "unknown refusal reason";
     if (!dopt__tcp_all_zero(in + 34, 2) || !dopt__tcp_all_zero(in + 40, DOPT__TCP_HS_BYTES - 40))
         return "reserved bytes are not zero";
     if (h->subject >= h->world) return "refusal about a rank not below the world size";
@@ -2154,6 +2210,33 @@ static dopt_status dopt__tcp_send_record(dopt_comm *c, dopt__tcp *t, int fd, uin
     return dopt__tcp_send_all(c, fd, rec, sizeof rec, deadline, who);
 }
 
+static dopt_status dopt__tcp_refused(dopt_comm *c, const dopt__tcp *t, const dopt__tcp_hs *h, const char *who) {
+    char holder[DOPT__TCP_ADDR_CHARS];
+    switch (h->reason) {
+    case DOPT__TCP_WRONG_TOKEN:
+        return dopt__tcp_setup_fail(c, DOPT_ERR_AUTH, "%s refused this rank: the job token differs", who);
+    case DOPT__TCP_WRONG_WORLD:
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "%s refused this rank: its world size is %u, this rank's %d",
+                                    who, (unsigned)h->world, t->size);
+    case DOPT__TCP_DUPLICATE_RANK:
+        dopt__tcp_addr_str(h->addr, h->port, holder, sizeof holder);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "rank %d is already taken by %s (%s refused this process)",
+                                    t->rank, holder, who);
+    case DOPT__TCP_WRONG_RANK:
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "%s refused this rank: it does not admit rank %d", who,
+                                    t->rank);
+    case DOPT__TCP_LOOPBACK:
+        dopt__tcp_addr_str(h->addr, h->port, holder, sizeof holder);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID,
+                                    "%s refused the job: rank %u%s would be reached at %s, a loopback address, and "
+                                    "ranks joined from other hosts, which cannot reach it there (rank 0's log says "
+                                    "which); %s",
+                                    who, (unsigned)h->subject, h->subject == (uint32_t)t->rank ? " (this rank)" : "",
+                                    holder, DOPT__TCP_LOOPBACK_ADVICE);
+    }
+    return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s refused this rank: different protocol version", who);
+}
+
 /* A record that did not decode, from `who`: another protocol version is said as such, since it is
    what a rank of another release of distopt sends (version 2 reads ours as another version too). */
 static dopt_status dopt__tcp_malformed(dopt_comm *c, const dopt__tcp_hs *h, const char *why, const char *who) {
@@ -2176,6 +2259,7 @@ static dopt_status dopt__tcp_recv_record(dopt_comm *c, dopt__tcp *t, int fd, int
     why = dopt__tcp_hs_decode(rec, h);
     if (why) return dopt__tcp_malformed(c, h, why, who);
     if (from == 0 && h->type == DOPT__TCP_AGAIN && h->rank == 0) return DOPT__TCP_RESTART;
+    if (from == 0 && h->type == DOPT__TCP_REFUSE && h->rank == 0) return dopt__tcp_refused(c, t, h, who);
     if (h->type != type || h->world != (uint32_t)t->size || h->rank != (uint32_t)from)
         return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL,
                                     "%s sent record type %u of rank %u in a world of %u, expected type %u of rank %d "
@@ -2185,24 +2269,6 @@ static dopt_status dopt__tcp_recv_record(dopt_comm *c, dopt__tcp *t, int fd, int
     return DOPT_OK;
 }
 
-static dopt_status dopt__tcp_refused(dopt_comm *c, const dopt__tcp *t, const dopt__tcp_hs *h, const char *who) {
-    char holder[DOPT__TCP_ADDR_CHARS];
-    switch (h->reason) {
-    case DOPT__TCP_WRONG_TOKEN:
-        return dopt__tcp_setup_fail(c, DOPT_ERR_AUTH, "%s refused this rank: the job token differs", who);
-    case DOPT__TCP_WRONG_WORLD:
-        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "%s refused this rank: its world size is %u, this rank's %d",
-                                    who, (unsigned)h->world, t->size);
-    case DOPT__TCP_DUPLICATE_RANK:
-        dopt__tcp_addr_str(h->addr, h->port, holder, sizeof holder);
-        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "rank %d is already taken by %s (%s refused this process)",
-                                    t->rank, holder, who);
-    case DOPT__TCP_WRONG_RANK:
-        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "%s refused this rank: it does not admit rank %d", who,
-                                    t->rank);
-    }
-    return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s refused this rank: different protocol version", who);
-}
 
 /* The connecting side: HELLO with our rank, listening address and token; the acceptor answers
    ACCEPT with its own token (checked too: a process of another job is not a peer) or REFUSE. */
@@ -2600,40 +2666,123 @@ static void dopt__tcp_start_over(dopt__tcp *t) {
    until every rank has built its connections (READY) and lets them all go (GO). A rank that
    leaves before that makes the rendezvous start over; the listening socket stays open for the
    communicator's life, so that late joiners are refused instead of finding no one. */
-/* Rank 0's listening address (addr) and the address it tells the others it has (told): where
-   master_addr is, else socket_ifname's choice (IPv4 first), else 127.0.0.1; bind_addr, when set,
-   is where it listens, and is told unless it is a wildcard (then socket_ifname's choice, of
-   master_addr's family first, is told). */
+/* RFC 6761: "localhost" and the names under .localhost are this host on every host. */
+static int dopt__tcp_is_localhost(const char *host) {
+    size_t n = strlen(host);
+    if (n > 0 && host[n - 1] == '.') n--;
+    return (n == 9 && strncasecmp(host, "localhost", 9) == 0) ||
+           (n > 10 && strncasecmp(host + n - 10, ".localhost", 10) == 0);
+}
+
+/* 1 when master_addr is a name (not an address, not localhost) that this host resolves to a
+   loopback address: the /etc/hosts line "127.0.1.1 node7" of many distributions, while the
+   other hosts resolve node7 to this host's real address. */
+static int dopt__tcp_loopback_name(const char *master_addr, const unsigned char master[16]) {
+    char host[DOPT__TCP_HOST_MAX];
+    unsigned char bytes[16];
+    int port;
+    if (master_addr == NULL || !dopt__tcp_is_loopback(master) ||
+        dopt__tcp_split_addr(master_addr, host, sizeof host, &port) != NULL)
+        return 0;
+    return inet_pton(AF_INET, host, bytes) != 1 && inet_pton(AF_INET6, host, bytes) != 1 &&
+           !dopt__tcp_is_localhost(host);
+}
+
+/* Rank 0's listening address (addr) and the address it tells the others it has (told), and how
+   that was chosen, for messages: where master_addr is, else socket_ifname's choice (IPv4 first),
+   else 127.0.0.1; bind_addr, when set, is where it listens, and is told unless it is a wildcard
+   (then socket_ifname's choice, of master_addr's family first, is told). A master_addr that is a
+   name this host resolves to loopback (dopt__tcp_loopback_name) is listened for everywhere, so
+   that the ranks of other hosts, which reach this host by its real address, are answered: with
+   the refusal of LOOPBACK, unless socket_ifname gives rank 0 an address to tell them. */
 static dopt_status dopt__tcp_root_addr(dopt_comm *c, const dopt_tcp_config *cfg, unsigned char addr[16],
-                                       unsigned char told[16]) {
-    char ifname[IFNAMSIZ + 1];
+                                       unsigned char told[16], char *how, size_t cap) {
+    char ifname[IFNAMSIZ + 1], host[INET6_ADDRSTRLEN];
     const char *ifs = cfg->socket_ifname;
+    int wildcard;
     dopt_status s;
-    if (cfg->master_addr == NULL && ifs)
+    if (cfg->master_addr == NULL && ifs) {
         s = dopt__tcp_ifname_addr(c, ifs, 0, told, ifname, sizeof ifname);
-    else
+        snprintf(how, cap, "socket_ifname \"%s\": interface %s", ifs, ifname);
+    } else {
         s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", told);
+        dopt__tcp_host_str(told, host, sizeof host);
+        if (cfg->master_addr == NULL) snprintf(how, cap, "master_addr unset, so 127.0.0.1");
+        else if (dopt__tcp_loopback_name(cfg->master_addr, told))
+            snprintf(how, cap, "master_addr \"%s\", which this host resolves to %s", cfg->master_addr, host);
+        else snprintf(how, cap, "master_addr \"%s\"", cfg->master_addr);
+    }
     memcpy(addr, told, 16);
-    if (s != DOPT_OK || cfg->bind_addr == NULL) return s;
-    s = dopt__tcp_resolve(c, cfg->bind_addr, addr);
-    if (s == DOPT_OK && !dopt__tcp_is_any(addr)) memcpy(told, addr, 16);
-    else if (s == DOPT_OK && ifs && cfg->master_addr)
+    if (s != DOPT_OK) return s;
+    if (cfg->bind_addr) {
+        s = dopt__tcp_resolve(c, cfg->bind_addr, addr);
+        wildcard = s == DOPT_OK && dopt__tcp_is_any(addr);
+        if (s == DOPT_OK && !wildcard) {
+            memcpy(told, addr, 16);
+            snprintf(how, cap, "bind_addr \"%s\"", cfg->bind_addr);
+        }
+    } else {
+        wildcard = dopt__tcp_loopback_name(cfg->master_addr, told);
+        if (wildcard && dopt__tcp_is_v4(told)) dopt__tcp_set_v4(addr, "\0\0\0\0");
+        else if (wildcard) memset(addr, 0, 16);
+    }
+    if (s == DOPT_OK && wildcard && ifs && cfg->master_addr) {
         s = dopt__tcp_ifname_addr(c, ifs, !dopt__tcp_is_v4(told), told, ifname, sizeof ifname);
+        snprintf(how, cap, "socket_ifname \"%s\": interface %s", ifs, ifname);
+    }
     return s;
+}
+
+/* Rank 0, once every rank joined. A job whose ranks all came over loopback runs on this host,
+   where loopback addresses serve it. Once a rank came from another address (another host, as far
+   as rank 0 can tell, even when it is this one), the table must hold no loopback address: it
+   would tell that host's ranks to connect to themselves (and rank 0's own entry, where it is).
+   Then every rank is refused (REFUSE, reason LOOPBACK, naming the rank and its address) and the
+   create fails at once, instead of ranks waiting for the rendezvous timeout. `how` says how rank
+   0's own address was chosen. */
+static dopt_status dopt__tcp_loopback_check(dopt_comm *c, dopt__tcp *t, const char *how) {
+    unsigned char rec[DOPT__TCP_HS_BYTES];
+    char bad_at[DOPT__TCP_ADDR_CHARS], remote_at[DOPT__TCP_ADDR_CHARS], from[DOPT__TCP_ADDR_CHARS],
+        chosen[DOPT__TCP_ADDR_CHARS + 32];
+    dopt__tcp_hs h;
+    int r, remote = 0, bad = -1;
+    for (r = 1; r < t->size && remote == 0; r++)
+        if (!dopt__tcp_is_loopback(t->peers[r].from)) remote = r;
+    for (r = 0; r < t->size && remote && bad < 0; r++)
+        if (dopt__tcp_is_loopback(t->peers[r].addr)) bad = r;
+    if (bad < 0) return DOPT_OK;
+    dopt__tcp_hs_init(&h, t, DOPT__TCP_REFUSE);
+    h.reason = DOPT__TCP_LOOPBACK;
+    h.subject = (uint32_t)bad;
+    memcpy(h.addr, t->peers[bad].addr, 16);
+    h.port = t->peers[bad].port;
+    dopt__tcp_hs_encode(rec, &h);
+    for (r = 1; r < t->size; r++) (void)!send(t->peers[r].fd, rec, sizeof rec, MSG_NOSIGNAL | MSG_DONTWAIT);
+    dopt__tcp_addr_str(t->peers[bad].addr, t->peers[bad].port, bad_at, sizeof bad_at);
+    dopt__tcp_addr_str(t->peers[remote].from, t->peers[remote].from_port, remote_at, sizeof remote_at);
+    dopt__tcp_addr_str(t->peers[bad].from, t->peers[bad].from_port, from, sizeof from);
+    snprintf(chosen, sizeof chosen, "it joined from %s", from);
+    return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID,
+                                "rank %d would be reached at %s (%s): a loopback address, where other hosts cannot "
+                                "reach it, and rank %d joined from %s, which is not one (another host, as far as rank "
+                                "0 can tell); %s",
+                                bad, bad_at, bad == 0 ? how : chosen, remote, remote_at, DOPT__TCP_LOOPBACK_ADVICE);
 }
 
 static dopt_status dopt__tcp_rendezvous_root(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
                                              uint32_t master_port, double deadline) {
     unsigned char addr[16];
+    char how[DOPT__TCP_HOST_MAX + 64];
     uint32_t port;
     int r;
-    dopt_status s = dopt__tcp_root_addr(c, cfg, addr, t->peers[0].addr);
+    dopt_status s = dopt__tcp_root_addr(c, cfg, addr, t->peers[0].addr, how, sizeof how);
     if (s == DOPT_OK) s = dopt__tcp_listen(c, t, addr, master_port, &t->lfd, &port);
     if (s != DOPT_OK) return s;
     t->peers[0].port = port;
     if (cfg->on_listen) cfg->on_listen(cfg->on_listen_user, (int)port);
     for (;;) {
         s = dopt__tcp_admit(c, t, 1, t->size, deadline, -1);
+        if (s == DOPT_OK) s = dopt__tcp_loopback_check(c, t, how);
         if (s == DOPT_OK) s = dopt__tcp_send_tables(c, t, deadline);
         if (s == DOPT_OK) s = dopt__tcp_gather_ready(c, t, deadline);
         if (s != DOPT__TCP_RESTART) break;
@@ -2664,35 +2813,72 @@ static dopt_status dopt__tcp_verdict(dopt_comm *c, int fd0, double deadline, dop
     return s;
 }
 
+/* Rank k > 0, about to listen on addr (chosen as `how` says) and tell the others to connect there.
+   When it reaches rank 0 at a loopback address, so do all (rank 0 refuses the job otherwise:
+   dopt__tcp_loopback_check), and a loopback addr serves. When it reaches rank 0 at another
+   address, ranks may run on other hosts, which a loopback addr would send to themselves. */
+static dopt_status dopt__tcp_loopback_told(dopt_comm *c, const unsigned char master[16], const unsigned char addr[16],
+                                           const char *who, const char *how) {
+    char host[INET6_ADDRSTRLEN];
+    if (!dopt__tcp_is_loopback(addr) || dopt__tcp_is_loopback(master)) return DOPT_OK;
+    dopt__tcp_host_str(addr, host, sizeof host);
+    return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID,
+                                "this rank would be reached at %s (%s): a loopback address, where other hosts cannot "
+                                "reach it, and it reaches %s, which is not one (ranks may run on other hosts); give "
+                                "it an address other hosts reach: DOPT_SOCKET_IFNAME=<interface> or "
+                                "DOPT_BIND_ADDR=<address> (or, when every rank runs on this host, "
+                                "DOPT_MASTER_ADDR=127.0.0.1)",
+                                host, how, who);
+}
+
+/* Where rank k > 0 listens and is reached (INTERFACES), held to LOOPBACK's rule: bind_addr, else
+   socket_ifname's choice (of the master address's family first), both known before it connects
+   (fd0 < 0), so that a bad one fails at once; else, once connected (fd0), the local address of
+   its connection to rank 0. */
+static dopt_status dopt__tcp_rank_addr(dopt_comm *c, const dopt_tcp_config *cfg, const unsigned char master[16],
+                                       int fd0, const char *who, unsigned char addr[16]) {
+    char how[DOPT__TCP_HOST_MAX + 32], ifname[IFNAMSIZ + 1];
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    uint32_t port;
+    dopt_status s = DOPT_OK;
+    if (cfg->bind_addr) {
+        s = dopt__tcp_resolve(c, cfg->bind_addr, addr);
+        snprintf(how, sizeof how, "bind_addr \"%s\"", cfg->bind_addr);
+    } else if (cfg->socket_ifname) {
+        s = dopt__tcp_ifname_addr(c, cfg->socket_ifname, !dopt__tcp_is_v4(master), addr, ifname, sizeof ifname);
+        snprintf(how, sizeof how, "socket_ifname \"%s\": interface %s", cfg->socket_ifname, ifname);
+    } else if (fd0 < 0) {
+        return DOPT_OK;
+    } else if (getsockname(fd0, (struct sockaddr *)&ss, &len) < 0 || dopt__tcp_from_sockaddr(&ss, addr, &port) < 0) {
+        return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "getsockname: %s", strerror(errno));
+    } else {
+        snprintf(how, sizeof how, "the interface that reaches rank 0");
+    }
+    return s == DOPT_OK ? dopt__tcp_loopback_told(c, master, addr, who, how) : s;
+}
+
 /* Rank k > 0, one attempt: joins rank 0, learns the others' addresses, connects to ranks
    1 .. k-1, accepts ranks k+1 .. n-1, then reports READY and waits for GO. Every wait also
    watches the connection to rank 0, which carries AGAIN when the rendezvous starts over and
    ends when rank 0 fails. */
 static dopt_status dopt__tcp_join(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
                                   const unsigned char master[16], uint32_t master_port, double deadline) {
-    struct sockaddr_storage ss;
-    socklen_t len = sizeof ss;
     unsigned char bind_addr[16], *table = NULL;
     size_t table_bytes = (size_t)t->size * DOPT__TCP_ENTRY_BYTES;
-    char who[32 + DOPT__TCP_ADDR_CHARS], where[DOPT__TCP_ADDR_CHARS], what[64 + sizeof who], ifname[IFNAMSIZ + 1];
+    char who[32 + DOPT__TCP_ADDR_CHARS], where[DOPT__TCP_ADDR_CHARS], what[64 + sizeof who];
     int fd0 = -1, r;
     uint32_t port;
     dopt__tcp_hs h;
     dopt_status s;
     dopt__tcp_addr_str(master, master_port, where, sizeof where);
     snprintf(who, sizeof who, "rank 0 at %s", where);
-    if (cfg->bind_addr)
-        s = dopt__tcp_resolve(c, cfg->bind_addr, bind_addr);
-    else if (cfg->socket_ifname)
-        s = dopt__tcp_ifname_addr(c, cfg->socket_ifname, !dopt__tcp_is_v4(master), bind_addr, ifname, sizeof ifname);
-    else
-        s = DOPT_OK;
+    s = dopt__tcp_rank_addr(c, cfg, master, -1, who, bind_addr);
     if (s == DOPT_OK) s = dopt__tcp_connect(c, t, master, master_port, deadline, -1, who, &fd0);
     if (s != DOPT_OK) return s;
     t->peers[0].fd = fd0;
-    if (cfg->bind_addr == NULL && cfg->socket_ifname == NULL && /* then the interface that reaches rank 0 */
-        (getsockname(fd0, (struct sockaddr *)&ss, &len) < 0 || dopt__tcp_from_sockaddr(&ss, bind_addr, &port) < 0))
-        s = dopt__tcp_setup_fail(c, DOPT_ERR_IO, "getsockname: %s", strerror(errno));
+    if (cfg->bind_addr == NULL && cfg->socket_ifname == NULL) /* the interface that reaches rank 0 */
+        s = dopt__tcp_rank_addr(c, cfg, master, fd0, who, bind_addr);
     if (s == DOPT_OK) s = dopt__tcp_listen(c, t, bind_addr, 0, &t->lfd, &port);
     if (s == DOPT_OK) s = dopt__tcp_hello(c, t, fd0, 0, bind_addr, port, deadline, -1, who);
     snprintf(what, sizeof what, "the other ranks to join %s", who);

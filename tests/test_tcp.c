@@ -13,6 +13,7 @@
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <netdb.h>
 #include <net/if.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -1068,7 +1069,7 @@ DTEST(socket_ifname_matching_no_interface_names_the_interfaces_there_are) {
         cfg.rank = rank;
         cfg.world_size = 2;
         cfg.master_port = rank ? free_port() : 0;
-        cfg.rendezvous_timeout_ms = 600000;
+        cfg.rendezvous_timeout_ms = rank ? 600000 : 2000; /* the error comes before any wait */
         cfg.socket_ifname = "=nosuch0";
         cfg.log_fn = collect_log;
         cfg.log_user = &log;
@@ -1083,6 +1084,146 @@ DTEST(socket_ifname_matching_no_interface_names_the_interfaces_there_are) {
     DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
     DT_CHECKF(strcmp(log.text, "E tcp: invalid configuration: socket_ifname \"^\" names no interface\n") == 0, "%s",
               log.text);
+}
+
+/* ------------------------------------------------------------------ never a loopback address to another host */
+
+/* Processes of a world on this host, some reaching rank 0 through this host's non-loopback
+   address (as a rank of another host would) and some through loopback; each has its own rank,
+   master_addr, bind_addr and socket_ifname, and either joins (expect NULL) or fails with
+   DOPT_ERR_INVALID at once, its one error line holding expect and the way out. */
+typedef struct loopback_case {
+    tcp_world w; /* must stay first: world_join takes the case as a world */
+    char other[INET6_ADDRSTRLEN];
+    unsigned char other_addr[16];
+    int procs, rank[4];
+    const char *master[4], *bind[4], *ifname[4], *expect[4];
+} loopback_case;
+
+/* A case whose world has n ranks over procs processes, with this host's other address; skips
+   the test where this host has no address but loopback ones. */
+static void loopback_init(loopback_case *lc, int n, int procs) {
+    int p;
+    memset(lc, 0, sizeof *lc);
+    if (!other_interface(lc->other, sizeof lc->other, lc->other_addr))
+        DT_SKIP("no interface but lo is up with an address: no way to reach rank 0 but over loopback here");
+    world_init(&lc->w, n, 20000);
+    lc->procs = procs;
+    lc->w.port_copies = procs - 1;
+    for (p = 0; p < procs; p++) lc->rank[p] = p;
+}
+
+static void loopback_proc(int proc, void *arg) {
+    loopback_case *lc = (loopback_case *)arg;
+    int rank = lc->rank[proc];
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    all_log log;
+    dopt_status s;
+    memset(&log, 0, sizeof log);
+    world_config(&lc->w, rank, &cfg);
+    cfg.master_addr = lc->master[proc];
+    cfg.bind_addr = lc->bind[proc];
+    cfg.socket_ifname = lc->ifname[proc];
+    cfg.rendezvous_timeout_ms = 600000; /* a wait for it would be the test's timeout: none */
+    cfg.log_fn = collect_log;
+    cfg.log_user = &log;
+    s = dopt_tcp_create(&c, &cfg);
+    if (lc->expect[proc] == NULL) {
+        DT_CHECKF(s == DOPT_OK, "process %d (rank %d): %d\n%s", proc, rank, (int)s, log.text);
+        sum_of_ones(c);
+        dopt_comm_destroy(c);
+        return;
+    }
+    DT_CHECKF(s == DOPT_ERR_INVALID && c == NULL && log.errors == 1 && strstr(log.text, lc->expect[proc]) &&
+                  strstr(log.text, "DOPT_SOCKET_IFNAME=<interface> or DOPT_BIND_ADDR=<address>"),
+              "process %d (rank %d): %d, expected \"%s\" in\n%s", proc, rank, (int)s, lc->expect[proc], log.text);
+}
+
+/* Rank 0 listens on this host's other address; a rank 1 reaching it there but told to listen on
+   loopback (socket_ifname "lo", or bind_addr) refuses itself before connecting, naming the
+   address; the real rank 1 joins and the job runs. */
+DTEST(rank_reaching_rank_0_off_loopback_refuses_to_be_reached_at_loopback) {
+    loopback_case lc;
+    int p;
+    loopback_init(&lc, 2, 4);
+    for (p = 0; p < 4; p++) lc.master[p] = lc.other;
+    lc.rank[2] = lc.rank[3] = 1;
+    lc.ifname[1] = "lo";
+    lc.expect[1] = "rank 1: setup: this rank would be reached at 127.0.0.1 (socket_ifname \"lo\": interface lo): a "
+                   "loopback address";
+    lc.bind[2] = "127.0.0.1";
+    lc.expect[2] = "this rank would be reached at 127.0.0.1 (bind_addr \"127.0.0.1\")";
+    DT_EQ_INT(dtest_spawn(lc.procs, loopback_proc, &lc, 60), 0);
+}
+
+/* Rank 1 reaches rank 0 over loopback and listens there; rank 2 comes from this host's other
+   address. Rank 0 refuses the job once all joined: every rank fails at once, naming rank 1. */
+DTEST(rank_0_refuses_a_job_where_a_rank_would_be_reached_at_loopback_from_another_host) {
+    loopback_case lc;
+    int v4;
+    loopback_init(&lc, 3, 3);
+    v4 = dopt__tcp_is_v4(lc.other_addr);
+    lc.master[0] = lc.master[2] = lc.other;
+    lc.bind[0] = v4 ? "0.0.0.0" : "::";
+    lc.master[1] = v4 ? "127.0.0.1" : "::1";
+    lc.expect[0] = "rank 0: setup: rank 1 would be reached at ";
+    lc.expect[1] = "refused the job: rank 1 (this rank) would be reached at ";
+    lc.expect[2] = "refused the job: rank 1 would be reached at ";
+    DT_EQ_INT(dtest_spawn(lc.procs, loopback_proc, &lc, 60), 0);
+}
+
+/* Rank 0 listens everywhere but, told no master_addr, takes itself to be at 127.0.0.1: a rank
+   from this host's other address makes it refuse the job. */
+DTEST(rank_0_at_the_default_loopback_address_refuses_ranks_from_another_host) {
+    loopback_case lc;
+    loopback_init(&lc, 2, 2);
+    lc.bind[0] = dopt__tcp_is_v4(lc.other_addr) ? "0.0.0.0" : "::";
+    lc.master[1] = lc.other;
+    lc.expect[0] = "rank 0: setup: rank 0 would be reached at 127.0.0.1:";
+    lc.expect[1] = "refused the job: rank 0 would be reached at 127.0.0.1:";
+    DT_EQ_INT(dtest_spawn(lc.procs, loopback_proc, &lc, 60), 0);
+}
+
+/* This host's name, when it resolves to a loopback address first (the /etc/hosts line
+   "127.0.1.1 node7"): 1 and the name; else 0 and why not. */
+static int loopback_hostname(char *name, size_t cap, char *why, size_t why_cap) {
+    struct addrinfo hints, *res = NULL;
+    unsigned char a[16];
+    uint32_t port;
+    struct sockaddr_storage ss;
+    int ok;
+    if (gethostname(name, cap) != 0 || dopt__tcp_is_localhost(name))
+        return snprintf(why, why_cap, "no host name but localhost"), 0;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(name, NULL, &hints, &res) != 0 || res == NULL || res->ai_addrlen > sizeof ss)
+        return snprintf(why, why_cap, "this host's name %s does not resolve", name), 0;
+    memset(&ss, 0, sizeof ss);
+    memcpy(&ss, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    ok = dopt__tcp_from_sockaddr(&ss, a, &port) == 0 && dopt__tcp_is_loopback(a);
+    if (!ok) snprintf(why, why_cap, "this host's name %s resolves to an address that is not loopback", name);
+    return ok;
+}
+
+/* master_addr is this host's name, which resolves to loopback here: a job all on this host runs
+   (rank 0 listens everywhere, the others reach it over loopback); a rank reaching rank 0 through
+   this host's other address, as one of another host would, makes rank 0 refuse the job, saying
+   what the name resolves to, instead of never answering it. */
+DTEST(rank_0_named_by_a_host_name_resolving_to_loopback_refuses_ranks_from_another_host) {
+    loopback_case lc;
+    char name[256], why[320];
+    if (!loopback_hostname(name, sizeof name, why, sizeof why)) DT_SKIP("%s", why);
+    loopback_init(&lc, 2, 2);
+    lc.master[0] = lc.master[1] = name;
+    DT_EQ_INT(dtest_spawn(lc.procs, loopback_proc, &lc, 60), 0);
+    loopback_init(&lc, 2, 2);
+    lc.master[0] = name;
+    lc.master[1] = lc.other;
+    lc.expect[0] = "rank 0: setup: rank 0 would be reached at ";
+    lc.expect[1] = "refused the job: rank 0 would be reached at ";
+    DT_EQ_INT(dtest_spawn(lc.procs, loopback_proc, &lc, 60), 0);
 }
 
 /* The HELLO of a rank of protocol version 2 (its 16-bit version at 4, type at 6, IPv4 address at
