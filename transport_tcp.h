@@ -167,10 +167,10 @@
    - Rank 0, once every rank joined, takes the job to run on its host when every connection
      came from a loopback address, and then loopback addresses serve. When one came from
      another address (another host, as far as rank 0 can tell, even when it is this one), no
-     rank may be reached at a loopback address, rank 0 included: its own address is where it
-     listens, or master_addr when it listens everywhere (so a rank 0 with bind_addr "0.0.0.0"
-     and no master_addr, 127.0.0.1, is refused). If one would be, rank 0 refuses the job: every
-     rank fails at once with DOPT_ERR_INVALID naming that rank and address:
+     rank may be reached at a loopback address, rank 0 included: its own is the address it is
+     told at (INTERFACES), so a rank 0 with bind_addr "0.0.0.0" and no master_addr (127.0.0.1)
+     is refused. If one would be, rank 0 refuses the job: every rank fails at once with
+     DOPT_ERR_INVALID naming that rank and address:
          rank 0: setup: rank 1 would be reached at 127.0.0.1:41000 (it joined from
            127.0.0.1:52114): a loopback address, where other hosts cannot reach it, and rank 2
            joined from 10.0.0.3:40222, which is not one (another host, as far as rank 0 can
@@ -192,21 +192,20 @@
    FUNCTIONS
 
    dopt_tcp_create(&comm, &cfg) joins the world described by cfg and returns when every rank is
-     connected to every other: rank 0 listens on master_addr:master_port (ADDRESSES,
-     INTERFACES, LOOPBACK); the other ranks connect to it (retrying with backoff while it is not
-     up yet), present their rank, world size and token, and receive from rank 0 the table of
-     everyone's listening address; each rank then
-     connects to the ranks below it and accepts the ranks above it, and rank 0 lets all go once
-     all report ready. All of it within cfg->rendezvous_timeout_ms, saying whom it waits for
-     (STARTING UP). A joiner that dies before the job forms does not end it: rank 0 frees its
-     rank, or, once the table has gone out, has every rank start the rendezvous over, and waits
-     for the real one. Rank 0 keeps listening for the communicator's life, so that a late joiner
-     (a second process given a rank already taken) is refused at once, during rank 0's
-     collectives, instead of finding nobody there. On success *comm is a communicator of
-     cfg->world_size ranks (a world of 1 opens no socket) that knows how many ranks share this
-     rank's rendezvous address (dopt_comm_set_host, with the cores online); destroy it with
-     dopt_comm_destroy. On failure *comm is NULL, every socket is closed, and the reason went to
-     cfg->log_fn in exactly one DOPT_LOG_ERROR line. cfg and its strings are read during the
+     connected to every other: rank 0 listens on master_addr:master_port (ADDRESSES, INTERFACES,
+     LOOPBACK); the other ranks connect to it (retrying with backoff while it is not up yet),
+     present their rank, world size and token, and receive from rank 0 the table of everyone's
+     listening address; each rank then connects to the ranks below it and accepts the ranks above
+     it, and rank 0 lets all go once all report ready. All of it within cfg->rendezvous_timeout_ms,
+     saying whom it waits for (STARTING UP). A joiner that dies before the job forms does not end
+     it: rank 0 frees its rank, or, once the table has gone out, has every rank start the
+     rendezvous over, and waits for the real one. Rank 0 keeps listening for the communicator's
+     life, so that a late joiner (a second process given a rank already taken) is refused at once,
+     during rank 0's collectives, instead of finding nobody there. On success *comm is a
+     communicator of cfg->world_size ranks (a world of 1 opens no socket) that knows how many ranks
+     share this rank's rendezvous address (dopt_comm_set_host, with the cores online); destroy it
+     with dopt_comm_destroy. On failure *comm is NULL, every socket is closed, and the reason went
+     to cfg->log_fn in exactly one DOPT_LOG_ERROR line. cfg and its strings are read during the
      call only.
    dopt_tcp_config_from_env(&cfg) sets cfg's fields from the environment (ENVIRONMENT above;
      the strings point into it) and keeps the others, log_fn and log_user included, as the
@@ -272,9 +271,9 @@
                          names port 29500 but master_port is 29501", a socket_ifname that
                          matches no interface (naming those there are: INTERFACES), a loopback
                          address that other hosts would be told (LOOPBACK), or the
-                         environment: ENVIRONMENT), or rank 0
-                         refused this rank: "rank 1 is already taken by 127.0.0.1:41230", it
-                         does not admit that rank, or the world sizes differ.
+                         environment: ENVIRONMENT), or rank 0 refused this rank: "rank 1 is
+                         already taken by 127.0.0.1:41230", it does not admit that rank, or the
+                         world sizes differ.
      DOPT_ERR_AUTH       rank 0 (or a peer) refused this rank's token, or a peer answered with
                          a different token: this process is not part of that job.
      DOPT_ERR_TIMEOUT    not everyone arrived within rendezvous_timeout_ms (rank 0 names the
