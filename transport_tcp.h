@@ -44,20 +44,27 @@
        DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 ./train
 
    Across machines, give every rank DOPT_MASTER_ADDR=<rank 0's address>; each rank listens for
-   its peers on the address of the interface that reached rank 0 (or DOPT_BIND_ADDR).
+   its peers on the address of the interface that reached rank 0, or on the interface that
+   DOPT_SOCKET_IFNAME names (DOPT_SOCKET_IFNAME=eth0), or on DOPT_BIND_ADDR.
 
    CONFIGURATION (dopt_tcp_config; zero means the default)
 
    | field                 | meaning                                                   | zero means         |
    |-----------------------|-----------------------------------------------------------|--------------------|
    | rank, world_size      | this process's rank in [0, world_size); world_size >= 1   | (required)         |
-   | master_addr           | rank 0's IPv4 address or host name                        | "127.0.0.1"        |
+   | master_addr           | rank 0's host name, IPv4 or IPv6 address, optionally with | "127.0.0.1"        |
+   |                       | its port: "node7:29500", "[fd00::1]:29500" (ADDRESSES)    |                    |
    | master_port           | rank 0's rendezvous port. On rank 0, 0 lets the kernel    | rank 0: any free   |
    |                       | pick a free port, reported through on_listen; the other   | port; others: an   |
-   |                       | ranks must be given the real port                         | error              |
+   |                       | ranks must be given the real port (here or in master_addr)| error              |
    | bind_addr             | where this rank listens (rank 0: for everyone; others:    | rank 0: master_addr|
-   |                       | for the ranks above it). "0.0.0.0" listens everywhere     | others: the local  |
-   |                       |                                                           | address toward 0   |
+   |                       | for the ranks above it): name, IPv4 or IPv6 address.      | others: the local  |
+   |                       | "0.0.0.0" or "::" listens on every address of its family  | address toward 0;  |
+   |                       |                                                           | socket_ifname's if |
+   |                       |                                                           | set (INTERFACES)   |
+   | socket_ifname         | the interface(s) to take this rank's address from:        | as bind_addr says  |
+   |                       | "eth" (prefixes), "=eth1" (exact), "^lo,docker" (all but) |                    |
+   |                       | (INTERFACES); bind_addr, when set, wins                   |                    |
    | timeout_ms            | bound on every wait of a collective: it fails when        | 300000 (300 s)     |
    |                       | nothing moved for this long                               |                    |
    | rendezvous_timeout_ms | bound on the whole rendezvous (create), the retries to    | 600000 (10 min)    |
@@ -84,49 +91,129 @@
    |----------------------------|-----------------------|------------------------------------|
    | DOPT_RANK                  | rank                  | yes                                |
    | DOPT_WORLD_SIZE            | world_size            | yes                                |
-   | DOPT_MASTER_ADDR           | master_addr           | no (127.0.0.1)                     |
+   | DOPT_MASTER_ADDR           | master_addr           | no (127.0.0.1); may carry the port |
    | DOPT_MASTER_PORT           | master_port           | yes when the world is > 1 (on rank |
    |                            |                       | 0, unless the config has on_listen)|
+   |                            |                       | and DOPT_MASTER_ADDR has no port   |
    | DOPT_TIMEOUT_MS            | timeout_ms            | no (the config's, else 300000)     |
    | DOPT_RENDEZVOUS_TIMEOUT_MS | rendezvous_timeout_ms | no (the config's, else 600000)     |
    | DOPT_TOKEN                 | token                 | no ("")                            |
    | DOPT_BIND_ADDR             | bind_addr             | no                                 |
+   | DOPT_SOCKET_IFNAME         | socket_ifname         | no                                 |
 
    The variables that describe the job (rank, world size, where rank 0 is, the token, where to
-   listen) come from the environment alone, unset ones meaning the default; the timeouts only
-   when set. Every other field is the caller's. A value that does not fit is refused with one
-   DOPT_LOG_ERROR line through the config's log_fn naming the variable, its value and the rule:
+   listen, on which interface) come from the environment alone, unset ones meaning the default;
+   the timeouts only when set. Every other field is the caller's. A value that does not fit is
+   refused with one DOPT_LOG_ERROR line through the config's log_fn naming the variable, its
+   value and the rule:
        DOPT_WORLD_SIZE="abc" is not a number
        DOPT_RANK=2 is not below DOPT_WORLD_SIZE=2
        DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it)
        DOPT_MASTER_PORT is not set: rank 1 needs rank 0's port
        DOPT_MASTER_PORT=70000 is above 65535
+       DOPT_MASTER_ADDR="[fd00::1]:29500" names port 29500 but DOPT_MASTER_PORT=29501
        DOPT_TOKEN is 70 bytes long, more than 64
+
+   ADDRESSES
+
+   IPv4 and IPv6 alike. master_addr (DOPT_MASTER_ADDR) is a host name, an IPv4 or an IPv6
+   address, optionally with rank 0's port attached: "node7", "node7:29500", "10.0.0.1",
+   "10.0.0.1:29500", "fd00::1", "[fd00::1]", "[fd00::1]:29500" (an IPv6 address without
+   brackets has no port). An attached port stands for master_port; both set and different is an
+   error naming both. bind_addr (DOPT_BIND_ADDR) takes the same forms without a port; "0.0.0.0"
+   and "::" listen on every address of that family (the others then reach the rank at the
+   address its connection to rank 0 came from). A name is resolved with getaddrinfo, either
+   family, and its first address is used, in the order the resolver gives (RFC 6724's, which
+   puts destinations this host cannot reach last; /etc/gai.conf changes it); write an address to
+   choose another. Link-local IPv6 addresses (fe80::/10) are refused: they need an interface
+   scope the other ranks cannot be told. Each socket is made of its address's family (AF_INET or
+   AF_INET6, never a dual-stack socket), so an IPv4 job runs on hosts booted with IPv6 disabled.
+   Messages print addresses as 10.0.0.1:29500 or [fd00::1]:29500.
+
+   INTERFACES
+
+   socket_ifname (DOPT_SOCKET_IFNAME) chooses the network interface whose address a rank listens
+   on and is reached at, with NCCL_SOCKET_IFNAME's rule: a comma-separated list of interface
+   name prefixes ("eth" is eth0, eth1, ...; "eth,ib"), exact names after a leading "="
+   ("=eth1"), every interface but those after a leading "^" ("^lo,docker"; "^=" for exact
+   names). Of the interfaces it matches, the first in the system's order (getifaddrs'; on Linux
+   `ip link`'s) that is up with an IPv4 or IPv6 address (link-local IPv6 aside) is chosen. On
+   an interface with both, its IPv4 address is chosen unless the master address is IPv6 (then
+   its IPv6 one): the job keeps to one family where it can. Where each rank listens:
+   - rank 0: bind_addr if set; else master_addr if set (every address of its family when it is
+     a name this host resolves to loopback: LOOPBACK); else socket_ifname's address if set
+     (IPv4 first); else 127.0.0.1. Listening everywhere (a wildcard bind_addr, "0.0.0.0" or
+     "::", or that name), it is told to the others as socket_ifname's address if set, else as
+     master_addr.
+   - the others: bind_addr if set; else socket_ifname's address if set; else the local address
+     of their connection to rank 0 (the interface that reached it).
+   So bind_addr, set explicitly, wins over socket_ifname. A socket_ifname that matches no such
+   interface is DOPT_ERR_INVALID naming the interfaces there are and their addresses:
+       rank 1: setup: socket_ifname "=eth9" matches no interface that is up with an IPv4 or
+         IPv6 address; this host has lo 127.0.0.1 ::1, eth0 10.0.0.2 fd00::2, docker0 (down)
+
+   LOOPBACK: NEVER TOLD TO ANOTHER HOST
+
+   A loopback address (127.0.0.0/8, ::1) is, on every host, that host: a rank of another host
+   told to connect to one would connect to itself and wait. The rule, which never lets a job
+   wait for the rendezvous timeout because of it:
+   - A rank other than 0 that reaches rank 0 at an address that is not loopback (so ranks may
+     run on other hosts) refuses to be reached at a loopback address, before it connects:
+         rank 1: setup: this rank would be reached at 127.0.0.1 (socket_ifname "lo": interface
+           lo): a loopback address, where other hosts cannot reach it, and it reaches rank 0 at
+           10.0.0.1:29500, which is not one (ranks may run on other hosts); give it an address
+           other hosts reach: DOPT_SOCKET_IFNAME=<interface> or DOPT_BIND_ADDR=<address> (or,
+           when every rank runs on this host, DOPT_MASTER_ADDR=127.0.0.1)
+   - Rank 0, once every rank joined, takes the job to run on its host when every connection
+     came from a loopback address, and then loopback addresses serve. When one came from
+     another address (another host, as far as rank 0 can tell, even when it is this one), no
+     rank may be reached at a loopback address, rank 0 included: its own is the address it is
+     told at (INTERFACES), so a rank 0 with bind_addr "0.0.0.0" and no master_addr (127.0.0.1)
+     is refused. If one would be, rank 0 refuses the job: every rank fails at once with
+     DOPT_ERR_INVALID naming that rank and address:
+         rank 0: setup: rank 1 would be reached at 127.0.0.1:41000 (it joined from
+           127.0.0.1:52114): a loopback address, where other hosts cannot reach it, and rank 2
+           joined from 10.0.0.3:40222, which is not one (another host, as far as rank 0 can
+           tell); give it an address other hosts reach: DOPT_MASTER_ADDR=<rank 0's address as
+           other hosts reach it>, DOPT_SOCKET_IFNAME=<interface> or DOPT_BIND_ADDR=<address>
+         rank 2: setup: rank 0 at 10.0.0.1:29500 refused the job: rank 1 would be reached at
+           127.0.0.1:41000, a loopback address, and ranks joined from other hosts, ...
+   - A master_addr that is a name (not an address, not localhost) that rank 0's host resolves
+     to a loopback address, the /etc/hosts line "127.0.1.1 node7" of many distributions while
+     the other hosts resolve node7 to its real address, makes rank 0 listen on every address of
+     that family: the ranks of other hosts reach it and are refused at once as above ("rank 0
+     would be reached at 127.0.1.1:29500 (master_addr "node7", which this host resolves to
+     127.0.1.1)"), instead of retrying a port nobody listens on. With socket_ifname set, rank 0
+     is told at that interface's address instead, and the job runs.
+   Not caught: a rank 0 given a loopback address as such (master_addr 127.0.0.1, or unset, with
+   no bind_addr) listens there only, so ranks of other hosts, told its real address, cannot
+   connect at all: they say so ("Connection refused") every report until the rendezvous timeout.
 
    FUNCTIONS
 
    dopt_tcp_create(&comm, &cfg) joins the world described by cfg and returns when every rank is
-     connected to every other: rank 0 listens on master_addr:master_port; the other ranks connect
-     to it (retrying with backoff while it is not up yet), present their rank, world size and
-     token, and receive from rank 0 the table of everyone's listening address; each rank then
-     connects to the ranks below it and accepts the ranks above it, and rank 0 lets all go once
-     all report ready. All of it within cfg->rendezvous_timeout_ms, saying whom it waits for
-     (STARTING UP). A joiner that dies before the job forms does not end it: rank 0 frees its
-     rank, or, once the table has gone out, has every rank start the rendezvous over, and waits
-     for the real one. Rank 0 keeps listening for the communicator's life, so that a late joiner
-     (a second process given a rank already taken) is refused at once, during rank 0's
-     collectives, instead of finding nobody there. On success *comm is a communicator of
-     cfg->world_size ranks (a world of 1 opens no socket) that knows how many ranks share this
-     rank's rendezvous address (dopt_comm_set_host, with the cores online); destroy it with
-     dopt_comm_destroy. On failure *comm is NULL, every socket is closed, and the reason went to
-     cfg->log_fn in exactly one DOPT_LOG_ERROR line. cfg and its strings are read during the
+     connected to every other: rank 0 listens on master_addr:master_port (ADDRESSES, INTERFACES,
+     LOOPBACK); the other ranks connect to it (retrying with backoff while it is not up yet),
+     present their rank, world size and token, and receive from rank 0 the table of everyone's
+     listening address; each rank then connects to the ranks below it and accepts the ranks above
+     it, and rank 0 lets all go once all report ready. All of it within cfg->rendezvous_timeout_ms,
+     saying whom it waits for (STARTING UP). A joiner that dies before the job forms does not end
+     it: rank 0 frees its rank, or, once the table has gone out, has every rank start the
+     rendezvous over, and waits for the real one. Rank 0 keeps listening for the communicator's
+     life, so that a late joiner (a second process given a rank already taken) is refused at once,
+     during rank 0's collectives, instead of finding nobody there. On success *comm is a
+     communicator of cfg->world_size ranks (a world of 1 opens no socket) that knows how many ranks
+     share this rank's rendezvous address (dopt_comm_set_host, with the cores online); destroy it
+     with dopt_comm_destroy. On failure *comm is NULL, every socket is closed, and the reason went
+     to cfg->log_fn in exactly one DOPT_LOG_ERROR line. cfg and its strings are read during the
      call only.
    dopt_tcp_config_from_env(&cfg) sets cfg's fields from the environment (ENVIRONMENT above;
      the strings point into it) and keeps the others, log_fn and log_user included, as the
-     caller set them: zero cfg first, or start from a config of your own. DOPT_ERR_INVALID, said
+     caller set them: zero cfg first, or start from a config of your own. A port attached to
+     DOPT_MASTER_ADDR sets master_port (master_addr keeps the whole text). DOPT_ERR_INVALID, said
      through cfg->log_fn, when a required variable is missing, a number is malformed or out of
-     range, the rank is not below the world size, or the token is too long; cfg is then left as
-     it was.
+     range, the rank is not below the world size, DOPT_MASTER_ADDR does not parse or its port
+     differs from DOPT_MASTER_PORT, or the token is too long; cfg is then left as it was.
    dopt_tcp_create_from_env(&comm, base) is the two above in one call, starting from *base (NULL:
      a zero config): what the environment does not set (log_fn, log_user, on_listen, spin_us,
      socket_buffer_bytes, small_bytes, a timeout whose variable is unset) is base's.
@@ -179,10 +266,14 @@
 
    From create (the detail, "rank R: setup: ...", goes to cfg->log_fn, once):
      DOPT_ERR_INVALID    a bad configuration ("tcp: invalid configuration: rank 2 is outside
-                         0..1", no master_port on a rank other than 0, token too long,
-                         unresolvable address, or the environment: ENVIRONMENT), or rank 0
-                         refused this rank: "rank 1 is already taken by 127.0.0.1:41230", it
-                         does not admit that rank, or the world sizes differ.
+                         0..1", no master_port on a rank other than 0, token too long, an
+                         address that does not parse or resolve, "master_addr \"[::1]:29500\"
+                         names port 29500 but master_port is 29501", a socket_ifname that
+                         matches no interface (naming those there are: INTERFACES), a loopback
+                         address that other hosts would be told (LOOPBACK), or the
+                         environment: ENVIRONMENT), or rank 0 refused this rank: "rank 1 is
+                         already taken by 127.0.0.1:41230", it does not admit that rank, or the
+                         world sizes differ.
      DOPT_ERR_AUTH       rank 0 (or a peer) refused this rank's token, or a peer answered with
                          a different token: this process is not part of that job.
      DOPT_ERR_TIMEOUT    not everyone arrived within rendezvous_timeout_ms (rank 0 names the
@@ -192,7 +283,9 @@
      DOPT_ERR_PEER_LOST  rank 0 failed during the rendezvous (it then closes every connection,
                          so every rank stops at once instead of at its bound), or a connection
                          to another rank ended and rank 0 did not start over within 2 s.
-     DOPT_ERR_PROTOCOL   a peer spoke another protocol version or sent malformed records.
+     DOPT_ERR_PROTOCOL   a peer spoke another protocol version ("rank 0 at 10.0.0.1:29500
+                         speaks protocol version 2, this rank version 3 (another release of
+                         distopt: give every rank the same one)") or sent malformed records.
      DOPT_ERR_IO         a socket call failed: "cannot listen on 127.0.0.1:29500: Address
                          already in use".
      DOPT_ERR_NOMEM      an allocation failed.
@@ -278,30 +371,41 @@
    happens or the timeout. Blocking round trips cost ~65 us on a VM, spinning ones ~8 us; the
    yield keeps oversubscribed worlds (more ranks than cores) and loopback softirqs moving.
 
-   WIRE FORMAT (all integers little-endian; protocol version DOPT_TCP_PROTOCOL_VERSION = 2)
+   WIRE FORMAT (all integers little-endian; protocol version DOPT_TCP_PROTOCOL_VERSION = 3)
+
+   An address on the wire is 16 bytes in network order: IPv6 as it is, IPv4 as its IPv4-mapped
+   IPv6 form ::ffff:a.b.c.d.
 
    Handshake record, 96 bytes, the only thing exchanged before a connection is admitted:
        off size  field
          0    4  magic "DOPT"
-         4    2  protocol version (2)
-         6    2  type: 1 HELLO, 2 ACCEPT, 3 REFUSE, 4 WELCOME, 5 READY, 6 GO, 7 AGAIN
+         4    1  protocol version (3)
+         5    1  type: 1 HELLO, 2 ACCEPT, 3 REFUSE, 4 WELCOME, 5 READY, 6 GO, 7 AGAIN
+         6    2  HELLO: sender's listening port. REFUSE for a rank taken: the port the
+                 connection holding it came from; for a loopback (6): that rank's port; 0 on
+                 every other type
          8    4  world size (>= 1)
         12    4  sender's rank (< world size)
-        16    4  HELLO: sender's listening IPv4 address, network order (0.0.0.0: use the
-                 address the connection came from). REFUSE for a rank taken: the address
-                 the connection holding it came from
-        20    2  HELLO: sender's listening port. REFUSE for a rank taken: that connection's
-                 port
-        22    2  REFUSE: reason (1 token, 2 world size, 3 rank not expected, 4 rank taken,
-                 5 version); 0 on every other type
-        24    8  reserved, zero
-        32   64  HELLO and ACCEPT: job token, zero-padded (compared in constant time);
-                 zero on every other type
+        16   16  HELLO: sender's listening address (:: or ::ffff:0.0.0.0, a wildcard: use
+                 the address the connection came from). REFUSE for a rank taken: the address
+                 the connection holding it came from; for a loopback (6): that address; zero
+                 on every other type
+        32   64  HELLO and ACCEPT: job token, zero-padded (compared in constant time).
+                 REFUSE: 2 bytes the reason (1 token, 2 world size, 3 rank not expected,
+                 4 rank taken, 5 version, 6 loopback: a rank would be reached at the
+                 loopback address at 16, port at 6, by ranks of other hosts), 2 zero, 4 the
+                 rank the refusal is about (reason 6: that rank; else 0), 56 zero. Zero on
+                 every other type
+   Version 2 had its version as 16 bits at offset 4: a rank of version 2 reads 3 + 256 x type
+   there, another version, and refuses; a version 2 HELLO (bytes 4-5 = 2, 0) is answered with a
+   REFUSE in version 2's layout (version 2 at 4, type 3 at 6, reason 5 at 22) so that its rank
+   reports "different protocol version". Either side fails at once with DOPT_ERR_PROTOCOL.
    Setup: a rank connects, sends HELLO; the acceptor answers ACCEPT (with its own token, which
-   the connector checks too) or REFUSE and closes. Rank 0 sends each rank WELCOME followed by
-   size entries of 8 bytes (IPv4 address 4 bytes network order, port 2, reserved 2 = 0), the
-   listening addresses of all ranks. Each rank k then connects to ranks 1..k-1 (HELLO/ACCEPT),
-   accepts ranks k+1..size-1, sends READY to rank 0, and waits for GO. When a rank's connection
+   the connector checks too) or REFUSE and closes. Once all joined, rank 0 sends each rank
+   REFUSE (6) when the table would break LOOPBACK's rule, else WELCOME followed by size entries
+   of 20 bytes (address 16 bytes, port 2, reserved 2 = 0), the listening addresses of all
+   ranks. Each rank k then connects to ranks 1..k-1 (HELLO/ACCEPT), accepts ranks
+   k+1..size-1, sends READY to rank 0, and waits for GO. When a rank's connection
    to rank 0 ends before GO, rank 0 sends every other rank AGAIN and closes their connections;
    they close all of theirs and join again from the HELLO. Rank 0 answers HELLOs (ACCEPT or
    REFUSE) on its listening socket as long as its communicator lives.
@@ -309,7 +413,7 @@
    Frame header, 48 bytes, before every payload; validated whole before any payload is used:
        off size  field
          0    4  magic "DOPF"
-         4    1  protocol version (2)
+         4    1  protocol version (3)
          5    1  type: 1 DATA, 2 ABORT, 3 GOODBYE
          6    1  collective: 1 allreduce, 2 allgather, 3 allgatherv, 4 broadcast, 5 barrier
                  (0 only on GOODBYE)
@@ -349,16 +453,20 @@
 extern "C" {
 #endif
 
-#define DOPT_TCP_PROTOCOL_VERSION 2
+#define DOPT_TCP_PROTOCOL_VERSION 3
 #define DOPT_TCP_TOKEN_MAX 64 /* bytes of a job token */
 
 typedef struct dopt_tcp_config {
     int rank;                  /* this process's rank, 0 .. world_size - 1 */
     int world_size;            /* number of ranks, >= 1 */
-    const char *master_addr;   /* rank 0's IPv4 address or host name; NULL: "127.0.0.1" */
+    const char *master_addr;   /* rank 0's host name, IPv4 or IPv6 address, optionally with its port
+                                  ("host:29500", "[fd00::1]:29500"); NULL: "127.0.0.1" */
     int master_port;           /* rank 0's rendezvous port; 0 on rank 0: any free port (on_listen) */
-    const char *bind_addr;     /* where this rank listens; NULL: rank 0 master_addr, others the
-                                  local address of their connection to rank 0 */
+    const char *bind_addr;     /* where this rank listens (a name, IPv4 or IPv6 address); NULL: rank 0
+                                  master_addr, others the local address of their connection to rank 0 */
+    const char *socket_ifname; /* the interface whose address this rank listens on and is reached at:
+                                  "eth" (prefixes), "=eth1" (names), "^lo,docker" (all but); NULL: as
+                                  bind_addr says (INTERFACES) */
     int timeout_ms;            /* bound on every wait, rendezvous included; 0: 300000 */
     const char *token;         /* job token, at most DOPT_TCP_TOKEN_MAX bytes; NULL: "" */
     int socket_buffer_bytes;   /* SO_SNDBUF and SO_RCVBUF; 0: the kernel's autotuning */
@@ -393,9 +501,12 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
 #if defined(DISTOPT_IMPLEMENTATION) && !defined(DOPT__TCP_IMPLEMENTED)
 #define DOPT__TCP_IMPLEMENTED
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <limits.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -405,6 +516,7 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -422,7 +534,9 @@ extern "C" {
 
 #define DOPT__TCP_FRAME_BYTES 48          /* every frame header */
 #define DOPT__TCP_HS_BYTES 96             /* every handshake record */
-#define DOPT__TCP_ENTRY_BYTES 8           /* one rank's listening address in the peer table */
+#define DOPT__TCP_ENTRY_BYTES 20          /* one rank's listening address in the peer table */
+#define DOPT__TCP_ADDR_CHARS 64           /* "[ffff:...:255.255.255.255]:65535" and its NUL */
+#define DOPT__TCP_HOST_MAX 256            /* the host part of master_addr or bind_addr, NUL included */
 #define DOPT__TCP_STAGE_BYTES (256u << 10) /* per-peer receive staging buffer */
 #define DOPT__TCP_DIRECT_MIN (64u << 10)  /* copied payloads at least this long skip the stage */
 #define DOPT__TCP_SMALL_DEFAULT (64u << 10)
@@ -434,6 +548,9 @@ extern "C" {
 #define DOPT__TCP_REPORT_DEFAULT_MS 5000
 #define DOPT__TCP_VERDICT_MS 2000         /* a rank whose peer connection failed in setup waits for rank 0's word */
 #define DOPT__TCP_RESTART ((dopt_status)1) /* private: rank 0 said AGAIN, the rendezvous starts over */
+#define DOPT__TCP_LOOPBACK_ADVICE /* the end of a refusal for a loopback address (LOOPBACK) */ \
+    "give it an address other hosts reach: DOPT_MASTER_ADDR=<rank 0's address as other hosts reach it>, " \
+    "DOPT_SOCKET_IFNAME=<interface> or DOPT_BIND_ADDR=<address>"
 
 enum { DOPT__TCP_DATA = 1, DOPT__TCP_ABORT = 2, DOPT__TCP_GOODBYE = 3 };
 enum {
@@ -450,7 +567,8 @@ enum {
     DOPT__TCP_WRONG_WORLD = 2,
     DOPT__TCP_WRONG_RANK = 3,
     DOPT__TCP_DUPLICATE_RANK = 4,
-    DOPT__TCP_WRONG_VERSION = 5
+    DOPT__TCP_WRONG_VERSION = 5,
+    DOPT__TCP_LOOPBACK = 6 /* a rank would be told to other hosts at a loopback address (LOOPBACK) */
 };
 
 /* ===================================================================== STATE */
@@ -469,9 +587,9 @@ typedef struct dopt__tcp_op {
 
 typedef struct dopt__tcp_peer {
     int fd;
-    unsigned char addr[4];      /* listening address, IPv4 in network order (setup) */
+    unsigned char addr[16];     /* listening address (setup; see ADDRESSES) */
     uint32_t port;
-    unsigned char from[4];      /* where its connection to this rank came from (an acceptor's view) */
+    unsigned char from[16];     /* where its connection to this rank came from (an acceptor's view) */
     uint32_t from_port;
     unsigned char *stage;       /* bytes received but not yet consumed are [lo, hi) */
     size_t lo, hi;
@@ -494,7 +612,7 @@ typedef struct dopt__tcp_pending {
     int fd;
     size_t got;
     unsigned char rec[DOPT__TCP_HS_BYTES];
-    unsigned char addr[4];
+    unsigned char addr[16];
     uint32_t port;
 } dopt__tcp_pending;
 
@@ -557,60 +675,276 @@ static int dopt__tcp_ms_left(double deadline) {
     return (int)left + 1;
 }
 
-static void dopt__tcp_addr_str(const unsigned char addr[4], uint32_t port, char *out, size_t cap) {
-    snprintf(out, cap, "%u.%u.%u.%u:%u", addr[0], addr[1], addr[2], addr[3], (unsigned)port);
+/* ===================================================================== ADDRESSES
+
+   An address is 16 bytes in network order: an IPv6 address as it is, an IPv4 address in its
+   IPv4-mapped form ::ffff:a.b.c.d, so that one field of a record or the peer table holds either.
+   A socket is made of the family its address is (AF_INET for a mapped one), never a dual-stack
+   AF_INET6 socket, which a host booted with IPv6 disabled cannot make. */
+
+static const unsigned char dopt__tcp_v4_prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+
+static int dopt__tcp_is_v4(const unsigned char a[16]) { return memcmp(a, dopt__tcp_v4_prefix, 12) == 0; }
+
+static void dopt__tcp_set_v4(unsigned char a[16], const void *in4) {
+    memcpy(a, dopt__tcp_v4_prefix, 12);
+    memcpy(a + 12, in4, 4);
+}
+
+/* 0.0.0.0 or ::, where a rank listens on every address of that family */
+static int dopt__tcp_is_any(const unsigned char a[16]) {
+    return dopt__tcp_is_v4(a) ? dopt__tcp_all_zero(a + 12, 4) : dopt__tcp_all_zero(a, 16);
+}
+
+/* 127.0.0.0/8 or ::1: this host, on every host */
+static int dopt__tcp_is_loopback(const unsigned char a[16]) {
+    return dopt__tcp_is_v4(a) ? a[12] == 127 : dopt__tcp_all_zero(a, 15) && a[15] == 1;
+}
+
+/* fe80::/10 means something only with an interface scope, which no record carries */
+static int dopt__tcp_is_link_local(const unsigned char a[16]) { return a[0] == 0xfe && (a[1] & 0xc0) == 0x80; }
+
+/* "1.2.3.4" or "fd00::1" */
+static void dopt__tcp_host_str(const unsigned char a[16], char *out, size_t cap) {
+    char text[INET6_ADDRSTRLEN];
+    if (inet_ntop(dopt__tcp_is_v4(a) ? AF_INET : AF_INET6, dopt__tcp_is_v4(a) ? a + 12 : a, text, sizeof text) == NULL)
+        snprintf(text, sizeof text, "?");
+    snprintf(out, cap, "%s", text);
+}
+
+/* "1.2.3.4:29500" or "[fd00::1]:29500" */
+static void dopt__tcp_addr_str(const unsigned char a[16], uint32_t port, char *out, size_t cap) {
+    char host[INET6_ADDRSTRLEN];
+    dopt__tcp_host_str(a, host, sizeof host);
+    snprintf(out, cap, dopt__tcp_is_v4(a) ? "%s:%u" : "[%s]:%u", host, (unsigned)port);
+}
+
+/* The socket address of a:port, of a's family; returns its length. */
+static socklen_t dopt__tcp_sockaddr(struct sockaddr_storage *ss, const unsigned char a[16], uint32_t port) {
+    memset(ss, 0, sizeof *ss);
+    if (dopt__tcp_is_v4(a)) {
+        struct sockaddr_in *sa = (struct sockaddr_in *)(void *)ss;
+        sa->sin_family = AF_INET;
+        sa->sin_port = htons((uint16_t)port);
+        memcpy(&sa->sin_addr.s_addr, a + 12, 4);
+        return (socklen_t)sizeof *sa;
+    } else {
+        struct sockaddr_in6 *sa = (struct sockaddr_in6 *)(void *)ss;
+        sa->sin6_family = AF_INET6;
+        sa->sin6_port = htons((uint16_t)port);
+        memcpy(&sa->sin6_addr, a, 16);
+        return (socklen_t)sizeof *sa;
+    }
+}
+
+/* The address and port of an IPv4 or IPv6 socket address; 0, or -1 for another family. */
+static int dopt__tcp_from_sockaddr(const struct sockaddr_storage *ss, unsigned char a[16], uint32_t *port) {
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *sa = (const struct sockaddr_in *)(const void *)ss;
+        dopt__tcp_set_v4(a, &sa->sin_addr.s_addr);
+        *port = ntohs(sa->sin_port);
+        return 0;
+    }
+    if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *sa = (const struct sockaddr_in6 *)(const void *)ss;
+        memcpy(a, &sa->sin6_addr, 16);
+        *port = ntohs(sa->sin6_port);
+        return 0;
+    }
+    return -1;
+}
+
+/* Splits master_addr or bind_addr text into its host and its port (0: none). The forms: "host",
+   "host:29500", "1.2.3.4", "1.2.3.4:29500", "fd00::1" (two colons or more: an IPv6 address,
+   which carries no port), "[fd00::1]" and "[fd00::1]:29500". NULL, or what is wrong with it, to
+   follow its quoted text in a message. */
+static const char *dopt__tcp_split_addr(const char *text, char *host, size_t cap, int *port) {
+    const char *end = text + strlen(text), *colon = strrchr(text, ':'), *port_text = NULL;
+    size_t len;
+    *port = 0;
+    if (*text == '[') {
+        const char *bracket = strchr(text, ']');
+        if (bracket == NULL) return "has a '[' without its ']'";
+        if (bracket[1] != '\0' && bracket[1] != ':') return "has text after its ']' that is not :port";
+        if (bracket[1] == ':') port_text = bracket + 2;
+        text++;
+        end = bracket;
+    } else if (colon && strchr(text, ':') == colon) { /* exactly one colon: host:port */
+        port_text = colon + 1;
+        end = colon;
+    }
+    len = (size_t)(end - text);
+    if (len == 0) return "has no host";
+    if (len >= cap) return "is too long";
+    memcpy(host, text, len);
+    host[len] = '\0';
+    if (port_text) {
+        long v = 0;
+        const char *p;
+        for (p = port_text; *p >= '0' && *p <= '9' && v <= 65535; p++) v = v * 10 + (*p - '0');
+        if (p == port_text || *p != '\0' || v < 1 || v > 65535) return "has a port that is not a number in 1..65535";
+        *port = (int)v;
+    }
+    return NULL;
+}
+
+/* ===================================================================== INTERFACES (socket_ifname) */
+
+/* 1 when socket_ifname's list chooses interface `name`. NCCL_SOCKET_IFNAME's rule: a
+   comma-separated list of name prefixes ("eth": eth0, eth1, ...); a leading "=" makes them exact
+   names; a leading "^" chooses every interface but those ("^=" for exact names). */
+static int dopt__tcp_ifname_match(const char *spec, const char *name) {
+    int exclude = 0, exact = 0, hit = 0;
+    if (*spec == '^') exclude = 1, spec++;
+    if (*spec == '=') exact = 1, spec++;
+    while (*spec && !hit) {
+        size_t len = strcspn(spec, ",");
+        if (len > 0 && strncmp(name, spec, len) == 0) hit = !exact || name[len] == '\0';
+        spec += len + (spec[len] == ',');
+    }
+    return hit != exclude;
+}
+
+/* 1 when the list names at least one interface or prefix ("", "^", "=," name none). */
+static int dopt__tcp_ifname_valid(const char *spec) {
+    if (*spec == '^') spec++;
+    if (*spec == '=') spec++;
+    return spec[strspn(spec, ",")] != '\0';
+}
+
+/* The address of an interface entry that a rank can listen on and tell the others about: IPv4 or
+   IPv6 but link-local (ADDRESSES), on an interface that is up. 1 when there is one (in a). */
+static int dopt__tcp_if_usable(const struct ifaddrs *i, unsigned char a[16]) {
+    struct sockaddr_storage ss;
+    uint32_t port;
+    size_t len;
+    if (i->ifa_addr == NULL || !(i->ifa_flags & IFF_UP)) return 0;
+    if (i->ifa_addr->sa_family == AF_INET) len = sizeof(struct sockaddr_in);
+    else if (i->ifa_addr->sa_family == AF_INET6) len = sizeof(struct sockaddr_in6);
+    else return 0;
+    memset(&ss, 0, sizeof ss);
+    memcpy(&ss, i->ifa_addr, len);
+    return dopt__tcp_from_sockaddr(&ss, a, &port) == 0 && !dopt__tcp_is_link_local(a);
+}
+
+/* getifaddrs lists an interface's entries (link, IPv4, IPv6) apart: 1 for the first entry of its
+   name, which stands for the interface, in the system's order (on Linux `ip link`'s). */
+static int dopt__tcp_if_first(const struct ifaddrs *list, const struct ifaddrs *i) {
+    const struct ifaddrs *j;
+    for (j = list; j != i; j = j->ifa_next)
+        if (strcmp(j->ifa_name, i->ifa_name) == 0) return 0;
+    return 1;
+}
+
+/* Interface i's usable address, of the family asked for (want_v6) when it has both; the first of
+   that family as listed. 1 when it has one. */
+static int dopt__tcp_if_addr(const struct ifaddrs *i, int want_v6, unsigned char addr[16]) {
+    const struct ifaddrs *j;
+    int found = 0;
+    for (j = i; j; j = j->ifa_next) {
+        unsigned char a[16];
+        if (strcmp(j->ifa_name, i->ifa_name) != 0 || !dopt__tcp_if_usable(j, a)) continue;
+        if (!found || (dopt__tcp_is_v4(addr) == want_v6 && dopt__tcp_is_v4(a) != want_v6)) memcpy(addr, a, 16);
+        found = 1;
+    }
+    return found;
+}
+
+/* "lo 127.0.0.1 ::1, eth0 192.0.2.2 fd00::2, ifb0 (down)": every interface and the addresses a
+   rank could use there, for a message that says what to choose from. */
+static void dopt__tcp_if_list(const struct ifaddrs *list, char *out, size_t cap) {
+    const struct ifaddrs *i, *j;
+    size_t used = 0;
+    int listed = 0, left = 0;
+    out[0] = '\0';
+    for (i = list; i; i = i->ifa_next) {
+        char part[256];
+        size_t n;
+        int addrs = 0, up = 0;
+        if (!dopt__tcp_if_first(list, i)) continue;
+        n = (size_t)snprintf(part, sizeof part, "%s%s", listed ? ", " : "", i->ifa_name);
+        for (j = i; j; j = j->ifa_next) {
+            unsigned char a[16];
+            char host[INET6_ADDRSTRLEN];
+            if (strcmp(j->ifa_name, i->ifa_name) != 0) continue;
+            up |= (j->ifa_flags & IFF_UP) != 0;
+            if (!dopt__tcp_if_usable(j, a) || n + sizeof host + 2 > sizeof part) continue;
+            dopt__tcp_host_str(a, host, sizeof host);
+            n += (size_t)snprintf(part + n, sizeof part - n, " %s", host);
+            addrs++;
+        }
+        if (addrs == 0) n += (size_t)snprintf(part + n, sizeof part - n, up ? " (no usable address)" : " (down)");
+        if (used + n + 16 < cap) {
+            memcpy(out + used, part, n + 1);
+            used += n;
+            listed++;
+        } else {
+            left++;
+        }
+    }
+    if (left) snprintf(out + used, cap - used, " and %d more", left);
 }
 
 /* ===================================================================== HANDSHAKE RECORDS */
 
 /* Every handshake message is one fixed 96-byte record (layout in the manual above). */
 typedef struct dopt__tcp_hs {
-    uint32_t version, type, world, rank, port, reason;
-    unsigned char addr[4];
+    uint32_t version, type, world, rank, port, reason, subject;
+    unsigned char addr[16];
     unsigned char token[DOPT_TCP_TOKEN_MAX];
 } dopt__tcp_hs;
 
 static void dopt__tcp_hs_encode(unsigned char *out, const dopt__tcp_hs *h) {
     memset(out, 0, DOPT__TCP_HS_BYTES);
     memcpy(out, "DOPT", 4);
-    dopt__put_le16(out + 4, h->version);
-    dopt__put_le16(out + 6, h->type);
+    out[4] = (unsigned char)h->version;
+    out[5] = (unsigned char)h->type;
+    dopt__put_le16(out + 6, h->port);
     dopt__put_le32(out + 8, h->world);
     dopt__put_le32(out + 12, h->rank);
-    memcpy(out + 16, h->addr, 4);
-    dopt__put_le16(out + 20, h->port);
-    dopt__put_le16(out + 22, h->reason);
-    memcpy(out + 32, h->token, DOPT_TCP_TOKEN_MAX);
+    memcpy(out + 16, h->addr, 16);
+    if (h->type == DOPT__TCP_REFUSE) { /* a refusal carries no token: its reason takes the place */
+        dopt__put_le16(out + 32, h->reason);
+        dopt__put_le32(out + 36, h->subject);
+    } else {
+        memcpy(out + 32, h->token, DOPT_TCP_TOKEN_MAX);
+    }
 }
 
 /* NULL when in[0..96) is a well-formed record of this protocol version, else why not. h->version
-   is filled even when the version is not ours, so that an acceptor can answer "wrong version". */
+   is filled even when the version is not ours, so that an acceptor can answer "wrong version"
+   (a record of version 2 has its 16-bit version there: 2, then a zero byte). */
 static const char *dopt__tcp_hs_decode(const unsigned char *in, dopt__tcp_hs *h) {
     memset(h, 0, sizeof *h);
     if (memcmp(in, "DOPT", 4) != 0) return "bad magic";
-    h->version = dopt__get_le16(in + 4);
+    h->version = in[4];
     if (h->version != DOPT_TCP_PROTOCOL_VERSION) return "unknown protocol version";
-    h->type = dopt__get_le16(in + 6);
+    h->type = in[5];
+    h->port = dopt__get_le16(in + 6);
     h->world = dopt__get_le32(in + 8);
     h->rank = dopt__get_le32(in + 12);
-    memcpy(h->addr, in + 16, 4);
-    h->port = dopt__get_le16(in + 20);
-    h->reason = dopt__get_le16(in + 22);
-    memcpy(h->token, in + 32, DOPT_TCP_TOKEN_MAX);
+    memcpy(h->addr, in + 16, 16);
     if (h->type < DOPT__TCP_HELLO || h->type > DOPT__TCP_AGAIN) return "unknown record type";
-    if (!dopt__tcp_all_zero(in + 24, 8)) return "reserved bytes are not zero";
     if (h->world < 1 || h->world > (uint32_t)INT_MAX) return "world size out of range";
     if (h->rank >= h->world) return "rank not below the world size";
-    if ((h->type == DOPT__TCP_REFUSE) != (h->reason != 0)) return "refusal reason on the wrong record";
-    if (h->reason > DOPT__TCP_WRONG_VERSION) return "unknown refusal reason";
+    if (h->type != DOPT__TCP_REFUSE) {
+        memcpy(h->token, in + 32, DOPT_TCP_TOKEN_MAX);
+        return NULL;
+    }
+    h->reason = dopt__get_le16(in + 32);
+    h->subject = dopt__get_le32(in + 36);
+    if (h->reason < DOPT__TCP_WRONG_TOKEN || h->reason > DOPT__TCP_LOOPBACK) return "unknown refusal reason";
+    if (!dopt__tcp_all_zero(in + 34, 2) || !dopt__tcp_all_zero(in + 40, DOPT__TCP_HS_BYTES - 40))
+        return "reserved bytes are not zero";
+    if (h->subject >= h->world) return "refusal about a rank not below the world size";
     return NULL;
 }
 
 /* One entry of the peer table rank 0 sends after its WELCOME record. */
-static const char *dopt__tcp_entry_decode(const unsigned char *in, unsigned char addr[4], uint32_t *port) {
-    memcpy(addr, in, 4);
-    *port = dopt__get_le16(in + 4);
-    if (dopt__get_le16(in + 6) != 0) return "reserved bytes are not zero";
+static const char *dopt__tcp_entry_decode(const unsigned char *in, unsigned char addr[16], uint32_t *port) {
+    memcpy(addr, in, 16);
+    *port = dopt__get_le16(in + 16);
+    if (dopt__get_le16(in + 18) != 0) return "reserved bytes are not zero";
     if (*port == 0) return "port 0";
     return NULL;
 }
@@ -1555,8 +1889,9 @@ static void dopt__tcp_tune(int fd, int sockbuf) {
     }
 }
 
-static int dopt__tcp_new_socket(int sockbuf) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
+/* A socket of addr's family (ADDRESSES). */
+static int dopt__tcp_new_socket(const unsigned char addr[16], int sockbuf) {
+    int fd = socket(dopt__tcp_is_v4(addr) ? AF_INET : AF_INET6, SOCK_STREAM, 0);
     if (fd < 0) return -1;
     if (dopt__tcp_set_nonblocking(fd) < 0) {
         close(fd);
@@ -1564,13 +1899,6 @@ static int dopt__tcp_new_socket(int sockbuf) {
     }
     dopt__tcp_tune(fd, sockbuf);
     return fd;
-}
-
-static void dopt__tcp_sockaddr(struct sockaddr_in *sa, const unsigned char addr[4], uint32_t port) {
-    memset(sa, 0, sizeof *sa);
-    sa->sin_family = AF_INET;
-    sa->sin_port = htons((uint16_t)port);
-    memcpy(&sa->sin_addr.s_addr, addr, 4);
 }
 
 /* ===================================================================== RENDEZVOUS: FAILING AND REPORTING */
@@ -1727,61 +2055,108 @@ static dopt_status dopt__tcp_setup_lost(dopt_comm *c, int watch_fd, double deadl
     return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "rank 0 sent an unexpected record during setup");
 }
 
-static dopt_status dopt__tcp_resolve(dopt_comm *c, const char *host, unsigned char addr[4]) {
-    struct addrinfo hints, *res = NULL;
-    int rc;
+/* A name or an address, in one of dopt__tcp_split_addr's forms (its port aside), to an address.
+   A name may give several: the first IPv4 or
+   IPv6 one, in the order getaddrinfo gives them (RFC 6724's, which puts addresses this host cannot
+   reach last; /etc/gai.conf can change it), that is not link-local IPv6 (ADDRESSES). */
+static dopt_status dopt__tcp_resolve(dopt_comm *c, const char *text, unsigned char addr[16]) {
+    struct addrinfo hints, *res = NULL, *ai;
+    char host[DOPT__TCP_HOST_MAX];
+    int rc, link_local = 0, port;
+    if (dopt__tcp_split_addr(text, host, sizeof host, &port) != NULL) /* checked by dopt__tcp_check_addrs */
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "cannot parse \"%s\"", text);
     memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_INET;
+    hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
     rc = getaddrinfo(host, NULL, &hints, &res);
     if (rc != 0 || res == NULL)
-        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "cannot resolve \"%s\" to an IPv4 address: %s", host,
-                                    gai_strerror(rc));
-    memcpy(addr, &((struct sockaddr_in *)(void *)res->ai_addr)->sin_addr.s_addr, 4);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "cannot resolve \"%s\": %s", host,
+                                    rc ? gai_strerror(rc) : "no address");
+    for (ai = res; ai; ai = ai->ai_next) {
+        struct sockaddr_storage ss;
+        uint32_t port;
+        if (ai->ai_addrlen > sizeof ss) continue;
+        memset(&ss, 0, sizeof ss);
+        memcpy(&ss, ai->ai_addr, ai->ai_addrlen);
+        if (dopt__tcp_from_sockaddr(&ss, addr, &port) < 0) continue;
+        if (!dopt__tcp_is_link_local(addr)) break;
+        link_local = 1;
+    }
     freeaddrinfo(res);
+    if (ai == NULL)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "cannot use \"%s\": %s", host,
+                                    link_local ? "a link-local IPv6 address (fe80::/10) needs an interface scope, "
+                                                 "which the other ranks cannot be told; use a global or "
+                                                 "unique-local address"
+                                               : "no IPv4 or IPv6 address");
     return DOPT_OK;
 }
 
-static dopt_status dopt__tcp_listen(dopt_comm *c, dopt__tcp *t, const unsigned char addr[4], uint32_t port, int *fd_out,
-                                    uint32_t *port_out) {
-    struct sockaddr_in sa;
-    socklen_t len = sizeof sa;
-    char where[32];
-    int one = 1, fd = dopt__tcp_new_socket(t->sockbuf);
+/* The address of this host that socket_ifname chooses: of the interfaces it matches, the first in
+   the system's order that is up with a usable address (dopt__tcp_if_usable); of that interface's
+   addresses, one of the family asked for (want_v6) when it has both. INVALID naming the
+   interfaces there are when it matches none; ifname gets the interface's name. */
+static dopt_status dopt__tcp_ifname_addr(dopt_comm *c, const char *spec, int want_v6, unsigned char addr[16],
+                                         char *ifname, size_t cap) {
+    struct ifaddrs *list = NULL, *i;
+    char there[DOPT_DETAIL_MAX / 2 + 64];
+    if (getifaddrs(&list) < 0)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "socket_ifname \"%s\": getifaddrs: %s", spec, strerror(errno));
+    for (i = list; i; i = i->ifa_next)
+        if (dopt__tcp_if_first(list, i) && dopt__tcp_ifname_match(spec, i->ifa_name) &&
+            dopt__tcp_if_addr(i, want_v6, addr)) {
+            snprintf(ifname, cap, "%s", i->ifa_name);
+            freeifaddrs(list);
+            return DOPT_OK;
+        }
+    dopt__tcp_if_list(list, there, DOPT_DETAIL_MAX / 2 + 64);
+    freeifaddrs(list);
+    return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID,
+                                "socket_ifname \"%s\" matches no interface that is up with an IPv4 or IPv6 address; "
+                                "this host has %s",
+                                spec, there);
+}
+
+static dopt_status dopt__tcp_listen(dopt_comm *c, dopt__tcp *t, const unsigned char addr[16], uint32_t port,
+                                    int *fd_out, uint32_t *port_out) {
+    struct sockaddr_storage ss;
+    socklen_t len = dopt__tcp_sockaddr(&ss, addr, port);
+    unsigned char bound[16];
+    char where[DOPT__TCP_ADDR_CHARS];
+    int one = 1, fd = dopt__tcp_new_socket(addr, t->sockbuf);
     dopt__tcp_addr_str(addr, port, where, sizeof where);
-    if (fd < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "socket: %s", strerror(errno));
+    if (fd < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "cannot listen on %s: socket: %s", where, strerror(errno));
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    dopt__tcp_sockaddr(&sa, addr, port);
-    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(fd, SOMAXCONN) < 0 ||
-        getsockname(fd, (struct sockaddr *)&sa, &len) < 0) {
+    if (bind(fd, (struct sockaddr *)&ss, len) < 0 || listen(fd, SOMAXCONN) < 0 ||
+        (len = sizeof ss, getsockname(fd, (struct sockaddr *)&ss, &len)) < 0) {
         int err = errno;
         close(fd);
         return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "cannot listen on %s: %s", where, strerror(err));
     }
     *fd_out = fd;
-    *port_out = ntohs(sa.sin_port);
+    (void)dopt__tcp_from_sockaddr(&ss, bound, port_out);
     return DOPT_OK;
 }
 
 /* Connects to addr:port, retrying with backoff (10 ms doubling to 500 ms) while nobody listens
    there yet, until the deadline; says every report_ms that it is still trying and why. */
-static dopt_status dopt__tcp_connect(dopt_comm *c, dopt__tcp *t, const unsigned char addr[4], uint32_t port,
+static dopt_status dopt__tcp_connect(dopt_comm *c, dopt__tcp *t, const unsigned char addr[16], uint32_t port,
                                      double deadline, int watch_fd, const char *who, int *fd_out) {
     int backoff = 10, tries = 0, err = 0;
     for (;;) {
-        struct sockaddr_in sa;
+        struct sockaddr_storage ss;
+        socklen_t ss_len = dopt__tcp_sockaddr(&ss, addr, port), len = sizeof err;
         int fd;
-        socklen_t len = sizeof err;
         dopt_status s;
         if (err && dopt__tcp_report_due(t)) /* why the last try failed: the report to look for */
             dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: waiting for %s (%s, %d s)", t->rank, who, strerror(err),
                           dopt__tcp_waited_s(t));
-        fd = dopt__tcp_new_socket(t->sockbuf);
+        fd = dopt__tcp_new_socket(addr, t->sockbuf);
         err = 0;
-        if (fd < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "socket: %s", strerror(errno));
-        dopt__tcp_sockaddr(&sa, addr, port);
+        if (fd < 0)
+            return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "cannot connect to %s: socket: %s", who, strerror(errno));
         tries++;
-        if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        if (connect(fd, (struct sockaddr *)&ss, ss_len) < 0) {
             err = errno;
             if (err == EINPROGRESS) {
                 s = dopt__tcp_wait(c, fd, POLLOUT, deadline, watch_fd, who);
@@ -1836,29 +2211,8 @@ static dopt_status dopt__tcp_send_record(dopt_comm *c, dopt__tcp *t, int fd, uin
     return dopt__tcp_send_all(c, fd, rec, sizeof rec, deadline, who);
 }
 
-/* Reads one record of the given type from rank `from`; from rank 0, AGAIN instead says the
-   rendezvous starts over. */
-static dopt_status dopt__tcp_recv_record(dopt_comm *c, dopt__tcp *t, int fd, int from, uint32_t type, double deadline,
-                                         const char *who, const char *what, dopt__tcp_hs *h) {
-    unsigned char rec[DOPT__TCP_HS_BYTES];
-    const char *why;
-    dopt_status s = dopt__tcp_recv_all(c, fd, rec, sizeof rec, deadline, -1, who, what);
-    if (s != DOPT_OK) return s;
-    why = dopt__tcp_hs_decode(rec, h);
-    if (why)
-        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s sent a malformed handshake record: %s", who, why);
-    if (from == 0 && h->type == DOPT__TCP_AGAIN && h->rank == 0) return DOPT__TCP_RESTART;
-    if (h->type != type || h->world != (uint32_t)t->size || h->rank != (uint32_t)from)
-        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL,
-                                    "%s sent record type %u of rank %u in a world of %u, expected type %u of rank %d "
-                                    "of %d",
-                                    who, (unsigned)h->type, (unsigned)h->rank, (unsigned)h->world, (unsigned)type, from,
-                                    t->size);
-    return DOPT_OK;
-}
-
 static dopt_status dopt__tcp_refused(dopt_comm *c, const dopt__tcp *t, const dopt__tcp_hs *h, const char *who) {
-    char holder[32];
+    char holder[DOPT__TCP_ADDR_CHARS];
     switch (h->reason) {
     case DOPT__TCP_WRONG_TOKEN:
         return dopt__tcp_setup_fail(c, DOPT_ERR_AUTH, "%s refused this rank: the job token differs", who);
@@ -1872,13 +2226,54 @@ static dopt_status dopt__tcp_refused(dopt_comm *c, const dopt__tcp *t, const dop
     case DOPT__TCP_WRONG_RANK:
         return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "%s refused this rank: it does not admit rank %d", who,
                                     t->rank);
+    case DOPT__TCP_LOOPBACK:
+        dopt__tcp_addr_str(h->addr, h->port, holder, sizeof holder);
+        return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID,
+                                    "%s refused the job: rank %u%s would be reached at %s, a loopback address, and "
+                                    "ranks joined from other hosts, which cannot reach it there (rank 0's log says "
+                                    "which); %s",
+                                    who, (unsigned)h->subject, h->subject == (uint32_t)t->rank ? " (this rank)" : "",
+                                    holder, DOPT__TCP_LOOPBACK_ADVICE);
     }
     return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s refused this rank: different protocol version", who);
 }
 
+/* A record that did not decode, from `who`: another protocol version is said as such, since it is
+   what a rank of another release of distopt sends (version 2 reads ours as another version too). */
+static dopt_status dopt__tcp_malformed(dopt_comm *c, const dopt__tcp_hs *h, const char *why, const char *who) {
+    if (h->version != DOPT_TCP_PROTOCOL_VERSION && h->version != 0)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL,
+                                    "%s speaks protocol version %u, this rank version %d (another release of "
+                                    "distopt: give every rank the same one)",
+                                    who, (unsigned)h->version, DOPT_TCP_PROTOCOL_VERSION);
+    return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s sent a malformed handshake record: %s", who, why);
+}
+
+/* Reads one record of the given type from rank `from`; from rank 0, AGAIN instead says the
+   rendezvous starts over. */
+static dopt_status dopt__tcp_recv_record(dopt_comm *c, dopt__tcp *t, int fd, int from, uint32_t type, double deadline,
+                                         const char *who, const char *what, dopt__tcp_hs *h) {
+    unsigned char rec[DOPT__TCP_HS_BYTES];
+    const char *why;
+    dopt_status s = dopt__tcp_recv_all(c, fd, rec, sizeof rec, deadline, -1, who, what);
+    if (s != DOPT_OK) return s;
+    why = dopt__tcp_hs_decode(rec, h);
+    if (why) return dopt__tcp_malformed(c, h, why, who);
+    if (from == 0 && h->type == DOPT__TCP_AGAIN && h->rank == 0) return DOPT__TCP_RESTART;
+    if (from == 0 && h->type == DOPT__TCP_REFUSE && h->rank == 0) return dopt__tcp_refused(c, t, h, who);
+    if (h->type != type || h->world != (uint32_t)t->size || h->rank != (uint32_t)from)
+        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL,
+                                    "%s sent record type %u of rank %u in a world of %u, expected type %u of rank %d "
+                                    "of %d",
+                                    who, (unsigned)h->type, (unsigned)h->rank, (unsigned)h->world, (unsigned)type, from,
+                                    t->size);
+    return DOPT_OK;
+}
+
+
 /* The connecting side: HELLO with our rank, listening address and token; the acceptor answers
    ACCEPT with its own token (checked too: a process of another job is not a peer) or REFUSE. */
-static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer, const unsigned char my_addr[4],
+static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer, const unsigned char my_addr[16],
                                    uint32_t my_port, double deadline, int watch_fd, const char *who) {
     unsigned char rec[DOPT__TCP_HS_BYTES];
     char what[96];
@@ -1887,7 +2282,7 @@ static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer,
     dopt_status s;
     snprintf(what, sizeof what, "%s to answer", who);
     dopt__tcp_hs_init(&h, t, DOPT__TCP_HELLO);
-    memcpy(h.addr, my_addr, 4);
+    memcpy(h.addr, my_addr, 16);
     h.port = my_port;
     memcpy(h.token, t->token, DOPT_TCP_TOKEN_MAX);
     dopt__tcp_hs_encode(rec, &h);
@@ -1895,8 +2290,7 @@ static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer,
     if (s == DOPT_OK) s = dopt__tcp_recv_all(c, fd, rec, sizeof rec, deadline, watch_fd, who, what);
     if (s != DOPT_OK) return s;
     why = dopt__tcp_hs_decode(rec, &h);
-    if (why)
-        return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s answered with a malformed record: %s", who, why);
+    if (why) return dopt__tcp_malformed(c, &h, why, who);
     if (h.type == DOPT__TCP_REFUSE) return dopt__tcp_refused(c, t, &h, who);
     if (h.type != DOPT__TCP_ACCEPT || h.rank != (uint32_t)peer || h.world != (uint32_t)t->size)
         return dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "%s answered as rank %u of %u with record type %u", who,
@@ -1908,11 +2302,24 @@ static dopt_status dopt__tcp_hello(dopt_comm *c, dopt__tcp *t, int fd, int peer,
 
 /* ===================================================================== RENDEZVOUS: JOINERS */
 
+/* A REFUSE for another version in the layout of version 2 (16-bit version at 4, type at 6, reason
+   at 22), so that a rank of that release reads "different protocol version", not a record it
+   cannot parse. */
+static void dopt__tcp_v2_refusal(unsigned char *out, const dopt__tcp *t) {
+    memset(out, 0, DOPT__TCP_HS_BYTES);
+    memcpy(out, "DOPT", 4);
+    dopt__put_le16(out + 4, 2);
+    dopt__put_le16(out + 6, DOPT__TCP_REFUSE);
+    dopt__put_le32(out + 8, (uint32_t)t->size);
+    dopt__put_le32(out + 12, (uint32_t)t->rank);
+    dopt__put_le16(out + 22, DOPT__TCP_WRONG_VERSION);
+}
+
 /* Refuses connection q, saying why in the log (WARN) and, for a joiner (h: its HELLO), in a
    REFUSE record; a rank already taken is answered with where its holder connected from. */
 static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, const dopt__tcp_hs *h, uint32_t reason,
                              const char *why) {
-    char from[32];
+    char from[DOPT__TCP_ADDR_CHARS];
     dopt__tcp_addr_str(q->addr, q->port, from, sizeof from);
     if (h) {
         snprintf(t->refusal, sizeof t->refusal, "a joiner from %s claiming rank %u: %s", from, (unsigned)h->rank, why);
@@ -1926,10 +2333,13 @@ static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, c
         dopt__tcp_hs_init(&answer, t, DOPT__TCP_REFUSE);
         answer.reason = reason;
         if (reason == DOPT__TCP_DUPLICATE_RANK && h) {
-            memcpy(answer.addr, t->peers[h->rank].from, 4);
+            memcpy(answer.addr, t->peers[h->rank].from, 16);
             answer.port = t->peers[h->rank].from_port;
         }
-        dopt__tcp_hs_encode(rec, &answer);
+        if (reason == DOPT__TCP_WRONG_VERSION && q->rec[4] == 2 && q->rec[5] == 0)
+            dopt__tcp_v2_refusal(rec, t);
+        else
+            dopt__tcp_hs_encode(rec, &answer);
         (void)!send(q->fd, rec, sizeof rec, MSG_NOSIGNAL | MSG_DONTWAIT);
     }
     close(q->fd);
@@ -1942,7 +2352,7 @@ static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, c
 static int dopt__tcp_pending_read(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, int lo, int hi) {
     dopt__tcp_hs h, answer;
     const char *why;
-    char text[96], holder[32];
+    char text[96 + DOPT__TCP_ADDR_CHARS], holder[DOPT__TCP_ADDR_CHARS];
     ssize_t n = recv(q->fd, q->rec + q->got, sizeof q->rec - q->got, MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
     if (n <= 0) {
@@ -1995,9 +2405,9 @@ static int dopt__tcp_pending_read(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending 
         return -1;
     }
     /* a rank that listens on the wildcard address is reached at the address it came from */
-    memcpy(t->peers[h.rank].addr, dopt__tcp_all_zero(h.addr, 4) ? q->addr : h.addr, 4);
+    memcpy(t->peers[h.rank].addr, dopt__tcp_is_any(h.addr) ? q->addr : h.addr, 16);
     t->peers[h.rank].port = h.port;
-    memcpy(t->peers[h.rank].from, q->addr, 4);
+    memcpy(t->peers[h.rank].from, q->addr, 16);
     t->peers[h.rank].from_port = q->port;
     t->peers[h.rank].fd = q->fd;
     q->fd = -1;
@@ -2042,9 +2452,9 @@ static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, i
         t->pend[k] = t->pend[--t->npend];
     }
     while (listening) {
-        struct sockaddr_in sa;
-        socklen_t len = sizeof sa;
-        int fd = accept(t->lfd, (struct sockaddr *)&sa, &len);
+        struct sockaddr_storage ss;
+        socklen_t len = sizeof ss;
+        int fd = accept(t->lfd, (struct sockaddr *)&ss, &len);
         if (fd < 0) break;
         if (dopt__tcp_set_nonblocking(fd) < 0) {
             close(fd);
@@ -2057,8 +2467,10 @@ static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, i
         }
         t->pend[t->npend].fd = fd;
         t->pend[t->npend].got = 0;
-        memcpy(t->pend[t->npend].addr, &sa.sin_addr.s_addr, 4);
-        t->pend[t->npend].port = ntohs(sa.sin_port);
+        if (dopt__tcp_from_sockaddr(&ss, t->pend[t->npend].addr, &t->pend[t->npend].port) < 0) {
+            memset(t->pend[t->npend].addr, 0, 16);
+            t->pend[t->npend].port = 0;
+        }
         t->npend++;
     }
     return joined;
@@ -2068,7 +2480,7 @@ static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, i
    gave up) or spoke out of turn. It is closed and the rank is free again; `then` says what rank
    0 does next. */
 static void dopt__tcp_left_early(dopt_comm *c, dopt__tcp *t, int r, const char *how, const char *then) {
-    char from[32];
+    char from[DOPT__TCP_ADDR_CHARS];
     dopt__tcp_addr_str(t->peers[r].from, t->peers[r].from_port, from, sizeof from);
     dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: rank %d (from %s) %s before the job formed; %s", t->rank, r, from, how,
                   then);
@@ -2159,9 +2571,9 @@ static dopt_status dopt__tcp_send_tables(dopt_comm *c, dopt__tcp *t, double dead
     dopt__tcp_hs_encode(table, &h);
     for (r = 0; r < t->size; r++) {
         unsigned char *e = table + DOPT__TCP_HS_BYTES + (size_t)r * DOPT__TCP_ENTRY_BYTES;
-        memcpy(e, t->peers[r].addr, 4);
-        dopt__put_le16(e + 4, t->peers[r].port);
-        dopt__put_le16(e + 6, 0);
+        memcpy(e, t->peers[r].addr, 16);
+        dopt__put_le16(e + 16, t->peers[r].port);
+        dopt__put_le16(e + 18, 0);
     }
     for (r = 1; r < t->size && s == DOPT_OK; r++) {
         char who[24];
@@ -2255,18 +2667,123 @@ static void dopt__tcp_start_over(dopt__tcp *t) {
    until every rank has built its connections (READY) and lets them all go (GO). A rank that
    leaves before that makes the rendezvous start over; the listening socket stays open for the
    communicator's life, so that late joiners are refused instead of finding no one. */
+/* RFC 6761: "localhost" and the names under .localhost are this host on every host. */
+static int dopt__tcp_is_localhost(const char *host) {
+    size_t n = strlen(host);
+    if (n > 0 && host[n - 1] == '.') n--;
+    return (n == 9 && strncasecmp(host, "localhost", 9) == 0) ||
+           (n > 10 && strncasecmp(host + n - 10, ".localhost", 10) == 0);
+}
+
+/* 1 when master_addr is a name (not an address, not localhost) that this host resolves to a
+   loopback address: the /etc/hosts line "127.0.1.1 node7" of many distributions, while the
+   other hosts resolve node7 to this host's real address. */
+static int dopt__tcp_loopback_name(const char *master_addr, const unsigned char master[16]) {
+    char host[DOPT__TCP_HOST_MAX];
+    unsigned char bytes[16];
+    int port;
+    if (master_addr == NULL || !dopt__tcp_is_loopback(master) ||
+        dopt__tcp_split_addr(master_addr, host, sizeof host, &port) != NULL)
+        return 0;
+    return inet_pton(AF_INET, host, bytes) != 1 && inet_pton(AF_INET6, host, bytes) != 1 &&
+           !dopt__tcp_is_localhost(host);
+}
+
+/* Rank 0's listening address (addr) and the address it tells the others it has (told), and how
+   that was chosen, for messages: where master_addr is, else socket_ifname's choice (IPv4 first),
+   else 127.0.0.1; bind_addr, when set, is where it listens, and is told unless it is a wildcard
+   (then socket_ifname's choice, of master_addr's family first, is told). A master_addr that is a
+   name this host resolves to loopback (dopt__tcp_loopback_name) is listened for everywhere, so
+   that the ranks of other hosts, which reach this host by its real address, are answered: with
+   the refusal of LOOPBACK, unless socket_ifname gives rank 0 an address to tell them. */
+static dopt_status dopt__tcp_root_addr(dopt_comm *c, const dopt_tcp_config *cfg, unsigned char addr[16],
+                                       unsigned char told[16], char *how, size_t cap) {
+    char ifname[IFNAMSIZ + 1], host[INET6_ADDRSTRLEN];
+    const char *ifs = cfg->socket_ifname;
+    int wildcard;
+    dopt_status s;
+    if (cfg->master_addr == NULL && ifs) {
+        s = dopt__tcp_ifname_addr(c, ifs, 0, told, ifname, sizeof ifname);
+        snprintf(how, cap, "socket_ifname \"%s\": interface %s", ifs, ifname);
+    } else {
+        s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", told);
+        dopt__tcp_host_str(told, host, sizeof host);
+        if (cfg->master_addr == NULL) snprintf(how, cap, "master_addr unset, so 127.0.0.1");
+        else if (dopt__tcp_loopback_name(cfg->master_addr, told))
+            snprintf(how, cap, "master_addr \"%s\", which this host resolves to %s", cfg->master_addr, host);
+        else snprintf(how, cap, "master_addr \"%s\"", cfg->master_addr);
+    }
+    memcpy(addr, told, 16);
+    if (s != DOPT_OK) return s;
+    if (cfg->bind_addr) {
+        s = dopt__tcp_resolve(c, cfg->bind_addr, addr);
+        wildcard = s == DOPT_OK && dopt__tcp_is_any(addr);
+        if (s == DOPT_OK && !wildcard) {
+            memcpy(told, addr, 16);
+            snprintf(how, cap, "bind_addr \"%s\"", cfg->bind_addr);
+        }
+    } else {
+        wildcard = dopt__tcp_loopback_name(cfg->master_addr, told);
+        if (wildcard && dopt__tcp_is_v4(told)) dopt__tcp_set_v4(addr, "\0\0\0\0");
+        else if (wildcard) memset(addr, 0, 16);
+    }
+    if (s == DOPT_OK && wildcard && ifs && cfg->master_addr) {
+        s = dopt__tcp_ifname_addr(c, ifs, !dopt__tcp_is_v4(told), told, ifname, sizeof ifname);
+        snprintf(how, cap, "socket_ifname \"%s\": interface %s", ifs, ifname);
+    }
+    return s;
+}
+
+/* Rank 0, once every rank joined. A job whose ranks all came over loopback runs on this host,
+   where loopback addresses serve it. Once a rank came from another address (another host, as far
+   as rank 0 can tell, even when it is this one), the table must hold no loopback address: it
+   would tell that host's ranks to connect to themselves (and rank 0's own entry, where it is).
+   Then every rank is refused (REFUSE, reason LOOPBACK, naming the rank and its address) and the
+   create fails at once, instead of ranks waiting for the rendezvous timeout. `how` says how rank
+   0's own address was chosen. */
+static dopt_status dopt__tcp_loopback_check(dopt_comm *c, dopt__tcp *t, const char *how) {
+    unsigned char rec[DOPT__TCP_HS_BYTES];
+    char bad_at[DOPT__TCP_ADDR_CHARS], remote_at[DOPT__TCP_ADDR_CHARS], from[DOPT__TCP_ADDR_CHARS],
+        chosen[DOPT__TCP_ADDR_CHARS + 32];
+    dopt__tcp_hs h;
+    int r, remote = 0, bad = -1;
+    for (r = 1; r < t->size && remote == 0; r++)
+        if (!dopt__tcp_is_loopback(t->peers[r].from)) remote = r;
+    for (r = 0; r < t->size && remote && bad < 0; r++)
+        if (dopt__tcp_is_loopback(t->peers[r].addr)) bad = r;
+    if (bad < 0) return DOPT_OK;
+    dopt__tcp_hs_init(&h, t, DOPT__TCP_REFUSE);
+    h.reason = DOPT__TCP_LOOPBACK;
+    h.subject = (uint32_t)bad;
+    memcpy(h.addr, t->peers[bad].addr, 16);
+    h.port = t->peers[bad].port;
+    dopt__tcp_hs_encode(rec, &h);
+    for (r = 1; r < t->size; r++) (void)!send(t->peers[r].fd, rec, sizeof rec, MSG_NOSIGNAL | MSG_DONTWAIT);
+    dopt__tcp_addr_str(t->peers[bad].addr, t->peers[bad].port, bad_at, sizeof bad_at);
+    dopt__tcp_addr_str(t->peers[remote].from, t->peers[remote].from_port, remote_at, sizeof remote_at);
+    dopt__tcp_addr_str(t->peers[bad].from, t->peers[bad].from_port, from, sizeof from);
+    snprintf(chosen, sizeof chosen, "it joined from %s", from);
+    return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID,
+                                "rank %d would be reached at %s (%s): a loopback address, where other hosts cannot "
+                                "reach it, and rank %d joined from %s, which is not one (another host, as far as rank "
+                                "0 can tell); %s",
+                                bad, bad_at, bad == 0 ? how : chosen, remote, remote_at, DOPT__TCP_LOOPBACK_ADVICE);
+}
+
 static dopt_status dopt__tcp_rendezvous_root(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
-                                             const unsigned char addr[4], const unsigned char master[4],
-                                             double deadline) {
+                                             uint32_t master_port, double deadline) {
+    unsigned char addr[16];
+    char how[DOPT__TCP_HOST_MAX + 64];
     uint32_t port;
     int r;
-    dopt_status s = dopt__tcp_listen(c, t, addr, (uint32_t)cfg->master_port, &t->lfd, &port);
+    dopt_status s = dopt__tcp_root_addr(c, cfg, addr, t->peers[0].addr, how, sizeof how);
+    if (s == DOPT_OK) s = dopt__tcp_listen(c, t, addr, master_port, &t->lfd, &port);
     if (s != DOPT_OK) return s;
-    memcpy(t->peers[0].addr, dopt__tcp_all_zero(addr, 4) ? master : addr, 4); /* where the others reach it */
     t->peers[0].port = port;
     if (cfg->on_listen) cfg->on_listen(cfg->on_listen_user, (int)port);
     for (;;) {
         s = dopt__tcp_admit(c, t, 1, t->size, deadline, -1);
+        if (s == DOPT_OK) s = dopt__tcp_loopback_check(c, t, how);
         if (s == DOPT_OK) s = dopt__tcp_send_tables(c, t, deadline);
         if (s == DOPT_OK) s = dopt__tcp_gather_ready(c, t, deadline);
         if (s != DOPT__TCP_RESTART) break;
@@ -2297,33 +2814,72 @@ static dopt_status dopt__tcp_verdict(dopt_comm *c, int fd0, double deadline, dop
     return s;
 }
 
+/* Rank k > 0, about to listen on addr (chosen as `how` says) and tell the others to connect there.
+   When it reaches rank 0 at a loopback address, so do all (rank 0 refuses the job otherwise:
+   dopt__tcp_loopback_check), and a loopback addr serves. When it reaches rank 0 at another
+   address, ranks may run on other hosts, which a loopback addr would send to themselves. */
+static dopt_status dopt__tcp_loopback_told(dopt_comm *c, const unsigned char master[16], const unsigned char addr[16],
+                                           const char *who, const char *how) {
+    char host[INET6_ADDRSTRLEN];
+    if (!dopt__tcp_is_loopback(addr) || dopt__tcp_is_loopback(master)) return DOPT_OK;
+    dopt__tcp_host_str(addr, host, sizeof host);
+    return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID,
+                                "this rank would be reached at %s (%s): a loopback address, where other hosts cannot "
+                                "reach it, and it reaches %s, which is not one (ranks may run on other hosts); give "
+                                "it an address other hosts reach: DOPT_SOCKET_IFNAME=<interface> or "
+                                "DOPT_BIND_ADDR=<address> (or, when every rank runs on this host, "
+                                "DOPT_MASTER_ADDR=127.0.0.1)",
+                                host, how, who);
+}
+
+/* Where rank k > 0 listens and is reached (INTERFACES), held to LOOPBACK's rule: bind_addr, else
+   socket_ifname's choice (of the master address's family first), both known before it connects
+   (fd0 < 0), so that a bad one fails at once; else, once connected (fd0), the local address of
+   its connection to rank 0. */
+static dopt_status dopt__tcp_rank_addr(dopt_comm *c, const dopt_tcp_config *cfg, const unsigned char master[16],
+                                       int fd0, const char *who, unsigned char addr[16]) {
+    char how[DOPT__TCP_HOST_MAX + 32], ifname[IFNAMSIZ + 1];
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    uint32_t port;
+    dopt_status s = DOPT_OK;
+    if (cfg->bind_addr) {
+        s = dopt__tcp_resolve(c, cfg->bind_addr, addr);
+        snprintf(how, sizeof how, "bind_addr \"%s\"", cfg->bind_addr);
+    } else if (cfg->socket_ifname) {
+        s = dopt__tcp_ifname_addr(c, cfg->socket_ifname, !dopt__tcp_is_v4(master), addr, ifname, sizeof ifname);
+        snprintf(how, sizeof how, "socket_ifname \"%s\": interface %s", cfg->socket_ifname, ifname);
+    } else if (fd0 < 0) {
+        return DOPT_OK;
+    } else if (getsockname(fd0, (struct sockaddr *)&ss, &len) < 0 || dopt__tcp_from_sockaddr(&ss, addr, &port) < 0) {
+        return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "getsockname: %s", strerror(errno));
+    } else {
+        snprintf(how, sizeof how, "the interface that reaches rank 0");
+    }
+    return s == DOPT_OK ? dopt__tcp_loopback_told(c, master, addr, who, how) : s;
+}
+
 /* Rank k > 0, one attempt: joins rank 0, learns the others' addresses, connects to ranks
    1 .. k-1, accepts ranks k+1 .. n-1, then reports READY and waits for GO. Every wait also
    watches the connection to rank 0, which carries AGAIN when the rendezvous starts over and
    ends when rank 0 fails. */
-static dopt_status dopt__tcp_join(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg, const unsigned char master[4],
-                                  double deadline) {
-    struct sockaddr_in sa;
-    socklen_t len = sizeof sa;
-    unsigned char bind_addr[4], *table = NULL;
+static dopt_status dopt__tcp_join(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
+                                  const unsigned char master[16], uint32_t master_port, double deadline) {
+    unsigned char bind_addr[16], *table = NULL;
     size_t table_bytes = (size_t)t->size * DOPT__TCP_ENTRY_BYTES;
-    char who[64], where[32], what[128];
+    char who[32 + DOPT__TCP_ADDR_CHARS], where[DOPT__TCP_ADDR_CHARS], what[64 + sizeof who];
     int fd0 = -1, r;
     uint32_t port;
     dopt__tcp_hs h;
     dopt_status s;
-    dopt__tcp_addr_str(master, (uint32_t)cfg->master_port, where, sizeof where);
+    dopt__tcp_addr_str(master, master_port, where, sizeof where);
     snprintf(who, sizeof who, "rank 0 at %s", where);
-    s = dopt__tcp_connect(c, t, master, (uint32_t)cfg->master_port, deadline, -1, who, &fd0);
+    s = dopt__tcp_rank_addr(c, cfg, master, -1, who, bind_addr);
+    if (s == DOPT_OK) s = dopt__tcp_connect(c, t, master, master_port, deadline, -1, who, &fd0);
     if (s != DOPT_OK) return s;
     t->peers[0].fd = fd0;
-    if (cfg->bind_addr) {
-        s = dopt__tcp_resolve(c, cfg->bind_addr, bind_addr);
-    } else if (getsockname(fd0, (struct sockaddr *)&sa, &len) == 0) {
-        memcpy(bind_addr, &sa.sin_addr.s_addr, 4); /* the interface that reaches rank 0 */
-    } else {
-        s = dopt__tcp_setup_fail(c, DOPT_ERR_IO, "getsockname: %s", strerror(errno));
-    }
+    if (cfg->bind_addr == NULL && cfg->socket_ifname == NULL) /* the interface that reaches rank 0 */
+        s = dopt__tcp_rank_addr(c, cfg, master, fd0, who, bind_addr);
     if (s == DOPT_OK) s = dopt__tcp_listen(c, t, bind_addr, 0, &t->lfd, &port);
     if (s == DOPT_OK) s = dopt__tcp_hello(c, t, fd0, 0, bind_addr, port, deadline, -1, who);
     snprintf(what, sizeof what, "the other ranks to join %s", who);
@@ -2375,9 +2931,12 @@ static void dopt__tcp_close_all(dopt__tcp *t) {
 
 /* Rank k > 0: joins until the job forms, again from the start each time rank 0 says AGAIN. */
 static dopt_status dopt__tcp_rendezvous_rank(dopt_comm *c, dopt__tcp *t, const dopt_tcp_config *cfg,
-                                             const unsigned char master[4], double deadline) {
+                                             uint32_t master_port, double deadline) {
+    unsigned char master[16];
+    dopt_status s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", master);
+    if (s != DOPT_OK) return s;
     for (;;) {
-        dopt_status s = dopt__tcp_join(c, t, cfg, master, deadline);
+        s = dopt__tcp_join(c, t, cfg, master, master_port, deadline);
         if (s != DOPT__TCP_RESTART) return s;
         dopt__tcp_close_all(t);
         dopt_comm_log(c, DOPT_LOG_WARN,
@@ -2499,35 +3058,64 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
 /* Ranks whose rendezvous address is this rank's: on one host, as far as the table can tell. */
 static int dopt__tcp_local_ranks(const dopt__tcp *t) {
     int r, n = 0;
-    for (r = 0; r < t->size; r++) n += memcmp(t->peers[r].addr, t->peers[t->rank].addr, 4) == 0;
+    for (r = 0; r < t->size; r++) n += memcmp(t->peers[r].addr, t->peers[t->rank].addr, 16) == 0;
     return n;
+}
+
+/* master_addr and bind_addr as written (dopt__tcp_split_addr's forms), socket_ifname naming
+   something; *port: rank 0's port, from
+   master_addr when it has one (master_port, when set too, must say the same), else master_port. */
+static dopt_status dopt__tcp_check_addrs(const dopt_tcp_config *cfg, int *port) {
+    char host[DOPT__TCP_HOST_MAX];
+    const char *why;
+    int attached;
+    *port = cfg->master_port;
+    if (cfg->master_addr) {
+        why = dopt__tcp_split_addr(cfg->master_addr, host, sizeof host, &attached);
+        if (why) return dopt__tcp_config_error(cfg, "master_addr \"%s\" %s", cfg->master_addr, why);
+        if (attached && cfg->master_port && attached != cfg->master_port)
+            return dopt__tcp_config_error(cfg, "master_addr \"%s\" names port %d but master_port is %d",
+                                          cfg->master_addr, attached, cfg->master_port);
+        if (attached) *port = attached;
+    }
+    if (cfg->bind_addr) {
+        why = dopt__tcp_split_addr(cfg->bind_addr, host, sizeof host, &attached);
+        if (why == NULL && attached) why = "has a port (rank 0 listens on master_port, the others on a free one)";
+        if (why) return dopt__tcp_config_error(cfg, "bind_addr \"%s\" %s", cfg->bind_addr, why);
+    }
+    if (cfg->socket_ifname && !dopt__tcp_ifname_valid(cfg->socket_ifname))
+        return dopt__tcp_config_error(cfg, "socket_ifname \"%s\" names no interface", cfg->socket_ifname);
+    return DOPT_OK;
 }
 
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg) {
     dopt_comm *c = NULL;
     dopt__tcp *t;
-    unsigned char master[4], bind_addr[4];
     double deadline;
     dopt_status s;
+    int port;
+    dopt_tcp_config named;
     if (out == NULL) return dopt__tcp_config_error(cfg, "NULL out");
     *out = NULL;
+    if (cfg && cfg->master_addr == NULL && cfg->master_host[0]) { /* the name config_from_env derived */
+        named = *cfg;
+        named.master_addr = named.master_host;
+        cfg = &named;
+    }
     s = dopt__tcp_new(&c, cfg);
+    if (s == DOPT_OK && (s = dopt__tcp_check_addrs(cfg, &port)) != DOPT_OK) dopt_comm_destroy(c);
     if (s != DOPT_OK) return s;
     t = (dopt__tcp *)c->impl;
     t->setup_start = dopt__tcp_now_ms();
     t->next_report = t->setup_start + t->report_ms;
     deadline = t->setup_start + (double)t->rdv_timeout_ms;
     if (t->size > 1) {
-        if (cfg->rank != 0 && cfg->master_port == 0)
+        if (cfg->rank != 0 && port == 0)
             s = dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "master_port is needed on every rank but 0");
-        if (s == DOPT_OK) s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : cfg->master_host[0] ? cfg->master_host : "127.0.0.1", master);
-        if (s == DOPT_OK && t->rank == 0) {
-            if (cfg->bind_addr == NULL) memcpy(bind_addr, master, 4);
-            else s = dopt__tcp_resolve(c, cfg->bind_addr, bind_addr);
-            if (s == DOPT_OK) s = dopt__tcp_rendezvous_root(c, t, cfg, bind_addr, master, deadline);
-        } else if (s == DOPT_OK) {
-            s = dopt__tcp_rendezvous_rank(c, t, cfg, master, deadline);
-        }
+        else if (t->rank == 0)
+            s = dopt__tcp_rendezvous_root(c, t, cfg, (uint32_t)port, deadline);
+        else
+            s = dopt__tcp_rendezvous_rank(c, t, cfg, (uint32_t)port, deadline);
     }
     if (s != DOPT_OK) {
         dopt_comm_log(c, DOPT_LOG_ERROR, "%s", c->detail); /* the one line that says why */
@@ -2566,6 +3154,29 @@ static int dopt__tcp_env_int(const dopt_tcp_config *cfg, const char *name, long 
     return found;
 }
 
+/* Rank 0's address as the environment gives it may carry its port ("host:29500",
+   "[fd00::1]:29500"): it then stands for the port, which a port variable, when set too, must
+   repeat (a port derived from the job's name gives way). -1 when it does not parse or agree (said
+   through cfg->log_fn). */
+static int dopt__tcp_env_master_port(const dopt_tcp_config *cfg, const dopt_launch_info *info, int *port) {
+    char host[DOPT__TCP_HOST_MAX];
+    const char *text = info->master_addr, *why;
+    const char *addr_var = strncmp(info->master_from, "DOPT_MASTER_ADDR", 16) ? "MASTER_ADDR" : "DOPT_MASTER_ADDR";
+    const char *port_var = dopt__env_set("DOPT_MASTER_PORT") ? "DOPT_MASTER_PORT"
+                           : dopt__env_set("MASTER_PORT")    ? "MASTER_PORT"
+                                                             : NULL;
+    int attached;
+    if (*text == '\0') return 0;
+    why = dopt__tcp_split_addr(text, host, sizeof host, &attached);
+    if (why) return dopt__tcp_env_error(cfg, "%s=\"%s\" %s", addr_var, text, why), -1;
+    if (attached && port_var && attached != *port)
+        return dopt__tcp_env_error(cfg, "%s=\"%s\" names port %d but %s=%d", addr_var, text, attached, port_var,
+                                   *port),
+               -1;
+    if (attached) *port = attached;
+    return 0;
+}
+
 DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
     dopt_tcp_config env;
     dopt_launch_info info;
@@ -2593,12 +3204,15 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
                                    info.launcher, info.local_size, info.world_size);
     }
     env.master_port = info.master_port;
+    if (dopt__tcp_env_master_port(cfg, &info, &env.master_port) < 0) return DOPT_ERR_INVALID;
     if (env.master_port == 0 && env.world_size > 1 && env.rank > 0)
         return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: rank %d needs rank 0's port", env.rank);
     if (env.master_port == 0 && env.world_size > 1 && env.on_listen == NULL)
         return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: the other ranks need rank 0's port");
     s = getenv("DOPT_BIND_ADDR");
     env.bind_addr = s && *s ? s : NULL;
+    s = getenv("DOPT_SOCKET_IFNAME");
+    env.socket_ifname = s && *s ? s : NULL;
     s = getenv("DOPT_TOKEN");
     env.token = s && *s ? s : NULL;
     if (env.token && strlen(env.token) > DOPT_TCP_TOKEN_MAX)

@@ -31,7 +31,7 @@
 static void fuzz_decoders(const uint8_t *data, size_t size) {
     dopt__tcp_hs h;
     dopt__tcp_frame f;
-    unsigned char addr[4];
+    unsigned char addr[16];
     uint32_t port;
     if (size >= DOPT__TCP_HS_BYTES) (void)dopt__tcp_hs_decode(data, &h);
     if (size >= DOPT__TCP_ENTRY_BYTES) (void)dopt__tcp_entry_decode(data, addr, &port);
@@ -62,7 +62,7 @@ static void fuzz_feed(int fd, const uint8_t *data, size_t size) {
 /* Rank 0 of a world of 3 reading a HELLO from an unauthenticated connection, and rank 1 reading
    rank 0's answer to its own HELLO: the input is what the other side sent. */
 static void fuzz_handshake(const uint8_t *data, size_t size) {
-    static const unsigned char addr[4] = {127, 0, 0, 1};
+    static const unsigned char addr[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 127, 0, 0, 1};
     dopt_tcp_config cfg;
     dopt_comm *c;
     dopt__tcp *t;

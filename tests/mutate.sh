@@ -117,6 +117,18 @@ mutate tcp-abort-culprit-ignored transport_tcp.h \
 mutate tcp-closed-connection-misnamed transport_tcp.h \
     '"rank %d closed the connection%s", culprit, also);' '"rank %d closed the connection%s", (culprit + 1) % t->size, also);' \
     test_faults:tcp
+mutate tcp-loopback-table-unchecked transport_tcp.h \
+    'if (s == DOPT_OK) s = dopt__tcp_loopback_check(c, t, how);' \
+    'if (s == DOPT_OK && 0) s = dopt__tcp_loopback_check(c, t, how);' test_tcp:rank_0_
+mutate tcp-loopback-joiner-unchecked transport_tcp.h \
+    'if (!dopt__tcp_is_loopback(addr) || dopt__tcp_is_loopback(master)) return DOPT_OK;' \
+    'if (!dopt__tcp_is_loopback(addr) || dopt__tcp_is_loopback(master) || 1) return DOPT_OK;' test_tcp:off_loopback
+mutate tcp-ifname-family-ignored transport_tcp.h \
+    'if (!found || (dopt__tcp_is_v4(addr) == want_v6 && dopt__tcp_is_v4(a) != want_v6)) memcpy(addr, a, 16);' \
+    'if (!found || (dopt__tcp_is_v4(addr) == want_v6 && 0)) memcpy(addr, a, 16);' test_tcp:socket_ifname
+mutate tcp-v2-answered-in-v3-layout transport_tcp.h \
+    'if (reason == DOPT__TCP_WRONG_VERSION && q->rec[4] == 2 && q->rec[5] == 0)' \
+    'if (reason == DOPT__TCP_WRONG_VERSION && q->rec[4] == 2 && q->rec[5] == 0 && 0)' test_tcp:version_2
 mutate compress-average-weight compress.h \
     'weight = 1.0f / (float)comm->size;' 'weight = 1.0f / (float)(comm->size + 1);' test_compress:equals_serial
 mutate per-rank-scale-average-drops-1/N compress.h \

@@ -12,6 +12,9 @@
 #include "conformance.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -25,6 +28,9 @@ typedef struct tcp_world {
     int port_copies;   /* how many readers rank 0's port is written for */
     int gated;         /* ranks 1.. read the port from the gate, which a stranger opens */
     const char *token;
+    const char *master_addr; /* every rank's; NULL: the default */
+    int port_in_addr;  /* ranks 1.. are told rank 0's port in master_addr ("[::1]:PORT"), not master_port */
+    char addr_text[DOPT__TCP_HOST_MAX + 8];
     int port_pipe[2];
     int gate_pipe[2];
 } tcp_world;
@@ -50,13 +56,23 @@ static void world_config(tcp_world *w, int rank, dopt_tcp_config *cfg) {
     cfg->world_size = w->n;
     cfg->timeout_ms = w->timeout_ms;
     cfg->token = w->token;
+    cfg->master_addr = w->master_addr;
     if (rank == 0) {
         cfg->on_listen = world_on_listen;
         cfg->on_listen_user = w;
     } else if (w->n > 1) {
         cfg->master_port = dtest_read_int(w->gated ? w->gate_pipe[0] : w->port_pipe[0], "rank 0's port");
     }
+    if (rank > 0 && w->port_in_addr) {
+        snprintf(w->addr_text, sizeof w->addr_text, strchr(w->master_addr, ':') ? "[%s]:%d" : "%s:%d",
+                 w->master_addr, cfg->master_port);
+        cfg->master_addr = w->addr_text;
+        cfg->master_port = rank == 2 ? cfg->master_port : 0; /* rank 2 says it twice, the same */
+    }
 }
+
+/* The address rank r listens on, as rank c->rank's peer table has it. */
+static const unsigned char *table_addr(dopt_comm *c, int r) { return ((dopt__tcp *)c->impl)->peers[r].addr; }
 
 static dopt_comm *world_join(tcp_world *w, int rank) {
     dopt_tcp_config cfg;
@@ -628,14 +644,14 @@ static void crashing_joiner(watched_world *ww) {
     h.type = DOPT__TCP_HELLO;
     h.world = (uint32_t)ww->w.n;
     h.rank = 1;
-    memcpy(h.addr, &sa.sin_addr.s_addr, 4);
+    dopt__tcp_set_v4(h.addr, &sa.sin_addr.s_addr);
     h.port = ntohs(sa.sin_port);
     memcpy(h.token, ww->w.token, strlen(ww->w.token));
     dopt__tcp_hs_encode(rec, &h);
     DT_CHECK(write(fd, rec, sizeof rec) == (ssize_t)sizeof rec);
-    DT_CHECK(read_exactly(fd, rec, sizeof rec) == 0 && rec[6] == DOPT__TCP_ACCEPT);
+    DT_CHECK(read_exactly(fd, rec, sizeof rec) == 0 && rec[5] == DOPT__TCP_ACCEPT);
     DT_CHECK(read_exactly(fd, welcome, DOPT__TCP_HS_BYTES + (size_t)ww->w.n * DOPT__TCP_ENTRY_BYTES) == 0);
-    DT_CHECK(welcome[6] == DOPT__TCP_WELCOME);
+    DT_CHECK(welcome[5] == DOPT__TCP_WELCOME);
     close(fd); /* the crash */
     close(lfd);
     wait_for_line(ww->log_pipe[0], "W rank 0: rank 1 (from 127.0.0.1:", line, sizeof line);
@@ -769,11 +785,560 @@ DTEST(bind_addresses_reach_the_peers_through_the_table) {
     world_run(&w, bind_rank, 0);
 }
 
+/* ------------------------------------------------------------------ IPv6 and the forms of an address */
+
+static const unsigned char ipv6_loopback[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+
+/* 1 when this host can listen on ::1 (a host booted with IPv6 disabled cannot). */
+static int have_ipv6_loopback(void) {
+    struct sockaddr_in6 sa;
+    int fd = socket(AF_INET6, SOCK_STREAM, 0), ok;
+    if (fd < 0) return 0;
+    memset(&sa, 0, sizeof sa);
+    sa.sin6_family = AF_INET6;
+    sa.sin6_addr = in6addr_loopback;
+    ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+    close(fd);
+    return ok;
+}
+
+/* Every rank reaches rank 0 at ::1 and listens there (the address of its connection to rank 0):
+   every entry of every peer table is ::1, every connection an IPv6 socket, and the collectives
+   run over them. */
+static void ipv6_rank(int rank, void *arg) {
+    tcp_world *w = (tcp_world *)arg;
+    dopt_comm *c = world_join(w, rank);
+    int r;
+    for (r = 0; r < c->size; r++) {
+        struct sockaddr_storage ss;
+        socklen_t len = sizeof ss;
+        DT_CHECKF(memcmp(table_addr(c, r), ipv6_loopback, 16) == 0, "rank %d's entry for rank %d", rank, r);
+        if (r == rank) continue;
+        DT_CHECK(getsockname(((dopt__tcp *)c->impl)->peers[r].fd, (struct sockaddr *)&ss, &len) == 0);
+        DT_EQ_INT(ss.ss_family, AF_INET6);
+    }
+    DT_EQ_INT(c->local_ranks, c->size);
+    if (w->port_in_addr)
+        sum_of_ones(c);
+    else
+        conformance_run(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(world_over_ipv6_loopback) {
+    tcp_world w;
+    if (!have_ipv6_loopback()) DT_SKIP("this host cannot listen on ::1 (IPv6 disabled)");
+    world_init(&w, 3, 20000);
+    w.master_addr = "::1";
+    world_run(&w, ipv6_rank, 0);
+}
+
+/* Ranks 1 and 2 are told "[::1]:PORT" (rank 2 also master_port = PORT, which agrees). */
+DTEST(world_over_ipv6_with_the_port_in_master_addr) {
+    tcp_world w;
+    if (!have_ipv6_loopback()) DT_SKIP("this host cannot listen on ::1 (IPv6 disabled)");
+    world_init(&w, 3, 20000);
+    w.master_addr = "::1";
+    w.port_in_addr = 1;
+    world_run(&w, ipv6_rank, 0);
+}
+
+DTEST(address_text_splits_into_host_and_port) {
+    static const struct {
+        const char *text, *host;
+        int port;
+    } good[] = {{"myhost", "myhost", 0},           {"myhost:29500", "myhost", 29500},
+                {"1.2.3.4", "1.2.3.4", 0},         {"1.2.3.4:29500", "1.2.3.4", 29500},
+                {"fd00::1", "fd00::1", 0},         {"::1", "::1", 0},
+                {"[fd00::1]", "fd00::1", 0},       {"[fd00::1]:29500", "fd00::1", 29500},
+                {"[::ffff:1.2.3.4]:1", "::ffff:1.2.3.4", 1}, {"h:65535", "h", 65535}};
+    static const char *bad[] = {"",          ":29500",    "host:",          "host:0",      "host:65536",
+                                "host:29x",  "[fd00::1",  "[fd00::1]29500", "[fd00::1]:", "[]:29500",
+                                "[::1]:-1"};
+    char host[DOPT__TCP_HOST_MAX], longer[DOPT__TCP_HOST_MAX + 1];
+    size_t i;
+    int port;
+    for (i = 0; i < sizeof good / sizeof good[0]; i++) {
+        const char *why = dopt__tcp_split_addr(good[i].text, host, sizeof host, &port);
+        DT_CHECKF(why == NULL && strcmp(host, good[i].host) == 0 && port == good[i].port, "\"%s\": %s, \"%s\", %d",
+                  good[i].text, why ? why : "ok", host, port);
+    }
+    for (i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        DT_CHECKF(dopt__tcp_split_addr(bad[i], host, sizeof host, &port) != NULL, "\"%s\" accepted", bad[i]);
+    memset(longer, 'a', sizeof longer - 1);
+    longer[sizeof longer - 1] = '\0';
+    DT_CHECK(dopt__tcp_split_addr(longer, host, sizeof host, &port) != NULL);
+}
+
+DTEST(addresses_print_as_ipv4_or_bracketed_ipv6) {
+    static const unsigned char v4[4] = {192, 0, 2, 1};
+    static const unsigned char fd00_1[16] = {0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    unsigned char a[16];
+    char text[DOPT__TCP_ADDR_CHARS];
+    dopt__tcp_set_v4(a, v4);
+    dopt__tcp_addr_str(a, 29500, text, sizeof text);
+    DT_CHECKF(strcmp(text, "192.0.2.1:29500") == 0, "%s", text);
+    dopt__tcp_addr_str(fd00_1, 29500, text, sizeof text);
+    DT_CHECKF(strcmp(text, "[fd00::1]:29500") == 0, "%s", text);
+    memset(a, 0xff, sizeof a);
+    dopt__tcp_addr_str(a, 65535, text, sizeof text);
+    DT_CHECKF(strcmp(text, "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535") == 0, "%s", text);
+}
+
+/* A world of 1 opens no socket, but its addresses are checked as written all the same. */
+DTEST(port_in_master_addr_and_another_master_port_are_refused_naming_both) {
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    all_log log;
+    memset(&cfg, 0, sizeof cfg);
+    memset(&log, 0, sizeof log);
+    cfg.world_size = 1;
+    cfg.log_fn = collect_log;
+    cfg.log_user = &log;
+    cfg.master_addr = "[::1]:4000";
+    cfg.master_port = 4001;
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECK(c == NULL);
+    DT_CHECKF(strcmp(log.text, "E tcp: invalid configuration: master_addr \"[::1]:4000\" names port 4000 but "
+                               "master_port is 4001\n") == 0,
+              "%s", log.text);
+    cfg.master_port = 4000; /* the same port twice is fine */
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    dopt_comm_destroy(c);
+    memset(&log, 0, sizeof log);
+    cfg.master_addr = "myhost:4000x";
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "master_addr \"myhost:4000x\" has a port that is not a number in 1..65535"), "%s",
+              log.text);
+    memset(&log, 0, sizeof log);
+    cfg.master_addr = NULL;
+    cfg.bind_addr = "[::1]:5";
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "bind_addr \"[::1]:5\" has a port"), "%s", log.text);
+    cfg.bind_addr = "[::1]";
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    dopt_comm_destroy(c);
+}
+
+/* ------------------------------------------------------------------ choosing the interface (socket_ifname) */
+
+DTEST(socket_ifname_lists_prefixes_exact_names_and_exclusions) {
+    DT_CHECK(dopt__tcp_ifname_match("eth", "eth0") && dopt__tcp_ifname_match("eth", "eth1"));
+    DT_CHECK(!dopt__tcp_ifname_match("eth", "veth0") && !dopt__tcp_ifname_match("eth", "et"));
+    DT_CHECK(dopt__tcp_ifname_match("eth,ib", "ib0") && dopt__tcp_ifname_match("ib,,eth", "eth2"));
+    DT_CHECK(!dopt__tcp_ifname_match("eth,ib", "lo"));
+    DT_CHECK(dopt__tcp_ifname_match("=eth1", "eth1") && !dopt__tcp_ifname_match("=eth1", "eth10"));
+    DT_CHECK(!dopt__tcp_ifname_match("=eth1", "eth") && dopt__tcp_ifname_match("=eth1,lo", "lo"));
+    DT_CHECK(!dopt__tcp_ifname_match("^lo,docker", "lo") && !dopt__tcp_ifname_match("^lo,docker", "docker0"));
+    DT_CHECK(dopt__tcp_ifname_match("^lo,docker", "eth0") && dopt__tcp_ifname_match("^lo", "eth0"));
+    DT_CHECK(!dopt__tcp_ifname_match("^=lo", "lo") && dopt__tcp_ifname_match("^=lo", "lo2"));
+    DT_CHECK(dopt__tcp_ifname_valid("eth") && dopt__tcp_ifname_valid("^lo") && dopt__tcp_ifname_valid("=,x"));
+    DT_CHECK(!dopt__tcp_ifname_valid("") && !dopt__tcp_ifname_valid("^") && !dopt__tcp_ifname_valid("^=,,"));
+}
+
+/* lo has 127.0.0.1 and (IPv6 on) ::1: the family asked for is the one chosen. */
+DTEST(socket_ifname_chooses_the_family_asked_for_on_an_interface_with_both) {
+    unsigned char a[16];
+    char name[IFNAMSIZ + 1];
+    dopt_comm *c;
+    DT_OK(dopt_comm_create_self(&c));
+    DT_OK(dopt__tcp_ifname_addr(c, "lo", 0, a, name, sizeof name));
+    DT_CHECK(strcmp(name, "lo") == 0 && dopt__tcp_is_v4(a) && a[12] == 127);
+    if (have_ipv6_loopback()) {
+        DT_OK(dopt__tcp_ifname_addr(c, "=lo", 1, a, name, sizeof name));
+        DT_CHECK(memcmp(a, ipv6_loopback, 16) == 0);
+    }
+    dopt_comm_destroy(c);
+}
+
+/* Rank 0 listens at master_addr ::1; ranks 1 and 2 listen on lo's address of master_addr's
+   family, ::1 (not 127.0.0.1), which every peer table then holds. */
+static void ifname_lo_rank(int rank, void *arg) {
+    tcp_world *w = (tcp_world *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    int r;
+    world_config(w, rank, &cfg);
+    cfg.socket_ifname = rank == 2 ? "=lo" : "lo";
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    for (r = 0; r < c->size; r++)
+        DT_CHECKF(memcmp(table_addr(c, r), ipv6_loopback, 16) == 0, "rank %d's entry for rank %d", rank, r);
+    sum_of_ones(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(world_with_socket_ifname_lo_listens_on_loopback_of_the_masters_family) {
+    tcp_world w;
+    if (!have_ipv6_loopback()) DT_SKIP("this host cannot listen on ::1 (IPv6 disabled)");
+    world_init(&w, 3, 20000);
+    w.master_addr = "::1";
+    world_run(&w, ifname_lo_rank, 0);
+}
+
+/* The interface "^lo" chooses, found without the library: the first in getifaddrs' order whose
+   name does not begin with "lo", up, with an IPv4 address (else a non-link-local IPv6 one). Its
+   address as text and as 16 bytes; 0 when this host has none. */
+static int other_interface(char *text, size_t cap, unsigned char a[16]) {
+    struct ifaddrs *list, *i, *j;
+    int found = 0, family;
+    DT_CHECK(getifaddrs(&list) == 0);
+    for (i = list; i && !found; i = i->ifa_next) {
+        for (j = list; strcmp(j->ifa_name, i->ifa_name) != 0; j = j->ifa_next) continue;
+        if (j != i || strncmp(i->ifa_name, "lo", 2) == 0) continue; /* not the interface's first entry, or lo */
+        for (family = AF_INET; !found; family = AF_INET6) {
+            for (j = list; j && !found; j = j->ifa_next) {
+                if (strcmp(j->ifa_name, i->ifa_name) != 0 || !j->ifa_addr || !(j->ifa_flags & IFF_UP) ||
+                    j->ifa_addr->sa_family != family)
+                    continue;
+                if (family == AF_INET) {
+                    struct in_addr *in4 = &((struct sockaddr_in *)(void *)j->ifa_addr)->sin_addr;
+                    dopt__tcp_set_v4(a, in4);
+                    found = inet_ntop(AF_INET, in4, text, (socklen_t)cap) != NULL;
+                } else {
+                    struct in6_addr *in6 = &((struct sockaddr_in6 *)(void *)j->ifa_addr)->sin6_addr;
+                    if (IN6_IS_ADDR_LINKLOCAL(in6)) continue;
+                    memcpy(a, in6, 16);
+                    found = inet_ntop(AF_INET6, in6, text, (socklen_t)cap) != NULL;
+                }
+            }
+            if (family == AF_INET6) break;
+        }
+    }
+    freeifaddrs(list);
+    return found;
+}
+
+typedef struct other_world {
+    tcp_world w; /* must stay first: world_join takes the case as a world */
+    char text[INET6_ADDRSTRLEN];
+    unsigned char addr[16];
+} other_world;
+
+/* Rank 0, told no master_addr, listens on the chosen interface's address; the others are told
+   that address and listen there too: every peer table holds it for every rank. */
+static void ifname_other_rank(int rank, void *arg) {
+    other_world *ow = (other_world *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    int r;
+    world_config(&ow->w, rank, &cfg);
+    cfg.socket_ifname = "^lo";
+    cfg.master_addr = rank == 0 ? NULL : ow->text;
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    for (r = 0; r < c->size; r++)
+        DT_CHECKF(memcmp(table_addr(c, r), ow->addr, 16) == 0, "rank %d's entry for rank %d is not %s", rank, r,
+                  ow->text);
+    sum_of_ones(c);
+    dopt_comm_destroy(c);
+}
+
+/* With an interface besides lo, the job runs on its address; without one, "^lo" matches nothing
+   and create says so, naming lo and its address. */
+DTEST(world_with_socket_ifname_excluding_lo_listens_on_another_interface) {
+    other_world ow;
+    world_init(&ow.w, 3, 20000);
+    if (!other_interface(ow.text, sizeof ow.text, ow.addr)) {
+        dopt_tcp_config cfg;
+        dopt_comm *c = NULL;
+        all_log log;
+        memset(&cfg, 0, sizeof cfg);
+        memset(&log, 0, sizeof log);
+        cfg.world_size = 2;
+        cfg.socket_ifname = "^lo";
+        cfg.log_fn = collect_log;
+        cfg.log_user = &log;
+        DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+        DT_CHECKF(strstr(log.text, "socket_ifname \"^lo\" matches no interface") && strstr(log.text, "lo 127.0.0.1"),
+                  "%s", log.text);
+        printf("  (no interface but lo here: checked its error)\n");
+        return;
+    }
+    world_run(&ow.w, ifname_other_rank, 0);
+}
+
+/* Rank 0 and rank 1 (which has no rank 0 to reach: it fails before trying) both name the
+   interfaces there are, lo and its address among them. */
+DTEST(socket_ifname_matching_no_interface_names_the_interfaces_there_are) {
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    all_log log;
+    int rank;
+    for (rank = 0; rank < 2; rank++) {
+        memset(&cfg, 0, sizeof cfg);
+        memset(&log, 0, sizeof log);
+        cfg.rank = rank;
+        cfg.world_size = 2;
+        cfg.master_port = rank ? free_port() : 0;
+        cfg.rendezvous_timeout_ms = rank ? 600000 : 2000; /* the error comes before any wait */
+        cfg.socket_ifname = "=nosuch0";
+        cfg.log_fn = collect_log;
+        cfg.log_user = &log;
+        DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+        DT_CHECKF(log.errors == 1 && strstr(log.text, "setup: socket_ifname \"=nosuch0\" matches no interface that is "
+                                                      "up with an IPv4 or IPv6 address; this host has ") &&
+                      strstr(log.text, "lo 127.0.0.1"),
+                  "%s", log.text);
+    }
+    memset(&log, 0, sizeof log);
+    cfg.socket_ifname = "^";
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strcmp(log.text, "E tcp: invalid configuration: socket_ifname \"^\" names no interface\n") == 0, "%s",
+              log.text);
+}
+
+/* ------------------------------------------------------------------ never a loopback address to another host */
+
+/* Processes of a world on this host, some reaching rank 0 through this host's non-loopback
+   address (as a rank of another host would) and some through loopback; each has its own rank,
+   master_addr, bind_addr and socket_ifname, and either joins (expect NULL) or fails with
+   DOPT_ERR_INVALID at once, its one error line holding expect and the way out. */
+typedef struct loopback_case {
+    tcp_world w; /* must stay first: world_join takes the case as a world */
+    char other[INET6_ADDRSTRLEN];
+    unsigned char other_addr[16];
+    int procs, rank[4];
+    const char *master[4], *bind[4], *ifname[4], *expect[4];
+} loopback_case;
+
+/* A case whose world has n ranks over procs processes, with this host's other address; skips
+   the test where this host has no address but loopback ones. */
+static void loopback_init(loopback_case *lc, int n, int procs) {
+    int p;
+    memset(lc, 0, sizeof *lc);
+    if (!other_interface(lc->other, sizeof lc->other, lc->other_addr))
+        DT_SKIP("no interface but lo is up with an address: no way to reach rank 0 but over loopback here");
+    world_init(&lc->w, n, 20000);
+    lc->procs = procs;
+    lc->w.port_copies = procs - 1;
+    for (p = 0; p < procs; p++) lc->rank[p] = p;
+}
+
+static void loopback_proc(int proc, void *arg) {
+    loopback_case *lc = (loopback_case *)arg;
+    int rank = lc->rank[proc];
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    all_log log;
+    dopt_status s;
+    memset(&log, 0, sizeof log);
+    world_config(&lc->w, rank, &cfg);
+    cfg.master_addr = lc->master[proc];
+    cfg.bind_addr = lc->bind[proc];
+    cfg.socket_ifname = lc->ifname[proc];
+    cfg.rendezvous_timeout_ms = 600000; /* a wait for it would be the test's timeout: none */
+    cfg.log_fn = collect_log;
+    cfg.log_user = &log;
+    s = dopt_tcp_create(&c, &cfg);
+    if (lc->expect[proc] == NULL) {
+        DT_CHECKF(s == DOPT_OK, "process %d (rank %d): %d\n%s", proc, rank, (int)s, log.text);
+        sum_of_ones(c);
+        dopt_comm_destroy(c);
+        return;
+    }
+    DT_CHECKF(s == DOPT_ERR_INVALID && c == NULL && log.errors == 1 && strstr(log.text, lc->expect[proc]) &&
+                  strstr(log.text, "DOPT_SOCKET_IFNAME=<interface> or DOPT_BIND_ADDR=<address>"),
+              "process %d (rank %d): %d, expected \"%s\" in\n%s", proc, rank, (int)s, lc->expect[proc], log.text);
+}
+
+/* Rank 0 listens on this host's other address; a rank 1 reaching it there but told to listen on
+   loopback (socket_ifname "lo", or bind_addr) refuses itself before connecting, naming the
+   address; the real rank 1 joins and the job runs. */
+DTEST(rank_reaching_rank_0_off_loopback_refuses_to_be_reached_at_loopback) {
+    loopback_case lc;
+    int p;
+    loopback_init(&lc, 2, 4);
+    for (p = 0; p < 4; p++) lc.master[p] = lc.other;
+    lc.rank[2] = lc.rank[3] = 1;
+    lc.ifname[1] = "lo";
+    lc.expect[1] = "rank 1: setup: this rank would be reached at 127.0.0.1 (socket_ifname \"lo\": interface lo): a "
+                   "loopback address";
+    lc.bind[2] = "127.0.0.1";
+    lc.expect[2] = "this rank would be reached at 127.0.0.1 (bind_addr \"127.0.0.1\")";
+    DT_EQ_INT(dtest_spawn(lc.procs, loopback_proc, &lc, 60), 0);
+}
+
+/* Rank 1 reaches rank 0 over loopback and listens there; rank 2 comes from this host's other
+   address. Rank 0 refuses the job once all joined: every rank fails at once, naming rank 1. */
+DTEST(rank_0_refuses_a_job_where_a_rank_would_be_reached_at_loopback_from_another_host) {
+    loopback_case lc;
+    int v4;
+    loopback_init(&lc, 3, 3);
+    v4 = dopt__tcp_is_v4(lc.other_addr);
+    lc.master[0] = lc.master[2] = lc.other;
+    lc.bind[0] = v4 ? "0.0.0.0" : "::";
+    lc.master[1] = v4 ? "127.0.0.1" : "::1";
+    lc.expect[0] = "rank 0: setup: rank 1 would be reached at ";
+    lc.expect[1] = "refused the job: rank 1 (this rank) would be reached at ";
+    lc.expect[2] = "refused the job: rank 1 would be reached at ";
+    DT_EQ_INT(dtest_spawn(lc.procs, loopback_proc, &lc, 60), 0);
+}
+
+/* Rank 0 listens everywhere but, told no master_addr, takes itself to be at 127.0.0.1: a rank
+   from this host's other address makes it refuse the job. */
+DTEST(rank_0_at_the_default_loopback_address_refuses_ranks_from_another_host) {
+    loopback_case lc;
+    loopback_init(&lc, 2, 2);
+    lc.bind[0] = dopt__tcp_is_v4(lc.other_addr) ? "0.0.0.0" : "::";
+    lc.master[1] = lc.other;
+    lc.expect[0] = "rank 0: setup: rank 0 would be reached at 127.0.0.1:";
+    lc.expect[1] = "refused the job: rank 0 would be reached at 127.0.0.1:";
+    DT_EQ_INT(dtest_spawn(lc.procs, loopback_proc, &lc, 60), 0);
+}
+
+/* This host's name, when it resolves to a loopback address first (the /etc/hosts line
+   "127.0.1.1 node7"): 1 and the name; else 0 and why not. */
+static int loopback_hostname(char *name, size_t cap, char *why, size_t why_cap) {
+    struct addrinfo hints, *res = NULL;
+    unsigned char a[16];
+    uint32_t port;
+    struct sockaddr_storage ss;
+    int ok;
+    if (gethostname(name, cap) != 0 || dopt__tcp_is_localhost(name))
+        return snprintf(why, why_cap, "no host name but localhost"), 0;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(name, NULL, &hints, &res) != 0 || res == NULL || res->ai_addrlen > sizeof ss)
+        return snprintf(why, why_cap, "this host's name %s does not resolve", name), 0;
+    memset(&ss, 0, sizeof ss);
+    memcpy(&ss, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    ok = dopt__tcp_from_sockaddr(&ss, a, &port) == 0 && dopt__tcp_is_loopback(a);
+    if (!ok) snprintf(why, why_cap, "this host's name %s resolves to an address that is not loopback", name);
+    return ok;
+}
+
+/* master_addr is this host's name, which resolves to loopback here: a job all on this host runs
+   (rank 0 listens everywhere, the others reach it over loopback); a rank reaching rank 0 through
+   this host's other address, as one of another host would, makes rank 0 refuse the job, saying
+   what the name resolves to, instead of never answering it. */
+DTEST(rank_0_named_by_a_host_name_resolving_to_loopback_refuses_ranks_from_another_host) {
+    loopback_case lc;
+    char name[256], why[320];
+    if (!loopback_hostname(name, sizeof name, why, sizeof why)) DT_SKIP("%s", why);
+    loopback_init(&lc, 2, 2);
+    lc.master[0] = lc.master[1] = name;
+    DT_EQ_INT(dtest_spawn(lc.procs, loopback_proc, &lc, 60), 0);
+    loopback_init(&lc, 2, 2);
+    lc.master[0] = name;
+    lc.master[1] = lc.other;
+    lc.expect[0] = "rank 0: setup: rank 0 would be reached at ";
+    lc.expect[1] = "refused the job: rank 0 would be reached at ";
+    DT_EQ_INT(dtest_spawn(lc.procs, loopback_proc, &lc, 60), 0);
+}
+
+/* The HELLO of a rank of protocol version 2 (its 16-bit version at 4, type at 6, IPv4 address at
+   16, port at 20, token at 32). */
+static void v2_record(unsigned char *rec, int type, int world, int rank, int port, const char *token) {
+    memset(rec, 0, DOPT__TCP_HS_BYTES);
+    memcpy(rec, "DOPT", 4);
+    dopt__put_le16(rec + 4, 2);
+    dopt__put_le16(rec + 6, (uint32_t)type);
+    dopt__put_le32(rec + 8, (uint32_t)world);
+    dopt__put_le32(rec + 12, (uint32_t)rank);
+    rec[16] = 127;
+    rec[19] = 1;
+    dopt__put_le16(rec + 20, (uint32_t)port);
+    if (token) memcpy(rec + 32, token, strlen(token));
+}
+
+/* A rank of the previous release (version 2) claims rank 1: rank 0 refuses it at once, in a record
+   that release reads as "different protocol version" (reason 5 at 22), says so in its log, and the
+   real rank 1 then joins. */
+static void old_joiner_rank(int rank, void *arg) {
+    watched_world *ww = (watched_world *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    if (rank == 2) {
+        unsigned char rec[DOPT__TCP_HS_BYTES];
+        char line[DOPT_DETAIL_MAX + 8];
+        int port = dtest_read_int(ww->w.port_pipe[0], "rank 0's port"), fd = connect_loopback(port);
+        v2_record(rec, DOPT__TCP_HELLO, 2, 1, 40000, ww->w.token);
+        DT_CHECK(write(fd, rec, sizeof rec) == (ssize_t)sizeof rec);
+        DT_CHECK(read_exactly(fd, rec, sizeof rec) == 0);
+        DT_CHECK(memcmp(rec, "DOPT", 4) == 0);
+        DT_EQ_INT(dopt__get_le16(rec + 4), 2);
+        DT_EQ_INT(dopt__get_le16(rec + 6), DOPT__TCP_REFUSE);
+        DT_EQ_INT(dopt__get_le32(rec + 8), 2);
+        DT_EQ_INT(dopt__get_le16(rec + 22), DOPT__TCP_WRONG_VERSION);
+        expect_closed(fd);
+        wait_for_line(ww->log_pipe[0], "W rank 0: refused a connection from 127.0.0.1:", line, sizeof line);
+        DT_CHECKF(strstr(line, ": protocol version 2, this rank's 3"), "%s", line);
+        dtest_write_int(ww->w.gate_pipe[1], port);
+        return;
+    }
+    watched_config(ww, rank, &cfg);
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    sum_of_ones(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(joiner_of_protocol_version_2_is_refused_in_its_own_layout) {
+    watched_world ww;
+    watched_init(&ww, 2);
+    ww.w.gated = 1; /* the real rank 1 starts once the old one was refused */
+    ww.w.port_copies = 1;
+    DT_EQ_INT(dtest_spawn(3, old_joiner_rank, &ww, 60), 0);
+}
+
+/* Rank 0 of the previous release: it reads this rank's HELLO as another version (its 16-bit
+   version field is not 2) and answers as that release does. This rank fails at once with
+   PROTOCOL naming both versions, long before its rendezvous bound. */
+static void old_rank_0(int rank, void *arg) {
+    int *pipe_fds = (int *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    all_log log;
+    char want[128];
+    int port;
+    if (rank == 0) {
+        struct sockaddr_in sa;
+        socklen_t len = sizeof sa;
+        unsigned char rec[DOPT__TCP_HS_BYTES];
+        int lfd = socket(AF_INET, SOCK_STREAM, 0), fd;
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        DT_CHECK(bind(lfd, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(lfd, 4) == 0);
+        DT_CHECK(getsockname(lfd, (struct sockaddr *)&sa, &len) == 0);
+        dtest_write_int(pipe_fds[1], ntohs(sa.sin_port));
+        fd = accept(lfd, NULL, NULL);
+        DT_CHECK(fd >= 0 && read_exactly(fd, rec, sizeof rec) == 0);
+        DT_CHECK(memcmp(rec, "DOPT", 4) == 0 && dopt__get_le16(rec + 4) != 2);
+        v2_record(rec, DOPT__TCP_REFUSE, 2, 0, 0, NULL);
+        memset(rec + 16, 0, 8);
+        dopt__put_le16(rec + 22, DOPT__TCP_WRONG_VERSION);
+        DT_CHECK(write(fd, rec, sizeof rec) == (ssize_t)sizeof rec);
+        expect_closed(fd);
+        close(lfd);
+        return;
+    }
+    port = dtest_read_int(pipe_fds[0], "the old rank 0's port");
+    memset(&cfg, 0, sizeof cfg);
+    memset(&log, 0, sizeof log);
+    cfg.rank = 1;
+    cfg.world_size = 2;
+    cfg.master_port = port;
+    cfg.rendezvous_timeout_ms = 600000;
+    cfg.log_fn = collect_log;
+    cfg.log_user = &log;
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_PROTOCOL);
+    snprintf(want, sizeof want,
+             "E rank 1: setup: rank 0 at 127.0.0.1:%d speaks protocol version 2, this rank version 3", port);
+    DT_CHECKF(strncmp(log.text, want, strlen(want)) == 0 && log.errors == 1, "%s", log.text);
+}
+
+DTEST(rank_0_of_protocol_version_2_is_named_at_once) {
+    int pipe_fds[2];
+    DT_CHECK(pipe(pipe_fds) == 0);
+    DT_EQ_INT(dtest_spawn(2, old_rank_0, pipe_fds, 60), 0);
+}
+
 /* Every rank from the environment, with a base config for what the environment does not say
    (the log, a rendezvous bound); DOPT_TIMEOUT_MS wins over the base's timeout. All ranks share
-   one address: each is told it has 3 ranks on its host. */
+   one address: each is told it has 3 ranks on its host. Rank 1 is told rank 0's port in
+   DOPT_MASTER_ADDR instead of DOPT_MASTER_PORT. */
 static void env_rank(int rank, void *arg) {
-    char text[16];
+    char text[32];
     dopt_tcp_config base;
     dopt_comm *c = NULL;
     all_log log;
@@ -784,6 +1349,11 @@ static void env_rank(int rank, void *arg) {
     setenv("DOPT_MASTER_ADDR", "127.0.0.1", 1);
     snprintf(text, sizeof text, "%d", *(int *)arg);
     setenv("DOPT_MASTER_PORT", text, 1);
+    if (rank == 1) {
+        snprintf(text, sizeof text, "127.0.0.1:%d", *(int *)arg);
+        setenv("DOPT_MASTER_ADDR", text, 1);
+        unsetenv("DOPT_MASTER_PORT");
+    }
     setenv("DOPT_TIMEOUT_MS", "20000", 1);
     setenv("DOPT_TOKEN", "env-job", 1);
     memset(&base, 0, sizeof base);
@@ -808,8 +1378,8 @@ DTEST(create_from_env_joins_the_world) {
 
 static void clear_env(void) {
     static const char *names[] = {"DOPT_RANK", "DOPT_WORLD_SIZE", "DOPT_MASTER_ADDR", "DOPT_MASTER_PORT", "DOPT_TOKEN",
-                                  "DOPT_BIND_ADDR", "DOPT_TIMEOUT_MS", "DOPT_RENDEZVOUS_TIMEOUT_MS", "DOPT_LOCAL_RANK",
-                                  "DOPT_LOCAL_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                                  "DOPT_BIND_ADDR", "DOPT_SOCKET_IFNAME", "DOPT_TIMEOUT_MS", "DOPT_RENDEZVOUS_TIMEOUT_MS",
+                                  "DOPT_LOCAL_RANK", "DOPT_LOCAL_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                                   "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE",
                                   "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                                   "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"};
@@ -869,6 +1439,16 @@ DTEST(config_from_env_names_the_variable_its_value_and_the_rule) {
     unsetenv("DOPT_RENDEZVOUS_TIMEOUT_MS");
     setenv("DOPT_TOKEN", "0123456789012345678901234567890123456789012345678901234567890123456789", 1);
     expect_env_error("DOPT_TOKEN is 70 bytes long, more than 64");
+    unsetenv("DOPT_TOKEN");
+    setenv("DOPT_MASTER_ADDR", "[::1]:4001", 1);
+    expect_env_error("DOPT_MASTER_ADDR=\"[::1]:4001\" names port 4001 but DOPT_MASTER_PORT=4000");
+    setenv("DOPT_MASTER_ADDR", "[::1", 1);
+    expect_env_error("DOPT_MASTER_ADDR=\"[::1\" has a '[' without its ']'");
+    setenv("DOPT_MASTER_ADDR", "myhost:port", 1);
+    expect_env_error("DOPT_MASTER_ADDR=\"myhost:port\" has a port that is not a number in 1..65535");
+    unsetenv("DOPT_MASTER_PORT");
+    setenv("DOPT_MASTER_ADDR", "fd00::1", 1); /* a bare IPv6 address has no port */
+    expect_env_error("DOPT_MASTER_PORT is not set: rank 1 needs rank 0's port");
 }
 
 /* What the environment does not set stays as the caller set it (the timeouts included); what it
@@ -891,16 +1471,29 @@ DTEST(config_from_env_keeps_what_the_environment_does_not_set) {
     cfg.rendezvous_timeout_ms = 2222;
     cfg.token = "compiled-in";
     cfg.master_addr = "10.1.2.3";
+    cfg.socket_ifname = "eth";
     DT_OK(dopt_tcp_config_from_env(&cfg));
     DT_CHECK(cfg.rank == 1 && cfg.world_size == 2 && cfg.master_port == 4000);
     DT_CHECK(cfg.log_fn == capture_log && cfg.log_user == &log && cfg.spin_us == -1 &&
              cfg.socket_buffer_bytes == 1 << 20 && cfg.small_bytes == 1234);
     DT_CHECK(cfg.timeout_ms == 1111 && cfg.rendezvous_timeout_ms == 2222);
-    DT_CHECK(cfg.token == NULL && cfg.master_addr == NULL && cfg.bind_addr == NULL);
+    DT_CHECK(cfg.token == NULL && cfg.master_addr == NULL && cfg.bind_addr == NULL && cfg.socket_ifname == NULL);
+    setenv("DOPT_SOCKET_IFNAME", "^lo,docker", 1);
+    DT_OK(dopt_tcp_config_from_env(&cfg));
+    DT_CHECK(cfg.socket_ifname && strcmp(cfg.socket_ifname, "^lo,docker") == 0);
     setenv("DOPT_TIMEOUT_MS", "5000", 1);
     setenv("DOPT_RENDEZVOUS_TIMEOUT_MS", "6000", 1);
     DT_OK(dopt_tcp_config_from_env(&cfg));
     DT_CHECK(cfg.timeout_ms == 5000 && cfg.rendezvous_timeout_ms == 6000);
+    /* rank 0's port in DOPT_MASTER_ADDR stands for DOPT_MASTER_PORT, and may repeat it */
+    unsetenv("DOPT_MASTER_PORT");
+    setenv("DOPT_MASTER_ADDR", "[fd00::1]:4100", 1);
+    DT_OK(dopt_tcp_config_from_env(&cfg));
+    DT_CHECK(cfg.master_port == 4100 && cfg.master_addr == NULL && strcmp(cfg.master_host, "[fd00::1]:4100") == 0);
+    setenv("DOPT_MASTER_PORT", "4100", 1);
+    setenv("DOPT_MASTER_ADDR", "myhost:4100", 1);
+    DT_OK(dopt_tcp_config_from_env(&cfg));
+    DT_CHECK(cfg.master_port == 4100);
     clear_env();
 }
 
@@ -1046,42 +1639,80 @@ DTEST(frame_one_sequence_ahead_is_a_mismatch_naming_both_sides) {
     dopt_comm_destroy(c);
 }
 
-DTEST(handshake_decoder_refuses_malformed_records) {
-    unsigned char rec[DOPT__TCP_HS_BYTES], addr[4];
+/* The layout of the manual's WIRE FORMAT, byte by byte: a HELLO from [fd00::1]:5555 and a
+   refusal, then records that must be refused. */
+DTEST(handshake_records_have_the_documented_layout) {
+    static const unsigned char fd00_1[16] = {0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    unsigned char rec[DOPT__TCP_HS_BYTES];
     dopt__tcp_hs h, g;
-    uint32_t port;
     memset(&h, 0, sizeof h);
     h.version = DOPT_TCP_PROTOCOL_VERSION;
     h.type = DOPT__TCP_HELLO;
     h.world = 4;
     h.rank = 3;
     h.port = 5555;
+    memcpy(h.addr, fd00_1, 16);
     memcpy(h.token, "secret", 6);
     dopt__tcp_hs_encode(rec, &h);
+    DT_EQ_INT(DOPT_TCP_PROTOCOL_VERSION, 3);
+    DT_CHECK(memcmp(rec, "DOPT", 4) == 0 && rec[4] == 3 && rec[5] == DOPT__TCP_HELLO);
+    DT_CHECK(rec[6] == (5555 & 0xff) && rec[7] == 5555 >> 8 && rec[8] == 4 && rec[12] == 3);
+    DT_CHECK(memcmp(rec + 16, fd00_1, 16) == 0 && memcmp(rec + 32, "secret", 7) == 0);
+    DT_CHECK(dopt__get_le16(rec + 4) != 2); /* what a rank of version 2 reads: another version */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) == NULL && g.rank == 3 && g.port == 5555 &&
-             dopt__tcp_token_equal(g.token, h.token));
+             memcmp(g.addr, fd00_1, 16) == 0 && dopt__tcp_token_equal(g.token, h.token));
+    /* a refusal: its reason and the rank it is about where a token would be */
+    h.type = DOPT__TCP_REFUSE;
+    h.reason = DOPT__TCP_DUPLICATE_RANK;
+    h.subject = 2;
+    dopt__tcp_hs_encode(rec, &h);
+    DT_CHECK(rec[32] == DOPT__TCP_DUPLICATE_RANK && rec[33] == 0 && rec[36] == 2 && rec[38] == 0);
+    DT_CHECK(dopt__tcp_all_zero(rec + 40, DOPT__TCP_HS_BYTES - 40));
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) == NULL && g.reason == DOPT__TCP_DUPLICATE_RANK && g.subject == 2);
+    rec[36] = 4; /* about rank 4 of 4 */
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
+    rec[36] = 2;
+    rec[50] = 1; /* reserved */
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
+    rec[50] = 0;
+    rec[32] = 0; /* a refusal without a reason */
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
+    rec[32] = 99;
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
+    rec[32] = DOPT__TCP_DUPLICATE_RANK;
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) == NULL);
     rec[12] = 4; /* rank 4 of 4 */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
     rec[12] = 3;
+    rec[5] = 9; /* unknown type */
+    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
+    rec[5] = DOPT__TCP_HELLO;
     rec[4] = 7; /* another version: reported, and the version is kept for the answer */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL && g.version == 7);
     rec[4] = DOPT_TCP_PROTOCOL_VERSION;
-    rec[22] = 1; /* a refusal reason on a HELLO */
-    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
-    rec[22] = 0;
-    rec[30] = 1;
-    DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
-    rec[30] = 0;
     rec[8] = rec[9] = rec[10] = rec[11] = 0; /* world of 0 */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
     memset(rec, 0, 8);
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
-    memset(rec, 0, sizeof rec);
-    rec[4] = 0x39;
-    rec[5] = 0x30; /* port 12345 */
-    DT_CHECK(dopt__tcp_entry_decode(rec, addr, &port) == NULL && port == 12345);
-    rec[7] = 1;
-    DT_CHECK(dopt__tcp_entry_decode(rec, addr, &port) != NULL);
+}
+
+DTEST(peer_table_entries_are_20_bytes_address_port_reserved) {
+    unsigned char e[DOPT__TCP_ENTRY_BYTES], addr[16];
+    uint32_t port;
+    DT_EQ_INT(DOPT__TCP_ENTRY_BYTES, 20);
+    memset(e, 0, sizeof e);
+    e[10] = e[11] = 0xff;
+    e[12] = 10;
+    e[15] = 7; /* ::ffff:10.0.0.7 */
+    e[16] = 0x39;
+    e[17] = 0x30; /* port 12345 */
+    DT_CHECK(dopt__tcp_entry_decode(e, addr, &port) == NULL && port == 12345 && memcmp(addr, e, 16) == 0);
+    DT_CHECK(dopt__tcp_is_v4(addr) && addr[12] == 10 && addr[15] == 7);
+    e[19] = 1;
+    DT_CHECK(dopt__tcp_entry_decode(e, addr, &port) != NULL);
+    e[19] = 0;
+    e[16] = e[17] = 0;
+    DT_CHECK(dopt__tcp_entry_decode(e, addr, &port) != NULL);
 }
 
 DTEST(ring_segments_tile_counts_beyond_2_pow_32) {
