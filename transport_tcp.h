@@ -52,8 +52,10 @@
    | field                 | meaning                                                   | zero means         |
    |-----------------------|-----------------------------------------------------------|--------------------|
    | rank, world_size      | this process's rank in [0, world_size); world_size >= 1   | (required)         |
-   | master_addr           | rank 0's host name, IPv4 or IPv6 address, optionally with | "127.0.0.1"        |
-   |                       | its port: "node7:29500", "[fd00::1]:29500" (ADDRESSES)    |                    |
+   | master_addr           | rank 0's host name, IPv4 or IPv6 address, optionally with | master_host, else  |
+   |                       | its port: "node7:29500", "[fd00::1]:29500" (ADDRESSES)    | "127.0.0.1"        |
+   | master_host           | (a char array) rank 0's host as dopt_tcp_config_from_env  | none               |
+   |                       | found it; used when master_addr is NULL                   |                    |
    | master_port           | rank 0's rendezvous port. On rank 0, 0 lets the kernel    | rank 0: any free   |
    |                       | pick a free port, reported through on_listen; the other   | port; others: an   |
    |                       | ranks must be given the real port (here or in master_addr)| error              |
@@ -89,9 +91,9 @@
 
    | variable                   | field                 | required                           |
    |----------------------------|-----------------------|------------------------------------|
-   | DOPT_RANK                  | rank                  | yes                                |
-   | DOPT_WORLD_SIZE            | world_size            | yes                                |
-   | DOPT_MASTER_ADDR           | master_addr           | no (127.0.0.1); may carry the port |
+   | DOPT_RANK                  | rank                  | yes, or a launcher's (below)       |
+   | DOPT_WORLD_SIZE            | world_size            | yes, or a launcher's (below)       |
+   | DOPT_MASTER_ADDR           | master_host           | no (127.0.0.1); may carry the port |
    | DOPT_MASTER_PORT           | master_port           | yes when the world is > 1 (on rank |
    |                            |                       | 0, unless the config has on_listen)|
    |                            |                       | and DOPT_MASTER_ADDR has no port   |
@@ -101,6 +103,13 @@
    | DOPT_BIND_ADDR             | bind_addr             | no                                 |
    | DOPT_SOCKET_IFNAME         | socket_ifname         | no                                 |
 
+   Rank, world size and rank 0's address and port are read by distopt.h's dopt_launch_read (its
+   LAUNCH VARIABLES): besides DOPT_*, from mpirun's (OMPI_COMM_WORLD_*, PMI_*), srun's
+   (SLURM_PROCID, SLURM_NTASKS, the step's first node, a port derived from the job's id) or
+   torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) variables. An address the environment
+   gives is written to master_host (master_addr is set to NULL; dopt_tcp_create uses master_host
+   when master_addr is NULL). When the launcher puts only some ranks on this host and nothing
+   names rank 0's host, that is an error rather than a guess.
    The variables that describe the job (rank, world size, where rank 0 is, the token, where to
    listen, on which interface) come from the environment alone, unset ones meaning the default;
    the timeouts only when set. Every other field is the caller's. A value that does not fit is
@@ -108,11 +117,14 @@
    value and the rule:
        DOPT_WORLD_SIZE="abc" is not a number
        DOPT_RANK=2 is not below DOPT_WORLD_SIZE=2
-       DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it)
+       DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it:
+       mpirun, srun, torchrun)
        DOPT_MASTER_PORT is not set: rank 1 needs rank 0's port
        DOPT_MASTER_PORT=70000 is above 65535
        DOPT_MASTER_ADDR="[fd00::1]:29500" names port 29500 but DOPT_MASTER_PORT=29501
        DOPT_TOKEN is 70 bytes long, more than 64
+       rank 0's address is unknown: Open MPI's variables put 2 of the 8 ranks on this host and
+       none names rank 0's host; set DOPT_MASTER_ADDR to it (mpirun: -x DOPT_MASTER_ADDR=<host>)
 
    ADDRESSES
 

@@ -16,7 +16,7 @@
 #   link_ratio = bound / time, bound = 2·(H−1)/H · bytes / R
 # with R the shaped rate of a host's link in bytes/s (1 Gbit/s = 125e6 B/s): the time a
 # bandwidth-optimal allreduce needs to move the data each host must send over its one link
-# (docs/DESIGN §9), so link_ratio 1 is the link's limit (latency left out).
+# (the ring bound), so link_ratio 1 is the link's limit (latency left out).
 # Root only: otherwise prints "skipped: needs root" and exits 0. About 2 minutes.
 # Usage: bench/cluster.sh [build-dir]
 set -eu
