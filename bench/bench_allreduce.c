@@ -11,7 +11,12 @@
    BACKENDS    comma-separated, default all: mpi (dopt-mpi: transport_mpi.h), mpi-check (the same
                with its mismatch check on), iallreduce (mpi-iallreduce: MPI_Iallreduce polled with
                MPI_Test, what a timeout on the MPI backend would cost), shm (dopt-shm), tcp
-               (dopt-tcp). shm and tcp are there when their headers are in the tree.
+               (dopt-tcp), and two limits no allreduce can beat by much:
+                 memcpy (limit-memcpy): every rank copies the buffer to another at the same
+                   moment — an allreduce reads its input and writes its output at least once;
+                 stream (limit-tcp-stream): every rank streams 2(N-1)/N of the buffer to the next
+                   rank over a raw loopback TCP socket while receiving as much from the previous
+                   one — what a ring allreduce must move, with no framing, reduction or protocol.
 
    For each size (4 KiB, 64 KiB, 1 MiB, 16 MiB, 64 MiB of f32, SUM in place) and backend: a
    warm-up, then a call count found to last at least 20 ms, then REPS repetitions of that many
@@ -20,10 +25,13 @@
    A repetition's time is the slowest rank's, between barriers. One line per backend and size:
 
        bench allreduce backend=B bytes=N us=MEDIAN us_min=MIN us_max=MAX busbw_GBps=X ratio=R
+                       [limit_ratio=L]
 
    us: microseconds per call; busbw = 2(N-1)/N · bytes / time (the traffic a bandwidth-optimal
    allreduce puts on each rank's link, comparable across world sizes); ratio: the median over the
-   paired repetitions of raw time / backend time, i.e. backend busbw / raw MPI busbw (1 for raw).
+   paired repetitions of raw time / backend time, i.e. backend busbw / raw MPI busbw (1 for raw);
+   limit_ratio (dopt-shm beside limit-memcpy, dopt-tcp beside limit-tcp-stream, when both run):
+   the median of limit time / backend time over the same paired repetitions.
    The shm backend's job name is agreed through MPI_Bcast, the TCP port picked by rank 0 and
    shared the same way; ranks and world size come from MPI.
 
@@ -37,9 +45,15 @@
 #include "../transport_shm.h"
 #include "../transport_tcp.h"
 
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -47,19 +61,23 @@
 #define MAX_BACKENDS 8
 #define MIN_REP_SECONDS 0.02
 
-typedef enum bench_kind { BENCH_RAW, BENCH_IALLREDUCE, BENCH_DOPT } bench_kind;
+typedef enum bench_kind { BENCH_RAW, BENCH_IALLREDUCE, BENCH_DOPT, BENCH_MEMCPY, BENCH_STREAM } bench_kind;
 
 typedef struct bench_backend {
     const char *name;
     bench_kind kind;
     dopt_comm *comm; /* BENCH_DOPT */
     long calls;      /* per repetition, at the current size */
+    int limit;       /* index of the limit this backend is held against, -1: none */
     double seconds[REPS];
     double ratio[REPS];
 } bench_backend;
 
 static int world_rank, world_size;
 static dopt_comm *env_world; /* --from-env: the TCP communicator that also times; NULL: MPI times */
+static float *copy_dst;      /* limit-memcpy's destination */
+static int stream_next = -1, stream_prev = -1; /* limit-tcp-stream's sockets */
+static char *stream_sink;    /* where the received stream lands */
 
 static void die(const char *what, dopt_comm *c) {
     fprintf(stderr, "bench_allreduce rank %d: %s: %s\n", world_rank, what, c ? dopt_comm_detail(c) : "");
@@ -77,10 +95,35 @@ static void log_errors(void *user, dopt_log_level level, const char *message) {
         fprintf(stderr, "bench_allreduce rank %d: %s\n", world_rank, message);
 }
 
+/* limit-tcp-stream: send `bytes` to the next rank while receiving as many from the previous. */
+static void stream_ring(const char *src, size_t bytes) {
+    size_t sent = 0, got = 0;
+    while (sent < bytes || got < bytes) {
+        struct pollfd p[2];
+        p[0].fd = stream_next, p[0].events = sent < bytes ? POLLOUT : 0;
+        p[1].fd = stream_prev, p[1].events = got < bytes ? POLLIN : 0;
+        if (poll(p, 2, -1) < 0 && errno != EINTR) die("poll", NULL);
+        if (p[0].revents & (POLLOUT | POLLERR | POLLHUP)) {
+            ssize_t k = send(stream_next, src + sent, bytes - sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (k > 0) sent += (size_t)k;
+            else if (k < 0 && errno != EAGAIN && errno != EINTR) die("send", NULL);
+        }
+        if (p[1].revents & (POLLIN | POLLERR | POLLHUP)) {
+            ssize_t k = recv(stream_prev, stream_sink + got, bytes - got, MSG_DONTWAIT);
+            if (k > 0) got += (size_t)k;
+            else if (k == 0 || (errno != EAGAIN && errno != EINTR)) die("recv", NULL);
+        }
+    }
+}
+
 static void run_calls(bench_backend *b, float *buf, size_t n, long calls) {
     long k;
     for (k = 0; k < calls; k++) {
-        if (b->kind == BENCH_RAW) {
+        if (b->kind == BENCH_MEMCPY) {
+            memcpy(copy_dst, buf, n * sizeof(float));
+        } else if (b->kind == BENCH_STREAM) {
+            stream_ring((const char *)buf, 2 * (world_size - 1) * (n * sizeof(float)) / (size_t)world_size);
+        } else if (b->kind == BENCH_RAW) {
             MPI_Allreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
         } else if (b->kind == BENCH_IALLREDUCE) {
             MPI_Request req;
@@ -154,12 +197,17 @@ static void bench_size(bench_backend *bs, int nb, float *buf, size_t bytes) {
     for (r = 0; r < REPS; r++)
         for (b = 0; b < nb; b++) bs[b].seconds[r] = time_calls(&bs[b], buf, n, bs[b].calls);
     for (b = 0; b < nb; b++) {
-        double lo, hi, t = median(bs[b].seconds, &lo, &hi);
+        double lo, hi, t = median(bs[b].seconds, &lo, &hi), limit[REPS];
+        char extra[48] = "";
         for (r = 0; r < REPS; r++) bs[b].ratio[r] = bs[0].seconds[r] / bs[b].seconds[r];
+        if (bs[b].limit >= 0) {
+            for (r = 0; r < REPS; r++) limit[r] = bs[bs[b].limit].seconds[r] / bs[b].seconds[r];
+            snprintf(extra, sizeof extra, " limit_ratio=%.3f", median(limit, NULL, NULL));
+        }
         if (world_rank == 0)
-            printf("bench allreduce backend=%s bytes=%zu us=%.1f us_min=%.1f us_max=%.1f busbw_GBps=%.3f ratio=%.3f\n",
+            printf("bench allreduce backend=%s bytes=%zu us=%.1f us_min=%.1f us_max=%.1f busbw_GBps=%.3f ratio=%.3f%s\n",
                    bs[b].name, bytes, t * 1e6, lo * 1e6, hi * 1e6, factor * (double)bytes / t / 1e9,
-                   median(bs[b].ratio, NULL, NULL));
+                   median(bs[b].ratio, NULL, NULL), extra);
     }
     fflush(stdout);
 }
@@ -222,6 +270,33 @@ static dopt_comm *create_tcp(void) {
     return c;
 }
 
+/* limit-tcp-stream's ring of raw loopback connections: each rank listens on a port the kernel
+   picks, the ports go round through MPI, each connects to the next and accepts the previous. */
+static void open_stream_ring(size_t max_bytes) {
+    struct sockaddr_in sa;
+    socklen_t len = sizeof sa;
+    int lfd = socket(AF_INET, SOCK_STREAM, 0), one = 1, *ports;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(lfd, 4) < 0 ||
+        getsockname(lfd, (struct sockaddr *)&sa, &len) < 0)
+        die("stream: listen", NULL);
+    ports = (int *)calloc((size_t)world_size, sizeof(int));
+    ports[world_rank] = ntohs(sa.sin_port);
+    MPI_Allgather(MPI_IN_PLACE, 1, MPI_INT, ports, 1, MPI_INT, MPI_COMM_WORLD);
+    stream_next = socket(AF_INET, SOCK_STREAM, 0);
+    sa.sin_port = htons((uint16_t)ports[(world_rank + 1) % world_size]);
+    if (stream_next < 0 || connect(stream_next, (struct sockaddr *)&sa, sizeof sa) < 0) die("stream: connect", NULL);
+    stream_prev = accept(lfd, NULL, NULL);
+    if (stream_prev < 0) die("stream: accept", NULL);
+    setsockopt(stream_next, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    close(lfd);
+    free(ports);
+    stream_sink = (char *)malloc(max_bytes);
+    if (stream_sink == NULL) die("out of memory", NULL);
+}
+
 /* --from-env: dopt-tcp is the only backend and the one that times. */
 static int start_from_env(bench_backend *bs) {
     dopt_tcp_config base;
@@ -247,6 +322,7 @@ int main(int argc, char **argv) {
     size_t k;
     float *buf;
     memset(bs, 0, sizeof bs);
+    for (b = 0; b < MAX_BACKENDS; b++) bs[b].limit = -1;
     if (from_env) {
         nb = start_from_env(bs);
         list = ""; /* no other backend */
@@ -281,6 +357,21 @@ int main(int argc, char **argv) {
         bs[nb].kind = BENCH_DOPT;
         bs[nb++].comm = create_tcp();
     }
+    if (wanted(list, "memcpy")) {
+        copy_dst = (float *)calloc(sizes[sizeof sizes / sizeof sizes[0] - 1] / sizeof(float), sizeof(float));
+        if (copy_dst == NULL) die("out of memory", NULL);
+        for (b = 0; b < nb; b++)
+            if (!strcmp(bs[b].name, "dopt-shm")) bs[b].limit = nb;
+        bs[nb].name = "limit-memcpy";
+        bs[nb++].kind = BENCH_MEMCPY;
+    }
+    if (wanted(list, "stream")) {
+        open_stream_ring(sizes[sizeof sizes / sizeof sizes[0] - 1]);
+        for (b = 0; b < nb; b++)
+            if (!strcmp(bs[b].name, "dopt-tcp")) bs[b].limit = nb;
+        bs[nb].name = "limit-tcp-stream";
+        bs[nb++].kind = BENCH_STREAM;
+    }
     /* Zeros: the sums stay finite however many calls run, and cost the same as any value. */
     buf = (float *)calloc(sizes[sizeof sizes / sizeof sizes[0] - 1] / sizeof(float), sizeof(float));
     if (buf == NULL) die("out of memory", NULL);
@@ -291,6 +382,9 @@ int main(int argc, char **argv) {
     }
     for (k = 0; k < sizeof sizes / sizeof sizes[0]; k++) bench_size(bs, nb, buf, sizes[k]);
     for (b = 0; b < nb; b++) dopt_comm_destroy(bs[b].comm);
+    if (stream_next >= 0) close(stream_next), close(stream_prev);
+    free(stream_sink);
+    free(copy_dst);
     free(buf);
     if (!from_env) MPI_Finalize();
     return 0;
