@@ -85,9 +85,9 @@
 
    COMMUNICATORS (dopt_comm)
      A communicator is a rank in a world of size ranks with a backend behind a vtable. Backends:
-     dopt_comm_create_self (here), and the shm, TCP and MPI transports in their own headers. All
-     collectives are blocking, in place where it makes sense, and must be called by every rank in
-     the same order with matching arguments:
+     dopt_comm_create_self (here), and the shm, TCP and MPI transports in their own headers. These
+     collectives block (REQUESTS has their nonblocking forms), work in place where it makes sense,
+     and must be called by every rank in the same order with matching arguments:
      - dopt_allreduce(c, buf, count, dtype, op): dtypes F32, F64, I32, I64; ops SUM, MAX, MIN, MEAN
        (sum then divide by size; integer MEAN truncates toward zero). It checks no value: a NaN
        or an infinity in one rank's buffer passes through (SUM and MEAN make that element NaN or
@@ -159,11 +159,40 @@
      torchrun only) are read as torchrun's first, so torchrun started by srun works too.
      info->rank_from and info->master_from say which variables were used.
 
+   REQUESTS (nonblocking collectives)
+     dopt_allreduce_start, dopt_allgather_start and dopt_broadcast_start take the arguments of
+     their blocking twins plus a dopt_request the caller keeps (a plain value, nothing to free),
+     and return at once. dopt_test(&req, &done) makes progress without sleeping and sets done;
+     dopt_wait(&req) makes progress until the request completed. Buffers belong to the
+     collective until then: do not touch them. Several may be in flight; they complete in the
+     order they were started (waiting on a later one completes the earlier ones too), and their
+     results equal the blocking call's bit for bit. Waiting again on a completed request returns
+     DOPT_OK. The blocking calls are start + wait, and every collective, blocking or not, takes
+     the next sequence number when it starts, so ranks must start them in the same order.
+     On a failure the communicator is poisoned as for a blocking call: the failing request and
+     every one after it return the error; one that completed before the failure returns
+     DOPT_OK. Progress is made only inside dopt_test and dopt_wait (and the blocking calls): a
+     request left alone does not move. With the TCP transport (and any backend with links, below)
+     the requests really overlap with the caller's work; the shm and MPI backends still run
+     each collective whole when it starts, so there a request is complete when start returns.
+
    WRITING A BACKEND
-     Fill a dopt_comm_vtable, create the communicator with dopt_comm_new, and report errors with
-     dopt_comm_fail / dopt_comm_fail_mismatch. Backends only see SUM, MAX and MIN (MEAN arrives
-     with op = DOPT_MEAN in the descriptor for fingerprinting but must be reduced as a SUM; the
-     core divides afterwards) and allgatherv with every block size already known.
+     A backend gives each rank a link to every peer: an ordered, reliable byte stream that it can
+     write and read without blocking, and a way to wait until a link may move (the link_* fields
+     of dopt_comm_vtable, with struct_size = sizeof(dopt_comm_vtable)). The engine in this file
+     runs every collective over those links: frames with the collective in every header (so a
+     rank that calls something else is named at once), ring reduce-scatter/allgather pipelined
+     at byte granularity for large messages, direct exchange, binomial tree, chain and
+     dissemination barrier for small ones, requests, timeouts, aborts that name the culprit on
+     every rank, and a link that ends without one blamed on the right rank. Create the
+     communicator with dopt_comm_new, tune the engine with dopt_comm_set_engine, and call
+     dopt_links_goodbye from destroy before closing the links. tests/test_engine.c is a complete
+     backend of ~80 lines over socketpairs, run through the conformance suite.
+     A backend with collectives of its own sets their DOPT_PROVIDES_* bits and fills allreduce,
+     allgatherv, broadcast, barrier (a vtable without links provides them all): those see only
+     SUM, MAX and MIN (MEAN arrives with op = DOPT_MEAN in the descriptor for fingerprinting but
+     must be reduced as a SUM; the core divides afterwards) and allgatherv with every block size
+     already known, and report errors with dopt_comm_fail / dopt_comm_fail_mismatch.
 */
 /* The transports and localsgd.h call POSIX, which the C library hides under strict ISO C
    (-std=c11) unless a feature macro comes before the first system header. They define
@@ -343,8 +372,33 @@ typedef struct dopt_traffic {
     uint64_t bytes[6];
 } dopt_traffic;
 
+/* A piece of a frame for a link's send (a header, a payload). */
+typedef struct dopt_iov {
+    const void *base;
+    size_t len;
+} dopt_iov;
+
+/* One peer's link in a link_wait call: what the engine waits for, and what happened. */
+typedef struct dopt_link_poll {
+    int peer;
+    short events;  /* DOPT_LINK_IN | DOPT_LINK_OUT */
+    short revents; /* set by link_wait: the same bits, or DOPT_LINK_IN when the link ended or failed */
+} dopt_link_poll;
+
+#define DOPT_LINK_IN 1
+#define DOPT_LINK_OUT 2
+
+/* The collectives a backend runs itself (dopt_comm_vtable.provides). */
+#define DOPT_PROVIDES_ALLREDUCE 1u
+#define DOPT_PROVIDES_ALLGATHERV 2u
+#define DOPT_PROVIDES_BROADCAST 4u
+#define DOPT_PROVIDES_BARRIER 8u
+#define DOPT_PROVIDES_ALL 15u
+
 typedef struct dopt_comm_vtable {
     const char *name;
+    /* Collectives the backend runs itself (DOPT_PROVIDES_*); the engine runs the others over
+       the links. A backend without links (link_send NULL) provides every collective. */
     /* In place on buf (desc->count elements of desc->dtype). */
     dopt_status (*allreduce)(dopt_comm *c, const dopt_coll_desc *desc, void *buf);
     /* Rank r's bytes[r] bytes land at recv + Σ_{q<r} bytes[q]; bytes[] is the same on all ranks. */
@@ -354,10 +408,28 @@ typedef struct dopt_comm_vtable {
     dopt_status (*barrier)(dopt_comm *c, const dopt_coll_desc *desc);
     /* Releases the backend's state (not the dopt_comm itself). */
     void (*destroy)(dopt_comm *c);
+    /* From here on the vtable may grow; struct_size says how much of it the backend filled. */
+    size_t struct_size;
+    unsigned provides;
+    /* LINKS: one ordered, reliable byte stream to each peer; none of these may block.
+       link_send writes a prefix of parts[0..nparts) and returns its length (0: no room now),
+       or -1 with *err = the errno-style reason when the link is broken.
+       link_recv reads up to cap bytes; > 0 bytes read, 0 nothing now, -1 the link ended
+       (*err = 0: the peer closed it in order; else the reason).
+       link_wait sleeps until one of polls[0..npolls) may move or timeout_ms passes (0: look
+       without sleeping; it may yield the processor), sets revents and returns how many are
+       ready, 0 on timeout, -1 with *err on a failure. */
+    long (*link_send)(dopt_comm *c, int peer, const dopt_iov *parts, int nparts, int *err);
+    long (*link_recv)(dopt_comm *c, int peer, void *dst, size_t cap, int *err);
+    int (*link_wait)(dopt_comm *c, dopt_link_poll *polls, int npolls, int timeout_ms, int *err);
 } dopt_comm_vtable;
 
 #define DOPT_DEFAULT_TIMEOUT_MS 300000
 #define DOPT_DETAIL_MAX 512
+#define DOPT_FRAME_BYTES 48  /* the header before every payload on a link (transport_tcp.h, WIRE FORMAT) */
+#define DOPT_FRAME_VERSION 3 /* its version byte */
+
+struct dopt__engine; /* the collective engine's state (private) */
 
 struct dopt_comm {
     int rank;
@@ -374,8 +446,16 @@ struct dopt_comm {
     dopt_traffic traffic; /* what this rank's collectives carried; see COMMUNICATORS */
     const char *api;      /* the distopt call whose collectives run now, named in details; NULL: the caller's */
     int local_ranks;      /* ranks of this communicator on this host, 0 when the backend does not know */
+    struct dopt__engine *eng; /* the engine that runs collectives over the backend's links; NULL without links */
     char detail[DOPT_DETAIL_MAX];
 };
+
+/* A collective in flight (see REQUESTS). A plain value the caller keeps; nothing to free. */
+typedef struct dopt_request {
+    dopt_comm *comm;
+    uint64_t ticket;    /* the engine's request number + 1; 0: completed when it started */
+    dopt_status status; /* ticket 0: how it completed */
+} dopt_request;
 
 DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out);
 DOPT_DEF void dopt_comm_destroy(dopt_comm *c);
@@ -394,6 +474,13 @@ DOPT_DEF dopt_status dopt_allgatherv(dopt_comm *c, const void *send, size_t send
 DOPT_DEF dopt_status dopt_broadcast(dopt_comm *c, void *buf, size_t bytes, int root);
 DOPT_DEF dopt_status dopt_barrier(dopt_comm *c);
 
+DOPT_DEF dopt_status dopt_allreduce_start(dopt_comm *c, void *buf, size_t count, dopt_dtype dt, dopt_op op,
+                                          dopt_request *req);
+DOPT_DEF dopt_status dopt_allgather_start(dopt_comm *c, const void *send, void *recv, size_t bytes, dopt_request *req);
+DOPT_DEF dopt_status dopt_broadcast_start(dopt_comm *c, void *buf, size_t bytes, int root, dopt_request *req);
+DOPT_DEF dopt_status dopt_test(dopt_request *req, int *done);
+DOPT_DEF dopt_status dopt_wait(dopt_request *req);
+
 /* For backends. */
 DOPT_DEF dopt_status dopt_comm_new(dopt_comm **out, int rank, int size, const dopt_comm_vtable *vt,
                                    void *impl);
@@ -411,6 +498,12 @@ DOPT_DEF const char *dopt_comm_set_api(dopt_comm *c, const char *api);
    cores. In a build with OpenMP (_OPENMP where DISTOPT_IMPLEMENTATION is), with more than one
    rank per host and OMP_NUM_THREADS unset, warns once: each rank would start a thread per core. */
 DOPT_DEF void dopt_comm_set_host(dopt_comm *c, int local_ranks, int cores);
+/* For backends with links: the engine's latency-path threshold in bytes (0: 65536) and how long
+   it polls without sleeping after progress (0: 50 µs; negative: never). */
+DOPT_DEF void dopt_comm_set_engine(dopt_comm *c, size_t small_bytes, int spin_us);
+/* For backends with links, from their destroy: tells every peer that this rank leaves on purpose
+   (a GOODBYE frame), waiting at most wait_ms for room on a full link. Nothing after an error. */
+DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms);
 
 /* ===================================================================== LAUNCH VARIABLES */
 
@@ -450,6 +543,7 @@ DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* x86 with AVX: the double sums use intrinsics (see VECTOR KERNELS) */
 #if (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)) && !defined(DOPT_NO_VECTOR_EXT) && defined(__AVX__)
@@ -1675,6 +1769,1209 @@ DOPT_DEF dopt_status dopt_comm_fail_mismatch(dopt_comm *c, const dopt_coll_desc 
     return dopt_comm_fail(c, mine, DOPT_ERR_MISMATCH, "rank %d called %s", peer, other);
 }
 
+/* ===================================================================== CLOCK */
+
+/* Milliseconds on a clock that does not jump where the platform has one (POSIX's monotonic
+   clock); C11's calendar clock otherwise. */
+static double dopt__now_ms(void) {
+    struct timespec ts;
+#if defined(CLOCK_MONOTONIC)
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+#else
+    timespec_get(&ts, TIME_UTC);
+#endif
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static int dopt__ms_left(double deadline) {
+    double left = deadline - dopt__now_ms();
+    if (left <= 0) return 0;
+    if (left > (double)INT_MAX) return INT_MAX;
+    return (int)left + 1;
+}
+
+/* ===================================================================== ENGINE: FRAMES
+
+   Every message between two ranks is a frame: a 48-byte header (laid out in transport_tcp.h's
+   WIRE FORMAT, the first backend to carry it) and a payload. The header carries the sender's collective whole, so a
+   receiver checks that its peer is in the same call before it uses a byte of the payload. */
+
+enum { DOPT__FRAME_DATA = 1, DOPT__FRAME_ABORT = 2, DOPT__FRAME_GOODBYE = 3 };
+
+typedef struct dopt__frame {
+    int type;            /* DATA, ABORT or GOODBYE */
+    dopt_coll_desc desc; /* the sender's collective (an ABORT's carries no count) */
+    int sender;
+    int status;          /* ABORT: the error */
+    int culprit;         /* ABORT: the rank whose failure it is */
+    int reporter;        /* ABORT: the rank that saw it first */
+    uint64_t bytes;      /* payload that follows */
+} dopt__frame;
+
+static int dopt__all_zero(const unsigned char *p, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (p[i]) return 0;
+    return 1;
+}
+
+static void dopt__frame_encode(unsigned char *out, int type, const dopt_coll_desc *d, int sender, int status,
+                               uint64_t bytes) {
+    memset(out, 0, DOPT_FRAME_BYTES);
+    memcpy(out, "DOPF", 4);
+    out[4] = DOPT_FRAME_VERSION;
+    out[5] = (unsigned char)type;
+    out[6] = (unsigned char)d->kind;
+    out[7] = (unsigned char)d->dtype;
+    out[8] = (unsigned char)d->op;
+    dopt__put_le32(out + 12, (uint32_t)sender);
+    dopt__put_le32(out + 16, (uint32_t)d->root);
+    dopt__put_le32(out + 20, (uint32_t)status);
+    dopt__put_le64(out + 24, d->seq);
+    dopt__put_le64(out + 32, d->count);
+    dopt__put_le64(out + 40, bytes);
+}
+
+/* An ABORT header: the sender's collective without its count, whose field carries the culprit
+   and the reporter instead. */
+static void dopt__abort_encode(unsigned char *out, const dopt_coll_desc *d, int sender, int status, int culprit,
+                               int reporter, uint64_t bytes) {
+    dopt__frame_encode(out, DOPT__FRAME_ABORT, d, sender, status, bytes);
+    dopt__put_le32(out + 32, (uint32_t)culprit);
+    dopt__put_le32(out + 36, (uint32_t)reporter);
+}
+
+/* NULL when in[0..48) is a well-formed frame header, else why not. Only syntax is checked here;
+   whether the frame is the one this rank expects is dopt__frame_check's job. */
+static const char *dopt__frame_decode(const unsigned char *in, dopt__frame *f) {
+    uint32_t kind = in[6], dtype = in[7], op = in[8], root = dopt__get_le32(in + 16);
+    uint32_t sender = dopt__get_le32(in + 12);
+    int32_t status = (int32_t)dopt__get_le32(in + 20);
+    memset(f, 0, sizeof *f);
+    if (memcmp(in, "DOPF", 4) != 0) return "bad magic";
+    if (in[4] != DOPT_FRAME_VERSION) return "unknown protocol version";
+    if (in[5] < DOPT__FRAME_DATA || in[5] > DOPT__FRAME_GOODBYE) return "unknown frame type";
+    if (!dopt__all_zero(in + 9, 3)) return "reserved bytes are not zero";
+    if (kind > DOPT_COLL_BARRIER || (kind == 0 && in[5] == DOPT__FRAME_DATA)) return "unknown collective";
+    if (dtype > DOPT_I64 || op > DOPT_MEAN) return "unknown dtype or op";
+    if (root > (uint32_t)INT_MAX || sender > (uint32_t)INT_MAX) return "rank out of range";
+    f->type = in[5];
+    f->desc.kind = (dopt_coll)kind;
+    f->desc.dtype = (dopt_dtype)dtype;
+    f->desc.op = (dopt_op)op;
+    f->desc.root = (int)root;
+    f->desc.seq = dopt__get_le64(in + 24);
+    f->desc.count = dopt__get_le64(in + 32);
+    f->sender = (int)sender;
+    f->status = (int)status;
+    f->bytes = dopt__get_le64(in + 40);
+    if (f->type == DOPT__FRAME_ABORT) {
+        uint32_t culprit = dopt__get_le32(in + 32), reporter = dopt__get_le32(in + 36);
+        if (status >= 0 || status < (int32_t)DOPT_ERR_CLOSED) return "abort without an error status";
+        if (f->bytes > DOPT_DETAIL_MAX) return "abort message too long";
+        if (culprit > (uint32_t)INT_MAX || reporter > (uint32_t)INT_MAX) return "rank out of range";
+        f->desc.count = 0;
+        f->culprit = (int)culprit;
+        f->reporter = (int)reporter;
+    } else if (status != 0) {
+        return "status on a frame that is not an abort";
+    }
+    if (f->type == DOPT__FRAME_GOODBYE && f->bytes != 0) return "goodbye with a payload";
+    return NULL;
+}
+
+static int dopt__same_coll(const dopt_coll_desc *a, const dopt_coll_desc *b) {
+    return a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root && a->seq == b->seq &&
+           a->count == b->count;
+}
+
+/* A decoded DATA frame from peer against what this rank expects: the collective it is in (want)
+   and the payload it has posted for this frame. Fails the communicator with MISMATCH (naming both
+   calls) or PROTOCOL; never reads a payload. */
+static dopt_status dopt__frame_check(dopt_comm *c, const dopt_coll_desc *want, int peer, const dopt__frame *f,
+                                     uint64_t posted) {
+    if (f->sender != peer)
+        return dopt_comm_fail(c, want, DOPT_ERR_PROTOCOL, "the connection of rank %d carried a frame of rank %d", peer,
+                              f->sender);
+    if (!dopt__same_coll(want, &f->desc)) return dopt_comm_fail_mismatch(c, want, &f->desc, peer);
+    if (f->bytes != posted)
+        return dopt_comm_fail(c, want, DOPT_ERR_PROTOCOL, "rank %d's frame announces %llu payload bytes, %llu expected",
+                              peer, (unsigned long long)f->bytes, (unsigned long long)posted);
+    return DOPT_OK;
+}
+
+/* ===================================================================== ENGINE: STATE */
+
+#define DOPT__STAGE_BYTES (256u << 10)  /* per-peer receive staging buffer */
+#define DOPT__DIRECT_MIN (64u << 10)    /* copied payloads at least this long skip the stage */
+#define DOPT__SMALL_DEFAULT (64u << 10)
+#define DOPT__SPIN_DEFAULT_US 50
+#define DOPT__FLUSH_MS 1000             /* an aborting rank writes its aborts for at most this long */
+#define DOPT__BLAME_MS 500              /* a link that ends mid-frame waits this long for a culprit */
+
+/* One unit of a collective's schedule: a frame sent to or received from one peer. A send may
+   depend on a receive (dep): its header goes once that receive's header has arrived, and its
+   payload only as far as that receive has filled its buffer, which pipelines rings and chains. */
+typedef struct dopt__op {
+    unsigned char hdr[DOPT_FRAME_BYTES]; /* send: the encoded header */
+    unsigned char *ptr;                  /* send: source; receive: destination */
+    size_t bytes, done;                  /* payload bytes, and bytes sent / placed */
+    int peer, dep, next;                 /* next: the following op of the same queue, or -1 */
+    unsigned hdr_done;                   /* send: header bytes sent; receive: 1 once validated */
+    int reduce;                          /* receive: combine into ptr instead of copying */
+    int tx;                              /* a send */
+    uint64_t req;                        /* the request it belongs to (its number, see dopt__engine) */
+} dopt__op;
+
+typedef struct dopt__peer {
+    unsigned char *stage;       /* bytes received but not yet consumed are [lo, hi) */
+    size_t lo, hi;
+    int tx_cur, tx_tail, rx_cur, rx_tail; /* queues of ops, in the order of the requests */
+    int tx_blocked;             /* the link has no room for more now */
+    int tx_mid;                 /* a frame is partly sent: nothing else may be written */
+    int parked;                 /* the stage holds a frame of a collective not started yet */
+    int broken;                 /* nothing more may be written (after an abort) */
+    int gone;                   /* said goodbye: destroyed its communicator */
+    uint64_t goodbye_seq;
+    int closed;                 /* its link ended without an abort: the order it was seen in (1, 2, ...) */
+    int closed_mid;             /* ... in the middle of a frame to this rank */
+    int close_err;              /* ... with this errno (0: an orderly end of stream) */
+    int close_sending;          /* ... seen by a send */
+    size_t abort_sent;          /* bytes of this rank's ABORT frame written to it */
+} dopt__peer;
+
+/* A collective in flight. */
+typedef struct dopt__req {
+    dopt_coll_desc desc;
+    const char *api;            /* the label in force when it started */
+    unsigned char *buf;         /* allreduce: the caller's buffer (finished at completion) */
+    uint64_t payload;           /* bytes for the traffic counter */
+    int direct;                 /* a small allreduce: combine the inputs in scratch at completion */
+    int first_op, end_op;       /* its ops */
+    unsigned char *scratch;     /* from the pool (pool index in `pooled`; -1: none) */
+    int pooled;
+} dopt__req;
+
+/* Scratch buffers, lent to requests in flight and returned when they retire: grown only when no
+   free one is large enough, so a steady state allocates nothing. */
+typedef struct dopt__scratch {
+    unsigned char *buf;
+    size_t cap;
+    int lent;
+} dopt__scratch;
+
+/* Requests are numbered 0, 1, 2, ... in start order; request k lives in slot k & (cap - 1), and
+   [retired, started) are in flight. They complete in that order. */
+typedef struct dopt__engine {
+    int rank, size;
+    dopt__peer *peers;
+    dopt__op *ops;
+    int nops, cap_ops;
+    dopt__req *reqs;
+    uint64_t retired, started, cap_reqs;
+    dopt__scratch *pool;        /* cap_reqs entries */
+    dopt_link_poll *polls;
+    size_t *blk_off, *blk_len;
+    size_t small_bytes;
+    int spin_us;
+    int closes;                 /* links seen ending */
+    double blame_deadline;      /* one did: name the culprit by then (0: none) */
+    unsigned char abort_msg[DOPT_FRAME_BYTES + DOPT_DETAIL_MAX]; /* this rank's ABORT frame */
+    size_t abort_len;           /* its length; 0 until this rank aborts */
+} dopt__engine;
+
+static dopt__req *dopt__eng_req(const dopt__engine *e, uint64_t k) { return &e->reqs[k & (e->cap_reqs - 1)]; }
+
+static int dopt__has_links(const dopt_comm_vtable *vt) {
+    return vt->struct_size >= sizeof(dopt_comm_vtable) && vt->link_send && vt->link_recv && vt->link_wait;
+}
+
+/* 1 when the engine runs collective kind on c (the backend does not run it itself). */
+static int dopt__engine_runs(const dopt_comm *c, dopt_coll kind) {
+    static const unsigned bit[6] = {0, DOPT_PROVIDES_ALLREDUCE, DOPT_PROVIDES_ALLGATHERV, DOPT_PROVIDES_ALLGATHERV,
+                                    DOPT_PROVIDES_BROADCAST, DOPT_PROVIDES_BARRIER};
+    return c->eng != NULL && !(c->vt->provides & bit[kind]);
+}
+
+static void dopt__eng_free(dopt__engine *e) {
+    uint64_t k;
+    int p;
+    if (e == NULL) return;
+    for (p = 0; e->peers && p < e->size; p++) DOPT_FREE(e->peers[p].stage);
+    for (k = 0; e->pool && k < e->cap_reqs; k++) DOPT_FREE(e->pool[k].buf);
+    DOPT_FREE(e->pool);
+    DOPT_FREE(e->peers);
+    DOPT_FREE(e->ops);
+    DOPT_FREE(e->reqs);
+    DOPT_FREE(e->polls);
+    DOPT_FREE(e->blk_off);
+    DOPT_FREE(e->blk_len);
+    DOPT_FREE(e);
+}
+
+static dopt__engine *dopt__eng_new(int rank, int size) {
+    dopt__engine *e = (dopt__engine *)DOPT_MALLOC(sizeof *e);
+    size_t n = (size_t)size;
+    int p;
+    if (e == NULL) return NULL;
+    memset(e, 0, sizeof *e);
+    e->rank = rank;
+    e->size = size;
+    e->small_bytes = DOPT__SMALL_DEFAULT;
+    e->spin_us = DOPT__SPIN_DEFAULT_US;
+    e->cap_ops = 4 * size + 64;
+    e->cap_reqs = 8;
+    e->peers = (dopt__peer *)DOPT_MALLOC(sizeof(dopt__peer) * n);
+    e->ops = (dopt__op *)DOPT_MALLOC(sizeof(dopt__op) * (size_t)e->cap_ops);
+    e->reqs = (dopt__req *)DOPT_MALLOC(sizeof(dopt__req) * (size_t)e->cap_reqs);
+    e->pool = (dopt__scratch *)DOPT_MALLOC(sizeof(dopt__scratch) * (size_t)e->cap_reqs);
+    if (e->pool) memset(e->pool, 0, sizeof(dopt__scratch) * (size_t)e->cap_reqs);
+    e->polls = (dopt_link_poll *)DOPT_MALLOC(sizeof(dopt_link_poll) * n);
+    e->blk_off = (size_t *)DOPT_MALLOC(sizeof(size_t) * n);
+    e->blk_len = (size_t *)DOPT_MALLOC(sizeof(size_t) * n);
+    if (e->peers) memset(e->peers, 0, sizeof(dopt__peer) * n);
+    if (e->reqs) memset(e->reqs, 0, sizeof(dopt__req) * (size_t)e->cap_reqs);
+    for (p = 0; e->peers && p < size; p++) {
+        dopt__peer *P = &e->peers[p];
+        P->tx_cur = P->tx_tail = P->rx_cur = P->rx_tail = -1;
+        if (p != rank && (P->stage = (unsigned char *)DOPT_MALLOC(DOPT__STAGE_BYTES)) == NULL) break;
+    }
+    if (!e->peers || !e->ops || !e->reqs || !e->pool || !e->polls || !e->blk_off || !e->blk_len || p < size) {
+        dopt__eng_free(e);
+        return NULL;
+    }
+    return e;
+}
+
+/* ===================================================================== ENGINE: FAILING AND ABORTING */
+
+/* The reason in this rank's detail: what follows its "rank R: <collective>: " prefix. */
+static const char *dopt__eng_reason(const dopt_comm *c, const dopt_coll_desc *d) {
+    char what[160], prefix[DOPT_DETAIL_MAX];
+    int n;
+    dopt_coll_describe(d, what, sizeof what);
+    n = snprintf(prefix, sizeof prefix, "rank %d: %s%s%s: ", c->rank, c->api ? c->api : "", c->api ? ": " : "", what);
+    if (n > 0 && (size_t)n < sizeof prefix && strncmp(c->detail, prefix, (size_t)n) == 0) return c->detail + n;
+    return c->detail;
+}
+
+/* Writes what is left for peer p once this rank aborts: the rest of a half-sent frame (whatever
+   its source holds now: the receiver fails anyway, it only needs the frame to end so that the
+   abort after it can be read), then the abort. 1: all written; 0: the link is full; -1: the
+   link is gone. */
+static int dopt__eng_flush_peer(dopt_comm *c, dopt__engine *e, int p) {
+    dopt__peer *P = &e->peers[p];
+    for (;;) {
+        dopt__op *o = P->tx_mid ? &e->ops[P->tx_cur] : NULL;
+        size_t hdr_left = o ? DOPT_FRAME_BYTES - o->hdr_done : 0, body_left = o ? o->bytes - o->done : 0, sent, k;
+        dopt_iov iov[3];
+        long n;
+        int nv = 0, err = 0;
+        if (hdr_left) {
+            iov[nv].base = o->hdr + o->hdr_done;
+            iov[nv++].len = hdr_left;
+        }
+        if (body_left) {
+            iov[nv].base = o->ptr + o->done;
+            iov[nv++].len = body_left;
+        }
+        if (P->abort_sent < e->abort_len) {
+            iov[nv].base = e->abort_msg + P->abort_sent;
+            iov[nv++].len = e->abort_len - P->abort_sent;
+        }
+        if (nv == 0) return 1;
+        n = c->vt->link_send(c, p, iov, nv, &err);
+        if (n < 0) return -1;
+        if (n == 0) return 0;
+        sent = (size_t)n;
+        if (o) {
+            k = sent < hdr_left ? sent : hdr_left;
+            o->hdr_done += (unsigned)k;
+            sent -= k;
+            k = sent < body_left ? sent : body_left;
+            o->done += k;
+            sent -= k;
+            P->tx_mid = !(o->hdr_done == DOPT_FRAME_BYTES && o->done == o->bytes);
+        }
+        P->abort_sent += sent;
+    }
+}
+
+/* The collective to name in a failure: the oldest one in flight, else the last one started. */
+static const dopt_coll_desc *dopt__eng_current(const dopt__engine *e) {
+    if (e->retired < e->started) return &dopt__eng_req(e, e->retired)->desc;
+    return e->started ? &dopt__eng_req(e, e->started - 1)->desc : NULL;
+}
+
+/* After this rank failed: tell every peer why with an ABORT frame naming the culprit (the rank
+   whose failure it is) and the reporter (the rank that saw it first), so that nobody waits for
+   the timeout and everybody names the same rank. A frame half-sent to a peer is finished first;
+   all peers are written at once, reading (and dropping) what they send meanwhile so that two
+   aborting ranks never wait on each other. What cannot be written within
+   min(timeout, DOPT__FLUSH_MS) is cut: that link is not written again, and the peer sees this
+   rank close when it does. */
+static dopt_status dopt__eng_abort_all(dopt_comm *c, const dopt_coll_desc *d, int culprit, int reporter,
+                                       const char *why) {
+    dopt__engine *e = c->eng;
+    size_t len = strlen(why);
+    double deadline = dopt__now_ms() + (c->timeout_ms < DOPT__FLUSH_MS ? c->timeout_ms : DOPT__FLUSH_MS);
+    dopt_coll_desc none;
+    int p;
+    if (e->abort_len) return c->error; /* told them already */
+    if (d == NULL) {
+        memset(&none, 0, sizeof none);
+        d = &none;
+    }
+    if (len > DOPT_DETAIL_MAX) len = DOPT_DETAIL_MAX;
+    dopt__abort_encode(e->abort_msg, d, c->rank, (int)c->error, culprit, reporter, len);
+    memcpy(e->abort_msg + DOPT_FRAME_BYTES, why, len);
+    e->abort_len = DOPT_FRAME_BYTES + len;
+    for (;;) {
+        int np = 0, pending = 0, n, i, err = 0;
+        for (p = 0; p < e->size; p++) {
+            dopt__peer *P = &e->peers[p];
+            short ev;
+            if (p == e->rank) continue;
+            if (!P->broken) {
+                int r = dopt__eng_flush_peer(c, e, p);
+                if (r != 0) P->broken = 1;
+                pending |= r == 0;
+            }
+            ev = (short)((P->broken ? 0 : DOPT_LINK_OUT) | (P->closed ? 0 : DOPT_LINK_IN));
+            if (!ev) continue;
+            e->polls[np].peer = p;
+            e->polls[np].events = ev;
+            e->polls[np++].revents = 0;
+        }
+        if (!pending || dopt__now_ms() >= deadline) break;
+        n = c->vt->link_wait(c, e->polls, np, dopt__ms_left(deadline), &err);
+        if (n < 0) break;
+        for (i = 0; i < np && n > 0; i++) {
+            dopt__peer *P = &e->peers[e->polls[i].peer];
+            long k;
+            if (!(e->polls[i].revents & DOPT_LINK_IN) || P->closed) continue;
+            k = c->vt->link_recv(c, e->polls[i].peer, P->stage, DOPT__STAGE_BYTES, &err);
+            if (k < 0) P->closed = ++e->closes;
+        }
+    }
+    for (p = 0; p < e->size; p++) e->peers[p].broken = 1;
+    return c->error;
+}
+
+static dopt_status dopt__eng_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, int culprit, const char *fmt,
+                                  ...) DOPT_PRINTF(5, 6);
+static dopt_status dopt__eng_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, int culprit, const char *fmt,
+                                  ...) {
+    char msg[DOPT_DETAIL_MAX];
+    va_list ap;
+    if (c->error != DOPT_OK) return c->error;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    dopt_comm_fail(c, d, s, "%s", msg);
+    return dopt__eng_abort_all(c, d, culprit, c->rank, msg);
+}
+
+/* This rank's detail was just set by a check of peer p's frame: abort naming p. A mismatch's
+   abort carries this rank's call as well, so that p itself learns both sides. */
+static dopt_status dopt__eng_abort_checked(dopt_comm *c, const dopt_coll_desc *d, int p) {
+    char why[DOPT_DETAIL_MAX], mine[160];
+    const char *reason = dopt__eng_reason(c, d);
+    size_t n = strlen(reason);
+    if (n >= sizeof why) n = sizeof why - 1;
+    memcpy(why, reason, n);
+    why[n] = '\0';
+    if (c->error == DOPT_ERR_MISMATCH) {
+        dopt_coll_describe(d, mine, sizeof mine);
+        snprintf(why + n, sizeof why - n, " and rank %d %s", c->rank, mine);
+    }
+    return dopt__eng_abort_all(c, d, p, c->rank, why);
+}
+
+/* A peer's ABORT frame, whole in its stage: fail with its status, naming its culprit first and
+   its reporter after ("rank 1 closed the connection (reported by rank 2)"), and pass it on. */
+static dopt_status dopt__eng_peer_aborted(dopt_comm *c, const dopt_coll_desc *d, const dopt__frame *f,
+                                          const unsigned char *text) {
+    char why[DOPT_DETAIL_MAX + 1];
+    size_t i, n = (size_t)f->bytes;
+    if (c->error != DOPT_OK) return c->error;
+    for (i = 0; i < n; i++) why[i] = (text[i] >= 0x20 && text[i] < 0x7F) ? (char)text[i] : '?';
+    why[n] = '\0';
+    dopt_comm_fail(c, d, (dopt_status)f->status, "%s (reported by rank %d)", why, f->reporter);
+    return dopt__eng_abort_all(c, d, f->culprit, f->reporter, why);
+}
+
+/* ===================================================================== ENGINE: A LINK THAT ENDS */
+
+/* 1 when p's link ended part-way through a frame to this rank: a header, a payload or an abort
+   begun and not finished. */
+static int dopt__eng_mid_frame(const dopt__engine *e, int p) {
+    const dopt__peer *P = &e->peers[p];
+    const dopt__op *o = P->rx_cur >= 0 ? &e->ops[P->rx_cur] : NULL;
+    return P->hi > P->lo || (o && o->hdr_done && o->done < o->bytes);
+}
+
+/* Peer p's link ended (err: 0 for an end of stream, else the reason) without an abort while a
+   collective still needs p. The rank named must be the one that failed, and an end of stream
+   does not say which: a rank that aborts because of another's death ends its links too. But it
+   sends an abort first, finishing any half-sent frame to do so, and is cut mid-frame only when
+   the receiver did not read for DOPT__FLUSH_MS. So an end at a frame boundary is p's own death
+   (or exit): p is named once the other links have been read once more (an abort naming someone
+   else may be there). An end in the middle of a frame waits up to DOPT__BLAME_MS for better
+   evidence: an abort from another peer, or another link ending at a boundary. */
+static void dopt__eng_mark_closed(const dopt_comm *c, dopt__engine *e, int p, int err, int sending) {
+    dopt__peer *P = &e->peers[p];
+    double by;
+    if (P->closed) return;
+    P->closed = ++e->closes;
+    P->close_err = err;
+    P->close_sending = sending;
+    P->closed_mid = dopt__eng_mid_frame(e, p);
+    by = dopt__now_ms();
+    if (P->closed_mid) by += c->timeout_ms < DOPT__BLAME_MS ? c->timeout_ms : DOPT__BLAME_MS;
+    if (e->blame_deadline == 0 || by < e->blame_deadline) e->blame_deadline = by;
+}
+
+static int dopt__eng_open_peers(const dopt__engine *e) {
+    int p, n = 0;
+    for (p = 0; p < e->size; p++) n += p != e->rank && !e->peers[p].closed;
+    return n;
+}
+
+/* Names the rank whose link ended: the first seen ending at a frame boundary, else the first
+   seen at all; the others that ended are listed after it. */
+static dopt_status dopt__eng_blame(dopt_comm *c, dopt__engine *e) {
+    const dopt_coll_desc *d = dopt__eng_current(e);
+    char also[160] = "";
+    size_t used = 0;
+    int p, culprit = -1;
+    const dopt__peer *C;
+    for (p = 0; p < e->size; p++) {
+        const dopt__peer *P = &e->peers[p];
+        if (p == e->rank || !P->closed) continue;
+        if (culprit < 0 || (e->peers[culprit].closed_mid && !P->closed_mid) ||
+            (e->peers[culprit].closed_mid == P->closed_mid && P->closed < e->peers[culprit].closed))
+            culprit = p;
+    }
+    for (p = 0; p < e->size && used + 32 < sizeof also; p++)
+        if (p != e->rank && p != culprit && e->peers[p].closed)
+            used += (size_t)snprintf(also + used, sizeof also - used, "; rank %d's is closed too", p);
+    C = &e->peers[culprit];
+    if (C->close_err)
+        return dopt__eng_fail(c, d, DOPT_ERR_PEER_LOST, culprit, "connection to rank %d lost while %s: %s%s", culprit,
+                              C->close_sending ? "sending" : "receiving", strerror(C->close_err), also);
+    return dopt__eng_fail(c, d, DOPT_ERR_PEER_LOST, culprit, "rank %d closed the connection%s", culprit, also);
+}
+
+/* ===================================================================== ENGINE: SCHEDULES (RING, TREE, CHAIN, DISSEMINATION) */
+
+static int dopt__eng_op(dopt__engine *e, int peer, int is_tx, unsigned char *ptr, size_t bytes) {
+    dopt__peer *P = &e->peers[peer];
+    int i = e->nops++;
+    int *cur = is_tx ? &P->tx_cur : &P->rx_cur, *tail = is_tx ? &P->tx_tail : &P->rx_tail;
+    dopt__op *o = &e->ops[i];
+    DOPT_ASSERT(i < e->cap_ops && peer != e->rank);
+    memset(o, 0, sizeof *o);
+    o->ptr = ptr;
+    o->bytes = bytes;
+    o->peer = peer;
+    o->dep = -1;
+    o->next = -1;
+    o->req = e->started;
+    o->tx = is_tx;
+    if (*tail >= 0)
+        e->ops[*tail].next = i;
+    else
+        *cur = i;
+    *tail = i;
+    if (!is_tx) P->parked = 0; /* a frame waiting in the stage may be this one's */
+    return i;
+}
+
+static int dopt__eng_send(dopt__engine *e, const dopt_coll_desc *d, int peer, const void *src, size_t bytes, int dep) {
+    int i = dopt__eng_op(e, peer, 1, (unsigned char *)(uintptr_t)src, bytes);
+    e->ops[i].dep = dep;
+    dopt__frame_encode(e->ops[i].hdr, DOPT__FRAME_DATA, d, e->rank, 0, bytes);
+    return i;
+}
+
+static int dopt__eng_recv(dopt__engine *e, int peer, void *dst, size_t bytes, int reduce) {
+    int i = dopt__eng_op(e, peer, 0, (unsigned char *)dst, bytes);
+    e->ops[i].reduce = reduce;
+    return i;
+}
+
+static int dopt__mod(long long a, int n) { return (int)(((a % n) + n) % n); }
+
+/* base + off, where base may be NULL for a zero-length buffer (NULL + 0 is undefined in C). */
+static unsigned char *dopt__at(void *base, size_t off) { return base ? (unsigned char *)base + off : NULL; }
+
+/* Ring pass over the blocks e->blk_off/blk_len of base: at step s send block first - s to the
+   right neighbour and receive block first - s - 1 from the left one (combining it into place when
+   reduce is set). Each send waits on the previous receive: the block it forwards is the one that
+   receive produced. Returns the last receive, to chain a second pass on. */
+static int dopt__eng_ring(dopt__engine *e, const dopt_coll_desc *d, unsigned char *base, int first, int reduce, int dep) {
+    int n = e->size, right = (e->rank + 1) % n, left = (e->rank + n - 1) % n, s;
+    for (s = 0; s < n - 1; s++) {
+        int out = dopt__mod((long long)first - s, n), in = dopt__mod((long long)first - s - 1, n);
+        dopt__eng_send(e, d, right, dopt__at(base, e->blk_off[out]), e->blk_len[out], dep);
+        dep = dopt__eng_recv(e, left, dopt__at(base, e->blk_off[in]), e->blk_len[in], reduce);
+    }
+    return dep;
+}
+
+/* Binomial tree (small) or pipelined chain (large) from the root, in ranks relative to it. */
+static void dopt__eng_bcast(dopt__engine *e, const dopt_coll_desc *d, unsigned char *buf, size_t bytes, int chain) {
+    int n = e->size, v = dopt__mod((long long)e->rank - d->root, n), dep = -1;
+    long long low = 1, m;
+    if (chain) {
+        if (v > 0) dep = dopt__eng_recv(e, dopt__mod((long long)e->rank - 1, n), buf, bytes, 0);
+        if (v < n - 1) dopt__eng_send(e, d, dopt__mod((long long)e->rank + 1, n), buf, bytes, dep);
+        return;
+    }
+    /* v's subtree is v .. v + low - 1, where low is v's lowest set bit (the root's: all ranks) */
+    if (v > 0) {
+        low = v & -v;
+        dep = dopt__eng_recv(e, dopt__mod((long long)e->rank - low, n), buf, bytes, 0);
+    } else {
+        while (low < n) low <<= 1;
+    }
+    for (m = low >> 1; m >= 1; m >>= 1) /* the largest subtree first: it has the longest way to go */
+        if (v + m < n) dopt__eng_send(e, d, dopt__mod((long long)e->rank + m, n), buf, bytes, dep);
+}
+
+/* Dissemination barrier: in round k send to rank + 2^k and hear from rank - 2^k; after
+   ceil(log2 n) rounds every rank has heard, transitively, from every other. */
+static void dopt__eng_barrier(dopt__engine *e, const dopt_coll_desc *d) {
+    int n = e->size, dep = -1;
+    long long k;
+    for (k = 1; k < n; k <<= 1) {
+        dopt__eng_send(e, d, (int)((e->rank + k) % n), NULL, 0, dep);
+        dep = dopt__eng_recv(e, (int)((e->rank + n - k) % n), NULL, 0, 0);
+    }
+}
+
+/* Element range of ring segment i: count split into n near-equal parts (never i·count, which may
+   overflow). */
+static void dopt__ring_segment(uint64_t count, int n, int i, uint64_t *first, uint64_t *len) {
+    uint64_t q = count / (uint64_t)n, rem = count % (uint64_t)n, ui = (uint64_t)i;
+    *first = ui * q + (ui < rem ? ui : rem);
+    *len = q + (ui < rem ? 1 : 0);
+}
+
+/* ===================================================================== ENGINE: RECEIVING */
+
+static void dopt__eng_rx_next(dopt__peer *P, dopt__op *o) {
+    if (o->done == o->bytes) P->rx_cur = o->next;
+}
+
+/* A DATA frame of a collective from a peer this rank expects nothing (more) from: another
+   collective than ours is a mismatch, ours a protocol error. */
+static dopt_status dopt__eng_unexpected(dopt_comm *c, dopt__engine *e, int p, const dopt__frame *f) {
+    const dopt_coll_desc *d = dopt__eng_current(e);
+    if (d && f->sender == p && !dopt__same_coll(d, &f->desc)) {
+        dopt_comm_fail_mismatch(c, d, &f->desc, p);
+        return dopt__eng_abort_checked(c, d, p);
+    }
+    return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a frame this rank did not expect", p);
+}
+
+/* Consumes what peer p's stage holds: frame headers (validated before anything of the payload is
+   used), payload copied or combined into place, aborts and goodbyes. */
+static dopt_status dopt__eng_consume(dopt_comm *c, dopt__engine *e, int p) {
+    dopt__peer *P = &e->peers[p];
+    for (;;) {
+        dopt__op *o = P->rx_cur >= 0 ? &e->ops[P->rx_cur] : NULL;
+        const dopt_coll_desc *d = o ? &dopt__eng_req(e, o->req)->desc : dopt__eng_current(e);
+        size_t avail = P->hi - P->lo, take, es;
+        if (o == NULL || !o->hdr_done) {
+            dopt__frame f;
+            const char *why;
+            uint64_t newest = e->started ? dopt__eng_req(e, e->started - 1)->desc.seq : 0;
+            if (avail < DOPT_FRAME_BYTES || P->parked) return DOPT_OK;
+            why = dopt__frame_decode(P->stage + P->lo, &f);
+            if (why) return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a malformed frame header: %s", p, why);
+            if (o == NULL && f.desc.seq > newest && f.type != DOPT__FRAME_GOODBYE) {
+                P->parked = 1; /* a later collective's frame, an abort included: this one may still finish */
+                return DOPT_OK;
+            }
+            if (f.type == DOPT__FRAME_ABORT) {
+                if (f.culprit >= e->size || f.reporter >= e->size)
+                    return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p,
+                                          "rank %d sent an abort naming ranks %d and %d in a world of %d", p, f.culprit,
+                                          f.reporter, e->size);
+                if (avail < DOPT_FRAME_BYTES + f.bytes) return DOPT_OK;
+                return dopt__eng_peer_aborted(c, d, &f, P->stage + P->lo + DOPT_FRAME_BYTES);
+            }
+            if (f.type == DOPT__FRAME_GOODBYE) {
+                P->lo += DOPT_FRAME_BYTES;
+                P->gone = 1;
+                P->goodbye_seq = f.desc.seq;
+                if (o)
+                    return dopt__eng_fail(c, d, DOPT_ERR_PEER_LOST, p,
+                                          "rank %d destroyed its communicator after its collective #%llu", p,
+                                          (unsigned long long)f.desc.seq);
+                continue;
+            }
+            if (o == NULL) return dopt__eng_unexpected(c, e, p, &f);
+            if (dopt__frame_check(c, d, p, &f, o->bytes) != DOPT_OK) return dopt__eng_abort_checked(c, d, p);
+            P->lo += DOPT_FRAME_BYTES;
+            o->hdr_done = 1;
+            avail -= DOPT_FRAME_BYTES;
+        }
+        es = d->kind == DOPT_COLL_ALLREDUCE ? dopt_dtype_size(d->dtype) : 1;
+        take = avail < o->bytes - o->done ? avail : o->bytes - o->done;
+        if (o->reduce) {
+            take -= take % es;
+            if (take > 0 && (uintptr_t)(P->stage + P->lo) % es != 0) { /* after an odd-sized frame */
+                memmove(P->stage, P->stage + P->lo, avail);
+                P->lo = 0;
+                P->hi = avail;
+            }
+            if (take > 0) dopt_reduce(o->ptr + o->done, P->stage + P->lo, take / es, d->dtype, d->op);
+        } else if (take > 0) {
+            memcpy(o->ptr + o->done, P->stage + P->lo, take);
+        }
+        o->done += take;
+        P->lo += take;
+        if (P->lo == P->hi) P->lo = P->hi = 0;
+        if (o->done < o->bytes) return DOPT_OK;
+        dopt__eng_rx_next(P, o);
+    }
+}
+
+static dopt_status dopt__eng_pump_rx(dopt_comm *c, dopt__engine *e, int p, int *progress) {
+    dopt__peer *P = &e->peers[p];
+    int round;
+    /* A few reads at most, so that sends to other peers are not starved; what was read is always
+       consumed before returning, since the link will not report those bytes again. */
+    for (round = 0;; round++) {
+        dopt__op *o;
+        unsigned char *dst;
+        size_t room;
+        long n;
+        int direct = 0, err = 0;
+        dopt_status s = dopt__eng_consume(c, e, p);
+        if (s != DOPT_OK) return s;
+        if (P->parked || round == 4) return DOPT_OK;
+        o = P->rx_cur >= 0 ? &e->ops[P->rx_cur] : NULL;
+        if (o && o->hdr_done && !o->reduce && P->lo == P->hi && o->bytes - o->done >= DOPT__DIRECT_MIN) {
+            direct = 1; /* large copies go straight into place */
+            dst = o->ptr + o->done;
+            room = o->bytes - o->done;
+        } else {
+            if (P->lo > 0 && DOPT__STAGE_BYTES - P->hi < DOPT__STAGE_BYTES / 2) {
+                memmove(P->stage, P->stage + P->lo, P->hi - P->lo);
+                P->hi -= P->lo;
+                P->lo = 0;
+            }
+            dst = P->stage + P->hi;
+            room = DOPT__STAGE_BYTES - P->hi;
+            if (room == 0) { /* a stage full of a later collective's frame */
+                P->parked = 1;
+                return DOPT_OK;
+            }
+        }
+        n = c->vt->link_recv(c, p, dst, room, &err);
+        if (n > 0) {
+            *progress = 1;
+            if (direct) {
+                o->done += (size_t)n;
+                dopt__eng_rx_next(P, o);
+            } else {
+                P->hi += (size_t)n;
+            }
+            continue;
+        }
+        if (n == 0) return DOPT_OK;
+        if (P->rx_cur < 0) {
+            /* Nothing more is needed from p now, so the collectives in flight may finish; a
+               later one that needs p finds the link closed. */
+            P->parked = 1;
+            return DOPT_OK;
+        }
+        if (P->gone)
+            return dopt__eng_fail(c, &dopt__eng_req(e, o ? o->req : e->retired)->desc, DOPT_ERR_PEER_LOST, p,
+                                  "rank %d destroyed its communicator after its collective #%llu", p,
+                                  (unsigned long long)P->goodbye_seq);
+        dopt__eng_mark_closed(c, e, p, err, 0);
+        return DOPT_OK;
+    }
+}
+
+/* ===================================================================== ENGINE: SENDING */
+
+/* A peer that failed sends an abort and may close at once; our send then meets a reset before
+   the abort was read. What the peer said explains more than "broken pipe", so read it first;
+   without one, the link has ended (dopt__eng_mark_closed). */
+static dopt_status dopt__eng_send_failed(dopt_comm *c, dopt__engine *e, int p, int err) {
+    int progress = 0;
+    dopt_status s = dopt__eng_pump_rx(c, e, p, &progress);
+    if (s != DOPT_OK) return s;
+    dopt__eng_mark_closed(c, e, p, err, 1);
+    return DOPT_OK;
+}
+
+static dopt_status dopt__eng_pump_tx(dopt_comm *c, dopt__engine *e, int p, int *progress) {
+    dopt__peer *P = &e->peers[p];
+    while (P->tx_cur >= 0) {
+        dopt__op *o = &e->ops[P->tx_cur];
+        size_t ready = o->bytes, hdr_left, sent;
+        dopt_iov iov[2];
+        long n;
+        int err = 0;
+        if (o->dep >= 0) {
+            if (!e->ops[o->dep].hdr_done) return DOPT_OK;
+            ready = e->ops[o->dep].done < o->bytes ? e->ops[o->dep].done : o->bytes;
+        }
+        hdr_left = DOPT_FRAME_BYTES - o->hdr_done;
+        if (hdr_left == 0 && o->done == ready && o->done < o->bytes) return DOPT_OK;
+        iov[0].base = o->hdr + o->hdr_done;
+        iov[0].len = hdr_left;
+        iov[1].base = dopt__at(o->ptr, o->done);
+        iov[1].len = ready - o->done;
+        n = c->vt->link_send(c, p, iov, 2, &err);
+        if (n < 0) return dopt__eng_send_failed(c, e, p, err);
+        if (n == 0) {
+            P->tx_blocked = 1;
+            return DOPT_OK;
+        }
+        sent = (size_t)n;
+        *progress = 1;
+        if (sent >= hdr_left) {
+            o->hdr_done = DOPT_FRAME_BYTES;
+            o->done += sent - hdr_left;
+        } else {
+            o->hdr_done += (unsigned)sent;
+        }
+        P->tx_mid = !(o->hdr_done == DOPT_FRAME_BYTES && o->done == o->bytes);
+        if (P->tx_mid) continue; /* the link may take more: the next call says 0 if not */
+        P->tx_cur = o->next;
+    }
+    return DOPT_OK;
+}
+
+/* ===================================================================== ENGINE: REQUESTS */
+
+static int dopt__eng_op_done(const dopt__op *o) {
+    return o->done == o->bytes && o->hdr_done == (o->tx ? DOPT_FRAME_BYTES : 1u);
+}
+
+/* The small allreduce's inputs, combined in rank order (x0∘x1∘...): the same expression on every
+   rank, so the same bits. */
+static void dopt__eng_combine(dopt__engine *e, dopt__req *q) {
+    size_t bytes = (size_t)q->payload, count = (size_t)q->desc.count;
+    int n = e->size, r = e->rank, i;
+    unsigned char *acc = r == 0 ? q->buf : q->scratch;
+    if (bytes == 0) return;
+    for (i = 1; i < n; i++)
+        dopt_reduce(acc, i == r ? q->buf : q->scratch + (size_t)(i < r ? i : i - 1) * bytes, count, q->desc.dtype,
+                    q->desc.op);
+    if (acc != q->buf) memcpy(q->buf, acc, bytes);
+}
+
+static void dopt__divide(void *buf, size_t count, dopt_dtype dt, int size);
+
+/* Ops [0, upto) belong to retired requests: drop them, renumbering the rest. */
+static void dopt__eng_compact(dopt__engine *e, int upto) {
+    uint64_t k;
+    int i, p;
+    if (upto == 0) return;
+    memmove(e->ops, e->ops + upto, sizeof(dopt__op) * (size_t)(e->nops - upto));
+    e->nops -= upto;
+    for (i = 0; i < e->nops; i++) {
+        if (e->ops[i].dep >= 0) e->ops[i].dep -= upto;
+        if (e->ops[i].next >= 0) e->ops[i].next -= upto;
+    }
+    for (p = 0; p < e->size; p++) {
+        dopt__peer *P = &e->peers[p];
+        int *q[4];
+        int j;
+        q[0] = &P->tx_cur, q[1] = &P->tx_tail, q[2] = &P->rx_cur, q[3] = &P->rx_tail;
+        for (j = 0; j < 4; j++)
+            if (*q[j] >= 0) *q[j] = *q[j] >= upto ? *q[j] - upto : -1;
+    }
+    for (k = e->retired; k < e->started; k++) {
+        dopt__eng_req(e, k)->first_op -= upto;
+        dopt__eng_req(e, k)->end_op -= upto;
+    }
+}
+
+/* Retires the oldest requests whose ops are all done, in start order: combines, divides a mean,
+   counts the traffic. */
+static void dopt__eng_retire(dopt_comm *c, dopt__engine *e) {
+    int drop = 0;
+    while (e->retired < e->started) {
+        dopt__req *q = dopt__eng_req(e, e->retired);
+        int i;
+        for (i = q->first_op; i < q->end_op; i++)
+            if (!dopt__eng_op_done(&e->ops[i])) break;
+        if (i < q->end_op) break;
+        if (q->direct) dopt__eng_combine(e, q);
+        if (q->pooled >= 0) e->pool[q->pooled].lent = 0;
+        if (q->desc.kind == DOPT_COLL_ALLREDUCE && q->desc.op == DOPT_MEAN && c->size > 1)
+            dopt__divide(q->buf, (size_t)q->desc.count, q->desc.dtype, c->size);
+        c->traffic.calls[q->desc.kind]++;
+        c->traffic.bytes[q->desc.kind] += q->payload;
+        drop = q->end_op;
+        e->retired++;
+    }
+    if (e->retired == e->started) {
+        e->nops = 0;
+        for (drop = 0; drop < e->size; drop++) {
+            dopt__peer *P = &e->peers[drop];
+            P->tx_cur = P->tx_tail = P->rx_cur = P->rx_tail = -1;
+        }
+    } else if (drop > e->nops / 2) {
+        dopt__eng_compact(e, drop);
+    }
+}
+
+/* Room for one more request of up to `ops` ops: grows the tables (only at a new high-water mark,
+   so a steady state allocates nothing). */
+static dopt_status dopt__eng_reserve(dopt__engine *e, int ops) {
+    if (e->nops + ops > e->cap_ops) {
+        int cap = (e->nops + ops) * 2;
+        dopt__op *grown = (dopt__op *)DOPT_MALLOC(sizeof(dopt__op) * (size_t)cap);
+        if (grown == NULL) return DOPT_ERR_NOMEM;
+        memcpy(grown, e->ops, sizeof(dopt__op) * (size_t)e->nops);
+        DOPT_FREE(e->ops);
+        e->ops = grown;
+        e->cap_ops = cap;
+    }
+    if (e->started - e->retired == e->cap_reqs) {
+        uint64_t cap = e->cap_reqs * 2, k;
+        dopt__req *grown = (dopt__req *)DOPT_MALLOC(sizeof(dopt__req) * (size_t)cap);
+        if (grown == NULL) return DOPT_ERR_NOMEM;
+        memset(grown, 0, sizeof(dopt__req) * (size_t)cap);
+        dopt__scratch *pool = (dopt__scratch *)DOPT_MALLOC(sizeof(dopt__scratch) * (size_t)cap);
+        if (pool == NULL) {
+            DOPT_FREE(grown);
+            return DOPT_ERR_NOMEM;
+        }
+        memset(pool, 0, sizeof(dopt__scratch) * (size_t)cap);
+        memcpy(pool, e->pool, sizeof(dopt__scratch) * (size_t)e->cap_reqs);
+        for (k = e->retired; k < e->started; k++) grown[k & (cap - 1)] = *dopt__eng_req(e, k);
+        DOPT_FREE(e->reqs);
+        DOPT_FREE(e->pool);
+        e->reqs = grown;
+        e->pool = pool;
+        e->cap_reqs = cap;
+    }
+    return DOPT_OK;
+}
+
+/* A free pool buffer of at least `bytes`: the smallest that fits, else the largest free one
+   grown. -1 when memory runs out. */
+static int dopt__eng_lend(dopt__engine *e, size_t bytes) {
+    int i, best = -1, n = (int)e->cap_reqs;
+    for (i = 0; i < n; i++) {
+        const dopt__scratch *b = &e->pool[i];
+        if (b->lent) continue;
+        if (best < 0) best = i;
+        else if (b->cap >= bytes ? (e->pool[best].cap < bytes || b->cap < e->pool[best].cap) : b->cap > e->pool[best].cap)
+            best = i;
+    }
+    DOPT_ASSERT(best >= 0); /* cap_reqs buffers for at most cap_reqs requests in flight */
+    if (e->pool[best].cap < bytes) {
+        DOPT_FREE(e->pool[best].buf);
+        e->pool[best].buf = (unsigned char *)DOPT_MALLOC(bytes);
+        e->pool[best].cap = e->pool[best].buf ? bytes : 0;
+        if (e->pool[best].buf == NULL) return -1;
+    }
+    e->pool[best].lent = 1;
+    return best;
+}
+
+/* The next request's slot, with at least `scratch` bytes of scratch. */
+static dopt__req *dopt__eng_begin(dopt_comm *c, dopt__engine *e, const dopt_coll_desc *d, int ops, size_t scratch) {
+    dopt__req *q;
+    dopt_status s = dopt__eng_reserve(e, ops);
+    if (s != DOPT_OK) {
+        dopt_comm_fail(c, d, s, "cannot grow the engine's tables");
+        return NULL;
+    }
+    q = dopt__eng_req(e, e->started);
+    q->scratch = NULL;
+    q->pooled = -1;
+    if (scratch > 0) {
+        q->pooled = dopt__eng_lend(e, scratch);
+        if (q->pooled < 0) {
+            dopt_comm_fail(c, d, DOPT_ERR_NOMEM, "cannot allocate %llu bytes of scratch", (unsigned long long)scratch);
+            return NULL;
+        }
+        q->scratch = e->pool[q->pooled].buf;
+    }
+    q->desc = *d;
+    q->api = c->api;
+    q->buf = NULL;
+    q->payload = 0;
+    q->direct = 0;
+    q->first_op = e->nops;
+    return q;
+}
+
+static void dopt__eng_end(dopt__engine *e, dopt__req *q) {
+    q->end_op = e->nops;
+    e->started++;
+}
+
+/* ===================================================================== ENGINE: PROGRESS */
+
+/* Nothing moved for the timeout: the culprit is the first rank waited for. */
+static dopt_status dopt__eng_timed_out(dopt_comm *c, dopt__engine *e) {
+    char who[160] = "";
+    size_t used = 0;
+    int p, culprit = -1;
+    if (e->blame_deadline > 0) return dopt__eng_blame(c, e); /* a link ended: that says more */
+    for (p = 0; p < e->size && used < sizeof who - 40; p++) {
+        dopt__peer *P = &e->peers[p];
+        int waited = 1;
+        if (p == e->rank) continue;
+        if (P->rx_cur >= 0)
+            used += (size_t)snprintf(who + used, sizeof who - used, "%sdata from rank %d", used ? ", " : "", p);
+        else if (P->tx_cur >= 0 && P->tx_blocked)
+            used += (size_t)snprintf(who + used, sizeof who - used, "%srank %d to read", used ? ", " : "", p);
+        else
+            waited = 0;
+        if (waited && culprit < 0) culprit = p;
+    }
+    return dopt__eng_fail(c, dopt__eng_current(e), DOPT_ERR_TIMEOUT, culprit < 0 ? c->rank : culprit,
+                          "no progress for %d ms waiting for %s", c->timeout_ms, who);
+}
+
+/* A link ended (dopt__eng_mark_closed) and the links that remain were polled once since: name
+   the culprit when its time has come or nobody is left to say more. */
+static int dopt__eng_blame_due(const dopt__engine *e, int polled_since) {
+    return polled_since && e->blame_deadline > 0 && (dopt__now_ms() >= e->blame_deadline || dopt__eng_open_peers(e) == 0);
+}
+
+/* One pass: sends whatever is ready, then asks the links what may move (waiting up to wait_ms)
+   and receives what has arrived. *progress is set when bytes moved. */
+static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, int *progress, int *polled) {
+    int p, np = 0, n, i, err = 0;
+    dopt_status s;
+    for (p = 0; p < e->size; p++) {
+        dopt__peer *P = &e->peers[p];
+        if (p == e->rank || P->tx_cur < 0 || P->tx_blocked || P->closed) continue;
+        s = dopt__eng_pump_tx(c, e, p, progress);
+        if (s != DOPT_OK) return s;
+    }
+    if (*progress) wait_ms = 0;
+    for (p = 0; p < e->size; p++) {
+        dopt__peer *P = &e->peers[p];
+        short ev = 0;
+        if (p == e->rank || P->closed) continue;
+        if (!P->parked) ev |= DOPT_LINK_IN;
+        if (P->tx_cur >= 0 && P->tx_blocked) ev |= DOPT_LINK_OUT;
+        if (!ev) continue;
+        e->polls[np].peer = p;
+        e->polls[np].events = ev;
+        e->polls[np++].revents = 0;
+    }
+    *polled = 1;
+    n = c->vt->link_wait(c, e->polls, np, wait_ms, &err);
+    if (n < 0) return dopt__eng_fail(c, dopt__eng_current(e), DOPT_ERR_IO, c->rank, "waiting on links: %s", strerror(err));
+    for (i = 0; i < np && n > 0; i++) {
+        short re = e->polls[i].revents;
+        p = e->polls[i].peer;
+        if (re & DOPT_LINK_OUT) e->peers[p].tx_blocked = 0;
+        if (re & DOPT_LINK_IN) {
+            e->peers[p].tx_blocked = 0; /* a failed link: the send says why */
+            s = dopt__eng_pump_rx(c, e, p, progress);
+            if (s != DOPT_OK) return s;
+        }
+    }
+    return DOPT_OK;
+}
+
+/* Frames a fast peer sent before this rank started the collectives that take them. */
+static dopt_status dopt__eng_consume_staged(dopt_comm *c, dopt__engine *e) {
+    int q;
+    for (q = 0; q < e->size; q++)
+        if (q != e->rank && e->peers[q].hi > e->peers[q].lo && !e->peers[q].parked) {
+            dopt_status s = dopt__eng_consume(c, e, q);
+            if (s != DOPT_OK) return s;
+        }
+    return DOPT_OK;
+}
+
+/* Runs the requests in flight until request `until` has retired (block) or for one pass (test):
+   sends whatever is ready, receives whatever has arrived, polls for spin_us without sleeping
+   after progress, then sleeps in link_wait; fails when nothing moved for the communicator's
+   timeout. Every peer is watched for reading, so that an abort or a dead link is seen even from
+   a peer no collective waits for. */
+static dopt_status dopt__eng_run(dopt_comm *c, dopt__engine *e, uint64_t until, int block) {
+    double last = dopt__now_ms(), spin_end = last + (e->spin_us > 0 ? e->spin_us / 1000.0 : 0.0);
+    const char *api = c->api;
+    dopt_status s = dopt__eng_consume_staged(c, e);
+    e->blame_deadline = 0;
+    while (s == DOPT_OK) {
+        int progress = 0, polled = 0, wait_ms = 0;
+        dopt__eng_retire(c, e);
+        if (e->retired > until) break;
+        if (e->retired < e->started) c->api = dopt__eng_req(e, e->retired)->api; /* named in failures */
+        if (block && dopt__now_ms() >= spin_end) {
+            double until_ms = last + (double)c->timeout_ms;
+            if (e->blame_deadline > 0 && e->blame_deadline < until_ms) until_ms = e->blame_deadline;
+            wait_ms = dopt__ms_left(until_ms);
+        }
+        s = dopt__eng_pass(c, e, wait_ms, &progress, &polled);
+        if (s != DOPT_OK) break;
+        if (dopt__eng_blame_due(e, polled)) {
+            s = dopt__eng_blame(c, e);
+            break;
+        }
+        if (progress) {
+            last = dopt__now_ms();
+            spin_end = last + (e->spin_us > 0 ? e->spin_us / 1000.0 : 0.0);
+        } else if (dopt__now_ms() - last >= (double)c->timeout_ms) {
+            s = dopt__eng_timed_out(c, e);
+            break;
+        }
+        if (!block) {
+            dopt__eng_retire(c, e);
+            break;
+        }
+    }
+    if (s != DOPT_OK) dopt__eng_retire(c, e); /* what completed before the failure did complete */
+    c->api = api;
+    return s == DOPT_OK ? c->error : s;
+}
+
+/* Every request in flight finished (before a collective the backend runs itself, or a blocking
+   call that needs the links to itself). */
+static dopt_status dopt__eng_drain(dopt_comm *c) {
+    dopt__engine *e = c->eng;
+    if (e == NULL || e->retired == e->started) return c->error;
+    return dopt__eng_run(c, e, e->started - 1, 1);
+}
+
+/* ===================================================================== ENGINE: COLLECTIVES */
+
+static dopt_status dopt__eng_allreduce(dopt_comm *c, const dopt_coll_desc *d, void *buf) {
+    dopt__engine *e = c->eng;
+    size_t es = dopt_dtype_size(d->dtype), bytes = (size_t)d->count * es;
+    int n = e->size, r = e->rank, i, last;
+    int direct = bytes <= e->small_bytes / (size_t)(n > 1 ? n - 1 : 1) || d->count < (uint64_t)n;
+    dopt__req *q = dopt__eng_begin(c, e, d, 4 * n, direct && n > 1 ? bytes * (size_t)(n - 1) : 0);
+    if (q == NULL) return c->error;
+    q->buf = (unsigned char *)buf;
+    q->payload = bytes;
+    if (n > 1 && direct) {
+        /* Small: every rank sends its whole buffer to every other, each combines at completion. */
+        q->direct = 1;
+        for (i = 1; i < n; i++) {
+            int p = (r + i) % n;
+            dopt__eng_send(e, d, p, buf, bytes, -1);
+            dopt__eng_recv(e, p, dopt__at(q->scratch, (size_t)(p < r ? p : p - 1) * bytes), bytes, 0);
+        }
+    } else if (n > 1) {
+        /* Large: ring reduce-scatter, then ring allgather of the reduced segments. */
+        for (i = 0; i < n; i++) {
+            uint64_t first, len;
+            dopt__ring_segment(d->count, n, i, &first, &len);
+            e->blk_off[i] = (size_t)first * es;
+            e->blk_len[i] = (size_t)len * es;
+        }
+        last = dopt__eng_ring(e, d, (unsigned char *)buf, r, 1, -1);
+        dopt__eng_ring(e, d, (unsigned char *)buf, r + 1, 0, last);
+    }
+    dopt__eng_end(e, q);
+    return DOPT_OK;
+}
+
+static dopt_status dopt__eng_allgatherv(dopt_comm *c, const dopt_coll_desc *d, const void *send, void *recv,
+                                        const size_t *bytes) {
+    dopt__engine *e = c->eng;
+    unsigned char *out = (unsigned char *)recv;
+    size_t total = 0;
+    int i, n = e->size, r = e->rank;
+    dopt__req *q = dopt__eng_begin(c, e, d, 2 * n, 0);
+    if (q == NULL) return c->error;
+    q->payload = bytes[r];
+    for (i = 0; i < n; i++) {
+        e->blk_off[i] = total;
+        e->blk_len[i] = bytes[i];
+        total += bytes[i];
+    }
+    if (bytes[r] > 0 && out + e->blk_off[r] != (const unsigned char *)send)
+        memmove(out + e->blk_off[r], send, bytes[r]); /* bytes[r] > 0: out is not NULL */
+    if (n > 1 && total <= e->small_bytes) {
+        for (i = 1; i < n; i++) {
+            int p = (r + i) % n;
+            dopt__eng_send(e, d, p, dopt__at(out, e->blk_off[r]), bytes[r], -1);
+            dopt__eng_recv(e, p, dopt__at(out, e->blk_off[p]), bytes[p], 0);
+        }
+    } else if (n > 1) {
+        dopt__eng_ring(e, d, out, r, 0, -1);
+    }
+    dopt__eng_end(e, q);
+    return DOPT_OK;
+}
+
+static dopt_status dopt__eng_broadcast(dopt_comm *c, const dopt_coll_desc *d, void *buf) {
+    dopt__engine *e = c->eng;
+    size_t bytes = (size_t)d->count;
+    dopt__req *q = dopt__eng_begin(c, e, d, e->size, 0);
+    if (q == NULL) return c->error;
+    q->payload = bytes;
+    if (e->size > 1) dopt__eng_bcast(e, d, (unsigned char *)buf, bytes, bytes > e->small_bytes);
+    dopt__eng_end(e, q);
+    return DOPT_OK;
+}
+
+static dopt_status dopt__eng_barrier_start(dopt_comm *c, const dopt_coll_desc *d) {
+    dopt__engine *e = c->eng;
+    dopt__req *q = dopt__eng_begin(c, e, d, 2 * 32, 0);
+    if (q == NULL) return c->error;
+    if (e->size > 1) dopt__eng_barrier(e, d);
+    dopt__eng_end(e, q);
+    return DOPT_OK;
+}
+
+/* ===================================================================== ENGINE: FOR BACKENDS */
+
+DOPT_DEF void dopt_comm_set_engine(dopt_comm *c, size_t small_bytes, int spin_us) {
+    if (c == NULL || c->eng == NULL) return;
+    c->eng->small_bytes = small_bytes ? small_bytes : DOPT__SMALL_DEFAULT;
+    c->eng->spin_us = spin_us == 0 ? DOPT__SPIN_DEFAULT_US : spin_us;
+}
+
+DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms) {
+    dopt__engine *e = c ? c->eng : NULL;
+    unsigned char hdr[DOPT_FRAME_BYTES];
+    double deadline = dopt__now_ms() + wait_ms;
+    dopt_coll_desc d;
+    int p;
+    if (e == NULL || c->error != DOPT_OK) return;
+    memset(&d, 0, sizeof d);
+    d.seq = c->seq;
+    dopt__frame_encode(hdr, DOPT__FRAME_GOODBYE, &d, c->rank, 0, 0);
+    for (p = 0; p < e->size; p++) {
+        dopt__peer *P = &e->peers[p];
+        size_t sent = 0;
+        if (p == e->rank || P->tx_mid || P->broken || P->closed) continue;
+        while (sent < DOPT_FRAME_BYTES) {
+            dopt_iov iov;
+            dopt_link_poll w;
+            int err = 0;
+            long n;
+            iov.base = hdr + sent;
+            iov.len = DOPT_FRAME_BYTES - sent;
+            n = c->vt->link_send(c, p, &iov, 1, &err);
+            if (n < 0) break;
+            sent += (size_t)n;
+            if (n > 0) continue;
+            /* The last data of a collective may still fill the link: wait (bounded) for room. */
+            w.peer = p;
+            w.events = DOPT_LINK_OUT;
+            w.revents = 0;
+            if (c->vt->link_wait(c, &w, 1, dopt__ms_left(deadline), &err) <= 0) break;
+        }
+    }
+}
+
 DOPT_DEF dopt_status dopt_comm_new(dopt_comm **out, int rank, int size, const dopt_comm_vtable *vt,
                                    void *impl) {
     dopt_comm *c;
@@ -1696,6 +2993,10 @@ DOPT_DEF dopt_status dopt_comm_new(dopt_comm **out, int rank, int size, const do
     c->vt = vt;
     c->impl = impl;
     c->timeout_ms = DOPT_DEFAULT_TIMEOUT_MS;
+    if (dopt__has_links(vt) && (c->eng = dopt__eng_new(rank, size)) == NULL) {
+        dopt_comm_destroy(c);
+        return DOPT_ERR_NOMEM;
+    }
     *out = c;
     return DOPT_OK;
 }
@@ -1703,6 +3004,7 @@ DOPT_DEF dopt_status dopt_comm_new(dopt_comm **out, int rank, int size, const do
 DOPT_DEF void dopt_comm_destroy(dopt_comm *c) {
     if (c == NULL) return;
     if (c->vt && c->vt->destroy) c->vt->destroy(c);
+    dopt__eng_free(c->eng);
     DOPT_FREE(c->exchange);
     DOPT_FREE(c->block_bytes);
     DOPT_FREE(c);
@@ -1795,20 +3097,87 @@ static void dopt__divide(void *buf, size_t count, dopt_dtype dt, int size) {
     }
 }
 
-DOPT_DEF dopt_status dopt_allreduce(dopt_comm *c, void *buf, size_t count, dopt_dtype dt, dopt_op op) {
+/* ===================================================================== REQUESTS */
+
+static void dopt__req_done(dopt_comm *c, dopt_request *req, dopt_status s) {
+    if (req == NULL) return;
+    req->comm = c;
+    req->ticket = 0;
+    req->status = s;
+}
+
+/* A collective the engine just planned: the request names it. */
+static dopt_status dopt__req_started(dopt_comm *c, dopt_status s, dopt_request *req) {
+    if (req == NULL) return s;
+    req->comm = c;
+    req->status = s;
+    req->ticket = s == DOPT_OK ? c->eng->started : 0;
+    return s;
+}
+
+/* Before a collective the backend runs itself: the engine's requests finish first (order). */
+static dopt_status dopt__backend_turn(dopt_comm *c) { return c->eng ? dopt__eng_drain(c) : c->error; }
+
+DOPT_DEF dopt_status dopt_test(dopt_request *req, int *done) {
+    dopt_comm *c;
+    uint64_t k;
+    dopt_status s;
+    if (req == NULL || done == NULL) return DOPT_ERR_INVALID;
+    *done = 1;
+    if (req->ticket == 0) return req->status;
+    c = req->comm;
+    k = req->ticket - 1;
+    if (k < c->eng->retired) return DOPT_OK;
+    if (c->error != DOPT_OK) return c->error;
+    s = dopt__eng_run(c, c->eng, k, 0);
+    if (s != DOPT_OK) return s;
+    *done = k < c->eng->retired;
+    return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_wait(dopt_request *req) {
+    dopt_comm *c;
+    uint64_t k;
+    if (req == NULL) return DOPT_ERR_INVALID;
+    if (req->ticket == 0) return req->status;
+    c = req->comm;
+    k = req->ticket - 1;
+    if (k < c->eng->retired) return DOPT_OK;
+    if (c->error != DOPT_OK) return c->error;
+    return dopt__eng_run(c, c->eng, k, 1);
+}
+
+/* ===================================================================== COLLECTIVES */
+
+DOPT_DEF dopt_status dopt_allreduce_start(dopt_comm *c, void *buf, size_t count, dopt_dtype dt, dopt_op op,
+                                          dopt_request *req) {
     dopt_coll_desc d;
     dopt_status s = dopt__begin(c, &d, DOPT_COLL_ALLREDUCE, count);
+    dopt__req_done(c, req, s);
     if (s != DOPT_OK) return s;
     d.dtype = dt;
     d.op = op;
     if (dopt_dtype_size(dt) == 0 || (unsigned)op > (unsigned)DOPT_MEAN)
-        return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "unknown dtype %d or op %d", (int)dt, (int)op);
-    if (buf == NULL && count > 0) return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer");
-    if (count > SIZE_MAX / dopt_dtype_size(dt))
-        return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "count overflows size_t bytes");
-    s = dopt__finish_bytes(c, &d, c->vt->allreduce(c, &d, buf), (uint64_t)count * dopt_dtype_size(dt));
-    if (s == DOPT_OK && op == DOPT_MEAN && c->size > 1) dopt__divide(buf, count, dt, c->size);
+        s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "unknown dtype %d or op %d", (int)dt, (int)op);
+    else if (buf == NULL && count > 0)
+        s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer");
+    else if (count > SIZE_MAX / dopt_dtype_size(dt))
+        s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "count overflows size_t bytes");
+    if (s == DOPT_OK && dopt__engine_runs(c, DOPT_COLL_ALLREDUCE))
+        return dopt__req_started(c, dopt__eng_allreduce(c, &d, buf), req);
+    if (s == DOPT_OK) s = dopt__backend_turn(c);
+    if (s == DOPT_OK) {
+        s = dopt__finish_bytes(c, &d, c->vt->allreduce(c, &d, buf), (uint64_t)count * dopt_dtype_size(dt));
+        if (s == DOPT_OK && op == DOPT_MEAN && c->size > 1) dopt__divide(buf, count, dt, c->size);
+    }
+    dopt__req_done(c, req, s);
     return s;
+}
+
+DOPT_DEF dopt_status dopt_allreduce(dopt_comm *c, void *buf, size_t count, dopt_dtype dt, dopt_op op) {
+    dopt_request req;
+    dopt_status s = dopt_allreduce_start(c, buf, count, dt, op, &req);
+    return s != DOPT_OK ? s : dopt_wait(&req);
 }
 
 /* A failure every rank reaches on its own from the same inputs. It takes a sequence number like a
@@ -1844,22 +3213,42 @@ DOPT_DEF dopt_status dopt_allreduce_weighted_mean(dopt_comm *c, void *buf, size_
     return dopt_allreduce(c, buf, count, dt, DOPT_SUM);
 }
 
-DOPT_DEF dopt_status dopt_allgather(dopt_comm *c, const void *send, void *recv, size_t bytes) {
+/* Blocks of bytes[r] bytes (c->block_bytes or the sizes allgatherv exchanged), by the engine or
+   the backend. */
+static dopt_status dopt__gather_start(dopt_comm *c, const dopt_coll_desc *d, const void *send, void *recv,
+                                      const size_t *bytes, dopt_request *req) {
+    dopt_status s;
+    if (dopt__engine_runs(c, d->kind)) return dopt__req_started(c, dopt__eng_allgatherv(c, d, send, recv, bytes), req);
+    s = dopt__backend_turn(c);
+    if (s == DOPT_OK) s = dopt__finish_bytes(c, d, c->vt->allgatherv(c, d, send, recv, bytes), bytes[c->rank]);
+    dopt__req_done(c, req, s);
+    return s;
+}
+
+DOPT_DEF dopt_status dopt_allgather_start(dopt_comm *c, const void *send, void *recv, size_t bytes, dopt_request *req) {
     dopt_coll_desc d;
     int r;
     dopt_status s = dopt__begin(c, &d, DOPT_COLL_ALLGATHER, bytes);
+    dopt__req_done(c, req, s);
     if (s != DOPT_OK) return s;
     if (bytes > 0 && (send == NULL || recv == NULL))
-        return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer");
+        return dopt__req_done(c, req, dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer")), c->error;
     if (bytes > SIZE_MAX / (size_t)c->size)
-        return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "size * bytes overflows size_t");
+        return dopt__req_done(c, req, dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "size * bytes overflows size_t")), c->error;
     for (r = 0; r < c->size; r++) c->block_bytes[r] = bytes;
-    return dopt__finish_bytes(c, &d, c->vt->allgatherv(c, &d, send, recv, c->block_bytes), bytes);
+    return dopt__gather_start(c, &d, send, recv, c->block_bytes, req);
+}
+
+DOPT_DEF dopt_status dopt_allgather(dopt_comm *c, const void *send, void *recv, size_t bytes) {
+    dopt_request req;
+    dopt_status s = dopt_allgather_start(c, send, recv, bytes, &req);
+    return s != DOPT_OK ? s : dopt_wait(&req);
 }
 
 DOPT_DEF dopt_status dopt_allgatherv(dopt_comm *c, const void *send, size_t send_bytes, void *recv,
                                      size_t recv_capacity, size_t *recv_bytes) {
     dopt_coll_desc d;
+    dopt_request req;
     uint64_t mine[2], total = 0;
     int r, null_rank = -1, short_rank = -1;
     dopt_status s;
@@ -1888,25 +3277,45 @@ DOPT_DEF dopt_status dopt_allgatherv(dopt_comm *c, const void *send, size_t send
                               (unsigned long long)total, short_rank,
                               (unsigned long long)c->exchange[2 * short_rank + 1]);
     for (r = 0; r < c->size; r++) recv_bytes[r] = (size_t)c->exchange[2 * r];
-    return dopt__finish_bytes(c, &d, c->vt->allgatherv(c, &d, send, recv, recv_bytes), send_bytes);
+    s = dopt__gather_start(c, &d, send, recv, recv_bytes, &req);
+    return s != DOPT_OK ? s : dopt_wait(&req);
 }
 
-DOPT_DEF dopt_status dopt_broadcast(dopt_comm *c, void *buf, size_t bytes, int root) {
+DOPT_DEF dopt_status dopt_broadcast_start(dopt_comm *c, void *buf, size_t bytes, int root, dopt_request *req) {
     dopt_coll_desc d;
     dopt_status s = dopt__begin(c, &d, DOPT_COLL_BROADCAST, bytes);
+    dopt__req_done(c, req, s);
     if (s != DOPT_OK) return s;
     d.root = root;
     if (root < 0 || root >= c->size)
-        return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "root %d outside [0, %d)", root, c->size);
-    if (buf == NULL && bytes > 0) return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer");
-    return dopt__finish(c, &d, c->vt->broadcast(c, &d, buf));
+        s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "root %d outside [0, %d)", root, c->size);
+    else if (buf == NULL && bytes > 0)
+        s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer");
+    if (s == DOPT_OK && dopt__engine_runs(c, DOPT_COLL_BROADCAST))
+        return dopt__req_started(c, dopt__eng_broadcast(c, &d, buf), req);
+    if (s == DOPT_OK) s = dopt__backend_turn(c);
+    if (s == DOPT_OK) s = dopt__finish(c, &d, c->vt->broadcast(c, &d, buf));
+    dopt__req_done(c, req, s);
+    return s;
+}
+
+DOPT_DEF dopt_status dopt_broadcast(dopt_comm *c, void *buf, size_t bytes, int root) {
+    dopt_request req;
+    dopt_status s = dopt_broadcast_start(c, buf, bytes, root, &req);
+    return s != DOPT_OK ? s : dopt_wait(&req);
 }
 
 DOPT_DEF dopt_status dopt_barrier(dopt_comm *c) {
     dopt_coll_desc d;
+    dopt_request req;
     dopt_status s = dopt__begin(c, &d, DOPT_COLL_BARRIER, 0);
     if (s != DOPT_OK) return s;
-    return dopt__finish(c, &d, c->vt->barrier(c, &d));
+    if (dopt__engine_runs(c, DOPT_COLL_BARRIER)) {
+        s = dopt__req_started(c, dopt__eng_barrier_start(c, &d), &req);
+        return s != DOPT_OK ? s : dopt_wait(&req);
+    }
+    s = dopt__backend_turn(c);
+    return s != DOPT_OK ? s : dopt__finish(c, &d, c->vt->barrier(c, &d));
 }
 
 /* ===================================================================== SELF BACKEND (WORLD OF ONE) */
@@ -1943,7 +3352,7 @@ static void dopt__self_destroy(dopt_comm *c) { (void)c; }
 
 static const dopt_comm_vtable dopt__self_vtable = {
     "self", dopt__self_allreduce, dopt__self_allgatherv, dopt__self_broadcast, dopt__self_barrier,
-    dopt__self_destroy};
+    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL};
 
 DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out) {
     return dopt_comm_new(out, 0, 1, &dopt__self_vtable, NULL);

@@ -517,7 +517,12 @@ static const dopt_comm_vtable dopt__mpi_vtable = {"mpi",
                                                   dopt__mpi_allgatherv,
                                                   dopt__mpi_broadcast,
                                                   dopt__mpi_barrier,
-                                                  dopt__mpi_destroy};
+                                                  dopt__mpi_destroy,
+                                                  sizeof(dopt_comm_vtable),
+                                                  DOPT_PROVIDES_ALL,
+                                                  NULL,
+                                                  NULL,
+                                                  NULL};
 
 /* The check setting this rank asks for: the config's, else the environment's. */
 static int dopt__mpi_check_wanted(const dopt_mpi_config *cfg) { return cfg->check > 0; }

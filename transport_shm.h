@@ -955,7 +955,12 @@ static const dopt_comm_vtable dopt__shm_vtable = {"shm",
                                                   dopt__shm_allgatherv,
                                                   dopt__shm_broadcast,
                                                   dopt__shm_barrier_call,
-                                                  dopt__shm_destroy};
+                                                  dopt__shm_destroy,
+                                                  sizeof(dopt_comm_vtable),
+                                                  DOPT_PROVIDES_ALL,
+                                                  NULL,
+                                                  NULL,
+                                                  NULL};
 
 /* ===================================================================== CONFIGURATION */
 

@@ -30,12 +30,12 @@
 
 static void fuzz_decoders(const uint8_t *data, size_t size) {
     dopt__tcp_hs h;
-    dopt__tcp_frame f;
+    dopt__frame f;
     unsigned char addr[16];
     uint32_t port;
     if (size >= DOPT__TCP_HS_BYTES) (void)dopt__tcp_hs_decode(data, &h);
     if (size >= DOPT__TCP_ENTRY_BYTES) (void)dopt__tcp_entry_decode(data, addr, &port);
-    if (size >= DOPT__TCP_FRAME_BYTES && dopt__tcp_frame_decode(data, &f) == NULL && f.type == DOPT__TCP_DATA) {
+    if (size >= DOPT_FRAME_BYTES && dopt__frame_decode(data, &f) == NULL && f.type == DOPT__FRAME_DATA) {
         dopt_comm *c;
         dopt_coll_desc want;
         memset(&want, 0, sizeof want);
@@ -43,7 +43,7 @@ static void fuzz_decoders(const uint8_t *data, size_t size) {
         want.seq = 1;
         want.count = 4;
         if (dopt_comm_create_self(&c) != DOPT_OK) return;
-        (void)dopt__tcp_frame_check(c, &want, 1, &f, 16);
+        (void)dopt__frame_check(c, &want, 1, &f, 16);
         dopt_comm_destroy(c);
     }
 }
@@ -87,7 +87,7 @@ static void fuzz_handshake(const uint8_t *data, size_t size) {
     t = (dopt__tcp *)c->impl;
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0) {
         fuzz_feed(sv[1], data, size);
-        (void)dopt__tcp_hello(c, t, sv[0], 0, addr, 4000, dopt__tcp_now_ms() + 1000, -1, "rank 0");
+        (void)dopt__tcp_hello(c, t, sv[0], 0, addr, 4000, dopt__now_ms() + 1000, -1, "rank 0");
         close(sv[0]);
         close(sv[1]);
     }

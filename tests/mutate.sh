@@ -75,7 +75,7 @@ mutate() { # $1 name, $2 file, $3 old, $4 new, then "binary:filter" ...
 # ---------------------------------------------------------------- the mutations
 # name, file, old text, new text, tests that must catch it (binary:filter, "" runs all).
 
-mutate ring-segment-length transport_tcp.h \
+mutate ring-segment-length distopt.h \
     '*len = q + (ui < rem ? 1 : 0);' '*len = q + (ui <= rem ? 1 : 0);' test_tcp:conformance
 mutate mean-divides-by-size distopt.h \
     'case DOPT_F32: dopt_scale((float *)buf, 1.0f / (float)size, count); break;' \
@@ -111,11 +111,11 @@ mutate mpi-check-ignores-seq transport_mpi.h \
 mutate shm-dead-rank-misnamed transport_shm.h \
     '"rank %d (pid %d) died", q, (int)cold->pid);' '"rank %d (pid %d) died", (q + 1) % s->size, (int)cold->pid);' \
     test_shm:peer_killed
-mutate tcp-abort-culprit-ignored transport_tcp.h \
+mutate tcp-abort-culprit-ignored distopt.h \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "%s (reported by rank %d)", why, f->reporter);' \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "rank %d closed the connection", f->reporter);' test_faults:tcp
-mutate tcp-closed-connection-misnamed transport_tcp.h \
-    '"rank %d closed the connection%s", culprit, also);' '"rank %d closed the connection%s", (culprit + 1) % t->size, also);' \
+mutate tcp-closed-connection-misnamed distopt.h \
+    '"rank %d closed the connection%s", culprit, also);' '"rank %d closed the connection%s", (culprit + 1) % e->size, also);' \
     test_faults:tcp
 mutate tcp-loopback-table-unchecked transport_tcp.h \
     'if (s == DOPT_OK) s = dopt__tcp_loopback_check(c, t, how);' \

@@ -109,6 +109,7 @@ DTEST(mismatch_count_world_3_fails_on_every_rank) { run_mismatch(3, conformance_
 DTEST(mismatch_op_world_2_fails_on_every_rank) { run_mismatch(2, conformance_mismatch_op); }
 DTEST(mismatch_op_world_3_fails_on_every_rank) { run_mismatch(3, conformance_mismatch_op); }
 DTEST(mismatch_kind_world_3_fails_on_every_rank) { run_mismatch(3, conformance_mismatch_kind); }
+DTEST(mismatch_in_flight_world_3_fails_every_later_request) { run_mismatch(3, conformance_mismatch_in_flight); }
 
 /* Large and small paths disagree (one rank one-shot, the others pipelined): still a mismatch,
    not a hang. */

@@ -198,6 +198,8 @@ DTEST(count_mismatch_fails_every_rank_of_3) { mismatch_world(3, conformance_mism
 DTEST(op_mismatch_fails_every_rank_of_2) { mismatch_world(2, conformance_mismatch_op); }
 DTEST(op_mismatch_fails_every_rank_of_3) { mismatch_world(3, conformance_mismatch_op); }
 DTEST(kind_mismatch_fails_every_rank_of_3) { mismatch_world(3, conformance_mismatch_kind); }
+DTEST(mismatch_in_flight_fails_every_later_request_of_3) { mismatch_world(3, conformance_mismatch_in_flight); }
+DTEST(mismatch_in_flight_fails_every_later_request_of_2) { mismatch_world(2, conformance_mismatch_in_flight); }
 
 /* A large allreduce (ring path) whose counts differ: the header is refused before any payload. */
 static void large_mismatch(dopt_comm *c) {
@@ -354,7 +356,7 @@ static void stranger(stranger_case *sc) {
         memset(&d, 0, sizeof d);
         d.kind = DOPT_COLL_ALLREDUCE;
         d.seq = 1;
-        dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 1, 0, (uint64_t)1 << 60);
+        dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 1, 0, (uint64_t)1 << 60);
         DT_CHECK(send(fd, hdr, sizeof hdr, MSG_NOSIGNAL) == (ssize_t)sizeof hdr);
         expect_closed(fd);
         for (i = 1; i < w->n; i++) dtest_write_int(w->gate_pipe[1], port);
@@ -1568,74 +1570,74 @@ static dopt_coll_desc allreduce_desc(uint64_t seq, uint64_t count) {
 }
 
 DTEST(frame_header_round_trips) {
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES];
+    unsigned char hdr[DOPT_FRAME_BYTES];
     dopt_coll_desc d = allreduce_desc(0x0102030405060708ull, (uint64_t)1 << 40);
-    dopt__tcp_frame f;
+    dopt__frame f;
     d.dtype = DOPT_I64;
     d.op = DOPT_MIN;
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 7, 0, 4096);
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 7, 0, 4096);
     DT_CHECK(memcmp(hdr, "DOPF", 4) == 0 && hdr[4] == DOPT_TCP_PROTOCOL_VERSION && hdr[24] == 0x08 &&
              hdr[31] == 0x01); /* little-endian */
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) == NULL);
-    DT_CHECK(f.type == DOPT__TCP_DATA && f.sender == 7 && f.bytes == 4096 && dopt__tcp_same_coll(&f.desc, &d));
+    DT_CHECK(dopt__frame_decode(hdr, &f) == NULL);
+    DT_CHECK(f.type == DOPT__FRAME_DATA && f.sender == 7 && f.bytes == 4096 && dopt__same_coll(&f.desc, &d));
 }
 
 DTEST(frame_validator_refuses_crafted_headers) {
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES];
+    unsigned char hdr[DOPT_FRAME_BYTES];
     dopt_coll_desc want = allreduce_desc(5, 1000);
-    dopt__tcp_frame f;
+    dopt__frame f;
     dopt_comm *c;
     /* 2^60 payload bytes: a protocol error, nothing is allocated or read */
     DT_OK(dopt_comm_create_self(&c));
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &want, 0, 0, (uint64_t)1 << 60);
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) == NULL);
-    DT_EQ_INT(dopt__tcp_frame_check(c, &want, 0, &f, 4000), DOPT_ERR_PROTOCOL);
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &want, 0, 0, (uint64_t)1 << 60);
+    DT_CHECK(dopt__frame_decode(hdr, &f) == NULL);
+    DT_EQ_INT(dopt__frame_check(c, &want, 0, &f, 4000), DOPT_ERR_PROTOCOL);
     DT_CHECKF(strstr(dopt_comm_detail(c), "1152921504606846976") != NULL, "%s", dopt_comm_detail(c));
     dopt_comm_destroy(c);
     /* wrong magic, wrong version, unknown type, nonzero reserved bytes, bad enums */
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &want, 0, 0, 4000);
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &want, 0, 0, 4000);
     hdr[0] = 'X';
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
+    DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
     hdr[0] = 'D';
     hdr[4] = DOPT_TCP_PROTOCOL_VERSION + 1;
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
+    DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
     hdr[4] = DOPT_TCP_PROTOCOL_VERSION;
     hdr[5] = 9;
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
-    hdr[5] = DOPT__TCP_DATA;
+    DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
+    hdr[5] = DOPT__FRAME_DATA;
     hdr[10] = 1;
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
+    DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
     hdr[10] = 0;
     hdr[7] = 4;
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
+    DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
     hdr[7] = DOPT_F32;
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) == NULL);
+    DT_CHECK(dopt__frame_decode(hdr, &f) == NULL);
     /* an abort must carry an error and at most a detail's worth of text */
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_ABORT, &want, 0, DOPT_ERR_MISMATCH, DOPT_DETAIL_MAX + 1);
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_ABORT, &want, 0, 0, 10);
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_ABORT, &want, 0, -99, 10);
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) != NULL);
+    dopt__frame_encode(hdr, DOPT__FRAME_ABORT, &want, 0, DOPT_ERR_MISMATCH, DOPT_DETAIL_MAX + 1);
+    DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
+    dopt__frame_encode(hdr, DOPT__FRAME_ABORT, &want, 0, 0, 10);
+    DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
+    dopt__frame_encode(hdr, DOPT__FRAME_ABORT, &want, 0, -99, 10);
+    DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
 }
 
 DTEST(frame_one_sequence_ahead_is_a_mismatch_naming_both_sides) {
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES];
+    unsigned char hdr[DOPT_FRAME_BYTES];
     dopt_coll_desc want = allreduce_desc(5, 1000), theirs = allreduce_desc(6, 1000);
-    dopt__tcp_frame f;
+    dopt__frame f;
     dopt_comm *c;
     DT_OK(dopt_comm_create_self(&c));
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &theirs, 0, 0, 4000);
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) == NULL);
-    DT_EQ_INT(dopt__tcp_frame_check(c, &want, 0, &f, 4000), DOPT_ERR_MISMATCH);
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &theirs, 0, 0, 4000);
+    DT_CHECK(dopt__frame_decode(hdr, &f) == NULL);
+    DT_EQ_INT(dopt__frame_check(c, &want, 0, &f, 4000), DOPT_ERR_MISMATCH);
     DT_CHECKF(strstr(dopt_comm_detail(c), "allreduce #5") && strstr(dopt_comm_detail(c), "rank 0 called allreduce #6"),
               "%s", dopt_comm_detail(c));
     dopt_comm_destroy(c);
     /* and a frame that claims another sender on this connection is a protocol error */
     DT_OK(dopt_comm_create_self(&c));
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &want, 3, 0, 4000);
-    DT_CHECK(dopt__tcp_frame_decode(hdr, &f) == NULL);
-    DT_EQ_INT(dopt__tcp_frame_check(c, &want, 0, &f, 4000), DOPT_ERR_PROTOCOL);
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &want, 3, 0, 4000);
+    DT_CHECK(dopt__frame_decode(hdr, &f) == NULL);
+    DT_EQ_INT(dopt__frame_check(c, &want, 0, &f, 4000), DOPT_ERR_PROTOCOL);
     dopt_comm_destroy(c);
 }
 
@@ -1667,7 +1669,7 @@ DTEST(handshake_records_have_the_documented_layout) {
     h.subject = 2;
     dopt__tcp_hs_encode(rec, &h);
     DT_CHECK(rec[32] == DOPT__TCP_DUPLICATE_RANK && rec[33] == 0 && rec[36] == 2 && rec[38] == 0);
-    DT_CHECK(dopt__tcp_all_zero(rec + 40, DOPT__TCP_HS_BYTES - 40));
+    DT_CHECK(dopt__all_zero(rec + 40, DOPT__TCP_HS_BYTES - 40));
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) == NULL && g.reason == DOPT__TCP_DUPLICATE_RANK && g.subject == 2);
     rec[36] = 4; /* about rank 4 of 4 */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
@@ -1719,7 +1721,7 @@ DTEST(ring_segments_tile_counts_beyond_2_pow_32) {
     uint64_t count = ((uint64_t)1 << 40) + 5, next = 0, first, len;
     int i;
     for (i = 0; i < 7; i++) {
-        dopt__tcp_segment(count, 7, i, &first, &len);
+        dopt__ring_segment(count, 7, i, &first, &len);
         DT_CHECK(first == next && (len == count / 7 || len == count / 7 + 1));
         next = first + len;
     }
@@ -1746,12 +1748,12 @@ static dopt_comm *pair_comm(int *peer_fd, int timeout_ms) {
 }
 
 DTEST(frame_larger_than_posted_buffer_is_protocol_error) {
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES];
+    unsigned char hdr[DOPT_FRAME_BYTES];
     float x[4] = {1, 2, 3, 4};
     dopt_coll_desc d = allreduce_desc(1, 4);
     int fd;
     dopt_comm *c = pair_comm(&fd, 5000);
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 1, 0, (uint64_t)1 << 60);
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 1, 0, (uint64_t)1 << 60);
     DT_CHECK(write(fd, hdr, sizeof hdr) == (ssize_t)sizeof hdr);
     DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_PROTOCOL);
     DT_CHECK(x[0] == 1 && x[3] == 4);
@@ -1762,15 +1764,15 @@ DTEST(frame_larger_than_posted_buffer_is_protocol_error) {
 
 /* The abort's words come first, then who reported them; control bytes are not passed on. */
 DTEST(abort_frame_from_a_peer_fails_with_its_status_and_words) {
-    unsigned char frame[DOPT__TCP_FRAME_BYTES + 128];
+    unsigned char frame[DOPT_FRAME_BYTES + 128];
     static const char why[] = "rank 0 called allreduce #1 (f32 sum, 4 elems) and rank 1 barrier #1\n\x01";
     float x[4] = {1, 2, 3, 4};
     dopt_coll_desc d = allreduce_desc(1, 4);
     int fd;
     dopt_comm *c = pair_comm(&fd, 5000);
-    dopt__tcp_abort_encode(frame, &d, 1, DOPT_ERR_MISMATCH, 0, 1, sizeof why - 1);
-    memcpy(frame + DOPT__TCP_FRAME_BYTES, why, sizeof why - 1);
-    DT_CHECK(write(fd, frame, DOPT__TCP_FRAME_BYTES + sizeof why - 1) > 0);
+    dopt__abort_encode(frame, &d, 1, DOPT_ERR_MISMATCH, 0, 1, sizeof why - 1);
+    memcpy(frame + DOPT_FRAME_BYTES, why, sizeof why - 1);
+    DT_CHECK(write(fd, frame, DOPT_FRAME_BYTES + sizeof why - 1) > 0);
     DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_MISMATCH);
     DT_CHECKF(strstr(dopt_comm_detail(c), "allreduce #1 (f32 sum, 4 elems): rank 0 called allreduce #1 (f32 sum, 4 "
                                           "elems) and rank 1 barrier #1?? (reported by rank 1)") != NULL,
@@ -1781,12 +1783,12 @@ DTEST(abort_frame_from_a_peer_fails_with_its_status_and_words) {
 
 /* An abort that names a rank outside the world is refused before its words are read. */
 DTEST(abort_naming_a_rank_outside_the_world_is_protocol_error) {
-    unsigned char frame[DOPT__TCP_FRAME_BYTES];
+    unsigned char frame[DOPT_FRAME_BYTES];
     float x[4] = {1, 2, 3, 4};
     dopt_coll_desc d = allreduce_desc(1, 4);
     int fd;
     dopt_comm *c = pair_comm(&fd, 5000);
-    dopt__tcp_abort_encode(frame, &d, 1, DOPT_ERR_PEER_LOST, 7, 1, 100); /* 100 bytes announced, none sent */
+    dopt__abort_encode(frame, &d, 1, DOPT_ERR_PEER_LOST, 7, 1, 100); /* 100 bytes announced, none sent */
     DT_CHECK(write(fd, frame, sizeof frame) == (ssize_t)sizeof frame);
     DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_PROTOCOL);
     DT_CHECKF(strstr(dopt_comm_detail(c), "naming ranks 7 and 1 in a world of 2") != NULL, "%s", dopt_comm_detail(c));
@@ -1795,13 +1797,13 @@ DTEST(abort_naming_a_rank_outside_the_world_is_protocol_error) {
 }
 
 DTEST(goodbye_before_needed_data_is_peer_lost) {
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES];
+    unsigned char hdr[DOPT_FRAME_BYTES];
     float x[4] = {1, 2, 3, 4};
     dopt_coll_desc d = allreduce_desc(0, 0);
     int fd;
     dopt_comm *c = pair_comm(&fd, 5000);
     d.kind = DOPT_COLL_BARRIER;
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_GOODBYE, &d, 1, 0, 0);
+    dopt__frame_encode(hdr, DOPT__FRAME_GOODBYE, &d, 1, 0, 0);
     DT_CHECK(write(fd, hdr, sizeof hdr) == (ssize_t)sizeof hdr);
     DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_PEER_LOST);
     DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1 destroyed its communicator") != NULL, "%s", dopt_comm_detail(c));
@@ -1832,13 +1834,13 @@ static dopt_comm *trio_comm(int fds[3], int timeout_ms) {
    finished; rank 2 ends its own at a frame boundary, as a dead rank's does. Rank 1 is seen first
    (ranks are served in order), yet rank 2 is named. */
 DTEST(connection_ending_mid_frame_is_not_blamed_before_one_ending_at_a_boundary) {
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES + 8];
+    unsigned char hdr[DOPT_FRAME_BYTES + 8];
     float x[4] = {1, 2, 3, 4};
     dopt_coll_desc d = allreduce_desc(1, 4);
     int fds[3];
     dopt_comm *c = trio_comm(fds, 5000);
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 1, 0, 16);
-    memset(hdr + DOPT__TCP_FRAME_BYTES, 0, 8);
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 1, 0, 16);
+    memset(hdr + DOPT_FRAME_BYTES, 0, 8);
     DT_CHECK(write(fds[1], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
     close(fds[1]);
     close(fds[2]);
@@ -1851,19 +1853,19 @@ DTEST(connection_ending_mid_frame_is_not_blamed_before_one_ending_at_a_boundary)
 /* Rank 1 ends its connection mid-frame; rank 2 is alive and says, in an abort, that rank 1
    failed before that. The abort's words are what rank 0 reports. */
 DTEST(abort_from_another_peer_is_preferred_to_a_connection_that_ended) {
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES + 8], frame[DOPT__TCP_FRAME_BYTES + 64];
+    unsigned char hdr[DOPT_FRAME_BYTES + 8], frame[DOPT_FRAME_BYTES + 64];
     static const char why[] = "no progress for 100 ms waiting for data from rank 1";
     float x[4] = {1, 2, 3, 4};
     dopt_coll_desc d = allreduce_desc(1, 4);
     int fds[3];
     dopt_comm *c = trio_comm(fds, 5000);
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 1, 0, 16);
-    memset(hdr + DOPT__TCP_FRAME_BYTES, 0, 8);
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 1, 0, 16);
+    memset(hdr + DOPT_FRAME_BYTES, 0, 8);
     DT_CHECK(write(fds[1], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
     close(fds[1]);
-    dopt__tcp_abort_encode(frame, &d, 2, DOPT_ERR_TIMEOUT, 1, 2, sizeof why - 1);
-    memcpy(frame + DOPT__TCP_FRAME_BYTES, why, sizeof why - 1);
-    DT_CHECK(write(fds[2], frame, DOPT__TCP_FRAME_BYTES + sizeof why - 1) > 0);
+    dopt__abort_encode(frame, &d, 2, DOPT_ERR_TIMEOUT, 1, 2, sizeof why - 1);
+    memcpy(frame + DOPT_FRAME_BYTES, why, sizeof why - 1);
+    DT_CHECK(write(fds[2], frame, DOPT_FRAME_BYTES + sizeof why - 1) > 0);
     DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_TIMEOUT);
     DT_CHECKF(strstr(dopt_comm_detail(c), "(f32 sum, 4 elems): no progress for 100 ms waiting for data from rank 1 "
                                           "(reported by rank 2)"),
@@ -1877,7 +1879,7 @@ DTEST(abort_from_another_peer_is_preferred_to_a_connection_that_ended) {
 typedef struct frame_reader {
     int fd;
     uint64_t data_frames, data_bytes;
-    dopt__tcp_frame abort;
+    dopt__frame abort;
     char abort_text[DOPT_DETAIL_MAX + 1];
     int got_abort;
 } frame_reader;
@@ -1893,23 +1895,23 @@ static void *read_frames(void *arg) {
         if (n <= 0) return NULL;
         have += (size_t)n;
         for (;;) {
-            dopt__tcp_frame f;
+            dopt__frame f;
             if (skip) {
                 size_t k = have - used < skip ? have - used : (size_t)skip;
                 used += k;
                 skip -= k;
                 if (skip) break;
             }
-            if (have - used < DOPT__TCP_FRAME_BYTES || dopt__tcp_frame_decode(buf + used, &f) != NULL) break;
-            if (f.type == DOPT__TCP_ABORT) {
-                if (have - used < DOPT__TCP_FRAME_BYTES + f.bytes) break;
+            if (have - used < DOPT_FRAME_BYTES || dopt__frame_decode(buf + used, &f) != NULL) break;
+            if (f.type == DOPT__FRAME_ABORT) {
+                if (have - used < DOPT_FRAME_BYTES + f.bytes) break;
                 fr->abort = f;
-                memcpy(fr->abort_text, buf + used + DOPT__TCP_FRAME_BYTES, (size_t)f.bytes);
+                memcpy(fr->abort_text, buf + used + DOPT_FRAME_BYTES, (size_t)f.bytes);
                 fr->abort_text[f.bytes] = '\0';
                 fr->got_abort = 1;
                 return NULL;
             }
-            used += DOPT__TCP_FRAME_BYTES;
+            used += DOPT_FRAME_BYTES;
             fr->data_frames++;
             fr->data_bytes += f.bytes;
             skip = f.bytes;
@@ -1925,7 +1927,7 @@ static void *read_frames(void *arg) {
 DTEST(aborting_rank_finishes_its_half_sent_frame_then_sends_its_abort) {
     size_t count = (size_t)3 << 14, block = count / 3 * sizeof(float); /* the ring: 64 KiB blocks */
     float *x = (float *)calloc(count, sizeof(float)), *from2 = (float *)calloc(count, sizeof(float));
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES];
+    unsigned char hdr[DOPT_FRAME_BYTES];
     dopt_coll_desc d = allreduce_desc(1, count);
     frame_reader fr;
     pthread_t th;
@@ -1934,7 +1936,7 @@ DTEST(aborting_rank_finishes_its_half_sent_frame_then_sends_its_abort) {
     memset(&fr, 0, sizeof fr);
     fr.fd = fds[1];
     DT_CHECK(pthread_create(&th, NULL, read_frames, &fr) == 0);
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 2, 0, block);
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 2, 0, block);
     DT_CHECK(write(fds[2], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
     DT_CHECK(write(fds[2], from2, block / 2) == (ssize_t)(block / 2));
     close(fds[2]);
@@ -1954,13 +1956,13 @@ DTEST(aborting_rank_finishes_its_half_sent_frame_then_sends_its_abort) {
 }
 
 DTEST(peer_closing_mid_payload_is_peer_lost) {
-    unsigned char hdr[DOPT__TCP_FRAME_BYTES + 8];
+    unsigned char hdr[DOPT_FRAME_BYTES + 8];
     float x[4] = {1, 2, 3, 4};
     dopt_coll_desc d = allreduce_desc(1, 4);
     int fd;
     dopt_comm *c = pair_comm(&fd, 5000);
-    dopt__tcp_frame_encode(hdr, DOPT__TCP_DATA, &d, 1, 0, 16);
-    memset(hdr + DOPT__TCP_FRAME_BYTES, 0, 8);
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 1, 0, 16);
+    memset(hdr + DOPT_FRAME_BYTES, 0, 8);
     DT_CHECK(write(fd, hdr, sizeof hdr) == (ssize_t)sizeof hdr);
     close(fd);
     DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_PEER_LOST);

@@ -1,0 +1,231 @@
+/* Tests of the collective engine (distopt.h) through the smallest backend there is: links over
+   socketpairs made before the ranks fork. It is also the example of the backend contract: a
+   backend that can connect its ranks, send and receive bytes without blocking, and wait for a
+   link to become ready gets every collective, requests included, from the engine.
+
+   The allocator is counted (DOPT_MALLOC / DOPT_FREE): after a collective's first call, later
+   calls of the same shape allocate nothing, blocking or not. */
+#define DOPT_MALLOC(sz) engine_test_malloc(sz)
+#define DOPT_FREE(p) engine_test_free(p)
+#include <stdlib.h>
+static long engine_test_allocs;
+static void *engine_test_malloc(size_t n) {
+    engine_test_allocs++;
+    return malloc(n);
+}
+static void engine_test_free(void *p) { free(p); }
+
+#define DISTOPT_IMPLEMENTATION
+#include "../distopt.h"
+#include "dtest.h"
+#include "conformance.h"
+
+#include <poll.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+/* ------------------------------------------------------------------ the socketpair backend */
+
+#define PAIR_MAX 8
+
+typedef struct pair_links {
+    int fd[PAIR_MAX]; /* fd[p]: this rank's end of the socketpair to rank p (-1 for itself) */
+    struct pollfd pfd[PAIR_MAX];
+} pair_links;
+
+static long pair_send(dopt_comm *c, int peer, const dopt_iov *parts, int nparts, int *err) {
+    pair_links *l = (pair_links *)c->impl;
+    struct iovec iov[4];
+    struct msghdr msg;
+    ssize_t n;
+    int i;
+    for (i = 0; i < nparts && i < 4; i++) {
+        iov[i].iov_base = (void *)(uintptr_t)parts[i].base;
+        iov[i].iov_len = parts[i].len;
+    }
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = iov;
+    msg.msg_iovlen = (size_t)i;
+    n = sendmsg(l->fd[peer], &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n >= 0) return (long)n;
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
+    *err = errno;
+    return -1;
+}
+
+static long pair_recv(dopt_comm *c, int peer, void *dst, size_t cap, int *err) {
+    pair_links *l = (pair_links *)c->impl;
+    ssize_t n = recv(l->fd[peer], dst, cap, MSG_DONTWAIT);
+    if (n > 0) return (long)n;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+    *err = n == 0 ? 0 : errno;
+    return -1;
+}
+
+static int pair_wait(dopt_comm *c, dopt_link_poll *polls, int npolls, int timeout_ms, int *err) {
+    pair_links *l = (pair_links *)c->impl;
+    int i, n, ready = 0;
+    for (i = 0; i < npolls; i++) {
+        l->pfd[i].fd = l->fd[polls[i].peer];
+        l->pfd[i].events = (short)(((polls[i].events & DOPT_LINK_IN) ? POLLIN : 0) |
+                                   ((polls[i].events & DOPT_LINK_OUT) ? POLLOUT : 0));
+        l->pfd[i].revents = 0;
+    }
+    n = poll(l->pfd, (nfds_t)npolls, timeout_ms);
+    if (n < 0) {
+        if (errno == EINTR) return 0;
+        *err = errno;
+        return -1;
+    }
+    if (n == 0 && timeout_ms == 0) sched_yield();
+    for (i = 0; i < npolls; i++) {
+        short re = l->pfd[i].revents;
+        polls[i].revents = (short)(((re & (POLLIN | POLLHUP | POLLERR)) ? DOPT_LINK_IN : 0) |
+                                   ((re & (POLLOUT | POLLERR)) ? DOPT_LINK_OUT : 0));
+        ready += polls[i].revents != 0;
+    }
+    return ready;
+}
+
+static void pair_destroy(dopt_comm *c) {
+    pair_links *l = (pair_links *)c->impl;
+    int p;
+    if (l == NULL) return;
+    dopt_links_goodbye(c, 1000);
+    for (p = 0; p < c->size; p++)
+        if (l->fd[p] >= 0) close(l->fd[p]);
+    free(l);
+    c->impl = NULL;
+}
+
+static const dopt_comm_vtable pair_vtable = {"pairs", NULL, NULL, NULL, NULL, pair_destroy, sizeof(dopt_comm_vtable),
+                                             0u, pair_send, pair_recv, pair_wait};
+
+/* Every pair (i, j) of an n-rank world gets one socketpair before the fork: sv[i][j][0] is i's end. */
+typedef struct pair_world {
+    int n;
+    int sv[PAIR_MAX][PAIR_MAX][2];
+    void (*body)(dopt_comm *c);
+} pair_world;
+
+static void pair_rank(int rank, void *arg) {
+    pair_world *w = (pair_world *)arg;
+    pair_links *l = (pair_links *)malloc(sizeof *l);
+    dopt_comm *c;
+    int i, j;
+    DT_CHECK(l != NULL);
+    for (i = 0; i < w->n; i++)
+        for (j = i + 1; j < w->n; j++) {
+            if (i != rank) close(w->sv[i][j][0]);
+            if (j != rank) close(w->sv[i][j][1]);
+        }
+    for (j = 0; j < PAIR_MAX; j++) l->fd[j] = -1;
+    for (j = 0; j < w->n; j++)
+        if (j != rank) l->fd[j] = rank < j ? w->sv[rank][j][0] : w->sv[j][rank][1];
+    DT_OK(dopt_comm_new(&c, rank, w->n, &pair_vtable, l));
+    c->timeout_ms = 30000;
+    w->body(c);
+    dopt_comm_destroy(c);
+}
+
+static void pair_run(int n, void (*body)(dopt_comm *c)) {
+    pair_world w;
+    int i, j;
+    memset(&w, 0, sizeof w);
+    w.n = n;
+    w.body = body;
+    for (i = 0; i < n; i++)
+        for (j = i + 1; j < n; j++) DT_CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, w.sv[i][j]) == 0);
+    DT_EQ_INT(dtest_spawn(n, pair_rank, &w, 100), 0);
+    for (i = 0; i < n; i++)
+        for (j = i + 1; j < n; j++) close(w.sv[i][j][0]), close(w.sv[i][j][1]);
+}
+
+/* ------------------------------------------------------------------ conformance */
+
+DTEST(conformance_over_socketpairs_worlds_of_1_to_4) {
+    int n;
+    for (n = 1; n <= 4; n++) pair_run(n, conformance_run);
+}
+
+DTEST(mismatch_fails_every_rank_over_socketpairs) {
+    pair_run(2, conformance_mismatch_count);
+    pair_run(3, conformance_mismatch_op);
+    pair_run(3, conformance_mismatch_kind);
+    pair_run(3, conformance_mismatch_in_flight);
+}
+
+/* ------------------------------------------------------------------ allocations */
+
+/* Each shape called once to warm up, then three more times: the allocation count must not move. */
+static void steady_state_allocates_nothing(dopt_comm *c) {
+    size_t big = (1u << 20) + 3, i;
+    float *x = (float *)malloc(big * sizeof(float)), small[5] = {1, 2, 3, 4, 5};
+    unsigned char *all = (unsigned char *)malloc(4096 * (size_t)c->size), blk[4096], out[64 * 8];
+    size_t got[PAIR_MAX];
+    int round;
+    long before = 0;
+    DT_CHECK(x != NULL && all != NULL);
+    for (i = 0; i < big; i++) x[i] = (float)(i % 13);
+    memset(blk, c->rank, sizeof blk);
+    for (round = 0; round < 4; round++) {
+        dopt_request r[4];
+        if (round == 1) before = engine_test_allocs;
+        DT_OK(dopt_allreduce(c, small, 5, DOPT_F32, DOPT_MEAN));
+        DT_OK(dopt_allreduce(c, x, big, DOPT_F32, DOPT_SUM));
+        DT_OK(dopt_allgather(c, blk, all, sizeof blk));
+        DT_OK(dopt_allgatherv(c, blk, 64 + (size_t)c->rank, out, sizeof out, got));
+        DT_OK(dopt_broadcast(c, x, big * sizeof(float), 0));
+        DT_OK(dopt_barrier(c));
+        DT_OK(dopt_allreduce_start(c, small, 5, DOPT_F32, DOPT_SUM, &r[0]));
+        DT_OK(dopt_allreduce_start(c, x, big, DOPT_F32, DOPT_MAX, &r[1]));
+        DT_OK(dopt_allgather_start(c, blk, all, sizeof blk, &r[2]));
+        DT_OK(dopt_broadcast_start(c, small, sizeof small, c->size - 1, &r[3]));
+        DT_OK(dopt_wait(&r[3]));
+        DT_OK(dopt_wait(&r[0]));
+    }
+    DT_CHECKF(engine_test_allocs == before, "rank %d: %ld allocations after the first round", c->rank,
+              engine_test_allocs - before);
+    free(x);
+    free(all);
+}
+
+DTEST(collectives_allocate_nothing_after_the_first_call) {
+    int n;
+    for (n = 1; n <= 4; n++) pair_run(n, steady_state_allocates_nothing);
+}
+
+/* A rank that leaves after sending half a message: the other names it, at once. */
+static void leaves_mid_message(dopt_comm *c) {
+    size_t n = (size_t)4 << 20;
+    float *x = (float *)calloc(n, sizeof(float));
+    dopt_status s;
+    DT_CHECK(x != NULL);
+    DT_OK(dopt_barrier(c));
+    if (c->rank == 1) {
+        pair_links *l = (pair_links *)c->impl;
+        unsigned char hdr[DOPT_FRAME_BYTES];
+        dopt_coll_desc d;
+        memset(&d, 0, sizeof d);
+        d.kind = DOPT_COLL_BROADCAST;
+        d.root = 1;
+        d.seq = c->seq + 1;
+        d.count = n * sizeof(float);
+        dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 1, 0, d.count);
+        DT_CHECK(write(l->fd[0], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
+        DT_CHECK(write(l->fd[0], x, 1000) == 1000);
+        /* no goodbye: a crash mid-message (shutdown, since the test's parent holds a copy of
+           every socketpair end and a close would not end the stream) */
+        shutdown(l->fd[0], SHUT_WR);
+        _exit(0);
+    }
+    s = dopt_broadcast(c, x, n * sizeof(float), 1);
+    DT_EQ_INT(s, DOPT_ERR_PEER_LOST);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1 closed the connection") != NULL, "detail: %s", dopt_comm_detail(c));
+    free(x);
+}
+
+DTEST(peer_dying_mid_message_is_named) { pair_run(2, leaves_mid_message); }
+
+DTEST_MAIN()
