@@ -397,9 +397,7 @@ typedef struct dopt_link_poll {
 
 typedef struct dopt_comm_vtable {
     const char *name;
-    /* Collectives the backend runs itself (DOPT_PROVIDES_*); the engine runs the others over
-       the links. A backend without links (link_send NULL) provides every collective. */
-    /* In place on buf (desc->count elements of desc->dtype). */
+    /* The collectives a backend runs itself (see provides). In place on buf (desc->count elements of desc->dtype). */
     dopt_status (*allreduce)(dopt_comm *c, const dopt_coll_desc *desc, void *buf);
     /* Rank r's bytes[r] bytes land at recv + Σ_{q<r} bytes[q]; bytes[] is the same on all ranks. */
     dopt_status (*allgatherv)(dopt_comm *c, const dopt_coll_desc *desc, const void *send, void *recv,
@@ -410,6 +408,8 @@ typedef struct dopt_comm_vtable {
     void (*destroy)(dopt_comm *c);
     /* From here on the vtable may grow; struct_size says how much of it the backend filled. */
     size_t struct_size;
+    /* Collectives the backend runs itself (DOPT_PROVIDES_*); the engine runs the others over the
+       links. A vtable without links (struct_size too small or link_send NULL) provides them all. */
     unsigned provides;
     /* LINKS: one ordered, reliable byte stream to each peer; none of these may block.
        link_send writes a prefix of parts[0..nparts) and returns its length (0: no room now),
@@ -1917,9 +1917,8 @@ typedef struct dopt__op {
     unsigned char *ptr;                  /* send: source; receive: destination */
     size_t bytes, done;                  /* payload bytes, and bytes sent / placed */
     int peer, dep, next;                 /* next: the following op of the same queue, or -1 */
-    unsigned hdr_done;                   /* send: header bytes sent; receive: 1 once validated */
+    unsigned hdr_done;                   /* header bytes sent (send) or validated (receive: all at once) */
     int reduce;                          /* receive: combine into ptr instead of copying */
-    int tx;                              /* a send */
     uint64_t req;                        /* the request it belongs to (its number, see dopt__engine) */
 } dopt__op;
 
@@ -2278,7 +2277,6 @@ static int dopt__eng_op(dopt__engine *e, int peer, int is_tx, unsigned char *ptr
     o->dep = -1;
     o->next = -1;
     o->req = e->started;
-    o->tx = is_tx;
     if (*tail >= 0)
         e->ops[*tail].next = i;
     else
@@ -2416,7 +2414,7 @@ static dopt_status dopt__eng_consume(dopt_comm *c, dopt__engine *e, int p) {
             if (o == NULL) return dopt__eng_unexpected(c, e, p, &f);
             if (dopt__frame_check(c, d, p, &f, o->bytes) != DOPT_OK) return dopt__eng_abort_checked(c, d, p);
             P->lo += DOPT_FRAME_BYTES;
-            o->hdr_done = 1;
+            o->hdr_done = DOPT_FRAME_BYTES;
             avail -= DOPT_FRAME_BYTES;
         }
         es = d->kind == DOPT_COLL_ALLREDUCE ? dopt_dtype_size(d->dtype) : 1;
@@ -2554,7 +2552,7 @@ static dopt_status dopt__eng_pump_tx(dopt_comm *c, dopt__engine *e, int p, int *
 /* ===================================================================== ENGINE: REQUESTS */
 
 static int dopt__eng_op_done(const dopt__op *o) {
-    return o->done == o->bytes && o->hdr_done == (o->tx ? DOPT_FRAME_BYTES : 1u);
+    return o->done == o->bytes && o->hdr_done == DOPT_FRAME_BYTES;
 }
 
 /* The small allreduce's inputs, combined in rank order (x0∘x1∘...): the same expression on every
@@ -2600,7 +2598,7 @@ static void dopt__eng_compact(dopt__engine *e, int upto) {
 /* Retires the oldest requests whose ops are all done, in start order: combines, divides a mean,
    counts the traffic. */
 static void dopt__eng_retire(dopt_comm *c, dopt__engine *e) {
-    int drop = 0;
+    int drop = 0, p;
     while (e->retired < e->started) {
         dopt__req *q = dopt__eng_req(e, e->retired);
         int i;
@@ -2618,8 +2616,8 @@ static void dopt__eng_retire(dopt_comm *c, dopt__engine *e) {
     }
     if (e->retired == e->started) {
         e->nops = 0;
-        for (drop = 0; drop < e->size; drop++) {
-            dopt__peer *P = &e->peers[drop];
+        for (p = 0; p < e->size; p++) {
+            dopt__peer *P = &e->peers[p];
             P->tx_cur = P->tx_tail = P->rx_cur = P->rx_tail = -1;
         }
     } else if (drop > e->nops / 2) {
@@ -2839,8 +2837,8 @@ static dopt_status dopt__eng_run(dopt_comm *c, dopt__engine *e, uint64_t until, 
     return s == DOPT_OK ? c->error : s;
 }
 
-/* Every request in flight finished (before a collective the backend runs itself, or a blocking
-   call that needs the links to itself). */
+/* Before a collective the backend runs itself: every request in flight finishes first, so that
+   collectives complete in the order they started. */
 static dopt_status dopt__eng_drain(dopt_comm *c) {
     dopt__engine *e = c->eng;
     if (e == NULL || e->retired == e->started) return c->error;
@@ -2923,7 +2921,7 @@ static dopt_status dopt__eng_broadcast(dopt_comm *c, const dopt_coll_desc *d, vo
 
 static dopt_status dopt__eng_barrier_start(dopt_comm *c, const dopt_coll_desc *d) {
     dopt__engine *e = c->eng;
-    dopt__req *q = dopt__eng_begin(c, e, d, 2 * 32, 0);
+    dopt__req *q = dopt__eng_begin(c, e, d, 2 * 32, 0); /* two ops a round, ceil(log2 size) <= 31 rounds */
     if (q == NULL) return c->error;
     if (e->size > 1) dopt__eng_barrier(e, d);
     dopt__eng_end(e, q);
@@ -3115,36 +3113,30 @@ static dopt_status dopt__req_started(dopt_comm *c, dopt_status s, dopt_request *
     return s;
 }
 
-/* Before a collective the backend runs itself: the engine's requests finish first (order). */
-static dopt_status dopt__backend_turn(dopt_comm *c) { return c->eng ? dopt__eng_drain(c) : c->error; }
-
-DOPT_DEF dopt_status dopt_test(dopt_request *req, int *done) {
-    dopt_comm *c;
+/* Moves req's collective on (until it is done when block is set): a request that completed,
+   even in the pass that then failed, is DOPT_OK; one still in flight on a poisoned communicator
+   has the communicator's error. */
+static dopt_status dopt__req_progress(dopt_request *req, int block, int *done) {
+    dopt_comm *c = req->comm;
     uint64_t k;
-    dopt_status s;
-    if (req == NULL || done == NULL) return DOPT_ERR_INVALID;
     *done = 1;
     if (req->ticket == 0) return req->status;
-    c = req->comm;
     k = req->ticket - 1;
+    if (k >= c->eng->retired && c->error == DOPT_OK) dopt__eng_run(c, c->eng, k, block);
     if (k < c->eng->retired) return DOPT_OK;
-    if (c->error != DOPT_OK) return c->error;
-    s = dopt__eng_run(c, c->eng, k, 0);
-    if (s != DOPT_OK) return s;
-    *done = k < c->eng->retired;
-    return DOPT_OK;
+    *done = c->error != DOPT_OK;
+    return c->error;
+}
+
+DOPT_DEF dopt_status dopt_test(dopt_request *req, int *done) {
+    if (req == NULL || done == NULL) return DOPT_ERR_INVALID;
+    return dopt__req_progress(req, 0, done);
 }
 
 DOPT_DEF dopt_status dopt_wait(dopt_request *req) {
-    dopt_comm *c;
-    uint64_t k;
+    int done;
     if (req == NULL) return DOPT_ERR_INVALID;
-    if (req->ticket == 0) return req->status;
-    c = req->comm;
-    k = req->ticket - 1;
-    if (k < c->eng->retired) return DOPT_OK;
-    if (c->error != DOPT_OK) return c->error;
-    return dopt__eng_run(c, c->eng, k, 1);
+    return dopt__req_progress(req, 1, &done);
 }
 
 /* ===================================================================== COLLECTIVES */
@@ -3165,7 +3157,7 @@ DOPT_DEF dopt_status dopt_allreduce_start(dopt_comm *c, void *buf, size_t count,
         s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "count overflows size_t bytes");
     if (s == DOPT_OK && dopt__engine_runs(c, DOPT_COLL_ALLREDUCE))
         return dopt__req_started(c, dopt__eng_allreduce(c, &d, buf), req);
-    if (s == DOPT_OK) s = dopt__backend_turn(c);
+    if (s == DOPT_OK) s = dopt__eng_drain(c);
     if (s == DOPT_OK) {
         s = dopt__finish_bytes(c, &d, c->vt->allreduce(c, &d, buf), (uint64_t)count * dopt_dtype_size(dt));
         if (s == DOPT_OK && op == DOPT_MEAN && c->size > 1) dopt__divide(buf, count, dt, c->size);
@@ -3219,7 +3211,7 @@ static dopt_status dopt__gather_start(dopt_comm *c, const dopt_coll_desc *d, con
                                       const size_t *bytes, dopt_request *req) {
     dopt_status s;
     if (dopt__engine_runs(c, d->kind)) return dopt__req_started(c, dopt__eng_allgatherv(c, d, send, recv, bytes), req);
-    s = dopt__backend_turn(c);
+    s = dopt__eng_drain(c);
     if (s == DOPT_OK) s = dopt__finish_bytes(c, d, c->vt->allgatherv(c, d, send, recv, bytes), bytes[c->rank]);
     dopt__req_done(c, req, s);
     return s;
@@ -3232,9 +3224,13 @@ DOPT_DEF dopt_status dopt_allgather_start(dopt_comm *c, const void *send, void *
     dopt__req_done(c, req, s);
     if (s != DOPT_OK) return s;
     if (bytes > 0 && (send == NULL || recv == NULL))
-        return dopt__req_done(c, req, dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer")), c->error;
-    if (bytes > SIZE_MAX / (size_t)c->size)
-        return dopt__req_done(c, req, dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "size * bytes overflows size_t")), c->error;
+        s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer");
+    else if (bytes > SIZE_MAX / (size_t)c->size)
+        s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "size * bytes overflows size_t");
+    if (s != DOPT_OK) {
+        dopt__req_done(c, req, s);
+        return s;
+    }
     for (r = 0; r < c->size; r++) c->block_bytes[r] = bytes;
     return dopt__gather_start(c, &d, send, recv, c->block_bytes, req);
 }
@@ -3293,7 +3289,7 @@ DOPT_DEF dopt_status dopt_broadcast_start(dopt_comm *c, void *buf, size_t bytes,
         s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer");
     if (s == DOPT_OK && dopt__engine_runs(c, DOPT_COLL_BROADCAST))
         return dopt__req_started(c, dopt__eng_broadcast(c, &d, buf), req);
-    if (s == DOPT_OK) s = dopt__backend_turn(c);
+    if (s == DOPT_OK) s = dopt__eng_drain(c);
     if (s == DOPT_OK) s = dopt__finish(c, &d, c->vt->broadcast(c, &d, buf));
     dopt__req_done(c, req, s);
     return s;
@@ -3314,7 +3310,7 @@ DOPT_DEF dopt_status dopt_barrier(dopt_comm *c) {
         s = dopt__req_started(c, dopt__eng_barrier_start(c, &d), &req);
         return s != DOPT_OK ? s : dopt_wait(&req);
     }
-    s = dopt__backend_turn(c);
+    s = dopt__eng_drain(c);
     return s != DOPT_OK ? s : dopt__finish(c, &d, c->vt->barrier(c, &d));
 }
 

@@ -382,12 +382,6 @@ static void dopt__shm_geometry(dopt__shm *s) {
 
 /* ===================================================================== CLOCK, FUTEX, CPU */
 
-static double dopt__shm_now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
 static void dopt__shm_sleep_ms(double ms) {
     struct timespec ts;
     ts.tv_sec = (time_t)(ms / 1e3);
@@ -576,14 +570,14 @@ static dopt_status dopt__shm_wait_all(dopt_comm *c, dopt__shm *s, const dopt_col
     int late = dopt__shm_first_late(s, 0, target);
     dopt_status st;
     if (late == s->size) return DOPT_OK;
-    start = dopt__shm_now_ms();
+    start = dopt__now_ms();
     spin_end = start + spin_us / 1e3;
     yield_from = s->spin ? start + DOPT__SHM_PURE_SPIN_US / 1e3 : start;
     for (spins = 1;; spins++) {
         late = dopt__shm_first_late(s, late, target);
         if (late == s->size) return DOPT_OK;
         if ((spins & 63) == 0 || !s->spin) {
-            now = dopt__shm_now_ms();
+            now = dopt__now_ms();
             if (now >= spin_end || dopt__shm_aborted(s)) break;
             /* Past the first microseconds the peer may be off its processor: let whatever
                waits for ours run (a peer, when there are more ranks than processors). */
@@ -602,7 +596,7 @@ static dopt_status dopt__shm_wait_all(dopt_comm *c, dopt__shm *s, const dopt_col
         if (late == s->size) return DOPT_OK;
         st = dopt__shm_check_abort(c, s, d);
         if (st != DOPT_OK) return st;
-        now = dopt__shm_now_ms();
+        now = dopt__now_ms();
         probe = now >= next_probe;
         if (probe) next_probe = now + DOPT__SHM_LIVENESS_MS;
         st = dopt__shm_check_late(c, s, d, late, target, probe);
@@ -1226,7 +1220,7 @@ static dopt_status dopt__shm_keep_lock_in_mapping(dopt_comm *c, dopt__shm *s) {
 }
 
 static dopt_status dopt__shm_join(dopt_comm *c, dopt__shm *s) {
-    double deadline = dopt__shm_now_ms() + (double)c->timeout_ms;
+    double deadline = dopt__now_ms() + (double)c->timeout_ms;
     dopt_status st;
     for (;;) {
         int again = 0;
@@ -1236,7 +1230,7 @@ static dopt_status dopt__shm_join(dopt_comm *c, dopt__shm *s) {
         st = dopt__shm_try_attach(c, s, &again);
         if (st != DOPT_OK) return st;
         if (!again) break;
-        if (dopt__shm_now_ms() >= deadline)
+        if (dopt__now_ms() >= deadline)
             return dopt_comm_fail(c, NULL, DOPT_ERR_TIMEOUT, "%s exists but did not become ready within %d ms", s->path,
                                   c->timeout_ms);
         dopt__shm_sleep_ms(1.0);
@@ -1451,7 +1445,7 @@ static int dopt__shm_wait_child(dopt_comm *c, int r, pid_t pid, double deadline)
             dopt_comm_log(c, DOPT_LOG_WARN, "shm fork: cannot wait for rank %d (pid %d): %s", r, (int)pid, strerror(errno));
             return 0;
         }
-        if (dopt__shm_now_ms() >= deadline) {
+        if (dopt__now_ms() >= deadline) {
             kill(pid, SIGKILL);
             while (waitpid(pid, &ws, 0) < 0 && errno == EINTR) {
             }
@@ -1481,7 +1475,7 @@ DOPT_DEF int dopt_shm_fork_finish(dopt_comm *comm, int status) {
         _exit(status & 0xFF);
     }
     if (s != NULL && s->nchildren > 0) {
-        double deadline = dopt__shm_now_ms() + (double)comm->timeout_ms;
+        double deadline = dopt__now_ms() + (double)comm->timeout_ms;
         dopt__shm_leave(comm, s); /* ranks still waiting for rank 0 give up at once */
         for (r = 1; r <= s->nchildren; r++) {
             int code = dopt__shm_wait_child(comm, r, s->children[r - 1], deadline);
