@@ -178,8 +178,9 @@
 
    WRITING A BACKEND
      A backend gives each rank a link to every peer: an ordered, reliable byte stream that it can
-     write and read without blocking, and a way to wait until a link may move (the link_* fields
-     of dopt_comm_vtable, with struct_size = sizeof(dopt_comm_vtable)). The engine in this file
+     write and read without blocking, a way to wait until a link may move, and a way to end its
+     writing side (the link_* fields of dopt_comm_vtable, with struct_size =
+     sizeof(dopt_comm_vtable)). The engine in this file
      runs every collective over those links: frames with the collective in every header (so a
      rank that calls something else is named at once), ring reduce-scatter/allgather pipelined
      at byte granularity for large messages, direct exchange, binomial tree, chain and
@@ -418,10 +419,13 @@ typedef struct dopt_comm_vtable {
        (*err = 0: the peer closed it in order; else the reason).
        link_wait sleeps until one of polls[0..npolls) may move or timeout_ms passes (0: look
        without sleeping; it may yield the processor), sets revents and returns how many are
-       ready, 0 on timeout, -1 with *err on a failure. */
+       ready, 0 on timeout, -1 with *err on a failure.
+       link_close ends this rank's writing to peer: the peer reads what was written, then the end
+       of the stream (TCP: shutdown(SHUT_WR)); reading goes on. Called after an abort. */
     long (*link_send)(dopt_comm *c, int peer, const dopt_iov *parts, int nparts, int *err);
     long (*link_recv)(dopt_comm *c, int peer, void *dst, size_t cap, int *err);
     int (*link_wait)(dopt_comm *c, dopt_link_poll *polls, int npolls, int timeout_ms, int *err);
+    void (*link_close)(dopt_comm *c, int peer);
 } dopt_comm_vtable;
 
 #define DOPT_DEFAULT_TIMEOUT_MS 300000
@@ -1975,6 +1979,8 @@ typedef struct dopt__engine {
     int spin_us;
     int closes;                 /* links seen ending */
     double blame_deadline;      /* one did: name the culprit by then (0: none) */
+    double last_progress;       /* when bytes last moved, or progress was first asked for since
+                                   (0: nothing in flight yet); the timeout counts from here */
     unsigned char abort_msg[DOPT_FRAME_BYTES + DOPT_DETAIL_MAX]; /* this rank's ABORT frame */
     size_t abort_len;           /* its length; 0 until this rank aborts */
 } dopt__engine;
@@ -1982,7 +1988,8 @@ typedef struct dopt__engine {
 static dopt__req *dopt__eng_req(const dopt__engine *e, uint64_t k) { return &e->reqs[k & (e->cap_reqs - 1)]; }
 
 static int dopt__has_links(const dopt_comm_vtable *vt) {
-    return vt->struct_size >= sizeof(dopt_comm_vtable) && vt->link_send && vt->link_recv && vt->link_wait;
+    return vt->struct_size >= sizeof(dopt_comm_vtable) && vt->link_send && vt->link_recv && vt->link_wait &&
+           vt->link_close;
 }
 
 /* 1 when the engine runs collective kind on c (the backend does not run it itself). */
@@ -2107,8 +2114,8 @@ static const dopt_coll_desc *dopt__eng_current(const dopt__engine *e) {
    the timeout and everybody names the same rank. A frame half-sent to a peer is finished first;
    all peers are written at once, reading (and dropping) what they send meanwhile so that two
    aborting ranks never wait on each other. What cannot be written within
-   min(timeout, DOPT__FLUSH_MS) is cut: that link is not written again, and the peer sees this
-   rank close when it does. */
+   min(timeout, DOPT__FLUSH_MS) is cut. Every link is then closed for writing, so that a peer
+   still waiting for this rank reads the abort, or the end of the stream, at once. */
 static dopt_status dopt__eng_abort_all(dopt_comm *c, const dopt_coll_desc *d, int culprit, int reporter,
                                        const char *why) {
     dopt__engine *e = c->eng;
@@ -2153,7 +2160,10 @@ static dopt_status dopt__eng_abort_all(dopt_comm *c, const dopt_coll_desc *d, in
             if (k < 0) P->closed = ++e->closes;
         }
     }
-    for (p = 0; p < e->size; p++) e->peers[p].broken = 1;
+    for (p = 0; p < e->size; p++) {
+        if (p != e->rank) c->vt->link_close(c, p);
+        e->peers[p].broken = 1;
+    }
     return c->error;
 }
 
@@ -2614,8 +2624,10 @@ static void dopt__eng_retire(dopt_comm *c, dopt__engine *e) {
         drop = q->end_op;
         e->retired++;
     }
-    if (e->retired == e->started) {
+    if (e->retired == e->started) { /* idle: the next collective starts afresh */
         e->nops = 0;
+        e->blame_deadline = 0;
+        e->last_progress = 0;
         for (p = 0; p < e->size; p++) {
             dopt__peer *P = &e->peers[p];
             P->tx_cur = P->tx_tail = P->rx_cur = P->rx_tail = -1;
@@ -2797,13 +2809,16 @@ static dopt_status dopt__eng_consume_staged(dopt_comm *c, dopt__engine *e) {
 /* Runs the requests in flight until request `until` has retired (block) or for one pass (test):
    sends whatever is ready, receives whatever has arrived, polls for spin_us without sleeping
    after progress, then sleeps in link_wait; fails when nothing moved for the communicator's
-   timeout. Every peer is watched for reading, so that an abort or a dead link is seen even from
-   a peer no collective waits for. */
+   timeout. A wait's timeout counts from its own start at the earliest (the caller may have
+   computed for longer than the timeout since starting the request); a run of dopt_test calls
+   counts from the last progress, so that polling a silent peer ends too. Every peer is watched
+   for reading, so that an abort or a dead link is seen even from a peer no collective waits for. */
 static dopt_status dopt__eng_run(dopt_comm *c, dopt__engine *e, uint64_t until, int block) {
-    double last = dopt__now_ms(), spin_end = last + (e->spin_us > 0 ? e->spin_us / 1000.0 : 0.0);
+    double entry = dopt__now_ms(), spin_end = entry + (e->spin_us > 0 ? e->spin_us / 1000.0 : 0.0), last;
     const char *api = c->api;
     dopt_status s = dopt__eng_consume_staged(c, e);
-    e->blame_deadline = 0;
+    if (e->last_progress == 0) e->last_progress = entry;
+    last = block && entry > e->last_progress ? entry : e->last_progress;
     while (s == DOPT_OK) {
         int progress = 0, polled = 0, wait_ms = 0;
         dopt__eng_retire(c, e);
@@ -2821,7 +2836,7 @@ static dopt_status dopt__eng_run(dopt_comm *c, dopt__engine *e, uint64_t until, 
             break;
         }
         if (progress) {
-            last = dopt__now_ms();
+            last = e->last_progress = dopt__now_ms();
             spin_end = last + (e->spin_us > 0 ? e->spin_us / 1000.0 : 0.0);
         } else if (dopt__now_ms() - last >= (double)c->timeout_ms) {
             s = dopt__eng_timed_out(c, e);
@@ -3348,7 +3363,7 @@ static void dopt__self_destroy(dopt_comm *c) { (void)c; }
 
 static const dopt_comm_vtable dopt__self_vtable = {
     "self", dopt__self_allreduce, dopt__self_allgatherv, dopt__self_broadcast, dopt__self_barrier,
-    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL};
+    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL};
 
 DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out) {
     return dopt_comm_new(out, 0, 1, &dopt__self_vtable, NULL);

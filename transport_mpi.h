@@ -522,6 +522,7 @@ static const dopt_comm_vtable dopt__mpi_vtable = {"mpi",
                                                   DOPT_PROVIDES_ALL,
                                                   NULL,
                                                   NULL,
+                                                  NULL,
                                                   NULL};
 
 /* The check setting this rank asks for: the config's, else the environment's. */

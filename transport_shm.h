@@ -954,6 +954,7 @@ static const dopt_comm_vtable dopt__shm_vtable = {"shm",
                                                   DOPT_PROVIDES_ALL,
                                                   NULL,
                                                   NULL,
+                                                  NULL,
                                                   NULL};
 
 /* ===================================================================== CONFIGURATION */

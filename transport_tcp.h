@@ -947,6 +947,10 @@ static long dopt__tcp_link_recv(dopt_comm *c, int peer, void *dst, size_t cap, i
     }
 }
 
+static void dopt__tcp_link_close(dopt_comm *c, int peer) {
+    shutdown(((dopt__tcp *)c->impl)->peers[peer].fd, SHUT_WR);
+}
+
 static int dopt__tcp_lobby_add(dopt__tcp *t, int np);
 static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, int lo, int hi);
 
@@ -1018,7 +1022,7 @@ static void dopt__tcp_destroy(dopt_comm *c) {
 /* Links only: every collective is the engine's. */
 static const dopt_comm_vtable dopt__tcp_vtable = {
     "tcp", NULL, NULL, NULL, NULL, dopt__tcp_destroy, sizeof(dopt_comm_vtable), 0u,
-    dopt__tcp_link_send, dopt__tcp_link_recv, dopt__tcp_link_wait};
+    dopt__tcp_link_send, dopt__tcp_link_recv, dopt__tcp_link_wait, dopt__tcp_link_close};
 
 /* ===================================================================== SOCKETS */
 

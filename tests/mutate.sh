@@ -117,6 +117,11 @@ mutate tcp-abort-culprit-ignored distopt.h \
 mutate tcp-closed-connection-misnamed distopt.h \
     '"rank %d closed the connection%s", culprit, also);' '"rank %d closed the connection%s", (culprit + 1) % e->size, also);' \
     test_faults:tcp
+mutate engine-timeout-restarts-every-poll distopt.h \
+    '    if (e->last_progress == 0) e->last_progress = entry;' '    e->last_progress = entry;' \
+    test_engine:dopt_test_reaches
+mutate engine-abort-keeps-links-open distopt.h \
+    '        if (p != e->rank) c->vt->link_close(c, p);' '' test_engine:dopt_test_reaches
 mutate tcp-loopback-table-unchecked transport_tcp.h \
     'if (s == DOPT_OK) s = dopt__tcp_loopback_check(c, t, how);' \
     'if (s == DOPT_OK && 0) s = dopt__tcp_loopback_check(c, t, how);' test_tcp:rank_0_

@@ -88,6 +88,8 @@ static int pair_wait(dopt_comm *c, dopt_link_poll *polls, int npolls, int timeou
     return ready;
 }
 
+static void pair_close(dopt_comm *c, int peer) { shutdown(((pair_links *)c->impl)->fd[peer], SHUT_WR); }
+
 static void pair_destroy(dopt_comm *c) {
     pair_links *l = (pair_links *)c->impl;
     int p;
@@ -100,7 +102,7 @@ static void pair_destroy(dopt_comm *c) {
 }
 
 static const dopt_comm_vtable pair_vtable = {"pairs", NULL, NULL, NULL, NULL, pair_destroy, sizeof(dopt_comm_vtable),
-                                             0u, pair_send, pair_recv, pair_wait};
+                                             0u, pair_send, pair_recv, pair_wait, pair_close};
 
 /* Every pair (i, j) of an n-rank world gets one socketpair before the fork: sv[i][j][0] is i's end. */
 typedef struct pair_world {
@@ -227,5 +229,36 @@ static void leaves_mid_message(dopt_comm *c) {
 }
 
 DTEST(peer_dying_mid_message_is_named) { pair_run(2, leaves_mid_message); }
+
+/* Rank 1 never joins the allreduce (it only waits for rank 0's abort): rank 0, polling with
+   dopt_test instead of waiting, must still reach the timeout — it counts from the last progress,
+   not from each call. */
+static void silent_peer_under_dopt_test(dopt_comm *c) {
+    float x[4] = {0};
+    if (c->rank == 0) {
+        dopt_request r;
+        dopt_status s = DOPT_OK;
+        int done = 0;
+        double give_up;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        give_up = (double)ts.tv_sec + 60.0; /* far beyond the 200 ms timeout: only a hang reaches it */
+        c->timeout_ms = 200;
+        DT_OK(dopt_allreduce_start(c, x, 4, DOPT_F32, DOPT_SUM, &r));
+        while (!done && s == DOPT_OK) {
+            s = dopt_test(&r, &done);
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            DT_CHECKF((double)ts.tv_sec < give_up, "dopt_test polled a silent peer for a minute without a timeout");
+        }
+        DT_EQ_INT(s, DOPT_ERR_TIMEOUT);
+        DT_CHECKF(strstr(dopt_comm_detail(c), "waiting for data from rank 1") != NULL, "detail: %s", dopt_comm_detail(c));
+    } else {
+        unsigned char b[4096];
+        /* reads (and drops) what rank 0 sends until rank 0 ends its side of the stream */
+        while (read(((pair_links *)c->impl)->fd[0], b, sizeof b) > 0) continue;
+    }
+}
+
+DTEST(dopt_test_reaches_the_timeout) { pair_run(2, silent_peer_under_dopt_test); }
 
 DTEST_MAIN()
