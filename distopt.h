@@ -188,7 +188,8 @@
      every rank, and a link that ends without one blamed on the right rank. Create the
      communicator with dopt_comm_new, tune the engine with dopt_comm_set_engine, and call
      dopt_links_goodbye from destroy before closing the links. tests/test_engine.c is a complete
-     backend of ~80 lines over socketpairs, run through the conformance suite.
+     backend over socketpairs (about 120 lines, connecting the ranks included), run through the
+     conformance suite.
      A backend with collectives of its own sets their DOPT_PROVIDES_* bits and fills allreduce,
      allgatherv, broadcast, barrier (a vtable without links provides them all): those see only
      SUM, MAX and MIN (MEAN arrives with op = DOPT_MEAN in the descriptor for fingerprinting but
