@@ -143,6 +143,10 @@ $(MPI_TESTS): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worl
 $(EXAMPLES): $(BUILD)/%: examples/%.c examples/common.h examples/fashion_mnist.h $(HEADERS) | $(BUILD)
 	$(MPICC) $(ALL_CFLAGS) -I. -o $@ $< $(LIBS) -lz
 
+# The host-aware allreduce across simulated hosts (tests/check_cluster.sh).
+$(BUILD)/cluster_allreduce: tests/cluster_allreduce.c tests/dtest.h tests/conformance.h $(HEADERS) | $(BUILD)
+	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
+
 $(BUILD)/bench_allreduce: bench/bench_allreduce.c $(HEADERS) | $(BUILD)
 	$(MPICC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 

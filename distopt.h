@@ -186,10 +186,21 @@
      at byte granularity for large messages, direct exchange, binomial tree, chain and
      dissemination barrier for small ones, requests, timeouts, aborts that name the culprit on
      every rank, and a link that ends without one blamed on the right rank. Create the
-     communicator with dopt_comm_new, tune the engine with dopt_comm_set_engine, and call
-     dopt_links_goodbye from destroy before closing the links. tests/test_engine.c is a complete
+     communicator with dopt_comm_new, tune the engine with dopt_comm_set_engine, tell it which
+     ranks share a host with dopt_comm_set_hosts (below), and call dopt_links_goodbye from
+     destroy before closing the links. tests/test_engine.c is a complete
      backend over socketpairs (about 120 lines, connecting the ranks included), run through the
      conformance suite.
+     HOSTS. Given which host each rank runs on (dopt_comm_set_hosts), with H > 1 hosts of the
+     same number L > 1 of ranks each, a large allreduce runs in two levels: a ring
+     reduce-scatter among the host's ranks leaves each with 1/L of the host's sum; the ranks that
+     hold the same 1/L on every host allreduce it in one ring across hosts; an allgather within
+     the host spreads the result, block by block as the ring across hosts finishes it. A host's
+     link then carries 2·(H−1)/H of the buffer instead of the flat ring's 2·(N−1)/N (N = H·L),
+     and every rank still ends with the same bits, run after run. DOPT_TWO_LEVEL_AUTO takes it on
+     the ring path (above small_bytes/(N−1)), _ON for every non-empty allreduce, _OFF never;
+     uneven hosts keep the flat ring. TCP passes the hosts its rendezvous found (ranks reached at
+     one address share a host) and its config's two_level.
      A backend with collectives of its own sets their DOPT_PROVIDES_* bits and fills allreduce,
      allgatherv, broadcast, barrier (a vtable without links provides them all): those see only
      SUM, MAX and MIN (MEAN arrives with op = DOPT_MEAN in the descriptor for fingerprinting but
@@ -429,6 +440,12 @@ typedef struct dopt_comm_vtable {
     void (*link_close)(dopt_comm *c, int peer);
 } dopt_comm_vtable;
 
+/* When the host-aware (two-level) allreduce runs: on the ring path when ranks share hosts (AUTO),
+   for every non-empty allreduce (ON), or never (OFF). */
+#define DOPT_TWO_LEVEL_AUTO 0
+#define DOPT_TWO_LEVEL_ON 1
+#define DOPT_TWO_LEVEL_OFF (-1)
+
 #define DOPT_DEFAULT_TIMEOUT_MS 300000
 #define DOPT_DETAIL_MAX 512
 #define DOPT_FRAME_BYTES 48  /* the header before every payload on a link (transport_tcp.h, WIRE FORMAT) */
@@ -506,6 +523,13 @@ DOPT_DEF void dopt_comm_set_host(dopt_comm *c, int local_ranks, int cores);
 /* For backends with links: the engine's latency-path threshold in bytes (0: 65536) and how long
    it polls without sleeping after progress (0: 50 µs; negative: never). */
 DOPT_DEF void dopt_comm_set_engine(dopt_comm *c, size_t small_bytes, int spin_us);
+/* For backends with links: which host each rank runs on (host_of[r], r < size: ranks with equal
+   values share a host; NULL: not known) and when the host-aware allreduce runs (two_level: one of
+   DOPT_TWO_LEVEL_*). With more than one host, the same number of ranks on each and more than one
+   on a host, an allreduce on the ring path (or any non-empty one, with ON) reduces within each
+   host, then across hosts, then spreads within the host (see the manual). Every rank must pass the
+   same table. DOPT_ERR_NOMEM, or DOPT_ERR_INVALID for an unknown two_level. */
+DOPT_DEF dopt_status dopt_comm_set_hosts(dopt_comm *c, const int *host_of, int two_level);
 /* For backends with links, from their destroy: tells every peer that this rank leaves on purpose
    (a GOODBYE frame), waiting at most wait_ms for room on a full link. Nothing after an error. */
 DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms);
@@ -1916,11 +1940,15 @@ static dopt_status dopt__frame_check(dopt_comm *c, const dopt_coll_desc *want, i
 
 /* One unit of a collective's schedule: a frame sent to or received from one peer. A send may
    depend on a receive (dep): its header goes once that receive's header has arrived, and its
-   payload only as far as that receive has filled its buffer, which pipelines rings and chains. */
+   payload only as far as that receive has filled its buffer from dep_off on, which pipelines
+   rings and chains. A receive with a dep
+   places nothing before that receive is whole: a later phase that combines into a region waits
+   for the phase that finishes it. */
 typedef struct dopt__op {
     unsigned char hdr[DOPT_FRAME_BYTES]; /* send: the encoded header */
     unsigned char *ptr;                  /* send: source; receive: destination */
     size_t bytes, done;                  /* payload bytes, and bytes sent / placed */
+    size_t dep_off;                      /* send: where its source starts in dep's buffer */
     int peer, dep, next;                 /* next: the following op of the same queue, or -1 */
     unsigned hdr_done;                   /* header bytes sent (send) or validated (receive: all at once) */
     int reduce;                          /* receive: combine into ptr instead of copying */
@@ -1982,6 +2010,12 @@ typedef struct dopt__engine {
     double blame_deadline;      /* one did: name the culprit by then (0: none) */
     double last_progress;       /* when bytes last moved, or progress was first asked for since
                                    (0: nothing in flight yet); the timeout counts from here */
+    int hosts, local;           /* dopt_comm_set_hosts: `hosts` hosts of `local` ranks each (0: unknown
+                                   or uneven, so no two-level schedule) */
+    int host_pos, local_pos;    /* this rank's host, and its place among that host's ranks */
+    int *host_ring;             /* `local` links: this host's ranks in rank order */
+    int *cross_ring;            /* `hosts` links: the ranks at this rank's local_pos, in host order */
+    int two_level;              /* DOPT_TWO_LEVEL_* */
     unsigned char abort_msg[DOPT_FRAME_BYTES + DOPT_DETAIL_MAX]; /* this rank's ABORT frame */
     size_t abort_len;           /* its length; 0 until this rank aborts */
 } dopt__engine;
@@ -2013,6 +2047,8 @@ static void dopt__eng_free(dopt__engine *e) {
     DOPT_FREE(e->polls);
     DOPT_FREE(e->blk_off);
     DOPT_FREE(e->blk_len);
+    DOPT_FREE(e->host_ring);
+    DOPT_FREE(e->cross_ring);
     DOPT_FREE(e);
 }
 
@@ -2310,17 +2346,29 @@ static int dopt__eng_recv(dopt__engine *e, int peer, void *dst, size_t bytes, in
     return i;
 }
 
+static int dopt__eng_op_done(const dopt__op *o) {
+    return o->done == o->bytes && o->hdr_done == DOPT_FRAME_BYTES;
+}
+
+/* A receive that may not place its payload yet (see dopt__op). */
+static int dopt__eng_gated(const dopt__engine *e, const dopt__op *o) {
+    return o->dep >= 0 && !dopt__eng_op_done(&e->ops[o->dep]);
+}
+
 static int dopt__mod(long long a, int n) { return (int)(((a % n) + n) % n); }
 
 /* base + off, where base may be NULL for a zero-length buffer (NULL + 0 is undefined in C). */
 static unsigned char *dopt__at(void *base, size_t off) { return base ? (unsigned char *)base + off : NULL; }
 
-/* Ring pass over the blocks e->blk_off/blk_len of base: at step s send block first - s to the
-   right neighbour and receive block first - s - 1 from the left one (combining it into place when
-   reduce is set). Each send waits on the previous receive: the block it forwards is the one that
-   receive produced. Returns the last receive, to chain a second pass on. */
-static int dopt__eng_ring(dopt__engine *e, const dopt_coll_desc *d, unsigned char *base, int first, int reduce, int dep) {
-    int n = e->size, right = (e->rank + 1) % n, left = (e->rank + n - 1) % n, s;
+/* Ring pass over the blocks e->blk_off/blk_len of base among n ranks in a ring: ring[i] is the
+   link of position i (NULL: rank i itself, n = e->size), this rank is at pos. At step s send block
+   first - s to the right neighbour and receive block first - s - 1 from the left one (combining it
+   into place when reduce is set). Each send waits on the previous receive: the block it forwards
+   is the one that receive produced. Returns the last receive, to chain a second pass on. */
+static int dopt__eng_ring(dopt__engine *e, const dopt_coll_desc *d, unsigned char *base, int first, int reduce, int dep,
+                          int n, int pos, const int *ring) {
+    int right = (pos + 1) % n, left = (pos + n - 1) % n, s;
+    if (ring) right = ring[right], left = ring[left];
     for (s = 0; s < n - 1; s++) {
         int out = dopt__mod((long long)first - s, n), in = dopt__mod((long long)first - s - 1, n);
         dopt__eng_send(e, d, right, dopt__at(base, e->blk_off[out]), e->blk_len[out], dep);
@@ -2428,6 +2476,7 @@ static dopt_status dopt__eng_consume(dopt_comm *c, dopt__engine *e, int p) {
             o->hdr_done = DOPT_FRAME_BYTES;
             avail -= DOPT_FRAME_BYTES;
         }
+        if (dopt__eng_gated(e, o)) return DOPT_OK;
         es = d->kind == DOPT_COLL_ALLREDUCE ? dopt_dtype_size(d->dtype) : 1;
         take = avail < o->bytes - o->done ? avail : o->bytes - o->done;
         if (o->reduce) {
@@ -2464,6 +2513,7 @@ static dopt_status dopt__eng_pump_rx(dopt_comm *c, dopt__engine *e, int p, int *
         if (s != DOPT_OK) return s;
         if (P->parked || round == 4) return DOPT_OK;
         o = P->rx_cur >= 0 ? &e->ops[P->rx_cur] : NULL;
+        if (o && dopt__eng_gated(e, o)) return DOPT_OK; /* read on once the gate opens */
         if (o && o->hdr_done && !o->reduce && P->lo == P->hi && o->bytes - o->done >= DOPT__DIRECT_MIN) {
             direct = 1; /* large copies go straight into place */
             dst = o->ptr + o->done;
@@ -2530,8 +2580,10 @@ static dopt_status dopt__eng_pump_tx(dopt_comm *c, dopt__engine *e, int p, int *
         long n;
         int err = 0;
         if (o->dep >= 0) {
-            if (!e->ops[o->dep].hdr_done) return DOPT_OK;
-            ready = e->ops[o->dep].done < o->bytes ? e->ops[o->dep].done : o->bytes;
+            const dopt__op *dep = &e->ops[o->dep];
+            size_t have = dep->done > o->dep_off ? dep->done - o->dep_off : 0;
+            if (!dep->hdr_done) return DOPT_OK;
+            ready = have < o->bytes ? have : o->bytes;
         }
         hdr_left = DOPT_FRAME_BYTES - o->hdr_done;
         if (hdr_left == 0 && o->done == ready && o->done < o->bytes) return DOPT_OK;
@@ -2561,10 +2613,6 @@ static dopt_status dopt__eng_pump_tx(dopt_comm *c, dopt__engine *e, int p, int *
 }
 
 /* ===================================================================== ENGINE: REQUESTS */
-
-static int dopt__eng_op_done(const dopt__op *o) {
-    return o->done == o->bytes && o->hdr_done == DOPT_FRAME_BYTES;
-}
 
 /* The small allreduce's inputs, combined in rank order (x0∘x1∘...): the same expression on every
    rank, so the same bits. */
@@ -2768,12 +2816,21 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
         s = dopt__eng_pump_tx(c, e, p, progress);
         if (s != DOPT_OK) return s;
     }
+    for (p = 0; p < e->size; p++) { /* payload staged while its receive was gated */
+        dopt__peer *P = &e->peers[p];
+        if (p != e->rank && !P->parked && P->hi > P->lo && P->rx_cur >= 0 && !dopt__eng_gated(e, &e->ops[P->rx_cur])) {
+            size_t before = P->hi - P->lo;
+            s = dopt__eng_consume(c, e, p);
+            if (s != DOPT_OK) return s;
+            if (P->hi - P->lo != before) *progress = 1;
+        }
+    }
     if (*progress) wait_ms = 0;
     for (p = 0; p < e->size; p++) {
         dopt__peer *P = &e->peers[p];
         short ev = 0;
         if (p == e->rank || P->closed) continue;
-        if (!P->parked) ev |= DOPT_LINK_IN;
+        if (!P->parked && !(P->rx_cur >= 0 && dopt__eng_gated(e, &e->ops[P->rx_cur]))) ev |= DOPT_LINK_IN;
         if (P->tx_cur >= 0 && P->tx_blocked) ev |= DOPT_LINK_OUT;
         if (!ev) continue;
         e->polls[np].peer = p;
@@ -2863,12 +2920,67 @@ static dopt_status dopt__eng_drain(dopt_comm *c) {
 
 /* ===================================================================== ENGINE: COLLECTIVES */
 
+/* Splits count elements of es bytes at byte offset off into n ring blocks (e->blk_off/blk_len). */
+static void dopt__eng_blocks(dopt__engine *e, uint64_t count, size_t es, size_t off, int n) {
+    int i;
+    for (i = 0; i < n; i++) {
+        uint64_t first, len;
+        dopt__ring_segment(count, n, i, &first, &len);
+        e->blk_off[i] = off + (size_t)first * es;
+        e->blk_len[i] = (size_t)len * es;
+    }
+}
+
+/* Host-aware allreduce (ranks on `hosts` hosts, `local` on each). The buffer is cut into local
+   chunks and each chunk into `hosts` blocks. A ring reduce-scatter among the host's ranks leaves
+   each with one chunk of the host's sum (local position j holds chunk j + 1); the ranks that hold
+   the same chunk on every host allreduce it in a ring across hosts, each carrying 1/local of the
+   buffer over the host's link; then, block by block as the ring across hosts finishes them, a
+   ring allgather within the host spreads the chunks. Each element's sum is formed once, in a
+   fixed order, and then copied, so every rank gets the same bits, run after run. The phases
+   overlap: the ring across hosts sends a block as soon as the host's sum of it is there and
+   combines into the chunk only once the chunk is whole (a gated receive); each block goes on
+   within the host as soon as it is final. */
+static void dopt__eng_two_level(dopt__engine *e, const dopt_coll_desc *d, unsigned char *buf, size_t es) {
+    int L = e->local, H = e->hosts, j = e->local_pos, k = (j + 1) % L, hp = e->host_pos, t, i, host_sum, rs, ag;
+    size_t chunk_off;
+    uint64_t chunk_count;
+    dopt__eng_blocks(e, d->count, es, 0, L);
+    chunk_off = e->blk_off[k];
+    chunk_count = e->blk_len[k] / es;
+    host_sum = dopt__eng_ring(e, d, buf, j, 1, -1, L, j, e->host_ring);
+    dopt__eng_blocks(e, chunk_count, es, chunk_off, H);
+    rs = e->nops; /* step s's receive is op rs + 2s + 1, and so for ag */
+    dopt__eng_ring(e, d, buf, hp, 1, host_sum, H, hp, e->cross_ring);
+    e->ops[rs].dep_off = e->blk_off[hp] - chunk_off;
+    e->ops[rs + 1].dep = host_sum;
+    ag = e->nops;
+    dopt__eng_ring(e, d, buf, hp + 1, 0, rs + 2 * (H - 2) + 1, H, hp, e->cross_ring);
+    /* block b of every chunk, in the order the ring across hosts finishes this rank's: b = hp + 1
+       (the reduce-scatter's last receive), then hp, hp - 1, ... (allgather step hp - b) */
+    for (t = 0; t < H; t++) {
+        int b = dopt__mod((long long)hp + 1 - t, H), done = t == 0 ? rs + 2 * (H - 2) + 1 : ag + 2 * (t - 1) + 1;
+        for (i = 0; i < L; i++) { /* chunk i's block b */
+            uint64_t cf, cl, bf, bl;
+            dopt__ring_segment(d->count, L, i, &cf, &cl);
+            dopt__ring_segment(cl, H, b, &bf, &bl);
+            e->blk_off[i] = (size_t)(cf + bf) * es;
+            e->blk_len[i] = (size_t)bl * es;
+        }
+        dopt__eng_ring(e, d, buf, k, 0, done, L, j, e->host_ring);
+    }
+}
+
 static dopt_status dopt__eng_allreduce(dopt_comm *c, const dopt_coll_desc *d, void *buf) {
     dopt__engine *e = c->eng;
     size_t es = dopt_dtype_size(d->dtype), bytes = (size_t)d->count * es;
     int n = e->size, r = e->rank, i, last;
     int direct = bytes <= e->small_bytes / (size_t)(n > 1 ? n - 1 : 1) || d->count < (uint64_t)n;
-    dopt__req *q = dopt__eng_begin(c, e, d, 4 * n, direct && n > 1 ? bytes * (size_t)(n - 1) : 0);
+    int two = e->hosts > 1 && e->local > 1 && d->count > 0 && e->two_level != DOPT_TWO_LEVEL_OFF &&
+              (e->two_level == DOPT_TWO_LEVEL_ON || !direct);
+    dopt__req *q;
+    if (two) direct = 0;
+    q = dopt__eng_begin(c, e, d, 4 * n, direct && n > 1 ? bytes * (size_t)(n - 1) : 0);
     if (q == NULL) return c->error;
     q->buf = (unsigned char *)buf;
     q->payload = bytes;
@@ -2880,16 +2992,13 @@ static dopt_status dopt__eng_allreduce(dopt_comm *c, const dopt_coll_desc *d, vo
             dopt__eng_send(e, d, p, buf, bytes, -1);
             dopt__eng_recv(e, p, dopt__at(q->scratch, (size_t)(p < r ? p : p - 1) * bytes), bytes, 0);
         }
+    } else if (two) {
+        dopt__eng_two_level(e, d, (unsigned char *)buf, es);
     } else if (n > 1) {
         /* Large: ring reduce-scatter, then ring allgather of the reduced segments. */
-        for (i = 0; i < n; i++) {
-            uint64_t first, len;
-            dopt__ring_segment(d->count, n, i, &first, &len);
-            e->blk_off[i] = (size_t)first * es;
-            e->blk_len[i] = (size_t)len * es;
-        }
-        last = dopt__eng_ring(e, d, (unsigned char *)buf, r, 1, -1);
-        dopt__eng_ring(e, d, (unsigned char *)buf, r + 1, 0, last);
+        dopt__eng_blocks(e, d->count, es, 0, n);
+        last = dopt__eng_ring(e, d, (unsigned char *)buf, r, 1, -1, n, r, NULL);
+        dopt__eng_ring(e, d, (unsigned char *)buf, r + 1, 0, last, n, r, NULL);
     }
     dopt__eng_end(e, q);
     return DOPT_OK;
@@ -2918,7 +3027,7 @@ static dopt_status dopt__eng_allgatherv(dopt_comm *c, const dopt_coll_desc *d, c
             dopt__eng_recv(e, p, dopt__at(out, e->blk_off[p]), bytes[p], 0);
         }
     } else if (n > 1) {
-        dopt__eng_ring(e, d, out, r, 0, -1);
+        dopt__eng_ring(e, d, out, r, 0, -1, n, r, NULL);
     }
     dopt__eng_end(e, q);
     return DOPT_OK;
@@ -2950,6 +3059,46 @@ DOPT_DEF void dopt_comm_set_engine(dopt_comm *c, size_t small_bytes, int spin_us
     if (c == NULL || c->eng == NULL) return;
     c->eng->small_bytes = small_bytes ? small_bytes : DOPT__SMALL_DEFAULT;
     c->eng->spin_us = spin_us == 0 ? DOPT__SPIN_DEFAULT_US : spin_us;
+}
+
+DOPT_DEF dopt_status dopt_comm_set_hosts(dopt_comm *c, const int *host_of, int two_level) {
+    dopt__engine *e;
+    int n, r, count = 0;
+    if (c == NULL || two_level < DOPT_TWO_LEVEL_OFF || two_level > DOPT_TWO_LEVEL_ON) return DOPT_ERR_INVALID;
+    if ((e = c->eng) == NULL) return DOPT_OK; /* the backend's own collectives know their hosts */
+    n = e->size;
+    e->two_level = two_level;
+    e->hosts = e->local = 0;
+    if (host_of == NULL) return DOPT_OK;
+    if (e->host_ring == NULL) {
+        e->host_ring = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
+        e->cross_ring = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
+        if (e->host_ring == NULL || e->cross_ring == NULL) return DOPT_ERR_NOMEM;
+    }
+    /* hosts in the order of their lowest rank; this host's ranks in rank order */
+    for (r = 0; r < n; r++)
+        if (host_of[r] == host_of[e->rank]) {
+            if (r == e->rank) e->local_pos = count;
+            e->host_ring[count++] = r;
+        }
+    e->local = count;
+    for (r = 0; r < n; r++) { /* each host once, at its lowest rank */
+        int q, seen = 0, ranks = 0;
+        for (q = 0; q < r && !seen; q++) seen = host_of[q] == host_of[r];
+        if (seen) continue;
+        for (q = r; q < n; q++)
+            if (host_of[q] == host_of[r]) {
+                if (ranks == e->local_pos) e->cross_ring[e->hosts] = q;
+                ranks++;
+            }
+        if (ranks != count) { /* uneven hosts: flat schedules only */
+            e->hosts = e->local = 0;
+            return DOPT_OK;
+        }
+        if (host_of[r] == host_of[e->rank]) e->host_pos = e->hosts;
+        e->hosts++;
+    }
+    return DOPT_OK;
 }
 
 DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms) {

@@ -80,6 +80,9 @@
    |                       | ALGORITHMS)                                               |                    |
    | spin_us               | after progress, poll without sleeping this long before a  | 50; negative: never|
    |                       | blocking poll()                                           | spin               |
+   | two_level             | the host-aware allreduce (ALGORITHMS) when ranks share    | DOPT_TWO_LEVEL_AUTO|
+   |                       | hosts: DOPT_TWO_LEVEL_AUTO on the ring path, _ON for every|                    |
+   |                       | allreduce, _OFF never                                     |                    |
    | log_fn, log_user      | logging callback, installed on the communicator. It also  | silent             |
    |                       | hears the rendezvous (whom it waits for, joiners refused) |                    |
    |                       | and is how a failed create tells why (there is no         |                    |
@@ -102,6 +105,7 @@
    | DOPT_TOKEN                 | token                 | no ("")                            |
    | DOPT_BIND_ADDR             | bind_addr             | no                                 |
    | DOPT_SOCKET_IFNAME         | socket_ifname         | no                                 |
+   | DOPT_TWO_LEVEL             | two_level             | no ("auto", "on" or "off")         |
 
    Rank, world size and rank 0's address and port are read by distopt.h's dopt_launch_read (its
    LAUNCH VARIABLES): besides DOPT_*, from mpirun's (OMPI_COMM_WORLD_*, PMI_*), srun's
@@ -112,9 +116,9 @@
    names rank 0's host, that is an error rather than a guess.
    The variables that describe the job (rank, world size, where rank 0 is, the token, where to
    listen, on which interface) come from the environment alone, unset ones meaning the default;
-   the timeouts only when set. Every other field is the caller's. A value that does not fit is
-   refused with one DOPT_LOG_ERROR line through the config's log_fn naming the variable, its
-   value and the rule:
+   the timeouts and DOPT_TWO_LEVEL only when set. Every other field is the caller's. A value that
+   does not fit is refused with one DOPT_LOG_ERROR line through the config's log_fn naming the
+   variable, its value and the rule:
        DOPT_WORLD_SIZE="abc" is not a number
        DOPT_RANK=2 is not below DOPT_WORLD_SIZE=2
        DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it:
@@ -373,6 +377,12 @@
      its result copied to everyone. The ring is pipelined at byte granularity: a rank forwards
      what it has reduced while the rest of the segment is still arriving, on non-blocking
      sockets polled in both directions (no thread).
+   - allreduce across hosts: ranks that listen on the same address share a host. With more
+     than one host, the same number L > 1 of ranks on each, and the ring path (two_level AUTO),
+     the ring runs in two levels: a reduce-scatter among the host's ranks (over loopback), one
+     ring across hosts per local place, each carrying 1/L of the buffer over the host's link,
+     and an allgather within the host. A host's link then carries 2·(H−1)/H of the buffer for H
+     hosts, against the flat ring's 2·(N−1)/N. Same bits on every rank, run after run.
    - allgather/allgatherv: direct exchange up to small_bytes in all, else a pipelined ring.
    - broadcast: binomial tree up to small_bytes, else a pipelined chain from the root.
    - barrier: dissemination (ceil(log2 size) rounds of header-only frames).
@@ -488,6 +498,7 @@ typedef struct dopt_tcp_config {
     int socket_buffer_bytes;   /* SO_SNDBUF and SO_RCVBUF; 0: the kernel's autotuning */
     size_t small_bytes;        /* latency-optimal algorithms up to this many bytes; 0: 65536 */
     int spin_us;               /* poll without sleeping this long after progress; 0: 50; <0: never */
+    int two_level;             /* host-aware allreduce: DOPT_TWO_LEVEL_AUTO (0), _ON or _OFF */
     int rendezvous_timeout_ms; /* bound on the whole rendezvous; 0: 600000 */
     int rendezvous_report_ms;  /* while the rendezvous waits, say who is missing this often; 0: 5000;
                                   <0: never */
@@ -2209,6 +2220,22 @@ static int dopt__tcp_local_ranks(const dopt__tcp *t) {
     return n;
 }
 
+/* The engine's host table: ranks whose rendezvous address is the same share a host. */
+static dopt_status dopt__tcp_set_hosts(dopt_comm *c, const dopt__tcp *t, int two_level) {
+    int *host_of = (int *)DOPT_MALLOC(sizeof(int) * (size_t)t->size), r, q;
+    dopt_status s;
+    if (host_of == NULL) return DOPT_ERR_NOMEM;
+    for (r = 0; r < t->size; r++)
+        for (q = 0, host_of[r] = r; q < r; q++)
+            if (memcmp(t->peers[q].addr, t->peers[r].addr, 16) == 0) {
+                host_of[r] = q;
+                break;
+            }
+    s = dopt_comm_set_hosts(c, host_of, two_level);
+    DOPT_FREE(host_of);
+    return s;
+}
+
 /* master_addr and bind_addr as written (dopt__tcp_split_addr's forms), socket_ifname naming
    something; *port: rank 0's port, from
    master_addr when it has one (master_port, when set too, must say the same), else master_port. */
@@ -2250,7 +2277,11 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
         cfg = &named;
     }
     s = dopt__tcp_new(&c, cfg);
-    if (s == DOPT_OK && (s = dopt__tcp_check_addrs(cfg, &port)) != DOPT_OK) dopt_comm_destroy(c);
+    if (s == DOPT_OK && (s = dopt__tcp_check_addrs(cfg, &port)) == DOPT_OK &&
+        (cfg->two_level < DOPT_TWO_LEVEL_OFF || cfg->two_level > DOPT_TWO_LEVEL_ON))
+        s = dopt__tcp_config_error(cfg, "two_level is %d, not DOPT_TWO_LEVEL_AUTO (0), _ON (1) or _OFF (-1)",
+                                   cfg->two_level);
+    if (s != DOPT_OK && c) dopt_comm_destroy(c);
     if (s != DOPT_OK) return s;
     t = (dopt__tcp *)c->impl;
     t->setup_start = dopt__now_ms();
@@ -2271,6 +2302,10 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
     }
     t->ready = 1;
     dopt_comm_set_host(c, t->size == 1 ? 1 : dopt__tcp_local_ranks(t), (int)sysconf(_SC_NPROCESSORS_ONLN));
+    if (dopt__tcp_set_hosts(c, t, cfg->two_level) != DOPT_OK) {
+        dopt_comm_destroy(c);
+        return dopt__tcp_config_error(cfg, "cannot allocate the host table");
+    }
     *out = c;
     return DOPT_OK;
 }
@@ -2356,6 +2391,17 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
         return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: rank %d needs rank 0's port", env.rank);
     if (env.master_port == 0 && env.world_size > 1 && env.on_listen == NULL)
         return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: the other ranks need rank 0's port");
+    s = getenv("DOPT_TWO_LEVEL");
+    if (s && *s) {
+        if (strcmp(s, "auto") == 0)
+            env.two_level = DOPT_TWO_LEVEL_AUTO;
+        else if (strcmp(s, "on") == 0)
+            env.two_level = DOPT_TWO_LEVEL_ON;
+        else if (strcmp(s, "off") == 0)
+            env.two_level = DOPT_TWO_LEVEL_OFF;
+        else
+            return dopt__tcp_env_error(cfg, "DOPT_TWO_LEVEL=\"%s\" is not auto, on or off", s);
+    }
     s = getenv("DOPT_BIND_ADDR");
     env.bind_addr = s && *s ? s : NULL;
     s = getenv("DOPT_SOCKET_IFNAME");

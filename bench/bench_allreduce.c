@@ -300,13 +300,15 @@ static void open_stream_ring(size_t max_bytes) {
 /* --from-env: dopt-tcp is the only backend and the one that times. */
 static int start_from_env(bench_backend *bs) {
     dopt_tcp_config base;
+    const char *two_level;
     memset(&base, 0, sizeof base);
     base.log_fn = log_errors;
     world_rank = -1; /* until the environment says */
     if (dopt_tcp_create_from_env(&env_world, &base) != DOPT_OK) exit(1);
     world_rank = env_world->rank;
     world_size = env_world->size;
-    bs[0].name = "dopt-tcp";
+    two_level = getenv("DOPT_TWO_LEVEL");
+    bs[0].name = two_level && strcmp(two_level, "off") == 0 ? "dopt-tcp-flat" : "dopt-tcp";
     bs[0].kind = BENCH_DOPT;
     bs[0].comm = env_world;
     return 1;

@@ -5,7 +5,9 @@
 # a warm-up, then the median of 9 repetitions of at least 20 ms each, the slowest rank's time):
 #   dopt-tcp     distopt's TCP transport, its 8 processes started one by one on their hosts with
 #                `cluster.sh exec HOST env DOPT_RANK=... bench_allreduce --from-env`; ranks of
-#                one host talk over loopback, of different hosts over the links
+#                one host talk over loopback, of different hosts over the links; large
+#                allreduces take the host-aware (two-level) schedule
+#   dopt-tcp-flat the same with DOPT_TWO_LEVEL=off: one ring through all 8 ranks
 #   mpi-raw-tcp  MPI_Allreduce of Open MPI started by `cluster.sh mpirun 2` (daemons reached
 #                through scripts/netns-rsh); ranks of one host use shared memory, of different
 #                hosts TCP over the links
@@ -51,26 +53,32 @@ report() {
         }'
 }
 
-# dopt-tcp: one process per rank, rank r on host r / PER_HOST
+# dopt-tcp: one process per rank, rank r on host r / PER_HOST; DOPT_TWO_LEVEL=auto (the
+# host-aware allreduce, the default) or off (dopt-tcp-flat: one ring through all 8 ranks)
 master=$(scripts/cluster.sh addr 0)
 port=$((20000 + $$ % 20000))
-pids=""
-r=0
-while [ $r -lt $RANKS ]; do
-    timeout 600 scripts/cluster.sh exec $((r / PER_HOST)) env DOPT_RANK=$r DOPT_WORLD_SIZE=$RANKS \
-        DOPT_MASTER_ADDR="$master" DOPT_MASTER_PORT=$port DOPT_TOKEN="bench-cluster-$$" \
-        "$BENCH" --from-env >"$LOGS/dopt-tcp.rank$r.log" 2>&1 &
-    pids="$pids $!"
-    r=$((r + 1))
+for mode in auto off; do
+    name=dopt-tcp
+    [ $mode = off ] && name=dopt-tcp-flat
+    port=$((port + 1))
+    pids=""
+    r=0
+    while [ $r -lt $RANKS ]; do
+        timeout 600 scripts/cluster.sh exec $((r / PER_HOST)) env DOPT_RANK=$r DOPT_WORLD_SIZE=$RANKS \
+            DOPT_MASTER_ADDR="$master" DOPT_MASTER_PORT=$port DOPT_TOKEN="bench-cluster-$$" DOPT_TWO_LEVEL=$mode \
+            "$BENCH" --from-env >"$LOGS/$name.rank$r.log" 2>&1 &
+        pids="$pids $!"
+        r=$((r + 1))
+    done
+    status=0
+    for p in $pids; do wait "$p" || status=1; done
+    if [ $status -ne 0 ]; then
+        echo "bench/cluster.sh: $name failed:" >&2
+        tail -n 3 "$LOGS"/$name.rank*.log >&2
+        exit 1
+    fi
+    report <"$LOGS/$name.rank0.log"
 done
-status=0
-for p in $pids; do wait "$p" || status=1; done
-if [ $status -ne 0 ]; then
-    echo "bench/cluster.sh: dopt-tcp failed:" >&2
-    tail -n 3 "$LOGS"/dopt-tcp.rank*.log >&2
-    exit 1
-fi
-report <"$LOGS/dopt-tcp.rank0.log"
 
 # mpi-raw-tcp: bench_allreduce's raw MPI_Allreduce alone
 if ! timeout 600 scripts/cluster.sh mpirun $PER_HOST "$BENCH" mpi-raw-tcp none >"$LOGS/mpi-raw-tcp.log" 2>&1; then

@@ -8,7 +8,8 @@
 #     ranks' own connections: it must carry their traffic, which the runs above leave on eth0;
 #   - on hosts with IPv6 only, rank 0 named as DOPT_MASTER_ADDR=[addr]:port.
 # Each run must print what the same 8 ranks forked over shared memory on one host print (the same
-# arithmetic in the same order). Then the cluster is removed and nothing of it is left. Needs
+# arithmetic in the same order). Then tests/cluster_allreduce.c checks the host-aware allreduce
+# there: conformance, the flat ring's bits and the serial sum, less sent over every host's link. Then the cluster is removed and nothing of it is left. Needs
 # root (skipped otherwise, exit 77). Usage: tests/check_cluster.sh BUILD_DIR
 set -u
 BUILD=${1:-build}
@@ -72,6 +73,42 @@ job dopt-variables dopt_vars
 port=$((port + 1))
 job torchrun-variables torchrun_vars
 idle=$(($(tx 2 eth1) - before))
+
+# the host-aware allreduce: conformance over the cluster, the same bits as the flat ring and the
+# serial sum, and less sent over each host's link (4 hosts x 2: 1.5 x the buffer per host, the
+# flat ring 1.75 x)
+make --no-print-directory -s BUILD="$BUILD" "$BUILD/cluster_allreduce" >/dev/null || { echo "FAIL: cannot build cluster_allreduce"; exit 1; }
+port=$((port + 1))
+pids=""
+r=$N
+while [ $r -gt 0 ]; do
+    r=$((r - 1))
+    # shellcheck disable=SC2046
+    scripts/cluster.sh exec $((r / PER_HOST)) env $(dopt_vars $r) DOPT_TOKEN="two-level-$$" DOPT_TIMEOUT_MS=60000 \
+        DOPT_RENDEZVOUS_TIMEOUT_MS=60000 "$BUILD/cluster_allreduce" >"$LOGS/two-level.r$r.log" 2>&1 &
+    pids="$pids $!"
+done
+status=0
+for p in $pids; do wait "$p" || status=1; done
+if [ $status -ne 0 ] || [ "$(cat "$LOGS"/two-level.r*.log | grep -c '^cluster_allreduce: rank [0-9]* ok$')" -ne $N ]; then
+    echo "FAIL: two-level allreduce on $HOSTS hosts x $PER_HOST (exit status $status)"
+    tail -n 5 "$LOGS"/two-level.r*.log
+    exit 1
+fi
+if ! awk '
+    /^cluster_allreduce: host tx / {
+        for (i = 4; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
+        hosts++
+        if (!(f["two_level"] < 0.95 * f["flat"] && f["two_level"] > 1.3 * f["bytes"])) bad++
+        printf "     %s: the host sent two_level=%d flat=%d bytes for %d (ratio %.3f)\n", FILENAME, f["two_level"], f["flat"], f["bytes"], f["two_level"] / f["flat"]
+    }
+    END { exit !(hosts == '"$HOSTS"' && bad == 0) }' "$LOGS"/two-level.r*.log >"$LOGS/two-level.tx"; then
+    echo "FAIL: two-level allreduce: a host link did not carry less than under the flat ring"
+    cat "$LOGS/two-level.tx"
+    exit 1
+fi
+echo "ok   two-level allreduce: $N ranks on $HOSTS hosts pass conformance, equal the flat ring and the serial sum bit for bit, and send less per host link:"
+cat "$LOGS/two-level.tx"
 port=$((port + 1))
 before=$(tx 2 eth1)
 job socket-ifname-eth1 ifname_vars

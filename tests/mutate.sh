@@ -122,6 +122,17 @@ mutate engine-timeout-restarts-every-poll distopt.h \
     test_engine:dopt_test_reaches
 mutate engine-abort-keeps-links-open distopt.h \
     '        if (p != e->rank) c->vt->link_close(c, p);' '' test_engine:dopt_test_reaches
+mutate two-level-combines-before-the-host-sum distopt.h \
+    '    e->ops[rs + 1].dep = host_sum;' '' test_engine:two_level
+mutate two-level-sends-from-the-chunk-start distopt.h \
+    '    e->ops[rs].dep_off = e->blk_off[hp] - chunk_off;' '' test_engine:two_level
+mutate two-level-spreads-too-early distopt.h \
+    'int b = dopt__mod((long long)hp + 1 - t, H), done = t == 0 ? rs + 2 * (H - 2) + 1 : ag + 2 * (t - 1) + 1;' \
+    'int b = dopt__mod((long long)hp + 1 - t, H), done = t == 0 ? rs + 2 * (H - 2) + 1 : ag + 2 * (t - 1) - 1;' \
+    test_engine:two_level
+mutate two-level-uneven-hosts-accepted distopt.h \
+    '        if (ranks != count) { /* uneven hosts: flat schedules only */' '        if (0) {' \
+    test_engine:uneven
 mutate tcp-loopback-table-unchecked transport_tcp.h \
     'if (s == DOPT_OK) s = dopt__tcp_loopback_check(c, t, how);' \
     'if (s == DOPT_OK && 0) s = dopt__tcp_loopback_check(c, t, how);' test_tcp:rank_0_

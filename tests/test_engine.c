@@ -20,6 +20,7 @@ static void engine_test_free(void *p) { free(p); }
 #include "dtest.h"
 #include "conformance.h"
 
+#include <math.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
@@ -32,6 +33,7 @@ static void engine_test_free(void *p) { free(p); }
 typedef struct pair_links {
     int fd[PAIR_MAX]; /* fd[p]: this rank's end of the socketpair to rank p (-1 for itself) */
     struct pollfd pfd[PAIR_MAX];
+    uint64_t sent[PAIR_MAX]; /* bytes written to each peer (the tests read it) */
 } pair_links;
 
 static long pair_send(dopt_comm *c, int peer, const dopt_iov *parts, int nparts, int *err) {
@@ -48,6 +50,7 @@ static long pair_send(dopt_comm *c, int peer, const dopt_iov *parts, int nparts,
     msg.msg_iov = iov;
     msg.msg_iovlen = (size_t)i;
     n = sendmsg(l->fd[peer], &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n >= 0) l->sent[peer] += (uint64_t)n;
     if (n >= 0) return (long)n;
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
     *err = errno;
@@ -122,6 +125,7 @@ static void pair_rank(int rank, void *arg) {
             if (i != rank) close(w->sv[i][j][0]);
             if (j != rank) close(w->sv[i][j][1]);
         }
+    memset(l, 0, sizeof *l);
     for (j = 0; j < PAIR_MAX; j++) l->fd[j] = -1;
     for (j = 0; j < w->n; j++)
         if (j != rank) l->fd[j] = rank < j ? w->sv[rank][j][0] : w->sv[j][rank][1];
@@ -156,6 +160,97 @@ DTEST(mismatch_fails_every_rank_over_socketpairs) {
     pair_run(3, conformance_mismatch_op);
     pair_run(3, conformance_mismatch_kind);
     pair_run(3, conformance_mismatch_in_flight);
+}
+
+/* ------------------------------------------------------------------ hosts */
+
+/* The host of every rank for the next pair_run (fork passes it on), and when two-level runs. */
+static int two_level_hosts[PAIR_MAX];
+static int two_level_mode;
+
+static void with_hosts(dopt_comm *c) { DT_OK(dopt_comm_set_hosts(c, two_level_hosts, two_level_mode)); }
+
+static void two_level_conformance(dopt_comm *c) {
+    with_hosts(c);
+    conformance_run(c);
+}
+
+/* hosts × per_host ranks, rank r on host r / per_host */
+static void pair_run_hosts(int hosts, int per_host, int mode, void (*body)(dopt_comm *c)) {
+    int r;
+    for (r = 0; r < hosts * per_host; r++) two_level_hosts[r] = r / per_host;
+    two_level_mode = mode;
+    pair_run(hosts * per_host, body);
+}
+
+DTEST(two_level_allreduce_passes_conformance_on_2x2_3x2_2x3_4x2) {
+    pair_run_hosts(2, 2, DOPT_TWO_LEVEL_ON, two_level_conformance);
+    pair_run_hosts(3, 2, DOPT_TWO_LEVEL_ON, two_level_conformance);
+    pair_run_hosts(2, 3, DOPT_TWO_LEVEL_ON, two_level_conformance);
+    pair_run_hosts(4, 2, DOPT_TWO_LEVEL_AUTO, two_level_conformance);
+}
+
+/* Hosts of 3 and 2 ranks: a large allreduce goes around the flat ring (rank r sends only to r + 1). */
+static void uneven_hosts_run_flat(dopt_comm *c) {
+    pair_links *l = (pair_links *)c->impl;
+    size_t n = (size_t)1 << 18;
+    float *x = (float *)calloc(n, sizeof(float));
+    int p;
+    DT_CHECK(x != NULL);
+    with_hosts(c);
+    memset(l->sent, 0, sizeof l->sent);
+    DT_OK(dopt_allreduce(c, x, n, DOPT_F32, DOPT_SUM));
+    for (p = 0; p < c->size; p++)
+        DT_CHECKF((l->sent[p] > 0) == (p == (c->rank + 1) % c->size), "rank %d sent %llu bytes to rank %d", c->rank,
+                  (unsigned long long)l->sent[p], p);
+    free(x);
+    conformance_run(c);
+}
+
+DTEST(uneven_hosts_fall_back_to_the_flat_ring) {
+    static const int hosts[5] = {7, 7, 7, 3, 3};
+    memcpy(two_level_hosts, hosts, sizeof hosts);
+    two_level_mode = DOPT_TWO_LEVEL_ON;
+    pair_run(5, uneven_hosts_run_flat);
+}
+
+/* The two-level schedule carries what it should where it should: of an allreduce of S bytes at
+   hosts × local, a rank sends 2·(local−1)/local·S to its host's next rank and
+   2·(hosts−1)/hosts·S/local to the next host's rank at its place, and nothing to anyone else;
+   integer-valued inputs give the flat ring's bits and the serial sum. */
+static void two_level_routes_and_matches_flat(dopt_comm *c) {
+    pair_links *l = (pair_links *)c->impl;
+    size_t n = (size_t)1 << 20, i;
+    int hosts = 4, local = 2, p, host = c->rank / local, pos = c->rank % local;
+    int host_next = host * local + (pos + 1) % local, cross_next = ((host + 1) % hosts) * local + pos;
+    float *two = (float *)malloc(n * sizeof(float)), *flat = (float *)malloc(n * sizeof(float));
+    double S = (double)n * sizeof(float);
+    DT_CHECK(two != NULL && flat != NULL && c->size == hosts * local);
+    for (i = 0; i < n; i++) two[i] = flat[i] = (float)((int)((i * 7 + (size_t)c->rank * 13) % 201) - 100);
+    DT_OK(dopt_comm_set_hosts(c, two_level_hosts, DOPT_TWO_LEVEL_AUTO));
+    DT_OK(dopt_barrier(c));
+    memset(l->sent, 0, sizeof l->sent);
+    DT_OK(dopt_allreduce(c, two, n, DOPT_F32, DOPT_SUM));
+    for (p = 0; p < c->size; p++) {
+        double want = p == host_next ? 2.0 * (local - 1) / local * S : p == cross_next ? 2.0 * (hosts - 1) / hosts * S / local : 0;
+        DT_CHECKF(fabs((double)l->sent[p] - want) <= 4096.0, "rank %d sent %llu bytes to rank %d, %.0f expected", c->rank,
+                  (unsigned long long)l->sent[p], p, want);
+    }
+    DT_OK(dopt_comm_set_hosts(c, two_level_hosts, DOPT_TWO_LEVEL_OFF));
+    DT_OK(dopt_allreduce(c, flat, n, DOPT_F32, DOPT_SUM));
+    DT_CHECKF(memcmp(two, flat, n * sizeof(float)) == 0, "rank %d: two-level and flat results differ", c->rank);
+    for (i = 0; i < n; i++) {
+        double want = 0;
+        int r;
+        for (r = 0; r < c->size; r++) want += (double)((int)((i * 7 + (size_t)r * 13) % 201) - 100);
+        DT_CHECKF((double)two[i] == want, "rank %d: element %zu is %g, the serial sum %g", c->rank, i, (double)two[i], want);
+    }
+    free(two);
+    free(flat);
+}
+
+DTEST(two_level_routes_through_host_and_cross_links_4x2) {
+    pair_run_hosts(4, 2, DOPT_TWO_LEVEL_AUTO, two_level_routes_and_matches_flat);
 }
 
 /* ------------------------------------------------------------------ allocations */
