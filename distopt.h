@@ -176,6 +176,23 @@
      the requests really overlap with the caller's work; the shm and MPI backends still run
      each collective whole when it starts, so there a request is complete when start returns.
 
+   GROUPS (sub-communicators)
+     dopt_comm_split(c, color, key, &g): every rank of c calls it; the ranks that pass the same
+     color (>= 0) form a group g, ranked by key then by their rank in c; DOPT_UNDEFINED joins
+     none (g = NULL). dopt_comm_split_host(c, &g): the ranks of c on this rank's host (from the
+     host table TCP builds from its ranks' addresses; else from the host name and network
+     namespace, exchanged). A group is a communicator like any other (every collective, request,
+     the traffic counters of its own) and may be split again; destroy it with dopt_comm_destroy,
+     before or after c. Over TCP (any backend with links) a group shares c's connections: its
+     collectives run on c's engine with the group's number in every frame, so a rank that calls
+     the parent while its peer calls a group they share is named (MISMATCH, "... in group 1").
+     Rule: collectives on c and on groups split from it in which two ranks both take part must
+     be started in the same order on both (a program that does otherwise would deadlock on most
+     libraries; here it fails with a mismatch). A failure in c or any of its groups poisons them
+     all (they share links). Details name ranks of the communicator the transport made. MPI
+     splits with MPI_Comm_split; the self backend into itself; shm cannot yet
+     (DOPT_ERR_UNSUPPORTED, nothing poisoned).
+
    WRITING A BACKEND
      A backend gives each rank a link to every peer: an ordered, reliable byte stream that it can
      write and read without blocking, a way to wait until a link may move, and a way to end its
@@ -375,6 +392,8 @@ typedef struct dopt_coll_desc {
     uint64_t seq;     /* 1, 2, 3, ... per communicator */
     uint64_t count;   /* allreduce: elements; allgather: bytes per rank; allgatherv: total bytes;
                          broadcast: bytes; barrier: 0 */
+    uint32_t group;   /* 0: the communicator a backend made; else the number of the group
+                         (dopt_comm_split) it runs in, below 2^24 */
 } dopt_coll_desc;
 
 typedef struct dopt_comm dopt_comm;
@@ -438,7 +457,14 @@ typedef struct dopt_comm_vtable {
     long (*link_recv)(dopt_comm *c, int peer, void *dst, size_t cap, int *err);
     int (*link_wait)(dopt_comm *c, dopt_link_poll *polls, int npolls, int timeout_ms, int *err);
     void (*link_close)(dopt_comm *c, int peer);
+    /* A backend without links that can make groups itself (MPI: MPI_Comm_split): dopt_comm_split
+       with every rank's color already checked (>= 0, or DOPT_UNDEFINED: *out stays NULL, but the
+       call is collective all the same); *out gets the group. NULL: no groups. */
+    dopt_status (*split)(dopt_comm *c, int color, int key, dopt_comm **out);
 } dopt_comm_vtable;
+
+/* The vtable has field f: the backend's struct_size covers it. */
+#define DOPT__VT_HAS(vt, f) ((vt)->struct_size >= offsetof(dopt_comm_vtable, f) + sizeof((vt)->f) && (vt)->f != NULL)
 
 /* When the host-aware (two-level) allreduce runs: on the ring path when ranks share hosts (AUTO),
    for every non-empty allreduce (ON), or never (OFF). */
@@ -469,6 +495,10 @@ struct dopt_comm {
     const char *api;      /* the distopt call whose collectives run now, named in details; NULL: the caller's */
     int local_ranks;      /* ranks of this communicator on this host, 0 when the backend does not know */
     struct dopt__engine *eng; /* the engine that runs collectives over the backend's links; NULL without links */
+    dopt_comm *root;      /* a group (dopt_comm_split): the communicator whose links it shares; else NULL */
+    int *members;         /* a group: the root's rank of each of its ranks; else NULL */
+    uint32_t group;       /* 0, or the number dopt_comm_split gave this group (in every frame's header) */
+    int doomed;           /* a root destroyed while its groups live on: freed with the last of them */
     char detail[DOPT_DETAIL_MAX];
 };
 
@@ -480,7 +510,21 @@ typedef struct dopt_request {
 } dopt_request;
 
 DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out);
+/* Destroys c. Groups split from it may be destroyed in any order, before or after it (its links
+   stay open until the last of them is destroyed). */
 DOPT_DEF void dopt_comm_destroy(dopt_comm *c);
+
+/* GROUPS (see the manual). Every rank of c calls these, in the same order as its other
+   collectives on c. */
+#define DOPT_UNDEFINED (-1) /* a color that joins no group: *out is NULL */
+/* The ranks that pass the same color >= 0 form a group, ranked by key then by their rank in c;
+   *out is this rank's group (a communicator of its own, sharing c's links), NULL for
+   DOPT_UNDEFINED. DOPT_ERR_INVALID on every rank when one passes a color below -1;
+   DOPT_ERR_UNSUPPORTED (nothing poisoned) on a transport that cannot (shm today). */
+DOPT_DEF dopt_status dopt_comm_split(dopt_comm *c, int color, int key, dopt_comm **out);
+/* The ranks of c on this rank's host, in the order of c (host: the same host name and network
+   namespace, exchanged among the ranks). */
+DOPT_DEF dopt_status dopt_comm_split_host(dopt_comm *c, dopt_comm **out);
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c);
 DOPT_DEF void dopt_comm_set_log(dopt_comm *c, dopt_log_fn fn, void *user);
 DOPT_DEF void dopt_comm_set_timeout(dopt_comm *c, int timeout_ms);
@@ -573,6 +617,10 @@ DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t 
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(_POSIX_C_SOURCE) || defined(_DEFAULT_SOURCE) || defined(_GNU_SOURCE)
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
 
 /* x86 with AVX: the double sums use intrinsics (see VECTOR KERNELS) */
 #if (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)) && !defined(DOPT_NO_VECTOR_EXT) && defined(__AVX__)
@@ -1754,24 +1802,33 @@ static const char *dopt__coll_name(dopt_coll k) {
 DOPT_DEF int dopt_coll_describe(const dopt_coll_desc *d, char *out, size_t cap) {
     const char *name = dopt__coll_name(d->kind);
     unsigned long long seq = (unsigned long long)d->seq, n = (unsigned long long)d->count;
+    char in[32] = "";
+    if (d->group) snprintf(in, sizeof in, " in group %u", (unsigned)d->group);
     switch (d->kind) {
     case DOPT_COLL_ALLREDUCE:
-        return snprintf(out, cap, "%s #%llu (%s %s, %llu elems)", name, seq, dopt_dtype_name(d->dtype),
+        return snprintf(out, cap, "%s #%llu%s (%s %s, %llu elems)", name, seq, in, dopt_dtype_name(d->dtype),
                         dopt_op_name(d->op), n);
     case DOPT_COLL_BROADCAST:
-        return snprintf(out, cap, "%s #%llu (%llu bytes from rank %d)", name, seq, n, d->root);
-    case DOPT_COLL_BARRIER: return snprintf(out, cap, "%s #%llu", name, seq);
+        return snprintf(out, cap, "%s #%llu%s (%llu bytes from rank %d)", name, seq, in, n, d->root);
+    case DOPT_COLL_BARRIER: return snprintf(out, cap, "%s #%llu%s", name, seq, in);
     case DOPT_COLL_ALLGATHER:
     case DOPT_COLL_ALLGATHERV: break;
     }
-    return snprintf(out, cap, "%s #%llu (%llu bytes)", name, seq, n);
+    return snprintf(out, cap, "%s #%llu%s (%llu bytes)", name, seq, in, n);
 }
 
 DOPT_DEF uint64_t dopt_coll_fingerprint(const dopt_coll_desc *d) {
     uint64_t h = dopt__mix64((uint64_t)d->kind << 48 ^ (uint64_t)d->dtype << 40 ^ (uint64_t)d->op << 32 ^
                              (uint64_t)(uint32_t)d->root);
+    if (d->group) h = dopt__mix64(h ^ (uint64_t)d->group << 40);
     return dopt__mix64(h ^ d->count);
 }
+
+static void dopt__eng_note_failure(dopt_comm *c);
+
+/* The rank a detail names: in a group, the rank in the communicator whose links it shares (the
+   ranks the engine's messages name). */
+static int dopt__rank_named(const dopt_comm *c) { return c->members ? c->members[c->rank] : c->rank; }
 
 DOPT_DEF dopt_status dopt_comm_fail(dopt_comm *c, const dopt_coll_desc *desc, dopt_status s,
                                     const char *fmt, ...) {
@@ -1780,13 +1837,14 @@ DOPT_DEF dopt_status dopt_comm_fail(dopt_comm *c, const dopt_coll_desc *desc, do
     va_list ap;
     if (c->error != DOPT_OK) return c->error; /* the first error is the one users need */
     if (desc) dopt_coll_describe(desc, what, sizeof what);
-    used = snprintf(c->detail, sizeof c->detail, "rank %d: %s%s%s: ", c->rank, c->api ? c->api : "",
+    used = snprintf(c->detail, sizeof c->detail, "rank %d: %s%s%s: ", dopt__rank_named(c), c->api ? c->api : "",
                     c->api ? ": " : "", what);
     if (used < 0 || (size_t)used >= sizeof c->detail) used = 0;
     va_start(ap, fmt);
     vsnprintf(c->detail + used, sizeof c->detail - (size_t)used, fmt, ap);
     va_end(ap);
     c->error = s;
+    dopt__eng_note_failure(c);
     dopt_comm_log(c, DOPT_LOG_ERROR, "%s", c->detail);
     return s;
 }
@@ -1837,7 +1895,7 @@ typedef struct dopt__frame {
     uint64_t bytes;      /* payload that follows */
 } dopt__frame;
 
-static int dopt__all_zero(const unsigned char *p, size_t n) {
+DOPT__MAYBE_UNUSED static int dopt__all_zero(const unsigned char *p, size_t n) {
     size_t i;
     for (i = 0; i < n; i++)
         if (p[i]) return 0;
@@ -1853,6 +1911,9 @@ static void dopt__frame_encode(unsigned char *out, int type, const dopt_coll_des
     out[6] = (unsigned char)d->kind;
     out[7] = (unsigned char)d->dtype;
     out[8] = (unsigned char)d->op;
+    out[9] = (unsigned char)(d->group & 0xFF); /* 24 bits: 0 for a backend's own communicator */
+    out[10] = (unsigned char)(d->group >> 8 & 0xFF);
+    out[11] = (unsigned char)(d->group >> 16 & 0xFF);
     dopt__put_le32(out + 12, (uint32_t)sender);
     dopt__put_le32(out + 16, (uint32_t)d->root);
     dopt__put_le32(out + 20, (uint32_t)status);
@@ -1880,7 +1941,6 @@ static const char *dopt__frame_decode(const unsigned char *in, dopt__frame *f) {
     if (memcmp(in, "DOPF", 4) != 0) return "bad magic";
     if (in[4] != DOPT_FRAME_VERSION) return "unknown protocol version";
     if (in[5] < DOPT__FRAME_DATA || in[5] > DOPT__FRAME_GOODBYE) return "unknown frame type";
-    if (!dopt__all_zero(in + 9, 3)) return "reserved bytes are not zero";
     if (kind > DOPT_COLL_BARRIER || (kind == 0 && in[5] == DOPT__FRAME_DATA)) return "unknown collective";
     if (dtype > DOPT_I64 || op > DOPT_MEAN) return "unknown dtype or op";
     if (root > (uint32_t)INT_MAX || sender > (uint32_t)INT_MAX) return "rank out of range";
@@ -1889,6 +1949,7 @@ static const char *dopt__frame_decode(const unsigned char *in, dopt__frame *f) {
     f->desc.dtype = (dopt_dtype)dtype;
     f->desc.op = (dopt_op)op;
     f->desc.root = (int)root;
+    f->desc.group = (uint32_t)in[9] | (uint32_t)in[10] << 8 | (uint32_t)in[11] << 16;
     f->desc.seq = dopt__get_le64(in + 24);
     f->desc.count = dopt__get_le64(in + 32);
     f->sender = (int)sender;
@@ -1911,7 +1972,7 @@ static const char *dopt__frame_decode(const unsigned char *in, dopt__frame *f) {
 
 static int dopt__same_coll(const dopt_coll_desc *a, const dopt_coll_desc *b) {
     return a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root && a->seq == b->seq &&
-           a->count == b->count;
+           a->count == b->count && a->group == b->group;
 }
 
 /* A decoded DATA frame from peer against what this rank expects: the collective it is in (want)
@@ -1975,6 +2036,7 @@ typedef struct dopt__peer {
 /* A collective in flight. */
 typedef struct dopt__req {
     dopt_coll_desc desc;
+    dopt_comm *comm;            /* the communicator it runs on (the root or a group) */
     const char *api;            /* the label in force when it started */
     unsigned char *buf;         /* allreduce: the caller's buffer (finished at completion) */
     uint64_t payload;           /* bytes for the traffic counter */
@@ -2016,15 +2078,49 @@ typedef struct dopt__engine {
     int *host_ring;             /* `local` links: this host's ranks in rank order */
     int *cross_ring;            /* `hosts` links: the ranks at this rank's local_pos, in host order */
     int two_level;              /* DOPT_TWO_LEVEL_* */
+    int *host_of;               /* dopt_comm_set_hosts' table (size entries), NULL when not given */
+    dopt_comm *root;            /* the backend's communicator, whose links these are */
+    dopt_comm **family;         /* the root and the groups split from it that live on this rank */
+    int nfamily, cap_family;
+    uint32_t next_group;        /* the lowest group number this rank has not taken part in */
+    dopt_status failure;        /* the family's first error: it poisons every member */
+    char failure_detail[DOPT_DETAIL_MAX];
     unsigned char abort_msg[DOPT_FRAME_BYTES + DOPT_DETAIL_MAX]; /* this rank's ABORT frame */
     size_t abort_len;           /* its length; 0 until this rank aborts */
 } dopt__engine;
 
 static dopt__req *dopt__eng_req(const dopt__engine *e, uint64_t k) { return &e->reqs[k & (e->cap_reqs - 1)]; }
 
+/* Collectives issued so far on this rank by the family member with the given group number; a
+   group not made on this rank (yet) has issued none, so all of its frames are later ones. */
+static uint64_t dopt__eng_issued(const dopt__engine *e, uint32_t group) {
+    int i;
+    for (i = 0; i < e->nfamily; i++)
+        if (e->family[i]->group == group) return e->family[i]->seq;
+    return 0;
+}
+
+/* The root and its groups share links, so they share failures: the first one poisons them all
+   (a member learns of it at its next call). */
+static dopt_status dopt__family_error(dopt_comm *c) {
+    dopt__engine *e = c->eng;
+    if (c->error == DOPT_OK && e != NULL && e->failure != DOPT_OK) {
+        c->error = e->failure;
+        memcpy(c->detail, e->failure_detail, sizeof c->detail);
+    }
+    return c->error;
+}
+
+static void dopt__eng_note_failure(dopt_comm *c) {
+    dopt__engine *e = c->eng;
+    if (e == NULL || e->failure != DOPT_OK) return;
+    e->failure = c->error;
+    memcpy(e->failure_detail, c->detail, sizeof e->failure_detail);
+}
+
 static int dopt__has_links(const dopt_comm_vtable *vt) {
-    return vt->struct_size >= sizeof(dopt_comm_vtable) && vt->link_send && vt->link_recv && vt->link_wait &&
-           vt->link_close;
+    return DOPT__VT_HAS(vt, link_send) && DOPT__VT_HAS(vt, link_recv) && DOPT__VT_HAS(vt, link_wait) &&
+           DOPT__VT_HAS(vt, link_close);
 }
 
 /* 1 when the engine runs collective kind on c (the backend does not run it itself). */
@@ -2049,17 +2145,24 @@ static void dopt__eng_free(dopt__engine *e) {
     DOPT_FREE(e->blk_len);
     DOPT_FREE(e->host_ring);
     DOPT_FREE(e->cross_ring);
+    DOPT_FREE(e->family);
+    DOPT_FREE(e->host_of);
     DOPT_FREE(e);
 }
 
-static dopt__engine *dopt__eng_new(int rank, int size) {
+static dopt__engine *dopt__eng_new(dopt_comm *root) {
     dopt__engine *e = (dopt__engine *)DOPT_MALLOC(sizeof *e);
+    int p, rank = root->rank, size = root->size;
     size_t n = (size_t)size;
-    int p;
     if (e == NULL) return NULL;
     memset(e, 0, sizeof *e);
     e->rank = rank;
     e->size = size;
+    e->root = root;
+    e->next_group = 1;
+    e->cap_family = 4;
+    e->nfamily = 1;
+    if ((e->family = (dopt_comm **)DOPT_MALLOC(sizeof(dopt_comm *) * 4)) != NULL) e->family[0] = root;
     e->small_bytes = DOPT__SMALL_DEFAULT;
     e->spin_us = DOPT__SPIN_DEFAULT_US;
     e->cap_ops = 4 * size + 64;
@@ -2079,7 +2182,8 @@ static dopt__engine *dopt__eng_new(int rank, int size) {
         P->tx_cur = P->tx_tail = P->rx_cur = P->rx_tail = -1;
         if (p != rank && (P->stage = (unsigned char *)DOPT_MALLOC(DOPT__STAGE_BYTES)) == NULL) break;
     }
-    if (!e->peers || !e->ops || !e->reqs || !e->pool || !e->polls || !e->blk_off || !e->blk_len || p < size) {
+    if (!e->peers || !e->ops || !e->reqs || !e->pool || !e->polls || !e->blk_off || !e->blk_len || !e->family ||
+        p < size) {
         dopt__eng_free(e);
         return NULL;
     }
@@ -2093,7 +2197,8 @@ static const char *dopt__eng_reason(const dopt_comm *c, const dopt_coll_desc *d)
     char what[160], prefix[DOPT_DETAIL_MAX];
     int n;
     dopt_coll_describe(d, what, sizeof what);
-    n = snprintf(prefix, sizeof prefix, "rank %d: %s%s%s: ", c->rank, c->api ? c->api : "", c->api ? ": " : "", what);
+    n = snprintf(prefix, sizeof prefix, "rank %d: %s%s%s: ", dopt__rank_named(c), c->api ? c->api : "",
+                 c->api ? ": " : "", what);
     if (n > 0 && (size_t)n < sizeof prefix && strncmp(c->detail, prefix, (size_t)n) == 0) return c->detail + n;
     return c->detail;
 }
@@ -2102,7 +2207,7 @@ static const char *dopt__eng_reason(const dopt_comm *c, const dopt_coll_desc *d)
    its source holds now: the receiver fails anyway, it only needs the frame to end so that the
    abort after it can be read), then the abort. 1: all written; 0: the link is full; -1: the
    link is gone. */
-static int dopt__eng_flush_peer(dopt_comm *c, dopt__engine *e, int p) {
+static int dopt__eng_flush_peer(dopt__engine *e, int p) {
     dopt__peer *P = &e->peers[p];
     for (;;) {
         dopt__op *o = P->tx_mid ? &e->ops[P->tx_cur] : NULL;
@@ -2123,7 +2228,7 @@ static int dopt__eng_flush_peer(dopt_comm *c, dopt__engine *e, int p) {
             iov[nv++].len = e->abort_len - P->abort_sent;
         }
         if (nv == 0) return 1;
-        n = c->vt->link_send(c, p, iov, nv, &err);
+        n = e->root->vt->link_send(e->root, p, iov, nv, &err);
         if (n < 0) return -1;
         if (n == 0) return 0;
         sent = (size_t)n;
@@ -2166,7 +2271,7 @@ static dopt_status dopt__eng_abort_all(dopt_comm *c, const dopt_coll_desc *d, in
         d = &none;
     }
     if (len > DOPT_DETAIL_MAX) len = DOPT_DETAIL_MAX;
-    dopt__abort_encode(e->abort_msg, d, c->rank, (int)c->error, culprit, reporter, len);
+    dopt__abort_encode(e->abort_msg, d, e->rank, (int)c->error, culprit, reporter, len);
     memcpy(e->abort_msg + DOPT_FRAME_BYTES, why, len);
     e->abort_len = DOPT_FRAME_BYTES + len;
     for (;;) {
@@ -2176,7 +2281,7 @@ static dopt_status dopt__eng_abort_all(dopt_comm *c, const dopt_coll_desc *d, in
             short ev;
             if (p == e->rank) continue;
             if (!P->broken) {
-                int r = dopt__eng_flush_peer(c, e, p);
+                int r = dopt__eng_flush_peer(e, p);
                 if (r != 0) P->broken = 1;
                 pending |= r == 0;
             }
@@ -2187,18 +2292,18 @@ static dopt_status dopt__eng_abort_all(dopt_comm *c, const dopt_coll_desc *d, in
             e->polls[np++].revents = 0;
         }
         if (!pending || dopt__now_ms() >= deadline) break;
-        n = c->vt->link_wait(c, e->polls, np, dopt__ms_left(deadline), &err);
+        n = e->root->vt->link_wait(e->root, e->polls, np, dopt__ms_left(deadline), &err);
         if (n < 0) break;
         for (i = 0; i < np && n > 0; i++) {
             dopt__peer *P = &e->peers[e->polls[i].peer];
             long k;
             if (!(e->polls[i].revents & DOPT_LINK_IN) || P->closed) continue;
-            k = c->vt->link_recv(c, e->polls[i].peer, P->stage, DOPT__STAGE_BYTES, &err);
+            k = e->root->vt->link_recv(e->root, e->polls[i].peer, P->stage, DOPT__STAGE_BYTES, &err);
             if (k < 0) P->closed = ++e->closes;
         }
     }
     for (p = 0; p < e->size; p++) {
-        if (p != e->rank) c->vt->link_close(c, p);
+        if (p != e->rank) e->root->vt->link_close(e->root, p);
         e->peers[p].broken = 1;
     }
     return c->error;
@@ -2215,7 +2320,7 @@ static dopt_status dopt__eng_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_st
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     dopt_comm_fail(c, d, s, "%s", msg);
-    return dopt__eng_abort_all(c, d, culprit, c->rank, msg);
+    return dopt__eng_abort_all(c, d, culprit, c->eng->rank, msg);
 }
 
 /* This rank's detail was just set by a check of peer p's frame: abort naming p. A mismatch's
@@ -2229,9 +2334,9 @@ static dopt_status dopt__eng_abort_checked(dopt_comm *c, const dopt_coll_desc *d
     why[n] = '\0';
     if (c->error == DOPT_ERR_MISMATCH) {
         dopt_coll_describe(d, mine, sizeof mine);
-        snprintf(why + n, sizeof why - n, " and rank %d %s", c->rank, mine);
+        snprintf(why + n, sizeof why - n, " and rank %d %s", c->eng->rank, mine);
     }
-    return dopt__eng_abort_all(c, d, p, c->rank, why);
+    return dopt__eng_abort_all(c, d, p, c->eng->rank, why);
 }
 
 /* A peer's ABORT frame, whole in its stage: fail with its status, naming its culprit first and
@@ -2377,34 +2482,38 @@ static int dopt__eng_ring(dopt__engine *e, const dopt_coll_desc *d, unsigned cha
     return dep;
 }
 
-/* Binomial tree (small) or pipelined chain (large) from the root, in ranks relative to it. */
-static void dopt__eng_bcast(dopt__engine *e, const dopt_coll_desc *d, unsigned char *buf, size_t bytes, int chain) {
-    int n = e->size, v = dopt__mod((long long)e->rank - d->root, n), dep = -1;
+/* The link of rank i of c: its rank in the root communicator. */
+static int dopt__link(const dopt_comm *c, int i) { return c->members ? c->members[i] : i; }
+
+/* Binomial tree (small) or pipelined chain (large) from the root, in c's ranks relative to it. */
+static void dopt__eng_bcast(dopt__engine *e, const dopt_comm *c, const dopt_coll_desc *d, unsigned char *buf,
+                            size_t bytes, int chain) {
+    int n = c->size, r = c->rank, v = dopt__mod((long long)r - d->root, n), dep = -1;
     long long low = 1, m;
     if (chain) {
-        if (v > 0) dep = dopt__eng_recv(e, dopt__mod((long long)e->rank - 1, n), buf, bytes, 0);
-        if (v < n - 1) dopt__eng_send(e, d, dopt__mod((long long)e->rank + 1, n), buf, bytes, dep);
+        if (v > 0) dep = dopt__eng_recv(e, dopt__link(c, dopt__mod((long long)r - 1, n)), buf, bytes, 0);
+        if (v < n - 1) dopt__eng_send(e, d, dopt__link(c, dopt__mod((long long)r + 1, n)), buf, bytes, dep);
         return;
     }
     /* v's subtree is v .. v + low - 1, where low is v's lowest set bit (the root's: all ranks) */
     if (v > 0) {
         low = v & -v;
-        dep = dopt__eng_recv(e, dopt__mod((long long)e->rank - low, n), buf, bytes, 0);
+        dep = dopt__eng_recv(e, dopt__link(c, dopt__mod((long long)r - low, n)), buf, bytes, 0);
     } else {
         while (low < n) low <<= 1;
     }
     for (m = low >> 1; m >= 1; m >>= 1) /* the largest subtree first: it has the longest way to go */
-        if (v + m < n) dopt__eng_send(e, d, dopt__mod((long long)e->rank + m, n), buf, bytes, dep);
+        if (v + m < n) dopt__eng_send(e, d, dopt__link(c, dopt__mod((long long)r + m, n)), buf, bytes, dep);
 }
 
 /* Dissemination barrier: in round k send to rank + 2^k and hear from rank - 2^k; after
    ceil(log2 n) rounds every rank has heard, transitively, from every other. */
-static void dopt__eng_barrier(dopt__engine *e, const dopt_coll_desc *d) {
-    int n = e->size, dep = -1;
+static void dopt__eng_barrier(dopt__engine *e, const dopt_comm *c, const dopt_coll_desc *d) {
+    int n = c->size, r = c->rank, dep = -1;
     long long k;
     for (k = 1; k < n; k <<= 1) {
-        dopt__eng_send(e, d, (int)((e->rank + k) % n), NULL, 0, dep);
-        dep = dopt__eng_recv(e, (int)((e->rank + n - k) % n), NULL, 0, 0);
+        dopt__eng_send(e, d, dopt__link(c, (int)((r + k) % n)), NULL, 0, dep);
+        dep = dopt__eng_recv(e, dopt__link(c, (int)((r + n - k) % n)), NULL, 0, 0);
     }
 }
 
@@ -2444,11 +2553,11 @@ static dopt_status dopt__eng_consume(dopt_comm *c, dopt__engine *e, int p) {
         if (o == NULL || !o->hdr_done) {
             dopt__frame f;
             const char *why;
-            uint64_t newest = e->started ? dopt__eng_req(e, e->started - 1)->desc.seq : 0;
+
             if (avail < DOPT_FRAME_BYTES || P->parked) return DOPT_OK;
             why = dopt__frame_decode(P->stage + P->lo, &f);
             if (why) return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a malformed frame header: %s", p, why);
-            if (o == NULL && f.desc.seq > newest && f.type != DOPT__FRAME_GOODBYE) {
+            if (o == NULL && f.desc.seq > dopt__eng_issued(e, f.desc.group) && f.type != DOPT__FRAME_GOODBYE) {
                 P->parked = 1; /* a later collective's frame, an abort included: this one may still finish */
                 return DOPT_OK;
             }
@@ -2531,7 +2640,7 @@ static dopt_status dopt__eng_pump_rx(dopt_comm *c, dopt__engine *e, int p, int *
                 return DOPT_OK;
             }
         }
-        n = c->vt->link_recv(c, p, dst, room, &err);
+        n = e->root->vt->link_recv(e->root, p, dst, room, &err);
         if (n > 0) {
             *progress = 1;
             if (direct) {
@@ -2591,7 +2700,7 @@ static dopt_status dopt__eng_pump_tx(dopt_comm *c, dopt__engine *e, int p, int *
         iov[0].len = hdr_left;
         iov[1].base = dopt__at(o->ptr, o->done);
         iov[1].len = ready - o->done;
-        n = c->vt->link_send(c, p, iov, 2, &err);
+        n = e->root->vt->link_send(e->root, p, iov, 2, &err);
         if (n < 0) return dopt__eng_send_failed(c, e, p, err);
         if (n == 0) {
             P->tx_blocked = 1;
@@ -2616,9 +2725,9 @@ static dopt_status dopt__eng_pump_tx(dopt_comm *c, dopt__engine *e, int p, int *
 
 /* The small allreduce's inputs, combined in rank order (x0∘x1∘...): the same expression on every
    rank, so the same bits. */
-static void dopt__eng_combine(dopt__engine *e, dopt__req *q) {
+static void dopt__eng_combine(dopt__req *q) {
     size_t bytes = (size_t)q->payload, count = (size_t)q->desc.count;
-    int n = e->size, r = e->rank, i;
+    int n = q->comm->size, r = q->comm->rank, i;
     unsigned char *acc = r == 0 ? q->buf : q->scratch;
     if (bytes == 0) return;
     for (i = 1; i < n; i++)
@@ -2656,7 +2765,7 @@ static void dopt__eng_compact(dopt__engine *e, int upto) {
 
 /* Retires the oldest requests whose ops are all done, in start order: combines, divides a mean,
    counts the traffic. */
-static void dopt__eng_retire(dopt_comm *c, dopt__engine *e) {
+static void dopt__eng_retire(dopt__engine *e) {
     int drop = 0, p;
     while (e->retired < e->started) {
         dopt__req *q = dopt__eng_req(e, e->retired);
@@ -2664,12 +2773,14 @@ static void dopt__eng_retire(dopt_comm *c, dopt__engine *e) {
         for (i = q->first_op; i < q->end_op; i++)
             if (!dopt__eng_op_done(&e->ops[i])) break;
         if (i < q->end_op) break;
-        if (q->direct) dopt__eng_combine(e, q);
         if (q->pooled >= 0) e->pool[q->pooled].lent = 0;
-        if (q->desc.kind == DOPT_COLL_ALLREDUCE && q->desc.op == DOPT_MEAN && c->size > 1)
-            dopt__divide(q->buf, (size_t)q->desc.count, q->desc.dtype, c->size);
-        c->traffic.calls[q->desc.kind]++;
-        c->traffic.bytes[q->desc.kind] += q->payload;
+        if (q->comm != NULL) { /* NULL: its group was destroyed */
+            if (q->direct) dopt__eng_combine(q);
+            if (q->desc.kind == DOPT_COLL_ALLREDUCE && q->desc.op == DOPT_MEAN && q->comm->size > 1)
+                dopt__divide(q->buf, (size_t)q->desc.count, q->desc.dtype, q->comm->size);
+            q->comm->traffic.calls[q->desc.kind]++;
+            q->comm->traffic.bytes[q->desc.kind] += q->payload;
+        }
         drop = q->end_op;
         e->retired++;
     }
@@ -2762,6 +2873,7 @@ static dopt__req *dopt__eng_begin(dopt_comm *c, dopt__engine *e, const dopt_coll
         q->scratch = e->pool[q->pooled].buf;
     }
     q->desc = *d;
+    q->comm = c;
     q->api = c->api;
     q->buf = NULL;
     q->payload = 0;
@@ -2795,7 +2907,7 @@ static dopt_status dopt__eng_timed_out(dopt_comm *c, dopt__engine *e) {
             waited = 0;
         if (waited && culprit < 0) culprit = p;
     }
-    return dopt__eng_fail(c, dopt__eng_current(e), DOPT_ERR_TIMEOUT, culprit < 0 ? c->rank : culprit,
+    return dopt__eng_fail(c, dopt__eng_current(e), DOPT_ERR_TIMEOUT, culprit < 0 ? e->rank : culprit,
                           "no progress for %d ms waiting for %s", c->timeout_ms, who);
 }
 
@@ -2838,8 +2950,8 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
         e->polls[np++].revents = 0;
     }
     *polled = 1;
-    n = c->vt->link_wait(c, e->polls, np, wait_ms, &err);
-    if (n < 0) return dopt__eng_fail(c, dopt__eng_current(e), DOPT_ERR_IO, c->rank, "waiting on links: %s", strerror(err));
+    n = e->root->vt->link_wait(e->root, e->polls, np, wait_ms, &err);
+    if (n < 0) return dopt__eng_fail(c, dopt__eng_current(e), DOPT_ERR_IO, e->rank, "waiting on links: %s", strerror(err));
     for (i = 0; i < np && n > 0; i++) {
         short re = e->polls[i].revents;
         p = e->polls[i].peer;
@@ -2879,7 +2991,7 @@ static dopt_status dopt__eng_run(dopt_comm *c, dopt__engine *e, uint64_t until, 
     last = block && entry > e->last_progress ? entry : e->last_progress;
     while (s == DOPT_OK) {
         int progress = 0, polled = 0, wait_ms = 0;
-        dopt__eng_retire(c, e);
+        dopt__eng_retire(e);
         if (e->retired > until) break;
         if (e->retired < e->started) c->api = dopt__eng_req(e, e->retired)->api; /* named in failures */
         if (block && dopt__now_ms() >= spin_end) {
@@ -2901,13 +3013,13 @@ static dopt_status dopt__eng_run(dopt_comm *c, dopt__engine *e, uint64_t until, 
             break;
         }
         if (!block) {
-            dopt__eng_retire(c, e);
+            dopt__eng_retire(e);
             break;
         }
     }
-    if (s != DOPT_OK) dopt__eng_retire(c, e); /* what completed before the failure did complete */
+    if (s != DOPT_OK) dopt__eng_retire(e); /* what completed before the failure did complete */
     c->api = api;
-    return s == DOPT_OK ? c->error : s;
+    return s == DOPT_OK ? dopt__family_error(c) : s;
 }
 
 /* Before a collective the backend runs itself: every request in flight finishes first, so that
@@ -2974,9 +3086,9 @@ static void dopt__eng_two_level(dopt__engine *e, const dopt_coll_desc *d, unsign
 static dopt_status dopt__eng_allreduce(dopt_comm *c, const dopt_coll_desc *d, void *buf) {
     dopt__engine *e = c->eng;
     size_t es = dopt_dtype_size(d->dtype), bytes = (size_t)d->count * es;
-    int n = e->size, r = e->rank, i, last;
+    int n = c->size, r = c->rank, i, last;
     int direct = bytes <= e->small_bytes / (size_t)(n > 1 ? n - 1 : 1) || d->count < (uint64_t)n;
-    int two = e->hosts > 1 && e->local > 1 && d->count > 0 && e->two_level != DOPT_TWO_LEVEL_OFF &&
+    int two = c == e->root && e->hosts > 1 && e->local > 1 && d->count > 0 && e->two_level != DOPT_TWO_LEVEL_OFF &&
               (e->two_level == DOPT_TWO_LEVEL_ON || !direct);
     dopt__req *q;
     if (two) direct = 0;
@@ -2989,16 +3101,16 @@ static dopt_status dopt__eng_allreduce(dopt_comm *c, const dopt_coll_desc *d, vo
         q->direct = 1;
         for (i = 1; i < n; i++) {
             int p = (r + i) % n;
-            dopt__eng_send(e, d, p, buf, bytes, -1);
-            dopt__eng_recv(e, p, dopt__at(q->scratch, (size_t)(p < r ? p : p - 1) * bytes), bytes, 0);
+            dopt__eng_send(e, d, dopt__link(c, p), buf, bytes, -1);
+            dopt__eng_recv(e, dopt__link(c, p), dopt__at(q->scratch, (size_t)(p < r ? p : p - 1) * bytes), bytes, 0);
         }
     } else if (two) {
         dopt__eng_two_level(e, d, (unsigned char *)buf, es);
     } else if (n > 1) {
         /* Large: ring reduce-scatter, then ring allgather of the reduced segments. */
         dopt__eng_blocks(e, d->count, es, 0, n);
-        last = dopt__eng_ring(e, d, (unsigned char *)buf, r, 1, -1, n, r, NULL);
-        dopt__eng_ring(e, d, (unsigned char *)buf, r + 1, 0, last, n, r, NULL);
+        last = dopt__eng_ring(e, d, (unsigned char *)buf, r, 1, -1, n, r, c->members);
+        dopt__eng_ring(e, d, (unsigned char *)buf, r + 1, 0, last, n, r, c->members);
     }
     dopt__eng_end(e, q);
     return DOPT_OK;
@@ -3009,7 +3121,7 @@ static dopt_status dopt__eng_allgatherv(dopt_comm *c, const dopt_coll_desc *d, c
     dopt__engine *e = c->eng;
     unsigned char *out = (unsigned char *)recv;
     size_t total = 0;
-    int i, n = e->size, r = e->rank;
+    int i, n = c->size, r = c->rank;
     dopt__req *q = dopt__eng_begin(c, e, d, 2 * n, 0);
     if (q == NULL) return c->error;
     q->payload = bytes[r];
@@ -3023,11 +3135,11 @@ static dopt_status dopt__eng_allgatherv(dopt_comm *c, const dopt_coll_desc *d, c
     if (n > 1 && total <= e->small_bytes) {
         for (i = 1; i < n; i++) {
             int p = (r + i) % n;
-            dopt__eng_send(e, d, p, dopt__at(out, e->blk_off[r]), bytes[r], -1);
-            dopt__eng_recv(e, p, dopt__at(out, e->blk_off[p]), bytes[p], 0);
+            dopt__eng_send(e, d, dopt__link(c, p), dopt__at(out, e->blk_off[r]), bytes[r], -1);
+            dopt__eng_recv(e, dopt__link(c, p), dopt__at(out, e->blk_off[p]), bytes[p], 0);
         }
     } else if (n > 1) {
-        dopt__eng_ring(e, d, out, r, 0, -1, n, r, NULL);
+        dopt__eng_ring(e, d, out, r, 0, -1, n, r, c->members);
     }
     dopt__eng_end(e, q);
     return DOPT_OK;
@@ -3036,10 +3148,10 @@ static dopt_status dopt__eng_allgatherv(dopt_comm *c, const dopt_coll_desc *d, c
 static dopt_status dopt__eng_broadcast(dopt_comm *c, const dopt_coll_desc *d, void *buf) {
     dopt__engine *e = c->eng;
     size_t bytes = (size_t)d->count;
-    dopt__req *q = dopt__eng_begin(c, e, d, e->size, 0);
+    dopt__req *q = dopt__eng_begin(c, e, d, c->size, 0);
     if (q == NULL) return c->error;
     q->payload = bytes;
-    if (e->size > 1) dopt__eng_bcast(e, d, (unsigned char *)buf, bytes, bytes > e->small_bytes);
+    if (c->size > 1) dopt__eng_bcast(e, c, d, (unsigned char *)buf, bytes, bytes > e->small_bytes);
     dopt__eng_end(e, q);
     return DOPT_OK;
 }
@@ -3048,7 +3160,7 @@ static dopt_status dopt__eng_barrier_start(dopt_comm *c, const dopt_coll_desc *d
     dopt__engine *e = c->eng;
     dopt__req *q = dopt__eng_begin(c, e, d, 2 * 32, 0); /* two ops a round, ceil(log2 size) <= 31 rounds */
     if (q == NULL) return c->error;
-    if (e->size > 1) dopt__eng_barrier(e, d);
+    if (c->size > 1) dopt__eng_barrier(e, c, d);
     dopt__eng_end(e, q);
     return DOPT_OK;
 }
@@ -3069,12 +3181,16 @@ DOPT_DEF dopt_status dopt_comm_set_hosts(dopt_comm *c, const int *host_of, int t
     n = e->size;
     e->two_level = two_level;
     e->hosts = e->local = 0;
+    DOPT_FREE(e->host_of);
+    e->host_of = NULL;
     if (host_of == NULL) return DOPT_OK;
     if (e->host_ring == NULL) {
         e->host_ring = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
         e->cross_ring = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
         if (e->host_ring == NULL || e->cross_ring == NULL) return DOPT_ERR_NOMEM;
     }
+    if ((e->host_of = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n)) == NULL) return DOPT_ERR_NOMEM;
+    memcpy(e->host_of, host_of, sizeof(int) * (size_t)n);
     /* hosts in the order of their lowest rank; this host's ranks in rank order */
     for (r = 0; r < n; r++)
         if (host_of[r] == host_of[e->rank]) {
@@ -3110,7 +3226,7 @@ DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms) {
     if (e == NULL || c->error != DOPT_OK) return;
     memset(&d, 0, sizeof d);
     d.seq = c->seq;
-    dopt__frame_encode(hdr, DOPT__FRAME_GOODBYE, &d, c->rank, 0, 0);
+    dopt__frame_encode(hdr, DOPT__FRAME_GOODBYE, &d, e->rank, 0, 0);
     for (p = 0; p < e->size; p++) {
         dopt__peer *P = &e->peers[p];
         size_t sent = 0;
@@ -3122,7 +3238,7 @@ DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms) {
             long n;
             iov.base = hdr + sent;
             iov.len = DOPT_FRAME_BYTES - sent;
-            n = c->vt->link_send(c, p, &iov, 1, &err);
+            n = e->root->vt->link_send(e->root, p, &iov, 1, &err);
             if (n < 0) break;
             sent += (size_t)n;
             if (n > 0) continue;
@@ -3130,7 +3246,7 @@ DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms) {
             w.peer = p;
             w.events = DOPT_LINK_OUT;
             w.revents = 0;
-            if (c->vt->link_wait(c, &w, 1, dopt__ms_left(deadline), &err) <= 0) break;
+            if (e->root->vt->link_wait(e->root, &w, 1, dopt__ms_left(deadline), &err) <= 0) break;
         }
     }
 }
@@ -3156,7 +3272,7 @@ DOPT_DEF dopt_status dopt_comm_new(dopt_comm **out, int rank, int size, const do
     c->vt = vt;
     c->impl = impl;
     c->timeout_ms = DOPT_DEFAULT_TIMEOUT_MS;
-    if (dopt__has_links(vt) && (c->eng = dopt__eng_new(rank, size)) == NULL) {
+    if (dopt__has_links(vt) && (c->eng = dopt__eng_new(c)) == NULL) {
         dopt_comm_destroy(c);
         return DOPT_ERR_NOMEM;
     }
@@ -3164,13 +3280,37 @@ DOPT_DEF dopt_status dopt_comm_new(dopt_comm **out, int rank, int size, const do
     return DOPT_OK;
 }
 
-DOPT_DEF void dopt_comm_destroy(dopt_comm *c) {
-    if (c == NULL) return;
-    if (c->vt && c->vt->destroy) c->vt->destroy(c);
-    dopt__eng_free(c->eng);
+static void dopt__comm_free(dopt_comm *c) {
+    DOPT_FREE(c->members);
     DOPT_FREE(c->exchange);
     DOPT_FREE(c->block_bytes);
     DOPT_FREE(c);
+}
+
+DOPT_DEF void dopt_comm_destroy(dopt_comm *c) {
+    dopt__engine *e;
+    uint64_t k;
+    int i;
+    if (c == NULL) return;
+    e = c->eng;
+    if (e != NULL) { /* it leaves the family; the root's links stay while a group uses them */
+        for (i = 0; i < e->nfamily && e->family[i] != c; i++) continue;
+        if (i < e->nfamily) e->family[i] = e->family[--e->nfamily];
+        if (c->root != NULL) {
+            if (dopt__family_error(c) == DOPT_OK) dopt__eng_drain(c); /* its requests in flight finish */
+            for (k = e->retired; k < e->started; k++) /* or, after a failure, never will */
+                if (dopt__eng_req(e, k)->comm == c) dopt__eng_req(e, k)->comm = NULL;
+            dopt__comm_free(c);
+            c = e->root;
+            if (!c->doomed || e->nfamily > 0) return;
+        } else if (e->nfamily > 0) {
+            c->doomed = 1;
+            return;
+        }
+    }
+    if (c->vt && c->vt->destroy) c->vt->destroy(c);
+    dopt__eng_free(c->eng);
+    dopt__comm_free(c);
 }
 
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c) { return c ? c->detail : "no communicator"; }
@@ -3219,7 +3359,8 @@ static dopt_status dopt__begin(dopt_comm *c, dopt_coll_desc *d, dopt_coll kind, 
     d->op = DOPT_SUM;
     d->count = count;
     d->seq = ++c->seq;
-    return c->error;
+    d->group = c->group;
+    return dopt__family_error(c);
 }
 
 static dopt_status dopt__finish_bytes(dopt_comm *c, const dopt_coll_desc *d, dopt_status s, uint64_t bytes) {
@@ -3287,7 +3428,7 @@ static dopt_status dopt__req_progress(dopt_request *req, int block, int *done) {
     *done = 1;
     if (req->ticket == 0) return req->status;
     k = req->ticket - 1;
-    if (k >= c->eng->retired && c->error == DOPT_OK) dopt__eng_run(c, c->eng, k, block);
+    if (k >= c->eng->retired && dopt__family_error(c) == DOPT_OK) dopt__eng_run(c, c->eng, k, block);
     if (k < c->eng->retired) return DOPT_OK;
     *done = c->error != DOPT_OK;
     return c->error;
@@ -3479,6 +3620,147 @@ DOPT_DEF dopt_status dopt_barrier(dopt_comm *c) {
     return s != DOPT_OK ? s : dopt__finish(c, &d, c->vt->barrier(c, &d));
 }
 
+/* ===================================================================== GROUPS
+
+   A group split from a communicator with links shares them: its collectives run on the root's
+   engine, with the group's number in every frame header (so a frame of another group, or of
+   the parent, is a mismatch) and its ranks mapped to the root's links. The number is agreed when
+   splitting: the largest "next free number" among the splitting ranks, so two groups that share
+   a pair of ranks never share a number. A root and its groups share one fate: the first failure
+   in any of them poisons all. */
+
+static const dopt_comm_vtable dopt__group_vtable = {"group", NULL, NULL, NULL, NULL, NULL, sizeof(dopt_comm_vtable),
+                                                    0u, NULL, NULL, NULL, NULL, NULL};
+
+/* This rank's part of the group: color's ranks of c in (key, rank) order, from all[3r..3r+2] =
+   {color, key, next free number} of every rank r of c. */
+static dopt_status dopt__group_new(dopt_comm *c, const int64_t *all, uint32_t number, dopt_comm **out) {
+    dopt__engine *e = c->eng;
+    dopt_comm *g;
+    int *members = (int *)DOPT_MALLOC(sizeof(int) * (size_t)c->size), m = 0, r, i, me = 0;
+    dopt_status s;
+    if (members == NULL) return DOPT_ERR_NOMEM;
+    for (r = 0; r < c->size; r++) { /* insertion by (key, rank): r comes after equal keys */
+        if (all[3 * r] != all[3 * c->rank]) continue;
+        for (i = m; i > 0 && all[3 * members[i - 1] + 1] > all[3 * r + 1]; i--) members[i] = members[i - 1];
+        members[i] = r;
+        m++;
+    }
+    for (i = 0; i < m; i++) {
+        if (members[i] == c->rank) me = i;
+        members[i] = dopt__link(c, members[i]); /* ranks of the root, whose links these are */
+    }
+    if (e->nfamily == e->cap_family) {
+        dopt_comm **grown = (dopt_comm **)DOPT_MALLOC(sizeof(dopt_comm *) * (size_t)e->cap_family * 2);
+        if (grown == NULL) {
+            DOPT_FREE(members);
+            return DOPT_ERR_NOMEM;
+        }
+        memcpy(grown, e->family, sizeof(dopt_comm *) * (size_t)e->nfamily);
+        DOPT_FREE(e->family);
+        e->family = grown;
+        e->cap_family *= 2;
+    }
+    s = dopt_comm_new(&g, me, m, &dopt__group_vtable, NULL);
+    if (s != DOPT_OK) {
+        DOPT_FREE(members);
+        return s;
+    }
+    g->eng = e;
+    g->root = e->root;
+    g->members = members;
+    g->group = number;
+    g->timeout_ms = c->timeout_ms;
+    g->log_fn = c->log_fn;
+    g->log_user = c->log_user;
+    e->family[e->nfamily++] = g;
+    *out = g;
+    return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_comm_split(dopt_comm *c, int color, int key, dopt_comm **out) {
+    int64_t mine[3], *all;
+    uint32_t number = 0;
+    int r, bad = -1;
+    dopt_status s;
+    if (c == NULL || out == NULL) return DOPT_ERR_INVALID;
+    *out = NULL;
+    if (dopt__family_error(c) != DOPT_OK) return c->error;
+    if (c->eng == NULL && !DOPT__VT_HAS(c->vt, split)) {
+        dopt_comm_log(c, DOPT_LOG_ERROR,
+                      "rank %d: dopt_comm_split: the %s transport cannot make groups (it has no links); TCP and MPI can",
+                      c->rank, c->vt->name);
+        return DOPT_ERR_UNSUPPORTED;
+    }
+    all = (int64_t *)DOPT_MALLOC(sizeof(int64_t) * 3 * (size_t)c->size);
+    if (all == NULL) return DOPT_ERR_NOMEM;
+    mine[0] = color;
+    mine[1] = key;
+    mine[2] = c->eng ? (int64_t)c->eng->next_group : 0;
+    s = dopt_allgather(c, mine, all, sizeof mine);
+    for (r = 0; s == DOPT_OK && r < c->size; r++) {
+        if (all[3 * r] < DOPT_UNDEFINED && bad < 0) bad = r;
+        if ((uint64_t)all[3 * r + 2] > number) number = (uint32_t)all[3 * r + 2];
+    }
+    if (s == DOPT_OK && bad >= 0)
+        s = dopt_comm_fail(c, NULL, DOPT_ERR_INVALID, "dopt_comm_split: rank %d passed color %lld (a color is >= 0, or DOPT_UNDEFINED)",
+                           bad, (long long)all[3 * bad]);
+    else if (s == DOPT_OK && c->eng && number >= (1u << 24))
+        s = dopt_comm_fail(c, NULL, DOPT_ERR_INVALID, "dopt_comm_split: 2^24 groups made already");
+    if (s == DOPT_OK && c->eng) {
+        c->eng->next_group = number + 1;
+        if (color >= 0) s = dopt__group_new(c, all, number, out);
+        if (s != DOPT_OK) s = dopt_comm_fail(c, NULL, s, "dopt_comm_split: cannot allocate the group");
+    } else if (s == DOPT_OK) {
+        s = c->vt->split(c, color, key, out);
+    }
+    DOPT_FREE(all);
+    return s;
+}
+
+/* This host, as a string the ranks compare: the host name and, where POSIX calls are declared,
+   the network namespace (so that simulated hosts on one machine differ). */
+static void dopt__host_identity(char *out, size_t cap) {
+    char name[64] = "";
+    unsigned long long ns = 0;
+    FILE *f = fopen("/proc/sys/kernel/hostname", "r");
+    if (f) {
+        if (fgets(name, sizeof name, f) == NULL) name[0] = '\0';
+        fclose(f);
+        name[strcspn(name, "\n")] = '\0';
+    }
+#if defined(_POSIX_C_SOURCE) || defined(_DEFAULT_SOURCE) || defined(_GNU_SOURCE)
+    {
+        struct stat st;
+        if (name[0] == '\0') gethostname(name, sizeof name - 1);
+        if (stat("/proc/self/ns/net", &st) == 0) ns = (unsigned long long)st.st_ino;
+    }
+#endif
+    snprintf(out, cap, "%s/%llu", name, ns);
+}
+
+DOPT_DEF dopt_status dopt_comm_split_host(dopt_comm *c, dopt_comm **out) {
+    char id[64];
+    char *all;
+    int color;
+    dopt_status s;
+    if (c == NULL || out == NULL) return DOPT_ERR_INVALID;
+    *out = NULL;
+    if (dopt__family_error(c) != DOPT_OK) return c->error;
+    if (c->eng && c->eng->host_of) /* the backend knows: its table names each rank's host */
+        return dopt_comm_split(c, c->eng->host_of[dopt__link(c, c->rank)] & INT_MAX, c->rank, out);
+    memset(id, 0, sizeof id);
+    dopt__host_identity(id, sizeof id);
+    all = (char *)DOPT_MALLOC(sizeof id * (size_t)c->size);
+    if (all == NULL) return DOPT_ERR_NOMEM;
+    s = dopt_allgather(c, id, all, sizeof id);
+    for (color = 0; s == DOPT_OK && color < c->size; color++) /* the lowest rank on this host */
+        if (memcmp(all + (size_t)color * sizeof id, id, sizeof id) == 0) break;
+    DOPT_FREE(all);
+    if (s != DOPT_OK) return s;
+    return dopt_comm_split(c, color, c->rank, out);
+}
+
 /* ===================================================================== SELF BACKEND (WORLD OF ONE) */
 
 static dopt_status dopt__self_allreduce(dopt_comm *c, const dopt_coll_desc *d, void *buf) {
@@ -3511,9 +3793,14 @@ static dopt_status dopt__self_barrier(dopt_comm *c, const dopt_coll_desc *d) {
 
 static void dopt__self_destroy(dopt_comm *c) { (void)c; }
 
+static dopt_status dopt__self_split(dopt_comm *c, int color, int key, dopt_comm **out) {
+    (void)c, (void)key;
+    return color < 0 ? DOPT_OK : dopt_comm_create_self(out);
+}
+
 static const dopt_comm_vtable dopt__self_vtable = {
     "self", dopt__self_allreduce, dopt__self_allgatherv, dopt__self_broadcast, dopt__self_barrier,
-    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL};
+    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, dopt__self_split};
 
 DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out) {
     return dopt_comm_new(out, 0, 1, &dopt__self_vtable, NULL);

@@ -512,6 +512,30 @@ static void dopt__mpi_destroy(dopt_comm *c) {
     c->impl = NULL;
 }
 
+DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg);
+
+/* dopt_comm_split: MPI_Comm_split of our duplicate, and a communicator over that (which
+   duplicates it again, with the parent's settings). */
+static dopt_status dopt__mpi_split(dopt_comm *c, int color, int key, dopt_comm **out) {
+    dopt__mpi *m = (dopt__mpi *)c->impl;
+    dopt_mpi_config cfg;
+    MPI_Comm group;
+    dopt_status s;
+    int err = MPI_Comm_split(m->comm, color < 0 ? MPI_UNDEFINED : color, key, &group);
+    if (err != MPI_SUCCESS) return dopt__mpi_fail(c, NULL, "MPI_Comm_split", err);
+    if (group == MPI_COMM_NULL) return DOPT_OK;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.comm = &group;
+    cfg.check = m->check;
+    cfg.max_count = m->max_count;
+    cfg.log_fn = c->log_fn;
+    cfg.log_user = c->log_user;
+    s = dopt_mpi_create(out, &cfg);
+    MPI_Comm_free(&group);
+    if (s == DOPT_OK) (*out)->timeout_ms = c->timeout_ms;
+    return s;
+}
+
 static const dopt_comm_vtable dopt__mpi_vtable = {"mpi",
                                                   dopt__mpi_allreduce,
                                                   dopt__mpi_allgatherv,
@@ -523,7 +547,8 @@ static const dopt_comm_vtable dopt__mpi_vtable = {"mpi",
                                                   NULL,
                                                   NULL,
                                                   NULL,
-                                                  NULL};
+                                                  NULL,
+                                                  dopt__mpi_split};
 
 /* The check setting this rank asks for: the config's, else the environment's. */
 static int dopt__mpi_check_wanted(const dopt_mpi_config *cfg) { return cfg->check > 0; }

@@ -955,6 +955,7 @@ static const dopt_comm_vtable dopt__shm_vtable = {"shm",
                                                   NULL,
                                                   NULL,
                                                   NULL,
+                                                  NULL,
                                                   NULL};
 
 /* ===================================================================== CONFIGURATION */

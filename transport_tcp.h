@@ -445,8 +445,9 @@
                  (0 only on GOODBYE)
          7    1  dtype (0 f32, 1 f64, 2 i32, 3 i64; allreduce, else 0)
          8    1  op (0 sum, 1 max, 2 min, 3 mean; allreduce, else 0)
-         9    3  reserved, zero
-        12    4  sender's rank
+         9    3  group (24 bits): 0 for the communicator the transport made, else the number
+                 dopt_comm_split gave the group the collective runs in
+        12    4  sender's rank (in the transport's communicator)
         16    4  root (broadcast, else 0)
         20    4  ABORT: the failure's dopt_status (negative, int32); else 0
         24    8  sequence number of the sender's collective
@@ -456,9 +457,9 @@
                  GOODBYE: 0
         40    8  payload bytes that follow (ABORT: at most 512, the reporter's reason, without
                  its "rank R: <collective>: " prefix; GOODBYE: 0)
-   A DATA frame must carry the receiver's collective (kind, dtype, op, root, sequence number and
-   count all equal), name the connection's peer as sender, and announce exactly the payload the
-   receiver posted for it.
+   A DATA frame must carry the receiver's collective (kind, dtype, op, root, group, sequence
+   number and count all equal), name the connection's peer as sender, and announce exactly the
+   payload the receiver posted for it.
    An ABORT carries the sender's collective (its sequence number decides whether it belongs to
    the receiver's current collective or a later one) and must name ranks of the world; its text
    is read only after the header has passed.
@@ -1033,7 +1034,7 @@ static void dopt__tcp_destroy(dopt_comm *c) {
 /* Links only: every collective is the engine's. */
 static const dopt_comm_vtable dopt__tcp_vtable = {
     "tcp", NULL, NULL, NULL, NULL, dopt__tcp_destroy, sizeof(dopt_comm_vtable), 0u,
-    dopt__tcp_link_send, dopt__tcp_link_recv, dopt__tcp_link_wait, dopt__tcp_link_close};
+    dopt__tcp_link_send, dopt__tcp_link_recv, dopt__tcp_link_wait, dopt__tcp_link_close, NULL};
 
 /* ===================================================================== SOCKETS */
 

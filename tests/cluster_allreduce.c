@@ -5,7 +5,9 @@
      two-level one for large allreduces when ranks share hosts;
    - a 16 MiB integer-valued allreduce with the two-level schedule and again with the flat ring
      (the host table dropped): the same bits, equal to the serial sum;
-   and the even ranks (the first of each host: the script puts two on each) say how many bytes
+   then, for groups, the conformance suite on dopt_comm_split_host's group (the two ranks of the
+   host) and on a group of one rank per host; and the even ranks (the first of each host: the
+   script puts two on each) say how many bytes
    their host's eth0 sent during each of the two, which the script compares: the two-level
    schedule must send less over the host's link.
    Prints "cluster_allreduce: rank R ok" (and, on the even ranks,
@@ -63,6 +65,17 @@ int main(void) {
         int r;
         for (r = 0; r < c->size; r++) want += int_value(r, i);
         DT_CHECKF((double)two[i] == want, "rank %d: element %zu is %g, the serial sum %g", c->rank, i, (double)two[i], want);
+    }
+    { /* groups over the cluster: this host's ranks (the TCP host table), and one rank of each host */
+        dopt_comm *host, *across;
+        DT_OK(dopt_comm_split_host(c, &host));
+        DT_CHECKF(host != NULL && host->size == 2 && host->rank == c->rank % 2, "rank %d: host group %d of %d", c->rank,
+                  host ? host->rank : -1, host ? host->size : -1);
+        DT_OK(dopt_comm_split(c, c->rank % 2, c->rank, &across));
+        conformance_run(host);
+        conformance_run(across);
+        dopt_comm_destroy(across);
+        dopt_comm_destroy(host);
     }
     if (c->rank % 2 == 0)
         printf("cluster_allreduce: host tx two_level=%lld flat=%lld bytes=%zu\n", tx_two, tx_flat, n * sizeof(float));

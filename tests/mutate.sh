@@ -133,6 +133,15 @@ mutate two-level-spreads-too-early distopt.h \
 mutate two-level-uneven-hosts-accepted distopt.h \
     '        if (ranks != count) { /* uneven hosts: flat schedules only */' '        if (0) {' \
     test_engine:uneven
+mutate group-ignores-key distopt.h \
+    'for (i = m; i > 0 && all[3 * members[i - 1] + 1] > all[3 * r + 1]; i--) members[i] = members[i - 1];' \
+    'for (i = m; i > 0 && 0; i--) members[i] = members[i - 1];' test_engine:groups_pass
+mutate group-number-not-agreed distopt.h \
+    '        if ((uint64_t)all[3 * r + 2] > number) number = (uint32_t)all[3 * r + 2];' \
+    '        if (r == c->rank) number = (uint32_t)all[3 * r + 2];' test_engine:group
+mutate group-failure-poisons-only-itself distopt.h \
+    'if (c->error == DOPT_OK && e != NULL && e->failure != DOPT_OK) {' 'if (0) {' \
+    test_engine:mismatch_between_parent
 mutate tcp-loopback-table-unchecked transport_tcp.h \
     'if (s == DOPT_OK) s = dopt__tcp_loopback_check(c, t, how);' \
     'if (s == DOPT_OK && 0) s = dopt__tcp_loopback_check(c, t, how);' test_tcp:rank_0_

@@ -241,6 +241,41 @@ static void pieces_match_reference(void) {
 
 /* ------------------------------------------------------------------ the program's communicators */
 
+/* dopt_comm_split on MPI: groups by parity ranked backwards, DOPT_UNDEFINED on rank 0, and the
+   host group (the ranks MPI_COMM_TYPE_SHARED puts on this node: all of them on one machine, two
+   per simulated host in check_cluster_mpi). */
+static void dopt_comm_split_makes_groups(void) {
+    dopt_comm *g, *none, *host;
+    int r, want = 0;
+    int64_t x = world_rank;
+    CHECK_STATUS(dopt_comm_split(world, world_rank % 2, -world_rank, &g), DOPT_OK, world);
+    CHECK(g != NULL && g->size == (world_size + 1 - world_rank % 2) / 2 && g->rank == g->size - 1 - world_rank / 2,
+          "rank %d: group rank %d of %d", world_rank, g ? g->rank : -1, g ? g->size : -1);
+    for (r = world_rank % 2; r < world_size; r += 2) want += r;
+    if (g) CHECK_STATUS(dopt_allreduce(g, &x, 1, DOPT_I64, DOPT_SUM), DOPT_OK, g);
+    CHECK(x == want, "sum over the group %lld, expected %d", (long long)x, want);
+    CHECK_STATUS(dopt_comm_split(world, world_rank == 0 ? DOPT_UNDEFINED : 0, 0, &none), DOPT_OK, world);
+    CHECK((world_rank == 0) == (none == NULL), "rank %d: DOPT_UNDEFINED gave a group, or another color none",
+          world_rank);
+    CHECK_STATUS(dopt_comm_split_host(world, &host), DOPT_OK, world);
+    { /* the same ranks as MPI's own view of the node */
+        MPI_Comm node;
+        int node_rank = -1, node_size = -1;
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank, MPI_INFO_NULL, &node);
+        MPI_Comm_rank(node, &node_rank);
+        MPI_Comm_size(node, &node_size);
+        MPI_Comm_free(&node);
+        CHECK(host != NULL && host->size == node_size && host->rank == node_rank,
+              "rank %d: host group rank %d of %d, MPI's node says %d of %d", world_rank, host ? host->rank : -1,
+              host ? host->size : -1, node_rank, node_size);
+    }
+    if (host) CHECK_STATUS(dopt_barrier(host), DOPT_OK, host);
+    dopt_comm_destroy(host);
+    dopt_comm_destroy(none);
+    dopt_comm_destroy(g);
+    CHECK_STATUS(dopt_barrier(world), DOPT_OK, world);
+}
+
 static void works_on_a_split_communicator(void) {
     MPI_Comm half;
     MPI_Errhandler handler;
@@ -441,6 +476,7 @@ int main(void) {
         MPI_TEST(conformance_in_small_pieces),
         MPI_TEST(pieces_match_reference),
         MPI_TEST(works_on_a_split_communicator),
+        MPI_TEST(dopt_comm_split_makes_groups),
         MPI_TEST(invalid_arguments_are_reported),
         MPI_TEST(mpi_errors_become_statuses_with_mpi_text),
         MPI_TEST(mismatches_detected_with_the_check),

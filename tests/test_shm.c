@@ -88,6 +88,17 @@ DTEST(conformance_world_4_oversubscribed) { run_conformance(4, 0); }
 /* 1000-byte chunks: every length above 1000 bytes is pipelined through many odd-sized windows. */
 DTEST(conformance_world_2_chunk_1000_bytes) { run_conformance(2, 1000); }
 
+/* No links yet: splitting is refused, the same way on every rank, and nothing is poisoned. */
+DTEST(split_is_unsupported_and_poisons_nothing) {
+    dopt_comm *c, *g = (dopt_comm *)1;
+    DT_OK(dopt_shm_fork(&c, 2, NULL));
+    DT_EQ_INT(dopt_comm_split(c, 0, 0, &g), DOPT_ERR_UNSUPPORTED);
+    DT_CHECK(g == NULL);
+    DT_EQ_INT(dopt_comm_split_host(c, &g), DOPT_ERR_UNSUPPORTED);
+    DT_OK(dopt_barrier(c));
+    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+}
+
 /* ------------------------------------------------------------------ mismatches */
 
 /* Every rank fails with MISMATCH (strictly: this backend detects it on every rank itself), and

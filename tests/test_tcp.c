@@ -1594,7 +1594,7 @@ DTEST(frame_validator_refuses_crafted_headers) {
     DT_EQ_INT(dopt__frame_check(c, &want, 0, &f, 4000), DOPT_ERR_PROTOCOL);
     DT_CHECKF(strstr(dopt_comm_detail(c), "1152921504606846976") != NULL, "%s", dopt_comm_detail(c));
     dopt_comm_destroy(c);
-    /* wrong magic, wrong version, unknown type, nonzero reserved bytes, bad enums */
+    /* wrong magic, wrong version, unknown type, another group, bad enums */
     dopt__frame_encode(hdr, DOPT__FRAME_DATA, &want, 0, 0, 4000);
     hdr[0] = 'X';
     DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
@@ -1605,8 +1605,13 @@ DTEST(frame_validator_refuses_crafted_headers) {
     hdr[5] = 9;
     DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
     hdr[5] = DOPT__FRAME_DATA;
+    /* bytes 9..11 name the group (once reserved): another group's frame is a mismatch */
     hdr[10] = 1;
-    DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
+    DT_CHECK(dopt__frame_decode(hdr, &f) == NULL && f.desc.group == 256);
+    DT_OK(dopt_comm_create_self(&c));
+    DT_EQ_INT(dopt__frame_check(c, &want, 0, &f, 4000), DOPT_ERR_MISMATCH);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "in group 256") != NULL, "%s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
     hdr[10] = 0;
     hdr[7] = 4;
     DT_CHECK(dopt__frame_decode(hdr, &f) != NULL);
