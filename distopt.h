@@ -171,10 +171,14 @@
      the next sequence number when it starts, so ranks must start them in the same order.
      On a failure the communicator is poisoned as for a blocking call: the failing request and
      every one after it return the error; one that completed before the failure returns
-     DOPT_OK. Progress is made only inside dopt_test and dopt_wait (and the blocking calls): a
-     request left alone does not move. With the TCP transport (and any backend with links, below)
-     the requests really overlap with the caller's work; the shm and MPI backends still run
-     each collective whole when it starts, so there a request is complete when start returns.
+     DOPT_OK. Progress is made inside dopt_test and dopt_wait (and the blocking calls) and, on a
+     communicator given one, by a progress thread: dopt_comm_set_progress_thread(c, interval_us)
+     (TCP: the config's progress_thread_us) starts a thread that passes over the links every
+     interval_us while requests are in flight and sleeps otherwise; it stops at destroy, and
+     every call on c (and its groups) then takes a lock the thread shares. Without one, a request
+     left alone does not move. With the TCP transport (and any backend with links, below) the
+     requests really overlap with the caller's work; the shm and MPI backends still run each
+     collective whole when it starts, so there a request is complete when start returns.
 
    GROUPS (sub-communicators)
      dopt_comm_split(c, color, key, &g): every rank of c calls it; the ranks that pass the same
@@ -498,6 +502,7 @@ struct dopt_comm {
     dopt_comm *root;      /* a group (dopt_comm_split): the communicator whose links it shares; else NULL */
     int *members;         /* a group: the root's rank of each of its ranks; else NULL */
     uint32_t group;       /* 0, or the number dopt_comm_split gave this group (in every frame's header) */
+    uint64_t started_seq; /* the sequence number of its newest collective the engine has queued */
     int doomed;           /* a root destroyed while its groups live on: freed with the last of them */
     char detail[DOPT_DETAIL_MAX];
 };
@@ -574,6 +579,12 @@ DOPT_DEF void dopt_comm_set_engine(dopt_comm *c, size_t small_bytes, int spin_us
    host, then across hosts, then spreads within the host (see the manual). Every rank must pass the
    same table. DOPT_ERR_NOMEM, or DOPT_ERR_INVALID for an unknown two_level. */
 DOPT_DEF dopt_status dopt_comm_set_hosts(dopt_comm *c, const int *host_of, int two_level);
+/* For a communicator with links (TCP; not a group): a thread, started now and stopped at
+   destroy, that moves the requests in flight of it and its groups while the caller computes: a
+   pass over the links every interval_us (0: 100) while any is in flight, asleep otherwise. Every
+   call on the communicator then takes a lock the thread shares. DOPT_ERR_UNSUPPORTED without
+   links or threads; DOPT_ERR_INVALID on a group or when one runs already. */
+DOPT_DEF dopt_status dopt_comm_set_progress_thread(dopt_comm *c, int interval_us);
 /* For backends with links, from their destroy: tells every peer that this rank leaves on purpose
    (a GOODBYE frame), waiting at most wait_ms for room on a full link. Nothing after an error. */
 DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms);
@@ -617,6 +628,10 @@ DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t 
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if !defined(DOPT_NO_THREADS) && (defined(__unix__) || defined(__APPLE__))
+#define DOPT__THREADS 1 /* a progress thread is available (dopt_comm_set_progress_thread) */
+#include <pthread.h>
+#endif
 #if defined(_POSIX_C_SOURCE) || defined(_DEFAULT_SOURCE) || defined(_GNU_SOURCE)
 #include <sys/stat.h>
 #include <unistd.h>
@@ -2085,18 +2100,28 @@ typedef struct dopt__engine {
     uint32_t next_group;        /* the lowest group number this rank has not taken part in */
     dopt_status failure;        /* the family's first error: it poisons every member */
     char failure_detail[DOPT_DETAIL_MAX];
+    int threaded;               /* a progress thread runs: every use of the engine takes `lock` */
+#ifdef DOPT__THREADS
+    pthread_mutex_t lock;
+    pthread_cond_t wake;        /* a request started, or the thread is to stop */
+    pthread_t thread;
+    int stopping;
+    int interval_us;            /* the thread's pause between two passes while requests are in flight */
+#endif
     unsigned char abort_msg[DOPT_FRAME_BYTES + DOPT_DETAIL_MAX]; /* this rank's ABORT frame */
     size_t abort_len;           /* its length; 0 until this rank aborts */
 } dopt__engine;
 
 static dopt__req *dopt__eng_req(const dopt__engine *e, uint64_t k) { return &e->reqs[k & (e->cap_reqs - 1)]; }
 
-/* Collectives issued so far on this rank by the family member with the given group number; a
-   group not made on this rank (yet) has issued none, so all of its frames are later ones. */
-static uint64_t dopt__eng_issued(const dopt__engine *e, uint32_t group) {
+/* The newest collective the engine has queued for the family member with the given group
+   number; a group not made on this rank (yet) has queued none, so all its frames are later ones.
+   (Not the member's seq: that moves before its request is queued, which a progress thread may
+   see in between.) */
+static uint64_t dopt__eng_queued(const dopt__engine *e, uint32_t group) {
     int i;
     for (i = 0; i < e->nfamily; i++)
-        if (e->family[i]->group == group) return e->family[i]->seq;
+        if (e->family[i]->group == group) return e->family[i]->started_seq;
     return 0;
 }
 
@@ -2117,6 +2142,31 @@ static void dopt__eng_note_failure(dopt_comm *c) {
     e->failure = c->error;
     memcpy(e->failure_detail, c->detail, sizeof e->failure_detail);
 }
+
+/* With a progress thread, every use of the engine holds its lock (the thread's passes too). */
+static void dopt__eng_lock(dopt__engine *e) {
+#ifdef DOPT__THREADS
+    if (e && e->threaded) pthread_mutex_lock(&e->lock);
+#else
+    (void)e;
+#endif
+}
+
+/* Unlocks, waking the thread (a request may have started); returns s. */
+static dopt_status dopt__eng_unlock(dopt__engine *e, dopt_status s) {
+#ifdef DOPT__THREADS
+    if (e && e->threaded) {
+        pthread_cond_signal(&e->wake);
+        pthread_mutex_unlock(&e->lock);
+    }
+#else
+    (void)e;
+#endif
+    return s;
+}
+
+/* expr with the engine locked. */
+#define DOPT__LOCKED(e, expr) (dopt__eng_lock(e), dopt__eng_unlock((e), (expr)))
 
 static int dopt__has_links(const dopt_comm_vtable *vt) {
     return DOPT__VT_HAS(vt, link_send) && DOPT__VT_HAS(vt, link_recv) && DOPT__VT_HAS(vt, link_wait) &&
@@ -2429,10 +2479,8 @@ static int dopt__eng_op(dopt__engine *e, int peer, int is_tx, unsigned char *ptr
     o->dep = -1;
     o->next = -1;
     o->req = e->started;
-    if (*tail >= 0)
-        e->ops[*tail].next = i;
-    else
-        *cur = i;
+    if (*tail >= 0) e->ops[*tail].next = i;
+    if (*cur < 0) *cur = i; /* the queue was empty, or ran dry before this request started */
     *tail = i;
     if (!is_tx) P->parked = 0; /* a frame waiting in the stage may be this one's */
     return i;
@@ -2557,7 +2605,7 @@ static dopt_status dopt__eng_consume(dopt_comm *c, dopt__engine *e, int p) {
             if (avail < DOPT_FRAME_BYTES || P->parked) return DOPT_OK;
             why = dopt__frame_decode(P->stage + P->lo, &f);
             if (why) return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a malformed frame header: %s", p, why);
-            if (o == NULL && f.desc.seq > dopt__eng_issued(e, f.desc.group) && f.type != DOPT__FRAME_GOODBYE) {
+            if (o == NULL && f.desc.seq > dopt__eng_queued(e, f.desc.group) && f.type != DOPT__FRAME_GOODBYE) {
                 P->parked = 1; /* a later collective's frame, an abort included: this one may still finish */
                 return DOPT_OK;
             }
@@ -2884,6 +2932,7 @@ static dopt__req *dopt__eng_begin(dopt_comm *c, dopt__engine *e, const dopt_coll
 
 static void dopt__eng_end(dopt__engine *e, dopt__req *q) {
     q->end_op = e->nops;
+    q->comm->started_seq = q->desc.seq;
     e->started++;
 }
 
@@ -2951,7 +3000,8 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
     }
     *polled = 1;
     n = e->root->vt->link_wait(e->root, e->polls, np, wait_ms, &err);
-    if (n < 0) return dopt__eng_fail(c, dopt__eng_current(e), DOPT_ERR_IO, e->rank, "waiting on links: %s", strerror(err));
+    if (n < 0)
+        return dopt__eng_fail(c, dopt__eng_current(e), DOPT_ERR_IO, e->rank, "waiting on links: %s", strerror(err));
     for (i = 0; i < np && n > 0; i++) {
         short re = e->polls[i].revents;
         p = e->polls[i].peer;
@@ -3026,8 +3076,11 @@ static dopt_status dopt__eng_run(dopt_comm *c, dopt__engine *e, uint64_t until, 
    collectives complete in the order they started. */
 static dopt_status dopt__eng_drain(dopt_comm *c) {
     dopt__engine *e = c->eng;
-    if (e == NULL || e->retired == e->started) return c->error;
-    return dopt__eng_run(c, e, e->started - 1, 1);
+    dopt_status s;
+    if (e == NULL) return c->error;
+    dopt__eng_lock(e);
+    s = e->retired == e->started ? dopt__family_error(c) : dopt__eng_run(c, e, e->started - 1, 1);
+    return dopt__eng_unlock(e, s);
 }
 
 /* ===================================================================== ENGINE: COLLECTIVES */
@@ -3217,6 +3270,74 @@ DOPT_DEF dopt_status dopt_comm_set_hosts(dopt_comm *c, const int *host_of, int t
     return DOPT_OK;
 }
 
+#ifdef DOPT__THREADS
+/* The progress thread: one pass whenever requests are in flight, interval_us apart, holding the
+   engine's lock only for the pass. */
+static void *dopt__eng_thread(void *arg) {
+    dopt__engine *e = (dopt__engine *)arg;
+    pthread_mutex_lock(&e->lock);
+    while (!e->stopping) {
+        struct timespec until;
+        if (e->retired < e->started && e->failure == DOPT_OK) dopt__eng_run(e->root, e, e->started - 1, 0);
+        if (e->retired == e->started || e->failure != DOPT_OK) {
+            pthread_cond_wait(&e->wake, &e->lock);
+            continue;
+        }
+        timespec_get(&until, TIME_UTC);
+        until.tv_nsec += (long)e->interval_us * 1000L;
+        until.tv_sec += until.tv_nsec / 1000000000L;
+        until.tv_nsec %= 1000000000L;
+        pthread_cond_timedwait(&e->wake, &e->lock, &until);
+    }
+    pthread_mutex_unlock(&e->lock);
+    return NULL;
+}
+#endif
+
+static void dopt__eng_stop_thread(dopt__engine *e) {
+#ifdef DOPT__THREADS
+    if (e == NULL || !e->threaded) return;
+    pthread_mutex_lock(&e->lock);
+    e->stopping = 1;
+    pthread_cond_signal(&e->wake);
+    pthread_mutex_unlock(&e->lock);
+    pthread_join(e->thread, NULL);
+    e->threaded = 0;
+    pthread_cond_destroy(&e->wake);
+    pthread_mutex_destroy(&e->lock);
+#else
+    (void)e;
+#endif
+}
+
+DOPT_DEF dopt_status dopt_comm_set_progress_thread(dopt_comm *c, int interval_us) {
+    dopt__engine *e = c ? c->eng : NULL;
+    if (c == NULL) return DOPT_ERR_INVALID;
+#ifdef DOPT__THREADS
+    if (e == NULL) return DOPT_ERR_UNSUPPORTED;
+    if (c->root != NULL || e->threaded || interval_us < 0) return DOPT_ERR_INVALID;
+    e->interval_us = interval_us ? interval_us : 100;
+    e->stopping = 0;
+    if (pthread_mutex_init(&e->lock, NULL) != 0) return DOPT_ERR_NOMEM;
+    if (pthread_cond_init(&e->wake, NULL) != 0) {
+        pthread_mutex_destroy(&e->lock);
+        return DOPT_ERR_NOMEM;
+    }
+    e->threaded = 1; /* before the thread runs: it takes the lock */
+    if (pthread_create(&e->thread, NULL, dopt__eng_thread, e) != 0) {
+        e->threaded = 0;
+        pthread_cond_destroy(&e->wake);
+        pthread_mutex_destroy(&e->lock);
+        return DOPT_ERR_NOMEM;
+    }
+    return DOPT_OK;
+#else
+    (void)interval_us;
+    (void)e;
+    return DOPT_ERR_UNSUPPORTED;
+#endif
+}
+
 DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms) {
     dopt__engine *e = c ? c->eng : NULL;
     unsigned char hdr[DOPT_FRAME_BYTES];
@@ -3294,19 +3415,20 @@ DOPT_DEF void dopt_comm_destroy(dopt_comm *c) {
     if (c == NULL) return;
     e = c->eng;
     if (e != NULL) { /* it leaves the family; the root's links stay while a group uses them */
+        int last;
+        if (c->root != NULL && dopt__family_error(c) == DOPT_OK) dopt__eng_drain(c); /* its requests finish */
+        dopt__eng_lock(e);
         for (i = 0; i < e->nfamily && e->family[i] != c; i++) continue;
         if (i < e->nfamily) e->family[i] = e->family[--e->nfamily];
-        if (c->root != NULL) {
-            if (dopt__family_error(c) == DOPT_OK) dopt__eng_drain(c); /* its requests in flight finish */
-            for (k = e->retired; k < e->started; k++) /* or, after a failure, never will */
-                if (dopt__eng_req(e, k)->comm == c) dopt__eng_req(e, k)->comm = NULL;
-            dopt__comm_free(c);
-            c = e->root;
-            if (!c->doomed || e->nfamily > 0) return;
-        } else if (e->nfamily > 0) {
-            c->doomed = 1;
-            return;
-        }
+        for (k = e->retired; k < e->started; k++) /* or, after a failure, never will */
+            if (c->root != NULL && dopt__eng_req(e, k)->comm == c) dopt__eng_req(e, k)->comm = NULL;
+        if (c->root == NULL) c->doomed = 1;
+        last = e->nfamily == 0 && e->root->doomed;
+        dopt__eng_unlock(e, DOPT_OK);
+        if (c->root != NULL) dopt__comm_free(c);
+        if (!last) return;
+        c = e->root;
+        dopt__eng_stop_thread(e);
     }
     if (c->vt && c->vt->destroy) c->vt->destroy(c);
     dopt__eng_free(c->eng);
@@ -3424,14 +3546,17 @@ static dopt_status dopt__req_started(dopt_comm *c, dopt_status s, dopt_request *
    has the communicator's error. */
 static dopt_status dopt__req_progress(dopt_request *req, int block, int *done) {
     dopt_comm *c = req->comm;
+    dopt__engine *e;
     uint64_t k;
     *done = 1;
     if (req->ticket == 0) return req->status;
     k = req->ticket - 1;
-    if (k >= c->eng->retired && dopt__family_error(c) == DOPT_OK) dopt__eng_run(c, c->eng, k, block);
-    if (k < c->eng->retired) return DOPT_OK;
-    *done = c->error != DOPT_OK;
-    return c->error;
+    e = c->eng;
+    dopt__eng_lock(e);
+    if (k >= e->retired && dopt__family_error(c) == DOPT_OK) dopt__eng_run(c, e, k, block);
+    if (k < e->retired) return dopt__eng_unlock(e, DOPT_OK);
+    *done = dopt__family_error(c) != DOPT_OK;
+    return dopt__eng_unlock(e, c->error);
 }
 
 DOPT_DEF dopt_status dopt_test(dopt_request *req, int *done) {
@@ -3462,7 +3587,7 @@ DOPT_DEF dopt_status dopt_allreduce_start(dopt_comm *c, void *buf, size_t count,
     else if (count > SIZE_MAX / dopt_dtype_size(dt))
         s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "count overflows size_t bytes");
     if (s == DOPT_OK && dopt__engine_runs(c, DOPT_COLL_ALLREDUCE))
-        return dopt__req_started(c, dopt__eng_allreduce(c, &d, buf), req);
+        return DOPT__LOCKED(c->eng, dopt__req_started(c, dopt__eng_allreduce(c, &d, buf), req));
     if (s == DOPT_OK) s = dopt__eng_drain(c);
     if (s == DOPT_OK) {
         s = dopt__finish_bytes(c, &d, c->vt->allreduce(c, &d, buf), (uint64_t)count * dopt_dtype_size(dt));
@@ -3516,7 +3641,8 @@ DOPT_DEF dopt_status dopt_allreduce_weighted_mean(dopt_comm *c, void *buf, size_
 static dopt_status dopt__gather_start(dopt_comm *c, const dopt_coll_desc *d, const void *send, void *recv,
                                       const size_t *bytes, dopt_request *req) {
     dopt_status s;
-    if (dopt__engine_runs(c, d->kind)) return dopt__req_started(c, dopt__eng_allgatherv(c, d, send, recv, bytes), req);
+    if (dopt__engine_runs(c, d->kind))
+        return DOPT__LOCKED(c->eng, dopt__req_started(c, dopt__eng_allgatherv(c, d, send, recv, bytes), req));
     s = dopt__eng_drain(c);
     if (s == DOPT_OK) s = dopt__finish_bytes(c, d, c->vt->allgatherv(c, d, send, recv, bytes), bytes[c->rank]);
     dopt__req_done(c, req, s);
@@ -3594,7 +3720,7 @@ DOPT_DEF dopt_status dopt_broadcast_start(dopt_comm *c, void *buf, size_t bytes,
     else if (buf == NULL && bytes > 0)
         s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "NULL buffer");
     if (s == DOPT_OK && dopt__engine_runs(c, DOPT_COLL_BROADCAST))
-        return dopt__req_started(c, dopt__eng_broadcast(c, &d, buf), req);
+        return DOPT__LOCKED(c->eng, dopt__req_started(c, dopt__eng_broadcast(c, &d, buf), req));
     if (s == DOPT_OK) s = dopt__eng_drain(c);
     if (s == DOPT_OK) s = dopt__finish(c, &d, c->vt->broadcast(c, &d, buf));
     dopt__req_done(c, req, s);
@@ -3613,7 +3739,7 @@ DOPT_DEF dopt_status dopt_barrier(dopt_comm *c) {
     dopt_status s = dopt__begin(c, &d, DOPT_COLL_BARRIER, 0);
     if (s != DOPT_OK) return s;
     if (dopt__engine_runs(c, DOPT_COLL_BARRIER)) {
-        s = dopt__req_started(c, dopt__eng_barrier_start(c, &d), &req);
+        s = DOPT__LOCKED(c->eng, dopt__req_started(c, dopt__eng_barrier_start(c, &d), &req));
         return s != DOPT_OK ? s : dopt_wait(&req);
     }
     s = dopt__eng_drain(c);
@@ -3656,10 +3782,12 @@ static dopt_status dopt__group_new(dopt_comm *c, const int64_t *all, uint32_t nu
             DOPT_FREE(members);
             return DOPT_ERR_NOMEM;
         }
+        dopt__eng_lock(e);
         memcpy(grown, e->family, sizeof(dopt_comm *) * (size_t)e->nfamily);
         DOPT_FREE(e->family);
         e->family = grown;
         e->cap_family *= 2;
+        dopt__eng_unlock(e, DOPT_OK);
     }
     s = dopt_comm_new(&g, me, m, &dopt__group_vtable, NULL);
     if (s != DOPT_OK) {
@@ -3673,7 +3801,9 @@ static dopt_status dopt__group_new(dopt_comm *c, const int64_t *all, uint32_t nu
     g->timeout_ms = c->timeout_ms;
     g->log_fn = c->log_fn;
     g->log_user = c->log_user;
+    dopt__eng_lock(e);
     e->family[e->nfamily++] = g;
+    dopt__eng_unlock(e, DOPT_OK);
     *out = g;
     return DOPT_OK;
 }
@@ -3688,8 +3818,8 @@ DOPT_DEF dopt_status dopt_comm_split(dopt_comm *c, int color, int key, dopt_comm
     if (dopt__family_error(c) != DOPT_OK) return c->error;
     if (c->eng == NULL && !DOPT__VT_HAS(c->vt, split)) {
         dopt_comm_log(c, DOPT_LOG_ERROR,
-                      "rank %d: dopt_comm_split: the %s transport cannot make groups (it has no links); TCP and MPI can",
-                      c->rank, c->vt->name);
+                      "rank %d: dopt_comm_split: the %s transport cannot make groups (it has no links); "
+                      "TCP and MPI can", c->rank, c->vt->name);
         return DOPT_ERR_UNSUPPORTED;
     }
     all = (int64_t *)DOPT_MALLOC(sizeof(int64_t) * 3 * (size_t)c->size);
@@ -3703,8 +3833,9 @@ DOPT_DEF dopt_status dopt_comm_split(dopt_comm *c, int color, int key, dopt_comm
         if ((uint64_t)all[3 * r + 2] > number) number = (uint32_t)all[3 * r + 2];
     }
     if (s == DOPT_OK && bad >= 0)
-        s = dopt_comm_fail(c, NULL, DOPT_ERR_INVALID, "dopt_comm_split: rank %d passed color %lld (a color is >= 0, or DOPT_UNDEFINED)",
-                           bad, (long long)all[3 * bad]);
+        s = dopt_comm_fail(c, NULL, DOPT_ERR_INVALID,
+                           "dopt_comm_split: rank %d passed color %lld (a color is >= 0, or DOPT_UNDEFINED)", bad,
+                           (long long)all[3 * bad]);
     else if (s == DOPT_OK && c->eng && number >= (1u << 24))
         s = dopt_comm_fail(c, NULL, DOPT_ERR_INVALID, "dopt_comm_split: 2^24 groups made already");
     if (s == DOPT_OK && c->eng) {
@@ -3740,7 +3871,7 @@ static void dopt__host_identity(char *out, size_t cap) {
 }
 
 DOPT_DEF dopt_status dopt_comm_split_host(dopt_comm *c, dopt_comm **out) {
-    char id[64];
+    char id[96]; /* a 63-byte host name, '/', 20 digits */
     char *all;
     int color;
     dopt_status s;

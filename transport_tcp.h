@@ -80,6 +80,9 @@
    |                       | ALGORITHMS)                                               |                    |
    | spin_us               | after progress, poll without sleeping this long before a  | 50; negative: never|
    |                       | blocking poll()                                           | spin               |
+   | progress_thread_us    | > 0: a thread moves requests in flight (dopt_allreduce_   | 0: none (requests  |
+   |                       | start...) every this many µs while the caller computes;   | move inside test,  |
+   |                       | distopt.h's dopt_comm_set_progress_thread                 | wait)              |
    | two_level             | the host-aware allreduce (ALGORITHMS) when ranks share    | DOPT_TWO_LEVEL_AUTO|
    |                       | hosts: DOPT_TWO_LEVEL_AUTO on the ring path, _ON for every|                    |
    |                       | allreduce, _OFF never                                     |                    |
@@ -500,6 +503,8 @@ typedef struct dopt_tcp_config {
     size_t small_bytes;        /* latency-optimal algorithms up to this many bytes; 0: 65536 */
     int spin_us;               /* poll without sleeping this long after progress; 0: 50; <0: never */
     int two_level;             /* host-aware allreduce: DOPT_TWO_LEVEL_AUTO (0), _ON or _OFF */
+    int progress_thread_us;    /* > 0: a progress thread passing over the links this often while
+                                  requests are in flight (dopt_comm_set_progress_thread); 0: none */
     int rendezvous_timeout_ms; /* bound on the whole rendezvous; 0: 600000 */
     int rendezvous_report_ms;  /* while the rendezvous waits, say who is missing this often; 0: 5000;
                                   <0: never */
@@ -2306,6 +2311,10 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
     if (dopt__tcp_set_hosts(c, t, cfg->two_level) != DOPT_OK) {
         dopt_comm_destroy(c);
         return dopt__tcp_config_error(cfg, "cannot allocate the host table");
+    }
+    if (cfg->progress_thread_us > 0 && (s = dopt_comm_set_progress_thread(c, cfg->progress_thread_us)) != DOPT_OK) {
+        dopt_comm_destroy(c);
+        return dopt__tcp_config_error(cfg, "cannot start the progress thread: %s", dopt_status_str(s));
     }
     *out = c;
     return DOPT_OK;

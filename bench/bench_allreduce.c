@@ -11,7 +11,11 @@
    BACKENDS    comma-separated, default all: mpi (dopt-mpi: transport_mpi.h), mpi-check (the same
                with its mismatch check on), iallreduce (mpi-iallreduce: MPI_Iallreduce polled with
                MPI_Test, what a timeout on the MPI backend would cost), shm (dopt-shm), tcp
-               (dopt-tcp), and two limits no allreduce can beat by much:
+               (dopt-tcp), shm-nb and tcp-nb (dopt-shm-nb, dopt-tcp-nb: the same transports with
+               8 allreduces started with dopt_allreduce_start, then waited for; us is per
+               allreduce, and blocking_ratio the blocking backend's time over this one's, paired
+               as ratio is: >= 1 when 8 in flight take no longer than 8 blocking calls), and two
+               limits no allreduce can beat by much:
                  memcpy (limit-memcpy): every rank copies the buffer to another at the same
                    moment — an allreduce reads its input and writes its output at least once;
                  stream (limit-tcp-stream): every rank streams 2(N-1)/N of the buffer to the next
@@ -25,7 +29,7 @@
    A repetition's time is the slowest rank's, between barriers. One line per backend and size:
 
        bench allreduce backend=B bytes=N us=MEDIAN us_min=MIN us_max=MAX busbw_GBps=X ratio=R
-                       [limit_ratio=L]
+                       [limit_ratio=L] [in_flight=8 blocking_ratio=Q]
 
    us: microseconds per call; busbw = 2(N-1)/N · bytes / time (the traffic a bandwidth-optimal
    allreduce puts on each rank's link, comparable across world sizes); ratio: the median over the
@@ -61,7 +65,9 @@
 #define MAX_BACKENDS 8
 #define MIN_REP_SECONDS 0.02
 
-typedef enum bench_kind { BENCH_RAW, BENCH_IALLREDUCE, BENCH_DOPT, BENCH_MEMCPY, BENCH_STREAM } bench_kind;
+typedef enum bench_kind { BENCH_RAW, BENCH_IALLREDUCE, BENCH_DOPT, BENCH_DOPT_NB, BENCH_MEMCPY, BENCH_STREAM } bench_kind;
+
+#define NB_IN_FLIGHT 8 /* the nonblocking backends keep this many allreduces in flight */
 
 typedef struct bench_backend {
     const char *name;
@@ -69,6 +75,7 @@ typedef struct bench_backend {
     dopt_comm *comm; /* BENCH_DOPT */
     long calls;      /* per repetition, at the current size */
     int limit;       /* index of the limit this backend is held against, -1: none */
+    int blocking;    /* BENCH_DOPT_NB: index of the same transport's blocking backend, -1: none */
     double seconds[REPS];
     double ratio[REPS];
 } bench_backend;
@@ -78,6 +85,8 @@ static dopt_comm *env_world; /* --from-env: the TCP communicator that also times
 static float *copy_dst;      /* limit-memcpy's destination */
 static int stream_next = -1, stream_prev = -1; /* limit-tcp-stream's sockets */
 static char *stream_sink;    /* where the received stream lands */
+static float *nb_bufs;       /* BENCH_DOPT_NB: NB_IN_FLIGHT buffers of the largest size */
+static size_t nb_stride;     /* elements between two of them */
 
 static void die(const char *what, dopt_comm *c) {
     fprintf(stderr, "bench_allreduce rank %d: %s: %s\n", world_rank, what, c ? dopt_comm_detail(c) : "");
@@ -130,6 +139,14 @@ static void run_calls(bench_backend *b, float *buf, size_t n, long calls) {
             int done = 0;
             MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &req);
             while (!done) MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+        } else if (b->kind == BENCH_DOPT_NB) { /* NB_IN_FLIGHT started, then waited for */
+            dopt_request req[NB_IN_FLIGHT];
+            int i;
+            for (i = 0; i < NB_IN_FLIGHT; i++)
+                if (dopt_allreduce_start(b->comm, nb_bufs + (size_t)i * nb_stride, n, DOPT_F32, DOPT_SUM, &req[i]) != DOPT_OK)
+                    die("allreduce_start failed", b->comm);
+            for (i = 0; i < NB_IN_FLIGHT; i++)
+                if (dopt_wait(&req[i]) != DOPT_OK) die("wait failed", b->comm);
         } else if (dopt_allreduce(b->comm, buf, n, DOPT_F32, DOPT_SUM) != DOPT_OK) {
             die("allreduce failed", b->comm);
         }
@@ -164,14 +181,15 @@ static double time_calls(bench_backend *b, float *buf, size_t n, long calls) {
     world_barrier();
     t0 = now_seconds();
     run_calls(b, buf, n, calls);
-    return world_max((now_seconds() - t0) / (double)calls);
+    return world_max((now_seconds() - t0) / (double)calls / (b->kind == BENCH_DOPT_NB ? NB_IN_FLIGHT : 1));
 }
 
 /* Every rank takes the same decisions because time_calls agrees on the time. */
 static long calibrate(bench_backend *b, float *buf, size_t n) {
     long calls = 1;
     run_calls(b, buf, n, 2); /* warm-up: connections, registration, first-touch */
-    while (time_calls(b, buf, n, calls) * (double)calls < MIN_REP_SECONDS) calls *= 2;
+    while (time_calls(b, buf, n, calls) * (double)calls * (b->kind == BENCH_DOPT_NB ? NB_IN_FLIGHT : 1) < MIN_REP_SECONDS)
+        calls *= 2;
     return calls;
 }
 
@@ -198,11 +216,17 @@ static void bench_size(bench_backend *bs, int nb, float *buf, size_t bytes) {
         for (b = 0; b < nb; b++) bs[b].seconds[r] = time_calls(&bs[b], buf, n, bs[b].calls);
     for (b = 0; b < nb; b++) {
         double lo, hi, t = median(bs[b].seconds, &lo, &hi), limit[REPS];
-        char extra[48] = "";
+        char extra[96] = "";
+        size_t used = 0;
         for (r = 0; r < REPS; r++) bs[b].ratio[r] = bs[0].seconds[r] / bs[b].seconds[r];
         if (bs[b].limit >= 0) {
             for (r = 0; r < REPS; r++) limit[r] = bs[bs[b].limit].seconds[r] / bs[b].seconds[r];
-            snprintf(extra, sizeof extra, " limit_ratio=%.3f", median(limit, NULL, NULL));
+            used += (size_t)snprintf(extra, sizeof extra, " limit_ratio=%.3f", median(limit, NULL, NULL));
+        }
+        if (bs[b].blocking >= 0) {
+            for (r = 0; r < REPS; r++) limit[r] = bs[bs[b].blocking].seconds[r] / bs[b].seconds[r];
+            snprintf(extra + used, sizeof extra - used, " in_flight=%d blocking_ratio=%.3f", NB_IN_FLIGHT,
+                     median(limit, NULL, NULL));
         }
         if (world_rank == 0)
             printf("bench allreduce backend=%s bytes=%zu us=%.1f us_min=%.1f us_max=%.1f busbw_GBps=%.3f ratio=%.3f%s\n",
@@ -324,7 +348,7 @@ int main(int argc, char **argv) {
     size_t k;
     float *buf;
     memset(bs, 0, sizeof bs);
-    for (b = 0; b < MAX_BACKENDS; b++) bs[b].limit = -1;
+    for (b = 0; b < MAX_BACKENDS; b++) bs[b].limit = bs[b].blocking = -1;
     if (from_env) {
         nb = start_from_env(bs);
         list = ""; /* no other backend */
@@ -359,6 +383,25 @@ int main(int argc, char **argv) {
         bs[nb].kind = BENCH_DOPT;
         bs[nb++].comm = create_tcp();
     }
+    if (wanted(list, "shm-nb") || wanted(list, "tcp-nb")) {
+        nb_stride = sizes[sizeof sizes / sizeof sizes[0] - 1] / sizeof(float);
+        nb_bufs = (float *)calloc(nb_stride * NB_IN_FLIGHT, sizeof(float));
+        if (nb_bufs == NULL) die("out of memory", NULL);
+    }
+    if (wanted(list, "shm-nb")) {
+        for (b = 0; b < nb; b++)
+            if (!strcmp(bs[b].name, "dopt-shm")) bs[nb].blocking = b;
+        bs[nb].name = "dopt-shm-nb";
+        bs[nb].kind = BENCH_DOPT_NB;
+        bs[nb++].comm = create_shm();
+    }
+    if (wanted(list, "tcp-nb")) {
+        for (b = 0; b < nb; b++)
+            if (!strcmp(bs[b].name, "dopt-tcp")) bs[nb].blocking = b;
+        bs[nb].name = "dopt-tcp-nb";
+        bs[nb].kind = BENCH_DOPT_NB;
+        bs[nb++].comm = create_tcp();
+    }
     if (wanted(list, "memcpy")) {
         copy_dst = (float *)calloc(sizes[sizeof sizes / sizeof sizes[0] - 1] / sizeof(float), sizeof(float));
         if (copy_dst == NULL) die("out of memory", NULL);
@@ -387,6 +430,7 @@ int main(int argc, char **argv) {
     if (stream_next >= 0) close(stream_next), close(stream_prev);
     free(stream_sink);
     free(copy_dst);
+    free(nb_bufs);
     free(buf);
     if (!from_env) MPI_Finalize();
     return 0;

@@ -142,6 +142,12 @@ mutate group-number-not-agreed distopt.h \
 mutate group-failure-poisons-only-itself distopt.h \
     'if (c->error == DOPT_OK && e != NULL && e->failure != DOPT_OK) {' 'if (0) {' \
     test_engine:mismatch_between_parent
+mutate engine-dry-queue-not-restarted distopt.h \
+    '    if (*cur < 0) *cur = i; /* the queue was empty, or ran dry before this request started */' \
+    '    if (*cur < 0 && *tail == i) *cur = i;' test_engine:dry
+mutate progress-thread-idle distopt.h \
+    '        if (e->retired < e->started && e->failure == DOPT_OK) dopt__eng_run(e->root, e, e->started - 1, 0);' \
+    '' test_engine:progress_thread
 mutate tcp-loopback-table-unchecked transport_tcp.h \
     'if (s == DOPT_OK) s = dopt__tcp_loopback_check(c, t, how);' \
     'if (s == DOPT_OK && 0) s = dopt__tcp_loopback_check(c, t, how);' test_tcp:rank_0_

@@ -232,7 +232,9 @@ static void two_level_routes_and_matches_flat(dopt_comm *c) {
     memset(l->sent, 0, sizeof l->sent);
     DT_OK(dopt_allreduce(c, two, n, DOPT_F32, DOPT_SUM));
     for (p = 0; p < c->size; p++) {
-        double want = p == host_next ? 2.0 * (local - 1) / local * S : p == cross_next ? 2.0 * (hosts - 1) / hosts * S / local : 0;
+        double want = p == host_next    ? 2.0 * (local - 1) / local * S
+                      : p == cross_next ? 2.0 * (hosts - 1) / hosts * S / local
+                                        : 0;
         DT_CHECKF(fabs((double)l->sent[p] - want) <= 4096.0, "rank %d sent %llu bytes to rank %d, %.0f expected", c->rank,
                   (unsigned long long)l->sent[p], p, want);
     }
@@ -347,7 +349,8 @@ static void mismatch_across_groups(dopt_comm *c) {
     mine = c->rank == 0 ? c : g;
     other = c->rank == 0 ? g : c;
     s = dopt_allreduce(mine, x, 4, DOPT_F32, DOPT_SUM);
-    DT_CHECKF(s == DOPT_ERR_MISMATCH || s == DOPT_ERR_PEER_LOST, "rank %d: %d: %s", c->rank, (int)s, dopt_comm_detail(mine));
+    DT_CHECKF(s == DOPT_ERR_MISMATCH || s == DOPT_ERR_PEER_LOST, "rank %d: %d: %s", c->rank, (int)s,
+              dopt_comm_detail(mine));
     DT_CHECKF(strstr(dopt_comm_detail(mine), "in group 1") != NULL, "detail: %s", dopt_comm_detail(mine));
     /* the other one is poisoned too, with the same status and detail, at once */
     DT_EQ_INT(dopt_barrier(other), s);
@@ -418,6 +421,90 @@ DTEST(self_splits_into_itself) {
     DT_CHECK(none == NULL);
     dopt_comm_destroy(g);
     dopt_comm_destroy(c);
+}
+
+/* ------------------------------------------------------------------ requests started late */
+
+static int late_pipe[2]; /* rank 0 tells rank 2 to join */
+
+/* Rank 2 holds back, so rank 0's first allreduce cannot finish; rank 0 polls it until everything
+   it had for rank 1 is sent and received (its queues to rank 1 ran dry), and only then starts a
+   second allreduce, whose frames to and from rank 1 must still flow. */
+static void request_after_a_dry_link(dopt_comm *c) {
+    float a[2] = {1, 1}, b[2] = {2, 2};
+    dopt_request ra, rb;
+    if (c->rank == 2) DT_EQ_INT(dtest_read_int(late_pipe[0], "rank 0's go-ahead"), 1);
+    DT_OK(dopt_allreduce_start(c, a, 2, DOPT_F32, DOPT_SUM, &ra));
+    if (c->rank == 0) {
+        dopt__peer *P = &c->eng->peers[1];
+        long polls = 0;
+        int done = 0;
+        while (P->tx_cur >= 0 || P->rx_cur >= 0) {
+            DT_OK(dopt_test(&ra, &done));
+            DT_CHECKF(++polls < 100000000, "rank 0 never finished its part with rank 1");
+        }
+        DT_CHECK(!done); /* rank 2 has not started */
+    }
+    DT_OK(dopt_allreduce_start(c, b, 2, DOPT_F32, DOPT_SUM, &rb));
+    if (c->rank == 0) dtest_write_int(late_pipe[1], 1);
+    DT_OK(dopt_wait(&rb));
+    DT_OK(dopt_wait(&ra));
+    DT_CHECK(a[0] == 3 && a[1] == 3 && b[0] == 6 && b[1] == 6);
+}
+
+DTEST(a_request_started_after_a_link_ran_dry_still_moves) {
+    DT_CHECK(pipe(late_pipe) == 0);
+    pair_run(3, request_after_a_dry_link);
+    close(late_pipe[0]);
+    close(late_pipe[1]);
+}
+
+/* ------------------------------------------------------------------ the progress thread */
+
+static int progress_pipe[2]; /* rank 1 tells rank 0 that its allreduce completed */
+
+/* Rank 0 starts an allreduce and then neither tests nor waits until rank 1 says its blocking
+   allreduce completed, which needs rank 0's side to move: only rank 0's progress thread can do
+   that. Rank 0's request is then complete at the first dopt_test. */
+static void progress_without_waiting(dopt_comm *c) {
+    size_t n = (size_t)1 << 20, i;
+    float *x = (float *)malloc(n * sizeof(float));
+    DT_CHECK(x != NULL);
+    for (i = 0; i < n; i++) x[i] = (float)(c->rank + 1);
+    if (c->rank == 0) {
+        dopt_request r;
+        int done = 0;
+        DT_OK(dopt_comm_set_progress_thread(c, 0));
+        DT_EQ_INT(dopt_comm_set_progress_thread(c, 0), DOPT_ERR_INVALID); /* one is enough */
+        DT_OK(dopt_allreduce_start(c, x, n, DOPT_F32, DOPT_SUM, &r));
+        DT_EQ_INT(dtest_read_int(progress_pipe[0], "rank 1's completed allreduce"), 1);
+        DT_OK(dopt_test(&r, &done));
+        DT_CHECKF(done, "rank 0's request is not complete although rank 1's is");
+    } else {
+        DT_OK(dopt_allreduce(c, x, n, DOPT_F32, DOPT_SUM));
+        dtest_write_int(progress_pipe[1], 1);
+    }
+    for (i = 0; i < n; i++) DT_CHECKF(x[i] == 3.0f, "rank %d: element %zu is %g", c->rank, i, (double)x[i]);
+    free(x);
+}
+
+/* Everything still right with the thread running beside the caller (and its groups). */
+static void conformance_with_a_progress_thread(dopt_comm *c) {
+    dopt_comm *g;
+    DT_OK(dopt_comm_set_progress_thread(c, 10));
+    conformance_run(c);
+    DT_OK(dopt_comm_split(c, c->rank % 2, 0, &g));
+    DT_EQ_INT(dopt_comm_set_progress_thread(g, 0), DOPT_ERR_INVALID); /* the root's thread serves it */
+    conformance_run(g);
+    dopt_comm_destroy(g);
+}
+
+DTEST(a_progress_thread_moves_requests_nobody_waits_for) {
+    DT_CHECK(pipe(progress_pipe) == 0);
+    pair_run(2, progress_without_waiting);
+    close(progress_pipe[0]);
+    close(progress_pipe[1]);
+    pair_run(3, conformance_with_a_progress_thread);
 }
 
 /* ------------------------------------------------------------------ allocations */

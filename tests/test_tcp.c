@@ -30,6 +30,7 @@ typedef struct tcp_world {
     const char *token;
     const char *master_addr; /* every rank's; NULL: the default */
     int port_in_addr;  /* ranks 1.. are told rank 0's port in master_addr ("[::1]:PORT"), not master_port */
+    int progress_thread_us; /* the config's */
     char addr_text[DOPT__TCP_HOST_MAX + 8];
     int port_pipe[2];
     int gate_pipe[2];
@@ -57,6 +58,7 @@ static void world_config(tcp_world *w, int rank, dopt_tcp_config *cfg) {
     cfg->timeout_ms = w->timeout_ms;
     cfg->token = w->token;
     cfg->master_addr = w->master_addr;
+    cfg->progress_thread_us = w->progress_thread_us;
     if (rank == 0) {
         cfg->on_listen = world_on_listen;
         cfg->on_listen_user = w;
@@ -157,6 +159,14 @@ static void conformance_rank(int rank, void *arg) {
 static void conformance_world(int n) {
     tcp_world w;
     world_init(&w, n, 20000);
+    world_run(&w, conformance_rank, 0);
+}
+
+/* The same with the config's progress thread running beside every rank. */
+DTEST(conformance_world_of_3_with_progress_threads) {
+    tcp_world w;
+    world_init(&w, 3, 20000);
+    w.progress_thread_us = 50;
     world_run(&w, conformance_rank, 0);
 }
 
