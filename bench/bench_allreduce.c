@@ -13,9 +13,10 @@
                MPI_Test, what a timeout on the MPI backend would cost), shm (dopt-shm), tcp
                (dopt-tcp), shm-nb and tcp-nb (dopt-shm-nb, dopt-tcp-nb: the same transports with
                8 allreduces started with dopt_allreduce_start, then waited for; us is per
-               allreduce, and blocking_ratio the blocking backend's time over this one's, paired
-               as ratio is: >= 1 when 8 in flight take no longer than 8 blocking calls), and two
-               limits no allreduce can beat by much:
+               allreduce, and blocking_ratio the time of the same 8 allreduces on the same 8
+               buffers as blocking calls one after another, measured right after each
+               repetition, over this one's: >= 1 when 8 in flight take no longer than 8 blocking
+               calls), and two limits no allreduce can beat by much:
                  memcpy (limit-memcpy): every rank copies the buffer to another at the same
                    moment — an allreduce reads its input and writes its output at least once;
                  stream (limit-tcp-stream): every rank streams 2(N-1)/N of the buffer to the next
@@ -75,7 +76,8 @@ typedef struct bench_backend {
     dopt_comm *comm; /* BENCH_DOPT */
     long calls;      /* per repetition, at the current size */
     int limit;       /* index of the limit this backend is held against, -1: none */
-    int blocking;    /* BENCH_DOPT_NB: index of the same transport's blocking backend, -1: none */
+    double blocking[REPS]; /* BENCH_DOPT_NB: the same NB_IN_FLIGHT allreduces on the same buffers,
+                              one blocking call after another, paired with seconds[] */
     double seconds[REPS];
     double ratio[REPS];
 } bench_backend;
@@ -87,6 +89,7 @@ static int stream_next = -1, stream_prev = -1; /* limit-tcp-stream's sockets */
 static char *stream_sink;    /* where the received stream lands */
 static float *nb_bufs;       /* BENCH_DOPT_NB: NB_IN_FLIGHT buffers of the largest size */
 static size_t nb_stride;     /* elements between two of them */
+static int nb_one_by_one;    /* run BENCH_DOPT_NB's allreduces blocking, one after another */
 
 static void die(const char *what, dopt_comm *c) {
     fprintf(stderr, "bench_allreduce rank %d: %s: %s\n", world_rank, what, c ? dopt_comm_detail(c) : "");
@@ -139,6 +142,11 @@ static void run_calls(bench_backend *b, float *buf, size_t n, long calls) {
             int done = 0;
             MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &req);
             while (!done) MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+        } else if (b->kind == BENCH_DOPT_NB && nb_one_by_one) { /* the blocking reference */
+            int i;
+            for (i = 0; i < NB_IN_FLIGHT; i++)
+                if (dopt_allreduce(b->comm, nb_bufs + (size_t)i * nb_stride, n, DOPT_F32, DOPT_SUM) != DOPT_OK)
+                    die("allreduce failed", b->comm);
         } else if (b->kind == BENCH_DOPT_NB) { /* NB_IN_FLIGHT started, then waited for */
             dopt_request req[NB_IN_FLIGHT];
             int i;
@@ -213,7 +221,13 @@ static void bench_size(bench_backend *bs, int nb, float *buf, size_t bytes) {
     int b, r;
     for (b = 0; b < nb; b++) bs[b].calls = calibrate(&bs[b], buf, n);
     for (r = 0; r < REPS; r++)
-        for (b = 0; b < nb; b++) bs[b].seconds[r] = time_calls(&bs[b], buf, n, bs[b].calls);
+        for (b = 0; b < nb; b++) {
+            bs[b].seconds[r] = time_calls(&bs[b], buf, n, bs[b].calls);
+            if (bs[b].kind != BENCH_DOPT_NB) continue;
+            nb_one_by_one = 1;
+            bs[b].blocking[r] = time_calls(&bs[b], buf, n, bs[b].calls);
+            nb_one_by_one = 0;
+        }
     for (b = 0; b < nb; b++) {
         double lo, hi, t = median(bs[b].seconds, &lo, &hi), limit[REPS];
         char extra[96] = "";
@@ -223,8 +237,8 @@ static void bench_size(bench_backend *bs, int nb, float *buf, size_t bytes) {
             for (r = 0; r < REPS; r++) limit[r] = bs[bs[b].limit].seconds[r] / bs[b].seconds[r];
             used += (size_t)snprintf(extra, sizeof extra, " limit_ratio=%.3f", median(limit, NULL, NULL));
         }
-        if (bs[b].blocking >= 0) {
-            for (r = 0; r < REPS; r++) limit[r] = bs[bs[b].blocking].seconds[r] / bs[b].seconds[r];
+        if (bs[b].kind == BENCH_DOPT_NB) {
+            for (r = 0; r < REPS; r++) limit[r] = bs[b].blocking[r] / bs[b].seconds[r];
             snprintf(extra + used, sizeof extra - used, " in_flight=%d blocking_ratio=%.3f", NB_IN_FLIGHT,
                      median(limit, NULL, NULL));
         }
@@ -348,7 +362,7 @@ int main(int argc, char **argv) {
     size_t k;
     float *buf;
     memset(bs, 0, sizeof bs);
-    for (b = 0; b < MAX_BACKENDS; b++) bs[b].limit = bs[b].blocking = -1;
+    for (b = 0; b < MAX_BACKENDS; b++) bs[b].limit = -1;
     if (from_env) {
         nb = start_from_env(bs);
         list = ""; /* no other backend */
@@ -389,15 +403,11 @@ int main(int argc, char **argv) {
         if (nb_bufs == NULL) die("out of memory", NULL);
     }
     if (wanted(list, "shm-nb")) {
-        for (b = 0; b < nb; b++)
-            if (!strcmp(bs[b].name, "dopt-shm")) bs[nb].blocking = b;
         bs[nb].name = "dopt-shm-nb";
         bs[nb].kind = BENCH_DOPT_NB;
         bs[nb++].comm = create_shm();
     }
     if (wanted(list, "tcp-nb")) {
-        for (b = 0; b < nb; b++)
-            if (!strcmp(bs[b].name, "dopt-tcp")) bs[nb].blocking = b;
         bs[nb].name = "dopt-tcp-nb";
         bs[nb].kind = BENCH_DOPT_NB;
         bs[nb++].comm = create_tcp();

@@ -3,10 +3,10 @@
 #   1. Open MPI with its default transports (shared memory between ranks of one machine):
 #      mpi-raw against dopt-mpi, dopt-mpi-check, mpi-iallreduce and dopt-shm, with the memory
 #      limit (limit-memcpy: every rank copies the buffer at once; dopt-shm's limit_ratio), and
-#      dopt-shm-nb (8 allreduces in flight; its blocking_ratio against dopt-shm);
+#      dopt-shm-nb (8 allreduces in flight; blocking_ratio: the same 8 as blocking calls ÷ them);
 #   2. Open MPI forced onto TCP (--mca btl tcp,self): mpi-raw-tcp against dopt-tcp, so that the
 #      TCP backend is compared with MPI over the same kind of link, with the raw socket stream
-#      (limit-tcp-stream; dopt-tcp's limit_ratio), and dopt-tcp-nb (8 in flight against dopt-tcp).
+#      (limit-tcp-stream; dopt-tcp's limit_ratio), and dopt-tcp-nb (8 in flight, as for shm).
 # Usage: bench/run_allreduce.sh [build-dir]     (build it first: make build/bench_allreduce)
 set -eu
 BUILD=${1:-build}
