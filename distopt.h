@@ -175,7 +175,9 @@
      communicator given one, by a progress thread: dopt_comm_set_progress_thread(c, interval_us)
      (TCP: the config's progress_thread_us) starts a thread that passes over the links every
      interval_us while requests are in flight and sleeps otherwise; it stops at destroy, and
-     every call on c (and its groups) then takes a lock the thread shares. Without one, a request
+     every call on c (and its groups) then takes a lock the thread shares. A failure the thread
+     finds poisons c as any other would, and is logged from the thread (the log callback must
+     then tolerate being called from it). Without one, a request
      left alone does not move. With the TCP transport (and any backend with links, below) the
      requests really overlap with the caller's work; the shm and MPI backends still run each
      collective whole when it starts, so there a request is complete when start returns.
