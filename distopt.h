@@ -2011,6 +2011,7 @@ static dopt_status dopt__frame_check(dopt_comm *c, const dopt_coll_desc *want, i
 
 #define DOPT__STAGE_BYTES (256u << 10)  /* per-peer receive staging buffer */
 #define DOPT__DIRECT_MIN (64u << 10)    /* copied payloads at least this long skip the stage */
+#define DOPT__TX_PASS_BYTES (256u << 10) /* bytes written to one peer in one pass, at most */
 #define DOPT__SMALL_DEFAULT (64u << 10)
 #define DOPT__SPIN_DEFAULT_US 50
 #define DOPT__FLUSH_MS 1000             /* an aborting rank writes its aborts for at most this long */
@@ -2730,9 +2731,14 @@ static dopt_status dopt__eng_send_failed(dopt_comm *c, dopt__engine *e, int p, i
     return DOPT_OK;
 }
 
+/* Sends what is ready to peer p, at most DOPT__TX_PASS_BYTES in one pass: a rank with many
+   requests in flight would otherwise fill the link before it reads anything, and both sides of
+   a pair stall on full sockets in turn (8 allreduces of 64 KiB in flight over loopback TCP took
+   1.25-1.5x as long as 8 blocking ones; with the cap, 0.9-1.0x). */
 static dopt_status dopt__eng_pump_tx(dopt_comm *c, dopt__engine *e, int p, int *progress) {
     dopt__peer *P = &e->peers[p];
-    while (P->tx_cur >= 0) {
+    size_t moved = 0;
+    while (P->tx_cur >= 0 && moved < DOPT__TX_PASS_BYTES) {
         dopt__op *o = &e->ops[P->tx_cur];
         size_t ready = o->bytes, hdr_left, sent;
         dopt_iov iov[2];
@@ -2757,6 +2763,7 @@ static dopt_status dopt__eng_pump_tx(dopt_comm *c, dopt__engine *e, int p, int *
             return DOPT_OK;
         }
         sent = (size_t)n;
+        moved += sent;
         *progress = 1;
         if (sent >= hdr_left) {
             o->hdr_done = DOPT_FRAME_BYTES;
