@@ -121,7 +121,7 @@ mutate engine-timeout-restarts-every-poll distopt.h \
     '    if (e->last_progress == 0) e->last_progress = entry;' '    e->last_progress = entry;' \
     test_engine:dopt_test_reaches
 mutate engine-abort-keeps-links-open distopt.h \
-    '        if (p != e->rank) c->vt->link_close(c, p);' '' test_engine:dopt_test_reaches
+    '        if (p != e->rank) e->root->vt->link_close(e->root, p);' '' test_engine:dopt_test_reaches
 mutate two-level-combines-before-the-host-sum distopt.h \
     '    e->ops[rs + 1].dep = host_sum;' '' test_engine:two_level
 mutate two-level-sends-from-the-chunk-start distopt.h \
