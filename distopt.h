@@ -1912,13 +1912,6 @@ typedef struct dopt__frame {
     uint64_t bytes;      /* payload that follows */
 } dopt__frame;
 
-DOPT__MAYBE_UNUSED static int dopt__all_zero(const unsigned char *p, size_t n) {
-    size_t i;
-    for (i = 0; i < n; i++)
-        if (p[i]) return 0;
-    return 1;
-}
-
 static void dopt__frame_encode(unsigned char *out, int type, const dopt_coll_desc *d, int sender, int status,
                                uint64_t bytes) {
     memset(out, 0, DOPT_FRAME_BYTES);
@@ -2986,9 +2979,9 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
         s = dopt__eng_pump_tx(c, e, p, progress);
         if (s != DOPT_OK) return s;
     }
-    for (p = 0; p < e->size; p++) { /* payload staged while its receive was gated */
+    for (p = 0; p < e->size; p++) { /* frames staged before their collective started or their gate opened */
         dopt__peer *P = &e->peers[p];
-        if (p != e->rank && !P->parked && P->hi > P->lo && P->rx_cur >= 0 && !dopt__eng_gated(e, &e->ops[P->rx_cur])) {
+        if (p != e->rank && !P->parked && P->hi > P->lo && !(P->rx_cur >= 0 && dopt__eng_gated(e, &e->ops[P->rx_cur]))) {
             size_t before = P->hi - P->lo;
             s = dopt__eng_consume(c, e, p);
             if (s != DOPT_OK) return s;
@@ -3024,17 +3017,6 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
     return DOPT_OK;
 }
 
-/* Frames a fast peer sent before this rank started the collectives that take them. */
-static dopt_status dopt__eng_consume_staged(dopt_comm *c, dopt__engine *e) {
-    int q;
-    for (q = 0; q < e->size; q++)
-        if (q != e->rank && e->peers[q].hi > e->peers[q].lo && !e->peers[q].parked) {
-            dopt_status s = dopt__eng_consume(c, e, q);
-            if (s != DOPT_OK) return s;
-        }
-    return DOPT_OK;
-}
-
 /* Runs the requests in flight until request `until` has retired (block) or for one pass (test):
    sends whatever is ready, receives whatever has arrived, polls for spin_us without sleeping
    after progress, then sleeps in link_wait; fails when nothing moved for the communicator's
@@ -3045,7 +3027,7 @@ static dopt_status dopt__eng_consume_staged(dopt_comm *c, dopt__engine *e) {
 static dopt_status dopt__eng_run(dopt_comm *c, dopt__engine *e, uint64_t until, int block) {
     double entry = dopt__now_ms(), spin_end = entry + (e->spin_us > 0 ? e->spin_us / 1000.0 : 0.0), last;
     const char *api = c->api;
-    dopt_status s = dopt__eng_consume_staged(c, e);
+    dopt_status s = DOPT_OK;
     if (e->last_progress == 0) e->last_progress = entry;
     last = block && entry > e->last_progress ? entry : e->last_progress;
     while (s == DOPT_OK) {
@@ -3429,8 +3411,8 @@ DOPT_DEF void dopt_comm_destroy(dopt_comm *c) {
         dopt__eng_lock(e);
         for (i = 0; i < e->nfamily && e->family[i] != c; i++) continue;
         if (i < e->nfamily) e->family[i] = e->family[--e->nfamily];
-        for (k = e->retired; k < e->started; k++) /* or, after a failure, never will */
-            if (c->root != NULL && dopt__eng_req(e, k)->comm == c) dopt__eng_req(e, k)->comm = NULL;
+        for (k = e->retired; c->root != NULL && k < e->started; k++) /* or, after a failure, never will */
+            if (dopt__eng_req(e, k)->comm == c) dopt__eng_req(e, k)->comm = NULL;
         if (c->root == NULL) c->doomed = 1;
         last = e->nfamily == 0 && e->root->doomed;
         dopt__eng_unlock(e, DOPT_OK);

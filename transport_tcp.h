@@ -654,6 +654,13 @@ static int dopt__tcp_token_equal(const unsigned char *a, const unsigned char *b)
 
 static const unsigned char dopt__tcp_v4_prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
 
+static int dopt__tcp_all_zero(const unsigned char *p, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (p[i]) return 0;
+    return 1;
+}
+
 static int dopt__tcp_is_v4(const unsigned char a[16]) { return memcmp(a, dopt__tcp_v4_prefix, 12) == 0; }
 
 static void dopt__tcp_set_v4(unsigned char a[16], const void *in4) {
@@ -663,12 +670,12 @@ static void dopt__tcp_set_v4(unsigned char a[16], const void *in4) {
 
 /* 0.0.0.0 or ::, where a rank listens on every address of that family */
 static int dopt__tcp_is_any(const unsigned char a[16]) {
-    return dopt__tcp_is_v4(a) ? dopt__all_zero(a + 12, 4) : dopt__all_zero(a, 16);
+    return dopt__tcp_is_v4(a) ? dopt__tcp_all_zero(a + 12, 4) : dopt__tcp_all_zero(a, 16);
 }
 
 /* 127.0.0.0/8 or ::1: this host, on every host */
 static int dopt__tcp_is_loopback(const unsigned char a[16]) {
-    return dopt__tcp_is_v4(a) ? a[12] == 127 : dopt__all_zero(a, 15) && a[15] == 1;
+    return dopt__tcp_is_v4(a) ? a[12] == 127 : dopt__tcp_all_zero(a, 15) && a[15] == 1;
 }
 
 /* fe80::/10 means something only with an interface scope, which no record carries */
@@ -904,7 +911,7 @@ static const char *dopt__tcp_hs_decode(const unsigned char *in, dopt__tcp_hs *h)
     h->reason = dopt__get_le16(in + 32);
     h->subject = dopt__get_le32(in + 36);
     if (h->reason < DOPT__TCP_WRONG_TOKEN || h->reason > DOPT__TCP_LOOPBACK) return "unknown refusal reason";
-    if (!dopt__all_zero(in + 34, 2) || !dopt__all_zero(in + 40, DOPT__TCP_HS_BYTES - 40))
+    if (!dopt__tcp_all_zero(in + 34, 2) || !dopt__tcp_all_zero(in + 40, DOPT__TCP_HS_BYTES - 40))
         return "reserved bytes are not zero";
     if (h->subject >= h->world) return "refusal about a rank not below the world size";
     return NULL;

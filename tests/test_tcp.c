@@ -1684,7 +1684,7 @@ DTEST(handshake_records_have_the_documented_layout) {
     h.subject = 2;
     dopt__tcp_hs_encode(rec, &h);
     DT_CHECK(rec[32] == DOPT__TCP_DUPLICATE_RANK && rec[33] == 0 && rec[36] == 2 && rec[38] == 0);
-    DT_CHECK(dopt__all_zero(rec + 40, DOPT__TCP_HS_BYTES - 40));
+    DT_CHECK(dopt__tcp_all_zero(rec + 40, DOPT__TCP_HS_BYTES - 40));
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) == NULL && g.reason == DOPT__TCP_DUPLICATE_RANK && g.subject == 2);
     rec[36] = 4; /* about rank 4 of 4 */
     DT_CHECK(dopt__tcp_hs_decode(rec, &g) != NULL);
