@@ -2979,9 +2979,9 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
         s = dopt__eng_pump_tx(c, e, p, progress);
         if (s != DOPT_OK) return s;
     }
-    for (p = 0; p < e->size; p++) { /* frames staged before their collective started or their gate opened */
+    for (p = 0; p < e->size; p++) { /* payload staged while its receive was gated */
         dopt__peer *P = &e->peers[p];
-        if (p != e->rank && !P->parked && P->hi > P->lo && !(P->rx_cur >= 0 && dopt__eng_gated(e, &e->ops[P->rx_cur]))) {
+        if (p != e->rank && !P->parked && P->hi > P->lo && P->rx_cur >= 0 && !dopt__eng_gated(e, &e->ops[P->rx_cur])) {
             size_t before = P->hi - P->lo;
             s = dopt__eng_consume(c, e, p);
             if (s != DOPT_OK) return s;
@@ -3017,6 +3017,17 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
     return DOPT_OK;
 }
 
+/* Frames a fast peer sent before this rank started the collectives that take them. */
+static dopt_status dopt__eng_consume_staged(dopt_comm *c, dopt__engine *e) {
+    int q;
+    for (q = 0; q < e->size; q++)
+        if (q != e->rank && e->peers[q].hi > e->peers[q].lo && !e->peers[q].parked) {
+            dopt_status s = dopt__eng_consume(c, e, q);
+            if (s != DOPT_OK) return s;
+        }
+    return DOPT_OK;
+}
+
 /* Runs the requests in flight until request `until` has retired (block) or for one pass (test):
    sends whatever is ready, receives whatever has arrived, polls for spin_us without sleeping
    after progress, then sleeps in link_wait; fails when nothing moved for the communicator's
@@ -3027,7 +3038,7 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
 static dopt_status dopt__eng_run(dopt_comm *c, dopt__engine *e, uint64_t until, int block) {
     double entry = dopt__now_ms(), spin_end = entry + (e->spin_us > 0 ? e->spin_us / 1000.0 : 0.0), last;
     const char *api = c->api;
-    dopt_status s = DOPT_OK;
+    dopt_status s = dopt__eng_consume_staged(c, e);
     if (e->last_progress == 0) e->last_progress = entry;
     last = block && entry > e->last_progress ? entry : e->last_progress;
     while (s == DOPT_OK) {
