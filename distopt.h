@@ -189,15 +189,16 @@
      host table TCP builds from its ranks' addresses; else from the host name and network
      namespace, exchanged). A group is a communicator like any other (every collective, request,
      the traffic counters of its own) and may be split again; destroy it with dopt_comm_destroy,
-     before or after c. Over TCP (any backend with links) a group shares c's connections: its
+     before or after c. Over TCP and shm (any backend with links) a group shares c's links: its
      collectives run on c's engine with the group's number in every frame, so a rank that calls
      the parent while its peer calls a group they share is named (MISMATCH, "... in group 1").
      Rule: collectives on c and on groups split from it in which two ranks both take part must
      be started in the same order on both (a program that does otherwise would deadlock on most
      libraries; here it fails with a mismatch). A failure in c or any of its groups poisons them
      all (they share links). Details name ranks of the communicator the transport made. MPI
-     splits with MPI_Comm_split; the self backend into itself; shm cannot yet
-     (DOPT_ERR_UNSUPPORTED, nothing poisoned).
+     splits with MPI_Comm_split; the self backend into itself; shm over its per-pair links (in
+     worlds of up to 64 ranks; larger ones have no links and return DOPT_ERR_UNSUPPORTED,
+     nothing poisoned).
 
    WRITING A BACKEND
      A backend gives each rank a link to every peer: an ordered, reliable byte stream that it can
@@ -527,7 +528,7 @@ DOPT_DEF void dopt_comm_destroy(dopt_comm *c);
 /* The ranks that pass the same color >= 0 form a group, ranked by key then by their rank in c;
    *out is this rank's group (a communicator of its own, sharing c's links), NULL for
    DOPT_UNDEFINED. DOPT_ERR_INVALID on every rank when one passes a color below -1;
-   DOPT_ERR_UNSUPPORTED (nothing poisoned) on a transport that cannot (shm today). */
+   DOPT_ERR_UNSUPPORTED (nothing poisoned) on a transport that cannot (shm beyond 64 ranks). */
 DOPT_DEF dopt_status dopt_comm_split(dopt_comm *c, int color, int key, dopt_comm **out);
 /* The ranks of c on this rank's host, in the order of c (host: the same host name and network
    namespace, exchanged among the ranks). */
@@ -581,7 +582,7 @@ DOPT_DEF void dopt_comm_set_engine(dopt_comm *c, size_t small_bytes, int spin_us
    host, then across hosts, then spreads within the host (see the manual). Every rank must pass the
    same table. DOPT_ERR_NOMEM, or DOPT_ERR_INVALID for an unknown two_level. */
 DOPT_DEF dopt_status dopt_comm_set_hosts(dopt_comm *c, const int *host_of, int two_level);
-/* For a communicator with links (TCP; not a group): a thread, started now and stopped at
+/* For a communicator with links (TCP, shm; not a group): a thread, started now and stopped at
    destroy, that moves the requests in flight of it and its groups while the caller computes: a
    pass over the links every interval_us (0: 100) while any is in flight, asleep otherwise. Every
    call on the communicator then takes a lock the thread shares. DOPT_ERR_UNSUPPORTED without
@@ -2361,7 +2362,7 @@ static dopt_status dopt__eng_fail(dopt_comm *c, const dopt_coll_desc *d, dopt_st
                                   ...) {
     char msg[DOPT_DETAIL_MAX];
     va_list ap;
-    if (c->error != DOPT_OK) return c->error;
+    if (dopt__family_error(c) != DOPT_OK) return c->error; /* the family's first failure stands */
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
@@ -3820,8 +3821,8 @@ DOPT_DEF dopt_status dopt_comm_split(dopt_comm *c, int color, int key, dopt_comm
     if (dopt__family_error(c) != DOPT_OK) return c->error;
     if (c->eng == NULL && !DOPT__VT_HAS(c->vt, split)) {
         dopt_comm_log(c, DOPT_LOG_ERROR,
-                      "rank %d: dopt_comm_split: the %s transport cannot make groups (it has no links); "
-                      "TCP and MPI can", c->rank, c->vt->name);
+                      "rank %d: dopt_comm_split: this %s communicator cannot make groups (it has no links: "
+                      "shm has them up to 64 ranks); TCP and MPI can", c->rank, c->vt->name);
         return DOPT_ERR_UNSUPPORTED;
     }
     all = (int64_t *)DOPT_MALLOC(sizeof(int64_t) * 3 * (size_t)c->size);

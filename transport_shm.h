@@ -55,6 +55,9 @@
    | chunk_bytes  | bytes each rank moves per pipeline step; the segment holds  | 256 KiB                     |
    |              | 3 per rank, so memory is size·3·chunk_bytes whatever the    |                             |
    |              | message size; 64 B .. 1 GiB; every rank must give the same |                             |
+   | engine       | 1: every collective on distopt.h's engine over the links    | 0: the direct collectives   |
+   |              | (LINKS below), so that requests move while the caller       | (COLLECTIVES below), faster |
+   |              | computes; 0 or 1, every rank must give the same             | at every size measured      |
    | log_fn,      | logging callback, installed on the communicator, and told   | silent                      |
    | log_user     | why a create failed (there is no communicator to ask then)  |                             |
 
@@ -138,7 +141,27 @@
      chunk k-1, reduction of chunk k and copy-in of chunk k+1 overlap between two barriers.
      Broadcast and allgatherv are pipelined through the slots the same way. Results are bitwise
      identical on every rank (each element is reduced by one rank, in rank order) and the same
-     from run to run. Zero-length calls synchronise like any other call.
+     from run to run. Zero-length calls synchronise like any other call. A request
+     (dopt_allreduce_start, ...) runs its collective at start, after finishing any group
+     request in flight.
+
+   LINKS, GROUPS AND THE ENGINE
+     In worlds of 2..64 ranks the segment also holds a link per ordered pair of ranks: a ring
+     that one rank writes and the other reads without a lock (256 KiB each, halved while all of
+     them together would pass 16 MiB, at least 4 KiB: 512 KiB in all at 2 ranks, 14 MiB at 8,
+     16 MiB at 64). They are the links of distopt.h's engine (WRITING A BACKEND there), which
+     runs dopt_comm_split and dopt_comm_split_host groups, and, with engine = 1, every
+     collective: requests then progress in dopt_test/dopt_wait or on a progress thread
+     (dopt_comm_set_progress_thread). Waiting on links spins while the engine polls, then sleeps
+     on a futex word of its own that a peer rings after moving a link. Failures cross between
+     the two paths: a rank waiting in a direct collective for a peer that sends it frames of a
+     group's collective fails with MISMATCH naming both calls (the peer learns it from the
+     segment), and a failure of the engine is recorded in the segment for ranks waiting in a
+     direct collective. The engine is slower here: 2 ranks, bench/bench_allreduce (mpirun -np 2
+     build/bench_allreduce mpi-raw shm,shm-engine,memcpy), 1.6 against 1.1 µs at 4 KiB, 14.7
+     against 12.2 µs at 64 KiB, 168 against 90 µs at 1 MiB, 3.5 against 1.8 ms at 16 MiB: a ring
+     over links copies every byte into a link and out again, where the direct path reduces
+     straight from the peers' slots.
 
    WAITING, TIMEOUTS AND DEAD PEERS
      A barrier is one store of this rank's epoch (its count of barriers) on its own cache line;
@@ -188,6 +211,7 @@ typedef struct dopt_shm_config {
     int size;           /* >= 1; ignored by dopt_shm_fork */
     int timeout_ms;     /* 0: DOPT_DEFAULT_TIMEOUT_MS */
     size_t chunk_bytes; /* 0: 256 KiB */
+    int engine;         /* 1: every collective on distopt.h's engine over per-pair links; 0: direct */
     dopt_log_fn log_fn; /* NULL: silent */
     void *log_user;
     char env_name[DOPT_SHM_NAME_MAX + 1]; /* the name dopt_shm_config_from_env found */
@@ -259,6 +283,11 @@ extern "C" {
             + 128                  cold line: pid, left flag
             + 256                  reason text, when this rank reports the job's failure
    4096 + round_up(size·512)     data: rank q's area a at ((q·3 + a) · area_stride)
+   data + size·3·area_stride     links (worlds of 2..64 ranks): the link from rank i to rank j
+                                 at index i·(size−1) + (j < i ? j : j − 1), link_stride each:
+            + 0                    writer line: bytes written, closed flag
+            + 128                  reader line: bytes read
+            + 256                  a ring of link_bytes (a power of two)
 
    Rank q also holds an open-file-description lock on byte q of the segment file while it is a
    member: the kernel drops it when the process dies, which is how peers and newcomers tell a
@@ -267,7 +296,7 @@ extern "C" {
    own purposes cannot keep a dead rank looking alive. */
 
 #define DOPT__SHM_MAGIC 0x314d485354504f44ull /* "DOPTSHM1" as little-endian bytes */
-#define DOPT__SHM_VERSION 1u
+#define DOPT__SHM_VERSION 2u
 #define DOPT__SHM_MAX_RANKS 1024
 #define DOPT__SHM_AREAS 3
 #define DOPT__SHM_PAGE 4096u
@@ -292,6 +321,11 @@ extern "C" {
 #define DOPT__SHM_REPORT_MS 5000.0    /* while the job forms, say who is missing this often */
 #define DOPT__SHM_SLEEP_MS 50.0       /* longest single futex sleep */
 #define DOPT__SHM_STALE_S 2           /* an uninitialised segment this old with no holder is dead */
+#define DOPT__SHM_LINK_MAX_RANKS 64   /* worlds up to this size get links (groups, the engine) */
+#define DOPT__SHM_LINK_BUDGET ((size_t)16 << 20) /* ring bytes of all links together, above 4 KiB each */
+#define DOPT__SHM_LINK_MAX ((size_t)256 << 10)
+#define DOPT__SHM_LINK_MIN ((size_t)4 << 10)
+#define DOPT__SHM_LINK_CTRL 256u
 
 typedef struct dopt__shm_header {
     uint64_t magic; /* stored last by the creator: the header is complete */
@@ -304,6 +338,7 @@ typedef struct dopt__shm_header {
     uint32_t attached; /* ranks that have joined */
     uint32_t unlinked; /* 1 once the name has been removed */
     uint32_t reaped;   /* 1 once a newcomer found the job dead and removes its name */
+    uint32_t engine;   /* the config's engine: every rank must run collectives the same way */
 } dopt__shm_header;
 
 typedef struct dopt__shm_sync {
@@ -326,9 +361,19 @@ typedef struct dopt__shm_hot {
 } dopt__shm_hot;
 
 typedef struct dopt__shm_cold {
-    int32_t pid;   /* 0 until the rank has joined */
-    uint32_t left; /* 1 once it destroyed its communicator */
+    int32_t pid;     /* 0 until the rank has joined */
+    uint32_t left;   /* 1 once it destroyed its communicator */
+    uint32_t bell;   /* futex word of its links: bumped by a peer that moved one while it sleeps */
+    uint32_t asleep; /* its waiters inside (or about to enter) a futex wait on bell */
 } dopt__shm_cold;
+
+/* The control lines of one link; its ring follows at DOPT__SHM_LINK_CTRL. */
+typedef struct dopt__shm_chan {
+    uint64_t head;   /* bytes written, by the writer */
+    uint32_t closed; /* 1 once the writer ended the stream (after its last head) */
+    unsigned char pad[116];
+    uint64_t tail;   /* bytes read, by the reader */
+} dopt__shm_chan;
 
 /* The private side of one communicator. */
 typedef struct dopt__shm {
@@ -343,6 +388,10 @@ typedef struct dopt__shm {
     const char *job;     /* the name part of path */
     int rank, size;
     size_t chunk, stride, oneshot_bytes, data_off;
+    size_t links_off, link_bytes, link_stride; /* link_bytes 0: no links */
+    int engine;          /* every collective on the engine over the links */
+    unsigned char *gone; /* [size]: a peer this rank found dead (its links then end) */
+    double next_probe;   /* when link_wait next checks the peers it waits for are alive */
     uint64_t epoch;      /* barriers this rank has arrived at */
     int spin;            /* 0 when there are more ranks than processors: yield from the start */
     int member;          /* joined: may record failures in the segment and remove its name */
@@ -378,6 +427,15 @@ static void dopt__shm_geometry(dopt__shm *s) {
     s->data_off = DOPT__SHM_HEADER_BYTES + dopt__shm_round_up((size_t)s->size * DOPT__SHM_RANK_BYTES, DOPT__SHM_PAGE);
     s->total = s->data_off + (size_t)s->size * DOPT__SHM_AREAS * s->stride;
     s->oneshot_bytes = s->chunk < DOPT__SHM_ONESHOT_BYTES ? s->chunk : DOPT__SHM_ONESHOT_BYTES;
+    s->link_bytes = 0;
+    if (s->size > 1 && s->size <= DOPT__SHM_LINK_MAX_RANKS) {
+        size_t pairs = (size_t)s->size * (size_t)(s->size - 1), each = DOPT__SHM_LINK_MAX;
+        while (each > DOPT__SHM_LINK_MIN && each * pairs > DOPT__SHM_LINK_BUDGET) each /= 2;
+        s->link_bytes = each;
+        s->link_stride = DOPT__SHM_LINK_CTRL + each;
+        s->links_off = s->total;
+        s->total += pairs * s->link_stride;
+    }
 }
 
 /* ===================================================================== CLOCK, FUTEX, CPU */
@@ -462,6 +520,22 @@ static void dopt__shm_wake_all(dopt__shm *s) {
     dopt__shm_futex_wake_all(&sync->wake);
 }
 
+/* Wakes rank q if it sleeps on its links. The caller's store (a head, a tail, a flag) comes
+   first; the fence pairs with the sleeper's count-then-recheck, as in the barrier. */
+static void dopt__shm_ring_bell(dopt__shm *s, int q) {
+    dopt__shm_cold *cold = dopt__shm_cold_of(s, q);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&cold->asleep, __ATOMIC_RELAXED) != 0) {
+        __atomic_fetch_add(&cold->bell, 1u, __ATOMIC_SEQ_CST);
+        dopt__shm_futex_wake_all(&cold->bell);
+    }
+}
+
+static void dopt__shm_ring_all_bells(dopt__shm *s) {
+    int q;
+    for (q = 0; s->link_bytes > 0 && q < s->size; q++) dopt__shm_ring_bell(s, q);
+}
+
 /* Records the job's first failure: status, culprit and reporter in one word, the reason in the
    reporter's own block (written before the word, so a reader that sees the word sees it). */
 static void dopt__shm_publish_abort(dopt__shm *s, dopt_status st, int culprit, const char *why) {
@@ -473,6 +547,7 @@ static void dopt__shm_publish_abort(dopt__shm *s, dopt_status st, int culprit, c
     w = (uint64_t)(uint8_t)(-(int)st) | (uint64_t)(uint16_t)(culprit + 1) << 8 | (uint64_t)(uint16_t)(s->rank + 1) << 24;
     __atomic_compare_exchange_n(word, &expect, w, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     dopt__shm_wake_all(s);
+    dopt__shm_ring_all_bells(s);
 }
 
 static dopt_status dopt__shm_fail(dopt_comm *c, dopt__shm *s, const dopt_coll_desc *d, dopt_status st, int culprit,
@@ -559,6 +634,9 @@ static void dopt__shm_report_wait(dopt_comm *c, dopt__shm *s, uint64_t target, d
                   n > 1 ? "s" : "", late, s->size - n, s->size, waited_ms / 1e3);
 }
 
+static dopt_status dopt__shm_check_frames(dopt_comm *c, dopt__shm *s, const dopt_coll_desc *d, int late,
+                                          uint64_t target);
+
 /* Waits until every rank's epoch reaches target: spin, then sleep on the futex; bounded by
    comm->timeout_ms. Completion is checked before failures, so a rank that passed the barrier
    and then failed (a mismatch found right after it) cannot make a slower rank miss it. */
@@ -600,6 +678,7 @@ static dopt_status dopt__shm_wait_all(dopt_comm *c, dopt__shm *s, const dopt_col
         probe = now >= next_probe;
         if (probe) next_probe = now + DOPT__SHM_LIVENESS_MS;
         st = dopt__shm_check_late(c, s, d, late, target, probe);
+        if (st == DOPT_OK && d != NULL) st = dopt__shm_check_frames(c, s, d, late, target);
         if (st != DOPT_OK) return st;
         if (d == NULL && now >= next_report) {
             dopt__shm_report_wait(c, s, target, now - start);
@@ -895,6 +974,219 @@ static dopt_status dopt__shm_barrier_call(dopt_comm *c, const dopt_coll_desc *d)
     return st;
 }
 
+/* ===================================================================== LINKS
+
+   One ring per ordered pair of ranks (SEGMENT LAYOUT): the writer alone moves head, the reader
+   alone moves tail, so neither takes a lock; head is published after the bytes (release) and
+   read before them (acquire). A rank that waits on its links sleeps on its own bell, which a
+   peer rings after moving head or tail or closing. A link ends in order when its writer closed
+   it and the reader has read everything; it fails when its peer is found dead (its lock is free)
+   or left without closing. The engine in distopt.h runs collectives over these. */
+
+static dopt__shm_chan *dopt__shm_chan_of(const dopt__shm *s, int from, int to) {
+    size_t i = (size_t)from * (size_t)(s->size - 1) + (size_t)(to < from ? to : to - 1);
+    return (dopt__shm_chan *)(void *)(s->base + s->links_off + i * s->link_stride);
+}
+
+static unsigned char *dopt__shm_ring_of(dopt__shm_chan *ch) { return (unsigned char *)ch + DOPT__SHM_LINK_CTRL; }
+
+static int dopt__shm_peer_gone(const dopt__shm *s, int q) {
+    return s->gone[q] || __atomic_load_n(&dopt__shm_cold_of(s, q)->left, __ATOMIC_ACQUIRE);
+}
+
+/* A failure the direct collectives recorded in the segment reaches the engine as this rank's
+   failure (the same status and reason, "reported by" its reporter) and a failed link. A rank
+   records its failure before its links end, so a link that ends looks here first. */
+static int dopt__shm_links_aborted(dopt_comm *c, dopt__shm *s, int *err) {
+    if (!dopt__shm_aborted(s)) return 0;
+    dopt__shm_check_abort(c, s, dopt__eng_current(c->eng));
+    *err = ECONNABORTED;
+    return 1;
+}
+
+/* A link that ended: reason (0 in order), unless a failure recorded in the segment says more. */
+static long dopt__shm_link_end(dopt_comm *c, dopt__shm *s, int reason, int *err) {
+    if (!dopt__shm_links_aborted(c, s, err)) *err = reason;
+    return -1;
+}
+
+static long dopt__shm_link_send(dopt_comm *c, int peer, const dopt_iov *parts, int nparts, int *err) {
+    dopt__shm *s = (dopt__shm *)c->impl;
+    dopt__shm_chan *ch = dopt__shm_chan_of(s, s->rank, peer);
+    unsigned char *ring = dopt__shm_ring_of(ch);
+    uint64_t head = ch->head;
+    size_t room = s->link_bytes - (size_t)(head - __atomic_load_n(&ch->tail, __ATOMIC_ACQUIRE)), sent = 0;
+    int i;
+    if (dopt__shm_peer_gone(s, peer)) return dopt__shm_link_end(c, s, EPIPE, err);
+    for (i = 0; i < nparts && sent < room; i++) {
+        const unsigned char *src = (const unsigned char *)parts[i].base;
+        size_t n = parts[i].len < room - sent ? parts[i].len : room - sent, done = 0;
+        while (done < n) { /* at most twice: up to the ring's end, then from its start */
+            size_t at = (size_t)((head + sent + done) & (s->link_bytes - 1)), k = s->link_bytes - at;
+            if (k > n - done) k = n - done;
+            memcpy(ring + at, src + done, k);
+            done += k;
+        }
+        sent += n;
+    }
+    if (sent == 0) return 0;
+    __atomic_store_n(&ch->head, head + sent, __ATOMIC_RELEASE);
+    dopt__shm_ring_bell(s, peer);
+    return (long)sent;
+}
+
+static long dopt__shm_link_recv(dopt_comm *c, int peer, void *dst, size_t cap, int *err) {
+    dopt__shm *s = (dopt__shm *)c->impl;
+    dopt__shm_chan *ch = dopt__shm_chan_of(s, peer, s->rank);
+    unsigned char *ring = dopt__shm_ring_of(ch), *out = (unsigned char *)dst;
+    uint64_t tail = ch->tail, head = __atomic_load_n(&ch->head, __ATOMIC_ACQUIRE);
+    size_t n, done = 0;
+    if (head == tail) {
+        if (__atomic_load_n(&ch->closed, __ATOMIC_ACQUIRE)) {
+            if (__atomic_load_n(&ch->head, __ATOMIC_ACQUIRE) == tail) return dopt__shm_link_end(c, s, 0, err);
+            head = __atomic_load_n(&ch->head, __ATOMIC_ACQUIRE);
+        } else if (dopt__shm_peer_gone(s, peer)) {
+            return dopt__shm_link_end(c, s, ECONNRESET, err);
+        } else {
+            return 0;
+        }
+    }
+    n = (size_t)(head - tail) < cap ? (size_t)(head - tail) : cap;
+    while (done < n) {
+        size_t at = (size_t)((tail + done) & (s->link_bytes - 1)), k = s->link_bytes - at;
+        if (k > n - done) k = n - done;
+        memcpy(out + done, ring + at, k);
+        done += k;
+    }
+    __atomic_store_n(&ch->tail, tail + n, __ATOMIC_RELEASE);
+    dopt__shm_ring_bell(s, peer);
+    return (long)n;
+}
+
+static int dopt__shm_links_ready(const dopt__shm *s, dopt_link_poll *polls, int npolls) {
+    int i, ready = 0;
+    for (i = 0; i < npolls; i++) {
+        int q = polls[i].peer;
+        short re = 0;
+        if (polls[i].events & DOPT_LINK_IN) {
+            dopt__shm_chan *in = dopt__shm_chan_of(s, q, s->rank);
+            if (__atomic_load_n(&in->head, __ATOMIC_ACQUIRE) != in->tail || __atomic_load_n(&in->closed, __ATOMIC_ACQUIRE) ||
+                dopt__shm_peer_gone(s, q))
+                re |= DOPT_LINK_IN;
+        }
+        if (polls[i].events & DOPT_LINK_OUT) {
+            dopt__shm_chan *out = dopt__shm_chan_of(s, s->rank, q);
+            if (out->head - __atomic_load_n(&out->tail, __ATOMIC_ACQUIRE) < s->link_bytes || dopt__shm_peer_gone(s, q))
+                re |= DOPT_LINK_OUT;
+        }
+        polls[i].revents = re;
+        ready += re != 0;
+    }
+    return ready;
+}
+
+/* A few times per second while waiting: the peers waited for that died end their links. */
+static void dopt__shm_probe_links(dopt__shm *s, const dopt_link_poll *polls, int npolls, double now) {
+    int i;
+    if (now < s->next_probe) return;
+    s->next_probe = now + DOPT__SHM_LIVENESS_MS;
+    for (i = 0; i < npolls; i++)
+        if (!s->gone[polls[i].peer] && dopt__shm_rank_dead(s, polls[i].peer)) s->gone[polls[i].peer] = 1;
+}
+
+static int dopt__shm_link_wait(dopt_comm *c, dopt_link_poll *polls, int npolls, int timeout_ms, int *err) {
+    dopt__shm *s = (dopt__shm *)c->impl;
+    dopt__shm_cold *me = dopt__shm_cold_of(s, s->rank);
+    double now = dopt__now_ms(), deadline = now + (double)timeout_ms;
+    int ready;
+    if (dopt__shm_links_aborted(c, s, err)) return -1; /* first: a failed rank's links end after */
+    if ((ready = dopt__shm_links_ready(s, polls, npolls)) > 0) return ready;
+    dopt__shm_probe_links(s, polls, npolls, now);
+    if (timeout_ms == 0) {
+        if (!s->spin) sched_yield(); /* more ranks than processors: let the peer run */
+        return dopt__shm_links_ready(s, polls, npolls);
+    }
+    for (;;) {
+        uint32_t seen;
+        double nap = DOPT__SHM_SLEEP_MS;
+        if (s->next_probe - now < nap) nap = s->next_probe - now;
+        if (deadline - now < nap) nap = deadline - now;
+        __atomic_fetch_add(&me->asleep, 1u, __ATOMIC_SEQ_CST);
+        seen = __atomic_load_n(&me->bell, __ATOMIC_SEQ_CST);
+        ready = dopt__shm_links_ready(s, polls, npolls);
+        if (ready == 0 && !dopt__shm_aborted(s)) dopt__shm_futex_wait(&me->bell, seen, nap);
+        __atomic_fetch_sub(&me->asleep, 1u, __ATOMIC_SEQ_CST);
+        if (dopt__shm_links_aborted(c, s, err)) return -1;
+        if (ready > 0 || (ready = dopt__shm_links_ready(s, polls, npolls)) > 0) return ready;
+        now = dopt__now_ms();
+        dopt__shm_probe_links(s, polls, npolls, now);
+        if ((ready = dopt__shm_links_ready(s, polls, npolls)) > 0) return ready;
+        if (now >= deadline) return 0;
+    }
+}
+
+/* Ends this rank's writing to peer. */
+static void dopt__shm_close_link(dopt__shm *s, int peer) {
+    __atomic_store_n(&dopt__shm_chan_of(s, s->rank, peer)->closed, 1u, __ATOMIC_RELEASE);
+    dopt__shm_ring_bell(s, peer);
+}
+
+/* The engine closes its links after a failure: the failure is recorded in the segment too, for
+   peers waiting in a direct collective. */
+static void dopt__shm_link_close(dopt_comm *c, int peer) {
+    dopt__shm *s = (dopt__shm *)c->impl;
+    if (dopt__family_error(c) != DOPT_OK) dopt__shm_publish_abort(s, c->error, s->rank, c->detail);
+    dopt__shm_close_link(s, peer);
+}
+
+/* A rank that waits in a direct collective for rank q while q has sent it frames: q runs a
+   collective of the engine (a group's) that this rank has not started, which is a mismatch,
+   named from the frame's header when it is whole. DATA frames only: an ABORT reaches the segment
+   as well, and a GOODBYE comes just before q leaves. */
+static dopt_status dopt__shm_frames_from(dopt_comm *c, dopt__shm *s, const dopt_coll_desc *d, int q) {
+    dopt__peer *P = &c->eng->peers[q];
+    dopt__shm_chan *ch = dopt__shm_chan_of(s, q, s->rank);
+    uint64_t avail = __atomic_load_n(&ch->head, __ATOMIC_ACQUIRE) - ch->tail;
+    unsigned char hdr[DOPT_FRAME_BYTES];
+    char why[DOPT__SHM_REASON_MAX];
+    dopt__frame f;
+    int whole = 0;
+    size_t i;
+    if (P->hi - P->lo >= DOPT_FRAME_BYTES) {
+        memcpy(hdr, P->stage + P->lo, sizeof hdr);
+        whole = 1;
+    } else if (P->hi == P->lo) {
+        if (avail == 0) return DOPT_OK;
+        for (i = 0; avail >= sizeof hdr && i < sizeof hdr; i++)
+            hdr[i] = dopt__shm_ring_of(ch)[(size_t)((ch->tail + i) & (s->link_bytes - 1))];
+        whole = avail >= sizeof hdr;
+    }
+    if (whole && dopt__frame_decode(hdr, &f) == NULL) {
+        if (f.type != DOPT__FRAME_DATA) return DOPT_OK;
+        char theirs[100], mine[100];
+        dopt_comm_fail_mismatch(c, d, &f.desc, q);
+        dopt_coll_describe(&f.desc, theirs, sizeof theirs);
+        dopt_coll_describe(d, mine, sizeof mine);
+        snprintf(why, sizeof why, "rank %d called %s and rank %d %s", q, theirs, s->rank, mine);
+    } else {
+        dopt_comm_fail(c, d, DOPT_ERR_MISMATCH, "rank %d sent data for a collective this rank has not started", q);
+        snprintf(why, sizeof why, "rank %d sent rank %d data for a collective it has not started", q, s->rank);
+    }
+    dopt__shm_publish_abort(s, DOPT_ERR_MISMATCH, q, why);
+    return c->error;
+}
+
+static dopt_status dopt__shm_check_frames(dopt_comm *c, dopt__shm *s, const dopt_coll_desc *d, int late,
+                                          uint64_t target) {
+    int q;
+    if (s->link_bytes == 0 || c->eng == NULL) return DOPT_OK;
+    for (q = late; q < s->size; q++)
+        if (q != s->rank && __atomic_load_n(&dopt__shm_hot_of(s, q)->epoch, __ATOMIC_SEQ_CST) < target &&
+            dopt__shm_frames_from(c, s, d, q) != DOPT_OK)
+            return c->error;
+    return DOPT_OK;
+}
+
 /* ===================================================================== LEAVING AND DESTROY */
 
 /* Removes the job's name once, and only if it still names our segment. */
@@ -925,6 +1217,7 @@ static void dopt__shm_leave(dopt_comm *c, dopt__shm *s) {
     dopt__shm_unlink_name(s);
     __atomic_store_n(&dopt__shm_cold_of(s, s->rank)->left, 1u, __ATOMIC_SEQ_CST);
     dopt__shm_wake_all(s);
+    dopt__shm_ring_all_bells(s);
 }
 
 static void dopt__shm_release(dopt__shm *s) {
@@ -934,35 +1227,48 @@ static void dopt__shm_release(dopt__shm *s) {
     s->fd = -1;
 }
 
+/* Says goodbye on every link (a peer still finishing the last collective knows this rank left
+   on purpose), closes them, and leaves. */
 static void dopt__shm_destroy(dopt_comm *c) {
     dopt__shm *s = (dopt__shm *)c->impl;
+    int q;
     if (s == NULL) return;
+    if (s->link_bytes > 0 && s->member && !s->left && s->base != NULL) {
+        dopt_links_goodbye(c, c->timeout_ms < 5000 ? c->timeout_ms : 5000);
+        for (q = 0; q < s->size; q++)
+            if (q != s->rank) dopt__shm_close_link(s, q);
+    }
     dopt__shm_leave(c, s);
     dopt__shm_release(s);
     DOPT_FREE(s->children);
+    DOPT_FREE(s->gone);
     DOPT_FREE(s);
     c->impl = NULL;
 }
 
-static const dopt_comm_vtable dopt__shm_vtable = {"shm",
-                                                  dopt__shm_allreduce,
-                                                  dopt__shm_allgatherv,
-                                                  dopt__shm_broadcast,
-                                                  dopt__shm_barrier_call,
-                                                  dopt__shm_destroy,
-                                                  sizeof(dopt_comm_vtable),
-                                                  DOPT_PROVIDES_ALL,
-                                                  NULL,
-                                                  NULL,
-                                                  NULL,
-                                                  NULL,
-                                                  NULL};
+/* Direct collectives (reducing straight from the peers' slots), links for groups and requests
+   of the engine; every collective on the engine; or, in worlds too large for links, direct
+   collectives alone. */
+static const dopt_comm_vtable dopt__shm_vtable = {
+    "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
+    sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait,
+    dopt__shm_link_close, NULL};
+static const dopt_comm_vtable dopt__shm_engine_vtable = {
+    "shm", NULL, NULL, NULL, NULL, dopt__shm_destroy, sizeof(dopt_comm_vtable), 0u,
+    dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait, dopt__shm_link_close, NULL};
+static const dopt_comm_vtable dopt__shm_unlinked_vtable = {
+    "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
+    sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, NULL};
+
+static int dopt__shm_owns(const dopt_comm *c) {
+    return c->vt == &dopt__shm_vtable || c->vt == &dopt__shm_engine_vtable || c->vt == &dopt__shm_unlinked_vtable;
+}
 
 /* ===================================================================== CONFIGURATION */
 
 typedef struct dopt__shm_settings {
     char name[DOPT__SHM_NAME_MAX + 1];
-    int rank, size, timeout_ms;
+    int rank, size, timeout_ms, engine;
     size_t chunk;
 } dopt__shm_settings;
 
@@ -1010,6 +1316,11 @@ static dopt_status dopt__shm_resolve(const dopt_shm_config *cfg, dopt__shm_setti
         return DOPT_ERR_INVALID;
     }
     if (out->timeout_ms == 0) out->timeout_ms = DOPT_DEFAULT_TIMEOUT_MS;
+    if (cfg->engine != 0 && cfg->engine != 1) {
+        snprintf(why, cap, "engine %d is not 0 or 1", cfg->engine);
+        return DOPT_ERR_INVALID;
+    }
+    out->engine = cfg->engine;
     out->chunk = cfg->chunk_bytes ? cfg->chunk_bytes : DOPT__SHM_DEFAULT_CHUNK;
     if (out->chunk < DOPT__SHM_MIN_CHUNK || out->chunk > DOPT__SHM_MAX_CHUNK) {
         snprintf(why, cap, "chunk_bytes %zu outside %zu..%zu", out->chunk, DOPT__SHM_MIN_CHUNK, DOPT__SHM_MAX_CHUNK);
@@ -1097,6 +1408,7 @@ static dopt_status dopt__shm_try_create(dopt_comm *c, dopt__shm *s, int *exists)
     h->chunk_bytes = s->chunk;
     h->area_stride = s->stride;
     h->total_bytes = s->total;
+    h->engine = (uint32_t)s->engine;
     h->creator_pid = (int32_t)getpid();
     __atomic_store_n(&h->magic, DOPT__SHM_MAGIC, __ATOMIC_RELEASE);
     return DOPT_OK;
@@ -1191,6 +1503,12 @@ static dopt_status dopt__shm_try_attach(dopt_comm *c, dopt__shm *s, int *retry) 
         return dopt_comm_fail(c, NULL, DOPT_ERR_INVALID,
                               "job '%s' was created for %d ranks with chunk_bytes %llu; this rank was given %d and %zu",
                               s->job, size, chunk, s->size, s->chunk);
+    }
+    if (h->engine != (uint32_t)s->engine) {
+        int engine = (int)h->engine;
+        dopt__shm_close_attempt(s);
+        return dopt_comm_fail(c, NULL, DOPT_ERR_INVALID, "job '%s' was created with engine %d; this rank was given %d",
+                              s->job, engine, s->engine);
     }
     if (h->total_bytes != s->total) {
         dopt__shm_close_attempt(s);
@@ -1318,9 +1636,18 @@ DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg
     snprintf(s->path, sizeof s->path, "/dopt.%s", set.name);
     s->job = s->path + 6;
     s->spin = set.size <= dopt__shm_cpus();
+    s->engine = set.engine;
     dopt__shm_geometry(s);
-    st = dopt_comm_new(&c, set.rank, set.size, &dopt__shm_vtable, s);
+    s->gone = (unsigned char *)DOPT_MALLOC((size_t)set.size);
+    if (s->gone != NULL) memset(s->gone, 0, (size_t)set.size);
+    st = s->gone == NULL ? DOPT_ERR_NOMEM
+                         : dopt_comm_new(&c, set.rank, set.size,
+                                         s->link_bytes == 0 ? &dopt__shm_unlinked_vtable
+                                         : s->engine        ? &dopt__shm_engine_vtable
+                                                            : &dopt__shm_vtable,
+                                         s);
     if (st != DOPT_OK) {
+        DOPT_FREE(s->gone);
         DOPT_FREE(s);
         return dopt__shm_config_fail(cfg, st, "out of memory");
     }
@@ -1469,7 +1796,7 @@ static int dopt__shm_wait_child(dopt_comm *c, int r, pid_t pid, double deadline)
 }
 
 DOPT_DEF int dopt_shm_fork_finish(dopt_comm *comm, int status) {
-    dopt__shm *s = (comm != NULL && comm->vt == &dopt__shm_vtable) ? (dopt__shm *)comm->impl : NULL;
+    dopt__shm *s = (comm != NULL && dopt__shm_owns(comm)) ? (dopt__shm *)comm->impl : NULL;
     int result = status, r;
     if (s != NULL && s->fork_child) {
         dopt_comm_destroy(comm);

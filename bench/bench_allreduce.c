@@ -11,7 +11,8 @@
    BACKENDS    comma-separated, default all: mpi (dopt-mpi: transport_mpi.h), mpi-check (the same
                with its mismatch check on), iallreduce (mpi-iallreduce: MPI_Iallreduce polled with
                MPI_Test, what a timeout on the MPI backend would cost), shm (dopt-shm), tcp
-               (dopt-tcp), shm-nb and tcp-nb (dopt-shm-nb, dopt-tcp-nb: the same transports with
+               (dopt-tcp), shm-engine (dopt-shm-engine: shm with every collective on the engine over
+               its per-pair links instead of its direct collectives), shm-nb and tcp-nb (dopt-shm-nb, dopt-tcp-nb: the same transports with
                8 allreduces started with dopt_allreduce_start, then waited for; us is per
                allreduce, and blocking_ratio the time of the same 8 allreduces on the same 8
                buffers as blocking calls one after another, measured right after each
@@ -63,7 +64,7 @@
 #include <unistd.h>
 
 #define REPS 9
-#define MAX_BACKENDS 8
+#define MAX_BACKENDS 10
 #define MIN_REP_SECONDS 0.02
 
 typedef enum bench_kind { BENCH_RAW, BENCH_IALLREDUCE, BENCH_DOPT, BENCH_DOPT_NB, BENCH_MEMCPY, BENCH_STREAM } bench_kind;
@@ -272,7 +273,7 @@ static dopt_comm *create_mpi(int check) {
 }
 
 /* Rank 0 names the job; MPI tells the others. */
-static dopt_comm *create_shm(void) {
+static dopt_comm *create_shm(int engine) {
     dopt_shm_config cfg;
     dopt_comm *c = NULL;
     char name[64];
@@ -282,6 +283,7 @@ static dopt_comm *create_shm(void) {
     cfg.name = name;
     cfg.rank = world_rank;
     cfg.size = world_size;
+    cfg.engine = engine;
     cfg.log_fn = log_errors;
     if (dopt_shm_create(&c, &cfg) != DOPT_OK) die("dopt_shm_create failed", NULL);
     return c;
@@ -390,7 +392,12 @@ int main(int argc, char **argv) {
     if (wanted(list, "shm")) {
         bs[nb].name = "dopt-shm";
         bs[nb].kind = BENCH_DOPT;
-        bs[nb++].comm = create_shm();
+        bs[nb++].comm = create_shm(0);
+    }
+    if (wanted(list, "shm-engine")) {
+        bs[nb].name = "dopt-shm-engine";
+        bs[nb].kind = BENCH_DOPT;
+        bs[nb++].comm = create_shm(1);
     }
     if (wanted(list, "tcp")) {
         bs[nb].name = "dopt-tcp";
@@ -405,7 +412,7 @@ int main(int argc, char **argv) {
     if (wanted(list, "shm-nb")) {
         bs[nb].name = "dopt-shm-nb";
         bs[nb].kind = BENCH_DOPT_NB;
-        bs[nb++].comm = create_shm();
+        bs[nb++].comm = create_shm(0);
     }
     if (wanted(list, "tcp-nb")) {
         bs[nb].name = "dopt-tcp-nb";

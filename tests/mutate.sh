@@ -111,6 +111,20 @@ mutate mpi-check-ignores-seq transport_mpi.h \
 mutate shm-dead-rank-misnamed transport_shm.h \
     '"rank %d (pid %d) died", q, (int)cold->pid);' '"rank %d (pid %d) died", (q + 1) % s->size, (int)cold->pid);' \
     test_shm:peer_killed
+mutate shm-link-read-ignores-wrap transport_shm.h \
+    'size_t at = (size_t)((tail + done) & (s->link_bytes - 1)), k = s->link_bytes - at;' \
+    'size_t at = (size_t)(tail & (s->link_bytes - 1)), k = s->link_bytes - at;' test_shm:conformance_on_the_engine
+mutate shm-link-dead-peer-not-probed transport_shm.h \
+    'if (!s->gone[polls[i].peer] && dopt__shm_rank_dead(s, polls[i].peer))' 'if (0 && dopt__shm_rank_dead(s, polls[i].peer))' \
+    test_shm:peer_dying_mid_message
+mutate shm-direct-wait-ignores-frames transport_shm.h \
+    'if (st == DOPT_OK && d != NULL) st = dopt__shm_check_frames' 'if (0 && d != NULL) st = dopt__shm_check_frames' \
+    test_shm:a_failure_crosses
+mutate shm-engine-failure-not-recorded transport_shm.h \
+    'if (dopt__family_error(c) != DOPT_OK) dopt__shm_publish_abort(s, c->error, s->rank, c->detail);' '' \
+    test_shm:a_failure_crosses
+mutate shm-link-end-ignores-segment-failure transport_shm.h \
+    'if (!dopt__shm_links_aborted(c, s, err)) *err = reason;' '(void)c, (void)s, *err = reason;' test_shm:a_failure_crosses
 mutate tcp-abort-culprit-ignored distopt.h \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "%s (reported by rank %d)", why, f->reporter);' \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "rank %d closed the connection", f->reporter);' test_faults:tcp

@@ -1,5 +1,5 @@
 /* Zero allocations per call after the first, over real worlds of 2 and 3 processes on shared
-   memory and on TCP: every collective, blocking and not (allreduce in every dtype and op, small
+   memory (direct, and on the engine over its links), on TCP, and on groups of both: every collective, blocking and not (allreduce in every dtype and op, small
    and large, allgather, allgatherv, broadcast, barrier, the _start forms with several requests
    in flight); the compressed allreduce with every codec of compress.h; and the steps of the
    local SGD driver (period 1 averaging the gradients, fp32 or through TernGrad; period 4
@@ -196,6 +196,21 @@ DTEST(collectives_shm_allocate_nothing_after_the_first_call) {
 }
 DTEST(collectives_tcp_allocate_nothing_after_the_first_call) {
     world_run_sizes(WORLD_TCP, 2, 3, collectives_steady, NULL);
+}
+
+/* The same on a group of every rank (ranked backwards), which runs on the engine over the
+   parent's links whichever way the parent's own collectives run. */
+static void group_collectives_steady(dopt_comm *c, void *arg) {
+    dopt_comm *g;
+    DT_OK(dopt_comm_split(c, 0, -c->rank, &g));
+    collectives_steady(g, arg);
+    dopt_comm_destroy(g);
+}
+
+DTEST(collectives_shm_engine_and_groups_allocate_nothing_after_the_first_call) {
+    world_run_sizes(WORLD_SHM_ENGINE, 2, 3, collectives_steady, NULL);
+    world_run(WORLD_SHM, 3, group_collectives_steady, NULL);
+    world_run(WORLD_TCP, 3, group_collectives_steady, NULL);
 }
 
 /* ------------------------------------------------------------------ the compressed allreduce */

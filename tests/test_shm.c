@@ -1,16 +1,20 @@
 /* Tests of transport_shm.h: the shared conformance suite at world sizes 1..4 through the fork
-   helper, mismatches, dead and stuck peers, stale and live segments, the launcher path through
-   the environment, and pipelining with chunks smaller than the message. Every multi-rank test
-   runs real processes over real shared memory. */
+   helper, with the direct collectives and with the engine over the per-pair links, groups,
+   mismatches, dead and stuck peers (a failure crossing from the direct collectives to the links
+   and back), stale and live segments, the launcher path through the environment, and pipelining
+   with chunks smaller than the message. Every multi-rank test runs real processes over real
+   shared memory. */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_shm.h"
 #include "dtest.h"
 #include "conformance.h"
+#include "groups.h"
 
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <signal.h>
 #include <sys/stat.h>
 
 /* ------------------------------------------------------------------ helpers */
@@ -88,15 +92,129 @@ DTEST(conformance_world_4_oversubscribed) { run_conformance(4, 0); }
 /* 1000-byte chunks: every length above 1000 bytes is pipelined through many odd-sized windows. */
 DTEST(conformance_world_2_chunk_1000_bytes) { run_conformance(2, 1000); }
 
-/* No links yet: splitting is refused, the same way on every rank, and nothing is poisoned. */
-DTEST(split_is_unsupported_and_poisons_nothing) {
-    dopt_comm *c, *g = (dopt_comm *)1;
-    DT_OK(dopt_shm_fork(&c, 2, NULL));
-    DT_EQ_INT(dopt_comm_split(c, 0, 0, &g), DOPT_ERR_UNSUPPORTED);
-    DT_CHECK(g == NULL);
-    DT_EQ_INT(dopt_comm_split_host(c, &g), DOPT_ERR_UNSUPPORTED);
-    DT_OK(dopt_barrier(c));
+/* ------------------------------------------------------------------ links: the engine and groups */
+
+/* body on every rank of a forked job whose collectives run directly (engine 0) or on the engine
+   over the per-pair links (engine 1). */
+static void run_body(int nranks, int engine, void (*body)(dopt_comm *c)) {
+    dopt_shm_config cfg = config_for(NULL, 0, 0, 60000, NULL);
+    dopt_comm *c;
+    cfg.engine = engine;
+    DT_OK(dopt_shm_fork(&c, nranks, &cfg));
+    body(c);
     DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+}
+
+DTEST(conformance_on_the_engine_over_links_worlds_1_to_4) {
+    int n;
+    for (n = 1; n <= 4; n++) run_body(n, 1, conformance_run);
+}
+
+DTEST(mismatches_on_the_engine_over_links_fail_every_rank) {
+    run_body(3, 1, conformance_mismatch_count);
+    run_body(3, 1, conformance_mismatch_kind);
+    run_body(2, 1, conformance_mismatch_in_flight);
+}
+
+/* Groups share the links whichever way the parent's own collectives run (bodies in groups.h). */
+DTEST(groups_pass_conformance_beside_their_parent) {
+    run_body(4, 0, groups_of_parity);
+    run_body(3, 1, groups_of_parity);
+}
+
+DTEST(groups_and_parent_in_flight_together) {
+    run_body(4, 0, groups_in_flight);
+    run_body(4, 1, groups_in_flight);
+}
+
+DTEST(split_colors_and_host_groups) {
+    run_body(3, 0, split_colors);
+    run_body(4, 0, groups_of_hosts);
+}
+
+DTEST(mismatch_between_parent_and_group_is_named) {
+    run_body(2, 0, mismatch_across_groups);
+    run_body(2, 0, group_failure_poisons_parent);
+}
+
+/* Ranks 0 and 1 allreduce on a group of all three (the engine, over links) while rank 2 waits
+   in a direct barrier of the parent: rank 2 sees their frames arrive while they do not arrive at
+   its barrier, names the mismatch, and ranks 0 and 1 learn it from the segment, with both calls. */
+static void direct_mismatch_reaches_the_links(dopt_comm *c) {
+    dopt_comm *g;
+    float x[4] = {0};
+    DT_OK(dopt_comm_split(c, 0, 0, &g));
+    if (c->rank == 2) {
+        DT_EQ_INT(dopt_barrier(c), DOPT_ERR_MISMATCH);
+        DT_CHECKF(strstr(dopt_comm_detail(c), "called allreduce #1 in group 1") != NULL, "%s", dopt_comm_detail(c));
+    } else {
+        dopt_status s = dopt_allreduce(g, x, 4, DOPT_F32, DOPT_SUM);
+        DT_CHECKF(s == DOPT_ERR_MISMATCH && strstr(dopt_comm_detail(g), "rank 2 barrier") != NULL &&
+                      strstr(dopt_comm_detail(g), "(reported by rank 2)") != NULL,
+                  "rank %d: %d: %s", c->rank, (int)s, dopt_comm_detail(g));
+    }
+    dopt_comm_destroy(g);
+}
+
+/* The other way: rank 2 waits on the group's links for a broadcast from rank 0 (a leaf of the
+   tree: it sends nothing) and times out; ranks 0 and 1, in a direct barrier, learn it from the
+   segment while rank 2 is still there. */
+static void links_failure_reaches_direct(dopt_comm *c) {
+    dopt_comm *g;
+    float x[4] = {0};
+    DT_OK(dopt_comm_split(c, 0, 0, &g));
+    if (c->rank == 2) {
+        g->timeout_ms = 500;
+        DT_EQ_INT(dopt_broadcast(g, x, sizeof x, 0), DOPT_ERR_TIMEOUT);
+        DT_EQ_INT(dopt_barrier(c), DOPT_ERR_TIMEOUT); /* the parent shares the failure */
+    } else {
+        DT_EQ_INT(dopt_barrier(c), DOPT_ERR_TIMEOUT);
+        DT_CHECKF(strstr(dopt_comm_detail(c), "(reported by rank 2)") != NULL, "rank %d: %s", c->rank,
+                  dopt_comm_detail(c));
+    }
+    dopt_comm_destroy(g);
+}
+
+DTEST(a_failure_crosses_between_direct_collectives_and_links) {
+    run_body(3, 0, direct_mismatch_reaches_the_links);
+    run_body(3, 0, links_failure_reaches_direct);
+}
+
+/* Rank 1 writes the header and half the payload of a broadcast into its link to rank 0, then is
+   killed: rank 0 names it as dead instead of waiting for the rest. */
+DTEST(peer_dying_mid_message_on_a_link_is_named) {
+    dopt_shm_config cfg = config_for(NULL, 0, 0, 60000, NULL);
+    dopt_comm *c;
+    size_t n = 4096;
+    float *x = (float *)calloc(n, sizeof(float));
+    dopt_status s;
+    DT_CHECK(x != NULL);
+    cfg.engine = 1;
+    DT_OK(dopt_shm_fork(&c, 2, &cfg));
+    DT_OK(dopt_barrier(c));
+    if (c->rank == 1) {
+        unsigned char hdr[DOPT_FRAME_BYTES];
+        dopt_coll_desc d;
+        dopt_iov parts[2];
+        int err = 0;
+        memset(&d, 0, sizeof d);
+        d.kind = DOPT_COLL_BROADCAST;
+        d.root = 1;
+        d.seq = c->seq + 1;
+        d.count = n * sizeof(float);
+        dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 1, 0, d.count);
+        parts[0].base = hdr;
+        parts[0].len = sizeof hdr;
+        parts[1].base = x;
+        parts[1].len = d.count / 2;
+        DT_CHECK(c->vt->link_send(c, 0, parts, 2, &err) == (long)(sizeof hdr + d.count / 2));
+        kill(getpid(), SIGKILL);
+    }
+    s = dopt_broadcast(c, x, n * sizeof(float), 1);
+    DT_EQ_INT(s, DOPT_ERR_PEER_LOST);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1") != NULL, "%s", dopt_comm_detail(c));
+    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 128 + SIGKILL);
+    free(x);
 }
 
 /* ------------------------------------------------------------------ mismatches */

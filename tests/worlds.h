@@ -3,7 +3,8 @@
    dtest.h, transport_shm.h and transport_tcp.h.
 
    world_run(via, n, body, arg)   forks n processes; rank r creates its communicator (shm: by a
-                                  unique job name; TCP: rank 0 listens on a port the kernel picks
+                                  unique job name, WORLD_SHM_ENGINE with every collective on
+                                  the engine over shm's links; TCP: rank 0 listens on a port the kernel picks
                                   and hands it to the others through a pipe), runs body(comm,
                                   arg), destroys the communicator. Fails the test when a rank
                                   fails or outlives the budget (100 s).
@@ -16,7 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef enum world_via { WORLD_SHM, WORLD_TCP } world_via;
+typedef enum world_via { WORLD_SHM, WORLD_SHM_ENGINE, WORLD_TCP } world_via;
 typedef void (*world_body)(dopt_comm *c, void *arg);
 
 typedef struct world {
@@ -36,13 +37,14 @@ static void world_on_listen(void *user, int port) {
 
 static dopt_comm *world_join(world *w, int rank) {
     dopt_comm *c = NULL;
-    if (w->via == WORLD_SHM) {
+    if (w->via == WORLD_SHM || w->via == WORLD_SHM_ENGINE) {
         dopt_shm_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.name = w->shm_name;
         cfg.rank = rank;
         cfg.size = w->n;
         cfg.timeout_ms = 30000;
+        cfg.engine = w->via == WORLD_SHM_ENGINE;
         DT_OK(dopt_shm_create(&c, &cfg));
     } else {
         dopt_tcp_config cfg;
