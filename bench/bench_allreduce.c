@@ -9,7 +9,8 @@
    RAW_NAME    name printed for plain MPI_Allreduce on MPI_COMM_WORLD (default mpi-raw; the TCP run
                says mpi-raw-tcp). Every other backend's ratio is against it.
    BACKENDS    comma-separated, default all: mpi (dopt-mpi: transport_mpi.h), mpi-check (the same
-               with its mismatch check on), iallreduce (mpi-iallreduce: MPI_Iallreduce polled with
+               with its mismatch check on), mpi-engine (dopt-mpi-engine: the engine over the MPI
+               backend's point-to-point links), iallreduce (mpi-iallreduce: MPI_Iallreduce polled with
                MPI_Test, what a timeout on the MPI backend would cost), shm (dopt-shm), tcp
                (dopt-tcp), shm-engine (dopt-shm-engine: shm with every collective on the engine over
                its per-pair links instead of its direct collectives), shm-nb and tcp-nb (dopt-shm-nb, dopt-tcp-nb: the same transports with
@@ -262,11 +263,12 @@ static int wanted(const char *list, const char *name) {
     return 0;
 }
 
-static dopt_comm *create_mpi(int check) {
+static dopt_comm *create_mpi(int check, int engine) {
     dopt_mpi_config cfg;
     dopt_comm *c = NULL;
     memset(&cfg, 0, sizeof cfg);
     cfg.check = check ? 1 : -1;
+    cfg.engine = engine;
     cfg.log_fn = log_errors;
     if (dopt_mpi_create(&c, &cfg) != DOPT_OK) die("dopt_mpi_create failed", NULL);
     return c;
@@ -378,12 +380,17 @@ int main(int argc, char **argv) {
     if (wanted(list, "mpi")) {
         bs[nb].name = "dopt-mpi";
         bs[nb].kind = BENCH_DOPT;
-        bs[nb++].comm = create_mpi(0);
+        bs[nb++].comm = create_mpi(0, 0);
     }
     if (wanted(list, "mpi-check")) {
         bs[nb].name = "dopt-mpi-check";
         bs[nb].kind = BENCH_DOPT;
-        bs[nb++].comm = create_mpi(1);
+        bs[nb++].comm = create_mpi(1, 0);
+    }
+    if (wanted(list, "mpi-engine")) {
+        bs[nb].name = "dopt-mpi-engine";
+        bs[nb].kind = BENCH_DOPT;
+        bs[nb++].comm = create_mpi(0, 1);
     }
     if (wanted(list, "iallreduce")) {
         bs[nb].name = "mpi-iallreduce";

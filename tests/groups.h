@@ -21,7 +21,7 @@
 
 /* Odd and even ranks, each ranked backwards (key -rank): both groups pass the conformance suite at
    once over the parent's links, and the parent still does after. */
-static void groups_of_parity(dopt_comm *c) {
+__attribute__((unused)) static void groups_of_parity(dopt_comm *c) {
     dopt_comm *g;
     int x[1];
     DT_OK(dopt_comm_split(c, c->rank % 2, -c->rank, &g));
@@ -39,7 +39,7 @@ static void groups_of_parity(dopt_comm *c) {
 
 /* Collectives of the parent and of a group in flight at once, waited for out of order; a group
    of a group; a group of one; a group made by some ranks only, then one by all. */
-static void groups_in_flight(dopt_comm *c) {
+__attribute__((unused)) static void groups_in_flight(dopt_comm *c) {
     dopt_comm *pair, *one;
     dopt_request r[4];
     size_t n = (size_t)1 << 18, i;
@@ -81,7 +81,7 @@ static void groups_in_flight(dopt_comm *c) {
 
 
 /* DOPT_UNDEFINED joins nothing; a color below it fails every rank, naming the rank. */
-static void split_colors(dopt_comm *c) {
+__attribute__((unused)) static void split_colors(dopt_comm *c) {
     dopt_comm *g = (dopt_comm *)1;
     DT_OK(dopt_comm_split(c, c->rank == 0 ? DOPT_UNDEFINED : 1, 0, &g));
     DT_CHECK(c->rank == 0 ? g == NULL : (g != NULL && g->size == c->size - 1 && g->rank == c->rank - 1));
@@ -97,7 +97,7 @@ static void split_colors(dopt_comm *c) {
 
 /* Rank 0 allreduces on the parent while rank 1 allreduces on their common group: both are told
    of the mismatch, naming the group, and the parent and the group are both poisoned. */
-static void mismatch_across_groups(dopt_comm *c) {
+__attribute__((unused)) static void mismatch_across_groups(dopt_comm *c) {
     dopt_comm *g, *mine, *other;
     float x[4] = {0};
     dopt_status s;
@@ -117,7 +117,7 @@ static void mismatch_across_groups(dopt_comm *c) {
 
 /* A failure that needs no peer to notice (a NULL buffer on every rank) poisons the group's parent
    just the same. */
-static void group_failure_poisons_parent(dopt_comm *c) {
+__attribute__((unused)) static void group_failure_poisons_parent(dopt_comm *c) {
     dopt_comm *g;
     DT_OK(dopt_comm_split(c, 0, 0, &g));
     DT_EQ_INT(dopt_allreduce(g, NULL, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_INVALID);
@@ -129,7 +129,7 @@ static void group_failure_poisons_parent(dopt_comm *c) {
 
 
 /* Hosts from the backend's table, and (without one) from the host's identity: one machine here. */
-static void groups_of_hosts(dopt_comm *c) {
+__attribute__((unused)) static void groups_of_hosts(dopt_comm *c) {
     static const int hosts[4] = {5, 5, 9, 9};
     dopt_comm *h;
     int x = c->rank;

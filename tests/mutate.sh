@@ -125,6 +125,14 @@ mutate shm-engine-failure-not-recorded transport_shm.h \
     test_shm:a_failure_crosses
 mutate shm-link-end-ignores-segment-failure transport_shm.h \
     'if (!dopt__shm_links_aborted(c, s, err)) *err = reason;' '(void)c, (void)s, *err = reason;' test_shm:a_failure_crosses
+mutate mpi-links-leave-messages-behind transport_mpi.h \
+    'while (q != m->rank && !L->ended && dopt__now_ms() < deadline) {' 'while (0) {' test_mpi:engine_over
+mutate mpi-link-rx-reposted-out-of-turn transport_mpi.h \
+    'L->rx_cur = (L->rx_cur + 1) % DOPT__MPI_RX_SLOTS;
+    }
+    return (long)n;' 'L->rx_cur = (L->rx_cur + 0) % DOPT__MPI_RX_SLOTS;
+    }
+    return (long)n;' test_mpi:engine_over
 mutate tcp-abort-culprit-ignored distopt.h \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "%s (reported by rank %d)", why, f->reporter);' \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "rank %d closed the connection", f->reporter);' test_faults:tcp

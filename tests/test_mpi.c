@@ -21,6 +21,7 @@
 
 #include "dtest.h" /* its checks; this file has its own main, since MPI and fork do not mix */
 #include "conformance.h"
+#include "groups.h"
 
 #include <limits.h>
 #include <stdint.h>
@@ -443,6 +444,58 @@ static void settings_are_agreed_at_create(void) {
     unsetenv("DOPT_MPI_CHECK");
 }
 
+/* ------------------------------------------------------------------ the engine over MPI links */
+
+static dopt_comm *create_engine(void) {
+    dopt_mpi_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.engine = 1;
+    return create_or_die(&cfg);
+}
+
+/* engine = 1: every collective on distopt.h's engine over MPI_Isend/MPI_Irecv links; the
+   suite, groups beside their parent, and requests in flight. */
+static void engine_over_links_passes_conformance(void) {
+    dopt_comm *c = create_engine();
+    CHECK(c->vt->link_send != NULL && c->vt->provides == 0, "not on the engine");
+    conformance_run(c);
+    groups_of_parity(c);
+    dopt_comm_destroy(c);
+}
+
+/* Mismatches are named from the frames (no extra collective), and a peer that does not call
+   times out instead of hanging: rank 0 waits 300 ms for the others, who learn of it when they
+   come to the same call (which may still complete: rank 0's data came first) or the next. */
+static void engine_over_links_names_mismatches_and_timeouts(void) {
+    captured_log log;
+    dopt_mpi_config cfg = config_logging_to(&log);
+    dopt_comm *c = create_engine();
+    float x[4] = {0};
+    conformance_mismatch_count(c);
+    dopt_comm_destroy(c);
+    c = create_engine();
+    conformance_mismatch_in_flight(c);
+    dopt_comm_destroy(c);
+    cfg.engine = world_rank == 0; /* agreed: any rank asking turns it on for all */
+    c = create_or_die(&cfg);
+    CHECK(strstr(log.text, "collectives on the engine over links") != NULL, "log: %s", log.text);
+    if (c->rank == 0) {
+        c->timeout_ms = 300;
+        dopt_status s = dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM); /* rank 0's data came before its abort */
+        CHECK(s == DOPT_OK || s == DOPT_ERR_TIMEOUT, "allreduce gave %d: %s", (int)s, dopt_comm_detail(c));
+        CHECK_STATUS(dopt_barrier(c), DOPT_ERR_TIMEOUT, c);
+        CHECK(strstr(dopt_comm_detail(c), "no progress for 300 ms") != NULL, "detail: %s", dopt_comm_detail(c));
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (c->rank != 0) {
+        dopt_status s = dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM); /* rank 0's data came before its abort */
+        CHECK(s == DOPT_OK || s == DOPT_ERR_TIMEOUT, "allreduce gave %d: %s", (int)s, dopt_comm_detail(c));
+        CHECK_STATUS(dopt_barrier(c), DOPT_ERR_TIMEOUT, c);
+        CHECK(strstr(dopt_comm_detail(c), "(reported by rank 0)") != NULL, "detail: %s", dopt_comm_detail(c));
+    }
+    dopt_comm_destroy(c);
+}
+
 /* ------------------------------------------------------------------ the end of MPI */
 
 /* Destroying the communicator that initialised MPI finalizes it; a communicator still alive then
@@ -481,6 +534,8 @@ int main(void) {
         MPI_TEST(mpi_errors_become_statuses_with_mpi_text),
         MPI_TEST(mismatches_detected_with_the_check),
         MPI_TEST(settings_are_agreed_at_create),
+        MPI_TEST(engine_over_links_passes_conformance),
+        MPI_TEST(engine_over_links_names_mismatches_and_timeouts),
         MPI_TEST(destroying_the_owner_finalizes_mpi),
     };
     const int ntests = (int)(sizeof tests / sizeof tests[0]);
