@@ -1017,7 +1017,7 @@ static long dopt__shm_link_send(dopt_comm *c, int peer, const dopt_iov *parts, i
     uint64_t head = ch->head;
     size_t room = s->link_bytes - (size_t)(head - __atomic_load_n(&ch->tail, __ATOMIC_ACQUIRE)), sent = 0;
     int i;
-    if (dopt__shm_peer_gone(s, peer)) return dopt__shm_link_end(c, s, EPIPE, err);
+    if (ch->closed || dopt__shm_peer_gone(s, peer)) return dopt__shm_link_end(c, s, EPIPE, err);
     for (i = 0; i < nparts && sent < room; i++) {
         const unsigned char *src = (const unsigned char *)parts[i].base;
         size_t n = parts[i].len < room - sent ? parts[i].len : room - sent, done = 0;

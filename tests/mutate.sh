@@ -114,6 +114,8 @@ mutate shm-dead-rank-misnamed transport_shm.h \
 mutate shm-link-read-ignores-wrap transport_shm.h \
     'size_t at = (size_t)((tail + done) & (s->link_bytes - 1)), k = s->link_bytes - at;' \
     'size_t at = (size_t)(tail & (s->link_bytes - 1)), k = s->link_bytes - at;' test_shm:conformance_on_the_engine
+mutate shm-link-writes-after-close transport_shm.h \
+    'if (ch->closed || dopt__shm_peer_gone(s, peer))' 'if (dopt__shm_peer_gone(s, peer))' test_shm:links_keep
 mutate shm-link-dead-peer-not-probed transport_shm.h \
     'if (!s->gone[polls[i].peer] && dopt__shm_rank_dead(s, polls[i].peer))' 'if (0 && dopt__shm_rank_dead(s, polls[i].peer))' \
     test_shm:peer_dying_mid_message

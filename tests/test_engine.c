@@ -20,6 +20,7 @@ static void engine_test_free(void *p) { free(p); }
 #include "dtest.h"
 #include "conformance.h"
 #include "groups.h"
+#include "links.h"
 
 #include <math.h>
 #include <poll.h>
@@ -154,6 +155,11 @@ static void pair_run(int n, void (*body)(dopt_comm *c)) {
 DTEST(conformance_over_socketpairs_worlds_of_1_to_4) {
     int n;
     for (n = 1; n <= 4; n++) pair_run(n, conformance_run);
+}
+
+DTEST(links_keep_order_and_bytes_at_every_size_over_socketpairs) {
+    pair_run(2, links_conformance);
+    pair_run(4, links_conformance);
 }
 
 DTEST(mismatch_fails_every_rank_over_socketpairs) {

@@ -15,6 +15,14 @@
    DOPT_MPI_MAX_COUNT is lowered to 1000 so that communicators created with the default limit cut
    every transfer above 1000 elements (or bytes) into pieces, as they would above INT_MAX. */
 #define DOPT_MPI_MAX_COUNT 1000
+#define DOPT_MALLOC(sz) mpi_test_malloc(sz)
+#define DOPT_FREE(p) free(p)
+#include <stdlib.h>
+static long mpi_test_allocs; /* the allocator is counted: steady-state calls must not allocate */
+static void *mpi_test_malloc(size_t n) {
+    mpi_test_allocs++;
+    return malloc(n);
+}
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_mpi.h"
@@ -22,6 +30,7 @@
 #include "dtest.h" /* its checks; this file has its own main, since MPI and fork do not mix */
 #include "conformance.h"
 #include "groups.h"
+#include "links.h"
 
 #include <limits.h>
 #include <stdint.h>
@@ -463,6 +472,58 @@ static void engine_over_links_passes_conformance(void) {
     dopt_comm_destroy(c);
 }
 
+/* The link contract below the engine (links.h), every pair at once. */
+static void engine_links_keep_order_and_bytes(void) {
+    dopt_comm *c = create_engine();
+    links_conformance(c);
+    dopt_comm_destroy(c);
+}
+
+/* One round of every collective, blocking and in flight. */
+static void steady_round(dopt_comm *c, float *big, size_t n, unsigned char *all) {
+    float small[5] = {1, 2, 3, 4, 5};
+    size_t got[16];
+    int x = c->rank;
+    dopt_request r[3];
+    DT_OK(dopt_allreduce(c, small, 5, DOPT_F32, DOPT_SUM));
+    DT_OK(dopt_allreduce(c, big, n, DOPT_F32, DOPT_MAX));
+    DT_OK(dopt_allgather(c, &x, all, sizeof x));
+    DT_OK(dopt_allgatherv(c, big, (size_t)(c->rank + 1) * 100, all, 100 * sizeof(float) * 16, got));
+    DT_OK(dopt_broadcast(c, big, n * sizeof(float), c->size - 1));
+    DT_OK(dopt_barrier(c));
+    DT_OK(dopt_allreduce_start(c, big, n, DOPT_F32, DOPT_SUM, &r[0]));
+    DT_OK(dopt_allreduce_start(c, small, 5, DOPT_F32, DOPT_MEAN, &r[1]));
+    DT_OK(dopt_broadcast_start(c, &x, sizeof x, 0, &r[2]));
+    DT_OK(dopt_wait(&r[2]));
+    DT_OK(dopt_wait(&r[0]));
+    DT_OK(dopt_wait(&r[1]));
+}
+
+/* After a first round, later rounds of the same calls allocate nothing: MPI's collectives and
+   the engine over MPI links alike. */
+static void collectives_allocate_nothing_after_the_first_call(void) {
+    size_t n = 100000;
+    float *big = (float *)calloc(n, sizeof(float));
+    unsigned char *all = (unsigned char *)malloc(100 * sizeof(float) * 16);
+    dopt_comm *c[2];
+    int k, round;
+    DT_CHECK(big != NULL && all != NULL && world_size <= 16);
+    c[0] = create_or_die(NULL);
+    c[1] = create_engine();
+    for (k = 0; k < 2; k++) {
+        long before;
+        steady_round(c[k], big, n, all);
+        before = mpi_test_allocs;
+        for (round = 0; round < 3; round++) steady_round(c[k], big, n, all);
+        CHECK(mpi_test_allocs == before, "%s: %ld allocations after the first round", k ? "engine" : "mpi",
+              mpi_test_allocs - before);
+    }
+    dopt_comm_destroy(c[1]);
+    dopt_comm_destroy(c[0]);
+    free(big);
+    free(all);
+}
+
 /* Mismatches are named from the frames (no extra collective), and a peer that does not call
    times out instead of hanging: rank 0 waits 300 ms for the others, who learn of it when they
    come to the same call (which may still complete: rank 0's data came first) or the next. */
@@ -535,6 +596,8 @@ int main(void) {
         MPI_TEST(mismatches_detected_with_the_check),
         MPI_TEST(settings_are_agreed_at_create),
         MPI_TEST(engine_over_links_passes_conformance),
+        MPI_TEST(engine_links_keep_order_and_bytes),
+        MPI_TEST(collectives_allocate_nothing_after_the_first_call),
         MPI_TEST(engine_over_links_names_mismatches_and_timeouts),
         MPI_TEST(destroying_the_owner_finalizes_mpi),
     };

@@ -1,5 +1,6 @@
 /* Tests of transport_shm.h: the shared conformance suite at world sizes 1..4 through the fork
-   helper, with the direct collectives and with the engine over the per-pair links, groups,
+   helper, with the direct collectives and with the engine over the per-pair links, the link
+   contract itself (links.h), groups,
    mismatches, dead and stuck peers (a failure crossing from the direct collectives to the links
    and back), stale and live segments, the launcher path through the environment, and pipelining
    with chunks smaller than the message. Every multi-rank test runs real processes over real
@@ -10,6 +11,7 @@
 #include "dtest.h"
 #include "conformance.h"
 #include "groups.h"
+#include "links.h"
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -103,6 +105,12 @@ static void run_body(int nranks, int engine, void (*body)(dopt_comm *c)) {
     DT_OK(dopt_shm_fork(&c, nranks, &cfg));
     body(c);
     DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+}
+
+/* The link contract below the engine (links.h), every pair at once, rings wrapping many times. */
+DTEST(links_keep_order_and_bytes_at_every_size_worlds_2_to_4) {
+    int n;
+    for (n = 2; n <= 4; n++) run_body(n, 1, links_conformance);
 }
 
 DTEST(conformance_on_the_engine_over_links_worlds_1_to_4) {

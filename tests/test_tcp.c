@@ -10,6 +10,7 @@
 #include "../transport_tcp.h"
 #include "dtest.h"
 #include "conformance.h"
+#include "links.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -160,6 +161,22 @@ static void conformance_world(int n) {
     tcp_world w;
     world_init(&w, n, 20000);
     world_run(&w, conformance_rank, 0);
+}
+
+/* The link contract below the engine (links.h), every pair at once. */
+static void links_rank(int rank, void *arg) {
+    dopt_comm *c = world_join((tcp_world *)arg, rank);
+    links_conformance(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(links_keep_order_and_bytes_at_every_size_worlds_2_and_3) {
+    tcp_world w;
+    int n;
+    for (n = 2; n <= 3; n++) {
+        world_init(&w, n, 20000);
+        world_run(&w, links_rank, 0);
+    }
 }
 
 /* The same with the config's progress thread running beside every rank. */
