@@ -115,7 +115,7 @@ $(BUILD):
 # make hosts: distopt inside FANN's and darknet's own training loops (examples/hosts).
 include examples/hosts/hosts.mk
 
-$(filter-out $(BUILD)/test_core_portable $(BUILD)/test_compress_fused $(BUILD)/test_compress_clang $(BUILD)/test_openmp,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
+$(filter-out $(BUILD)/test_core_portable $(BUILD)/test_compress_fused $(BUILD)/test_compress_clang $(BUILD)/test_openmp,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h tests/groups.h tests/links.h $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 
 $(BUILD)/test_core_portable: tests/test_core.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
@@ -135,7 +135,7 @@ $(BUILD)/test_%_ofast: tests/test_%.c tests/dtest.h tests/worlds.h $(HEADERS) | 
 $(BUILD)/test_%_clang_fastmath: tests/test_%.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
 	clang $(ALL_CFLAGS) -ffast-math -o $@ $< $(LIBS)
 
-$(MPI_TESTS): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
+$(MPI_TESTS): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h tests/groups.h tests/links.h $(HEADERS) | $(BUILD)
 	$(MPICC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 
 # The examples include "distopt.h" as a user's program would, from the top directory; built with

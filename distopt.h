@@ -107,6 +107,13 @@
      communicator is poisoned: every later call returns the same status at once, and
      dopt_comm_detail(c) names the rank, the collective and its sequence number, and the peer.
      dopt_comm_destroy(c) releases everything (NULL is accepted).
+     dopt_comm_finish(c, status) is the one call every rank makes last, whatever the transport:
+     it ends this rank's part of the job with its own status (0: success) and returns the status
+     to exit with. In a job a transport started itself (transport_shm.h's fork helper, which
+     launch.h's dopt_comm_create_from_env uses without a launcher) the forked ranks exit inside
+     it, and rank 0 waits for them and gets the job's status: its own if not 0, else that of the
+     lowest rank that failed. Otherwise (a launcher started every rank) it destroys c and returns
+     status. c may be NULL (returns status); on a group it destroys the group.
      c->traffic counts, per collective kind (index dopt_coll), the calls this rank completed and
      their payload bytes: allreduce count × dtype size, allgather(v) this rank's own block,
      broadcast the buffer (on every rank), barrier 0. Collectives the library issues itself (the
@@ -468,6 +475,10 @@ typedef struct dopt_comm_vtable {
        with every rank's color already checked (>= 0, or DOPT_UNDEFINED: *out stays NULL, but the
        call is collective all the same); *out gets the group. NULL: no groups. */
     dopt_status (*split)(dopt_comm *c, int color, int key, dopt_comm **out);
+    /* A backend that started the job's processes itself (shm's fork helper): dopt_comm_finish
+       calls it instead of destroying c; it destroys c and returns the job's status (or, in a
+       process it forked, exits). NULL: dopt_comm_finish destroys c and returns status. */
+    int (*finish)(dopt_comm *c, int status);
 } dopt_comm_vtable;
 
 /* The vtable has field f: the backend's struct_size covers it. */
@@ -521,6 +532,9 @@ DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out);
 /* Destroys c. Groups split from it may be destroyed in any order, before or after it (its links
    stay open until the last of them is destroyed). */
 DOPT_DEF void dopt_comm_destroy(dopt_comm *c);
+/* The last call of every rank (see the manual): destroys c, or for a job the transport forked
+   itself exits in the forked ranks and waits for them in rank 0; returns the status to exit with. */
+DOPT_DEF int dopt_comm_finish(dopt_comm *c, int status);
 
 /* GROUPS (see the manual). Every rank of c calls these, in the same order as its other
    collectives on c. */
@@ -3438,6 +3452,13 @@ DOPT_DEF void dopt_comm_destroy(dopt_comm *c) {
     dopt__comm_free(c);
 }
 
+DOPT_DEF int dopt_comm_finish(dopt_comm *c, int status) {
+    if (c == NULL) return status;
+    if (c->root == NULL && DOPT__VT_HAS(c->vt, finish)) return c->vt->finish(c, status);
+    dopt_comm_destroy(c);
+    return status;
+}
+
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c) { return c ? c->detail : "no communicator"; }
 
 DOPT_DEF void dopt_comm_set_host(dopt_comm *c, int local_ranks, int cores) {
@@ -3759,7 +3780,7 @@ DOPT_DEF dopt_status dopt_barrier(dopt_comm *c) {
    in any of them poisons all. */
 
 static const dopt_comm_vtable dopt__group_vtable = {"group", NULL, NULL, NULL, NULL, NULL, sizeof(dopt_comm_vtable),
-                                                    0u, NULL, NULL, NULL, NULL, NULL};
+                                                    0u, NULL, NULL, NULL, NULL, NULL, NULL};
 
 /* This rank's part of the group: color's ranks of c in (key, rank) order, from all[3r..3r+2] =
    {color, key, next free number} of every rank r of c. */
@@ -3934,7 +3955,7 @@ static dopt_status dopt__self_split(dopt_comm *c, int color, int key, dopt_comm 
 
 static const dopt_comm_vtable dopt__self_vtable = {
     "self", dopt__self_allreduce, dopt__self_allgatherv, dopt__self_broadcast, dopt__self_barrier,
-    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, dopt__self_split};
+    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, dopt__self_split, NULL};
 
 DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out) {
     return dopt_comm_new(out, 0, 1, &dopt__self_vtable, NULL);

@@ -18,7 +18,7 @@
        dopt_comm *comm;
        if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;   (the reason is on stderr)
        ... train, with comm->rank of comm->size ...
-       return dopt_shm_fork_finish(comm, 0);   (or dopt_comm_destroy(comm); return 0;)
+       return dopt_comm_finish(comm, 0);   (forked ranks exit here; rank 0 gets the job's status)
 
    and start it any of these ways:
 

@@ -27,7 +27,7 @@
            if (dopt_shm_fork(&comm, 4, NULL) != DOPT_OK) return 1;  (returns in 4 processes)
            grads[0] = (float)comm->rank;
            failed = dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN) != DOPT_OK;
-           return dopt_shm_fork_finish(comm, failed);  (ranks 1..3 exit here; rank 0 gets
+           return dopt_comm_finish(comm, failed);      (ranks 1..3 exit here; rank 0 gets
        }                                                 the job's status: 0 when all ranks
                                                          finished with 0)
 
@@ -114,7 +114,7 @@
      exits with status 1 after telling log_fn why). Errors: those of dopt_shm_create, plus
      DOPT_ERR_INVALID for nranks outside 1..1024 and DOPT_ERR_IO when fork fails.
 
-   int dopt_shm_fork_finish(dopt_comm *comm, int status)
+   int dopt_comm_finish(dopt_comm *comm, int status)   (from distopt.h)
      Ends a rank of a forked job: the one call every rank makes last, with its own exit status
      (0 for success). In a child it destroys the communicator, flushes stdio and calls
      _exit(status): it does not return (atexit handlers, which the child inherited from the
@@ -125,11 +125,13 @@
      through the communicator's log callback at DOPT_LOG_ERROR ("rank 2 (pid 4242) was killed
      by signal 9"). On a communicator that dopt_shm_fork did not start, it destroys it and
      returns status. comm may be NULL (returns status).
+     dopt_shm_fork_finish(comm, status), its name before it served every transport, is the same
+     call; it stays for one release (deprecated).
 
    dopt_comm_destroy(comm)   (from distopt.h)
      Leaves the job: peers still waiting for this rank get DOPT_ERR_PEER_LOST at once ("rank 1
      (pid 4242) left the job"), unmaps the segment, and removes the name if the job never
-     finished forming. In a forked job use dopt_shm_fork_finish instead.
+     finished forming. In a forked job use dopt_comm_finish instead.
 
    COLLECTIVES
      Those of distopt.h. Each rank's slot in the segment holds a control line and 3 areas of
@@ -220,6 +222,7 @@ typedef struct dopt_shm_config {
 DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg);
 DOPT_DEF dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg);
 DOPT_DEF dopt_status dopt_shm_fork(dopt_comm **out, int nranks, const dopt_shm_config *cfg);
+/* Deprecated: dopt_comm_finish (distopt.h) is the same call for every transport. */
 DOPT_DEF int dopt_shm_fork_finish(dopt_comm *comm, int status);
 
 #ifdef __cplusplus
@@ -1246,23 +1249,21 @@ static void dopt__shm_destroy(dopt_comm *c) {
     c->impl = NULL;
 }
 
+static int dopt__shm_finish(dopt_comm *comm, int status);
+
 /* Direct collectives (reducing straight from the peers' slots), links for groups and requests
    of the engine; every collective on the engine; or, in worlds too large for links, direct
    collectives alone. */
 static const dopt_comm_vtable dopt__shm_vtable = {
     "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
     sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait,
-    dopt__shm_link_close, NULL};
+    dopt__shm_link_close, NULL, dopt__shm_finish};
 static const dopt_comm_vtable dopt__shm_engine_vtable = {
     "shm", NULL, NULL, NULL, NULL, dopt__shm_destroy, sizeof(dopt_comm_vtable), 0u,
-    dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait, dopt__shm_link_close, NULL};
+    dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait, dopt__shm_link_close, NULL, dopt__shm_finish};
 static const dopt_comm_vtable dopt__shm_unlinked_vtable = {
     "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
-    sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, NULL};
-
-static int dopt__shm_owns(const dopt_comm *c) {
-    return c->vt == &dopt__shm_vtable || c->vt == &dopt__shm_engine_vtable || c->vt == &dopt__shm_unlinked_vtable;
-}
+    sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, NULL, dopt__shm_finish};
 
 /* ===================================================================== CONFIGURATION */
 
@@ -1795,8 +1796,11 @@ static int dopt__shm_wait_child(dopt_comm *c, int r, pid_t pid, double deadline)
     return code;
 }
 
-DOPT_DEF int dopt_shm_fork_finish(dopt_comm *comm, int status) {
-    dopt__shm *s = (comm != NULL && dopt__shm_owns(comm)) ? (dopt__shm *)comm->impl : NULL;
+DOPT_DEF int dopt_shm_fork_finish(dopt_comm *comm, int status) { return dopt_comm_finish(comm, status); }
+
+/* dopt_comm_finish on shm: a forked child exits; rank 0 of a forked job waits for its children. */
+static int dopt__shm_finish(dopt_comm *comm, int status) {
+    dopt__shm *s = (dopt__shm *)comm->impl;
     int result = status, r;
     if (s != NULL && s->fork_child) {
         dopt_comm_destroy(comm);

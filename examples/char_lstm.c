@@ -480,7 +480,7 @@ int main(int argc, char **argv) {
         if (comm->rank == 0)
             fprintf(stderr, "char_lstm: %zu characters per worker make %zu windows of %d, fewer than a batch of %d\n",
                     per_rank, nwin, lo.bptt, o.batch);
-        return dopt_shm_fork_finish(comm, 1);
+        return dopt_comm_finish(comm, 1);
     }
 
     lstm_layout(&m, VOCAB, lo.hidden);
@@ -506,7 +506,7 @@ int main(int argc, char **argv) {
         (adaptive && dopt_batch_init(&bc, m.n, &bcfg) != DOPT_OK) ||
         dopt_localsgd_init(&ls, comm, m.n, &lcfg) != DOPT_OK || dopt_localsgd_broadcast(&ls, params) != DOPT_OK) {
         fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
-        return dopt_shm_fork_finish(comm, 1);
+        return dopt_comm_finish(comm, 1);
     }
 
     if (comm->rank == 0) {
@@ -617,5 +617,5 @@ int main(int argc, char **argv) {
     if (compress) dopt_compressor_free(&cz);
     free(train), free(val), free(params), free(grads), free(micro), free(eval), free(order), free(starts);
     work_free(&work);
-    return dopt_shm_fork_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status */
+    return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status */
 }

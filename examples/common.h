@@ -289,7 +289,7 @@ static inline void log_to_stderr(void *user, dopt_log_level level, const char *m
 
 /* The communicator the environment and --transport/--workers ask for. A shared-memory world
    without a launcher forks: the rest of main runs in every worker, and main must end with
-   dopt_shm_fork_finish (which only destroys the others). */
+   dopt_comm_finish (which only destroys the others). */
 static inline dopt_comm *open_comm(const options *o) {
     dopt_comm *comm = NULL;
     dopt_launch_config cfg;

@@ -285,7 +285,7 @@ int main(int argc, char **argv) {
         (adaptive && dopt_batch_init(&bc, NPARAMS, &bcfg) != DOPT_OK) ||
         dopt_localsgd_init(&ls, comm, NPARAMS, &lcfg) != DOPT_OK || dopt_localsgd_broadcast(&ls, params) != DOPT_OK) {
         fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
-        return dopt_shm_fork_finish(comm, 1);
+        return dopt_comm_finish(comm, 1);
     }
 
     if (comm->rank == 0) {
@@ -377,5 +377,5 @@ int main(int argc, char **argv) {
     free(train_px), free(train_y), free(test_px), free(test_y), free(train_x), free(test_x);
     free(params), free(grads), free(micro), free(eval), free(batch_x), free(batch_y), free(order);
     free(act.h1), free(act.h2), free(act.out), free(act.d1), free(act.d2);
-    return dopt_shm_fork_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status */
+    return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status */
 }

@@ -78,7 +78,7 @@ int main(int argc, char **argv) {
     if ((compress && dopt_compressor_init(&cz, &ccfg, &seg, 1) != DOPT_OK) ||
         dopt_localsgd_init(&ls, comm, DIM, &lcfg) != DOPT_OK || dopt_localsgd_broadcast(&ls, x) != DOPT_OK) {
         fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
-        return dopt_shm_fork_finish(comm, 1);
+        return dopt_comm_finish(comm, 1);
     }
 
     for (step = 0; step < o.steps && st == DOPT_OK; step++) {
@@ -115,5 +115,5 @@ int main(int argc, char **argv) {
 
     dopt_localsgd_free(&ls);
     if (compress) dopt_compressor_free(&cz);
-    return dopt_shm_fork_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status */
+    return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status */
 }

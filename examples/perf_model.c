@@ -425,7 +425,7 @@ int main(int argc, char **argv) {
     u.comm = comm;
     u.a = malloc((fit_bytes[NSIZES - 1] / sizeof(float) + g.n) * sizeof(float));
     u.b = malloc((size_t)comm->size * (fit_bytes[NSIZES - 1] + g.n * sizeof(float)));
-    if (u.a == NULL || u.b == NULL) { fprintf(stderr, "out of memory\n"); return dopt_shm_fork_finish(comm, 1); }
+    if (u.a == NULL || u.b == NULL) { fprintf(stderr, "out of memory\n"); return dopt_comm_finish(comm, 1); }
     memcpy(u.a, m.grads, g.n * sizeof(float));
     u.count = g.n;
     g.t_copy = measure(comm, run_copy, &u, mo.seconds / 2);
@@ -465,7 +465,7 @@ int main(int argc, char **argv) {
         ccfg.codec = codec, ccfg.seed = 1, ccfg.rank = comm->rank;
         if (dopt_compressor_init(&cz, &ccfg, segs, g.nsegs) != DOPT_OK) {
             fprintf(stderr, "cannot set up the %s compressor\n", cfgs[i].codec_name);
-            return dopt_shm_fork_finish(comm, 1);
+            return dopt_comm_finish(comm, 1);
         }
         costs[ncosts].name = cfgs[i].codec_name, costs[ncosts].codec = codec;
         u.cz = &cz, u.count = g.n, u.msg_bytes = dopt_compress_bound(&cz);
@@ -536,5 +536,5 @@ int main(int argc, char **argv) {
     }
     free(u.a), free(u.b);
     mlp_free(&m);
-    return dopt_shm_fork_finish(comm, 0);
+    return dopt_comm_finish(comm, 0);
 }

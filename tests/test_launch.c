@@ -343,7 +343,7 @@ DTEST(one_call_forks_a_shared_memory_world) {
     DT_OK(dopt_launch_create(&c, &cfg));
     check_world(c, 3, "shm");
     if (c->rank == 0) DT_CHECKF(strstr(log.text, "I transport shm; no launcher") != NULL, "%s", log.text);
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 static int free_port(void) {

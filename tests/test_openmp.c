@@ -31,9 +31,9 @@ static int warnings_heard_by_rank_0(void) {
     DT_OK(dopt_shm_fork(&c, 2, &cfg));
     DT_EQ_INT(c->local_ranks, 2);
     if (c->rank != 0) {
-        dopt_shm_fork_finish(c, warnings); /* does not return */
+        dopt_comm_finish(c, warnings); /* does not return */
     }
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
     return warnings;
 }
 

@@ -82,7 +82,7 @@ static void run_conformance(int nranks, size_t chunk_bytes) {
     DT_OK(dopt_shm_fork(&c, nranks, &cfg));
     DT_EQ_INT(c->size, nranks);
     conformance_run(c);
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 /* ------------------------------------------------------------------ conformance */
@@ -104,7 +104,7 @@ static void run_body(int nranks, int engine, void (*body)(dopt_comm *c)) {
     cfg.engine = engine;
     DT_OK(dopt_shm_fork(&c, nranks, &cfg));
     body(c);
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 /* The link contract below the engine (links.h), every pair at once, rings wrapping many times. */
@@ -221,7 +221,7 @@ DTEST(peer_dying_mid_message_on_a_link_is_named) {
     s = dopt_broadcast(c, x, n * sizeof(float), 1);
     DT_EQ_INT(s, DOPT_ERR_PEER_LOST);
     DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1") != NULL, "%s", dopt_comm_detail(c));
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 128 + SIGKILL);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 128 + SIGKILL);
     free(x);
 }
 
@@ -238,7 +238,7 @@ static void run_mismatch(int nranks, void (*check)(dopt_comm *)) {
     snprintf(want, sizeof want, "rank %d called", c->rank == nranks - 1 ? 0 : nranks - 1);
     DT_CHECKF(strstr(dopt_comm_detail(c), want) != NULL, "rank %d: detail does not name the other side: %s", c->rank,
               dopt_comm_detail(c));
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 DTEST(mismatch_count_world_2_fails_on_every_rank) { run_mismatch(2, conformance_mismatch_count); }
@@ -258,7 +258,7 @@ DTEST(mismatch_between_oneshot_and_pipelined_sizes) {
     s = dopt_allreduce(c, buf, c->rank == 1 ? 10 : 100000, DOPT_F32, DOPT_SUM);
     DT_CHECKF(s == DOPT_ERR_MISMATCH, "rank %d: %s", c->rank, dopt_comm_detail(c));
     free(buf);
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 /* ------------------------------------------------------------------ dead and stuck peers */
@@ -300,7 +300,7 @@ DTEST(peer_killed_mid_allreduce_reports_rank) {
     DT_EQ_INT(dopt_barrier(c), s);
     DT_EQ_INT(dopt_allreduce(c, buf, 4, DOPT_F32, DOPT_SUM), s);
     free(buf);
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 128 + SIGKILL);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 128 + SIGKILL);
     DT_CHECKF(strstr(log.text, "rank 2 (pid") != NULL && strstr(log.text, "killed by signal 9") != NULL, "log: %s",
               log.text);
 }
@@ -323,7 +323,7 @@ DTEST(dead_rank_with_forked_helper_is_still_seen_dead) {
     DT_EQ_INT(s, DOPT_ERR_PEER_LOST);
     DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1 (pid") != NULL && strstr(dopt_comm_detail(c), "died") != NULL, "%s",
               dopt_comm_detail(c));
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 128 + SIGKILL);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 128 + SIGKILL);
 }
 
 /* A rank that is alive but never calls: the waiting rank times out naming it, and the late rank
@@ -340,7 +340,7 @@ DTEST(stuck_peer_gives_timeout_naming_it) {
               dopt_comm_detail(c));
     if (c->rank == 1) DT_CHECKF(strstr(dopt_comm_detail(c), "reported by rank 0") != NULL, "%s", dopt_comm_detail(c));
     dopt_comm_set_timeout(c, 10000); /* finish waits this long for rank 1, still asleep */
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 DTEST(rank_that_never_joins_times_out_and_name_is_removed) {
@@ -375,11 +375,11 @@ DTEST(peer_that_leaves_gives_peer_lost) {
     dopt_comm *c;
     dopt_status s;
     DT_OK(dopt_shm_fork(&c, 2, NULL));
-    if (c->rank == 1) dopt_shm_fork_finish(c, 0);
+    if (c->rank == 1) dopt_comm_finish(c, 0);
     s = dopt_barrier(c);
     DT_EQ_INT(s, DOPT_ERR_PEER_LOST);
     DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1 (pid") != NULL, "%s", dopt_comm_detail(c));
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 /* A rank poisoned by its own bad call (never reaching the backend) tells the others when it
@@ -391,12 +391,12 @@ DTEST(rank_failing_locally_releases_its_peers) {
     DT_OK(dopt_shm_fork(&c, 3, &cfg));
     if (c->rank == 2) {
         DT_EQ_INT(dopt_allreduce(c, NULL, 5, DOPT_F32, DOPT_SUM), DOPT_ERR_INVALID);
-        dopt_shm_fork_finish(c, 0);
+        dopt_comm_finish(c, 0);
     }
     s = dopt_allreduce(c, &cfg, 0, DOPT_F32, DOPT_SUM);
     DT_EQ_INT(s, DOPT_ERR_PEER_LOST);
     DT_CHECKF(strstr(dopt_comm_detail(c), "rank 2 left the job after an error") != NULL, "%s", dopt_comm_detail(c));
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 /* ------------------------------------------------------------------ segments and names */
@@ -410,7 +410,7 @@ DTEST(formed_job_leaves_no_name_behind) {
     DT_OK(dopt_shm_fork(&c, 2, &cfg));
     DT_CHECK(!segment_exists(name)); /* so a job killed from now on leaves nothing behind */
     DT_OK(dopt_barrier(c));
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 /* A job killed with SIGKILL while forming leaves its segment; the next job under the same name
@@ -439,7 +439,7 @@ DTEST(stale_segment_from_killed_job_is_replaced) {
     DT_OK(dopt_shm_fork(&c, 2, &cfg));
     DT_OK(dopt_allreduce(c, x, 3, DOPT_F32, DOPT_SUM));
     DT_CHECK(x[0] == 2 && x[1] == 4 && x[2] == 6);
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
     DT_CHECK(!segment_exists(name));
 }
 
@@ -517,7 +517,7 @@ DTEST(segment_of_other_protocol_version_is_refused_while_held) {
     cfg = config_for(name, 0, 0, 5000, NULL);
     DT_OK(dopt_shm_fork(&c, 2, &cfg));
     DT_OK(dopt_barrier(c));
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
     DT_CHECK(!segment_exists(name));
 }
 
@@ -656,7 +656,7 @@ DTEST(fork_finish_reports_crashed_child) {
         signal(SIGSEGV, SIG_DFL); /* AddressSanitizer would catch it */
         raise(SIGSEGV);
     }
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 3); /* the lowest failed rank's status */
+    DT_EQ_INT(dopt_comm_finish(c, 0), 3); /* the lowest failed rank's status */
     DT_CHECKF(strstr(log.text, "rank 1 (pid") != NULL && strstr(log.text, "exited with status 3") != NULL, "log: %s",
               log.text);
     DT_CHECKF(strstr(log.text, "rank 2 (pid") != NULL && strstr(log.text, "killed by signal 11") != NULL, "log: %s",
@@ -667,7 +667,19 @@ DTEST(fork_finish_reports_crashed_child) {
 DTEST(fork_finish_returns_rank_0_status_first) {
     dopt_comm *c;
     DT_OK(dopt_shm_fork(&c, 2, NULL));
-    DT_EQ_INT(dopt_shm_fork_finish(c, c->rank == 1 ? 4 : 7), 7);
+    DT_EQ_INT(dopt_comm_finish(c, c->rank == 1 ? 4 : 7), 7);
+}
+
+/* The old, transport-named finish is the same call; finish on a group destroys only the group;
+   ranks that joined by name (worlds.h) end through it too. */
+DTEST(finish_under_its_old_name_and_on_groups) {
+    dopt_comm *c, *g;
+    DT_OK(dopt_shm_fork(&c, 2, NULL));
+    DT_OK(dopt_comm_split(c, 0, 0, &g));
+    DT_EQ_INT(dopt_comm_finish(g, 5), 5);
+    DT_OK(dopt_barrier(c));
+    DT_EQ_INT(dopt_shm_fork_finish(c, c->rank == 1 ? 4 : 0), 4);
+    DT_EQ_INT(dopt_comm_finish(NULL, 6), 6);
 }
 
 /* ------------------------------------------------------------------ edge sizes and pipelining */
@@ -685,7 +697,7 @@ DTEST(zero_length_calls_are_legal_and_still_checked) {
     DT_OK(dopt_barrier(c));
     /* zero against one byte is a mismatch, found on every rank */
     DT_EQ_INT(dopt_broadcast(c, &one, c->rank == 0 ? 1 : 0, 0), DOPT_ERR_MISMATCH);
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 static uint64_t fnv(const void *p, size_t n) {
@@ -746,7 +758,7 @@ DTEST(pipelining_with_chunks_smaller_than_message) {
         free(bytes);
         free(all);
     }
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 /* In place: send is this rank's own block of recv. */
@@ -758,7 +770,7 @@ DTEST(allgather_in_place) {
     DT_OK(dopt_allgather(c, v + c->rank * 1000, v, 1000 * sizeof(int)));
     for (r = 0; r < 4; r++)
         for (i = 0; i < 1000; i++) DT_EQ_INT(v[r * 1000 + i], r * 100000 + i);
-    DT_EQ_INT(dopt_shm_fork_finish(c, 0), 0);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
 int main(int argc, char **argv) {

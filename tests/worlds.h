@@ -6,7 +6,7 @@
                                   unique job name, WORLD_SHM_ENGINE with every collective on
                                   the engine over shm's links; TCP: rank 0 listens on a port the kernel picks
                                   and hands it to the others through a pipe), runs body(comm,
-                                  arg), destroys the communicator. Fails the test when a rank
+                                  arg), ends it with dopt_comm_finish. Fails the test when a rank
                                   fails or outlives the budget (100 s).
    world_run_sizes(via, lo, hi, body, arg)   the same for every world size lo..hi. */
 #ifndef DOPT_TEST_WORLDS_H
@@ -69,7 +69,7 @@ static void world_rank(int rank, void *arg) {
     world *w = (world *)arg;
     dopt_comm *c = world_join(w, rank);
     w->body(c, w->arg);
-    dopt_comm_destroy(c);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0); /* a rank a launcher started: destroys, returns the status */
 }
 
 __attribute__((unused)) static void world_run(world_via via, int n, world_body body, void *arg) {

@@ -182,5 +182,5 @@ int main(int argc, char **argv) {
     free(train_xblock), free(train_yblock), free(test_xblock), free(test_yblock);
     free(train_px), free(train_labels), free(test_px), free(test_labels);
     dopt_localsgd_free(&ls);                                                                /* distopt */
-    return dopt_shm_fork_finish(comm, st != DOPT_OK || !same);                              /* distopt: ranks > 0 exit here */
+    return dopt_comm_finish(comm, st != DOPT_OK || !same);                                  /* distopt: ranks > 0 exit here */
 }

@@ -160,5 +160,5 @@ int main(int argc, char **argv) {
     free(train_x), free(train_y), free(test_x), free(test_y);
     dopt_compressor_free(&cz);                                                              /* distopt option */
     dopt_localsgd_free(&ls);                                                                /* distopt */
-    return dopt_shm_fork_finish(comm, st != DOPT_OK || !same);                              /* distopt: ranks > 0 exit here */
+    return dopt_comm_finish(comm, st != DOPT_OK || !same);                                  /* distopt: ranks > 0 exit here */
 }
