@@ -104,8 +104,11 @@
        rank order. When the total exceeds any rank's capacity, every rank gets DOPT_ERR_INVALID.
      - dopt_broadcast(c, buf, bytes, root), dopt_barrier(c).
      Results are bitwise identical on every rank. Zero-length calls are legal. On any error the
-     communicator is poisoned: every later call returns the same status at once, and
-     dopt_comm_detail(c) names the rank, the collective and its sequence number, and the peer.
+     communicator is poisoned: every later call returns the same status at once, without
+     communicating, and dopt_comm_detail(c) names the rank, the collective and its sequence
+     number, and the peer. The modules keep that rule (clip.h's norms, compress.h's allreduce,
+     every call of localsgd.h's driver), so a loop may check the status once per step or epoch
+     instead of after every call.
      dopt_comm_destroy(c) releases everything (NULL is accepted).
      dopt_comm_finish(c, status) is the one call every rank makes last, whatever the transport:
      it ends this rank's part of the job with its own status (0: success) and returns the status

@@ -322,6 +322,13 @@
      driver has none, the communicator's own detail (an error in a collective the host called
      itself); "" when neither failed. Owned by the driver or the communicator.
 
+   CHECK ONCE
+     Once its communicator is poisoned (any error in a collective of it or of a group split
+     from it), every call of the driver — after_backward, after_step, sync, broadcast,
+     celgc_step, check_replicas, a local step that would not communicate included — returns the
+     communicator's status at once, sends nothing and counts no step; so a training loop may
+     ignore the statuses inside a step and check the last one, once per step or per epoch.
+
    FUNCTIONS (adaptive batch)
 
    dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_config *cfg)
@@ -1220,10 +1227,15 @@ static dopt_status dopt__ls_average_models(dopt_localsgd *ls, const dopt_buf *pa
     return DOPT_OK;
 }
 
+/* Check once: on a poisoned communicator every call of the driver fails at once with its status,
+   a step that would not communicate included. */
+static dopt_status dopt__ls_poisoned(dopt_localsgd *ls) { return ls->comm ? dopt__family_error(ls->comm) : DOPT_OK; }
+
 DOPT_DEF dopt_status dopt_localsgd_after_backward_buf(dopt_localsgd *ls, const dopt_buf *grads) {
     const char *prev;
     dopt_status s;
     if (ls == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
     if (dopt__ls_check_buf(grads, ls->n) != DOPT_OK) {
         dopt__ls_fail_detail(ls, "gradients: not a valid descriptor of %zu elements", ls->n);
         return DOPT_ERR_INVALID;
@@ -1278,6 +1290,7 @@ DOPT_DEF dopt_status dopt_localsgd_after_step_buf(dopt_localsgd *ls, const dopt_
     uint64_t t;
     dopt_status s = DOPT_OK;
     if (ls == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
     s = dopt__ls_check_layout(ls, params, states);
     if (s != DOPT_OK) return s;
     if (ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt_batch_end_step(ls->batch);
@@ -1298,6 +1311,7 @@ DOPT_DEF dopt_status dopt_localsgd_after_step(dopt_localsgd *ls, float *params) 
 DOPT_DEF dopt_status dopt_localsgd_sync_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
     dopt_status s;
     if (ls == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
     s = dopt__ls_check_layout(ls, params, states);
     if (s != DOPT_OK) return s;
     if (ls->round_steps == 0) return DOPT_OK; /* the replicas are identical already */
@@ -1352,6 +1366,7 @@ DOPT_DEF dopt_status dopt_localsgd_broadcast_buf(dopt_localsgd *ls, const dopt_b
     dopt_status s;
     const char *prev;
     if (ls == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
     s = dopt__ls_check_layout(ls, params, states);
     if (s != DOPT_OK) return s;
     prev = dopt__ls_label(ls, "dopt_localsgd_broadcast");
@@ -1383,6 +1398,7 @@ DOPT_DEF dopt_status dopt_localsgd_celgc_step_buf(dopt_localsgd *ls, const dopt_
                                                   float weight_decay) {
     dopt_status s, step_status;
     if (ls == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
     s = dopt__ls_check_layout(ls, params, states);
     if (s != DOPT_OK) return s;
     if (dopt__ls_check_buf(grads, ls->n) != DOPT_OK || dopt_buf_nsegs(grads) != dopt_buf_nsegs(params) ||
@@ -1475,6 +1491,7 @@ DOPT_DEF dopt_status dopt_localsgd_check_replicas_buf(dopt_localsgd *ls, const d
     if (identical) *identical = 0;
     if (max_diff) *max_diff = NAN;
     if (ls == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
     if (dopt__ls_check_buf(params, ls->n) != DOPT_OK) {
         dopt__ls_fail_detail(ls, "replica check: parameters are not a valid descriptor of %zu elements", ls->n);
         return DOPT_ERR_INVALID;

@@ -135,6 +135,9 @@ mutate mpi-link-rx-reposted-out-of-turn transport_mpi.h \
     return (long)n;' 'L->rx_cur = (L->rx_cur + 0) % DOPT__MPI_RX_SLOTS;
     }
     return (long)n;' test_mpi:engine_over
+mutate localsgd-local-step-ignores-poison localsgd.h \
+    'static dopt_status dopt__ls_poisoned(dopt_localsgd *ls) { return ls->comm ? dopt__family_error(ls->comm) : DOPT_OK; }' \
+    'static dopt_status dopt__ls_poisoned(dopt_localsgd *ls) { return (void)ls, DOPT_OK; }' test_localsgd:poisoned
 mutate tcp-abort-culprit-ignored distopt.h \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "%s (reported by rank %d)", why, f->reporter);' \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "rank %d closed the connection", f->reporter);' test_faults:tcp

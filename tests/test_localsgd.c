@@ -377,6 +377,77 @@ static void body_steps_apart(dopt_comm *c, void *arg) {
 
 DTEST(shm_replica_check_of_ranks_at_different_steps_names_the_steps) { world_run(WORLD_SHM, 2, body_steps_apart, NULL); }
 
+/* Check once: after a failure every call on the communicator, and on a driver over it, returns
+   the same status at once, whether or not it would communicate (a local step of local SGD
+   included), and moves nothing: the traffic counters stand still and the detail keeps the first
+   failure. Every rank poisons itself the same local way (a NULL buffer), so no rank waits for
+   another; a call that did communicate would hang here, and one that ignored the failure would
+   return something else. */
+static void body_poisoned_calls(dopt_comm *c, void *arg) {
+    enum { N = 64 };
+    float x[N], g[N], factor = 0;
+    double norm = 0, norms[1] = {0};
+    size_t got[8];
+    dopt_segment seg = {0, N, "all"};
+    dopt_buf bx = dopt_buf_flat(x, N, &seg, 1), bg = dopt_buf_flat(g, N, &seg, 1);
+    dopt_localsgd ls, local;
+    dopt_localsgd_config lc;
+    dopt_compressor cz;
+    dopt_compressor_config cc;
+    dopt_request r;
+    dopt_traffic before;
+    char detail[DOPT_DETAIL_MAX];
+    int same = -1, i;
+    (void)arg;
+    for (i = 0; i < N; i++) x[i] = g[i] = 1.0f + (float)i;
+    memset(&lc, 0, sizeof lc);
+    lc.period = 4;
+    memset(&cc, 0, sizeof cc);
+    cc.codec = DOPT_CODEC_TERNARY;
+    DT_OK(dopt_localsgd_init(&ls, c, N, NULL));
+    DT_OK(dopt_localsgd_init(&local, c, N, &lc));
+    DT_OK(dopt_compressor_init(&cz, &cc, &seg, 1));
+    DT_EQ_INT(dopt_allreduce(c, NULL, 5, DOPT_F32, DOPT_SUM), DOPT_ERR_INVALID);
+    before = c->traffic;
+    snprintf(detail, sizeof detail, "%s", dopt_comm_detail(c));
+#define POISONED(call) DT_EQ_INT((call), DOPT_ERR_INVALID)
+    POISONED(dopt_allreduce(c, x, N, DOPT_F32, DOPT_SUM));
+    POISONED(dopt_allreduce_start(c, x, N, DOPT_F32, DOPT_SUM, &r));
+    POISONED(dopt_allreduce_weighted_mean(c, x, N, DOPT_F32, 1.0));
+    POISONED(dopt_allgather(c, x, g, sizeof(float)));
+    POISONED(dopt_allgatherv(c, x, 4, g, sizeof g, got));
+    POISONED(dopt_broadcast(c, x, sizeof x, 0));
+    POISONED(dopt_barrier(c));
+    POISONED(dopt_broadcast_buf(c, &bx, 0));
+    POISONED(dopt_clip_global_norm(c, g, N, 1.0f, &norm));
+    POISONED(dopt_clip_global_norm_factor(c, g, N, 1.0f, &norm, &factor));
+    POISONED(dopt_clip_segment_norms(c, &bg, 1.0f, NULL, 1.0f, norms));
+    POISONED(dopt_clip_value(c, &bg, 1.0f, 0.5f));
+    POISONED(dopt_clip_sigma(c, &bg, 3.0f));
+    POISONED(dopt_compress_allreduce(&cz, c, g, N));
+    POISONED(dopt_localsgd_after_backward(&ls, g));
+    POISONED(dopt_localsgd_after_step(&ls, x));
+    POISONED(dopt_localsgd_after_step(&local, x)); /* a local step: nothing to send, still refused */
+    POISONED(dopt_localsgd_sync(&ls, x));
+    POISONED(dopt_localsgd_broadcast(&ls, x));
+    POISONED(dopt_localsgd_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
+    POISONED(dopt_localsgd_check_replicas(&ls, x, &same, NULL));
+#undef POISONED
+    DT_CHECK(memcmp(&before, &c->traffic, sizeof before) == 0);
+    DT_CHECKF(strcmp(detail, dopt_comm_detail(c)) == 0, "the first failure's detail changed: \"%s\" to \"%s\"", detail,
+              dopt_comm_detail(c));
+    dopt_compressor_free(&cz);
+    dopt_localsgd_free(&local);
+    dopt_localsgd_free(&ls);
+}
+
+DTEST(shm_every_call_on_a_poisoned_communicator_fails_at_once_the_same_way) {
+    world_run(WORLD_SHM, 2, body_poisoned_calls, NULL);
+}
+DTEST(tcp_every_call_on_a_poisoned_communicator_fails_at_once_the_same_way) {
+    world_run(WORLD_TCP, 3, body_poisoned_calls, NULL);
+}
+
 /* ------------------------------------------------------------------ compressed model deltas */
 
 /* Local SGD (period 4) whose averages send the model delta through a compressor: top-k (a
