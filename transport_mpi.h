@@ -551,6 +551,15 @@ static int dopt__mpi_post_rx(dopt__mpi *m, int q, int k) {
                      m->comm, &L->rx[k]);
 }
 
+/* The current receive from q wholly read: post it again, behind the other, and read the other next. */
+static int dopt__mpi_rx_next(dopt__mpi *m, int q) {
+    dopt__mpi_link *L = &m->links[q];
+    int e = dopt__mpi_post_rx(m, q, L->rx_cur);
+    L->rx_done = 0;
+    L->rx_cur = (L->rx_cur + 1) % DOPT__MPI_RX_SLOTS;
+    return e;
+}
+
 /* Whether the current receive from q completed; an end of stream marks the link ended. */
 static int dopt__mpi_rx_ready(dopt__mpi *m, int q, int *err) {
     dopt__mpi_link *L = &m->links[q];
@@ -631,13 +640,9 @@ static long dopt__mpi_link_recv(dopt_comm *c, int peer, void *dst, size_t cap, i
     n = L->rx_len - L->rx_off < cap ? L->rx_len - L->rx_off : cap;
     memcpy(dst, L->rxbuf + (size_t)L->rx_cur * DOPT__MPI_LINK_BYTES + L->rx_off, n);
     L->rx_off += n;
-    if (L->rx_off == L->rx_len) { /* wholly read: post it again, behind the other */
-        L->rx_done = 0;
-        if (dopt__mpi_post_rx(m, peer, L->rx_cur) != MPI_SUCCESS) {
-            *err = EIO;
-            return -1;
-        }
-        L->rx_cur = (L->rx_cur + 1) % DOPT__MPI_RX_SLOTS;
+    if (L->rx_off == L->rx_len && dopt__mpi_rx_next(m, peer) != MPI_SUCCESS) {
+        *err = EIO;
+        return -1;
     }
     return (long)n;
 }
@@ -724,11 +729,7 @@ static void dopt__mpi_links_close(dopt_comm *c, dopt__mpi *m) {
         while (q != m->rank && !L->ended && dopt__now_ms() < deadline) {
             int r = dopt__mpi_rx_ready(m, q, &err);
             if (r < 0) break;
-            if (r && L->rx_done) { /* discarded */
-                L->rx_done = 0;
-                if (dopt__mpi_post_rx(m, q, L->rx_cur) != MPI_SUCCESS) break;
-                L->rx_cur = (L->rx_cur + 1) % DOPT__MPI_RX_SLOTS;
-            }
+            if (r && L->rx_done && dopt__mpi_rx_next(m, q) != MPI_SUCCESS) break; /* discarded */
         }
     }
     for (q = 0; q < m->size; q++) {

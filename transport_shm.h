@@ -993,6 +993,20 @@ static dopt__shm_chan *dopt__shm_chan_of(const dopt__shm *s, int from, int to) {
 
 static unsigned char *dopt__shm_ring_of(dopt__shm_chan *ch) { return (unsigned char *)ch + DOPT__SHM_LINK_CTRL; }
 
+/* n bytes into ch's ring from stream position at, or out of it: up to the ring's end, then
+   from its start. */
+static void dopt__shm_ring_put(const dopt__shm *s, dopt__shm_chan *ch, uint64_t at, const unsigned char *src, size_t n) {
+    size_t off = (size_t)(at & (s->link_bytes - 1)), first = s->link_bytes - off < n ? s->link_bytes - off : n;
+    memcpy(dopt__shm_ring_of(ch) + off, src, first);
+    memcpy(dopt__shm_ring_of(ch), src + first, n - first);
+}
+
+static void dopt__shm_ring_get(const dopt__shm *s, dopt__shm_chan *ch, uint64_t at, unsigned char *dst, size_t n) {
+    size_t off = (size_t)(at & (s->link_bytes - 1)), first = s->link_bytes - off < n ? s->link_bytes - off : n;
+    memcpy(dst, dopt__shm_ring_of(ch) + off, first);
+    memcpy(dst + first, dopt__shm_ring_of(ch), n - first);
+}
+
 static int dopt__shm_peer_gone(const dopt__shm *s, int q) {
     return s->gone[q] || __atomic_load_n(&dopt__shm_cold_of(s, q)->left, __ATOMIC_ACQUIRE);
 }
@@ -1016,20 +1030,13 @@ static long dopt__shm_link_end(dopt_comm *c, dopt__shm *s, int reason, int *err)
 static long dopt__shm_link_send(dopt_comm *c, int peer, const dopt_iov *parts, int nparts, int *err) {
     dopt__shm *s = (dopt__shm *)c->impl;
     dopt__shm_chan *ch = dopt__shm_chan_of(s, s->rank, peer);
-    unsigned char *ring = dopt__shm_ring_of(ch);
     uint64_t head = ch->head;
     size_t room = s->link_bytes - (size_t)(head - __atomic_load_n(&ch->tail, __ATOMIC_ACQUIRE)), sent = 0;
     int i;
     if (ch->closed || dopt__shm_peer_gone(s, peer)) return dopt__shm_link_end(c, s, EPIPE, err);
     for (i = 0; i < nparts && sent < room; i++) {
-        const unsigned char *src = (const unsigned char *)parts[i].base;
-        size_t n = parts[i].len < room - sent ? parts[i].len : room - sent, done = 0;
-        while (done < n) { /* at most twice: up to the ring's end, then from its start */
-            size_t at = (size_t)((head + sent + done) & (s->link_bytes - 1)), k = s->link_bytes - at;
-            if (k > n - done) k = n - done;
-            memcpy(ring + at, src + done, k);
-            done += k;
-        }
+        size_t n = parts[i].len < room - sent ? parts[i].len : room - sent;
+        dopt__shm_ring_put(s, ch, head + sent, (const unsigned char *)parts[i].base, n);
         sent += n;
     }
     if (sent == 0) return 0;
@@ -1041,13 +1048,12 @@ static long dopt__shm_link_send(dopt_comm *c, int peer, const dopt_iov *parts, i
 static long dopt__shm_link_recv(dopt_comm *c, int peer, void *dst, size_t cap, int *err) {
     dopt__shm *s = (dopt__shm *)c->impl;
     dopt__shm_chan *ch = dopt__shm_chan_of(s, peer, s->rank);
-    unsigned char *ring = dopt__shm_ring_of(ch), *out = (unsigned char *)dst;
     uint64_t tail = ch->tail, head = __atomic_load_n(&ch->head, __ATOMIC_ACQUIRE);
-    size_t n, done = 0;
+    size_t n;
     if (head == tail) {
-        if (__atomic_load_n(&ch->closed, __ATOMIC_ACQUIRE)) {
-            if (__atomic_load_n(&ch->head, __ATOMIC_ACQUIRE) == tail) return dopt__shm_link_end(c, s, 0, err);
+        if (__atomic_load_n(&ch->closed, __ATOMIC_ACQUIRE)) { /* closed after its last head */
             head = __atomic_load_n(&ch->head, __ATOMIC_ACQUIRE);
+            if (head == tail) return dopt__shm_link_end(c, s, 0, err);
         } else if (dopt__shm_peer_gone(s, peer)) {
             return dopt__shm_link_end(c, s, ECONNRESET, err);
         } else {
@@ -1055,12 +1061,7 @@ static long dopt__shm_link_recv(dopt_comm *c, int peer, void *dst, size_t cap, i
         }
     }
     n = (size_t)(head - tail) < cap ? (size_t)(head - tail) : cap;
-    while (done < n) {
-        size_t at = (size_t)((tail + done) & (s->link_bytes - 1)), k = s->link_bytes - at;
-        if (k > n - done) k = n - done;
-        memcpy(out + done, ring + at, k);
-        done += k;
-    }
+    dopt__shm_ring_get(s, ch, tail, (unsigned char *)dst, n);
     __atomic_store_n(&ch->tail, tail + n, __ATOMIC_RELEASE);
     dopt__shm_ring_bell(s, peer);
     return (long)n;
@@ -1120,11 +1121,10 @@ static int dopt__shm_link_wait(dopt_comm *c, dopt_link_poll *polls, int npolls, 
         if (ready == 0 && !dopt__shm_aborted(s)) dopt__shm_futex_wait(&me->bell, seen, nap);
         __atomic_fetch_sub(&me->asleep, 1u, __ATOMIC_SEQ_CST);
         if (dopt__shm_links_aborted(c, s, err)) return -1;
-        if (ready > 0 || (ready = dopt__shm_links_ready(s, polls, npolls)) > 0) return ready;
+        if (ready > 0) return ready;
         now = dopt__now_ms();
         dopt__shm_probe_links(s, polls, npolls, now);
-        if ((ready = dopt__shm_links_ready(s, polls, npolls)) > 0) return ready;
-        if (now >= deadline) return 0;
+        if ((ready = dopt__shm_links_ready(s, polls, npolls)) > 0 || now >= deadline) return ready;
     }
 }
 
@@ -1152,21 +1152,19 @@ static dopt_status dopt__shm_frames_from(dopt_comm *c, dopt__shm *s, const dopt_
     uint64_t avail = __atomic_load_n(&ch->head, __ATOMIC_ACQUIRE) - ch->tail;
     unsigned char hdr[DOPT_FRAME_BYTES];
     char why[DOPT__SHM_REASON_MAX];
+    char theirs[100], mine[100];
     dopt__frame f;
     int whole = 0;
-    size_t i;
     if (P->hi - P->lo >= DOPT_FRAME_BYTES) {
         memcpy(hdr, P->stage + P->lo, sizeof hdr);
         whole = 1;
     } else if (P->hi == P->lo) {
         if (avail == 0) return DOPT_OK;
-        for (i = 0; avail >= sizeof hdr && i < sizeof hdr; i++)
-            hdr[i] = dopt__shm_ring_of(ch)[(size_t)((ch->tail + i) & (s->link_bytes - 1))];
         whole = avail >= sizeof hdr;
+        if (whole) dopt__shm_ring_get(s, ch, ch->tail, hdr, sizeof hdr);
     }
     if (whole && dopt__frame_decode(hdr, &f) == NULL) {
         if (f.type != DOPT__FRAME_DATA) return DOPT_OK;
-        char theirs[100], mine[100];
         dopt_comm_fail_mismatch(c, d, &f.desc, q);
         dopt_coll_describe(&f.desc, theirs, sizeof theirs);
         dopt_coll_describe(d, mine, sizeof mine);

@@ -112,8 +112,8 @@ mutate shm-dead-rank-misnamed transport_shm.h \
     '"rank %d (pid %d) died", q, (int)cold->pid);' '"rank %d (pid %d) died", (q + 1) % s->size, (int)cold->pid);' \
     test_shm:peer_killed
 mutate shm-link-read-ignores-wrap transport_shm.h \
-    'size_t at = (size_t)((tail + done) & (s->link_bytes - 1)), k = s->link_bytes - at;' \
-    'size_t at = (size_t)(tail & (s->link_bytes - 1)), k = s->link_bytes - at;' test_shm:conformance_on_the_engine
+    'memcpy(dst + first, dopt__shm_ring_of(ch), n - first);' 'memcpy(dst + first, dopt__shm_ring_of(ch) + off, n - first);' \
+    test_shm:conformance_on_the_engine
 mutate shm-link-writes-after-close transport_shm.h \
     'if (ch->closed || dopt__shm_peer_gone(s, peer))' 'if (dopt__shm_peer_gone(s, peer))' test_shm:links_keep
 mutate shm-link-dead-peer-not-probed transport_shm.h \
@@ -130,11 +130,8 @@ mutate shm-link-end-ignores-segment-failure transport_shm.h \
 mutate mpi-links-leave-messages-behind transport_mpi.h \
     'while (q != m->rank && !L->ended && dopt__now_ms() < deadline) {' 'while (0) {' test_mpi:engine_over
 mutate mpi-link-rx-reposted-out-of-turn transport_mpi.h \
-    'L->rx_cur = (L->rx_cur + 1) % DOPT__MPI_RX_SLOTS;
-    }
-    return (long)n;' 'L->rx_cur = (L->rx_cur + 0) % DOPT__MPI_RX_SLOTS;
-    }
-    return (long)n;' test_mpi:engine_over
+    'L->rx_cur = (L->rx_cur + 1) % DOPT__MPI_RX_SLOTS;' 'L->rx_cur = (L->rx_cur + 0) % DOPT__MPI_RX_SLOTS;' \
+    test_mpi:engine_over
 mutate localsgd-local-step-ignores-poison localsgd.h \
     'static dopt_status dopt__ls_poisoned(dopt_localsgd *ls) { return ls->comm ? dopt__family_error(ls->comm) : DOPT_OK; }' \
     'static dopt_status dopt__ls_poisoned(dopt_localsgd *ls) { return (void)ls, DOPT_OK; }' test_localsgd:poisoned
