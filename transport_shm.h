@@ -997,12 +997,14 @@ static unsigned char *dopt__shm_ring_of(dopt__shm_chan *ch) { return (unsigned c
    from its start. */
 static void dopt__shm_ring_put(const dopt__shm *s, dopt__shm_chan *ch, uint64_t at, const unsigned char *src, size_t n) {
     size_t off = (size_t)(at & (s->link_bytes - 1)), first = s->link_bytes - off < n ? s->link_bytes - off : n;
+    if (n == 0) return; /* a zero-length part may have no buffer */
     memcpy(dopt__shm_ring_of(ch) + off, src, first);
     memcpy(dopt__shm_ring_of(ch), src + first, n - first);
 }
 
 static void dopt__shm_ring_get(const dopt__shm *s, dopt__shm_chan *ch, uint64_t at, unsigned char *dst, size_t n) {
     size_t off = (size_t)(at & (s->link_bytes - 1)), first = s->link_bytes - off < n ? s->link_bytes - off : n;
+    if (n == 0) return; /* a zero-length part may have no buffer */
     memcpy(dst, dopt__shm_ring_of(ch) + off, first);
     memcpy(dst + first, dopt__shm_ring_of(ch), n - first);
 }
