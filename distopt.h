@@ -116,7 +116,14 @@
      launch.h's dopt_comm_create_from_env uses without a launcher) the forked ranks exit inside
      it, and rank 0 waits for them and gets the job's status: its own if not 0, else that of the
      lowest rank that failed. Otherwise (a launcher started every rank) it destroys c and returns
-     status. c may be NULL (returns status); on a group it destroys the group.
+     status. c may be NULL (returns status); on a group it destroys the group. A negative
+     status (a dopt_status) becomes 1. When status is not 0 and the communicator holds a detail
+     (its first failure, or dopt_dp_close's verdict), finish prints it to stderr as
+     "distopt: <detail>": the one line distopt.h prints, so a failed job says why without a
+     line of the host's.
+     dopt_mean(c, x) returns the mean of x over the ranks (a collective; NaN once c is
+     poisoned): reporting a loss is one line, printf("loss %.4f\n", dopt_mean(c, loss)). For
+     several numbers at once, dopt_allreduce(c, v, k, DOPT_F64, DOPT_MEAN).
      c->traffic counts, per collective kind (index dopt_coll), the calls this rank completed and
      their payload bytes: allreduce count × dtype size, allgather(v) this rank's own block,
      broadcast the buffer (on every rank), barrier 0. Collectives the library issues itself (the
@@ -127,7 +134,7 @@
 
      The collectives distopt's own calls make (the replica check, the batch-size decision, the
      clip verdict, TernGrad's scale sharing, the model average) name that call in the detail:
-     "rank 0: dopt_localsgd_check_replicas: allreduce #68 (i64 max, 2 elems): rank 1 called
+     "rank 0: dopt_dp_check_replicas: allreduce #68 (i64 max, 2 elems): rank 1 called
      allreduce #68 (f32 mean, 235146 elems)". A module labels its collectives with
      dopt_comm_set_api(c, "its call") and puts the previous label back after (labels nest).
      In a program built with OpenMP (-fopenmp where DISTOPT_IMPLEMENTATION is defined), when
@@ -564,6 +571,7 @@ DOPT_DEF dopt_status dopt_allgatherv(dopt_comm *c, const void *send, size_t send
                                      size_t recv_capacity, size_t *recv_bytes);
 DOPT_DEF dopt_status dopt_broadcast(dopt_comm *c, void *buf, size_t bytes, int root);
 DOPT_DEF dopt_status dopt_barrier(dopt_comm *c);
+DOPT_DEF double dopt_mean(dopt_comm *c, double x);
 
 DOPT_DEF dopt_status dopt_allreduce_start(dopt_comm *c, void *buf, size_t count, dopt_dtype dt, dopt_op op,
                                           dopt_request *req);
@@ -3456,13 +3464,22 @@ DOPT_DEF void dopt_comm_destroy(dopt_comm *c) {
 }
 
 DOPT_DEF int dopt_comm_finish(dopt_comm *c, int status) {
+    if (status < 0) status = 1; /* a dopt_status: an exit status of 1 */
     if (c == NULL) return status;
+    if (status != 0 && c->detail[0]) fprintf(stderr, "distopt: %s\n", c->detail);
     if (c->root == NULL && DOPT__VT_HAS(c->vt, finish)) return c->vt->finish(c, status);
     dopt_comm_destroy(c);
     return status;
 }
 
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c) { return c ? c->detail : "no communicator"; }
+
+DOPT_DEF double dopt_mean(dopt_comm *c, double x) {
+    const char *prev = dopt_comm_set_api(c, "dopt_mean");
+    dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_MEAN);
+    dopt_comm_set_api(c, prev);
+    return s == DOPT_OK ? x : NAN;
+}
 
 DOPT_DEF void dopt_comm_set_host(dopt_comm *c, int local_ranks, int cores) {
     if (c == NULL) return;

@@ -27,31 +27,31 @@
        dopt_compressor_config ccfg = {0};
        ccfg.seed = 42;                                  (ternary, c = 2.5, scale sharing)
        dopt_compressor_init(&tern, &ccfg, segs, nsegs);
-       dopt_localsgd_config cfg = {0};
+       dopt_dp_config cfg = {0};
        cfg.sync_grads = 1;
        cfg.grad_compressor = &tern;
-       dopt_localsgd_init(&ls, comm, n, &cfg);
-       dopt_localsgd_broadcast(&ls, params);            (rank 0's parameters everywhere)
+       dopt_dp_init(&ls, comm, n, &cfg);
+       dopt_dp_broadcast(&ls, params);            (rank 0's parameters everywhere)
        for (step = 0; step < steps; step++) {
            forward_backward(params, grads);
-           dopt_localsgd_after_backward(&ls, grads);    (ternary mean of the gradients)
+           dopt_dp_after_backward(&ls, grads);    (ternary mean of the gradients)
            sgd_update(params, grads);
-           dopt_localsgd_after_step(&ls, params);
+           dopt_dp_after_step(&ls, params);
        }
-       dopt_localsgd_free(&ls);
+       dopt_dp_free(&ls);
        dopt_compressor_free(&tern);
 
    2. Local SGD (post-local SGD: 100 synchronous steps, then average every 8):
 
-       dopt_localsgd_config cfg = {0};
+       dopt_dp_config cfg = {0};
        cfg.period = 8;
        cfg.warmup_steps = 100;
-       dopt_localsgd_init(&ls, comm, n, &cfg);
-       dopt_localsgd_broadcast(&ls, params);
+       dopt_dp_init(&ls, comm, n, &cfg);
+       dopt_dp_broadcast(&ls, params);
        for (step = 0; step < steps; step++) {
            forward_backward(params, grads);
            sgd_update(params, grads);                   (the host's own optimizer)
-           dopt_localsgd_after_step(&ls, params);       (averages after steps 0..99, then
+           dopt_dp_after_step(&ls, params);       (averages after steps 0..99, then
        }                                                 after 107, 115, ...)
 
       Setting cfg.compressor = &topk (a compressor with error feedback) sends each average's
@@ -71,8 +71,8 @@
        bcfg.max_units = 16;
        dopt_batch_init(&bc, n, &bcfg);
        cfg.period = 8; cfg.batch = &bc;
-       dopt_localsgd_init(&ls, comm, n, &cfg);
-       dopt_localsgd_broadcast(&ls, params);
+       dopt_dp_init(&ls, comm, n, &cfg);
+       dopt_dp_broadcast(&ls, params);
        for (step = 0; step < steps; step++) {
            memset(grads, 0, n * sizeof(float));
            for (u = 0; u < dopt_batch_units(&bc); u++) {
@@ -80,30 +80,31 @@
                dopt_batch_observe(&bc, micro, n);        (within-worker variance)
                dopt_axpy(grads, 1.0f / dopt_batch_units(&bc), micro, n);
            }
-           dopt_localsgd_celgc_step(&ls, params, grads, eta, gamma, 0.0f);
+           dopt_dp_celgc_step(&ls, params, grads, eta, gamma, 0.0f);
        }                                    (the step's end for the batch controller too)
 
    WHEN THE AVERAGE HAPPENS
-     Steps are numbered 0, 1, 2, ... by the driver (one dopt_localsgd_after_step each). With W
+     Steps are numbered 0, 1, 2, ... by the driver (one dopt_dp_after_step each). With W
      warm-up steps and period I, the models are averaged at the end of step t when t < W, or when
      (t + 1 − W) is a multiple of I. The CELGC reference code averages at the *start* of steps 0, I,
      2I, ...: the average at the start of step kI (k ≥ 1) is the average at the end of step kI − 1,
      since nothing happens in between, and the one at the start of step 0 is replaced by
-     dopt_localsgd_broadcast (replicas start identical, so their mean is that same model up to
+     dopt_dp_broadcast (replicas start identical, so their mean is that same model up to
      the rounding of a mean of N equal floats). Averaging at the end of a step means the models
-     are identical whenever dopt_localsgd_after_step returns from a sync — the moment a host
-     evaluates or checkpoints. dopt_localsgd_should_sync(ls, t) tells what happens when.
+     are identical whenever dopt_dp_after_step returns from a sync — the moment a host
+     evaluates or checkpoints. dopt_dp_should_sync(ls, t) tells what happens when.
 
-   CONFIGURATION (dopt_localsgd_config; all zero means the defaults; NULL means all zero)
+   CONFIGURATION (dopt_dp_config; all zero means the defaults; NULL means all zero)
 
    | field        | meaning                                                    | zero means        |
    |--------------|------------------------------------------------------------|-------------------|
    | period       | I: average every I steps after the warm-up                 | 1                 |
    | warmup_steps | W: steps averaged every step before going local            | 0                 |
-   | sync_grads   | 1: synchronous steps (the warm-up, or all steps when I = 1) | 0: models are     |
-   |              | average the gradients (dopt_localsgd_after_backward)       | averaged after    |
-   |              | instead of the models; exact for any optimizer, e.g. CELGC | the step          |
-   |              | with I = 1 is then synchronous clipped SGD                 |                   |
+   | sync_grads   | 1: on synchronous steps (the warm-up, or all when I = 1)   | 0: the models are |
+   |              | dopt_dp_celgc_step averages the gradients instead of the   | averaged (CELGC's |
+   |              | models: CELGC with I = 1 is then synchronous clipped SGD.  | own rule)         |
+   |              | Other hosts need not set it: dopt_dp_after_backward        |                   |
+   |              | averages the gradients of every synchronous step.          |                   |
    | weighted     | 1: averages weighted by the samples each rank processed    | 0: plain mean     |
    |              | since the last average (unequal local batches)             |                   |
    | states       | extra buffers (momentum, Adam moments, batch-norm running  | none              |
@@ -113,7 +114,7 @@
    |              | by an across-worker batch estimator and by a compressor    |                   |
    | compressor   | a compress.h compressor for the model deltas (below)       | fp32 averages     |
    | grad_        | a compress.h compressor for the gradient averages of       | fp32 gradient     |
-   |  compressor  | sync_grads (synchronous steps; CELGC at I = 1 included)    | averages          |
+   |  compressor  | synchronous steps (CELGC's only with sync_grads)           | averages          |
    | outer_lr     | DiLoCo's outer step size on each model average (below)     | 1 (plain average) |
    | outer_       | its Nesterov momentum μ, in [0, 1)                         | 0                 |
    |  momentum    |                                                            |                   |
@@ -172,7 +173,7 @@
 
    The WITHIN estimator. The host reports each micro-batch's mean gradient v_j
    (dopt_batch_observe), and marks the end of each local step (dopt_batch_end_step; the driver's
-   dopt_localsgd_after_step does it). The variance is the spread of the micro-batch gradients of
+   dopt_dp_after_step does it). The variance is the spread of the micro-batch gradients of
    ONE step, all taken at the same parameters: τ² = Σ_t Σ_j ‖v_j − v̄_t‖² / Σ_t (k_t − 1), pooled
    over the round's steps and over ranks, and Var = unit_samples·τ². Steps differ in parameters;
    their difference is drift, not noise, and does not enter. A step of one micro-batch adds no
@@ -207,49 +208,53 @@
    cancels). That holds for plain SGD at one learning rate on every rank within a round. Under
    momentum or adaptive optimizers the delta is the sum of the updates, not of the gradients,
    and the estimate is of the spread of the updates; use WITHIN there. Under clipping (CELGC) a
-   step is min(η, γ/‖g‖)·g, not a fixed multiple of g: dopt_localsgd_celgc_step refuses an ACROSS
+   step is min(η, γ/‖g‖)·g, not a fixed multiple of g: dopt_dp_celgc_step refuses an ACROSS
    controller. Unbiased for a weighted mean, and for a plain mean when the B_m are equal.
 
    FUNCTIONS (driver)
 
-   dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size_t n,
-                                  const dopt_localsgd_config *cfg)
+   dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n,
+                                  const dopt_dp_config *cfg)
      Sizes a driver for parameters of n elements (flat or a scatter list of n in all). Allocates
      the averaging workspace (n + the AVERAGE states' elements) and the anchor when kept; copies
      the state table. comm is borrowed (it must outlive the driver); cfg->batch is borrowed too.
      cfg->compressor and cfg->grad_compressor are borrowed as well (they must be two different
      objects). Errors: DOPT_ERR_INVALID (NULL ls or comm, a bad policy, a batch controller whose
      estimator needs n elements and has another count, a compressor whose segments do not cover
-     exactly n packed elements, a compressor with `weighted`, a grad_compressor without
-     sync_grads or the same object as compressor, outer_lr negative or not finite, outer_momentum
+     exactly n packed elements, a compressor with `weighted`, a grad_compressor that is the
+     same object as compressor, outer_lr negative or not finite, outer_momentum
      outside [0, 1)), DOPT_ERR_NOMEM. The object must not move after
      init. On failure nothing needs freeing. Not a collective.
 
-   void dopt_localsgd_free(dopt_localsgd *ls)
+   void dopt_dp_free(dopt_dp *ls)
      Releases what init allocated (not comm, not the batch controller). NULL or zeroed: accepted.
 
-   int dopt_localsgd_should_sync(const dopt_localsgd *ls, uint64_t step)
-   int dopt_localsgd_is_synchronous(const dopt_localsgd *ls, uint64_t step)
-     should_sync: 1 when dopt_localsgd_after_step at the end of `step` averages (see WHEN THE
+   int dopt_dp_should_sync(const dopt_dp *ls, uint64_t step)
+   int dopt_dp_is_synchronous(const dopt_dp *ls, uint64_t step)
+     should_sync: 1 when dopt_dp_after_step at the end of `step` averages (see WHEN THE
      AVERAGE HAPPENS). is_synchronous: 1 during the warm-up, and always when the period is 1.
      Pure.
 
-   dopt_status dopt_localsgd_broadcast(dopt_localsgd *ls, float *params)
-   dopt_status dopt_localsgd_broadcast_buf(dopt_localsgd *ls, const dopt_buf *params,
+   dopt_status dopt_dp_broadcast(dopt_dp *ls, float *params)
+   dopt_status dopt_dp_broadcast_buf(dopt_dp *ls, const dopt_buf *params,
                                            const dopt_buf *states)
      Collective: rank 0's parameters (and every extra state buffer) to every rank; records the
      anchor. Call once before the first step (and after loading the host's checkpoint if ranks
      loaded different files). states is an array of nstates descriptors (NULL when nstates = 0);
      the flat form needs nstates = 0.
 
-   dopt_status dopt_localsgd_after_backward(dopt_localsgd *ls, float *grads)
-   dopt_status dopt_localsgd_after_backward_buf(dopt_localsgd *ls, const dopt_buf *grads)
-     With sync_grads on a synchronous step: averages the gradients in place (weighted by the
-     step's samples when `weighted`). Otherwise returns DOPT_OK at once, without communication.
-     Call it between backward and the optimizer's update.
+   dopt_status dopt_dp_after_backward(dopt_dp *ls, float *grads)
+   dopt_status dopt_dp_after_backward_buf(dopt_dp *ls, const dopt_buf *grads)
+     On a synchronous step (every step at period 1, the warm-up otherwise): averages the
+     gradients in place (through grad_compressor when set; weighted by the step's samples when
+     `weighted`), and the after_step of that step then averages nothing: the models stay
+     identical because every rank applies the same update. On a local step: DOPT_OK at once,
+     without communication. Call it between backward and the optimizer's update. A host that
+     never calls it has its models averaged by after_step instead (exact for SGD, not for
+     optimizers with state: call it).
 
-   dopt_status dopt_localsgd_after_step(dopt_localsgd *ls, float *params)
-   dopt_status dopt_localsgd_after_step_buf(dopt_localsgd *ls, const dopt_buf *params,
+   dopt_status dopt_dp_after_step(dopt_dp *ls, float *params)
+   dopt_status dopt_dp_after_step_buf(dopt_dp *ls, const dopt_buf *params,
                                             const dopt_buf *states)
      Counts the step and, when it is a sync, averages parameters and AVERAGE states in one
      allreduce, zeroes the RESET states, runs the batch decision, and moves the anchor. A
@@ -258,8 +263,8 @@
      communication, and the step is not counted), and the transport's errors (the communicator's
      detail names them; the parameters are then unchanged).
 
-   dopt_status dopt_localsgd_sync(dopt_localsgd *ls, float *params)
-   dopt_status dopt_localsgd_sync_buf(dopt_localsgd *ls, const dopt_buf *params,
+   dopt_status dopt_dp_sync(dopt_dp *ls, float *params)
+   dopt_status dopt_dp_sync_buf(dopt_dp *ls, const dopt_buf *params,
                                       const dopt_buf *states)
      Averages now, whatever the schedule: at the end of training when the last round is shorter
      than the period, or before the host evaluates or saves mid-round (darknet syncs its nets
@@ -267,11 +272,11 @@
      states, the anchor, the batch decision) but is not a step: the schedule does not move. A
      round of no local step (right after an average, or only synchronous steps) returns DOPT_OK
      without communication: every rank counts steps alike, so every rank skips alike. Collective
-     otherwise; errors as dopt_localsgd_after_step.
+     otherwise; errors as dopt_dp_after_step.
 
-   dopt_status dopt_localsgd_celgc_step(dopt_localsgd *ls, float *params, const float *grads,
+   dopt_status dopt_dp_celgc_step(dopt_dp *ls, float *params, const float *grads,
                                         float eta, float gamma, float weight_decay)
-   dopt_status dopt_localsgd_celgc_step_buf(dopt_localsgd *ls, const dopt_buf *params,
+   dopt_status dopt_dp_celgc_step_buf(dopt_dp *ls, const dopt_buf *params,
                                             const dopt_buf *grads, const dopt_buf *states,
                                             float scale, float eta, float gamma,
                                             float weight_decay)
@@ -285,17 +290,31 @@
      skips its update, the average still happens when due, and the call returns
      DOPT_ERR_NONFINITE. grads is averaged in place on synchronous steps with sync_grads.
 
-   dopt_status dopt_localsgd_check_replicas(dopt_localsgd *ls, const float *params,
+   dopt_status dopt_dp_check_replicas(dopt_dp *ls, const float *params,
                                             int *identical, double *max_diff)
-   dopt_status dopt_localsgd_check_replicas_buf(dopt_localsgd *ls, const dopt_buf *params,
+   dopt_status dopt_dp_check_replicas_buf(dopt_dp *ls, const dopt_buf *params,
                                                 int *identical, double *max_diff)
      Collective: *identical = 1 when every rank's parameters are bitwise identical (one
-     allreduce of a 64-bit FNV-1a checksum); otherwise one elementwise MAX allreduce in the
+     allgather of a 64-bit FNV-1a checksum and the step); otherwise one elementwise MAX allreduce in the
      workspace and one scalar one give *max_diff, the largest |x_r,i − x_q,i| over elements and
      ranks (0 when identical). Either output may be NULL. Same answer on every rank.
 
-   dopt_status dopt_localsgd_save(dopt_localsgd *ls, const char *path)
-   dopt_status dopt_localsgd_load(dopt_localsgd *ls, const char *path)
+   dopt_status dopt_dp_close(dopt_dp *ls, float *params)
+   dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params,
+                                 const dopt_buf *states)
+     The closing call, once at the end of training, on every rank: averages a last round
+     shorter than the period (as dopt_dp_sync), checks that the replicas are bitwise identical
+     and at the same step, and releases the driver (dopt_dp_free after it is harmless; every
+     other call then returns DOPT_ERR_CLOSED). Returns DOPT_OK, the communicator's status when
+     it was poisoned, or DOPT_ERR_MISMATCH when the replicas differ; dopt_dp_detail(ls) then
+     says which ranks hold other parameters than rank 0 and the largest difference, or that
+     the ranks are at different steps, and the same words go to the communicator's detail
+     (without poisoning it), which dopt_comm_finish prints. The host's end of a job is then
+
+         return dopt_comm_finish(comm, dopt_dp_close(&dp, params));
+
+   dopt_status dopt_dp_save(dopt_dp *ls, const char *path)
+   dopt_status dopt_dp_load(dopt_dp *ls, const char *path)
      This rank's library state — step, syncs, the round's sample count, the anchor, the layout
      and policies, and the batch controller (size, accumulators, direction) — to a file: header
      "DOPTLSGD", format version (2; files of version 1 are refused), world size, rank, layout,
@@ -306,18 +325,18 @@
      DOPT_ERR_IO (cannot open or read), DOPT_ERR_PROTOCOL (not such a file, another format
      version, a bad checksum, truncated), DOPT_ERR_INVALID (another world size, rank, element
      count, period, warm-up, state table, batch or outer-optimizer configuration).
-     dopt_localsgd_detail(ls) then says which, in words. Save refuses (DOPT_ERR_INVALID) in the
+     dopt_dp_detail(ls) then says which, in words. Save refuses (DOPT_ERR_INVALID) in the
      middle of a step with an EXACT-projection controller: the step's micro-batch gradients are
      not saved; save between steps. Save and load allocate a buffer the size of the file (they are
      not steady-state calls). Not collectives: each rank saves and loads its own file.
 
-   dopt_status dopt_localsgd_set_step_samples(dopt_localsgd *ls, double samples)
+   dopt_status dopt_dp_set_step_samples(dopt_dp *ls, double samples)
      The samples this rank processes per step from now on (unequal local batches: the last shard
      smaller, heterogeneous workers); 0 returns to the default, the batch controller's
      units · unit_samples, or 1 without one. They weigh this rank in `weighted` averages and in
      the ACROSS estimator. Saved with the state. DOPT_ERR_INVALID: negative or not finite.
 
-   const char *dopt_localsgd_detail(const dopt_localsgd *ls)
+   const char *dopt_dp_detail(const dopt_dp *ls)
      The driver's last error in words, which names the communicator's detail too; when the
      driver has none, the communicator's own detail (an error in a collective the host called
      itself); "" when neither failed. Owned by the driver or the communicator.
@@ -351,7 +370,7 @@
 
    void dopt_batch_end_step(dopt_batch *bc)
      WITHIN: the current step's micro-batches are all observed (the parameters move next). Its
-     spread around its own mean joins the round's statistics. dopt_localsgd_after_step calls it;
+     spread around its own mean joins the round's statistics. dopt_dp_after_step calls it;
      without the driver, call it after each step's micro-batches. A step without observations
      (or a second call) does nothing. O(n) (EXACT: O(k·n)), no communication.
 
@@ -373,7 +392,7 @@
    dopt_status dopt_broadcast_buf(dopt_comm *comm, const dopt_buf *buf, int root)
      Collective: each segment of buf from root (one broadcast per segment; gaps untouched). Every
      rank must describe its buffer with the same segment sizes; the driver's
-     dopt_localsgd_broadcast has no such condition (it goes through the workspace in pieces).
+     dopt_dp_broadcast has no such condition (it goes through the workspace in pieces).
 
    dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin, size_t *end)
      This rank's [begin, end) of total samples: contiguous, in rank order, sizes differing by at
@@ -411,7 +430,7 @@
 
    COMPRESSED GRADIENTS
      With cfg.grad_compressor (same requirements as cfg.compressor, a different object, and
-     sync_grads), dopt_localsgd_after_backward — and so dopt_localsgd_celgc_step — averages the
+     sync_grads), dopt_dp_after_backward — and so dopt_dp_celgc_step — averages the
      gradients of synchronous steps through dopt_compress_allreduce: (1/N) Σ_m C(g_m), the same
      bytes on every rank, packed into the workspace first so that any descriptor works. Its state
      (error-feedback residual, step) is saved with the driver's. Both compressors may be set:
@@ -429,8 +448,8 @@
 extern "C" {
 #endif
 
-#define DOPT_LOCALSGD_FILE_VERSION 2u
-#define DOPT_LOCALSGD_DETAIL_MAX 256
+#define DOPT_DP_FILE_VERSION 2u
+#define DOPT_DP_DETAIL_MAX 256
 
 /* ===================================================================== ADAPTIVE BATCH */
 
@@ -527,7 +546,7 @@ typedef struct dopt_state_desc {
     const char *name; /* optional, for messages; not copied */
 } dopt_state_desc;
 
-typedef struct dopt_localsgd_config {
+typedef struct dopt_dp_config {
     size_t period;
     size_t warmup_steps;
     int sync_grads;
@@ -540,9 +559,9 @@ typedef struct dopt_localsgd_config {
     dopt_compressor *grad_compressor;
     double outer_lr;
     double outer_momentum;
-} dopt_localsgd_config;
+} dopt_dp_config;
 
-typedef struct dopt_localsgd {
+typedef struct dopt_dp {
     dopt_comm *comm;
     size_t n;
     size_t period, warmup;
@@ -561,38 +580,41 @@ typedef struct dopt_localsgd {
     uint64_t step;           /* steps completed */
     uint64_t syncs;          /* averages done (model or gradient) */
     uint64_t round_steps;    /* steps since the last average */
+    uint64_t grads_step;     /* step + 1 of the last step whose gradients were averaged, or 0 */
     double round_samples;    /* samples since the last average (the weight) */
-    double step_samples;     /* set by dopt_localsgd_set_step_samples, 0: automatic */
+    double step_samples;     /* set by dopt_dp_set_step_samples, 0: automatic */
     uint64_t *replica_words; /* the replica check's exchange: checksum and step of every rank */
     char api[96];            /* the call whose collectives run now, as details name it */
-    char detail[DOPT_LOCALSGD_DETAIL_MAX];
-} dopt_localsgd;
+    char detail[DOPT_DP_DETAIL_MAX];
+} dopt_dp;
 
-DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size_t n, const dopt_localsgd_config *cfg);
-DOPT_DEF void dopt_localsgd_free(dopt_localsgd *ls);
-DOPT_DEF int dopt_localsgd_should_sync(const dopt_localsgd *ls, uint64_t step);
-DOPT_DEF int dopt_localsgd_is_synchronous(const dopt_localsgd *ls, uint64_t step);
-DOPT_DEF dopt_status dopt_localsgd_broadcast(dopt_localsgd *ls, float *params);
-DOPT_DEF dopt_status dopt_localsgd_broadcast_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states);
-DOPT_DEF dopt_status dopt_localsgd_after_backward(dopt_localsgd *ls, float *grads);
-DOPT_DEF dopt_status dopt_localsgd_after_backward_buf(dopt_localsgd *ls, const dopt_buf *grads);
-DOPT_DEF dopt_status dopt_localsgd_after_step(dopt_localsgd *ls, float *params);
-DOPT_DEF dopt_status dopt_localsgd_after_step_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states);
-DOPT_DEF dopt_status dopt_localsgd_sync(dopt_localsgd *ls, float *params);
-DOPT_DEF dopt_status dopt_localsgd_sync_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states);
-DOPT_DEF dopt_status dopt_localsgd_celgc_step(dopt_localsgd *ls, float *params, const float *grads, float eta,
+DOPT_DEF dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n, const dopt_dp_config *cfg);
+DOPT_DEF void dopt_dp_free(dopt_dp *ls);
+DOPT_DEF int dopt_dp_should_sync(const dopt_dp *ls, uint64_t step);
+DOPT_DEF int dopt_dp_is_synchronous(const dopt_dp *ls, uint64_t step);
+DOPT_DEF dopt_status dopt_dp_broadcast(dopt_dp *ls, float *params);
+DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
+DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *ls, float *grads);
+DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *ls, const dopt_buf *grads);
+DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *ls, float *params);
+DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
+DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *ls, float *params);
+DOPT_DEF dopt_status dopt_dp_sync_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
+DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, float *params, const float *grads, float eta,
                                               float gamma, float weight_decay);
-DOPT_DEF dopt_status dopt_localsgd_celgc_step_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *grads,
+DOPT_DEF dopt_status dopt_dp_celgc_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
                                                   const dopt_buf *states, float scale, float eta, float gamma,
                                                   float weight_decay);
-DOPT_DEF dopt_status dopt_localsgd_check_replicas(dopt_localsgd *ls, const float *params, int *identical,
+DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const float *params, int *identical,
                                                   double *max_diff);
-DOPT_DEF dopt_status dopt_localsgd_check_replicas_buf(dopt_localsgd *ls, const dopt_buf *params, int *identical,
+DOPT_DEF dopt_status dopt_dp_check_replicas_buf(dopt_dp *ls, const dopt_buf *params, int *identical,
                                                       double *max_diff);
-DOPT_DEF dopt_status dopt_localsgd_set_step_samples(dopt_localsgd *ls, double samples);
-DOPT_DEF dopt_status dopt_localsgd_save(dopt_localsgd *ls, const char *path);
-DOPT_DEF dopt_status dopt_localsgd_load(dopt_localsgd *ls, const char *path);
-DOPT_DEF const char *dopt_localsgd_detail(const dopt_localsgd *ls);
+DOPT_DEF dopt_status dopt_dp_close(dopt_dp *ls, float *params);
+DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
+DOPT_DEF dopt_status dopt_dp_set_step_samples(dopt_dp *ls, double samples);
+DOPT_DEF dopt_status dopt_dp_save(dopt_dp *ls, const char *path);
+DOPT_DEF dopt_status dopt_dp_load(dopt_dp *ls, const char *path);
+DOPT_DEF const char *dopt_dp_detail(const dopt_dp *ls);
 
 /* ===================================================================== HELPERS */
 
@@ -631,8 +653,8 @@ extern "C" {
 
 /* ===================================================================== SMALL HELPERS */
 
-static void dopt__ls_fail_detail(dopt_localsgd *ls, const char *fmt, ...) DOPT_PRINTF(2, 3);
-static void dopt__ls_fail_detail(dopt_localsgd *ls, const char *fmt, ...) {
+static void dopt__ls_fail_detail(dopt_dp *ls, const char *fmt, ...) DOPT_PRINTF(2, 3);
+static void dopt__ls_fail_detail(dopt_dp *ls, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(ls->detail, sizeof ls->detail, fmt, ap);
@@ -641,8 +663,8 @@ static void dopt__ls_fail_detail(dopt_localsgd *ls, const char *fmt, ...) {
 
 /* Names the driver's call in the communicator's details; returns the previous label, which the
    caller puts back with dopt_comm_set_api. */
-static const char *dopt__ls_label(dopt_localsgd *ls, const char *fmt, ...) DOPT_PRINTF(2, 3);
-static const char *dopt__ls_label(dopt_localsgd *ls, const char *fmt, ...) {
+static const char *dopt__ls_label(dopt_dp *ls, const char *fmt, ...) DOPT_PRINTF(2, 3);
+static const char *dopt__ls_label(dopt_dp *ls, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(ls->api, sizeof ls->api, fmt, ap);
@@ -971,8 +993,8 @@ DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm) {
 
 /* ===================================================================== LOCAL SGD: INIT AND SCHEDULE */
 
-DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size_t n, const dopt_localsgd_config *cfg) {
-    dopt_localsgd_config c;
+DOPT_DEF dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n, const dopt_dp_config *cfg) {
+    dopt_dp_config c;
     size_t i, work = n;
     int anchor;
     if (ls == NULL) return DOPT_ERR_INVALID;
@@ -995,7 +1017,7 @@ DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size
         return DOPT_ERR_INVALID;
     if (c.grad_compressor &&
         (c.grad_compressor->segs == NULL || c.grad_compressor->count != n || c.grad_compressor->flat_end != n ||
-         c.weighted || !c.sync_grads || c.grad_compressor == c.compressor))
+         c.weighted || c.grad_compressor == c.compressor))
         return DOPT_ERR_INVALID;
     /* NaN first, by its bits: under GCC's -ffast-math NaN == 0.0 holds and would take the default */
     if (!dopt__is_finite(c.outer_lr) || !dopt__is_finite(c.outer_momentum)) return DOPT_ERR_INVALID;
@@ -1036,11 +1058,11 @@ DOPT_DEF dopt_status dopt_localsgd_init(dopt_localsgd *ls, dopt_comm *comm, size
     }
     return DOPT_OK;
 nomem:
-    dopt_localsgd_free(ls);
+    dopt_dp_free(ls);
     return DOPT_ERR_NOMEM;
 }
 
-DOPT_DEF void dopt_localsgd_free(dopt_localsgd *ls) {
+DOPT_DEF void dopt_dp_free(dopt_dp *ls) {
     if (ls == NULL) return;
     if (ls->states) DOPT_FREE(ls->states);
     if (ls->work) DOPT_FREE(ls->work);
@@ -1054,29 +1076,29 @@ DOPT_DEF void dopt_localsgd_free(dopt_localsgd *ls) {
     ls->outer_v = NULL;
 }
 
-DOPT_DEF int dopt_localsgd_is_synchronous(const dopt_localsgd *ls, uint64_t step) {
+DOPT_DEF int dopt_dp_is_synchronous(const dopt_dp *ls, uint64_t step) {
     return step < (uint64_t)ls->warmup || ls->period == 1;
 }
 
-DOPT_DEF int dopt_localsgd_should_sync(const dopt_localsgd *ls, uint64_t step) {
-    if (dopt_localsgd_is_synchronous(ls, step)) return 1;
+DOPT_DEF int dopt_dp_should_sync(const dopt_dp *ls, uint64_t step) {
+    if (dopt_dp_is_synchronous(ls, step)) return 1;
     return (step + 1 - (uint64_t)ls->warmup) % (uint64_t)ls->period == 0;
 }
 
-DOPT_DEF dopt_status dopt_localsgd_set_step_samples(dopt_localsgd *ls, double samples) {
+DOPT_DEF dopt_status dopt_dp_set_step_samples(dopt_dp *ls, double samples) {
     if (ls == NULL || !dopt__is_finite(samples) || samples < 0.0) return DOPT_ERR_INVALID;
     ls->step_samples = samples;
     return DOPT_OK;
 }
 
-DOPT_DEF const char *dopt_localsgd_detail(const dopt_localsgd *ls) {
+DOPT_DEF const char *dopt_dp_detail(const dopt_dp *ls) {
     if (ls == NULL) return "no driver";
     return ls->detail[0] || ls->comm == NULL ? ls->detail : dopt_comm_detail(ls->comm);
 }
 
 /* ===================================================================== LOCAL SGD: LAYOUT CHECKS AND PACKING */
 
-static dopt_status dopt__ls_check_layout(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
+static dopt_status dopt__ls_check_layout(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     size_t i;
     if (dopt__ls_check_buf(params, ls->n) != DOPT_OK) {
         dopt__ls_fail_detail(ls, "parameters: not a valid descriptor of %zu elements", ls->n);
@@ -1096,7 +1118,7 @@ static dopt_status dopt__ls_check_layout(dopt_localsgd *ls, const dopt_buf *para
 }
 
 /* params, then the AVERAGE states, into the workspace; and back. */
-static void dopt__ls_pack(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
+static void dopt__ls_pack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     size_t i, off = ls->n;
     dopt_buf_pack(params, ls->work);
     for (i = 0; i < ls->nstates; i++)
@@ -1106,7 +1128,7 @@ static void dopt__ls_pack(dopt_localsgd *ls, const dopt_buf *params, const dopt_
         }
 }
 
-static void dopt__ls_unpack(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
+static void dopt__ls_unpack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     size_t i, j, k, off = ls->n;
     dopt_buf_unpack(params, ls->work);
     for (i = 0; i < ls->nstates; i++) {
@@ -1124,7 +1146,7 @@ static void dopt__ls_unpack(dopt_localsgd *ls, const dopt_buf *params, const dop
 }
 
 /* Samples this rank processes in one step: the batch controller's size, or 1. */
-static double dopt__ls_step_samples(const dopt_localsgd *ls) {
+static double dopt__ls_step_samples(const dopt_dp *ls) {
     if (ls->step_samples > 0.0) return ls->step_samples;
     return ls->batch ? (double)ls->batch->units * (double)ls->batch->cfg.unit_samples : 1.0;
 }
@@ -1137,7 +1159,7 @@ static double dopt__ls_step_samples(const dopt_localsgd *ls) {
    test is a ratio, so the scale cancels): E Σ_m B_m‖d_m − d̄‖² = (N − 1)σ² for the weighted
    mean (and for equal B_m), and E‖d̄‖² = ‖∇F‖² + σ²·c with c = 1/W (weighted) or
    Σ_m(1/B_m)/N² (plain), the bias taken off grad_norm2. */
-static dopt_status dopt__ls_across_stats(dopt_localsgd *ls, const dopt_buf *params, double local_d2,
+static dopt_status dopt__ls_across_stats(dopt_dp *ls, const dopt_buf *params, double local_d2,
                                          dopt_batch_stats *st) {
     double sums[3], mean2, dot, proj2, w = ls->round_samples, N = (double)ls->comm->size, W, bias;
     dopt_status s;
@@ -1175,7 +1197,7 @@ static dopt_status dopt__ls_across_stats(dopt_localsgd *ls, const dopt_buf *para
 /* The model delta since the last average through the compressor (error feedback is the
    compressor's), added back to the anchor: the new model is the same bytes on every rank because
    the anchor and the decoded mean are. AVERAGE states go in fp32 after. */
-static dopt_status dopt__ls_average_compressed(dopt_localsgd *ls) {
+static dopt_status dopt__ls_average_compressed(dopt_dp *ls) {
     size_t i;
     dopt_status s;
     for (i = 0; i < ls->n; i++) ls->work[i] -= ls->anchor[i];
@@ -1189,7 +1211,7 @@ static dopt_status dopt__ls_average_compressed(dopt_localsgd *ls) {
 /* DiLoCo's outer step (Douillard et al. 2023) on the average in the workspace: the
    pseudo-gradient Δ = anchor − mean, v ← μ·v + Δ, new model = anchor − lr·(Δ + μ·v) (Nesterov).
    The same bits on every rank: its inputs (anchor, mean, v) are. */
-static void dopt__ls_outer_step(dopt_localsgd *ls) {
+static void dopt__ls_outer_step(dopt_dp *ls) {
     double lr = ls->outer_lr, mu = ls->outer_momentum;
     size_t i;
     for (i = 0; i < ls->n; i++) {
@@ -1202,7 +1224,7 @@ static void dopt__ls_outer_step(dopt_localsgd *ls) {
     }
 }
 
-static dopt_status dopt__ls_average_models(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
+static dopt_status dopt__ls_average_models(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     int across = ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_ACROSS;
     double local_d2 = 0.0;
     dopt_batch_stats st;
@@ -1229,20 +1251,22 @@ static dopt_status dopt__ls_average_models(dopt_localsgd *ls, const dopt_buf *pa
 
 /* Check once: on a poisoned communicator every call of the driver fails at once with its status,
    a step that would not communicate included. */
-static dopt_status dopt__ls_poisoned(dopt_localsgd *ls) { return ls->comm ? dopt__family_error(ls->comm) : DOPT_OK; }
+static dopt_status dopt__ls_poisoned(dopt_dp *ls) {
+    if (ls->work == NULL) return DOPT_ERR_CLOSED; /* closed, freed, or its init failed */
+    return dopt__family_error(ls->comm);
+}
 
-DOPT_DEF dopt_status dopt_localsgd_after_backward_buf(dopt_localsgd *ls, const dopt_buf *grads) {
+/* The gradient mean of a synchronous step; the step's model average is then skipped. */
+static dopt_status dopt__ls_average_grads(dopt_dp *ls, const dopt_buf *grads, const char *api) {
     const char *prev;
     dopt_status s;
-    if (ls == NULL) return DOPT_ERR_INVALID;
     if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
     if (dopt__ls_check_buf(grads, ls->n) != DOPT_OK) {
         dopt__ls_fail_detail(ls, "gradients: not a valid descriptor of %zu elements", ls->n);
         return DOPT_ERR_INVALID;
     }
-    if (!ls->sync_grads || !dopt_localsgd_is_synchronous(ls, ls->step)) return DOPT_OK;
-    prev = dopt__ls_label(ls, "dopt_localsgd_after_backward: the gradient average of step %llu",
-                          (unsigned long long)ls->step);
+    if (!dopt_dp_is_synchronous(ls, ls->step)) return DOPT_OK;
+    prev = dopt__ls_label(ls, "%s: the gradient average of step %llu", api, (unsigned long long)ls->step);
     dopt_buf_pack(grads, ls->work);
     if (ls->grad_compressor) /* over the packed gradients, the compressor's own segments */
         s = dopt_compress_allreduce(ls->grad_compressor, ls->comm, ls->work, ls->n);
@@ -1253,21 +1277,27 @@ DOPT_DEF dopt_status dopt_localsgd_after_backward_buf(dopt_localsgd *ls, const d
     dopt_comm_set_api(ls->comm, prev);
     if (s != DOPT_OK) return s;
     dopt_buf_unpack(grads, ls->work);
+    ls->grads_step = ls->step + 1;
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_localsgd_after_backward(dopt_localsgd *ls, float *grads) {
+DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *ls, const dopt_buf *grads) {
+    if (ls == NULL) return DOPT_ERR_INVALID;
+    return dopt__ls_average_grads(ls, grads, "dopt_dp_after_backward");
+}
+
+DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *ls, float *grads) {
     dopt_buf b = dopt_buf_flat(grads, ls ? ls->n : 0, NULL, 0);
-    return dopt_localsgd_after_backward_buf(ls, &b);
+    return dopt_dp_after_backward_buf(ls, &b);
 }
 
 /* Ends a round: the model average (or, when the gradients were averaged, only the anchor), the
    batch decision, the counters. On failure the detail names the step (`how` after it). */
-static dopt_status dopt__ls_end_round(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states, int average,
+static dopt_status dopt__ls_end_round(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states, int average,
                                       uint64_t t, const char *how) {
     dopt_status s = DOPT_OK;
     const char *prev = dopt__ls_label(ls, "%s: the average after step %llu",
-                                      *how ? "dopt_localsgd_sync" : "dopt_localsgd_after_step", (unsigned long long)t);
+                                      *how ? "dopt_dp_sync" : "dopt_dp_after_step", (unsigned long long)t);
     if (average)
         s = dopt__ls_average_models(ls, params, states);
     else if (ls->anchor && ls->n)
@@ -1286,7 +1316,7 @@ static dopt_status dopt__ls_end_round(dopt_localsgd *ls, const dopt_buf *params,
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_localsgd_after_step_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
+DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     uint64_t t;
     dopt_status s = DOPT_OK;
     if (ls == NULL) return DOPT_ERR_INVALID;
@@ -1298,17 +1328,17 @@ DOPT_DEF dopt_status dopt_localsgd_after_step_buf(dopt_localsgd *ls, const dopt_
     ls->round_samples += dopt__ls_step_samples(ls);
     ls->round_steps++;
     ls->step++;
-    if (!dopt_localsgd_should_sync(ls, t)) return DOPT_OK;
+    if (!dopt_dp_should_sync(ls, t)) return DOPT_OK;
     /* after averaged gradients the models are identical already */
-    return dopt__ls_end_round(ls, params, states, !(ls->sync_grads && dopt_localsgd_is_synchronous(ls, t)), t, "");
+    return dopt__ls_end_round(ls, params, states, ls->grads_step != t + 1, t, "");
 }
 
-DOPT_DEF dopt_status dopt_localsgd_after_step(dopt_localsgd *ls, float *params) {
+DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *ls, float *params) {
     dopt_buf b = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
-    return dopt_localsgd_after_step_buf(ls, &b, NULL);
+    return dopt_dp_after_step_buf(ls, &b, NULL);
 }
 
-DOPT_DEF dopt_status dopt_localsgd_sync_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
+DOPT_DEF dopt_status dopt_dp_sync_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     dopt_status s;
     if (ls == NULL) return DOPT_ERR_INVALID;
     if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
@@ -1318,15 +1348,15 @@ DOPT_DEF dopt_status dopt_localsgd_sync_buf(dopt_localsgd *ls, const dopt_buf *p
     return dopt__ls_end_round(ls, params, states, 1, ls->step, " (sync)");
 }
 
-DOPT_DEF dopt_status dopt_localsgd_sync(dopt_localsgd *ls, float *params) {
+DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *ls, float *params) {
     dopt_buf b = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
-    return dopt_localsgd_sync_buf(ls, &b, NULL);
+    return dopt_dp_sync_buf(ls, &b, NULL);
 }
 
 /* Broadcasts a buffer from rank 0 in the packed order, through the workspace, in pieces of the
    workspace's size: ranks that describe the same elements differently (flat here, a scatter list
    there) make the same sequence of broadcasts. */
-static dopt_status dopt__ls_broadcast_packed(dopt_localsgd *ls, const dopt_buf *b) {
+static dopt_status dopt__ls_broadcast_packed(dopt_dp *ls, const dopt_buf *b) {
     size_t cap = ls->work_count ? ls->work_count : 1, total = dopt_buf_count(b), done = 0;
     size_t seg = 0, in_seg = 0; /* the read position: segment and element in it */
     while (done < total) {
@@ -1361,7 +1391,7 @@ static dopt_status dopt__ls_broadcast_packed(dopt_localsgd *ls, const dopt_buf *
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_localsgd_broadcast_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *states) {
+DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     size_t i;
     dopt_status s;
     const char *prev;
@@ -1369,7 +1399,7 @@ DOPT_DEF dopt_status dopt_localsgd_broadcast_buf(dopt_localsgd *ls, const dopt_b
     if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
     s = dopt__ls_check_layout(ls, params, states);
     if (s != DOPT_OK) return s;
-    prev = dopt__ls_label(ls, "dopt_localsgd_broadcast");
+    prev = dopt__ls_label(ls, "dopt_dp_broadcast");
     s = dopt__ls_broadcast_packed(ls, params);
     for (i = 0; s == DOPT_OK && i < ls->nstates; i++) s = dopt__ls_broadcast_packed(ls, &states[i]);
     dopt_comm_set_api(ls->comm, prev);
@@ -1381,9 +1411,9 @@ DOPT_DEF dopt_status dopt_localsgd_broadcast_buf(dopt_localsgd *ls, const dopt_b
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_localsgd_broadcast(dopt_localsgd *ls, float *params) {
+DOPT_DEF dopt_status dopt_dp_broadcast(dopt_dp *ls, float *params) {
     dopt_buf b = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
-    return dopt_localsgd_broadcast_buf(ls, &b, NULL);
+    return dopt_dp_broadcast_buf(ls, &b, NULL);
 }
 
 /* ===================================================================== CELGC COMPOSITION */
@@ -1393,7 +1423,7 @@ static int dopt__ls_celgc_args_ok(float scale, float eta, float gamma, float wd)
            gamma > 0.0f && dopt__is_finite(wd) && wd >= 0.0f;
 }
 
-DOPT_DEF dopt_status dopt_localsgd_celgc_step_buf(dopt_localsgd *ls, const dopt_buf *params, const dopt_buf *grads,
+DOPT_DEF dopt_status dopt_dp_celgc_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
                                                   const dopt_buf *states, float scale, float eta, float gamma,
                                                   float weight_decay) {
     dopt_status s, step_status;
@@ -1411,30 +1441,32 @@ DOPT_DEF dopt_status dopt_localsgd_celgc_step_buf(dopt_localsgd *ls, const dopt_
                                  "and clipped steps are not; use DOPT_BATCH_WITHIN");
         return DOPT_ERR_INVALID;
     }
-    s = dopt_localsgd_after_backward_buf(ls, grads);
-    if (s != DOPT_OK) return s;
+    if (ls->sync_grads) { /* else CELGC's own: each worker clips its gradient, the models are averaged */
+        s = dopt__ls_average_grads(ls, grads, "dopt_dp_celgc_step");
+        if (s != DOPT_OK) return s;
+    }
     step_status = dopt_celgc_step_buf(params, grads, scale, eta, gamma, weight_decay);
     if (step_status != DOPT_OK && step_status != DOPT_ERR_NONFINITE) {
         dopt__ls_fail_detail(ls, "celgc step: %s (segment sizes of parameters and gradients differ?)",
                              dopt_status_str(step_status));
         return step_status;
     }
-    s = dopt_localsgd_after_step_buf(ls, params, states);
+    s = dopt_dp_after_step_buf(ls, params, states);
     return s != DOPT_OK ? s : step_status;
 }
 
-DOPT_DEF dopt_status dopt_localsgd_celgc_step(dopt_localsgd *ls, float *params, const float *grads, float eta,
+DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, float *params, const float *grads, float eta,
                                               float gamma, float weight_decay) {
     dopt_buf x = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
     dopt_buf g = dopt_buf_flat((float *)grads, ls ? ls->n : 0, NULL, 0); /* averaged in place only with sync_grads */
-    return dopt_localsgd_celgc_step_buf(ls, &x, &g, NULL, 1.0f, eta, gamma, weight_decay);
+    return dopt_dp_celgc_step_buf(ls, &x, &g, NULL, 1.0f, eta, gamma, weight_decay);
 }
 
 /* ===================================================================== REPLICA CHECK */
 
 /* max_i (max_r x_ri − min_r x_ri) = max_r max_i (M_i − x_ri), M the elementwise maximum: one
    elementwise MAX allreduce in the workspace and one scalar. */
-static dopt_status dopt__ls_replica_spread(dopt_localsgd *ls, const dopt_buf *params, double *spread) {
+static dopt_status dopt__ls_replica_spread(dopt_dp *ls, const dopt_buf *params, double *spread) {
     size_t i, j, k = dopt_buf_nsegs(params);
     const float *m = ls->work;
     dopt_status s;
@@ -1454,7 +1486,7 @@ static dopt_status dopt__ls_replica_spread(dopt_localsgd *ls, const dopt_buf *pa
 }
 
 /* Every rank's checksum and step in one allgather: ranks at different steps are no replicas. */
-static dopt_status dopt__ls_check_replicas(dopt_localsgd *ls, const dopt_buf *params, int *identical,
+static dopt_status dopt__ls_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
                                            double *max_diff) {
     uint64_t mine[2], *all = ls->replica_words;
     size_t i, k = dopt_buf_nsegs(params);
@@ -1470,7 +1502,7 @@ static dopt_status dopt__ls_check_replicas(dopt_localsgd *ls, const dopt_buf *pa
     if (s != DOPT_OK) return s;
     for (r = 1; r < ls->comm->size; r++)
         if (all[2 * r + 1] != all[1]) {
-            dopt__ls_fail_detail(ls, "dopt_localsgd_check_replicas: ranks are at different steps: rank 0 at %llu, "
+            dopt__ls_fail_detail(ls, "dopt_dp_check_replicas: ranks are at different steps: rank 0 at %llu, "
                                      "rank %d at %llu",
                                  (unsigned long long)all[1], r, (unsigned long long)all[2 * r + 1]);
             return DOPT_ERR_MISMATCH;
@@ -1484,7 +1516,7 @@ static dopt_status dopt__ls_check_replicas(dopt_localsgd *ls, const dopt_buf *pa
     return max_diff ? dopt__ls_replica_spread(ls, params, max_diff) : DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_localsgd_check_replicas_buf(dopt_localsgd *ls, const dopt_buf *params, int *identical,
+DOPT_DEF dopt_status dopt_dp_check_replicas_buf(dopt_dp *ls, const dopt_buf *params, int *identical,
                                                       double *max_diff) {
     const char *prev;
     dopt_status s;
@@ -1496,16 +1528,76 @@ DOPT_DEF dopt_status dopt_localsgd_check_replicas_buf(dopt_localsgd *ls, const d
         dopt__ls_fail_detail(ls, "replica check: parameters are not a valid descriptor of %zu elements", ls->n);
         return DOPT_ERR_INVALID;
     }
-    prev = dopt_comm_set_api(ls->comm, "dopt_localsgd_check_replicas");
+    prev = dopt_comm_set_api(ls->comm, "dopt_dp_check_replicas");
     s = dopt__ls_check_replicas(ls, params, identical, max_diff);
     dopt_comm_set_api(ls->comm, prev);
     return s;
 }
 
-DOPT_DEF dopt_status dopt_localsgd_check_replicas(dopt_localsgd *ls, const float *params, int *identical,
+DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const float *params, int *identical,
                                                   double *max_diff) {
     dopt_buf b = dopt_buf_flat((float *)params, ls ? ls->n : 0, NULL, 0); /* only read */
-    return dopt_localsgd_check_replicas_buf(ls, &b, identical, max_diff);
+    return dopt_dp_check_replicas_buf(ls, &b, identical, max_diff);
+}
+
+/* ===================================================================== CLOSING CALL */
+
+/* The closing call's verdict when the replicas differ: which ranks hold other parameters than
+   rank 0, and by how much at most; also written to the communicator's detail (without poisoning
+   it), where dopt_comm_finish finds it. */
+static dopt_status dopt__ls_close_mismatch(dopt_dp *ls, const dopt_buf *params) {
+    char ranks[96] = "";
+    size_t used = 0;
+    double spread = NAN;
+    int r, listed = 0, differ = 0;
+    const uint64_t *all = ls->replica_words;
+    for (r = 1; r < ls->comm->size; r++) {
+        if (all[2 * r] == all[0]) continue;
+        differ++;
+        if (listed < 8 && used < sizeof ranks) {
+            int k = snprintf(ranks + used, sizeof ranks - used, "%s%d", listed ? ", " : "", r);
+            used += k > 0 ? (size_t)k : 0;
+            listed++;
+        }
+    }
+    if (dopt__ls_replica_spread(ls, params, &spread) != DOPT_OK) return dopt__ls_poisoned(ls);
+    dopt__ls_fail_detail(ls, "dopt_dp_close: the replicas differ after step %llu: %d rank%s (%s%s) hold%s other "
+                             "parameters than rank 0, by at most %.9g",
+                         (unsigned long long)ls->step, differ, differ == 1 ? "" : "s", ranks,
+                         differ > listed ? ", ..." : "", differ == 1 ? "s" : "", spread);
+    if (ls->comm->error == DOPT_OK)
+        snprintf(ls->comm->detail, sizeof ls->comm->detail, "rank %d: %s", ls->comm->rank, ls->detail);
+    return DOPT_ERR_MISMATCH;
+}
+
+DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
+    int same = 0;
+    const char *prev;
+    dopt_status s;
+    if (ls == NULL) return DOPT_ERR_INVALID;
+    ls->detail[0] = 0; /* what follows is the verdict of this call */
+    if (ls->work == NULL) { /* closed already, or never initialised */
+        dopt__ls_fail_detail(ls, "dopt_dp_close: the driver is not open");
+        return DOPT_ERR_INVALID;
+    }
+    s = dopt__ls_poisoned(ls);
+    if (s == DOPT_OK) s = dopt__ls_check_layout(ls, params, states);
+    if (s == DOPT_OK && ls->round_steps > 0) s = dopt__ls_end_round(ls, params, states, 1, ls->step, " (close)");
+    if (s == DOPT_OK) {
+        prev = dopt_comm_set_api(ls->comm, "dopt_dp_close");
+        s = dopt__ls_check_replicas(ls, params, &same, NULL);
+        if (s == DOPT_OK && !same) s = dopt__ls_close_mismatch(ls, params);
+        dopt_comm_set_api(ls->comm, prev);
+    }
+    if (s != DOPT_OK && ls->detail[0] == 0) /* the communicator's own failure */
+        dopt__ls_fail_detail(ls, "%s", dopt_comm_detail(ls->comm));
+    dopt_dp_free(ls);
+    return s;
+}
+
+DOPT_DEF dopt_status dopt_dp_close(dopt_dp *ls, float *params) {
+    dopt_buf b = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
+    return dopt_dp_close_buf(ls, &b, NULL);
 }
 
 /* ===================================================================== STATE FILE: ENCODING */
@@ -1550,7 +1642,7 @@ static double dopt__ls_get_f64(dopt__ls_reader *r) {
 }
 
 /* The layout: everything a loaded file must agree with. */
-static void dopt__ls_put_layout(dopt__ls_writer *w, const dopt_localsgd *ls) {
+static void dopt__ls_put_layout(dopt__ls_writer *w, const dopt_dp *ls) {
     size_t i;
     dopt__ls_put_u64(w, (uint64_t)ls->comm->size);
     dopt__ls_put_u64(w, (uint64_t)ls->comm->rank);
@@ -1594,7 +1686,7 @@ static void dopt__ls_put_layout(dopt__ls_writer *w, const dopt_localsgd *ls) {
     }
 }
 
-static void dopt__ls_put_state(dopt__ls_writer *w, const dopt_localsgd *ls) {
+static void dopt__ls_put_state(dopt__ls_writer *w, const dopt_dp *ls) {
     dopt__ls_put_u64(w, ls->step);
     dopt__ls_put_u64(w, ls->syncs);
     dopt__ls_put_u64(w, ls->round_steps);
@@ -1635,7 +1727,7 @@ static void dopt__ls_put_state(dopt__ls_writer *w, const dopt_localsgd *ls) {
 #define DOPT__LS_MAGIC "DOPTLSGD"
 
 /* Header, layout, state, checksum; returns the size (buf NULL: only counts). */
-static size_t dopt__ls_encode(const dopt_localsgd *ls, unsigned char *buf) {
+static size_t dopt__ls_encode(const dopt_dp *ls, unsigned char *buf) {
     dopt__ls_writer w;
     uint64_t layout_bytes, h;
     dopt__ls_writer count = {NULL, 0};
@@ -1644,7 +1736,7 @@ static size_t dopt__ls_encode(const dopt_localsgd *ls, unsigned char *buf) {
     dopt__ls_put_layout(&count, ls);
     layout_bytes = count.pos;
     dopt__ls_put(&w, DOPT__LS_MAGIC, 8);
-    dopt__ls_put_u64(&w, DOPT_LOCALSGD_FILE_VERSION);
+    dopt__ls_put_u64(&w, DOPT_DP_FILE_VERSION);
     dopt__ls_put_u64(&w, layout_bytes);
     dopt__ls_put_layout(&w, ls);
     dopt__ls_put_state(&w, ls);
@@ -1694,7 +1786,7 @@ static dopt_status dopt__ls_sync_dir(const char *path, char *scratch, size_t cap
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_localsgd_save(dopt_localsgd *ls, const char *path) {
+DOPT_DEF dopt_status dopt_dp_save(dopt_dp *ls, const char *path) {
     size_t size, plen;
     unsigned char *buf;
     char *tmp;
@@ -1743,7 +1835,7 @@ DOPT_DEF dopt_status dopt_localsgd_save(dopt_localsgd *ls, const char *path) {
 
 /* ===================================================================== STATE FILE: LOAD */
 
-static dopt_status dopt__ls_read_file(dopt_localsgd *ls, const char *path, unsigned char **out, size_t *len) {
+static dopt_status dopt__ls_read_file(dopt_dp *ls, const char *path, unsigned char **out, size_t *len) {
     struct stat sb;
     int fd = open(path, O_RDONLY);
     size_t got = 0;
@@ -1775,7 +1867,7 @@ static dopt_status dopt__ls_read_file(dopt_localsgd *ls, const char *path, unsig
 }
 
 /* Compares the file's layout with this driver's, naming the first difference. */
-static dopt_status dopt__ls_check_file_layout(dopt_localsgd *ls, const unsigned char *file_layout, size_t bytes,
+static dopt_status dopt__ls_check_file_layout(dopt_dp *ls, const unsigned char *file_layout, size_t bytes,
                                               unsigned char *mine) {
     static const char *const names[] = {"world size", "rank", "element count", "period", "warm-up steps",
                                         "flags (sync_grads, weighted, anchor, batch controller, compressor, gradient compressor, outer optimizer)", "number of states"};
@@ -1799,7 +1891,7 @@ static dopt_status dopt__ls_check_file_layout(dopt_localsgd *ls, const unsigned 
     return DOPT_ERR_INVALID;
 }
 
-static void dopt__ls_get_state(dopt__ls_reader *r, dopt_localsgd *ls) {
+static void dopt__ls_get_state(dopt__ls_reader *r, dopt_dp *ls) {
     ls->step = dopt__ls_get_u64(r);
     ls->syncs = dopt__ls_get_u64(r);
     ls->round_steps = dopt__ls_get_u64(r);
@@ -1825,7 +1917,7 @@ static void dopt__ls_get_state(dopt__ls_reader *r, dopt_localsgd *ls) {
     }
 }
 
-DOPT_DEF dopt_status dopt_localsgd_load(dopt_localsgd *ls, const char *path) {
+DOPT_DEF dopt_status dopt_dp_load(dopt_dp *ls, const char *path) {
     unsigned char *buf = NULL, *mine = NULL;
     size_t len = 0, expect;
     uint64_t version, layout_bytes, h_file, h;
@@ -1842,9 +1934,9 @@ DOPT_DEF dopt_status dopt_localsgd_load(dopt_localsgd *ls, const char *path) {
     }
     memcpy(&version, buf + 8, 8);
     memcpy(&layout_bytes, buf + 16, 8);
-    if (version != DOPT_LOCALSGD_FILE_VERSION) {
+    if (version != DOPT_DP_FILE_VERSION) {
         dopt__ls_fail_detail(ls, "load: %s has format version %llu, this build reads version %u", path,
-                             (unsigned long long)version, DOPT_LOCALSGD_FILE_VERSION);
+                             (unsigned long long)version, DOPT_DP_FILE_VERSION);
         goto done;
     }
     memcpy(&h_file, buf + len - 8, 8);

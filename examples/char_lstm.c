@@ -448,8 +448,8 @@ int main(int argc, char **argv) {
     dopt_batch bc;
     dopt_batch_config bcfg;
     batch_report brep = {0, NAN, NAN};
-    dopt_localsgd ls;
-    dopt_localsgd_config lcfg;
+    dopt_dp ls;
+    dopt_dp_config lcfg;
     dopt_status st = DOPT_OK;
     uint64_t step = 0, shuffle_rng, skipped = 0, clipped = 0;
     double train_secs = 0, train_bytes = 0, baseline, val_loss = NAN;
@@ -504,7 +504,7 @@ int main(int argc, char **argv) {
     lcfg.batch = adaptive ? &bc : NULL;
     if ((compress && dopt_compressor_init(&cz, &ccfg, segs, NTENSORS) != DOPT_OK) ||
         (adaptive && dopt_batch_init(&bc, m.n, &bcfg) != DOPT_OK) ||
-        dopt_localsgd_init(&ls, comm, m.n, &lcfg) != DOPT_OK || dopt_localsgd_broadcast(&ls, params) != DOPT_OK) {
+        dopt_dp_init(&ls, comm, m.n, &lcfg) != DOPT_OK || dopt_dp_broadcast(&ls, params) != DOPT_OK) {
         fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
         return dopt_comm_finish(comm, 1);
     }
@@ -545,22 +545,22 @@ int main(int argc, char **argv) {
                 if (adaptive) dopt_batch_observe(&bc, micro, m.n); /* distopt: gradient variance */
                 dopt_axpy(grads, 1.0f / (float)units, micro, m.n);
             }
-            if (dopt_localsgd_should_sync(&ls, step)) rounds++;
+            if (dopt_dp_should_sync(&ls, step)) rounds++;
             if (o.celgc) { /* distopt: x -= min(η, γ/‖g‖)·g, and the average when due */
                 float used = o.celgc_eta;
-                st = dopt_localsgd_celgc_step(&ls, params, grads, o.celgc_eta, o.celgc_gamma, 0.0f);
+                st = dopt_dp_celgc_step(&ls, params, grads, o.celgc_eta, o.celgc_gamma, 0.0f);
                 if (st == DOPT_ERR_NONFINITE) st = DOPT_OK, skipped++; /* this worker skipped its update */
                 else if (st == DOPT_OK) dopt_celgc_step_size(grads, m.n, o.celgc_eta, o.celgc_gamma, &used);
                 clipped += used < o.celgc_eta; /* the step the rule chose was γ/‖g‖ */
             } else {
                 double norm = 0;
-                st = dopt_localsgd_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
+                st = dopt_dp_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
                 if (st != DOPT_OK) break;
                 if (o.clip > 0 && dopt_clip_global_norm(NULL, grads, m.n, o.clip, &norm) == DOPT_ERR_NONFINITE)
                     memset(grads, 0, m.n * sizeof(float)), skipped++; /* distopt: clip; skip a NaN step */
                 clipped += o.clip > 0 && norm > o.clip;
                 dopt_axpy(params, -o.lr, grads, m.n);
-                st = dopt_localsgd_after_step(&ls, params); /* distopt: model average when due */
+                st = dopt_dp_after_step(&ls, params); /* distopt: model average when due */
             }
             step++;
             if (adaptive) batch_report_step(&brep, &bc);
@@ -612,7 +612,7 @@ int main(int argc, char **argv) {
     }
     if (adaptive && comm->rank == 0 && st == DOPT_OK) batch_report_print(&brep, &bc);
     if (csv) fclose(csv);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     if (adaptive) dopt_batch_free(&bc);
     if (compress) dopt_compressor_free(&cz);
     free(train), free(val), free(params), free(grads), free(micro), free(eval), free(order), free(starts);

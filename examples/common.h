@@ -105,8 +105,8 @@ static inline void usage(const char *prog, const char *own) {
            "          [--batch-eta X] [--max-batch-units U] [--batch-nu X] [--batch-history H]\n"
            "          [--outer-lr X] [--outer-momentum M] [--csv FILE] [--train-limit N]\n"
            "          %s\n"
-           "--average: at --period 1, grads (the default) averages the gradients before each step, models\n"
-           "averages the models after it; longer periods take only models (their default).\n"
+           "--average: at --period 1 with --celgc, grads (the default) averages the gradients before each step,\n"
+           "models averages the models after it (CELGC's rule); longer periods take only models (their default).\n"
            "Without --transport the environment decides (DOPT_TRANSPORT; mpirun, srun, torchrun or DOPT_RANK\n"
            "variables; else --workers N ranks forked over shared memory, or one rank): see launch.h.\n"
            "mpi runs under mpirun (Open MPI as root: mpirun --allow-run-as-root -n 2 ...).\n",
@@ -178,6 +178,9 @@ static inline void parse_options_extra(options *o, int argc, char **argv, extra_
     if (o->average == NULL) o->average = o->period == 1 ? "grads" : "models";
     if (!strcmp(o->average, "grads") && o->period > 1)
         flag_error("--average grads needs --period 1 (at period %zu only the models are averaged)", o->period);
+    if (!strcmp(o->average, "models") && o->period == 1 && !o->celgc)
+        flag_error("--average models at --period 1 is CELGC's rule and needs --celgc (plain steps average the "
+                   "gradients at period 1)");
 }
 
 static inline void parse_options(options *o, int argc, char **argv) {
@@ -254,7 +257,7 @@ static inline int averages_gradients(const options *o) {
    none (then no compressor: do not initialise cz). Gradient averages go through cz when there is
    one; model averages send their deltas through it. */
 static inline int method_configs(const options *o, dopt_compressor *cz, dopt_compressor_config *ccfg,
-                                 dopt_localsgd_config *lcfg) {
+                                 dopt_dp_config *lcfg) {
     dopt_codec codec = DOPT_CODEC_FP32;
     int compress = codec_from_name(o->compress, &codec), sync = averages_gradients(o);
     memset(ccfg, 0, sizeof *ccfg);

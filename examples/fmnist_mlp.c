@@ -234,8 +234,8 @@ int main(int argc, char **argv) {
     dopt_batch bc;
     dopt_batch_config bcfg;
     batch_report brep = {0, NAN, NAN};
-    dopt_localsgd ls;
-    dopt_localsgd_config lcfg;
+    dopt_dp ls;
+    dopt_dp_config lcfg;
     dopt_status st = DOPT_OK;
     uint64_t step = 0, rounds = 0, shuffle_rng;
     local_options lo = {0, 1, 0};
@@ -283,7 +283,7 @@ int main(int argc, char **argv) {
     lcfg.batch = adaptive ? &bc : NULL;
     if ((compress && dopt_compressor_init(&cz, &ccfg, segs, NTENSORS) != DOPT_OK) ||
         (adaptive && dopt_batch_init(&bc, NPARAMS, &bcfg) != DOPT_OK) ||
-        dopt_localsgd_init(&ls, comm, NPARAMS, &lcfg) != DOPT_OK || dopt_localsgd_broadcast(&ls, params) != DOPT_OK) {
+        dopt_dp_init(&ls, comm, NPARAMS, &lcfg) != DOPT_OK || dopt_dp_broadcast(&ls, params) != DOPT_OK) {
         fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
         return dopt_comm_finish(comm, 1);
     }
@@ -330,17 +330,17 @@ int main(int argc, char **argv) {
                 if (adaptive) dopt_batch_observe(&bc, micro, NPARAMS); /* distopt: gradient variance */
                 dopt_axpy(grads, 1.0f / (float)units, micro, NPARAMS);
             }
-            if (dopt_localsgd_should_sync(&ls, step)) rounds++;
+            if (dopt_dp_should_sync(&ls, step)) rounds++;
             if (o.celgc) { /* distopt: x -= min(η, γ/‖g‖)·g, and the average when due */
-                st = dopt_localsgd_celgc_step(&ls, params, grads, o.celgc_eta, o.celgc_gamma, 0.0f);
+                st = dopt_dp_celgc_step(&ls, params, grads, o.celgc_eta, o.celgc_gamma, 0.0f);
                 if (st == DOPT_ERR_NONFINITE) st = DOPT_OK; /* this worker skipped its update; the average happened */
             } else {
-                st = dopt_localsgd_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
+                st = dopt_dp_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
                 if (st != DOPT_OK) break;
                 if (o.clip > 0 && dopt_clip_global_norm(NULL, grads, NPARAMS, o.clip, NULL) == DOPT_ERR_NONFINITE)
                     memset(grads, 0, NPARAMS * sizeof(float)); /* distopt: clip; skip a NaN step */
                 dopt_axpy(params, -o.lr, grads, NPARAMS);
-                st = dopt_localsgd_after_step(&ls, params); /* distopt: model average when due */
+                st = dopt_dp_after_step(&ls, params); /* distopt: model average when due */
             }
             step++;
             if (adaptive) batch_report_step(&brep, &bc);
@@ -371,7 +371,7 @@ int main(int argc, char **argv) {
     }
     if (adaptive && comm->rank == 0 && st == DOPT_OK) batch_report_print(&brep, &bc);
     if (csv) fclose(csv);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     if (adaptive) dopt_batch_free(&bc);
     if (compress) dopt_compressor_free(&cz);
     free(train_px), free(train_y), free(test_px), free(test_y), free(train_x), free(test_x);

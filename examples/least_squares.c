@@ -53,8 +53,8 @@ int main(int argc, char **argv) {
     int compress;
     dopt_compressor cz;
     dopt_compressor_config ccfg;
-    dopt_localsgd ls;
-    dopt_localsgd_config lcfg;
+    dopt_dp ls;
+    dopt_dp_config lcfg;
     dopt_segment seg = {0, DIM, "x"};
     dopt_status st = DOPT_OK;
     uint64_t messages = 0; /* gradient or model averages */
@@ -76,22 +76,22 @@ int main(int argc, char **argv) {
        local steps average the models every --period steps (deltas compressed with --compress). */
     compress = method_configs(&o, &cz, &ccfg, &lcfg);
     if ((compress && dopt_compressor_init(&cz, &ccfg, &seg, 1) != DOPT_OK) ||
-        dopt_localsgd_init(&ls, comm, DIM, &lcfg) != DOPT_OK || dopt_localsgd_broadcast(&ls, x) != DOPT_OK) {
+        dopt_dp_init(&ls, comm, DIM, &lcfg) != DOPT_OK || dopt_dp_broadcast(&ls, x) != DOPT_OK) {
         fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
         return dopt_comm_finish(comm, 1);
     }
 
     for (step = 0; step < o.steps && st == DOPT_OK; step++) {
         gradient(A, b, x, begin, end, &rng, g);
-        if (dopt_localsgd_should_sync(&ls, (uint64_t)step)) messages++;
+        if (dopt_dp_should_sync(&ls, (uint64_t)step)) messages++;
         if (o.celgc) { /* distopt: x -= min(η, γ/‖g‖)·g, and the average when due */
-            st = dopt_localsgd_celgc_step(&ls, x, g, o.celgc_eta, o.celgc_gamma, 0.0f);
+            st = dopt_dp_celgc_step(&ls, x, g, o.celgc_eta, o.celgc_gamma, 0.0f);
             continue;
         }
-        st = dopt_localsgd_after_backward(&ls, g); /* distopt: the mean (fp32 or compressed) on synchronous steps */
+        st = dopt_dp_after_backward(&ls, g); /* distopt: the mean (fp32 or compressed) on synchronous steps */
         if (st != DOPT_OK) break;
         for (j = 0; j < DIM; j++) x[j] -= o.lr * g[j];
-        st = dopt_localsgd_after_step(&ls, x); /* distopt: model average when due */
+        st = dopt_dp_after_step(&ls, x); /* distopt: model average when due */
     }
     if (st != DOPT_OK) {
         fprintf(stderr, "rank %d: step %ld: %s (%s)\n", comm->rank, step, dopt_status_str(st), dopt_comm_detail(comm));
@@ -113,7 +113,7 @@ int main(int argc, char **argv) {
                (unsigned long long)(comm->size == 1 ? 0 : messages * (compress ? dopt_compress_bound(&cz) : DIM * sizeof(float))),
                failed ? "NOT CONVERGED" : "converged");
 
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     if (compress) dopt_compressor_free(&cz);
     return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status */
 }

@@ -133,8 +133,19 @@ mutate mpi-link-rx-reposted-out-of-turn transport_mpi.h \
     'L->rx_cur = (L->rx_cur + 1) % DOPT__MPI_RX_SLOTS;' 'L->rx_cur = (L->rx_cur + 0) % DOPT__MPI_RX_SLOTS;' \
     test_mpi:engine_over
 mutate localsgd-local-step-ignores-poison localsgd.h \
-    'static dopt_status dopt__ls_poisoned(dopt_localsgd *ls) { return ls->comm ? dopt__family_error(ls->comm) : DOPT_OK; }' \
-    'static dopt_status dopt__ls_poisoned(dopt_localsgd *ls) { return (void)ls, DOPT_OK; }' test_localsgd:poisoned
+    '    return dopt__family_error(ls->comm);' \
+    '    return DOPT_OK;' test_localsgd:poisoned
+mutate close-skips-the-short-round localsgd.h \
+    'if (s == DOPT_OK && ls->round_steps > 0) s = dopt__ls_end_round(' \
+    'if (s == DOPT_OK && ls->round_steps > 9) s = dopt__ls_end_round(' test_localsgd:close
+mutate close-misses-differing-replicas localsgd.h \
+    'if (s == DOPT_OK && !same) s = dopt__ls_close_mismatch(ls, params);' 'if (s == DOPT_OK && same < 0) s = dopt__ls_close_mismatch(ls, params);' test_localsgd:close
+mutate period-one-averages-models-after-averaged-gradients localsgd.h \
+    'return dopt__ls_end_round(ls, params, states, ls->grads_step != t + 1, t, "");' \
+    'return dopt__ls_end_round(ls, params, states, 1, t, "");' test_localsgd:period_one
+mutate mean-of-a-scalar-is-a-sum distopt.h \
+    'dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_MEAN);' \
+    'dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_SUM);' test_localsgd:close
 mutate tcp-abort-culprit-ignored distopt.h \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "%s (reported by rank %d)", why, f->reporter);' \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "rank %d closed the connection", f->reporter);' test_faults:tcp

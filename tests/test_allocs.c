@@ -302,7 +302,7 @@ static const ls_case ls_cases[] = {
 
 typedef struct ls_run {
     const ls_case *lc;
-    dopt_localsgd ls;
+    dopt_dp ls;
     float params[LS_N], grads[LS_N], momentum[LS_N], accum[LS_N];
     dopt_buf states[2];
 } ls_run;
@@ -325,17 +325,17 @@ static void ls_round(steady *w, void *arg) {
     int k;
     for (k = 0; k < LS_STEPS_PER_ROUND; k++) {
         fill_floats(run->grads, LS_N, round_seed(w) * 16 + (uint64_t)k);
-        STEADY_OK(w, dopt_localsgd_after_backward(&run->ls, run->grads));
+        STEADY_OK(w, dopt_dp_after_backward(&run->ls, run->grads));
         if (run->lc->with_states) {
             dopt_buf p = dopt_buf_flat(run->params, LS_N, NULL, 0);
             dopt_scale(run->momentum, 0.9f, LS_N);
             dopt_axpy(run->momentum, 1.0f, run->grads, LS_N);
             dopt_axpy(run->params, -0.01f, run->momentum, LS_N);
             dopt_axpy(run->accum, 1.0f, run->grads, LS_N);
-            STEADY_OK(w, dopt_localsgd_after_step_buf(&run->ls, &p, run->states));
+            STEADY_OK(w, dopt_dp_after_step_buf(&run->ls, &p, run->states));
         } else {
             dopt_axpy(run->params, -0.01f, run->grads, LS_N);
-            STEADY_OK(w, dopt_localsgd_after_step(&run->ls, run->params));
+            STEADY_OK(w, dopt_dp_after_step(&run->ls, run->params));
         }
     }
 }
@@ -349,7 +349,7 @@ static void localsgd_steady(dopt_comm *c, void *arg) {
         const ls_case *lc = &ls_cases[k];
         dopt_state_desc descs[2] = {{LS_N, DOPT_STATE_AVERAGE, "momentum"}, {LS_N, DOPT_STATE_RESET, "accum"}};
         dopt_compressor grads_cz, models_cz;
-        dopt_localsgd_config cfg;
+        dopt_dp_config cfg;
         memset(&cfg, 0, sizeof cfg);
         memset(&grads_cz, 0, sizeof grads_cz);
         memset(&models_cz, 0, sizeof models_cz);
@@ -370,16 +370,16 @@ static void localsgd_steady(dopt_comm *c, void *arg) {
         fill_floats(run->params, LS_N, (uint64_t)c->rank + 99);
         memset(run->momentum, 0, sizeof run->momentum);
         memset(run->accum, 0, sizeof run->accum);
-        DT_OK(dopt_localsgd_init(&run->ls, c, LS_N, &cfg));
-        if (lc->weighted) DT_OK(dopt_localsgd_set_step_samples(&run->ls, 8.0 + c->rank));
+        DT_OK(dopt_dp_init(&run->ls, c, LS_N, &cfg));
+        if (lc->weighted) DT_OK(dopt_dp_set_step_samples(&run->ls, 8.0 + c->rank));
         if (lc->with_states) {
             dopt_buf p = dopt_buf_flat(run->params, LS_N, NULL, 0);
-            DT_OK(dopt_localsgd_broadcast_buf(&run->ls, &p, run->states));
+            DT_OK(dopt_dp_broadcast_buf(&run->ls, &p, run->states));
         } else {
-            DT_OK(dopt_localsgd_broadcast(&run->ls, run->params));
+            DT_OK(dopt_dp_broadcast(&run->ls, run->params));
         }
         steady_run(c, lc->name, ls_round, run);
-        dopt_localsgd_free(&run->ls);
+        dopt_dp_free(&run->ls);
         dopt_compressor_free(&grads_cz);
         dopt_compressor_free(&models_cz);
     }
@@ -399,7 +399,7 @@ DTEST(localsgd_steps_tcp_allocate_nothing_after_the_first_period) {
    every test above without this one. */
 DTEST(the_counter_sees_every_header_allocate) {
     dopt_compressor cz;
-    dopt_localsgd ls;
+    dopt_dp ls;
     dopt_comm *c;
     long before = allocs_counted;
     DT_OK(dopt_comm_create_self(&c));
@@ -408,9 +408,9 @@ DTEST(the_counter_sees_every_header_allocate) {
     DT_OK(dopt_compressor_init(&cz, NULL, cz_segs, 3));
     DT_CHECKF(allocs_counted > before, "dopt_compressor_init: no allocation counted");
     before = allocs_counted;
-    DT_OK(dopt_localsgd_init(&ls, c, LS_N, NULL));
-    DT_CHECKF(allocs_counted > before, "dopt_localsgd_init: no allocation counted");
-    dopt_localsgd_free(&ls);
+    DT_OK(dopt_dp_init(&ls, c, LS_N, NULL));
+    DT_CHECKF(allocs_counted > before, "dopt_dp_init: no allocation counted");
+    dopt_dp_free(&ls);
     dopt_compressor_free(&cz);
     dopt_comm_destroy(c);
 }

@@ -115,30 +115,30 @@ static int same_as_reference(const float *x, const float *ref, size_t n) {
 
 DTEST(schedule_averages_every_warmup_step_then_every_period) {
     dopt_comm *c;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     uint64_t t;
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 4;
     cfg.warmup_steps = 3;
     DT_OK(dopt_comm_create_self(&c));
-    DT_OK(dopt_localsgd_init(&ls, c, 4, &cfg));
+    DT_OK(dopt_dp_init(&ls, c, 4, &cfg));
     for (t = 0; t < 40; t++) {
         int want = t < 3 || (t + 1 - 3) % 4 == 0;
-        DT_EQ_INT(dopt_localsgd_should_sync(&ls, t), want);
-        DT_EQ_INT(dopt_localsgd_is_synchronous(&ls, t), t < 3);
+        DT_EQ_INT(dopt_dp_should_sync(&ls, t), want);
+        DT_EQ_INT(dopt_dp_is_synchronous(&ls, t), t < 3);
     }
-    DT_EQ_INT(dopt_localsgd_should_sync(&ls, 6), 1); /* after warm-up: steps 6, 10, 14, ... */
-    dopt_localsgd_free(&ls);
+    DT_EQ_INT(dopt_dp_should_sync(&ls, 6), 1); /* after warm-up: steps 6, 10, 14, ... */
+    dopt_dp_free(&ls);
     /* No warm-up: the average at the end of step kI - 1 is the reference's at the start of kI. */
     cfg.warmup_steps = 0;
     cfg.period = 8;
-    DT_OK(dopt_localsgd_init(&ls, c, 4, &cfg));
-    for (t = 0; t < 100; t++) DT_EQ_INT(dopt_localsgd_should_sync(&ls, t), (t + 1) % 8 == 0);
-    dopt_localsgd_free(&ls);
-    DT_OK(dopt_localsgd_init(&ls, c, 4, NULL)); /* defaults: period 1, every step */
-    for (t = 0; t < 10; t++) DT_EQ_INT(dopt_localsgd_should_sync(&ls, t), 1);
-    dopt_localsgd_free(&ls);
+    DT_OK(dopt_dp_init(&ls, c, 4, &cfg));
+    for (t = 0; t < 100; t++) DT_EQ_INT(dopt_dp_should_sync(&ls, t), (t + 1) % 8 == 0);
+    dopt_dp_free(&ls);
+    DT_OK(dopt_dp_init(&ls, c, 4, NULL)); /* defaults: period 1, every step */
+    for (t = 0; t < 10; t++) DT_EQ_INT(dopt_dp_should_sync(&ls, t), 1);
+    dopt_dp_free(&ls);
     dopt_comm_destroy(c);
 }
 
@@ -181,42 +181,42 @@ DTEST(per_rank_seeds_are_distinct_and_reproducible) {
 
 DTEST(bad_layouts_are_invalid_found_before_communication_and_not_counted) {
     dopt_comm *c;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     dopt_state_desc st[1] = {{5, (dopt_state_policy)7, "bad"}};
     float x[10] = {0}, m[5] = {0};
     dopt_buf xb = dopt_buf_flat(x, 10, NULL, 0), short_x = dopt_buf_flat(x, 9, NULL, 0), mb = dopt_buf_flat(m, 4, NULL, 0);
     DT_OK(dopt_comm_create_self(&c));
     memset(&cfg, 0, sizeof cfg);
-    DT_EQ_INT(dopt_localsgd_init(&ls, NULL, 10, &cfg), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_init(&ls, NULL, 10, &cfg), DOPT_ERR_INVALID);
     cfg.states = st;
     cfg.nstates = 1;
-    DT_EQ_INT(dopt_localsgd_init(&ls, c, 10, &cfg), DOPT_ERR_INVALID); /* unknown policy */
+    DT_EQ_INT(dopt_dp_init(&ls, c, 10, &cfg), DOPT_ERR_INVALID); /* unknown policy */
     st[0].policy = DOPT_STATE_AVERAGE;
-    DT_OK(dopt_localsgd_init(&ls, c, 10, &cfg));
-    DT_EQ_INT(dopt_localsgd_after_step(&ls, x), DOPT_ERR_INVALID); /* flat form: states not passed */
-    DT_EQ_INT(dopt_localsgd_after_step_buf(&ls, &short_x, &mb), DOPT_ERR_INVALID);
-    DT_EQ_INT(dopt_localsgd_after_step_buf(&ls, &xb, &mb), DOPT_ERR_INVALID); /* state of 4, not 5 */
-    DT_CHECKF(strstr(dopt_localsgd_detail(&ls), "bad") != NULL, "detail: %s", dopt_localsgd_detail(&ls));
+    DT_OK(dopt_dp_init(&ls, c, 10, &cfg));
+    DT_EQ_INT(dopt_dp_after_step(&ls, x), DOPT_ERR_INVALID); /* flat form: states not passed */
+    DT_EQ_INT(dopt_dp_after_step_buf(&ls, &short_x, &mb), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_after_step_buf(&ls, &xb, &mb), DOPT_ERR_INVALID); /* state of 4, not 5 */
+    DT_CHECKF(strstr(dopt_dp_detail(&ls), "bad") != NULL, "detail: %s", dopt_dp_detail(&ls));
     DT_EQ_INT(ls.step, 0);
-    DT_EQ_INT(dopt_localsgd_celgc_step_buf(&ls, &xb, &xb, &mb, 1.0f, 0.1f, 1.0f, 0.0f), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_celgc_step_buf(&ls, &xb, &xb, &mb, 1.0f, 0.1f, 1.0f, 0.0f), DOPT_ERR_INVALID);
     mb.n = 5;
-    DT_EQ_INT(dopt_localsgd_celgc_step_buf(&ls, &xb, &xb, &mb, 0.0f, 0.1f, 1.0f, 0.0f), DOPT_ERR_INVALID);
-    DT_EQ_INT(dopt_localsgd_celgc_step_buf(&ls, &xb, &xb, &mb, 1.0f, INFINITY, 1.0f, 0.0f), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_celgc_step_buf(&ls, &xb, &xb, &mb, 0.0f, 0.1f, 1.0f, 0.0f), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_celgc_step_buf(&ls, &xb, &xb, &mb, 1.0f, INFINITY, 1.0f, 0.0f), DOPT_ERR_INVALID);
     DT_EQ_INT(ls.step, 0);
-    DT_OK(dopt_localsgd_after_step_buf(&ls, &xb, &mb));
+    DT_OK(dopt_dp_after_step_buf(&ls, &xb, &mb));
     DT_EQ_INT(ls.step, 1);
-    DT_EQ_INT(dopt_localsgd_set_step_samples(&ls, -1.0), DOPT_ERR_INVALID);
-    dopt_localsgd_free(&ls);
-    dopt_localsgd_free(&ls); /* twice is harmless */
+    DT_EQ_INT(dopt_dp_set_step_samples(&ls, -1.0), DOPT_ERR_INVALID);
+    dopt_dp_free(&ls);
+    dopt_dp_free(&ls); /* twice is harmless */
     dopt_comm_destroy(c);
     /* a driver with no error of its own tells the communicator's: the host prints one detail */
     DT_OK(dopt_comm_create_self(&c));
-    DT_OK(dopt_localsgd_init(&ls, c, 10, NULL));
-    DT_CHECK(strcmp(dopt_localsgd_detail(&ls), "") == 0);
+    DT_OK(dopt_dp_init(&ls, c, 10, NULL));
+    DT_CHECK(strcmp(dopt_dp_detail(&ls), "") == 0);
     DT_EQ_INT(dopt_allreduce(c, NULL, 3, DOPT_F32, DOPT_SUM), DOPT_ERR_INVALID);
-    DT_CHECK(strcmp(dopt_localsgd_detail(&ls), dopt_comm_detail(c)) == 0 && dopt_comm_detail(c)[0] != 0);
-    dopt_localsgd_free(&ls);
+    DT_CHECK(strcmp(dopt_dp_detail(&ls), dopt_comm_detail(c)) == 0 && dopt_comm_detail(c)[0] != 0);
+    dopt_dp_free(&ls);
     dopt_comm_destroy(c);
 }
 
@@ -239,8 +239,8 @@ static void body_least_squares(dopt_comm *c, void *arg) {
                              {LS_D, DOPT_STATE_RESET, "accumulator"}};
     dopt_buf xb = c->rank % 2 ? dopt_buf_scatter(spans, 2) : dopt_buf_flat(x, LS_D, NULL, 0);
     dopt_buf states[3];
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     int t, j, syncs = 0;
     double d0;
     lsq_make(&p);
@@ -251,16 +251,16 @@ static void body_least_squares(dopt_comm *c, void *arg) {
     cfg.period = a->period;
     cfg.states = sd;
     cfg.nstates = 3;
-    DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
+    DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
     for (j = 0; j < LS_D; j++) {
         x[j] = (float)(c->rank + 1) * 0.37f * (float)j; /* different on every rank until broadcast */
         mom[j] = acc[j] = 0.0f;
     }
-    DT_OK(dopt_localsgd_broadcast_buf(&ls, &xb, states));
+    DT_OK(dopt_dp_broadcast_buf(&ls, &xb, states));
     for (j = 0; j < 3; j++) keep[j] = (float)c->rank; /* after the broadcast: rank-specific */
     d0 = dist_to(x, p.xstar, LS_D);
     for (t = 0; t < LS_STEPS; t++) {
-        int sync = dopt_localsgd_should_sync(&ls, (uint64_t)t);
+        int sync = dopt_dp_should_sync(&ls, (uint64_t)t);
         lsq_grad(&p, x, g, c->rank, c->size, (uint64_t)t, LS_BATCH);
         for (j = 0; j < LS_D; j++) {
             mom[j] = 0.9f * mom[j] + g[j];
@@ -268,19 +268,19 @@ static void body_least_squares(dopt_comm *c, void *arg) {
             acc[j] += g[j];
         }
         keep[0] += 1.0f;
-        DT_OK(dopt_localsgd_after_step_buf(&ls, &xb, states));
+        DT_OK(dopt_dp_after_step_buf(&ls, &xb, states));
         if (sync) {
             int identical = 0;
             double diff = -1.0;
             syncs++;
-            DT_OK(dopt_localsgd_check_replicas_buf(&ls, &xb, &identical, &diff));
+            DT_OK(dopt_dp_check_replicas_buf(&ls, &xb, &identical, &diff));
             DT_CHECKF(identical == 1 && diff == 0.0, "rank %d step %d: replicas differ by %g", c->rank, t, diff);
             DT_CHECKF(same_on_every_rank(c, mom, sizeof mom), "momentum (AVERAGE) differs after step %d", t);
             for (j = 0; j < LS_D; j++) DT_CHECK(acc[j] == 0.0f); /* RESET */
             DT_CHECK(keep[0] == (float)c->rank + (float)(t + 1) && keep[1] == (float)c->rank); /* KEEP */
         } else if (c->size > 1 && t < 50) { /* (later, at the exact optimum, they may meet) */
             int identical = 1;
-            DT_OK(dopt_localsgd_check_replicas_buf(&ls, &xb, &identical, NULL));
+            DT_OK(dopt_dp_check_replicas_buf(&ls, &xb, &identical, NULL));
             DT_CHECKF(identical == 0, "step %d: local steps on different data should leave replicas apart", t);
         }
     }
@@ -288,7 +288,7 @@ static void body_least_squares(dopt_comm *c, void *arg) {
     DT_EQ_INT(ls.syncs, syncs);
     DT_CHECKF(dist_to(x, p.xstar, LS_D) < 1e-3 * d0, "period %zu rank %d: |x - x*| = %g from %g", a->period, c->rank,
               dist_to(x, p.xstar, LS_D), d0);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
 }
 
 static void least_squares_all_periods(world_via kind, int min_ranks, int max_ranks) {
@@ -314,21 +314,21 @@ DTEST(tcp_local_sgd_converges_at_periods_1_4_16_and_replicas_identical_after_eac
 
 static void body_replica_spread(dopt_comm *c, void *arg) {
     float x[LS_D];
-    dopt_localsgd ls;
+    dopt_dp ls;
     int identical = -1, j;
     double diff = -1.0;
     (void)arg;
-    DT_OK(dopt_localsgd_init(&ls, c, LS_D, NULL));
+    DT_OK(dopt_dp_init(&ls, c, LS_D, NULL));
     for (j = 0; j < LS_D; j++) x[j] = 1.0f + (float)j;
-    DT_OK(dopt_localsgd_check_replicas(&ls, x, &identical, &diff));
+    DT_OK(dopt_dp_check_replicas(&ls, x, &identical, &diff));
     DT_CHECK(identical == 1 && diff == 0.0);
     x[3] += 0.25f * (float)c->rank; /* spread at element 3: 0.25 (size - 1) */
     x[9] -= 0.125f * (float)c->rank; /* spread at element 9: 0.125 (size - 1) */
-    DT_OK(dopt_localsgd_check_replicas(&ls, x, &identical, &diff));
+    DT_OK(dopt_dp_check_replicas(&ls, x, &identical, &diff));
     DT_EQ_INT(identical, 0);
     DT_NEAR(diff, 0.25 * (c->size - 1), 1e-6);
     DT_CHECK(same_on_every_rank(c, &diff, sizeof diff));
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
 }
 
 DTEST(shm_replica_check_finds_the_largest_difference_between_ranks) { world_run(WORLD_SHM, 3, body_replica_spread, NULL); }
@@ -337,18 +337,18 @@ DTEST(shm_replica_check_finds_the_largest_difference_between_ranks) { world_run(
    rank 1 averages after its step (period 1); each rank's detail names its own call. */
 static void body_named_calls(dopt_comm *c, void *arg) {
     float x[4] = {1, 2, 3, 4};
-    dopt_localsgd ls;
+    dopt_dp ls;
     dopt_status s;
     (void)arg;
-    DT_OK(dopt_localsgd_init(&ls, c, 4, NULL));
-    DT_OK(dopt_localsgd_broadcast(&ls, x));
-    s = c->rank == 0 ? dopt_localsgd_check_replicas(&ls, x, NULL, NULL) : dopt_localsgd_after_step(&ls, x);
+    DT_OK(dopt_dp_init(&ls, c, 4, NULL));
+    DT_OK(dopt_dp_broadcast(&ls, x));
+    s = c->rank == 0 ? dopt_dp_check_replicas(&ls, x, NULL, NULL) : dopt_dp_after_step(&ls, x);
     DT_EQ_INT(s, DOPT_ERR_MISMATCH);
-    DT_CHECKF(strstr(dopt_comm_detail(c), c->rank == 0 ? "rank 0: dopt_localsgd_check_replicas: allgather"
-                                                       : "rank 1: dopt_localsgd_after_step: the average after step 0: "
+    DT_CHECKF(strstr(dopt_comm_detail(c), c->rank == 0 ? "rank 0: dopt_dp_check_replicas: allgather"
+                                                       : "rank 1: dopt_dp_after_step: the average after step 0: "
                                                          "allreduce") != NULL,
               "detail: %s", dopt_comm_detail(c));
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
 }
 
 DTEST(shm_internal_collectives_name_the_users_call_in_a_mismatch) { world_run(WORLD_SHM, 2, body_named_calls, NULL); }
@@ -357,22 +357,22 @@ DTEST(shm_internal_collectives_name_the_users_call_in_a_mismatch) { world_run(WO
    every rank is told the steps, not a checksum. */
 static void body_steps_apart(dopt_comm *c, void *arg) {
     float x[4] = {1, 2, 3, 4};
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     int identical = -1;
     (void)arg;
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 4;
-    DT_OK(dopt_localsgd_init(&ls, c, 4, &cfg));
-    DT_OK(dopt_localsgd_after_step(&ls, x));
-    if (c->rank == 1) DT_OK(dopt_localsgd_after_step(&ls, x));
-    DT_EQ_INT(dopt_localsgd_check_replicas(&ls, x, &identical, NULL), DOPT_ERR_MISMATCH);
+    DT_OK(dopt_dp_init(&ls, c, 4, &cfg));
+    DT_OK(dopt_dp_after_step(&ls, x));
+    if (c->rank == 1) DT_OK(dopt_dp_after_step(&ls, x));
+    DT_EQ_INT(dopt_dp_check_replicas(&ls, x, &identical, NULL), DOPT_ERR_MISMATCH);
     DT_EQ_INT(identical, 0);
-    DT_CHECKF(strstr(dopt_localsgd_detail(&ls), "dopt_localsgd_check_replicas: ranks are at different steps: rank 0 "
+    DT_CHECKF(strstr(dopt_dp_detail(&ls), "dopt_dp_check_replicas: ranks are at different steps: rank 0 "
                                                 "at 1, rank 1 at 2") != NULL,
-              "detail: %s", dopt_localsgd_detail(&ls));
+              "detail: %s", dopt_dp_detail(&ls));
     DT_EQ_INT(c->error, DOPT_OK); /* the communicator is fine: the ranks are out of step, not the transport */
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
 }
 
 DTEST(shm_replica_check_of_ranks_at_different_steps_names_the_steps) { world_run(WORLD_SHM, 2, body_steps_apart, NULL); }
@@ -390,8 +390,8 @@ static void body_poisoned_calls(dopt_comm *c, void *arg) {
     size_t got[8];
     dopt_segment seg = {0, N, "all"};
     dopt_buf bx = dopt_buf_flat(x, N, &seg, 1), bg = dopt_buf_flat(g, N, &seg, 1);
-    dopt_localsgd ls, local;
-    dopt_localsgd_config lc;
+    dopt_dp ls, local;
+    dopt_dp_config lc;
     dopt_compressor cz;
     dopt_compressor_config cc;
     dopt_request r;
@@ -404,8 +404,8 @@ static void body_poisoned_calls(dopt_comm *c, void *arg) {
     lc.period = 4;
     memset(&cc, 0, sizeof cc);
     cc.codec = DOPT_CODEC_TERNARY;
-    DT_OK(dopt_localsgd_init(&ls, c, N, NULL));
-    DT_OK(dopt_localsgd_init(&local, c, N, &lc));
+    DT_OK(dopt_dp_init(&ls, c, N, NULL));
+    DT_OK(dopt_dp_init(&local, c, N, &lc));
     DT_OK(dopt_compressor_init(&cz, &cc, &seg, 1));
     DT_EQ_INT(dopt_allreduce(c, NULL, 5, DOPT_F32, DOPT_SUM), DOPT_ERR_INVALID);
     before = c->traffic;
@@ -425,20 +425,22 @@ static void body_poisoned_calls(dopt_comm *c, void *arg) {
     POISONED(dopt_clip_value(c, &bg, 1.0f, 0.5f));
     POISONED(dopt_clip_sigma(c, &bg, 3.0f));
     POISONED(dopt_compress_allreduce(&cz, c, g, N));
-    POISONED(dopt_localsgd_after_backward(&ls, g));
-    POISONED(dopt_localsgd_after_step(&ls, x));
-    POISONED(dopt_localsgd_after_step(&local, x)); /* a local step: nothing to send, still refused */
-    POISONED(dopt_localsgd_sync(&ls, x));
-    POISONED(dopt_localsgd_broadcast(&ls, x));
-    POISONED(dopt_localsgd_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
-    POISONED(dopt_localsgd_check_replicas(&ls, x, &same, NULL));
+    POISONED(dopt_dp_after_backward(&ls, g));
+    POISONED(dopt_dp_after_step(&ls, x));
+    POISONED(dopt_dp_after_step(&local, x)); /* a local step: nothing to send, still refused */
+    POISONED(dopt_dp_sync(&ls, x));
+    POISONED(dopt_dp_broadcast(&ls, x));
+    POISONED(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
+    POISONED(dopt_dp_check_replicas(&ls, x, &same, NULL));
+    POISONED(dopt_dp_close(&ls, x));
 #undef POISONED
+    DT_CHECK(dopt__is_nan(dopt_mean(c, 1.0)) /* by its bits: fast-math builds too */);
     DT_CHECK(memcmp(&before, &c->traffic, sizeof before) == 0);
     DT_CHECKF(strcmp(detail, dopt_comm_detail(c)) == 0, "the first failure's detail changed: \"%s\" to \"%s\"", detail,
               dopt_comm_detail(c));
     dopt_compressor_free(&cz);
-    dopt_localsgd_free(&local);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&local);
+    dopt_dp_free(&ls);
 }
 
 DTEST(shm_every_call_on_a_poisoned_communicator_fails_at_once_the_same_way) {
@@ -466,8 +468,8 @@ static void body_compressed(dopt_comm *c, void *arg) {
     dopt_segment segs[2] = {{0, 6, "w"}, {6, LS_D - 6, "b"}};
     dopt_compressor cz;
     dopt_compressor_config ccfg;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     int t, j;
     double d0;
     lsq_make(&p);
@@ -483,18 +485,18 @@ static void body_compressed(dopt_comm *c, void *arg) {
         cfg.outer_lr = 0.7;
         cfg.outer_momentum = 0.5;
     }
-    DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
+    DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
     for (j = 0; j < LS_D; j++) x[j] = 0.0f;
-    DT_OK(dopt_localsgd_broadcast(&ls, x));
+    DT_OK(dopt_dp_broadcast(&ls, x));
     d0 = dist_to(x, p.xstar, LS_D);
     memset(&c->traffic, 0, sizeof c->traffic);
     for (t = 0; t < 1200; t++) {
         lsq_grad(&p, x, g, c->rank, c->size, (uint64_t)t, LS_BATCH);
         dopt_axpy(x, -0.05f, g, LS_D);
-        DT_OK(dopt_localsgd_after_step(&ls, x));
-        if (dopt_localsgd_should_sync(&ls, (uint64_t)t)) {
+        DT_OK(dopt_dp_after_step(&ls, x));
+        if (dopt_dp_should_sync(&ls, (uint64_t)t)) {
             int identical = 0;
-            DT_OK(dopt_localsgd_check_replicas(&ls, x, &identical, NULL));
+            DT_OK(dopt_dp_check_replicas(&ls, x, &identical, NULL));
             DT_CHECKF(identical, "rank %d step %d: replicas differ after a compressed average", c->rank, t);
         }
     }
@@ -504,7 +506,7 @@ static void body_compressed(dopt_comm *c, void *arg) {
     DT_CHECK(c->traffic.calls[DOPT_COLL_ALLGATHER] == 600 && c->traffic.calls[DOPT_COLL_ALLREDUCE] == 0);
     DT_CHECKF(dist_to(x, p.xstar, LS_D) < 1e-2 * d0, "codec %s rank %d: |x - x*| = %g from %g", dopt_codec_name(*codec),
               c->rank, dist_to(x, p.xstar, LS_D), d0);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     dopt_compressor_free(&cz);
 }
 
@@ -531,26 +533,26 @@ DTEST(shm_outer_nesterov_on_compressed_pseudo_gradients_converges_and_keeps_repl
 static void body_outer_hand(dopt_comm *c, void *arg) {
     static const float d[2][2] = {{1, 2}, {3, -2}};
     float x[2] = {0, 0};
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     int round;
     (void)arg;
     memset(&cfg, 0, sizeof cfg);
     cfg.outer_lr = 0.7;
     cfg.outer_momentum = 0.9;
-    DT_OK(dopt_localsgd_init(&ls, c, 2, &cfg));
-    DT_OK(dopt_localsgd_broadcast(&ls, x));
+    DT_OK(dopt_dp_init(&ls, c, 2, &cfg));
+    DT_OK(dopt_dp_broadcast(&ls, x));
     for (round = 0; round < 2; round++) {
         x[0] += d[c->rank][0];
         x[1] += d[c->rank][1];
-        DT_OK(dopt_localsgd_after_step(&ls, x));
+        DT_OK(dopt_dp_after_step(&ls, x));
         DT_NEAR(x[0], round == 0 ? 2.66 : 6.454, 1e-5);
         DT_NEAR(x[1], 0.0, 1e-6);
         DT_NEAR(ls.outer_v[0], round == 0 ? -2.0 : -3.8, 1e-6);
         DT_CHECK(same_on_every_rank(c, x, sizeof x));
         DT_CHECK(memcmp(x, ls.anchor, sizeof x) == 0); /* everyone continues from the new anchor */
     }
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
 }
 
 DTEST(shm_outer_nesterov_step_matches_hand_computation) { world_run(WORLD_SHM, 2, body_outer_hand, NULL); }
@@ -564,23 +566,23 @@ static void body_outer_plain(dopt_comm *c, void *arg) {
     (void)arg;
     lsq_make(&p);
     for (run = 0; run < 2; run++) {
-        dopt_localsgd ls;
-        dopt_localsgd_config cfg;
+        dopt_dp ls;
+        dopt_dp_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.period = 4;
         if (run == 1) {
             cfg.outer_lr = 1.0;
             cfg.outer_momentum = 0.0;
         }
-        DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
+        DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
         for (j = 0; j < LS_D; j++) x[run][j] = 0.0f;
-        DT_OK(dopt_localsgd_broadcast(&ls, x[run]));
+        DT_OK(dopt_dp_broadcast(&ls, x[run]));
         for (t = 0; t < 42; t++) {
             lsq_grad(&p, x[run], g, c->rank, c->size, (uint64_t)t, 2);
             dopt_axpy(x[run], -0.05f, g, LS_D);
-            DT_OK(dopt_localsgd_after_step(&ls, x[run]));
+            DT_OK(dopt_dp_after_step(&ls, x[run]));
         }
-        dopt_localsgd_free(&ls);
+        dopt_dp_free(&ls);
     }
     DT_CHECK(memcmp(x[0], x[1], sizeof x[0]) == 0);
 }
@@ -589,8 +591,8 @@ DTEST(shm_outer_lr_1_without_momentum_is_bitwise_plain_averaging) { world_run(WO
 
 DTEST(outer_optimizer_settings_out_of_range_are_invalid) {
     dopt_comm *c;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     static const double bad[4][2] = {{-0.5, 0.0}, {NAN, 0.0}, {0.7, 1.0}, {0.7, -0.1}};
     int i;
     DT_OK(dopt_comm_create_self(&c));
@@ -598,7 +600,7 @@ DTEST(outer_optimizer_settings_out_of_range_are_invalid) {
         memset(&cfg, 0, sizeof cfg);
         cfg.outer_lr = bad[i][0];
         cfg.outer_momentum = bad[i][1];
-        DT_EQ_INT(dopt_localsgd_init(&ls, c, 4, &cfg), DOPT_ERR_INVALID);
+        DT_EQ_INT(dopt_dp_init(&ls, c, 4, &cfg), DOPT_ERR_INVALID);
     }
     dopt_comm_destroy(c);
 }
@@ -612,40 +614,145 @@ static void body_sync_now(dopt_comm *c, void *arg) {
     float x[8], before[8];
     dopt_span spans[2] = {{x, 3}, {x + 3, 5}};
     dopt_buf params = dopt_buf_scatter(spans, 2);
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     int identical = -1, j;
     uint64_t t, syncs;
     (void)arg;
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 4;
-    DT_OK(dopt_localsgd_init(&ls, c, 8, &cfg));
+    DT_OK(dopt_dp_init(&ls, c, 8, &cfg));
     for (j = 0; j < 8; j++) x[j] = (float)j;
-    DT_OK(dopt_localsgd_broadcast_buf(&ls, &params, NULL));
+    DT_OK(dopt_dp_broadcast_buf(&ls, &params, NULL));
     for (t = 0; t < 6; t++) {
         for (j = 0; j < 8; j++) x[j] += 0.25f * (float)c->rank; /* each rank drifts its own way */
-        DT_OK(dopt_localsgd_after_step_buf(&ls, &params, NULL));
+        DT_OK(dopt_dp_after_step_buf(&ls, &params, NULL));
     }
-    DT_OK(dopt_localsgd_check_replicas_buf(&ls, &params, &identical, NULL));
+    DT_OK(dopt_dp_check_replicas_buf(&ls, &params, &identical, NULL));
     DT_EQ_INT(identical, 0);
     memcpy(before, x, sizeof x);
     syncs = ls.syncs;
-    DT_OK(dopt_localsgd_sync_buf(&ls, &params, NULL));
-    DT_OK(dopt_localsgd_check_replicas_buf(&ls, &params, &identical, NULL));
+    DT_OK(dopt_dp_sync_buf(&ls, &params, NULL));
+    DT_OK(dopt_dp_check_replicas_buf(&ls, &params, &identical, NULL));
     DT_EQ_INT(identical, 1);
     for (j = 0; j < 8; j++) /* the mean of the ranks' drifts over the round: 2 · 0.25 · (size-1)/2 */
         DT_CHECK(x[j] == before[j] - 0.5f * (float)c->rank + 0.25f * (float)(c->size - 1));
     DT_CHECK(ls.step == 6 && ls.syncs == syncs + 1);
-    DT_CHECK(dopt_localsgd_sync_buf(NULL, &params, NULL) == DOPT_ERR_INVALID);
-    DT_OK(dopt_localsgd_sync_buf(&ls, &params, NULL)); /* an empty round: nothing to average */
+    DT_CHECK(dopt_dp_sync_buf(NULL, &params, NULL) == DOPT_ERR_INVALID);
+    DT_OK(dopt_dp_sync_buf(&ls, &params, NULL)); /* an empty round: nothing to average */
     DT_CHECK(ls.syncs == syncs + 1);
     for (t = 6; t < 8; t++) {
         for (j = 0; j < 8; j++) x[j] += 0.25f * (float)c->rank;
-        DT_OK(dopt_localsgd_after_step_buf(&ls, &params, NULL));
+        DT_OK(dopt_dp_after_step_buf(&ls, &params, NULL));
     }
     DT_CHECK(ls.syncs == syncs + 2); /* the scheduled average after step 7 */
     DT_CHECK(same_on_every_rank(c, x, sizeof x));
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
+}
+
+/* The closing call: a short last round of local SGD is averaged, the replicas are checked, the
+   driver is released and refuses every later call; dopt_mean averages a scalar for reporting. */
+static void body_close(dopt_comm *c, void *arg) {
+    float x[8];
+    dopt_dp ls;
+    dopt_dp_config cfg;
+    uint64_t reduces;
+    int j, t;
+    (void)arg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.period = 4;
+    DT_OK(dopt_dp_init(&ls, c, 8, &cfg));
+    for (j = 0; j < 8; j++) x[j] = (float)j;
+    for (t = 0; t < 6; t++) { /* one scheduled average (after step 3), then two local steps */
+        for (j = 0; j < 8; j++) x[j] += 0.25f * (float)c->rank;
+        DT_OK(dopt_dp_after_step(&ls, x));
+    }
+    reduces = c->traffic.calls[DOPT_COLL_ALLREDUCE];
+    DT_OK(dopt_dp_close(&ls, x));
+    DT_EQ_INT((int)(c->traffic.calls[DOPT_COLL_ALLREDUCE] - reduces), 1); /* the short round's average */
+    for (j = 0; j < 8; j++) /* step 3's average, then the mean of two more drifts */
+        DT_CHECK(x[j] == (float)j + 6 * 0.25f * (float)(c->size - 1) / 2);
+    DT_CHECK(same_on_every_rank(c, x, sizeof x));
+    DT_CHECK(ls.work == NULL && ls.anchor == NULL && ls.replica_words == NULL); /* released */
+    DT_EQ_INT(dopt_dp_after_step(&ls, x), DOPT_ERR_CLOSED);
+    DT_EQ_INT(dopt_dp_close(&ls, x), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&ls), "not open") != NULL, "detail: %s", dopt_dp_detail(&ls));
+    dopt_dp_free(&ls); /* harmless after close */
+    DT_CHECK(dopt_mean(c, (double)(c->rank + 1)) == (double)(c->size + 1) / 2);
+    DT_EQ_INT(c->error, DOPT_OK);
+}
+
+DTEST(shm_close_averages_the_short_last_round_checks_and_releases) { world_run(WORLD_SHM, 3, body_close, NULL); }
+DTEST(tcp_close_averages_the_short_last_round_checks_and_releases) { world_run(WORLD_TCP, 2, body_close, NULL); }
+
+/* Replicas that differ at the end are named: which ranks, by how much; the status is a mismatch
+   and the communicator's detail (which dopt_comm_finish prints) says the same, while the
+   communicator stays usable. */
+static void body_close_differ(dopt_comm *c, void *arg) {
+    float x[8], g[8];
+    dopt_dp ls;
+    char want[160];
+    int j;
+    (void)arg;
+    DT_OK(dopt_dp_init(&ls, c, 8, NULL));
+    for (j = 0; j < 8; j++) x[j] = g[j] = (float)j;
+    DT_OK(dopt_dp_broadcast(&ls, x));
+    DT_OK(dopt_dp_after_backward(&ls, g));
+    dopt_axpy(x, -0.5f, g, 8);
+    DT_OK(dopt_dp_after_step(&ls, x));
+    if (c->rank > 0) x[5] += 0.5f * (float)c->rank; /* a bug of the host's: ranks 1.. drift after the step */
+    DT_EQ_INT(dopt_dp_close(&ls, x), DOPT_ERR_MISMATCH);
+    snprintf(want, sizeof want, "dopt_dp_close: the replicas differ after step 1: %d rank%s (%s) hold%s other parameters "
+             "than rank 0, by at most %g", c->size - 1, c->size > 2 ? "s" : "", c->size > 2 ? "1, 2" : "1",
+             c->size > 2 ? "" : "s", 0.5 * (c->size - 1));
+    DT_CHECKF(strcmp(dopt_dp_detail(&ls), want) == 0, "detail: %s\nwant:   %s", dopt_dp_detail(&ls), want);
+    DT_CHECKF(strstr(dopt_comm_detail(c), want) != NULL, "communicator's detail: %s", dopt_comm_detail(c));
+    DT_EQ_INT(c->error, DOPT_OK);
+    DT_OK(dopt_barrier(c));
+}
+
+DTEST(shm_close_names_the_ranks_whose_replicas_differ) {
+    world_run(WORLD_SHM, 2, body_close_differ, NULL);
+    world_run(WORLD_SHM, 3, body_close_differ, NULL);
+}
+
+/* Period 1 needs no second setting: dopt_dp_after_backward averages the gradients of a
+   synchronous step (one allreduce per step, the step's model average then skipped), and a host
+   that calls only dopt_dp_after_step gets its models averaged, sync_grads or not. */
+static void body_period_one(dopt_comm *c, void *arg) {
+    float x[8], g[8];
+    dopt_dp ls;
+    dopt_dp_config cfg;
+    uint64_t reduces;
+    int j, t, sync;
+    (void)arg;
+    for (sync = 0; sync < 2; sync++) {
+        memset(&cfg, 0, sizeof cfg);
+        cfg.sync_grads = sync;
+        DT_OK(dopt_dp_init(&ls, c, 8, &cfg));
+        for (j = 0; j < 8; j++) x[j] = 1.0f;
+        for (t = 0; t < 3; t++) { /* gradients averaged: the mean of rank + j */
+            for (j = 0; j < 8; j++) g[j] = (float)(c->rank + j);
+            reduces = c->traffic.calls[DOPT_COLL_ALLREDUCE];
+            DT_OK(dopt_dp_after_backward(&ls, g));
+            for (j = 0; j < 8; j++) DT_CHECK(g[j] == (float)(c->size - 1) / 2 + (float)j);
+            dopt_axpy(x, -0.125f, g, 8);
+            DT_OK(dopt_dp_after_step(&ls, x));
+            DT_EQ_INT((int)(c->traffic.calls[DOPT_COLL_ALLREDUCE] - reduces), 1);
+        }
+        for (t = 0; t < 3; t++) { /* no after_backward: the models are averaged */
+            for (j = 0; j < 8; j++) x[j] -= 0.125f * (float)c->rank;
+            reduces = c->traffic.calls[DOPT_COLL_ALLREDUCE];
+            DT_OK(dopt_dp_after_step(&ls, x));
+            DT_EQ_INT((int)(c->traffic.calls[DOPT_COLL_ALLREDUCE] - reduces), 1);
+            DT_CHECK(same_on_every_rank(c, x, sizeof x));
+        }
+        DT_OK(dopt_dp_close(&ls, x));
+    }
+}
+
+DTEST(shm_period_one_averages_gradients_after_backward_and_models_otherwise) {
+    world_run(WORLD_SHM, 3, body_period_one, NULL);
 }
 
 DTEST(shm_sync_now_averages_a_short_round_and_is_not_a_step) { world_run(WORLD_SHM, 3, body_sync_now, NULL); }
@@ -662,8 +769,8 @@ static void body_grad_compressed(dopt_comm *c, void *arg) {
     dopt_segment segs[2] = {{0, 6, "w"}, {6, LS_D - 6, "b"}};
     dopt_compressor gz, twin, other;
     dopt_compressor_config ccfg;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     int t, j, identical = 0;
     double d0;
     (void)arg;
@@ -675,35 +782,33 @@ static void body_grad_compressed(dopt_comm *c, void *arg) {
     DT_OK(dopt_compressor_init(&twin, &ccfg, segs, 2));
     DT_OK(dopt_compressor_init(&other, &ccfg, segs, 1)); /* covers 6 elements only */
     memset(&cfg, 0, sizeof cfg);
-    cfg.grad_compressor = &gz; /* refused: without sync_grads it would never be used */
-    DT_EQ_INT(dopt_localsgd_init(&ls, c, LS_D, &cfg), DOPT_ERR_INVALID);
-    cfg.sync_grads = 1;
+    cfg.grad_compressor = &gz;
     cfg.compressor = &gz; /* refused: one object cannot hold two error-feedback states */
-    DT_EQ_INT(dopt_localsgd_init(&ls, c, LS_D, &cfg), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_init(&ls, c, LS_D, &cfg), DOPT_ERR_INVALID);
     cfg.compressor = NULL;
     cfg.grad_compressor = &other; /* refused: does not cover the n elements */
-    DT_EQ_INT(dopt_localsgd_init(&ls, c, LS_D, &cfg), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_init(&ls, c, LS_D, &cfg), DOPT_ERR_INVALID);
     cfg.grad_compressor = &gz;
-    DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
+    DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
     for (j = 0; j < LS_D; j++) x[j] = 0.0f;
-    DT_OK(dopt_localsgd_broadcast(&ls, x));
+    DT_OK(dopt_dp_broadcast(&ls, x));
     d0 = dist_to(x, p.xstar, LS_D);
     for (t = 0; t < 600; t++) {
         lsq_grad(&p, x, g, c->rank, c->size, (uint64_t)t, LS_BATCH);
         memcpy(twin_g, g, sizeof g);
-        DT_OK(dopt_localsgd_after_backward(&ls, g));
+        DT_OK(dopt_dp_after_backward(&ls, g));
         DT_OK(dopt_compress_allreduce(&twin, c, twin_g, LS_D));
         DT_CHECKF(memcmp(g, twin_g, sizeof g) == 0, "rank %d step %d: driver's average differs from the compressor's",
                   c->rank, t);
         dopt_axpy(x, -0.05f, g, LS_D);
-        DT_OK(dopt_localsgd_after_step(&ls, x));
+        DT_OK(dopt_dp_after_step(&ls, x));
     }
     DT_CHECK(gz.step == 600);
-    DT_OK(dopt_localsgd_check_replicas(&ls, x, &identical, NULL));
+    DT_OK(dopt_dp_check_replicas(&ls, x, &identical, NULL));
     DT_CHECK(identical);
     DT_CHECKF(dist_to(x, p.xstar, LS_D) < 1e-2 * d0, "rank %d: |x - x*| = %g from %g", c->rank,
               dist_to(x, p.xstar, LS_D), d0);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     dopt_compressor_free(&gz);
     dopt_compressor_free(&twin);
     dopt_compressor_free(&other);
@@ -737,15 +842,15 @@ static void body_celgc_reference(dopt_comm *c, void *arg) {
     static lsq p;
     float x[LS_D], xe[LS_D], xs[LS_D], g[LS_D];
     const float eta = 0.05f, gamma = 0.5f;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     int t, j, clipped = 0, unclipped = 0;
     lsq_make(&p);
     memset(&cfg, 0, sizeof cfg);
     cfg.period = (size_t)period;
-    DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
+    DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
     for (j = 0; j < LS_D; j++) x[j] = xe[j] = xs[j] = p.xstar[j] + 3.0f;
-    DT_OK(dopt_localsgd_broadcast(&ls, x));
+    DT_OK(dopt_dp_broadcast(&ls, x));
     for (t = 0; t < CG_STEPS; t++) {
         /* reference 1: the paper's code, averaging at the start of steps 0, I, 2I, ... */
         if (t % period == 0) DT_OK(dopt_allreduce(c, xs, LS_D, DOPT_F32, DOPT_MEAN));
@@ -757,7 +862,7 @@ static void body_celgc_reference(dopt_comm *c, void *arg) {
         if ((t + 1) % period == 0) DT_OK(dopt_allreduce(c, xe, LS_D, DOPT_F32, DOPT_MEAN));
         /* the composition */
         celgc_grad(&p, x, g, c->rank, c->size, t);
-        DT_OK(dopt_localsgd_celgc_step(&ls, x, g, eta, gamma, 0.0f));
+        DT_OK(dopt_dp_celgc_step(&ls, x, g, eta, gamma, 0.0f));
         DT_CHECKF(same_as_reference(x, xe, LS_D), "rank %d step %d: differs from the end-of-step reference", c->rank, t);
     }
     DT_OK(dopt_allreduce(c, xs, LS_D, DOPT_F32, DOPT_MEAN)); /* the start of step CG_STEPS */
@@ -766,7 +871,7 @@ static void body_celgc_reference(dopt_comm *c, void *arg) {
        step 0 (once the reference has averaged at the start of the step after the last). */
     DT_CHECKF(dist_to(x, xs, LS_D) < 1e-4 * (1.0 + sqrt(dopt_sumsq(xs, LS_D))), "rank %d: start-of-step reference "
               "differs by %g", c->rank, dist_to(x, xs, LS_D));
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
 }
 
 /* At period 1 without sync_grads this is CELGC at I = 1 as the paper runs it: each worker clips
@@ -783,26 +888,26 @@ DTEST(shm_celgc_matches_hand_written_reference_loop_at_periods_4_and_1) {
 DTEST(celgc_step_with_a_nonfinite_gradient_skips_the_update) {
     static const uint32_t bad[3] = {0x7FC00000u, 0x7F800000u, 0xFF800000u};
     dopt_comm *c;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     float x[4] = {1, 2, 3, 4}, before[4], g[4];
     int i;
     DT_OK(dopt_comm_create_self(&c));
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 2;
-    DT_OK(dopt_localsgd_init(&ls, c, 4, &cfg));
+    DT_OK(dopt_dp_init(&ls, c, 4, &cfg));
     for (i = 0; i < 3; i++) {
         g[0] = g[1] = g[2] = g[3] = 0.5f;
         memcpy(&g[i + 1], &bad[i], sizeof(float));
         memcpy(before, x, sizeof x);
-        DT_EQ_INT(dopt_localsgd_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f), DOPT_ERR_NONFINITE);
+        DT_EQ_INT(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f), DOPT_ERR_NONFINITE);
         DT_CHECK(memcmp(x, before, sizeof x) == 0);
         DT_EQ_INT(ls.step, i + 1);
     }
     g[0] = g[1] = g[2] = g[3] = 0.5f;
-    DT_OK(dopt_localsgd_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
+    DT_OK(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
     DT_CHECK(x[0] == 1.0f - 0.05f && x[3] == 4.0f - 0.05f);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     dopt_comm_destroy(c);
 }
 
@@ -812,8 +917,8 @@ DTEST(celgc_with_the_across_worker_batch_estimator_is_refused) {
     dopt_comm *c;
     dopt_batch bc;
     dopt_batch_config bcfg;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     float x[2] = {0, 0}, g[2] = {1, 1};
     DT_OK(dopt_comm_create_self(&c));
     memset(&bcfg, 0, sizeof bcfg);
@@ -822,11 +927,11 @@ DTEST(celgc_with_the_across_worker_batch_estimator_is_refused) {
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 2;
     cfg.batch = &bc;
-    DT_OK(dopt_localsgd_init(&ls, c, 2, &cfg));
-    DT_EQ_INT(dopt_localsgd_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f), DOPT_ERR_INVALID);
-    DT_CHECK(strstr(dopt_localsgd_detail(&ls), "DOPT_BATCH_WITHIN") != NULL);
+    DT_OK(dopt_dp_init(&ls, c, 2, &cfg));
+    DT_EQ_INT(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f), DOPT_ERR_INVALID);
+    DT_CHECK(strstr(dopt_dp_detail(&ls), "DOPT_BATCH_WITHIN") != NULL);
     DT_CHECK(ls.step == 0 && x[0] == 0.0f);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     dopt_batch_free(&bc);
     dopt_comm_destroy(c);
 }
@@ -836,26 +941,26 @@ DTEST(celgc_with_the_across_worker_batch_estimator_is_refused) {
 static void body_celgc_synchronous(dopt_comm *c, void *arg) {
     static lsq p;
     float x[LS_D], xr[LS_D], g[LS_D], gr[LS_D];
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     int t, j;
     (void)arg;
     lsq_make(&p);
     memset(&cfg, 0, sizeof cfg);
     cfg.sync_grads = 1;
-    DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
+    DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
     for (j = 0; j < LS_D; j++) x[j] = xr[j] = p.xstar[j] + 3.0f;
     for (t = 0; t < 60; t++) {
         celgc_grad(&p, xr, gr, c->rank, c->size, t);
         DT_OK(dopt_allreduce(c, gr, LS_D, DOPT_F32, DOPT_MEAN));
         ref_celgc_update(xr, gr, 0.05f, 0.5f);
         celgc_grad(&p, x, g, c->rank, c->size, t);
-        DT_OK(dopt_localsgd_celgc_step(&ls, x, g, 0.05f, 0.5f, 0.0f));
+        DT_OK(dopt_dp_celgc_step(&ls, x, g, 0.05f, 0.5f, 0.0f));
         DT_CHECK(same_as_reference(x, xr, LS_D));
         DT_CHECK(same_as_reference(g, gr, LS_D)); /* the gradient was averaged in place */
     }
     DT_CHECK(same_on_every_rank(c, x, sizeof x));
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
 }
 
 DTEST(shm_celgc_period_1_with_gradient_averaging_is_synchronous_clipped_sgd) {
@@ -883,22 +988,22 @@ static double quartic(const float *x) {
 
 static void body_quartic(dopt_comm *c, void *arg) {
     float x[QD], y[QD], g[QD];
-    dopt_localsgd ls, lf;
-    dopt_localsgd_config cfg;
+    dopt_dp ls, lf;
+    dopt_dp_config cfg;
     int t, j, finite = 1;
     (void)arg;
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 4;
-    DT_OK(dopt_localsgd_init(&ls, c, QD, &cfg));
-    DT_OK(dopt_localsgd_init(&lf, c, QD, &cfg));
+    DT_OK(dopt_dp_init(&ls, c, QD, &cfg));
+    DT_OK(dopt_dp_init(&lf, c, QD, &cfg));
     for (j = 0; j < QD; j++) x[j] = y[j] = 5.0f;
     for (t = 0; t < 400; t++) {
         quartic_grad(x, g, c->rank, t);
-        DT_OK(dopt_localsgd_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
+        DT_OK(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
         if (t < 40) { /* fixed-step local SGD with the same schedule */
             quartic_grad(y, g, c->rank, t);
             for (j = 0; j < QD; j++) y[j] -= 0.1f * g[j];
-            DT_OK(dopt_localsgd_after_step(&lf, y));
+            DT_OK(dopt_dp_after_step(&lf, y));
         }
     }
     for (j = 0; j < QD; j++)
@@ -907,8 +1012,8 @@ static void body_quartic(dopt_comm *c, void *arg) {
     DT_CHECKF(quartic(x) < 1e-2, "rank %d: CELGC should converge: f = %g from %g", c->rank, quartic(x),
               QD * 625.0 / 4.0);
     DT_CHECK(same_on_every_rank(c, x, sizeof x)); /* the run ends on an average (400 = 100·4) */
-    dopt_localsgd_free(&ls);
-    dopt_localsgd_free(&lf);
+    dopt_dp_free(&ls);
+    dopt_dp_free(&lf);
 }
 
 DTEST(shm_celgc_converges_on_a_quartic_where_fixed_step_sgd_diverges) { world_run(WORLD_SHM, 3, body_quartic, NULL); }
@@ -1033,8 +1138,8 @@ DTEST(within_variance_is_zero_without_noise_when_the_iterates_move) {
     dopt_comm *c;
     dopt_batch bc;
     dopt_batch_config bcfg;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     float x[2] = {0, 0}, g[2];
     int t, u, proj;
     DT_OK(dopt_comm_create_self(&c));
@@ -1047,12 +1152,12 @@ DTEST(within_variance_is_zero_without_noise_when_the_iterates_move) {
         memset(&cfg, 0, sizeof cfg);
         cfg.period = 2;
         cfg.batch = &bc;
-        DT_OK(dopt_localsgd_init(&ls, c, 2, &cfg));
+        DT_OK(dopt_dp_init(&ls, c, 2, &cfg));
         for (t = 0; t < 6; t++) {
             g[0] = 1.0f + (float)(t % 2); /* 1, 2, 1, 2, ...: a new gradient every step */
             g[1] = 0.5f * (float)t;
             for (u = 0; u < 2; u++) DT_OK(dopt_batch_observe(&bc, g, 2));
-            DT_OK(dopt_localsgd_after_step(&ls, x));
+            DT_OK(dopt_dp_after_step(&ls, x));
         }
         DT_EQ_INT(bc.decisions, 3);
         DT_CHECKF(bc.last.var == 0.0, "projection %d: Var = %g without any noise", proj, bc.last.var);
@@ -1060,7 +1165,7 @@ DTEST(within_variance_is_zero_without_noise_when_the_iterates_move) {
         /* steps 4 and 5, g = (1, 2) and (2, 2.5): the mean of ‖g_t‖² with nothing to subtract */
         DT_NEAR(bc.last.grad_norm2, (5.0 + 10.25) / 2.0, 1e-12);
         DT_EQ_INT(dopt_batch_units(&bc), 2); /* no noise: the batch stays */
-        dopt_localsgd_free(&ls);
+        dopt_dp_free(&ls);
         dopt_batch_free(&bc);
     }
     dopt_comm_destroy(c);
@@ -1336,8 +1441,8 @@ static void body_across_hand(dopt_comm *c, void *arg) {
     float x[2] = {0, 0};
     dopt_batch bc;
     dopt_batch_config bcfg;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     size_t units;
     (void)arg;
     memset(&bcfg, 0, sizeof bcfg);
@@ -1347,12 +1452,12 @@ static void body_across_hand(dopt_comm *c, void *arg) {
     memset(&cfg, 0, sizeof cfg);
     cfg.batch = &bc;
     cfg.weighted = 1;
-    DT_OK(dopt_localsgd_init(&ls, c, 2, &cfg));
-    DT_OK(dopt_localsgd_broadcast(&ls, x)); /* anchor 0 */
-    DT_OK(dopt_localsgd_set_step_samples(&ls, w[c->rank]));
+    DT_OK(dopt_dp_init(&ls, c, 2, &cfg));
+    DT_OK(dopt_dp_broadcast(&ls, x)); /* anchor 0 */
+    DT_OK(dopt_dp_set_step_samples(&ls, w[c->rank]));
     x[0] = d[c->rank][0];
     x[1] = d[c->rank][1];
-    DT_OK(dopt_localsgd_after_step(&ls, x));
+    DT_OK(dopt_dp_after_step(&ls, x));
     DT_NEAR(x[0], 1.25, 1e-6);
     DT_NEAR(x[1], 1.25, 1e-6);
     DT_NEAR(bc.last.grad_norm2, 2.4375, 1e-5);
@@ -1362,7 +1467,7 @@ static void body_across_hand(dopt_comm *c, void *arg) {
     units = dopt_batch_units(&bc);
     DT_EQ_INT(units, 5);
     DT_CHECK(same_on_every_rank(c, &bc.last, sizeof bc.last)); /* the inputs, bit for bit */
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     dopt_batch_free(&bc);
 }
 
@@ -1387,8 +1492,8 @@ static void body_growth(dopt_comm *c, void *arg) {
     float x[LS_D], g[LS_D], micro[LS_D];
     dopt_batch bc;
     dopt_batch_config bcfg;
-    dopt_localsgd ls;
-    dopt_localsgd_config cfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
     size_t prev = 3, u;
     int t, j, grew = 0;
     lsq_make(&p);
@@ -1408,9 +1513,9 @@ static void body_growth(dopt_comm *c, void *arg) {
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 4;
     cfg.batch = &bc;
-    DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
+    DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
     for (j = 0; j < LS_D; j++) x[j] = 0.0f;
-    DT_OK(dopt_localsgd_broadcast(&ls, x));
+    DT_OK(dopt_dp_broadcast(&ls, x));
     for (t = 0; t < 200; t++) {
         size_t units = dopt_batch_units(&bc);
         for (j = 0; j < LS_D; j++) g[j] = 0.0f;
@@ -1420,16 +1525,16 @@ static void body_growth(dopt_comm *c, void *arg) {
             dopt_axpy(g, 1.0f / (float)units, micro, LS_D);
         }
         dopt_axpy(x, -0.02f, g, LS_D);
-        DT_OK(dopt_localsgd_after_step(&ls, x));
+        DT_OK(dopt_dp_after_step(&ls, x));
         u = dopt_batch_units(&bc);
         DT_CHECK(u >= prev && u <= 12 && u % 3 == 0);
         if (u > prev) grew = 1;
         prev = u;
-        if (dopt_localsgd_should_sync(&ls, (uint64_t)t)) DT_CHECK(same_on_every_rank(c, &u, sizeof u));
+        if (dopt_dp_should_sync(&ls, (uint64_t)t)) DT_CHECK(same_on_every_rank(c, &u, sizeof u));
     }
     DT_CHECKF(grew, "test %d estimator %d: the batch never grew (last var %g, g2 %g)", (int)a->test, (int)a->est,
               bc.last.var, bc.last.grad_norm2);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     dopt_batch_free(&bc);
 }
 
@@ -1467,10 +1572,10 @@ typedef struct host_state {
     float x[LS_D], mom[LS_D];
 } host_state;
 
-static void resume_setup(dopt_comm *c, const resume_args *a, dopt_batch *bc, dopt_localsgd *ls,
+static void resume_setup(dopt_comm *c, const resume_args *a, dopt_batch *bc, dopt_dp *ls,
                          const dopt_state_desc *sd, dopt_compressor *cz, dopt_compressor *gz) {
     dopt_batch_config bcfg;
-    dopt_localsgd_config cfg;
+    dopt_dp_config cfg;
     dopt_compressor_config ccfg;
     dopt_segment seg = {0, LS_D, "x"};
     memset(&ccfg, 0, sizeof ccfg);
@@ -1501,11 +1606,11 @@ static void resume_setup(dopt_comm *c, const resume_args *a, dopt_batch *bc, dop
     cfg.compressor = a->compressed ? cz : NULL;
     cfg.outer_lr = a->outer ? 0.7 : 0.0;
     cfg.outer_momentum = a->outer ? 0.9 : 0.0;
-    DT_OK(dopt_localsgd_init(ls, c, LS_D, &cfg));
+    DT_OK(dopt_dp_init(ls, c, LS_D, &cfg));
 }
 
 /* Runs steps [from, to) of noisy momentum local SGD with adaptive batches. */
-static void resume_steps(dopt_comm *c, const lsq *p, host_state *h, dopt_batch *bc, dopt_localsgd *ls, int from, int to) {
+static void resume_steps(dopt_comm *c, const lsq *p, host_state *h, dopt_batch *bc, dopt_dp *ls, int from, int to) {
     float g[LS_D], micro[LS_D];
     dopt_buf xb = dopt_buf_flat(h->x, LS_D, NULL, 0), mb = dopt_buf_flat(h->mom, LS_D, NULL, 0);
     int t, j;
@@ -1518,12 +1623,12 @@ static void resume_steps(dopt_comm *c, const lsq *p, host_state *h, dopt_batch *
             if (bc->cfg.estimator == DOPT_BATCH_WITHIN) DT_OK(dopt_batch_observe(bc, micro, LS_D));
             dopt_axpy(g, 1.0f / (float)units, micro, LS_D);
         }
-        DT_OK(dopt_localsgd_after_backward(ls, g)); /* a no-op without sync_grads */
+        DT_OK(dopt_dp_after_backward(ls, g)); /* averages in the warm-up, a no-op after */
         for (j = 0; j < LS_D; j++) {
             h->mom[j] = 0.5f * h->mom[j] + g[j];
             h->x[j] -= 0.02f * h->mom[j];
         }
-        DT_OK(dopt_localsgd_after_step_buf(ls, &xb, &mb));
+        DT_OK(dopt_dp_after_step_buf(ls, &xb, &mb));
     }
 }
 
@@ -1533,7 +1638,7 @@ static void body_resume(dopt_comm *c, void *arg) {
     dopt_state_desc sd[1] = {{LS_D, DOPT_STATE_AVERAGE, "momentum"}};
     host_state h, straight;
     dopt_batch bc;
-    dopt_localsgd ls;
+    dopt_dp ls;
     dopt_compressor cz, gz;
     char path[256], hpath[256];
     FILE *f;
@@ -1547,7 +1652,7 @@ static void body_resume(dopt_comm *c, void *arg) {
     for (j = 0; j < LS_D; j++) h.x[j] = h.mom[j] = 0.0f;
     resume_steps(c, &p, &h, &bc, &ls, 0, RS_STEPS);
     straight = h;
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     dopt_batch_free(&bc);
     dopt_compressor_free(&cz);
     dopt_compressor_free(&gz);
@@ -1555,17 +1660,17 @@ static void body_resume(dopt_comm *c, void *arg) {
     resume_setup(c, a, &bc, &ls, sd, &cz, &gz);
     for (j = 0; j < LS_D; j++) h.x[j] = h.mom[j] = 0.0f;
     resume_steps(c, &p, &h, &bc, &ls, 0, a->stop_at);
-    DT_OK(dopt_localsgd_save(&ls, path));
+    DT_OK(dopt_dp_save(&ls, path));
     f = fopen(hpath, "wb");
     DT_CHECK(f && fwrite(&h, sizeof h, 1, f) == 1 && fclose(f) == 0);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     dopt_batch_free(&bc);
     dopt_compressor_free(&cz);
     dopt_compressor_free(&gz);
     memset(&h, 0xFF, sizeof h);
     /* a new process would start here */
     resume_setup(c, a, &bc, &ls, sd, &cz, &gz);
-    DT_OK(dopt_localsgd_load(&ls, path));
+    DT_OK(dopt_dp_load(&ls, path));
     DT_EQ_INT(ls.step, (uint64_t)a->stop_at);
     f = fopen(hpath, "rb");
     DT_CHECK(f && fread(&h, sizeof h, 1, f) == 1 && fclose(f) == 0);
@@ -1576,7 +1681,7 @@ static void body_resume(dopt_comm *c, void *arg) {
     if (a->compressed) DT_CHECK(cz.step > 0 && dopt_sumsq(cz.residual, LS_D) > 0.0); /* EF state was live */
     if (a->compressed == 2) DT_CHECK(gz.step == 10 && dopt_sumsq(gz.residual, LS_D) > 0.0);
     if (a->outer) DT_CHECK(dopt_sumsq(ls.outer_v, LS_D) > 0.0); /* the outer momentum was live */
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     dopt_batch_free(&bc);
     dopt_compressor_free(&cz);
     dopt_compressor_free(&gz);
@@ -1627,20 +1732,20 @@ static unsigned char *read_bytes(const char *path, size_t *len) {
     return b;
 }
 
-static void expect_refused(dopt_localsgd *ls, const char *path, dopt_status want, const char *words) {
+static void expect_refused(dopt_dp *ls, const char *path, dopt_status want, const char *words) {
     uint64_t step = ls->step;
-    dopt_status s = dopt_localsgd_load(ls, path);
+    dopt_status s = dopt_dp_load(ls, path);
     DT_CHECKF(s == want, "load gave %s, expected %s (%s)", dopt_status_str(s), dopt_status_str(want),
-              dopt_localsgd_detail(ls));
-    DT_CHECKF(strstr(dopt_localsgd_detail(ls), words) != NULL, "detail \"%s\" lacks \"%s\"", dopt_localsgd_detail(ls),
+              dopt_dp_detail(ls));
+    DT_CHECKF(strstr(dopt_dp_detail(ls), words) != NULL, "detail \"%s\" lacks \"%s\"", dopt_dp_detail(ls),
               words);
     DT_EQ_INT(ls->step, step); /* unchanged */
 }
 
 DTEST(corrupt_truncated_other_version_and_other_layout_files_are_refused) {
     dopt_comm *c;
-    dopt_localsgd ls, other;
-    dopt_localsgd_config cfg;
+    dopt_dp ls, other;
+    dopt_dp_config cfg;
     float x[LS_D] = {0};
     char dir[128], path[256], bad[256];
     unsigned char *b;
@@ -1653,14 +1758,14 @@ DTEST(corrupt_truncated_other_version_and_other_layout_files_are_refused) {
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 4;
     cfg.keep_anchor = 1;
-    DT_OK(dopt_localsgd_init(&ls, c, LS_D, &cfg));
-    for (i = 0; i < 5; i++) DT_OK(dopt_localsgd_after_step(&ls, x));
-    DT_OK(dopt_localsgd_save(&ls, path));
+    DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
+    for (i = 0; i < 5; i++) DT_OK(dopt_dp_after_step(&ls, x));
+    DT_OK(dopt_dp_save(&ls, path));
     b = read_bytes(path, &len);
-    DT_OK(dopt_localsgd_init(&other, c, LS_D, &cfg));
-    DT_OK(dopt_localsgd_after_step(&other, x));
+    DT_OK(dopt_dp_init(&other, c, LS_D, &cfg));
+    DT_OK(dopt_dp_after_step(&other, x));
     /* the good file loads */
-    DT_OK(dopt_localsgd_load(&other, path));
+    DT_OK(dopt_dp_load(&other, path));
     DT_EQ_INT(other.step, 5);
     other.step = 1;
     expect_refused(&other, "/nonexistent/dir/state", DOPT_ERR_IO, "cannot open");
@@ -1672,36 +1777,36 @@ DTEST(corrupt_truncated_other_version_and_other_layout_files_are_refused) {
     expect_refused(&other, bad, DOPT_ERR_PROTOCOL, "corrupt");
     write_bytes(bad, b, 10);
     expect_refused(&other, bad, DOPT_ERR_PROTOCOL, "not a distopt");
-    b[8] = DOPT_LOCALSGD_FILE_VERSION + 1; /* a newer format */
+    b[8] = DOPT_DP_FILE_VERSION + 1; /* a newer format */
     write_bytes(bad, b, len);
     {
         char words[32];
-        snprintf(words, sizeof words, "version %u", DOPT_LOCALSGD_FILE_VERSION + 1);
+        snprintf(words, sizeof words, "version %u", DOPT_DP_FILE_VERSION + 1);
         expect_refused(&other, bad, DOPT_ERR_PROTOCOL, words);
     }
-    b[8] = DOPT_LOCALSGD_FILE_VERSION - 1; /* an older one */
+    b[8] = DOPT_DP_FILE_VERSION - 1; /* an older one */
     write_bytes(bad, b, len);
     expect_refused(&other, bad, DOPT_ERR_PROTOCOL, "this build reads version");
-    b[8] = DOPT_LOCALSGD_FILE_VERSION;
+    b[8] = DOPT_DP_FILE_VERSION;
     write_bytes(bad, b, len);
-    DT_OK(dopt_localsgd_load(&other, bad));
-    dopt_localsgd_free(&other);
+    DT_OK(dopt_dp_load(&other, bad));
+    dopt_dp_free(&other);
     /* other layouts */
-    DT_OK(dopt_localsgd_init(&other, c, LS_D + 1, &cfg));
+    DT_OK(dopt_dp_init(&other, c, LS_D + 1, &cfg));
     expect_refused(&other, path, DOPT_ERR_INVALID, "element count 16");
-    dopt_localsgd_free(&other);
+    dopt_dp_free(&other);
     cfg.period = 5;
-    DT_OK(dopt_localsgd_init(&other, c, LS_D, &cfg));
+    DT_OK(dopt_dp_init(&other, c, LS_D, &cfg));
     expect_refused(&other, path, DOPT_ERR_INVALID, "period 4");
-    dopt_localsgd_free(&other);
+    dopt_dp_free(&other);
     {
         dopt_state_desc sd[1] = {{3, DOPT_STATE_KEEP, "m"}};
         cfg.period = 4;
         cfg.states = sd;
         cfg.nstates = 1;
-        DT_OK(dopt_localsgd_init(&other, c, LS_D, &cfg));
+        DT_OK(dopt_dp_init(&other, c, LS_D, &cfg));
         expect_refused(&other, path, DOPT_ERR_INVALID, "number of states");
-        dopt_localsgd_free(&other);
+        dopt_dp_free(&other);
     }
     /* no temporary file is left behind */
     {
@@ -1710,7 +1815,7 @@ DTEST(corrupt_truncated_other_version_and_other_layout_files_are_refused) {
         DT_CHECK(system(cmd) == 0);
     }
     free(b);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&ls);
     dopt_comm_destroy(c);
     remove_tmpdir(dir);
 }
@@ -1719,14 +1824,14 @@ static void body_other_world(dopt_comm *c, void *arg) {
     const char *dir = (const char *)arg;
     char path[256];
     dopt_comm *self;
-    dopt_localsgd ls, one;
+    dopt_dp ls, one;
     float x[4] = {0};
-    DT_OK(dopt_localsgd_init(&ls, c, 4, NULL));
-    DT_OK(dopt_localsgd_after_step(&ls, x));
+    DT_OK(dopt_dp_init(&ls, c, 4, NULL));
+    DT_OK(dopt_dp_after_step(&ls, x));
     snprintf(path, sizeof path, "%s/w.%d", dir, c->rank);
-    DT_OK(dopt_localsgd_save(&ls, path));
+    DT_OK(dopt_dp_save(&ls, path));
     DT_OK(dopt_comm_create_self(&self));
-    DT_OK(dopt_localsgd_init(&one, self, 4, NULL));
+    DT_OK(dopt_dp_init(&one, self, 4, NULL));
     expect_refused(&one, path, DOPT_ERR_INVALID, "world size 2");
     if (c->rank == 1) {
         snprintf(path, sizeof path, "%s/w.0", dir);
@@ -1735,8 +1840,8 @@ static void body_other_world(dopt_comm *c, void *arg) {
     } else {
         DT_OK(dopt_barrier(c));
     }
-    dopt_localsgd_free(&one);
-    dopt_localsgd_free(&ls);
+    dopt_dp_free(&one);
+    dopt_dp_free(&ls);
     dopt_comm_destroy(self);
 }
 

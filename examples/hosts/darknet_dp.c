@@ -108,7 +108,7 @@ int main(int argc, char **argv) {
     unsigned long long shuffle;
     int epoch, j, k, verbose = 1;
     float loss = 0;
-    dopt_comm *comm; dopt_localsgd ls; dopt_status st; int same = 0;                        /* distopt */
+    dopt_comm *comm; dopt_dp ls; dopt_status st; int same = 0;                        /* distopt */
     dopt_span spans[5 * MAX_LAYERS]; dopt_buf params = {.spans = spans};                    /* distopt layout */
 
     host_parse_options(&o, argc, argv,
@@ -145,8 +145,8 @@ int main(int argc, char **argv) {
         for (k = 0; k < 5; k++)                                                             /* distopt layout */
             if (a[k]) spans[params.nspans++] = (dopt_span){a[k], (size_t)(k ? l->nbiases : l->nweights)}; /* distopt layout */
     }                                                                                       /* distopt layout */
-    st = dopt_localsgd_init(&ls, comm, dopt_buf_count(&params), &(dopt_localsgd_config){.period = (size_t)o.period}); /* distopt */
-    if (st == DOPT_OK) st = dopt_localsgd_broadcast_buf(&ls, &params, NULL);                /* distopt */
+    st = dopt_dp_init(&ls, comm, dopt_buf_count(&params), &(dopt_dp_config){.period = (size_t)o.period}); /* distopt */
+    if (st == DOPT_OK) st = dopt_dp_broadcast_buf(&ls, &params, NULL);                /* distopt */
 
     if (verbose)
         printf("darknet_dp: %s, %zu training images, minibatch %d, lr %g (poly), period %d, %zu parameters in %zu arrays\n",
@@ -164,16 +164,16 @@ int main(int argc, char **argv) {
             batch.X.vals = train.X.vals + s, batch.y.vals = train.y.vals + s;
             batch.X.rows = batch.y.rows = o.batch;
             loss = train_network(net, batch);
-            if ((st = dopt_localsgd_after_step_buf(&ls, &params, NULL)) != DOPT_OK) break;  /* distopt: average every I steps */
+            if ((st = dopt_dp_after_step_buf(&ls, &params, NULL)) != DOPT_OK) break;  /* distopt: average every I steps */
         }
         if (verbose) printf("epoch %d: loss %.4f (last minibatch), test accuracy %.2f%%\n", epoch, loss, test_accuracy(net, test));
         fflush(stdout);
     }
     /* The last round may be shorter than the period: average once more, as darknet's own
        multi-GPU training syncs its nets before it saves weights. */
-    if (st == DOPT_OK) st = dopt_localsgd_sync_buf(&ls, &params, NULL);                     /* distopt */
-    if (st == DOPT_OK) st = dopt_localsgd_check_replicas_buf(&ls, &params, &same, NULL);    /* distopt: bitwise identical? */
-    if (st != DOPT_OK) fprintf(stderr, "rank %d: %s: %s\n", comm->rank, dopt_status_str(st), dopt_localsgd_detail(&ls)); /* distopt */
+    if (st == DOPT_OK) st = dopt_dp_sync_buf(&ls, &params, NULL);                     /* distopt */
+    if (st == DOPT_OK) st = dopt_dp_check_replicas_buf(&ls, &params, &same, NULL);    /* distopt: bitwise identical? */
+    if (st != DOPT_OK) fprintf(stderr, "rank %d: %s: %s\n", comm->rank, dopt_status_str(st), dopt_dp_detail(&ls)); /* distopt */
     /* Test harness: every rank's own hash of its parameters, and the replica check's verdict. */
     printf("rank %d params fnv1a %016llx\n", comm->rank, host_params_hash(&params));
     if (verbose) printf("result: test_acc %.2f replicas %s\n", test_accuracy(net, test), same ? "identical" : "DIFFER");
@@ -181,6 +181,6 @@ int main(int argc, char **argv) {
     free(train.X.vals), free(train.y.vals), free(test.X.vals), free(test.y.vals);
     free(train_xblock), free(train_yblock), free(test_xblock), free(test_yblock);
     free(train_px), free(train_labels), free(test_px), free(test_labels);
-    dopt_localsgd_free(&ls);                                                                /* distopt */
+    dopt_dp_free(&ls);                                                                /* distopt */
     return dopt_comm_finish(comm, st != DOPT_OK || !same);                                  /* distopt: ranks > 0 exit here */
 }

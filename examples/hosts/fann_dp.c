@@ -73,7 +73,7 @@ int main(int argc, char **argv) {
     struct fann_layer *l;
     unsigned long long shuffle;
     int epoch, tern, verbose = 1;
-    dopt_comm *comm; dopt_localsgd ls = {0}; dopt_status st; int same = 0;                  /* distopt */
+    dopt_comm *comm; dopt_dp ls = {0}; dopt_status st; int same = 0;                  /* distopt */
     dopt_compressor cz = {0}; dopt_segment segs[MAX_LAYERS]; size_t nsegs = 0;              /* distopt option */
 
     host_parse_options(&o, argc, argv,
@@ -113,8 +113,8 @@ int main(int argc, char **argv) {
     for (l = ann->first_layer + 1; l != ann->last_layer; l++)                               /* distopt option */
         segs[nsegs++] = (dopt_segment){l->first_neuron->first_con, (l->last_neuron - 1)->last_con - l->first_neuron->first_con, NULL}; /* distopt option */
     if (tern) st = dopt_compressor_init(&cz, &(dopt_compressor_config){.seed = o.seed}, segs, nsegs); /* distopt option */
-    if (st == DOPT_OK) st = dopt_localsgd_init(&ls, comm, ann->total_connections, &(dopt_localsgd_config){.sync_grads = 1, .grad_compressor = tern ? &cz : NULL}); /* distopt */
-    if (st == DOPT_OK) st = dopt_localsgd_broadcast(&ls, ann->weights);                     /* distopt */
+    if (st == DOPT_OK) st = dopt_dp_init(&ls, comm, ann->total_connections, &(dopt_dp_config){.sync_grads = 1, .grad_compressor = tern ? &cz : NULL}); /* distopt */
+    if (st == DOPT_OK) st = dopt_dp_broadcast(&ls, ann->weights);                     /* distopt */
 
     if (verbose)
         printf("fann_dp: %s, %zu training images, minibatch %d, lr %g, hidden %d, compress %s, clip %g\n", comm->vt->name,
@@ -137,7 +137,7 @@ int main(int argc, char **argv) {
             }
             /* The mean of the workers' slopes (fp32, or TernGrad), then global-norm clipping: the
                slopes are -∇ summed over the minibatch, hence the scale -1/batch. */
-            st = dopt_localsgd_after_backward(&ls, ann->train_slopes);                      /* distopt */
+            st = dopt_dp_after_backward(&ls, ann->train_slopes);                      /* distopt */
             if (st == DOPT_OK && o.clip > 0)                                                /* distopt option */
                 st = dopt_clip_global_norm_buf(NULL, &(dopt_buf){.data = ann->train_slopes, .n = ann->total_connections},
                                                -1.0f / (float)o.batch, o.clip, NULL);       /* distopt option */
@@ -150,8 +150,8 @@ int main(int argc, char **argv) {
                    test_accuracy(ann, test_x, test_labels, ntest));
         fflush(stdout);
     }
-    if (st == DOPT_OK) st = dopt_localsgd_check_replicas(&ls, ann->weights, &same, NULL);   /* distopt: bitwise identical? */
-    if (st != DOPT_OK) fprintf(stderr, "rank %d: %s: %s\n", comm->rank, dopt_status_str(st), dopt_localsgd_detail(&ls)); /* distopt */
+    if (st == DOPT_OK) st = dopt_dp_check_replicas(&ls, ann->weights, &same, NULL);   /* distopt: bitwise identical? */
+    if (st != DOPT_OK) fprintf(stderr, "rank %d: %s: %s\n", comm->rank, dopt_status_str(st), dopt_dp_detail(&ls)); /* distopt */
     /* Test harness: every rank's own hash of its weights, and the replica check's verdict. */
     printf("rank %d weights fnv1a %016llx\n", comm->rank, host_params_hash(&(dopt_buf){.data = ann->weights, .n = ann->total_connections}));
     if (verbose) printf("result: test_acc %.2f replicas %s\n", test_accuracy(ann, test_x, test_labels, ntest), same ? "identical" : "DIFFER");
@@ -159,6 +159,6 @@ int main(int argc, char **argv) {
     free(train_px), free(train_labels), free(test_px), free(test_labels), free(order);
     free(train_x), free(train_y), free(test_x), free(test_y);
     dopt_compressor_free(&cz);                                                              /* distopt option */
-    dopt_localsgd_free(&ls);                                                                /* distopt */
+    dopt_dp_free(&ls);                                                                /* distopt */
     return dopt_comm_finish(comm, st != DOPT_OK || !same);                                  /* distopt: ranks > 0 exit here */
 }

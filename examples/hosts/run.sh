@@ -5,7 +5,7 @@
 # workers' minibatches together). Checks, for every 2-worker run:
 #   - test accuracy within HOSTS_MAX_GAP points (default 1) of the 1-process run;
 #   - parameters bitwise identical on both ranks: the library's replica check
-#     (dopt_localsgd_check_replicas) and, independently, each rank's own FNV-1a hash of its
+#     (dopt_dp_check_replicas) and, independently, each rank's own FNV-1a hash of its
 #     parameters, printed by the host and compared here;
 #   - the lines the host's source marks /* distopt ... */, by kind: core (the calls and the
 #     control flow that carries their status), layout (describing the host's memory to
