@@ -77,7 +77,7 @@
            memset(grads, 0, n * sizeof(float));
            for (u = 0; u < dopt_batch_units(&bc); u++) {
                forward_backward_micro(params, micro);   (mean gradient of one micro-batch)
-               dopt_batch_observe(&bc, micro, n);        (within-worker variance)
+               dopt_batch_observe(&bc, &(dopt_buf){.data = micro, .n = n}, 1.0f);
                dopt_axpy(grads, 1.0f / dopt_batch_units(&bc), micro, n);
            }
            dopt_dp_celgc_step(&ls, params, grads, eta, gamma, 0.0f);
@@ -224,7 +224,9 @@
      exactly n packed elements, a compressor with `weighted`, a grad_compressor that is the
      same object as compressor, outer_lr negative or not finite, outer_momentum
      outside [0, 1)), DOPT_ERR_NOMEM. The object must not move after
-     init. On failure nothing needs freeing. Not a collective.
+     init. On failure nothing needs freeing, and the driver keeps the status and its reason: every
+     later call returns that status at once, and dopt_dp_close returns it with the reason in
+     dopt_dp_detail (check once: a host need not test init's result). Not a collective.
 
    void dopt_dp_free(dopt_dp *ls)
      Releases what init allocated (not comm, not the batch controller). NULL or zeroed: accepted.
@@ -263,11 +265,8 @@
      communication, and the step is not counted), and the transport's errors (the communicator's
      detail names them; the parameters are then unchanged).
 
-   dopt_status dopt_dp_sync(dopt_dp *ls, float *params)
-   dopt_status dopt_dp_sync_buf(dopt_dp *ls, const dopt_buf *params,
-                                      const dopt_buf *states)
-     Averages now, whatever the schedule: at the end of training when the last round is shorter
-     than the period, or before the host evaluates or saves mid-round (darknet syncs its nets
+   dopt_status dopt_dp_sync(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states)
+     Averages now, whatever the schedule: before the host evaluates or saves mid-round (darknet syncs its nets
      before it saves weights). Ends the round as a scheduled average does (AVERAGE and RESET
      states, the anchor, the batch decision) but is not a step: the schedule does not move. A
      round of no local step (right after an average, or only synchronous steps) returns DOPT_OK
@@ -290,10 +289,8 @@
      skips its update, the average still happens when due, and the call returns
      DOPT_ERR_NONFINITE. grads is averaged in place on synchronous steps with sync_grads.
 
-   dopt_status dopt_dp_check_replicas(dopt_dp *ls, const float *params,
-                                            int *identical, double *max_diff)
-   dopt_status dopt_dp_check_replicas_buf(dopt_dp *ls, const dopt_buf *params,
-                                                int *identical, double *max_diff)
+   dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
+                                      double *max_diff)
      Collective: *identical = 1 when every rank's parameters are bitwise identical (one
      allgather of a 64-bit FNV-1a checksum and the step); otherwise one elementwise MAX allreduce in the
      workspace and one scalar one give *max_diff, the largest |x_r,i − x_q,i| over elements and
@@ -361,8 +358,7 @@
    size_t dopt_batch_units(const dopt_batch *bc)
      The units (micro-batches) per step the host should run now.
 
-   dopt_status dopt_batch_observe(dopt_batch *bc, const float *grad, size_t n)
-   dopt_status dopt_batch_observe_buf(dopt_batch *bc, const dopt_buf *grad, float scale)
+   dopt_status dopt_batch_observe(dopt_batch *bc, const dopt_buf *grad, float scale)
      WITHIN: one micro-batch's mean gradient (scale·grad = +∇ of its mean loss), taken at the
      current step's parameters. O(n) (EXACT: O(n) more, a copy), no allocation, no
      communication. DOPT_ERR_INVALID: another element count; EXACT, more than max_units
@@ -525,8 +521,7 @@ typedef struct dopt_batch {
 DOPT_DEF dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_config *cfg);
 DOPT_DEF void dopt_batch_free(dopt_batch *bc);
 DOPT_DEF size_t dopt_batch_units(const dopt_batch *bc);
-DOPT_DEF dopt_status dopt_batch_observe(dopt_batch *bc, const float *grad, size_t n);
-DOPT_DEF dopt_status dopt_batch_observe_buf(dopt_batch *bc, const dopt_buf *grad, float scale);
+DOPT_DEF dopt_status dopt_batch_observe(dopt_batch *bc, const dopt_buf *grad, float scale);
 DOPT_DEF void dopt_batch_end_step(dopt_batch *bc);
 DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm);
 DOPT_DEF size_t dopt_batch_next_units(const dopt_batch_config *cfg, size_t current_units, const dopt_batch_stats *st,
@@ -581,6 +576,7 @@ typedef struct dopt_dp {
     uint64_t syncs;          /* averages done (model or gradient) */
     uint64_t round_steps;    /* steps since the last average */
     uint64_t grads_step;     /* step + 1 of the last step whose gradients were averaged, or 0 */
+    dopt_status status;      /* init's refusal, returned by every later call */
     double round_samples;    /* samples since the last average (the weight) */
     double step_samples;     /* set by dopt_dp_set_step_samples, 0: automatic */
     uint64_t *replica_words; /* the replica check's exchange: checksum and step of every rank */
@@ -598,17 +594,14 @@ DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *ls, float *grads);
 DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *ls, const dopt_buf *grads);
 DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *ls, float *params);
 DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
-DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *ls, float *params);
-DOPT_DEF dopt_status dopt_dp_sync_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
+DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
 DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, float *params, const float *grads, float eta,
                                               float gamma, float weight_decay);
 DOPT_DEF dopt_status dopt_dp_celgc_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
                                                   const dopt_buf *states, float scale, float eta, float gamma,
                                                   float weight_decay);
-DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const float *params, int *identical,
-                                                  double *max_diff);
-DOPT_DEF dopt_status dopt_dp_check_replicas_buf(dopt_dp *ls, const dopt_buf *params, int *identical,
-                                                      double *max_diff);
+DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
+                                          double *max_diff);
 DOPT_DEF dopt_status dopt_dp_close(dopt_dp *ls, float *params);
 DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
 DOPT_DEF dopt_status dopt_dp_set_step_samples(dopt_dp *ls, double samples);
@@ -833,7 +826,7 @@ DOPT_DEF void dopt_batch_free(dopt_batch *bc) {
 
 DOPT_DEF size_t dopt_batch_units(const dopt_batch *bc) { return bc ? bc->units : 0; }
 
-DOPT_DEF dopt_status dopt_batch_observe_buf(dopt_batch *bc, const dopt_buf *grad, float scale) {
+DOPT_DEF dopt_status dopt_batch_observe(dopt_batch *bc, const dopt_buf *grad, float scale) {
     size_t i, j, k, off = 0;
     double sq = 0.0, proj = 0.0, sc = (double)scale;
     float *keep;
@@ -870,11 +863,6 @@ DOPT_DEF dopt_status dopt_batch_observe_buf(dopt_batch *bc, const dopt_buf *grad
     }
     bc->observed++;
     return DOPT_OK;
-}
-
-DOPT_DEF dopt_status dopt_batch_observe(dopt_batch *bc, const float *grad, size_t n) {
-    dopt_buf b = dopt_buf_flat((float *)grad, n, NULL, 0); /* only read */
-    return dopt_batch_observe_buf(bc, &b, 1.0f);
 }
 
 /* EXACT: Σ_j (p_j − p̄)² with p_j = ⟨v_j, v̄⟩/‖v̄‖, over the kept micro-batch gradients. */
@@ -993,36 +981,51 @@ DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm) {
 
 /* ===================================================================== LOCAL SGD: INIT AND SCHEDULE */
 
+/* A refused init: the driver keeps the status and the reason, every later call returns the status
+   (check once), and dopt_dp_close reports the reason. */
+static dopt_status dopt__ls_init_fail(dopt_dp *ls, const char *why) {
+    ls->status = DOPT_ERR_INVALID;
+    snprintf(ls->detail, sizeof ls->detail, "dopt_dp_init: %s", why);
+    return DOPT_ERR_INVALID;
+}
+
 DOPT_DEF dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n, const dopt_dp_config *cfg) {
     dopt_dp_config c;
     size_t i, work = n;
     int anchor;
     if (ls == NULL) return DOPT_ERR_INVALID;
     memset(ls, 0, sizeof *ls);
-    if (comm == NULL) return DOPT_ERR_INVALID;
+    ls->comm = comm;
+    if (comm == NULL) return dopt__ls_init_fail(ls, "no communicator");
     if (cfg) c = *cfg; else memset(&c, 0, sizeof c);
-    if (c.nstates > 0 && c.states == NULL) return DOPT_ERR_INVALID;
+    if (c.nstates > 0 && c.states == NULL) return dopt__ls_init_fail(ls, "nstates > 0 and no state table");
     for (i = 0; i < c.nstates; i++) {
-        if ((unsigned)c.states[i].policy > (unsigned)DOPT_STATE_RESET) return DOPT_ERR_INVALID;
+        if ((unsigned)c.states[i].policy > (unsigned)DOPT_STATE_RESET)
+            return dopt__ls_init_fail(ls, "a state's policy is unknown");
         if (c.states[i].policy == DOPT_STATE_AVERAGE) {
-            if (c.states[i].count > SIZE_MAX / sizeof(float) - work) return DOPT_ERR_INVALID;
+            if (c.states[i].count > SIZE_MAX / sizeof(float) - work)
+                return dopt__ls_init_fail(ls, "the states are too large");
             work += c.states[i].count;
         }
     }
     if (c.batch && c.batch->cfg.estimator == DOPT_BATCH_WITHIN && c.batch->n != 0 && c.batch->n != n)
-        return DOPT_ERR_INVALID;
+        return dopt__ls_init_fail(ls, "the batch controller was sized for another element count");
     /* the compressor's layout is over the packed parameters, without gaps; its mean is plain */
     if (c.compressor && (c.compressor->segs == NULL || c.compressor->count != n || c.compressor->flat_end != n ||
                          c.weighted))
-        return DOPT_ERR_INVALID;
+        return dopt__ls_init_fail(ls, "compressor: not initialised, not covering the n packed elements, or with "
+                                      "`weighted`");
     if (c.grad_compressor &&
         (c.grad_compressor->segs == NULL || c.grad_compressor->count != n || c.grad_compressor->flat_end != n ||
          c.weighted || c.grad_compressor == c.compressor))
-        return DOPT_ERR_INVALID;
+        return dopt__ls_init_fail(ls, "grad_compressor: not initialised, not covering the n packed elements, with "
+                                      "`weighted`, or the same object as compressor");
     /* NaN first, by its bits: under GCC's -ffast-math NaN == 0.0 holds and would take the default */
-    if (!dopt__is_finite(c.outer_lr) || !dopt__is_finite(c.outer_momentum)) return DOPT_ERR_INVALID;
+    if (!dopt__is_finite(c.outer_lr) || !dopt__is_finite(c.outer_momentum))
+        return dopt__ls_init_fail(ls, "outer_lr or outer_momentum is not finite");
     if (c.outer_lr == 0.0) c.outer_lr = 1.0;
-    if (c.outer_lr < 0.0 || !(c.outer_momentum >= 0.0 && c.outer_momentum < 1.0)) return DOPT_ERR_INVALID;
+    if (c.outer_lr < 0.0 || !(c.outer_momentum >= 0.0 && c.outer_momentum < 1.0))
+        return dopt__ls_init_fail(ls, "outer_lr is negative or outer_momentum is outside [0, 1)");
     ls->outer = c.outer_lr != 1.0 || c.outer_momentum != 0.0;
     anchor = c.keep_anchor || c.compressor || ls->outer || (c.batch && c.batch->cfg.estimator == DOPT_BATCH_ACROSS);
     ls->comm = comm;
@@ -1059,6 +1062,8 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n, const 
     return DOPT_OK;
 nomem:
     dopt_dp_free(ls);
+    ls->status = DOPT_ERR_NOMEM;
+    snprintf(ls->detail, sizeof ls->detail, "dopt_dp_init: out of memory");
     return DOPT_ERR_NOMEM;
 }
 
@@ -1252,7 +1257,7 @@ static dopt_status dopt__ls_average_models(dopt_dp *ls, const dopt_buf *params, 
 /* Check once: on a poisoned communicator every call of the driver fails at once with its status,
    a step that would not communicate included. */
 static dopt_status dopt__ls_poisoned(dopt_dp *ls) {
-    if (ls->work == NULL) return DOPT_ERR_CLOSED; /* closed, freed, or its init failed */
+    if (ls->work == NULL) return ls->status != DOPT_OK ? ls->status : DOPT_ERR_CLOSED; /* refused, or closed */
     return dopt__family_error(ls->comm);
 }
 
@@ -1338,7 +1343,7 @@ DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *ls, float *params) {
     return dopt_dp_after_step_buf(ls, &b, NULL);
 }
 
-DOPT_DEF dopt_status dopt_dp_sync_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
+DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     dopt_status s;
     if (ls == NULL) return DOPT_ERR_INVALID;
     if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
@@ -1346,11 +1351,6 @@ DOPT_DEF dopt_status dopt_dp_sync_buf(dopt_dp *ls, const dopt_buf *params, const
     if (s != DOPT_OK) return s;
     if (ls->round_steps == 0) return DOPT_OK; /* the replicas are identical already */
     return dopt__ls_end_round(ls, params, states, 1, ls->step, " (sync)");
-}
-
-DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *ls, float *params) {
-    dopt_buf b = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
-    return dopt_dp_sync_buf(ls, &b, NULL);
 }
 
 /* Broadcasts a buffer from rank 0 in the packed order, through the workspace, in pieces of the
@@ -1516,8 +1516,8 @@ static dopt_status dopt__ls_check_replicas(dopt_dp *ls, const dopt_buf *params, 
     return max_diff ? dopt__ls_replica_spread(ls, params, max_diff) : DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_dp_check_replicas_buf(dopt_dp *ls, const dopt_buf *params, int *identical,
-                                                      double *max_diff) {
+DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
+                                          double *max_diff) {
     const char *prev;
     dopt_status s;
     if (identical) *identical = 0;
@@ -1534,13 +1534,15 @@ DOPT_DEF dopt_status dopt_dp_check_replicas_buf(dopt_dp *ls, const dopt_buf *par
     return s;
 }
 
-DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const float *params, int *identical,
-                                                  double *max_diff) {
-    dopt_buf b = dopt_buf_flat((float *)params, ls ? ls->n : 0, NULL, 0); /* only read */
-    return dopt_dp_check_replicas_buf(ls, &b, identical, max_diff);
-}
-
 /* ===================================================================== CLOSING CALL */
+
+/* The closing call's verdict in the communicator's detail, where dopt_comm_finish finds it,
+   unless the communicator holds its own failure (the first is the one users need); the
+   communicator is not poisoned. */
+static void dopt__ls_note(dopt_dp *ls) {
+    if (ls->comm && ls->comm->error == DOPT_OK)
+        snprintf(ls->comm->detail, sizeof ls->comm->detail, "rank %d: %s", ls->comm->rank, ls->detail);
+}
 
 /* The closing call's verdict when the replicas differ: which ranks hold other parameters than
    rank 0, and by how much at most; also written to the communicator's detail (without poisoning
@@ -1565,8 +1567,6 @@ static dopt_status dopt__ls_close_mismatch(dopt_dp *ls, const dopt_buf *params) 
                              "parameters than rank 0, by at most %.9g",
                          (unsigned long long)ls->step, differ, differ == 1 ? "" : "s", ranks,
                          differ > listed ? ", ..." : "", differ == 1 ? "s" : "", spread);
-    if (ls->comm->error == DOPT_OK)
-        snprintf(ls->comm->detail, sizeof ls->comm->detail, "rank %d: %s", ls->comm->rank, ls->detail);
     return DOPT_ERR_MISMATCH;
 }
 
@@ -1575,8 +1575,12 @@ DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params, cons
     const char *prev;
     dopt_status s;
     if (ls == NULL) return DOPT_ERR_INVALID;
+    if (ls->work == NULL && ls->status != DOPT_OK) { /* init refused: its reason stands */
+        dopt__ls_note(ls);
+        return ls->status;
+    }
     ls->detail[0] = 0; /* what follows is the verdict of this call */
-    if (ls->work == NULL) { /* closed already, or never initialised */
+    if (ls->work == NULL) { /* closed already */
         dopt__ls_fail_detail(ls, "dopt_dp_close: the driver is not open");
         return DOPT_ERR_INVALID;
     }
@@ -1591,6 +1595,7 @@ DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params, cons
     }
     if (s != DOPT_OK && ls->detail[0] == 0) /* the communicator's own failure */
         dopt__ls_fail_detail(ls, "%s", dopt_comm_detail(ls->comm));
+    if (s != DOPT_OK) dopt__ls_note(ls);
     dopt_dp_free(ls);
     return s;
 }

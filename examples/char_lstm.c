@@ -469,7 +469,7 @@ int main(int argc, char **argv) {
     if (lo.val_limit > 0 && (size_t)lo.val_limit < nval) nval = (size_t)lo.val_limit;
     adaptive = batch_config_from_options(&o, &bcfg);
     baseline = unigram_baseline(train, ntrain, val, nval);
-    comm = open_comm(&o); /* distopt: from here on, one process per rank */
+    if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1; /* distopt: one process per rank from here on */
 
     dopt_shard(ntrain, comm->rank, comm->size, &begin, &end); /* distopt: this rank's text */
     per_rank = ntrain / (size_t)comm->size;          /* every rank runs the same number of steps */
@@ -497,17 +497,16 @@ int main(int argc, char **argv) {
        compressed; local steps average the models every --period steps, the deltas compressed
        with --compress; --period 1 --average models averages the models after every step (CELGC
        then clips each worker's own gradient, as the paper's method does at I = 1). Adaptive
-       batches grow the micro-batches per step. */
+       batches grow the micro-batches per step. Check once: a refusal here comes back from every
+       later call of the driver and from dopt_dp_close, so the loop tests one status per step. */
     compress = method_configs(&o, &cz, &ccfg, &lcfg);
     sync = o.period == 1; /* an average after every step: the replicas are the averaged model */
     dopt_segments_from_sizes(segs, m.sizes, NTENSORS, NULL);
     lcfg.batch = adaptive ? &bc : NULL;
-    if ((compress && dopt_compressor_init(&cz, &ccfg, segs, NTENSORS) != DOPT_OK) ||
-        (adaptive && dopt_batch_init(&bc, m.n, &bcfg) != DOPT_OK) ||
-        dopt_dp_init(&ls, comm, m.n, &lcfg) != DOPT_OK || dopt_dp_broadcast(&ls, params) != DOPT_OK) {
-        fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
-        return dopt_comm_finish(comm, 1);
-    }
+    if (compress) dopt_compressor_init(&cz, &ccfg, segs, NTENSORS);
+    if (adaptive) dopt_batch_init(&bc, m.n, &bcfg);
+    dopt_dp_init(&ls, comm, m.n, &lcfg);
+    dopt_dp_broadcast(&ls, params);
 
     if (comm->rank == 0) {
         printf("char_lstm: %s, %d worker(s), %zu training characters from %d files (%zu per worker), %zu validation "
@@ -542,7 +541,7 @@ int main(int argc, char **argv) {
                 for (r = 0; r < o.batch; r++) starts[r] = begin + order[pos++] * (size_t)lo.bptt;
                 loss += loss_and_gradient(&m, params, train, starts, o.batch, lo.bptt, &work, micro);
                 batches++;
-                if (adaptive) dopt_batch_observe(&bc, micro, m.n); /* distopt: gradient variance */
+                if (adaptive) dopt_batch_observe(&bc, &(dopt_buf){.data = micro, .n = m.n}, 1.0f); /* distopt: gradient variance */
                 dopt_axpy(grads, 1.0f / (float)units, micro, m.n);
             }
             if (dopt_dp_should_sync(&ls, step)) rounds++;
@@ -554,8 +553,7 @@ int main(int argc, char **argv) {
                 clipped += used < o.celgc_eta; /* the step the rule chose was γ/‖g‖ */
             } else {
                 double norm = 0;
-                st = dopt_dp_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
-                if (st != DOPT_OK) break;
+                dopt_dp_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
                 if (o.clip > 0 && dopt_clip_global_norm(NULL, grads, m.n, o.clip, &norm) == DOPT_ERR_NONFINITE)
                     memset(grads, 0, m.n * sizeof(float)), skipped++; /* distopt: clip; skip a NaN step */
                 clipped += o.clip > 0 && norm > o.clip;
@@ -574,11 +572,10 @@ int main(int argc, char **argv) {
            rank taking its share of the validation windows. */
         loss /= (double)(batches ? batches : 1);
         memcpy(eval, params, m.n * sizeof(float));
-        st = dopt_allreduce(comm, &loss, 1, DOPT_F64, DOPT_MEAN);
-        if (st == DOPT_OK && !sync) st = dopt_allreduce(comm, eval, m.n, DOPT_F32, DOPT_MEAN);
-        if (st != DOPT_OK) break;
+        loss = dopt_mean(comm, loss);
+        if (!sync) dopt_allreduce(comm, eval, m.n, DOPT_F32, DOPT_MEAN);
         evaluate(&m, eval, val, vbegin, vend, lo.bptt, &work, sums);
-        if ((st = dopt_allreduce(comm, sums, 2, DOPT_F64, DOPT_SUM)) != DOPT_OK) break;
+        if ((st = dopt_allreduce(comm, sums, 2, DOPT_F64, DOPT_SUM)) != DOPT_OK) break; /* check once per epoch */
         val_loss = sums[0] / sums[1];
         diverged = !isfinite(loss) || !isfinite(val_loss);
         if (comm->rank == 0) {
@@ -590,9 +587,7 @@ int main(int argc, char **argv) {
         }
         if (diverged) break;
     }
-    if (st != DOPT_OK) {
-        fprintf(stderr, "rank %d: step %llu: %s (%s)\n", comm->rank, (unsigned long long)step, dopt_status_str(st),
-                dopt_comm_detail(comm));
+    if (dopt_dp_close(&ls, params) != DOPT_OK || st != DOPT_OK) { /* distopt: the last round averaged, replicas checked */
         failed = 1;
     } else {
         /* worse than a uniform guess over the vocabulary counts as diverged too: a step too
@@ -612,10 +607,10 @@ int main(int argc, char **argv) {
     }
     if (adaptive && comm->rank == 0 && st == DOPT_OK) batch_report_print(&brep, &bc);
     if (csv) fclose(csv);
-    dopt_dp_free(&ls);
     if (adaptive) dopt_batch_free(&bc);
     if (compress) dopt_compressor_free(&cz);
     free(train), free(val), free(params), free(grads), free(micro), free(eval), free(order), free(starts);
     work_free(&work);
-    return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status */
+    return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status; a failure's
+                                              detail is printed */
 }

@@ -47,6 +47,22 @@ typedef struct options {
     double outer_momentum;   /* its Nesterov momentum, 0: none */
 } options;
 
+/* --transport and --workers are shorthands for the environment launch.h reads (DOPT_TRANSPORT,
+   DOPT_WORLD_SIZE; a launcher's own variables still say where each rank is), so the programs
+   start with dopt_comm_create_from_env alone. */
+static inline void export_launch_flags(const options *o) {
+    char n[16];
+    if (o->transport && setenv("DOPT_TRANSPORT", o->transport, 1) != 0) {
+        fprintf(stderr, "error: cannot set DOPT_TRANSPORT\n");
+        exit(2);
+    }
+    snprintf(n, sizeof n, "%d", o->workers);
+    if (o->workers > 0 && setenv("DOPT_WORLD_SIZE", n, 1) != 0) {
+        fprintf(stderr, "error: cannot set DOPT_WORLD_SIZE\n");
+        exit(2);
+    }
+}
+
 /* A program's own flags: called first for every argument with the one after it (NULL at the
    end); returns how many arguments it took (1: a flag alone, 2: a flag and its value), or 0 for
    a flag that is not its own. */
@@ -175,6 +191,7 @@ static inline void parse_options_extra(options *o, int argc, char **argv, extra_
         if (!common_flag(o, f, v)) flag_error("unknown flag %s", f);
         i++;
     }
+    export_launch_flags(o);
     if (o->average == NULL) o->average = o->period == 1 ? "grads" : "models";
     if (!strcmp(o->average, "grads") && o->period > 1)
         flag_error("--average grads needs --period 1 (at period %zu only the models are averaged)", o->period);
@@ -284,25 +301,6 @@ static inline int step_fits(const options *o, size_t units, size_t have, const d
     return 0;
 }
 
-static inline void log_to_stderr(void *user, dopt_log_level level, const char *msg) {
-    (void)user;
-    if (level > DOPT_LOG_WARN) return;
-    fprintf(stderr, "distopt: %s\n", msg);
-}
-
-/* The communicator the environment and --transport/--workers ask for. A shared-memory world
-   without a launcher forks: the rest of main runs in every worker, and main must end with
-   dopt_comm_finish (which only destroys the others). */
-static inline dopt_comm *open_comm(const options *o) {
-    dopt_comm *comm = NULL;
-    dopt_launch_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.transport = o->transport;
-    cfg.world_size = o->workers;
-    cfg.log_fn = log_to_stderr; /* a failed start says why */
-    if (dopt_launch_create(&comm, &cfg) != DOPT_OK) exit(1);
-    return comm;
-}
 
 static inline double wall_seconds(void) {
     struct timespec ts;

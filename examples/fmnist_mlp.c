@@ -195,9 +195,8 @@ static dopt_status evaluate(const evaluation *ev, const float *params, progress 
     memcpy(ev->eval, params, NPARAMS * sizeof(float));
     secs = t_begin - pr->t0 - pr->eval_secs;
     bytes = ev->comm->size > 1 ? traffic_begin - pr->train_bytes_start - pr->eval_bytes : 0;
-    st = dopt_allreduce(ev->comm, &loss, 1, DOPT_F64, DOPT_MEAN);
-    if (st == DOPT_OK && !ev->sync) st = dopt_allreduce(ev->comm, ev->eval, NPARAMS, DOPT_F32, DOPT_MEAN);
-    if (st != DOPT_OK) return st;
+    loss = dopt_mean(ev->comm, loss); /* every rank's mean training loss, averaged */
+    if (!ev->sync && (st = dopt_allreduce(ev->comm, ev->eval, NPARAMS, DOPT_F32, DOPT_MEAN)) != DOPT_OK) return st;
     if (ev->comm->rank == 0) {
         acc = 100 * accuracy(ev->eval, ev->test_x, ev->test_y, ev->ntest, ev->act, 1000);
         printf("%7.4g %10.4f %8.2f%% %8llu %12.0f %8.2f %6zu %8llu\n", epoch, loss, acc, (unsigned long long)rounds,
@@ -245,7 +244,7 @@ int main(int argc, char **argv) {
 
     parse_options_extra(&o, argc, argv, local_flag, &lo, "[--tern-clip C|off] [--evals-per-epoch E] [--target-acc A]");
     adaptive = batch_config_from_options(&o, &bcfg);
-    comm = open_comm(&o); /* distopt: from here on, one process per rank */
+    if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1; /* distopt: one process per rank from here on */
 
     train_px = load_idx("train-images-idx3-ubyte.gz", 2051, IN, &ntrain);
     train_y = load_idx("train-labels-idx1-ubyte.gz", 2049, 1, &nlabels);
@@ -275,18 +274,17 @@ int main(int argc, char **argv) {
     /* distopt: the method. Synchronous steps (--period 1) average the gradients, in fp32 or
        compressed; local steps average the models every --period steps, the deltas compressed
        with --compress (at --period 1 too with --average models). Adaptive batches grow the
-       micro-batches per step by the norm test. */
+       micro-batches per step by the norm test. Check once: a refusal here comes back from every
+       later call of the driver and from dopt_dp_close, so the loop tests one status per step. */
     compress = method_configs(&o, &cz, &ccfg, &lcfg);
     sync = o.period == 1;
     ccfg.clip_c = lo.tern_clip;
     dopt_segments_from_sizes(segs, tensor_sizes, NTENSORS, NULL);
     lcfg.batch = adaptive ? &bc : NULL;
-    if ((compress && dopt_compressor_init(&cz, &ccfg, segs, NTENSORS) != DOPT_OK) ||
-        (adaptive && dopt_batch_init(&bc, NPARAMS, &bcfg) != DOPT_OK) ||
-        dopt_dp_init(&ls, comm, NPARAMS, &lcfg) != DOPT_OK || dopt_dp_broadcast(&ls, params) != DOPT_OK) {
-        fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
-        return dopt_comm_finish(comm, 1);
-    }
+    if (compress) dopt_compressor_init(&cz, &ccfg, segs, NTENSORS);
+    if (adaptive) dopt_batch_init(&bc, NPARAMS, &bcfg);
+    dopt_dp_init(&ls, comm, NPARAMS, &lcfg);
+    dopt_dp_broadcast(&ls, params);
 
     if (comm->rank == 0) {
         printf("fmnist_mlp: %s, %d worker(s), %zu training images (%zu per worker), batch %d per worker, lr %g, "
@@ -327,7 +325,7 @@ int main(int argc, char **argv) {
                 }
                 pr.loss_sum += loss_and_gradient(params, batch_x, batch_y, o.batch, &act, micro);
                 pr.batches++;
-                if (adaptive) dopt_batch_observe(&bc, micro, NPARAMS); /* distopt: gradient variance */
+                if (adaptive) dopt_batch_observe(&bc, &(dopt_buf){.data = micro, .n = NPARAMS}, 1.0f); /* distopt: gradient variance */
                 dopt_axpy(grads, 1.0f / (float)units, micro, NPARAMS);
             }
             if (dopt_dp_should_sync(&ls, step)) rounds++;
@@ -335,8 +333,7 @@ int main(int argc, char **argv) {
                 st = dopt_dp_celgc_step(&ls, params, grads, o.celgc_eta, o.celgc_gamma, 0.0f);
                 if (st == DOPT_ERR_NONFINITE) st = DOPT_OK; /* this worker skipped its update; the average happened */
             } else {
-                st = dopt_dp_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
-                if (st != DOPT_OK) break;
+                dopt_dp_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
                 if (o.clip > 0 && dopt_clip_global_norm(NULL, grads, NPARAMS, o.clip, NULL) == DOPT_ERR_NONFINITE)
                     memset(grads, 0, NPARAMS * sizeof(float)); /* distopt: clip; skip a NaN step */
                 dopt_axpy(params, -o.lr, grads, NPARAMS);
@@ -364,18 +361,14 @@ int main(int argc, char **argv) {
         else
             printf("target %.2f%% not reached\n", lo.target_acc);
     }
-    if (st != DOPT_OK) {
-        fprintf(stderr, "rank %d: step %llu: %s (%s)\n", comm->rank, (unsigned long long)step, dopt_status_str(st),
-                dopt_comm_detail(comm));
-        failed = 1;
-    }
-    if (adaptive && comm->rank == 0 && st == DOPT_OK) batch_report_print(&brep, &bc);
+    failed = dopt_dp_close(&ls, params) != DOPT_OK || st != DOPT_OK; /* distopt: the last round averaged, replicas checked */
+    if (adaptive && comm->rank == 0 && !failed) batch_report_print(&brep, &bc);
     if (csv) fclose(csv);
-    dopt_dp_free(&ls);
     if (adaptive) dopt_batch_free(&bc);
     if (compress) dopt_compressor_free(&cz);
     free(train_px), free(train_y), free(test_px), free(test_y), free(train_x), free(test_x);
     free(params), free(grads), free(micro), free(eval), free(batch_x), free(batch_y), free(order);
     free(act.h1), free(act.h2), free(act.out), free(act.d1), free(act.d2);
-    return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status */
+    return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status; a failure's
+                                              detail is printed */
 }

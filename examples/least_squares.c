@@ -60,7 +60,7 @@ int main(int argc, char **argv) {
     uint64_t messages = 0; /* gradient or model averages */
 
     parse_options(&o, argc, argv);
-    comm = open_comm(&o); /* distopt: from here on, one process per rank */
+    if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1; /* distopt: one process per rank from here on */
 
     data_rng = o.seed; /* the same problem on every rank */
     for (j = 0; j < DIM; j++) xstar[j] = uniform_pm1(&data_rng);
@@ -73,13 +73,13 @@ int main(int argc, char **argv) {
     rng = dopt_seed_for_rank(o.seed, comm->rank);
 
     /* distopt: synchronous steps average the gradients (fp32, or TernGrad-style compressed);
-       local steps average the models every --period steps (deltas compressed with --compress). */
+       local steps average the models every --period steps (deltas compressed with --compress).
+       Check once: a refusal here comes back from every later call of the driver and from
+       dopt_dp_close, so the loop tests one status per step. */
     compress = method_configs(&o, &cz, &ccfg, &lcfg);
-    if ((compress && dopt_compressor_init(&cz, &ccfg, &seg, 1) != DOPT_OK) ||
-        dopt_dp_init(&ls, comm, DIM, &lcfg) != DOPT_OK || dopt_dp_broadcast(&ls, x) != DOPT_OK) {
-        fprintf(stderr, "rank %d: setup failed: %s\n", comm->rank, dopt_comm_detail(comm));
-        return dopt_comm_finish(comm, 1);
-    }
+    if (compress) dopt_compressor_init(&cz, &ccfg, &seg, 1);
+    dopt_dp_init(&ls, comm, DIM, &lcfg);
+    dopt_dp_broadcast(&ls, x);
 
     for (step = 0; step < o.steps && st == DOPT_OK; step++) {
         gradient(A, b, x, begin, end, &rng, g);
@@ -88,15 +88,11 @@ int main(int argc, char **argv) {
             st = dopt_dp_celgc_step(&ls, x, g, o.celgc_eta, o.celgc_gamma, 0.0f);
             continue;
         }
-        st = dopt_dp_after_backward(&ls, g); /* distopt: the mean (fp32 or compressed) on synchronous steps */
-        if (st != DOPT_OK) break;
+        dopt_dp_after_backward(&ls, g); /* distopt: the mean (fp32 or compressed) on synchronous steps */
         for (j = 0; j < DIM; j++) x[j] -= o.lr * g[j];
         st = dopt_dp_after_step(&ls, x); /* distopt: model average when due */
     }
-    if (st != DOPT_OK) {
-        fprintf(stderr, "rank %d: step %ld: %s (%s)\n", comm->rank, step, dopt_status_str(st), dopt_comm_detail(comm));
-        failed = 1;
-    }
+    failed = dopt_dp_close(&ls, x) != DOPT_OK || st != DOPT_OK; /* distopt: the last round averaged, replicas checked */
 
     for (j = 0; j < DIM; j++) {
         dist += (double)(x[j] - xstar[j]) * (x[j] - xstar[j]);
@@ -113,7 +109,7 @@ int main(int argc, char **argv) {
                (unsigned long long)(comm->size == 1 ? 0 : messages * (compress ? dopt_compress_bound(&cz) : DIM * sizeof(float))),
                failed ? "NOT CONVERGED" : "converged");
 
-    dopt_dp_free(&ls);
     if (compress) dopt_compressor_free(&cz);
-    return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status */
+    return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status; a failure's
+                                              detail is printed */
 }

@@ -54,7 +54,7 @@ enum { MAX_LAYERS = 8, MAX_CONFIGS = 32, POOL_ROWS = 16384, REPEATS = 5 };
 /* ===================================================================== FLAGS */
 
 typedef struct model_options {
-    options comm;        /* --transport, --workers: what open_comm needs */
+    options comm;        /* --transport, --workers: the launch's environment */
     int layers[MAX_LAYERS], nlayers;
     int micro;           /* --batch: samples per micro-batch */
     double sample_us;    /* --sample-us: compute per sample instead of timing the MLP, 0: time it */
@@ -260,7 +260,7 @@ typedef struct buffers {
 static void run_copy(void *ctx) { buffers *u = ctx; memcpy(u->b, u->a, u->count * sizeof(float)); }
 static void run_allreduce(void *ctx) { buffers *u = ctx; dopt_allreduce(u->comm, u->a, u->count, DOPT_F32, DOPT_MEAN); }
 static void run_allgather(void *ctx) { buffers *u = ctx; dopt_allgather(u->comm, u->a, u->b, u->count); }
-static void run_observe(void *ctx) { buffers *u = ctx; dopt_batch_observe(u->bc, u->a, u->count); }
+static void run_observe(void *ctx) { buffers *u = ctx; dopt_batch_observe(u->bc, &(dopt_buf){.data = u->a, .n = u->count}, 1.0f); }
 static void run_compress_allreduce(void *ctx) {
     buffers *u = ctx;
     memcpy(u->b, u->a, u->count * sizeof(float)); /* the allreduce overwrites: start from the same data */
@@ -404,7 +404,8 @@ int main(int argc, char **argv) {
     mo.micro = 64, mo.seconds = 0.2;
     parse_model_options(&mo, argc, argv);
     for (i = 0; i < mo.nconfigs; i++) parse_config(mo.configs[i], &cfgs[i]);
-    comm = open_comm(&mo.comm);
+    export_launch_flags(&mo.comm);
+    if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;
 
     memset(&g, 0, sizeof g);
     g.N = comm->size, g.micro = mo.micro, g.n = mlp_params(mo.layers, mo.nlayers);

@@ -25,6 +25,18 @@
 /* ------------------------------------------------------------------ worlds of processes */
 
 /* Every rank's copy of x (count floats) bitwise equal to rank 0's. */
+/* The flat arrays of these tests as the descriptors the replica check and the batch controller
+   take. */
+static dopt_status check_flat(dopt_dp *ls, const float *x, int *identical, double *max_diff) {
+    dopt_buf b = dopt_buf_flat((float *)x, ls->n, NULL, 0); /* only read */
+    return dopt_dp_check_replicas(ls, &b, identical, max_diff);
+}
+
+static dopt_status observe_flat(dopt_batch *bc, const float *g, size_t n) {
+    dopt_buf b = dopt_buf_flat((float *)g, n, NULL, 0); /* only read */
+    return dopt_batch_observe(bc, &b, 1.0f);
+}
+
 static int same_on_every_rank(dopt_comm *c, const void *x, size_t bytes) {
     unsigned char *all = (unsigned char *)malloc(bytes * (size_t)c->size + 1);
     int r, same = 1;
@@ -273,14 +285,14 @@ static void body_least_squares(dopt_comm *c, void *arg) {
             int identical = 0;
             double diff = -1.0;
             syncs++;
-            DT_OK(dopt_dp_check_replicas_buf(&ls, &xb, &identical, &diff));
+            DT_OK(dopt_dp_check_replicas(&ls, &xb, &identical, &diff));
             DT_CHECKF(identical == 1 && diff == 0.0, "rank %d step %d: replicas differ by %g", c->rank, t, diff);
             DT_CHECKF(same_on_every_rank(c, mom, sizeof mom), "momentum (AVERAGE) differs after step %d", t);
             for (j = 0; j < LS_D; j++) DT_CHECK(acc[j] == 0.0f); /* RESET */
             DT_CHECK(keep[0] == (float)c->rank + (float)(t + 1) && keep[1] == (float)c->rank); /* KEEP */
         } else if (c->size > 1 && t < 50) { /* (later, at the exact optimum, they may meet) */
             int identical = 1;
-            DT_OK(dopt_dp_check_replicas_buf(&ls, &xb, &identical, NULL));
+            DT_OK(dopt_dp_check_replicas(&ls, &xb, &identical, NULL));
             DT_CHECKF(identical == 0, "step %d: local steps on different data should leave replicas apart", t);
         }
     }
@@ -320,11 +332,11 @@ static void body_replica_spread(dopt_comm *c, void *arg) {
     (void)arg;
     DT_OK(dopt_dp_init(&ls, c, LS_D, NULL));
     for (j = 0; j < LS_D; j++) x[j] = 1.0f + (float)j;
-    DT_OK(dopt_dp_check_replicas(&ls, x, &identical, &diff));
+    DT_OK(check_flat(&ls, x, &identical, &diff));
     DT_CHECK(identical == 1 && diff == 0.0);
     x[3] += 0.25f * (float)c->rank; /* spread at element 3: 0.25 (size - 1) */
     x[9] -= 0.125f * (float)c->rank; /* spread at element 9: 0.125 (size - 1) */
-    DT_OK(dopt_dp_check_replicas(&ls, x, &identical, &diff));
+    DT_OK(check_flat(&ls, x, &identical, &diff));
     DT_EQ_INT(identical, 0);
     DT_NEAR(diff, 0.25 * (c->size - 1), 1e-6);
     DT_CHECK(same_on_every_rank(c, &diff, sizeof diff));
@@ -342,7 +354,7 @@ static void body_named_calls(dopt_comm *c, void *arg) {
     (void)arg;
     DT_OK(dopt_dp_init(&ls, c, 4, NULL));
     DT_OK(dopt_dp_broadcast(&ls, x));
-    s = c->rank == 0 ? dopt_dp_check_replicas(&ls, x, NULL, NULL) : dopt_dp_after_step(&ls, x);
+    s = c->rank == 0 ? check_flat(&ls, x, NULL, NULL) : dopt_dp_after_step(&ls, x);
     DT_EQ_INT(s, DOPT_ERR_MISMATCH);
     DT_CHECKF(strstr(dopt_comm_detail(c), c->rank == 0 ? "rank 0: dopt_dp_check_replicas: allgather"
                                                        : "rank 1: dopt_dp_after_step: the average after step 0: "
@@ -366,7 +378,7 @@ static void body_steps_apart(dopt_comm *c, void *arg) {
     DT_OK(dopt_dp_init(&ls, c, 4, &cfg));
     DT_OK(dopt_dp_after_step(&ls, x));
     if (c->rank == 1) DT_OK(dopt_dp_after_step(&ls, x));
-    DT_EQ_INT(dopt_dp_check_replicas(&ls, x, &identical, NULL), DOPT_ERR_MISMATCH);
+    DT_EQ_INT(check_flat(&ls, x, &identical, NULL), DOPT_ERR_MISMATCH);
     DT_EQ_INT(identical, 0);
     DT_CHECKF(strstr(dopt_dp_detail(&ls), "dopt_dp_check_replicas: ranks are at different steps: rank 0 "
                                                 "at 1, rank 1 at 2") != NULL,
@@ -428,10 +440,10 @@ static void body_poisoned_calls(dopt_comm *c, void *arg) {
     POISONED(dopt_dp_after_backward(&ls, g));
     POISONED(dopt_dp_after_step(&ls, x));
     POISONED(dopt_dp_after_step(&local, x)); /* a local step: nothing to send, still refused */
-    POISONED(dopt_dp_sync(&ls, x));
+    POISONED(dopt_dp_sync(&ls, &bx, NULL));
     POISONED(dopt_dp_broadcast(&ls, x));
     POISONED(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
-    POISONED(dopt_dp_check_replicas(&ls, x, &same, NULL));
+    POISONED(check_flat(&ls, x, &same, NULL));
     POISONED(dopt_dp_close(&ls, x));
 #undef POISONED
     DT_CHECK(dopt__is_nan(dopt_mean(c, 1.0)) /* by its bits: fast-math builds too */);
@@ -496,7 +508,7 @@ static void body_compressed(dopt_comm *c, void *arg) {
         DT_OK(dopt_dp_after_step(&ls, x));
         if (dopt_dp_should_sync(&ls, (uint64_t)t)) {
             int identical = 0;
-            DT_OK(dopt_dp_check_replicas(&ls, x, &identical, NULL));
+            DT_OK(check_flat(&ls, x, &identical, NULL));
             DT_CHECKF(identical, "rank %d step %d: replicas differ after a compressed average", c->rank, t);
         }
     }
@@ -628,18 +640,18 @@ static void body_sync_now(dopt_comm *c, void *arg) {
         for (j = 0; j < 8; j++) x[j] += 0.25f * (float)c->rank; /* each rank drifts its own way */
         DT_OK(dopt_dp_after_step_buf(&ls, &params, NULL));
     }
-    DT_OK(dopt_dp_check_replicas_buf(&ls, &params, &identical, NULL));
+    DT_OK(dopt_dp_check_replicas(&ls, &params, &identical, NULL));
     DT_EQ_INT(identical, 0);
     memcpy(before, x, sizeof x);
     syncs = ls.syncs;
-    DT_OK(dopt_dp_sync_buf(&ls, &params, NULL));
-    DT_OK(dopt_dp_check_replicas_buf(&ls, &params, &identical, NULL));
+    DT_OK(dopt_dp_sync(&ls, &params, NULL));
+    DT_OK(dopt_dp_check_replicas(&ls, &params, &identical, NULL));
     DT_EQ_INT(identical, 1);
     for (j = 0; j < 8; j++) /* the mean of the ranks' drifts over the round: 2 · 0.25 · (size-1)/2 */
         DT_CHECK(x[j] == before[j] - 0.5f * (float)c->rank + 0.25f * (float)(c->size - 1));
     DT_CHECK(ls.step == 6 && ls.syncs == syncs + 1);
-    DT_CHECK(dopt_dp_sync_buf(NULL, &params, NULL) == DOPT_ERR_INVALID);
-    DT_OK(dopt_dp_sync_buf(&ls, &params, NULL)); /* an empty round: nothing to average */
+    DT_CHECK(dopt_dp_sync(NULL, &params, NULL) == DOPT_ERR_INVALID);
+    DT_OK(dopt_dp_sync(&ls, &params, NULL)); /* an empty round: nothing to average */
     DT_CHECK(ls.syncs == syncs + 1);
     for (t = 6; t < 8; t++) {
         for (j = 0; j < 8; j++) x[j] += 0.25f * (float)c->rank;
@@ -709,6 +721,28 @@ static void body_close_differ(dopt_comm *c, void *arg) {
     DT_CHECKF(strstr(dopt_comm_detail(c), want) != NULL, "communicator's detail: %s", dopt_comm_detail(c));
     DT_EQ_INT(c->error, DOPT_OK);
     DT_OK(dopt_barrier(c));
+}
+
+/* A refused init is checked once too: every later call returns its status, and the closing call
+   returns it with the reason, which also goes to the communicator's detail for dopt_comm_finish. */
+DTEST(a_refused_init_fails_every_later_call_and_close_names_why) {
+    dopt_comm *c;
+    dopt_dp ls;
+    dopt_dp_config cfg;
+    float x[4] = {1, 2, 3, 4};
+    DT_OK(dopt_comm_create_self(&c));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.outer_momentum = 1.5;
+    DT_EQ_INT(dopt_dp_init(&ls, c, 4, &cfg), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_broadcast(&ls, x), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_after_backward(&ls, x), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_after_step(&ls, x), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_close(&ls, x), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&ls), "dopt_dp_init: outer_lr is negative or outer_momentum is outside [0, 1)"),
+              "detail: %s", dopt_dp_detail(&ls));
+    DT_CHECKF(strstr(dopt_comm_detail(c), "dopt_dp_init: outer_lr"), "communicator: %s", dopt_comm_detail(c));
+    DT_EQ_INT(c->error, DOPT_OK);
+    DT_EQ_INT(dopt_comm_finish(c, DOPT_ERR_INVALID), 1);
 }
 
 DTEST(shm_close_names_the_ranks_whose_replicas_differ) {
@@ -804,7 +838,7 @@ static void body_grad_compressed(dopt_comm *c, void *arg) {
         DT_OK(dopt_dp_after_step(&ls, x));
     }
     DT_CHECK(gz.step == 600);
-    DT_OK(dopt_dp_check_replicas(&ls, x, &identical, NULL));
+    DT_OK(check_flat(&ls, x, &identical, NULL));
     DT_CHECK(identical);
     DT_CHECKF(dist_to(x, p.xstar, LS_D) < 1e-2 * d0, "rank %d: |x - x*| = %g from %g", c->rank,
               dist_to(x, p.xstar, LS_D), d0);
@@ -1118,7 +1152,7 @@ DTEST(within_worker_estimator_matches_hand_computation) {
     for (i = 0; i < 3; i++) {
         sum_form[0] = -r1[i][0] / 2.0f;
         sum_form[1] = -r1[i][1] / 2.0f;
-        DT_OK(dopt_batch_observe_buf(&bc, &sb, -2.0f));
+        DT_OK(dopt_batch_observe(&bc, &sb, -2.0f));
     }
     DT_OK(dopt_batch_decide(&bc, NULL)); /* closes the open step */
     DT_NEAR(bc.last.grad_norm2, 13.0 / 3.0, 1e-12);
@@ -1127,7 +1161,7 @@ DTEST(within_worker_estimator_matches_hand_computation) {
     DT_NEAR(bc.last.orth_var, 0.4, 1e-6);
     DT_NEAR(bc.last.samples, 2.0, 0.0);
     DT_EQ_INT(dopt_batch_units(&bc), 2);
-    DT_EQ_INT(dopt_batch_observe(&bc, r1[0], 3), DOPT_ERR_INVALID); /* another element count */
+    DT_EQ_INT(observe_flat(&bc, r1[0], 3), DOPT_ERR_INVALID); /* another element count */
     dopt_batch_free(&bc);
 }
 
@@ -1156,7 +1190,7 @@ DTEST(within_variance_is_zero_without_noise_when_the_iterates_move) {
         for (t = 0; t < 6; t++) {
             g[0] = 1.0f + (float)(t % 2); /* 1, 2, 1, 2, ...: a new gradient every step */
             g[1] = 0.5f * (float)t;
-            for (u = 0; u < 2; u++) DT_OK(dopt_batch_observe(&bc, g, 2));
+            for (u = 0; u < 2; u++) DT_OK(observe_flat(&bc, g, 2));
             DT_OK(dopt_dp_after_step(&ls, x));
         }
         DT_EQ_INT(bc.decisions, 3);
@@ -1213,7 +1247,7 @@ DTEST(within_variance_under_drift_estimates_known_noise_and_unbiased_gradient_no
                     v[i] = (float)((i == 0 ? 3.0 * t : 0.5) + tau * z[i]); /* μ_t moves by 3 a step */
                     mean[i] += (double)v[i] / NZ_K;
                 }
-                DT_OK(dopt_batch_observe(&bc, v, NZ_D));
+                DT_OK(observe_flat(&bc, v, NZ_D));
             }
             for (i = 0; i < NZ_D; i++) m2 += mean[i] * mean[i];
             naive += m2 / NZ_T / NZ_R;
@@ -1312,7 +1346,7 @@ DTEST(current_direction_statistics_equal_the_reference_in_both_modes) {
         c.projection = (dopt_batch_projection)mode;
         DT_OK(dopt_batch_init(&bc, D, &c));
         for (t = 0, off = 0; t < STEPS; off += ks[t], t++) {
-            for (j = 0; j < ks[t]; j++) DT_OK(dopt_batch_observe(&bc, v + (off + j) * D, D));
+            for (j = 0; j < ks[t]; j++) DT_OK(observe_flat(&bc, v + (off + j) * D, D));
             dopt_batch_end_step(&bc);
         }
         DT_OK(dopt_batch_decide(&bc, NULL));
@@ -1322,7 +1356,7 @@ DTEST(current_direction_statistics_equal_the_reference_in_both_modes) {
         DT_NEAR(bc.last.orth_var, want.orth_var, 1e-5 * want.var);
         if (mode == DOPT_BATCH_PROJECT_EXACT) /* a sixth micro-batch in one step has no room */
             for (j = 0; j <= 5; j++)
-                DT_EQ_INT(dopt_batch_observe(&bc, v, D), j < 5 ? DOPT_OK : DOPT_ERR_INVALID);
+                DT_EQ_INT(observe_flat(&bc, v, D), j < 5 ? DOPT_OK : DOPT_ERR_INVALID);
         dopt_batch_free(&bc);
     }
 }
@@ -1345,7 +1379,7 @@ DTEST(exact_and_previous_projections_differ_when_the_direction_turns_and_agree_w
         c.projection = (dopt_batch_projection)mode;
         DT_OK(dopt_batch_init(&b[mode], 2, &c));
         for (t = 0; t < 2; t++) {
-            for (j = 0; j < 2; j++) DT_OK(dopt_batch_observe(&b[mode], turn[2 * t + j], 2));
+            for (j = 0; j < 2; j++) DT_OK(observe_flat(&b[mode], turn[2 * t + j], 2));
             dopt_batch_end_step(&b[mode]);
         }
         DT_OK(dopt_batch_decide(&b[mode], NULL));
@@ -1360,7 +1394,7 @@ DTEST(exact_and_previous_projections_differ_when_the_direction_turns_and_agree_w
         float v[4][2] = {{scale + noise, 2 * scale}, {scale - noise, 2 * scale}, {scale, 2 * scale + noise},
                          {scale, 2 * scale - noise}};
         for (mode = 0; mode < 2; mode++) {
-            for (j = 0; j < 4; j++) DT_OK(dopt_batch_observe(&b[mode], v[j], 2));
+            for (j = 0; j < 4; j++) DT_OK(observe_flat(&b[mode], v[j], 2));
             dopt_batch_end_step(&b[mode]);
         }
     }
@@ -1385,10 +1419,10 @@ DTEST(history_pools_earlier_rounds_with_geometric_weights) {
     c.unit_samples = 2;
     c.history = 0.5;
     DT_OK(dopt_batch_init(&bc, 2, &c));
-    for (i = 0; i < 3; i++) DT_OK(dopt_batch_observe(&bc, r1[i], 2));
+    for (i = 0; i < 3; i++) DT_OK(observe_flat(&bc, r1[i], 2));
     DT_OK(dopt_batch_decide(&bc, NULL));
     DT_NEAR(bc.last.var, 4.0, 1e-12); /* nothing earlier: the round alone */
-    for (i = 0; i < 2; i++) DT_OK(dopt_batch_observe(&bc, r2[i], 2));
+    for (i = 0; i < 2; i++) DT_OK(observe_flat(&bc, r2[i], 2));
     DT_OK(dopt_batch_decide(&bc, NULL));
     DT_NEAR(bc.last.var, 4.0, 1e-12);
     DT_NEAR(bc.last.grad_norm2, 13.0 / 9.0, 1e-12);
@@ -1416,7 +1450,7 @@ DTEST(a_round_of_single_micro_batch_steps_cannot_decide_and_says_so) {
     DT_OK(dopt_batch_init(&bc, 2, NULL));
     for (t = 0; t < 3; t++) {
         g[0] += 1.0f;
-        DT_OK(dopt_batch_observe(&bc, g, 2));
+        DT_OK(observe_flat(&bc, g, 2));
         dopt_batch_end_step(&bc);
         DT_OK(dopt_batch_decide(&bc, c));
     }
@@ -1521,7 +1555,7 @@ static void body_growth(dopt_comm *c, void *arg) {
         for (j = 0; j < LS_D; j++) g[j] = 0.0f;
         for (u = 0; u < units; u++) {
             lsq_grad(&p, x, micro, c->rank, c->size, (uint64_t)t * 16 + u, 2);
-            if (a->est == DOPT_BATCH_WITHIN) DT_OK(dopt_batch_observe(&bc, micro, LS_D));
+            if (a->est == DOPT_BATCH_WITHIN) DT_OK(observe_flat(&bc, micro, LS_D));
             dopt_axpy(g, 1.0f / (float)units, micro, LS_D);
         }
         dopt_axpy(x, -0.02f, g, LS_D);
@@ -1620,7 +1654,7 @@ static void resume_steps(dopt_comm *c, const lsq *p, host_state *h, dopt_batch *
         memset(g, 0, sizeof g);
         for (u = 0; u < units; u++) {
             lsq_grad(p, h->x, micro, c->rank, c->size, (uint64_t)t * 16 + u, 1);
-            if (bc->cfg.estimator == DOPT_BATCH_WITHIN) DT_OK(dopt_batch_observe(bc, micro, LS_D));
+            if (bc->cfg.estimator == DOPT_BATCH_WITHIN) DT_OK(observe_flat(bc, micro, LS_D));
             dopt_axpy(g, 1.0f / (float)units, micro, LS_D);
         }
         DT_OK(dopt_dp_after_backward(ls, g)); /* averages in the warm-up, a no-op after */

@@ -13,7 +13,7 @@
    The lines marked "distopt" are all the data-parallel version adds (examples/hosts/run.sh
    counts them).
 
-       build/darknet_dp --workers 2 --batch 32
+       DOPT_WORLD_SIZE=2 build/darknet_dp --batch 32         (forks 2 workers over shared memory)
        DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=0 build/darknet_dp &
        DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 build/darknet_dp
 
@@ -22,7 +22,7 @@
 #define DISTOPT_IMPLEMENTATION /* distopt */
 #include "transport_shm.h"     /* distopt */
 #include "transport_tcp.h"     /* distopt */
-#include "launch.h"            /* distopt */
+#include "launch.h"            /* distopt: after the transports it may start */
 #include "localsgd.h"          /* distopt */
 
 #include <darknet.h>
@@ -99,7 +99,7 @@ static double test_accuracy(network *net, data test) {
 /* ===================================================================== TRAINING */
 
 int main(int argc, char **argv) {
-    host_options o = {NULL, "none", 0, 3, 64, 1, 4, 0.1f, 0, 20000, 1};
+    host_options o = {"none", 3, 64, 1, 4, 0.1f, 0, 20000, 1};
     size_t ntrain, ntest, nlabels, begin = 0, end, i, s, steps;
     unsigned char *train_px, *train_labels, *test_px, *test_labels;
     float *train_xblock, *train_yblock, *test_xblock, *test_yblock;
@@ -108,15 +108,14 @@ int main(int argc, char **argv) {
     unsigned long long shuffle;
     int epoch, j, k, verbose = 1;
     float loss = 0;
-    dopt_comm *comm; dopt_dp ls; dopt_status st; int same = 0;                        /* distopt */
+    dopt_comm *comm; dopt_dp dp; dopt_status st;                                            /* distopt */
     dopt_span spans[5 * MAX_LAYERS]; dopt_buf params = {.spans = spans};                    /* distopt layout */
 
     host_parse_options(&o, argc, argv,
-                       "[--transport shm|tcp|self] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
+                       "[--epochs E] [--batch B (per worker)] [--lr LR]\n"
                        "          [--period I] [--train-limit N] [--seed S]");
     shuffle = o.seed;
-    st = dopt_launch_create(&comm, &(dopt_launch_config){o.transport, o.workers, NULL, NULL}); /* distopt */
-    if (st != DOPT_OK) return fprintf(stderr, "cannot start the transport: %s\n", dopt_status_str(st)), 1; /* distopt */
+    if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;                              /* distopt: says why */
     verbose = comm->rank == 0;                                                              /* distopt */
 
     train_px = load_idx("train-images-idx3-ubyte.gz", 2051, IN, &ntrain);
@@ -145,13 +144,13 @@ int main(int argc, char **argv) {
         for (k = 0; k < 5; k++)                                                             /* distopt layout */
             if (a[k]) spans[params.nspans++] = (dopt_span){a[k], (size_t)(k ? l->nbiases : l->nweights)}; /* distopt layout */
     }                                                                                       /* distopt layout */
-    st = dopt_dp_init(&ls, comm, dopt_buf_count(&params), &(dopt_dp_config){.period = (size_t)o.period}); /* distopt */
-    if (st == DOPT_OK) st = dopt_dp_broadcast_buf(&ls, &params, NULL);                /* distopt */
+    dopt_dp_init(&dp, comm, dopt_buf_count(&params), &(dopt_dp_config){.period = (size_t)o.period}); /* distopt */
+    dopt_dp_broadcast_buf(&dp, &params, NULL);                                              /* distopt */
 
     if (verbose)
         printf("darknet_dp: %s, %zu training images, minibatch %d, lr %g (poly), period %d, %zu parameters in %zu arrays\n",
                comm->vt->name, ntrain, o.batch, o.lr, o.period, dopt_buf_count(&params), params.nspans);
-    for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {                          /* distopt: stop on an error */
+    for (epoch = 1; epoch <= o.epochs; epoch++) {
         for (i = ntrain; i > 1; i--) { /* Fisher-Yates on the rows */
             size_t r;
             float *t;
@@ -164,23 +163,20 @@ int main(int argc, char **argv) {
             batch.X.vals = train.X.vals + s, batch.y.vals = train.y.vals + s;
             batch.X.rows = batch.y.rows = o.batch;
             loss = train_network(net, batch);
-            if ((st = dopt_dp_after_step_buf(&ls, &params, NULL)) != DOPT_OK) break;  /* distopt: average every I steps */
+            dopt_dp_after_step_buf(&dp, &params, NULL);                                     /* distopt: average every I steps */
         }
         if (verbose) printf("epoch %d: loss %.4f (last minibatch), test accuracy %.2f%%\n", epoch, loss, test_accuracy(net, test));
         fflush(stdout);
     }
-    /* The last round may be shorter than the period: average once more, as darknet's own
-       multi-GPU training syncs its nets before it saves weights. */
-    if (st == DOPT_OK) st = dopt_dp_sync_buf(&ls, &params, NULL);                     /* distopt */
-    if (st == DOPT_OK) st = dopt_dp_check_replicas_buf(&ls, &params, &same, NULL);    /* distopt: bitwise identical? */
-    if (st != DOPT_OK) fprintf(stderr, "rank %d: %s: %s\n", comm->rank, dopt_status_str(st), dopt_dp_detail(&ls)); /* distopt */
+    /* The last round may be shorter than the period: close averages it once more (as darknet's
+       own multi-GPU training syncs its nets before it saves weights) and checks the replicas. */
+    st = dopt_dp_close_buf(&dp, &params, NULL);                                             /* distopt */
     /* Test harness: every rank's own hash of its parameters, and the replica check's verdict. */
     printf("rank %d params fnv1a %016llx\n", comm->rank, host_params_hash(&params));
-    if (verbose) printf("result: test_acc %.2f replicas %s\n", test_accuracy(net, test), same ? "identical" : "DIFFER");
+    if (verbose) printf("result: test_acc %.2f replicas %s\n", test_accuracy(net, test), st == DOPT_OK ? "identical" : "DIFFER");
     free_network(net);
     free(train.X.vals), free(train.y.vals), free(test.X.vals), free(test.y.vals);
     free(train_xblock), free(train_yblock), free(test_xblock), free(test_yblock);
     free(train_px), free(train_labels), free(test_px), free(test_labels);
-    dopt_dp_free(&ls);                                                                /* distopt */
-    return dopt_comm_finish(comm, st != DOPT_OK || !same);                                  /* distopt: ranks > 0 exit here */
+    return dopt_comm_finish(comm, st);                                                      /* distopt: ranks > 0 exit here */
 }

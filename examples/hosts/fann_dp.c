@@ -12,7 +12,7 @@
    bitwise identical, which the end of the run checks. The lines marked "distopt" are all that
    the data-parallel version adds to the single-process loop (examples/hosts/run.sh counts them).
 
-       build/fann_dp --workers 2 --epochs 3
+       DOPT_WORLD_SIZE=2 build/fann_dp --epochs 3           (forks 2 workers over shared memory)
        DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=0 build/fann_dp &
        DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 build/fann_dp
 
@@ -21,7 +21,7 @@
 #define DISTOPT_IMPLEMENTATION /* distopt */
 #include "transport_shm.h"     /* distopt */
 #include "transport_tcp.h"     /* distopt */
-#include "launch.h"            /* distopt */
+#include "launch.h"            /* distopt: after the transports it may start */
 #include "localsgd.h"          /* distopt: brings clip.h and compress.h */
 
 #include <floatfann.h>
@@ -64,7 +64,7 @@ static double test_accuracy(struct fann *ann, const fann_type *x, const unsigned
 /* ===================================================================== TRAINING */
 
 int main(int argc, char **argv) {
-    host_options o = {NULL, "none", 0, 3, 64, 64, 1, 0.7f, 0, 20000, 1};
+    host_options o = {"none", 3, 64, 64, 1, 0.7f, 0, 20000, 1};
     size_t ntrain, ntest, nlabels, begin = 0, end, i, s, step = 0, steps;
     unsigned char *train_px, *train_labels, *test_px, *test_labels;
     fann_type *train_x, *train_y, *test_x, *test_y;
@@ -73,16 +73,15 @@ int main(int argc, char **argv) {
     struct fann_layer *l;
     unsigned long long shuffle;
     int epoch, tern, verbose = 1;
-    dopt_comm *comm; dopt_dp ls = {0}; dopt_status st; int same = 0;                  /* distopt */
+    dopt_comm *comm; dopt_dp dp; dopt_status st;                                            /* distopt */
     dopt_compressor cz = {0}; dopt_segment segs[MAX_LAYERS]; size_t nsegs = 0;              /* distopt option */
 
     host_parse_options(&o, argc, argv,
-                       "[--transport shm|tcp|self] [--workers N] [--epochs E] [--batch B (per worker)] [--lr LR]\n"
+                       "[--epochs E] [--batch B (per worker)] [--lr LR]\n"
                        "          [--hidden H] [--train-limit N] [--seed S] [--compress none|ternary] [--clip C]");
     tern = !strcmp(o.compress, "ternary");
     shuffle = o.seed;
-    st = dopt_launch_create(&comm, &(dopt_launch_config){o.transport, o.workers, NULL, NULL}); /* distopt */
-    if (st != DOPT_OK) return fprintf(stderr, "cannot start the transport: %s\n", dopt_status_str(st)), 1; /* distopt */
+    if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;                              /* distopt: says why */
     verbose = comm->rank == 0;                                                              /* distopt */
 
     train_px = load_idx("train-images-idx3-ubyte.gz", 2051, IN, &ntrain);
@@ -112,14 +111,14 @@ int main(int argc, char **argv) {
        slopes through it; then rank 0's weights everywhere. */
     for (l = ann->first_layer + 1; l != ann->last_layer; l++)                               /* distopt option */
         segs[nsegs++] = (dopt_segment){l->first_neuron->first_con, (l->last_neuron - 1)->last_con - l->first_neuron->first_con, NULL}; /* distopt option */
-    if (tern) st = dopt_compressor_init(&cz, &(dopt_compressor_config){.seed = o.seed}, segs, nsegs); /* distopt option */
-    if (st == DOPT_OK) st = dopt_dp_init(&ls, comm, ann->total_connections, &(dopt_dp_config){.sync_grads = 1, .grad_compressor = tern ? &cz : NULL}); /* distopt */
-    if (st == DOPT_OK) st = dopt_dp_broadcast(&ls, ann->weights);                     /* distopt */
+    if (tern) dopt_compressor_init(&cz, &(dopt_compressor_config){.seed = o.seed}, segs, nsegs); /* distopt option */
+    dopt_dp_init(&dp, comm, ann->total_connections, &(dopt_dp_config){.grad_compressor = tern ? &cz : NULL}); /* distopt */
+    dopt_dp_broadcast(&dp, ann->weights);                                                   /* distopt */
 
     if (verbose)
         printf("fann_dp: %s, %zu training images, minibatch %d, lr %g, hidden %d, compress %s, clip %g\n", comm->vt->name,
                ntrain, o.batch, o.lr, o.hidden, o.compress, o.clip);
-    for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {                          /* distopt: stop on an error */
+    for (epoch = 1; epoch <= o.epochs; epoch++) {
         for (i = 0; i < ntrain; i++) order[i] = i;
         for (i = ntrain; i > 1; i--) { /* Fisher-Yates */
             size_t j, t;
@@ -137,11 +136,10 @@ int main(int argc, char **argv) {
             }
             /* The mean of the workers' slopes (fp32, or TernGrad), then global-norm clipping: the
                slopes are -∇ summed over the minibatch, hence the scale -1/batch. */
-            st = dopt_dp_after_backward(&ls, ann->train_slopes);                      /* distopt */
-            if (st == DOPT_OK && o.clip > 0)                                                /* distopt option */
+            dopt_dp_after_backward(&dp, ann->train_slopes);                                 /* distopt */
+            if (o.clip > 0)                                                                 /* distopt option */
                 st = dopt_clip_global_norm_buf(NULL, &(dopt_buf){.data = ann->train_slopes, .n = ann->total_connections},
                                                -1.0f / (float)o.batch, o.clip, NULL);       /* distopt option */
-            if (st != DOPT_OK) break;                                                       /* distopt */
             fann_set_learning_rate(ann, o.lr * (1 - (float)step++ / (float)steps)); /* linear decay to 0 */
             fann_update_weights_batch(ann, (unsigned)o.batch, 0, ann->total_connections);
         }
@@ -150,15 +148,13 @@ int main(int argc, char **argv) {
                    test_accuracy(ann, test_x, test_labels, ntest));
         fflush(stdout);
     }
-    if (st == DOPT_OK) st = dopt_dp_check_replicas(&ls, ann->weights, &same, NULL);   /* distopt: bitwise identical? */
-    if (st != DOPT_OK) fprintf(stderr, "rank %d: %s: %s\n", comm->rank, dopt_status_str(st), dopt_dp_detail(&ls)); /* distopt */
+    st = dopt_dp_close(&dp, ann->weights);                                                  /* distopt: replicas identical? */
     /* Test harness: every rank's own hash of its weights, and the replica check's verdict. */
     printf("rank %d weights fnv1a %016llx\n", comm->rank, host_params_hash(&(dopt_buf){.data = ann->weights, .n = ann->total_connections}));
-    if (verbose) printf("result: test_acc %.2f replicas %s\n", test_accuracy(ann, test_x, test_labels, ntest), same ? "identical" : "DIFFER");
+    if (verbose) printf("result: test_acc %.2f replicas %s\n", test_accuracy(ann, test_x, test_labels, ntest), st == DOPT_OK ? "identical" : "DIFFER");
     fann_destroy(ann);
     free(train_px), free(train_labels), free(test_px), free(test_labels), free(order);
     free(train_x), free(train_y), free(test_x), free(test_y);
     dopt_compressor_free(&cz);                                                              /* distopt option */
-    dopt_dp_free(&ls);                                                                /* distopt */
-    return dopt_comm_finish(comm, st != DOPT_OK || !same);                                  /* distopt: ranks > 0 exit here */
+    return dopt_comm_finish(comm, st);                                                      /* distopt: ranks > 0 exit here */
 }

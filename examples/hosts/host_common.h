@@ -8,22 +8,21 @@
 #include <string.h>
 
 typedef struct host_options {
-    const char *transport, *compress;
-    int workers, epochs, batch, hidden, period;
+    const char *compress;
+    int epochs, batch, hidden, period;
     float lr, clip;
     long train_limit;
     unsigned seed;
 } host_options;
 
-/* Flags as "--name value" pairs; `flags` is the usage text after the program name (it lists the
+/* Flags as "--name value" pairs (the transport and the number of workers come from the
+   environment: DOPT_WORLD_SIZE, DOPT_TRANSPORT, or a launcher's variables); `flags` is the usage text after the program name (it lists the
    flags this host reads: another host's flag is accepted and ignored). */
 static inline void host_parse_options(host_options *o, int argc, char **argv, const char *flags) {
     int i;
     for (i = 1; i + 1 < argc; i += 2) {
         const char *f = argv[i], *v = argv[i + 1];
-        if (!strcmp(f, "--transport")) o->transport = v;
-        else if (!strcmp(f, "--workers")) o->workers = atoi(v);
-        else if (!strcmp(f, "--epochs")) o->epochs = atoi(v);
+        if (!strcmp(f, "--epochs")) o->epochs = atoi(v);
         else if (!strcmp(f, "--batch")) o->batch = atoi(v);
         else if (!strcmp(f, "--lr")) o->lr = strtof(v, NULL);
         else if (!strcmp(f, "--hidden")) o->hidden = atoi(v);
@@ -34,7 +33,7 @@ static inline void host_parse_options(host_options *o, int argc, char **argv, co
         else if (!strcmp(f, "--clip")) o->clip = strtof(v, NULL);
         else break;
     }
-    if (i != argc || o->workers < 0 || o->epochs < 1 || o->batch < 1 || o->hidden < 1 || o->period < 1 ||
+    if (i != argc || o->epochs < 1 || o->batch < 1 || o->hidden < 1 || o->period < 1 ||
         (strcmp(o->compress, "none") && strcmp(o->compress, "ternary"))) {
         fprintf(stderr, "usage: %s %s\n", argv[0], flags);
         exit(2);

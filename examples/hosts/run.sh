@@ -5,12 +5,12 @@
 # workers' minibatches together). Checks, for every 2-worker run:
 #   - test accuracy within HOSTS_MAX_GAP points (default 1) of the 1-process run;
 #   - parameters bitwise identical on both ranks: the library's replica check
-#     (dopt_dp_check_replicas) and, independently, each rank's own FNV-1a hash of its
+#     (dopt_dp_close) and, independently, each rank's own FNV-1a hash of its
 #     parameters, printed by the host and compared here;
 #   - the lines the host's source marks /* distopt ... */, by kind: core (the calls and the
 #     control flow that carries their status), layout (describing the host's memory to
 #     distopt), option (TernGrad, clipping), include (#define/#include). Core: at most
-#     HOSTS_MAX_LINES (default 15).
+#     HOSTS_MAX_LINES (default 10).
 # Prints a table; exits non-zero on any failure.
 # Usage: examples/hosts/run.sh [BUILD_DIR]   (from the repository's top directory; the binaries
 # BUILD_DIR/fann_dp and BUILD_DIR/darknet_dp must exist: `make hosts` builds them first)
@@ -18,7 +18,7 @@ set -u
 
 BUILD=${1:-build}
 MAX_GAP=${HOSTS_MAX_GAP:-1}
-MAX_LINES=${HOSTS_MAX_LINES:-15}
+MAX_LINES=${HOSTS_MAX_LINES:-10}
 SEED=${HOSTS_SEED:-1}
 LOGS="$BUILD/hosts"
 mkdir -p "$LOGS"
@@ -33,14 +33,14 @@ for b in fann_dp darknet_dp; do
     [ -x "$BUILD/$b" ] || { echo "run.sh: $BUILD/$b is missing (make hosts builds it)"; exit 1; }
 done
 
-# $1: log name, then the command; stdout and stderr to $LOGS/NAME.log.
+# $1: log name, $2: workers, then the command; stdout and stderr to $LOGS/NAME.log.
 run_shm() {
-    name=$1
-    shift
-    timeout 600 "$@" >"$LOGS/$name.log" 2>&1
+    name=$1 workers=$2
+    shift 2
+    DOPT_TRANSPORT=shm DOPT_WORLD_SIZE=$workers timeout 600 "$@" >"$LOGS/$name.log" 2>&1
 }
 
-# $1: log name, then the command without --transport; rank r logs to $LOGS/NAME.rR.log. A port
+# $1: log name, then the command; rank r logs to $LOGS/NAME.rR.log. A port
 # someone else took in the meantime is retried with another.
 run_tcp() {
     name=$1
@@ -49,13 +49,13 @@ run_tcp() {
         port=$(( ($$ * 31 + $(date +%s) + attempt * 7919) % 30000 + 20000 ))
         if ss -ltn 2>/dev/null | grep -q ":$port "; then continue; fi
         token="hosts-$$-$attempt"
-        DOPT_WORLD_SIZE=2 DOPT_MASTER_ADDR=127.0.0.1 DOPT_MASTER_PORT=$port DOPT_TOKEN=$token DOPT_RANK=1 \
-            timeout 600 "$@" --transport tcp >"$LOGS/$name.r1.log" 2>&1 &
+        DOPT_TRANSPORT=tcp DOPT_WORLD_SIZE=2 DOPT_MASTER_ADDR=127.0.0.1 DOPT_MASTER_PORT=$port DOPT_TOKEN=$token \
+            DOPT_RANK=1 timeout 600 "$@" >"$LOGS/$name.r1.log" 2>&1 &
         pid1=$!
-        DOPT_WORLD_SIZE=2 DOPT_MASTER_ADDR=127.0.0.1 DOPT_MASTER_PORT=$port DOPT_TOKEN=$token DOPT_RANK=0 \
-            timeout 600 "$@" --transport tcp >"$LOGS/$name.r0.log" 2>&1
+        DOPT_TRANSPORT=tcp DOPT_WORLD_SIZE=2 DOPT_MASTER_ADDR=127.0.0.1 DOPT_MASTER_PORT=$port DOPT_TOKEN=$token \
+            DOPT_RANK=0 timeout 600 "$@" >"$LOGS/$name.r0.log" 2>&1
         rc0=$?
-        if [ $rc0 -ne 0 ] && grep -q "cannot start the transport" "$LOGS/$name.r0.log"; then
+        if [ $rc0 -ne 0 ] && grep -q "Address already in use" "$LOGS/$name.r0.log"; then
             kill "$pid1" 2>/dev/null
             wait "$pid1" 2>/dev/null
             continue
@@ -123,19 +123,19 @@ row() { # $1: host, $2: run label, $3: log name, $4: ranks, $5: baseline accurac
 
 host() { # $1: host name, $2: binary, $3: its arguments, $4: 1 to add a TernGrad + clipping row
     # shellcheck disable=SC2086  # the arguments are words
-    run_shm "$2.1" "$BUILD/$2" --transport shm --workers 1 --batch 64 $3
+    run_shm "$2.1" 1 "$BUILD/$2" --batch 64 $3
     rc=$?
     base=$(acc_of "$2.1")
     row "$1" "1 process" "$2.1" 1 "" $rc
     # shellcheck disable=SC2086
-    run_shm "$2.shm" "$BUILD/$2" --transport shm --workers 2 --batch 32 $3
+    run_shm "$2.shm" 2 "$BUILD/$2" --batch 32 $3
     row "$1" "2 workers, shm" "$2.shm" 2 "$base" $?
     # shellcheck disable=SC2086
     run_tcp "$2.tcp" "$BUILD/$2" --batch 32 $3
     row "$1" "2 workers, tcp" "$2.tcp" 2 "$base" $?
     if [ "$4" = 1 ]; then
         # shellcheck disable=SC2086
-        run_shm "$2.tern" "$BUILD/$2" --transport shm --workers 2 --batch 32 --compress ternary --clip 1 $3
+        run_shm "$2.tern" 2 "$BUILD/$2" --batch 32 --compress ternary --clip 1 $3
         row "$1" "2 workers, shm, TernGrad" "$2.tern" 2 "$base" $?
     fi
 }
