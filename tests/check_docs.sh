@@ -1,0 +1,306 @@
+#!/bin/sh
+# The documentation's C cannot drift from the code. Every ```c block of README.md and docs/*.md
+# is one of two kinds, or the check fails naming the page and the line of the block:
+#   - a complete program (it contains "int main"): compiled and linked as a user would build it,
+#     cc -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -I<top> with OpenBLAS and -DDOPT_USE_BLAS
+#     as the Makefile links it (mpicc when it includes transport_mpi.h); not run;
+#   - an excerpt, announced by the line  <!-- excerpt: FILE -->  right before its fence: every
+#     non-blank line of the block, whitespace-trimmed, is a whitespace-trimmed line of FILE, in
+#     the block's order (a line that is exactly "..." elides), and FILE is a source that make
+#     builds or runs (under examples/, tests/ or bench/) or a header of the top directory.
+# Every relative link of those pages ([text](path), ![alt](img/x.png), path#anchor) must name a
+# file that exists, and an anchor a heading of that page. Blocks of other languages (sh, text,
+# diff) are not checked. Extracted blocks are left in BUILD_DIR/check_docs.
+# Before the pages, the check runs itself on pages made to fail (a typo in an excerpt, lines out
+# of order, an unannounced fragment, a program that does not compile, an excerpt of a file make
+# does not use, a dead link): a check that could not fail fails.
+# Usage: tests/check_docs.sh BUILD_DIR           (tests/run.sh passes it; exit 0 pass, 1 fail,
+#                                                 77 skipped)
+#        tests/check_docs.sh --self-test [BUILD_DIR]   the self-test alone
+set -u
+cd "$(dirname "$0")/.." || exit 1
+TOP=$(pwd)
+
+self_only=0
+if [ "${1:-}" = --self-test ]; then self_only=1; shift; fi
+BUILD=${1:-build}
+WORK="$BUILD/check_docs"
+rm -rf "$WORK"
+mkdir -p "$WORK" || exit 1
+
+command -v cc >/dev/null 2>&1 || { echo "check_docs: skipped: no C compiler (cc) to build the documentation's programs"; exit 77; }
+BLAS_CFLAGS="$(pkg-config --cflags openblas 2>/dev/null) -DDOPT_USE_BLAS"
+BLAS_LIBS=$(pkg-config --libs openblas 2>/dev/null || echo -lopenblas)
+
+# Counters of one run of check_pages.
+programs=0 excerpts=0 links=0 failures=0
+
+fail() { # $1: page:line, $2: what is wrong, $3: what to do (may be empty)
+    echo "FAIL $1: $2"
+    [ -z "$3" ] || echo "     $3"
+    failures=$((failures + 1))
+}
+
+# Splits a page into its ```c blocks: writes DIR/bN.c for each and prints one manifest line per
+# block, "N LINE EXCERPT_FILE_OR_- HAS_MAIN", LINE being the page's line of the opening fence; an
+# unterminated fence prints "unterminated LINE".
+split_blocks() { # $1: page, $2: directory
+    awk -v dir="$2" '
+        function lang_of(s) { sub(/^[ \t]*```+[ \t]*/, "", s); sub(/[ \t]+.*$/, "", s); return tolower(s) }
+        !fence && /^[ \t]*```/ {
+            fence = 1; start = NR; c = (lang_of($0) == "c"); has_main = 0
+            if (c) {
+                n++; file = dir "/b" n ".c"; printf "" > file
+                ex = "-"
+                if (prev ~ /^[ \t]*<!--[ \t]*excerpt:[ \t]*[^ \t]+[ \t]*-->[ \t]*$/) {
+                    ex = prev; sub(/^[ \t]*<!--[ \t]*excerpt:[ \t]*/, "", ex); sub(/[ \t]*-->[ \t]*$/, "", ex)
+                }
+            }
+            prev = $0; next
+        }
+        fence && /^[ \t]*```[ \t]*$/ {
+            if (c) { close(file); print n, start, ex, has_main }
+            fence = 0; prev = $0; next
+        }
+        fence && c { print > file; if ($0 ~ /int[ \t]+main[ \t]*\(/) has_main = 1 }
+        { prev = $0 }
+        END { if (fence) print "unterminated", start }
+    ' "$1"
+}
+
+# 0 when FILE may be excerpted: a source make builds or runs, or a top-level header.
+excerptable() {
+    case "$1" in
+        *..*) return 1 ;;
+        examples/*.c | examples/*.h | tests/*.c | tests/*.h | bench/*.c | bench/*.h) ;;
+        */*) return 1 ;;
+        *.h) ;;
+        *) return 1 ;;
+    esac
+    [ -f "$PAGES_TOP/$1" ]
+}
+
+# Prints the block's first line (its index in the block, then the line) that is not found, in
+# order, among the source's lines, or "empty" for a block with nothing to match; silent when the
+# excerpt matches.
+excerpt_mismatch() { # $1: source file, $2: block
+    awk '
+        function trim(s) { sub(/^[ \t\r]+/, "", s); sub(/[ \t\r]+$/, "", s); return s }
+        FNR == NR { src[++ns] = trim($0); next }
+        {
+            t = trim($0)
+            if (t == "" || t == "...") next
+            seen++
+            while (++pos <= ns && src[pos] != t) {}
+            if (pos > ns) { print FNR, $0; bad = 1; exit }
+        }
+        END { if (!bad && !seen) print "empty" }
+    ' "$1" "$2"
+}
+
+compile_program() { # $1: block, $2: page, $3: line of its fence, $4: executable to write
+    cc=cc
+    grep -q '#[[:space:]]*include[[:space:]]*"transport_mpi.h"' "$1" && cc=mpicc
+    # the compiler's messages name the page and its lines
+    { printf '#line %d "%s"\n' $(($3 + 1)) "$2"; cat "$1"; } >"$1.src.c"
+    # shellcheck disable=SC2086
+    $cc -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -I"$PAGES_TOP" $BLAS_CFLAGS -o "$4" "$1.src.c" \
+        $BLAS_LIBS -lm -lpthread -lrt >"$1.log" 2>&1
+}
+
+# The headings of a page as GitHub's anchors: lower case, punctuation dropped, spaces to hyphens.
+anchors_of() { # $1: page
+    awk '/^[ \t]*```/ { fence = !fence; next }
+         !fence && /^#+[ \t]/ {
+             s = tolower($0); sub(/^#+[ \t]+/, "", s); gsub(/[^a-z0-9 _-]/, "", s); gsub(/ /, "-", s); print s
+         }' "$1"
+}
+
+check_links() { # $1: page (relative to PAGES_TOP)
+    dir=$(dirname "$1")
+    awk '/^[ \t]*```/ { fence = !fence; next }
+         !fence {
+             s = $0
+             while (match(s, /\]\([^) \t]+\)/)) {
+                 print FNR, substr(s, RSTART + 2, RLENGTH - 3); s = substr(s, RSTART + RLENGTH)
+             }
+         }' "$PAGES_TOP/$1" >"$WORK/links"
+    while read -r line target; do
+        case "$target" in http://* | https://* | mailto:*) continue ;; esac
+        links=$((links + 1))
+        path=${target%%#*}
+        anchor=
+        case "$target" in *'#'*) anchor=${target#*#} ;; esac
+        if [ -z "$path" ]; then file="$1"; elif [ "$dir" = . ]; then file=$path; else file="$dir/$path"; fi
+        if [ ! -e "$PAGES_TOP/$file" ]; then
+            fail "$1:$line" "link to $target: no such file ($file)" "fix the path (relative to the page's directory, $dir)"
+        elif [ -n "$anchor" ] && ! anchors_of "$PAGES_TOP/$file" | grep -qxF -- "$anchor"; then
+            fail "$1:$line" "link to $target: $file has no heading with that anchor" \
+                "anchors are headings in lower case, punctuation dropped, spaces as hyphens"
+        fi
+    done <"$WORK/links"
+}
+
+check_page() { # $1: page (relative to PAGES_TOP)
+    page=$1
+    out="$WORK/$(echo "$page" | tr / _)"
+    mkdir -p "$out"
+    split_blocks "$PAGES_TOP/$page" "$out" >"$out/manifest"
+    while read -r n line ex has_main; do
+        if [ "$n" = unterminated ]; then
+            fail "$page:$line" "a fenced block that never ends" "close it with a line of \`\`\`"
+            continue
+        fi
+        block="$out/b$n.c"
+        if [ "$ex" != - ]; then
+            if ! excerptable "$ex"; then
+                fail "$page:$line" "excerpt of $ex, which is not a source that make builds or runs" \
+                    "name a file under examples/, tests/ or bench/, or a top-level header, relative to the top"
+                continue
+            fi
+            miss=$(excerpt_mismatch "$PAGES_TOP/$ex" "$block")
+            if [ "$miss" = empty ]; then
+                fail "$page:$line" "an excerpt of $ex with no line to match" "show some of $ex, or remove the block"
+            elif [ -n "$miss" ]; then
+                fail "$page:$((line + ${miss%% *}))" "this line of the excerpt is not in $ex (after the lines before it): ${miss#* }" \
+                    "copy it from $ex as it is now (whitespace aside; a line \"...\" elides), or change the block"
+            else
+                excerpts=$((excerpts + 1))
+            fi
+        elif [ "$has_main" = 1 ]; then
+            if compile_program "$block" "$page" "$line" "$out/b$n"; then
+                programs=$((programs + 1))
+            else
+                fail "$page:$line" "this program does not compile and link:" ""
+                sed -n '1,20p' "$block.log" | sed 's/^/     /'
+            fi
+        else
+            fail "$page:$line" "a \`\`\`c block that is neither a complete program nor an announced excerpt" \
+                "make it a program with int main that compiles, or put <!-- excerpt: path/to/file --> on the line before the fence"
+        fi
+    done <"$out/manifest"
+    check_links "$page"
+}
+
+# Checks every page given, relative to PAGES_TOP; sets the counters.
+check_pages() {
+    programs=0 excerpts=0 links=0 failures=0
+    for p in "$@"; do check_page "$p"; done
+}
+
+# The self-test: a small repository whose pages must pass or fail as stated.
+self_test() {
+    st="$WORK/self-test"
+    mkdir -p "$st/examples" "$st/docs"
+    cat >"$st/examples/loop.c" <<'EOF'
+int main(void) {
+    int step, x = 0;
+    for (step = 0; step < 10; step++) {
+        x += step;
+    }
+    return x == 45 ? 0 : 1;
+}
+EOF
+    cat >"$st/notes.txt" <<'EOF'
+    x += step;
+EOF
+    fence='```'
+    good="<!-- excerpt: examples/loop.c -->
+${fence}c
+for (step = 0; step < 10; step++) {
+    ...
+        x += step;
+
+}
+${fence}
+
+${fence}c
+int main(void) { return 0; }
+${fence}
+
+${fence}sh
+cc loop.c
+${fence}
+
+[the loop](../examples/loop.c), [a heading](#a-heading-here)
+## A heading, here"
+    printf '%s\n' "$good" >"$st/docs/good.md"
+    mk() { # $1: name, $2: page text
+        printf '%s\n' "$2" >"$st/docs/$1.md"
+    }
+    mk typo "<!-- excerpt: examples/loop.c -->
+${fence}c
+for (step = 0; step < 10; stepp++) {
+${fence}"
+    mk order "<!-- excerpt: examples/loop.c -->
+${fence}c
+x += step;
+for (step = 0; step < 10; step++) {
+${fence}"
+    mk fragment "${fence}c
+x += step;
+${fence}"
+    mk warning "${fence}c
+int main(void) { int unused; return 0; }
+${fence}"
+    mk outside "<!-- excerpt: notes.txt -->
+${fence}c
+x += step;
+${fence}"
+    mk elided "<!-- excerpt: examples/loop.c -->
+${fence}c
+...
+${fence}"
+    mk deadlink "[gone](../examples/gone.c)"
+    mk deadanchor "[nowhere](good.md#no-such-heading)"
+    mk unterminated "${fence}c
+int main(void) { return 0; }"
+
+    saved_top=$PAGES_TOP saved_work=$WORK
+    PAGES_TOP=$st WORK=$st/out
+    mkdir -p "$WORK"
+    check_pages docs/good.md >"$st/log" 2>&1
+    if [ "$failures" -ne 0 ] || [ "$programs" -ne 1 ] || [ "$excerpts" -ne 1 ] || [ "$links" -ne 2 ]; then
+        PAGES_TOP=$saved_top WORK=$saved_work
+        echo "check_docs: SELF-TEST FAILED: a good page gave $failures failures, $programs programs, $excerpts excerpts, $links links (want 0, 1, 1, 2):"
+        cat "$st/log"
+        return 1
+    fi
+    refused=0
+    # each page made to fail, and the words its failure must give
+    for case in "typo:is not in" "order:is not in" "fragment:neither a complete program" \
+        "warning:does not compile" "outside:not a source that make" "elided:no line to match" \
+        "deadlink:no such file" "deadanchor:no heading with that anchor" "unterminated:never ends"; do
+        name=${case%%:*}
+        check_pages "docs/$name.md" >"$st/log" 2>&1
+        if [ "$failures" -eq 0 ] || ! grep -qF -- "${case#*:}" "$st/log"; then
+            PAGES_TOP=$saved_top WORK=$saved_work
+            echo "check_docs: SELF-TEST FAILED: docs/$name.md, made to fail with \"${case#*:}\", gave:"
+            cat "$st/log"
+            echo "for the page:"
+            cat "$st/docs/$name.md"
+            return 1
+        fi
+        refused=$((refused + 1))
+    done
+    PAGES_TOP=$saved_top WORK=$saved_work
+    echo "check_docs: self-test: a good page passed, $refused pages made to fail were refused"
+}
+
+PAGES_TOP=$TOP
+self_test || exit 1
+[ "$self_only" -eq 0 ] || exit 0
+
+pages="README.md" npages=1
+for p in docs/*.md; do
+    [ -f "$p" ] || continue
+    pages="$pages $p" npages=$((npages + 1))
+done
+# shellcheck disable=SC2086
+check_pages $pages
+echo "check_docs: $npages pages: $programs programs compiled, $excerpts excerpts matched, $links links resolved, $failures failures"
+if [ "$failures" -ne 0 ]; then
+    echo "check_docs: FAILED: the documentation no longer matches the code (extracted blocks in $WORK)"
+    exit 1
+fi
+exit 0
