@@ -117,10 +117,10 @@
      it, and rank 0 waits for them and gets the job's status: its own if not 0, else that of the
      lowest rank that failed. Otherwise (a launcher started every rank) it destroys c and returns
      status. c may be NULL (returns status); on a group it destroys the group. A negative
-     status (a dopt_status) becomes 1. When status is not 0 and the communicator holds a detail
-     (its first failure, or dopt_dp_close's verdict), finish prints it to stderr as
-     "distopt: <detail>": the one line distopt.h prints, so a failed job says why without a
-     line of the host's.
+     status (a dopt_status) becomes 1. When status is not 0, the communicator holds a detail
+     (its first failure, or dopt_dp_close's verdict) and has no log callback (which was told
+     already), finish prints it to stderr as "distopt: <detail>": the one line distopt.h
+     prints, so a failed job says why without a line of the host's.
      dopt_mean(c, x) returns the mean of x over the ranks (a collective; NaN once c is
      poisoned): reporting a loss is one line, printf("loss %.4f\n", dopt_mean(c, loss)). For
      several numbers at once, dopt_allreduce(c, v, k, DOPT_F64, DOPT_MEAN).
@@ -3466,7 +3466,7 @@ DOPT_DEF void dopt_comm_destroy(dopt_comm *c) {
 DOPT_DEF int dopt_comm_finish(dopt_comm *c, int status) {
     if (status < 0) status = 1; /* a dopt_status: an exit status of 1 */
     if (c == NULL) return status;
-    if (status != 0 && c->detail[0]) fprintf(stderr, "distopt: %s\n", c->detail);
+    if (status != 0 && c->detail[0] && c->log_fn == NULL) fprintf(stderr, "distopt: %s\n", c->detail);
     if (c->root == NULL && DOPT__VT_HAS(c->vt, finish)) return c->vt->finish(c, status);
     dopt_comm_destroy(c);
     return status;

@@ -1536,12 +1536,13 @@ DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params,
 
 /* ===================================================================== CLOSING CALL */
 
-/* The closing call's verdict in the communicator's detail, where dopt_comm_finish finds it,
-   unless the communicator holds its own failure (the first is the one users need); the
-   communicator is not poisoned. */
+/* The closing call's verdict in the communicator's detail (and its log), where
+   dopt_comm_finish finds it, unless the communicator holds its own failure (the first is the one
+   users need, and it was logged when it happened); the communicator is not poisoned. */
 static void dopt__ls_note(dopt_dp *ls) {
-    if (ls->comm && ls->comm->error == DOPT_OK)
-        snprintf(ls->comm->detail, sizeof ls->comm->detail, "rank %d: %s", ls->comm->rank, ls->detail);
+    if (ls->comm == NULL || ls->comm->error != DOPT_OK) return;
+    snprintf(ls->comm->detail, sizeof ls->comm->detail, "rank %d: %s", ls->comm->rank, ls->detail);
+    dopt_comm_log(ls->comm, DOPT_LOG_ERROR, "%s", ls->comm->detail);
 }
 
 /* The closing call's verdict when the replicas differ: which ranks hold other parameters than
