@@ -60,13 +60,15 @@ BENCH_SRC := $(filter-out bench/bench_allreduce.c,$(wildcard bench/bench_*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/%,$(BENCH_SRC))
 
 EXAMPLES := $(BUILD)/least_squares $(BUILD)/fmnist_mlp $(BUILD)/perf_model $(BUILD)/char_lstm
+# llm.c's shape with distopt's synchronous drop-in, built with OpenMP as llm.c is
+OMP_EXAMPLES := $(BUILD)/gpt2_standin
 FUZZ_SRC := $(wildcard fuzz/fuzz_*.c)
 FUZZERS  := $(patsubst fuzz/%.c,$(BUILD)/%,$(FUZZ_SRC))
 FUZZ_SECONDS ?= 60
 
 .PHONY: all deps test asan bench fuzz demo experiments examples install uninstall clean mutate cluster-test
 
-all: $(TESTS) $(FAST_MATH_TESTS) $(MPI_TESTS) $(CHECKS) $(BENCHES) $(BUILD)/bench_allreduce $(EXAMPLES)
+all: $(TESTS) $(FAST_MATH_TESTS) $(MPI_TESTS) $(CHECKS) $(BENCHES) $(BUILD)/bench_allreduce $(EXAMPLES) $(OMP_EXAMPLES)
 
 deps:
 	@scripts/install-deps.sh
@@ -80,7 +82,7 @@ demo: deps $(BUILD)/fmnist_mlp
 experiments: deps $(BUILD)/fmnist_mlp $(BUILD)/perf_model
 	@experiments/run.sh $(BUILD) docs
 
-examples: $(EXAMPLES)
+examples: $(EXAMPLES) $(OMP_EXAMPLES)
 
 # One-line bugs the tests must catch (tests/mutate.sh lists them); slow, not part of make test.
 mutate: deps
@@ -102,7 +104,7 @@ cluster-test: deps
 	done
 
 .PHONY: build-asan-tests
-build-asan-tests: $(TESTS)
+build-asan-tests: $(TESTS) $(OMP_EXAMPLES)
 
 bench: deps $(BENCHES) $(BUILD)/bench_allreduce
 	@for b in $(BENCHES); do OPENBLAS_NUM_THREADS=1 $$b || exit 1; done
@@ -142,6 +144,10 @@ $(MPI_TESTS): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worl
 # mpicc, they offer --transport mpi too.
 $(EXAMPLES): $(BUILD)/%: examples/%.c examples/common.h examples/fashion_mnist.h $(HEADERS) | $(BUILD)
 	$(MPICC) $(ALL_CFLAGS) -I. -o $@ $< $(LIBS) -lz
+
+# The GPT-2 stand-in needs nothing but the headers and OpenMP (tests/check_gpt2_standin.sh).
+$(OMP_EXAMPLES): $(BUILD)/%: examples/%.c $(HEADERS) | $(BUILD)
+	$(CC) $(ALL_CFLAGS) -fopenmp -I. -o $@ $< $(LIBS)
 
 # The host-aware allreduce across simulated hosts (tests/check_cluster.sh).
 $(BUILD)/cluster_allreduce: tests/cluster_allreduce.c tests/dtest.h tests/conformance.h $(HEADERS) | $(BUILD)

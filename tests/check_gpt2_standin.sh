@@ -1,0 +1,115 @@
+#!/bin/sh
+# Checks examples/gpt2_standin.c, llm.c's training loop in miniature with distopt's synchronous
+# drop-in:
+#   - its backward pass agrees with finite differences on two elements of each of the 16 tensors;
+#   - 1 rank and 2 ranks (forked over shared memory, DOPT_WORLD_SIZE=2) exit 0, print one loss
+#     line per step, the last loss well below the first (at most 60% of it), nothing on stderr,
+#     and rank 0's "result: ... replicas identical" line, which it prints only when
+#     dopt_dp_close found the replicas bitwise identical;
+#   - with --desync (rank 1 changes one parameter before the end) the job fails: a non-zero exit
+#     status, the library's "distopt: ... replicas differ ..." line on stderr, no result line;
+#   - the lines the source marks /* distopt */ as core number at most 10 (scripts/count-lines.sh).
+# Usage: tests/check_gpt2_standin.sh BUILD_DIR (tests/run.sh passes it); builds BUILD_DIR/gpt2_standin
+# through the Makefile when it is missing or stale. A few seconds.
+set -u
+
+BUILD=${1:-build}
+STEPS=200
+MAX_CORE=10
+cd "$(dirname "$0")/.." || exit 1
+if ! make --no-print-directory -s BUILD="$BUILD" "$BUILD/gpt2_standin" >/dev/null; then
+    echo "FAIL: cannot build $BUILD/gpt2_standin"
+    exit 1
+fi
+bin=$BUILD/gpt2_standin
+# One OpenMP thread per rank: on a shared machine, threads that outnumber the free cores spin
+# at every parallel loop's barrier.
+export OMP_NUM_THREADS=1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failed=0
+
+fail() {
+    echo "FAIL $*"
+    failed=1
+}
+
+# $1: log name; then the command. stdout to $tmp/NAME.out, stderr to $tmp/NAME.err; returns the
+# exit status (timeout only guards against a hang).
+run() {
+    name=$1
+    shift
+    timeout 300 "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
+}
+
+show() { # $1: log name
+    echo "--- stdout (last lines)"; tail -5 "$tmp/$1.out"
+    echo "--- stderr"; head -20 "$tmp/$1.err"
+}
+
+# The gradient check: 32 lines that end in "ok" and the summary, exit 0.
+run gradcheck "$bin" --gradcheck
+status=$?
+ok=$(grep -c '^gradcheck [a-z0-9]* *\[ *[0-9]*\] analytic .* ok$' "$tmp/gradcheck.out")
+if [ $status -eq 0 ] && [ "$ok" -eq 32 ] &&
+    [ "$(tail -1 "$tmp/gradcheck.out")" = "gradcheck: 32 of 32 gradients agree with finite differences" ]; then
+    echo "ok   gradient check: 32 of 32 gradients agree with finite differences"
+else
+    fail "gradient check: exit $status, $ok of 32 ok"
+    cat "$tmp/gradcheck.out"
+fi
+
+# A training run of $2 ranks: every step's loss line, in order, falling; the result line.
+train() { # $1: log name, $2: ranks
+    run "$1" env DOPT_WORLD_SIZE="$2" "$bin" --steps $STEPS
+    status=$?
+    out=$tmp/$1.out
+    lines=$(grep -c '^step [0-9]*: train loss [0-9]*\.[0-9]*$' "$out")
+    in_order=$(awk -v n=$STEPS 'BEGIN { i = 0 } /^step / { if ($2 != i ":") bad = 1; i++ }
+        END { print (i == n && !bad) ? "yes" : "no" }' "$out")
+    first=$(sed -n 's/^step 0: train loss \([0-9.]*\)$/\1/p' "$out")
+    last=$(sed -n "s/^step $((STEPS - 1)): train loss \\([0-9.]*\\)\$/\\1/p" "$out")
+    result=$(grep -c "^result: loss $last replicas identical\$" "$out")
+    procs=$(grep -c "^train dataset num_batches: [0-9]*, processes: $2, B 4, T 32\$" "$out")
+    falls=$(awk -v a="${first:-0}" -v b="${last:-9}" 'BEGIN { print (a > 3 && b <= 0.6 * a) ? "yes" : "no" }')
+    if [ $status -ne 0 ]; then
+        fail "$2 rank(s): exit status $status"
+    elif [ "$lines" -ne $STEPS ] || [ "$in_order" != yes ] || [ "$procs" -ne 1 ]; then
+        fail "$2 rank(s): $lines of $STEPS loss lines (in order: $in_order), $procs process-count lines"
+    elif [ "$falls" != yes ]; then
+        fail "$2 rank(s): the loss went from ${first:-?} to ${last:-?} (expected at most 60% of the first)"
+    elif [ "$result" -ne 1 ]; then
+        fail "$2 rank(s): no line \"result: loss $last replicas identical\""
+    elif [ -s "$tmp/$1.err" ]; then
+        fail "$2 rank(s): something on stderr"
+    else
+        echo "ok   $2 rank(s): exit 0, loss $first -> $last over $STEPS steps, replicas identical"
+        return
+    fi
+    show "$1"
+}
+train one 1
+train two 2
+
+# The check can fail: rank 1's replica differs at the end.
+run desync env DOPT_WORLD_SIZE=2 "$bin" --steps 20 --desync
+status=$?
+differ='^distopt: rank [01]: dopt_dp_close: the replicas differ after step [0-9]*: 1 rank (1) holds other parameters'
+says=$(grep -c "$differ" "$tmp/desync.err")
+if [ $status -ne 0 ] && [ "$says" -ge 1 ] && ! grep -q '^result:' "$tmp/desync.out"; then
+    echo "ok   desynchronised replicas: exit $status, $(grep -m1 'replicas differ' "$tmp/desync.err")"
+else
+    fail "desynchronised replicas: exit $status, $says \"replicas differ\" lines on stderr (expected a failure)"
+    show desync
+fi
+
+# The drop-in's size.
+counts=$(scripts/count-lines.sh examples/gpt2_standin.c | tr '\n' ' ')
+core=$(scripts/count-lines.sh examples/gpt2_standin.c core)
+if [ -n "$core" ] && [ "$core" -ge 1 ] && [ "$core" -le $MAX_CORE ]; then
+    echo "ok   lines marked distopt: ${counts}(core at most $MAX_CORE)"
+else
+    fail "lines marked distopt: ${counts}(core at most $MAX_CORE)"
+fi
+
+exit $failed
