@@ -1564,9 +1564,11 @@ static dopt_status dopt__ls_close_mismatch(dopt_dp *ls, const dopt_buf *params) 
         }
     }
     if (dopt__ls_replica_spread(ls, params, &spread) != DOPT_OK) return dopt__ls_poisoned(ls);
-    dopt__ls_fail_detail(ls, "dopt_dp_close: the replicas differ after step %llu: %d rank%s (%s%s) hold%s other "
+    char when[48] = ""; /* steps are counted by after_step: a host of after_backward alone has none */
+    if (ls->step > 0) snprintf(when, sizeof when, " after step %llu", (unsigned long long)ls->step);
+    dopt__ls_fail_detail(ls, "dopt_dp_close: the replicas differ%s: %d rank%s (%s%s) hold%s other "
                              "parameters than rank 0, by at most %.9g",
-                         (unsigned long long)ls->step, differ, differ == 1 ? "" : "s", ranks,
+                         when, differ, differ == 1 ? "" : "s", ranks,
                          differ > listed ? ", ..." : "", differ == 1 ? "s" : "", spread);
     return DOPT_ERR_MISMATCH;
 }

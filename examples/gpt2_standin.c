@@ -859,12 +859,13 @@ int main(int argc, char **argv) {
             return usage("unknown flag or missing value");
         }
     }
-    dopt_comm *comm;                                                         /* distopt */
-    dopt_dp dp;                                                              /* distopt */
+    dopt_comm *comm; dopt_dp dp;                                             /* distopt */
     if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;               /* distopt: the reason is on stderr */
 
     GPT2 model;
-    gpt2_build_from_random(&model, model_config, 1337);
+    gpt2_build_from_random(&model, model_config, 1337 + (uint64_t)comm->rank); /* a test harness: other weights
+                                                                               on every rank, which the broadcast
+                                                                               must make equal */
     dopt_dp_init(&dp, comm, model.num_parameters, NULL);                     /* distopt */
     dopt_dp_broadcast(&dp, model.params_memory);                             /* distopt: rank 0's parameters */
 

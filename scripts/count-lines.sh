@@ -6,7 +6,7 @@
 #   option   lines marked /* distopt option ... */ (TernGrad, clipping: choices beyond the drop-in);
 #   layout   lines marked /* distopt layout ... */ (describing the host's memory to distopt);
 #   include  # lines with the mark (#define DISTOPT_IMPLEMENTATION, the #includes).
-# The rules are those of count_lines() in examples/hosts/run.sh.
+# make hosts (examples/hosts/run.sh) and tests/check_gpt2_standin.sh count with it.
 # Usage: scripts/count-lines.sh FILE          one line per kind: "core N", "option N", ...
 #        scripts/count-lines.sh FILE KIND     the number alone (KIND: core, option, layout, include)
 set -u
