@@ -14,16 +14,18 @@
    QUICK START (after backward, before the host's own optimizer; grads hold n floats, +∇ of the
    mean loss, already averaged across workers — so no communicator is needed)
 
-       double norm;
-       if (dopt_clip_global_norm(NULL, grads, n, 1.0f, &norm) == DOPT_ERR_NONFINITE) continue;
-       sgd_update(params, grads);                   (skip the step on NaN/Inf, else clip to 1)
+       dopt_buf g = {.data = grads, .n = n};
+       dopt_clip_norm clip = {.max_norm = 1.0f};
+       if (dopt_clip_global_norm(NULL, &g, &clip) == DOPT_ERR_NONFINITE) continue;
+       sgd_update(params, grads);                   (skip the step on NaN/Inf, else clip to 1;
+                                                     clip.norm is the norm before clipping)
 
    An optimizer that takes a factor (llm.c's CUDA trainer: gpt2_update's grad_scale) keeps the
    buffer as it is (llm.c's CPU trainer takes no factor: clip its buffer as above):
 
-       double norm; float factor;
-       dopt_clip_global_norm_factor(NULL, grads, n, 1.0f, &norm, &factor);
-       adamw_update(..., factor);                   (grads untouched)
+       dopt_clip_norm clip = {.max_norm = 1.0f, .measure_only = 1};
+       dopt_clip_global_norm(NULL, &g, &clip);
+       adamw_update(..., clip.factor);              (grads untouched)
 
    THE COMMUNICATOR (first argument of every clipping call; CELGC takes none)
      NULL means this process alone. With a communicator the call is a collective: every rank
@@ -42,30 +44,41 @@
 
    BUFFERS, SIGN AND SCALE
      Gradients (and parameters) are dopt_buf descriptors (distopt.h): a flat array, optionally cut
-     into segments, or a scatter list. Elements in gaps between segments belong to no segment:
-     they are neither measured nor changed. The float* + n forms are a flat array holding +∇ of
-     the mean loss (llm.c, kann). The _buf forms take a scale, the factor that turns the buffer
-     into that convention:
+     into segments, or a scatter list. A plain array of n floats is &(dopt_buf){.data = x, .n = n}
+     (or dopt_buf_flat(x, n, NULL, 0)). Elements in gaps between segments belong to no segment:
+     they are neither measured nor changed. A scale is the factor that turns the buffer into the
+     convention of +∇ of the mean loss (llm.c, kann):
          scale·g = +∇ of the mean loss
      so scale = 1 for llm.c and kann, and scale = -1/batch for darknet and FANN (they hold -∇
      summed over the batch). Every threshold is in those units: the norms are of scale·g (a summed
      buffer with scale ±1/batch is clipped exactly as its mean would be), so are the values of
      dopt_clip_value and AGC's ratio. Norms ignore the sign; CELGC's step uses it. The buffer
-     itself keeps its own convention: clipping multiplies it by a factor ≤ 1. Scale must be
+     itself keeps its own convention: clipping multiplies it by a factor ≤ 1. The scale field of
+     an argument struct (dopt_clip_norm, dopt_agc, dopt_celgc) may be left 0, which means 1;
+     otherwise it must be finite. dopt_clip_value takes its scale as an argument, which must be
      finite and non-zero. With a communicator each rank may pass its own scale (unequal local
      batches): the norm is of the concatenation of every rank's scale·g.
+
+   ARGUMENT STRUCTS
+     The global and per-segment norms, AGC and CELGC take their settings in a small struct
+     (dopt_clip_norm, dopt_agc, dopt_celgc), which a caller may write as a compound literal:
+     &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f}. A field left 0 means its default (the tables
+     below); a field with no default (a threshold) must be set. The struct itself is required: a
+     NULL one is DOPT_ERR_INVALID. A field a call does not use is ignored (one dopt_celgc, states
+     and all, serves the driver's dopt_dp_celgc_step and dopt_celgc_step_size alike).
 
    THRESHOLDS AND ERRORS
      Thresholds (max_norm, max_value, c, lambda, gamma) must be positive; +∞ is allowed and means
      "never clip" (the norm is still measured). NaN, zero or negative is DOPT_ERR_INVALID, as are
-     a NULL buffer descriptor, one that dopt_buf_validate refuses, a zero or non-finite scale,
-     and anything else named in a function's paragraph. DOPT_ERR_NONFINITE: the gradient holds a
-     NaN or an infinity (with a communicator: on some rank). On any error no buffer is changed,
-     norms are set to NaN and factors and steps to 0. With a communicator a transport error
-     (DOPT_ERR_PEER_LOST, DOPT_ERR_TIMEOUT, ...) is returned as is. An invalid argument on one rank
-     gives DOPT_ERR_INVALID on every rank; if that rank cannot even take part in the reduction
-     (a NULL descriptor, or NULL norms for dopt_clip_segment_norms), the transport reports the
-     mismatch (DOPT_ERR_MISMATCH) on every rank instead of leaving its peers waiting.
+     a NULL argument struct, a NULL buffer descriptor, one that dopt_buf_validate refuses, a
+     non-finite scale, and anything else named in a function's paragraph. DOPT_ERR_NONFINITE: the
+     gradient holds a NaN or an infinity (with a communicator: on some rank). On any error no
+     buffer is changed, norms are set to NaN and factors and steps to 0 (where the call has
+     somewhere to write them). With a communicator a transport error (DOPT_ERR_PEER_LOST,
+     DOPT_ERR_TIMEOUT, ...) is returned as is. An invalid argument on one rank gives
+     DOPT_ERR_INVALID on every rank; if that rank cannot even take part in the reduction (a NULL
+     descriptor, or NULL norms for dopt_clip_segment_norms), the transport reports the mismatch
+     (DOPT_ERR_MISMATCH) on every rank instead of leaving its peers waiting.
 
    ACCURACY
      Norms are accumulated in double: exact squares, no overflow for any finite float, a relative
@@ -73,44 +86,47 @@
      sum itself, so detecting them costs no extra pass. Clip factors are computed in double and
      applied in float: a clipped buffer has norm max_norm to within float rounding (a few 1e-7
      relative). A factor below FLT_MIN (a norm above ~1e38·max_norm) would keep few bits as a
-     float: the clipping calls then multiply in double instead; the *factor output of the _factor
-     forms is that subnormal float.
+     float: the clipping calls then multiply in double instead; dopt_clip_norm's factor field
+     holds that subnormal float.
 
    THREADING
      Without a communicator every call is pure: any thread may call it, on buffers no other thread
-     is writing. A communicator is used by one thread at a time (distopt.h).
+     is writing. A communicator is used by one thread at a time (distopt.h). No call allocates.
 
    FUNCTIONS
 
-   dopt_status dopt_clip_global_norm(dopt_comm *comm, float *grads, size_t n, float max_norm,
-                                     double *norm)
-   dopt_status dopt_clip_global_norm_buf(dopt_comm *comm, const dopt_buf *grads, float scale,
-                                         float max_norm, double *norm)
-     Global-norm clipping: ‖g‖ over every segment (and every rank with a communicator), then
-     g ← g · min(1, max_norm/‖g‖). A zero gradient has norm 0 and is left alone. *norm (may be
-     NULL) receives the norm before clipping, in scale units.
+   dopt_status dopt_clip_global_norm(dopt_comm *comm, const dopt_buf *grads, dopt_clip_norm *opt)
+     Global-norm clipping: ‖scale·g‖ over every segment (and every rank with a communicator), then
+     g ← g · min(1, max_norm/‖scale·g‖). A zero gradient has norm 0 and is left alone. opt holds
+     the arguments and receives the results:
 
-   dopt_status dopt_clip_global_norm_factor(dopt_comm *comm, const float *grads, size_t n,
-                                            float max_norm, double *norm, float *factor)
-   dopt_status dopt_clip_global_norm_factor_buf(dopt_comm *comm, const dopt_buf *grads,
-                                                float scale, float max_norm, double *norm,
-                                                float *factor)
-     The same measurement, buffer untouched: *norm the norm, *factor = min(1, max_norm/‖g‖) (each
-     may be NULL). Multiplying the buffer by *factor (dopt_scale) is exactly what
-     dopt_clip_global_norm does, bit for bit (but see ACCURACY for factors below FLT_MIN).
+     | field        | meaning                                                      | zero means  |
+     |--------------|--------------------------------------------------------------|-------------|
+     | max_norm     | the threshold                                                | (required)  |
+     | scale        | grads holds scale·g                                          | 1           |
+     | measure_only | 1: compute norm and factor, leave grads alone                | clip        |
+     | max_norms    | dopt_clip_segment_norms only; ignored here                   |             |
+     | norm (out)   | ‖scale·g‖ before clipping, over every rank; NaN on error     |             |
+     | factor (out) | min(1, max_norm/norm): the factor applied (or, with          |             |
+     |              | measure_only, the one to apply); 0 on error                  |             |
 
-   dopt_status dopt_clip_segment_norms(dopt_comm *comm, const dopt_buf *grads, float scale,
-                                       const float *max_norms, float max_norm, double *norms)
-     Per-segment (per-layer) clipping: segment l is multiplied by min(1, τ_l/‖g_l‖), with τ_l =
-     max_norms[l], or max_norm for every segment when max_norms is NULL (max_norm is then the
-     one checked). norms (required: dopt_buf_nsegs(grads) doubles) receives each segment's norm
-     before clipping; with a communicator it is also the reduction buffer, so norm l is over
-     every rank's segment l.
+     With measure_only, multiplying the buffer by factor (dopt_scale) is exactly what the call
+     does without it, bit for bit (but see ACCURACY for factors below FLT_MIN).
+
+   dopt_status dopt_clip_segment_norms(dopt_comm *comm, const dopt_buf *grads,
+                                       const dopt_clip_norm *opt, double *norms)
+     Per-segment (per-layer) clipping: segment l is multiplied by min(1, τ_l/‖scale·g_l‖), with
+     τ_l = opt->max_norms[l] (one threshold per segment), or opt->max_norm for every segment when
+     max_norms is NULL (max_norm is then the one checked; with max_norms it is ignored).
+     opt->scale as above (0: 1); opt->measure_only: compute the norms, leave grads alone. opt is
+     only read: its norm and factor fields are not written. norms (required:
+     dopt_buf_nsegs(grads) doubles) receives each segment's norm before clipping; with a
+     communicator it is also the reduction buffer, so norm l is over every rank's segment l.
 
    dopt_status dopt_clip_value(dopt_comm *comm, const dopt_buf *grads, float scale,
                                float max_value)
      Clipping by value: each element of scale·g is clipped to [-max_value, max_value], i.e. each
-     element of the buffer to ±max_value/|scale| (rounded to float).
+     element of the buffer to ±max_value/|scale| (rounded to float). scale: finite, non-zero.
 
    dopt_status dopt_clip_sigma(dopt_comm *comm, const dopt_buf *grads, float c)
      TernGrad's clipping (Wen et al. 2017), per segment: σ = population standard deviation
@@ -120,39 +136,56 @@
      against, and the formula would zero it (a one-element bias would never learn).
 
    dopt_status dopt_clip_agc(dopt_comm *comm, const dopt_buf *grads, const dopt_buf *params,
-                             const size_t *cols, float scale, float lambda, float eps)
+                             const dopt_agc *opt)
      Adaptive gradient clipping (Brock et al. 2021, NFNets): each unit u of each segment is
      clipped so that ‖scale·g_u‖ / max(‖w_u‖, eps) ≤ lambda; a unit over the bound is rescaled to
-     exactly lambda·max(‖w_u‖, eps). Segment l is a matrix of rows of cols[l] elements, each row
-     one unit (an output neuron's fan-in: llm.c's (OC, C) weights, darknet's filters, FANN's
-     connections of one neuron, are all contiguous rows); cols[l] = 0, or cols = NULL, makes the
-     whole segment one unit — how the reference code treats biases and gains (a vector is one
-     unit; per-element units would let a bias move by at most lambda·eps per step while it is
-     near 0). params has the same layout as grads (same segment count and sizes) and is only
-     read; NaN/Inf in it are DOPT_ERR_NONFINITE too. eps > 0 and finite: DOPT_AGC_EPS_DEFAULT
-     (1e-3) is the paper's. DOPT_ERR_INVALID also when cols[l] does not divide segment l.
+     exactly lambda·max(‖w_u‖, eps). params has the same layout as grads (same segment count and
+     sizes) and is only read; NaN/Inf in it are DOPT_ERR_NONFINITE too.
 
-   dopt_status dopt_celgc_step_size(const float *grads, size_t n, float eta, float gamma,
-                                    float *step)
-   dopt_status dopt_celgc_step_size_buf(const dopt_buf *grads, float scale, float eta,
-                                        float gamma, float *step)
-     CELGC's step size (Liu et al. 2022): min(eta, gamma/(‖g‖ + DOPT_CELGC_EPS)), from this
-     worker's own gradient — the norm is local and nothing is communicated, which is the point of
-     the method. Equivalent to clipping g to norm gamma/eta and stepping eta. eta must be finite.
+     | field  | meaning                                                   | zero means           |
+     |--------|-----------------------------------------------------------|----------------------|
+     | lambda | the bound on the ratio                                    | (required)           |
+     | eps    | the smallest weight norm; > 0 and finite                  | DOPT_AGC_EPS_DEFAULT |
+     |        |                                                           | (1e-3, the paper's)  |
+     | scale  | grads holds scale·g                                       | 1                    |
+     | cols   | one per segment: segment l is a matrix of rows of cols[l] | NULL: every segment  |
+     |        | elements, each row one unit (cols[l] = 0: the segment is  | is one unit          |
+     |        | one unit)                                                 |                      |
 
-   dopt_status dopt_celgc_step(float *params, const float *grads, size_t n, float eta,
-                               float gamma, float weight_decay)
-   dopt_status dopt_celgc_step_buf(const dopt_buf *params, const dopt_buf *grads, float scale,
-                                   float eta, float gamma, float weight_decay)
+     A row is an output neuron's fan-in: llm.c's (OC, C) weights, darknet's filters, FANN's
+     connections of one neuron are all contiguous rows. One unit for a whole segment is how the
+     reference code treats biases and gains (a vector is one unit; per-element units would let a
+     bias move by at most lambda·eps per step while it is near 0). DOPT_ERR_INVALID also when
+     cols[l] does not divide segment l.
+
+   dopt_status dopt_celgc_step_size(const dopt_buf *grads, const dopt_celgc *rule, float *step)
+     CELGC's step size (Liu et al. 2022): *step = min(eta, gamma/(‖scale·g‖ + DOPT_CELGC_EPS)),
+     from this worker's own gradient — the norm is local and nothing is communicated, which is the
+     point of the method. Equivalent to clipping g to norm gamma/eta and stepping eta. step may be
+     NULL (the call then only checks).
+
+     | field        | meaning                                                      | zero means  |
+     |--------------|--------------------------------------------------------------|-------------|
+     | eta          | η, the largest step; finite                                  | (required)  |
+     | gamma        | γ: the step is min(η, γ/‖g‖); +∞ is plain SGD at η           | (required)  |
+     | weight_decay | added to the direction (dopt_celgc_step); finite             | none        |
+     | scale        | grads holds scale·g                                          | 1           |
+     | states       | localsgd.h's dopt_dp_celgc_step only; ignored here           |             |
+
+     Every call checks the whole rule (weight_decay ≥ 0 included), so one rule serves them all.
+
+   dopt_status dopt_celgc_step(const dopt_buf *params, const dopt_buf *grads,
+                               const dopt_celgc *rule)
      Applies the step: x ← x − step·(scale·g + weight_decay·x), with step from the gradient's norm
      alone, as the reference code does (weight decay is added to the direction, not to the norm).
-     weight_decay ≥ 0 and finite (0: none). params and grads have the same layout and must not
-     overlap. On DOPT_ERR_NONFINITE the parameters are untouched: this worker skips the step
-     (with local steps its peers need not agree; the next model average brings it along).
+     params and grads have the same layout and must not overlap. On DOPT_ERR_NONFINITE the
+     parameters are untouched: this worker skips the step (with local steps its peers need not
+     agree; the next model average brings it along). With the local SGD driver, localsgd.h's
+     dopt_dp_celgc_step takes the same rule.
 
    CONSTANTS
      DOPT_CLIP_SIGMA_DEFAULT  2.5f   TernGrad's c
-     DOPT_AGC_EPS_DEFAULT     1e-3f  AGC's ε
+     DOPT_AGC_EPS_DEFAULT     1e-3f  AGC's ε (what eps = 0 means)
      DOPT_CELGC_EPS           1e-10  added to the norm in CELGC's step (the reference code's)
 */
 #ifndef DISTOPT_CLIP_H
@@ -168,27 +201,45 @@ extern "C" {
 #define DOPT_AGC_EPS_DEFAULT 1e-3f
 #define DOPT_CELGC_EPS 1e-10
 
-DOPT_DEF dopt_status dopt_clip_global_norm(dopt_comm *comm, float *grads, size_t n, float max_norm, double *norm);
-DOPT_DEF dopt_status dopt_clip_global_norm_buf(dopt_comm *comm, const dopt_buf *grads, float scale, float max_norm,
-                                               double *norm);
-DOPT_DEF dopt_status dopt_clip_global_norm_factor(dopt_comm *comm, const float *grads, size_t n, float max_norm,
-                                                  double *norm, float *factor);
-DOPT_DEF dopt_status dopt_clip_global_norm_factor_buf(dopt_comm *comm, const dopt_buf *grads, float scale,
-                                                      float max_norm, double *norm, float *factor);
-DOPT_DEF dopt_status dopt_clip_segment_norms(dopt_comm *comm, const dopt_buf *grads, float scale,
-                                             const float *max_norms, float max_norm, double *norms);
+/* The arguments of dopt_clip_global_norm and dopt_clip_segment_norms; a zero field means its
+   default. */
+typedef struct dopt_clip_norm {
+    float max_norm;         /* the threshold; segment_norms: every segment's unless max_norms */
+    float scale;            /* grads holds scale·g (a sum over a batch, a negated gradient); 0 means 1 */
+    const float *max_norms; /* segment_norms: one threshold per segment, or NULL */
+    int measure_only;       /* compute the norm (and factor), leave the gradients alone */
+    double norm;            /* out, global_norm: the global norm ‖scale·g‖ over every rank */
+    float factor;           /* out, global_norm: min(1, max_norm/norm), applied unless measure_only */
+} dopt_clip_norm;
+
+/* The arguments of dopt_clip_agc. */
+typedef struct dopt_agc {
+    float lambda;       /* the bound on ‖scale·g_u‖ / max(‖w_u‖, eps) */
+    float eps;          /* 0: DOPT_AGC_EPS_DEFAULT */
+    float scale;        /* 0: 1 */
+    const size_t *cols; /* one per segment: elements per unit (0: the whole segment); NULL: all 0 */
+} dopt_agc;
+
+/* CELGC's rule: dopt_celgc_step_size, dopt_celgc_step, and localsgd.h's dopt_dp_celgc_step. */
+typedef struct dopt_celgc {
+    float eta;              /* η, the largest step */
+    float gamma;            /* γ: the step is min(η, γ/‖g‖) */
+    float weight_decay;     /* 0: none */
+    float scale;            /* grads holds scale·g; 0 means 1 */
+    const dopt_buf *states; /* dopt_dp_celgc_step only: the driver's extra state buffers (as
+                               dopt_dp_after_step_buf takes them), NULL when none */
+} dopt_celgc;
+
+DOPT_DEF dopt_status dopt_clip_global_norm(dopt_comm *comm, const dopt_buf *grads, dopt_clip_norm *opt);
+DOPT_DEF dopt_status dopt_clip_segment_norms(dopt_comm *comm, const dopt_buf *grads, const dopt_clip_norm *opt,
+                                             double *norms);
 DOPT_DEF dopt_status dopt_clip_value(dopt_comm *comm, const dopt_buf *grads, float scale, float max_value);
 DOPT_DEF dopt_status dopt_clip_sigma(dopt_comm *comm, const dopt_buf *grads, float c);
-DOPT_DEF dopt_status dopt_clip_agc(dopt_comm *comm, const dopt_buf *grads, const dopt_buf *params, const size_t *cols,
-                                   float scale, float lambda, float eps);
+DOPT_DEF dopt_status dopt_clip_agc(dopt_comm *comm, const dopt_buf *grads, const dopt_buf *params,
+                                   const dopt_agc *opt);
 
-DOPT_DEF dopt_status dopt_celgc_step_size(const float *grads, size_t n, float eta, float gamma, float *step);
-DOPT_DEF dopt_status dopt_celgc_step_size_buf(const dopt_buf *grads, float scale, float eta, float gamma,
-                                              float *step);
-DOPT_DEF dopt_status dopt_celgc_step(float *params, const float *grads, size_t n, float eta, float gamma,
-                                     float weight_decay);
-DOPT_DEF dopt_status dopt_celgc_step_buf(const dopt_buf *params, const dopt_buf *grads, float scale, float eta,
-                                         float gamma, float weight_decay);
+DOPT_DEF dopt_status dopt_celgc_step_size(const dopt_buf *grads, const dopt_celgc *rule, float *step);
+DOPT_DEF dopt_status dopt_celgc_step(const dopt_buf *params, const dopt_buf *grads, const dopt_celgc *rule);
 
 #ifdef __cplusplus
 }
@@ -222,6 +273,17 @@ static int dopt__clip_limit_ok(float t) { return !dopt__is_nan(t) && t > 0.0f; }
 static int dopt__clip_positive_finite(float t) { return dopt__is_finite(t) && t > 0.0f; }
 
 static int dopt__clip_scale_ok(float s) { return dopt__is_finite(s) && s != 0.0f; }
+
+/* A field left 0 (either sign), told by its bits: under -ffast-math a NaN may compare equal to 0,
+   and would then take the default instead of being refused. */
+static int dopt__clip_is_zero(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x7FFFFFFFu) == 0;
+}
+
+/* An argument struct's scale: 0 means 1. */
+static float dopt__clip_scale_or_one(float s) { return dopt__clip_is_zero(s) ? 1.0f : s; }
 
 static dopt_status dopt__clip_check_buf(const dopt_buf *b) {
     return b != NULL && dopt_buf_validate(b) == DOPT_OK ? DOPT_OK : DOPT_ERR_INVALID;
@@ -326,38 +388,27 @@ static void dopt__clip_apply_buf(const dopt_buf *b, double f) {
 
 /* ===================================================================== GLOBAL NORM */
 
-DOPT_DEF dopt_status dopt_clip_global_norm_factor_buf(dopt_comm *comm, const dopt_buf *grads, float scale,
-                                                      float max_norm, double *norm, float *factor) {
+DOPT_DEF dopt_status dopt_clip_global_norm(dopt_comm *comm, const dopt_buf *grads, dopt_clip_norm *opt) {
     dopt_status s = dopt__clip_check_buf(grads);
-    double total = 0.0;
-    if (!dopt__clip_scale_ok(scale) || !dopt__clip_limit_ok(max_norm)) s = DOPT_ERR_INVALID;
+    float scale = opt ? dopt__clip_scale_or_one(opt->scale) : 1.0f;
+    double total = 0.0, norm, f;
+    if (opt == NULL || !dopt__is_finite(scale) || !dopt__clip_limit_ok(opt->max_norm)) s = DOPT_ERR_INVALID;
     /* scale² inside the sum, so that ranks with different scales still add like terms */
     if (s == DOPT_OK) total = (double)scale * (double)scale * dopt__clip_buf_sumsq(grads);
+    /* a rank with no opt still takes part, so that its peers fail with it instead of waiting */
     s = dopt__clip_agree(comm, "dopt_clip_global_norm", &total, 1, s);
-    if (norm) *norm = s == DOPT_OK ? sqrt(total) : NAN;
-    if (factor) *factor = s == DOPT_OK ? (float)dopt__clip_factor(sqrt(total), max_norm) : 0.0f;
-    return s;
-}
-
-DOPT_DEF dopt_status dopt_clip_global_norm_buf(dopt_comm *comm, const dopt_buf *grads, float scale, float max_norm,
-                                               double *norm) {
-    double measured;
-    dopt_status s = dopt_clip_global_norm_factor_buf(comm, grads, scale, max_norm, &measured, NULL);
-    if (s == DOPT_OK) dopt__clip_apply_buf(grads, dopt__clip_factor(measured, max_norm));
-    if (norm) *norm = measured;
-    return s;
-}
-
-DOPT_DEF dopt_status dopt_clip_global_norm_factor(dopt_comm *comm, const float *grads, size_t n, float max_norm,
-                                                  double *norm, float *factor) {
-    /* the buffer is only read; dopt_buf holds a non-const pointer for the clipping calls */
-    dopt_buf b = dopt_buf_flat((float *)grads, n, NULL, 0);
-    return dopt_clip_global_norm_factor_buf(comm, &b, 1.0f, max_norm, norm, factor);
-}
-
-DOPT_DEF dopt_status dopt_clip_global_norm(dopt_comm *comm, float *grads, size_t n, float max_norm, double *norm) {
-    dopt_buf b = dopt_buf_flat(grads, n, NULL, 0);
-    return dopt_clip_global_norm_buf(comm, &b, 1.0f, max_norm, norm);
+    if (opt == NULL) return s;
+    if (s != DOPT_OK) {
+        opt->norm = NAN;
+        opt->factor = 0.0f;
+        return s;
+    }
+    norm = sqrt(total);
+    f = dopt__clip_factor(norm, opt->max_norm);
+    opt->norm = norm;
+    opt->factor = (float)f;
+    if (!opt->measure_only) dopt__clip_apply_buf(grads, f);
+    return DOPT_OK;
 }
 
 /* ===================================================================== PER SEGMENT */
@@ -370,9 +421,10 @@ static dopt_status dopt__clip_check_limits(const float *limits, size_t k, float 
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_clip_segment_norms(dopt_comm *comm, const dopt_buf *grads, float scale,
-                                             const float *max_norms, float max_norm, double *norms) {
+DOPT_DEF dopt_status dopt_clip_segment_norms(dopt_comm *comm, const dopt_buf *grads, const dopt_clip_norm *opt,
+                                             double *norms) {
     dopt_status s = DOPT_OK;
+    float scale = opt ? dopt__clip_scale_or_one(opt->scale) : 1.0f;
     size_t i, k;
     if (grads == NULL || (norms == NULL && dopt_buf_nsegs(grads) > 0)) {
         /* Nowhere to reduce nsegs sums: take part with one NaN, so that peers fail too (with
@@ -382,8 +434,8 @@ DOPT_DEF dopt_status dopt_clip_segment_norms(dopt_comm *comm, const dopt_buf *gr
         return DOPT_ERR_INVALID;
     }
     k = dopt_buf_nsegs(grads); /* read from the descriptor alone, so the count matches peers' */
-    if (dopt__clip_check_buf(grads) != DOPT_OK || !dopt__clip_scale_ok(scale) ||
-        dopt__clip_check_limits(max_norms, k, max_norm) != DOPT_OK)
+    if (opt == NULL || dopt__clip_check_buf(grads) != DOPT_OK || !dopt__is_finite(scale) ||
+        dopt__clip_check_limits(opt->max_norms, k, opt->max_norm) != DOPT_OK)
         s = DOPT_ERR_INVALID;
     for (i = 0; i < k && s == DOPT_OK; i++) {
         dopt_span seg = dopt_buf_segment(grads, i);
@@ -391,13 +443,16 @@ DOPT_DEF dopt_status dopt_clip_segment_norms(dopt_comm *comm, const dopt_buf *gr
     }
     s = dopt__clip_agree(comm, "dopt_clip_segment_norms", norms, k, s);
     for (i = 0; i < k; i++) {
-        dopt_span seg = dopt_buf_segment(grads, i);
-        float limit = max_norms ? max_norms[i] : max_norm;
+        dopt_span seg;
+        float limit;
         if (s != DOPT_OK) {
             norms[i] = NAN;
             continue;
         }
         norms[i] = sqrt(norms[i]);
+        if (opt->measure_only) continue;
+        seg = dopt_buf_segment(grads, i);
+        limit = opt->max_norms ? opt->max_norms[i] : opt->max_norm;
         dopt__clip_apply(seg.ptr, seg.count, dopt__clip_factor(norms[i], limit));
     }
     return s;
@@ -484,11 +539,14 @@ static void dopt__clip_agc_segment(float *g, const float *w, size_t count, size_
     }
 }
 
-DOPT_DEF dopt_status dopt_clip_agc(dopt_comm *comm, const dopt_buf *grads, const dopt_buf *params, const size_t *cols,
-                                   float scale, float lambda, float eps) {
+DOPT_DEF dopt_status dopt_clip_agc(dopt_comm *comm, const dopt_buf *grads, const dopt_buf *params,
+                                   const dopt_agc *opt) {
     dopt_status s = dopt__clip_check_pair(params, grads);
+    float scale = opt ? dopt__clip_scale_or_one(opt->scale) : 1.0f;
+    float eps = opt == NULL || dopt__clip_is_zero(opt->eps) ? DOPT_AGC_EPS_DEFAULT : opt->eps;
+    const size_t *cols = opt ? opt->cols : NULL;
     size_t i, k;
-    if (!dopt__clip_scale_ok(scale) || !dopt__clip_limit_ok(lambda) || !dopt__clip_positive_finite(eps))
+    if (opt == NULL || !dopt__is_finite(scale) || !dopt__clip_limit_ok(opt->lambda) || !dopt__clip_positive_finite(eps))
         s = DOPT_ERR_INVALID;
     if (s == DOPT_OK) s = dopt__clip_check_cols(grads, cols);
     if (s == DOPT_OK && (!dopt__clip_buf_finite(grads) || !dopt__clip_buf_finite(params))) s = DOPT_ERR_NONFINITE;
@@ -499,15 +557,19 @@ DOPT_DEF dopt_status dopt_clip_agc(dopt_comm *comm, const dopt_buf *grads, const
         dopt_span g = dopt_buf_segment(grads, i), w = dopt_buf_segment(params, i);
         size_t unit = cols != NULL && cols[i] != 0 ? cols[i] : g.count;
         if (g.count == 0) continue;
-        dopt__clip_agc_segment(g.ptr, w.ptr, g.count, unit, fabs((double)scale), (double)lambda, (double)eps);
+        dopt__clip_agc_segment(g.ptr, w.ptr, g.count, unit, fabs((double)scale), (double)opt->lambda, (double)eps);
     }
     return DOPT_OK;
 }
 
 /* ===================================================================== CELGC STEP RULE */
 
-static dopt_status dopt__celgc_check(float scale, float eta, float gamma) {
-    if (!dopt__clip_scale_ok(scale) || !dopt__clip_positive_finite(eta) || !dopt__clip_limit_ok(gamma))
+/* The whole rule, whichever call reads it; *scale receives its scale with the default applied. */
+static dopt_status dopt__celgc_check(const dopt_celgc *rule, float *scale) {
+    if (rule == NULL) return DOPT_ERR_INVALID;
+    *scale = dopt__clip_scale_or_one(rule->scale);
+    if (!dopt__is_finite(*scale) || !dopt__clip_positive_finite(rule->eta) || !dopt__clip_limit_ok(rule->gamma) ||
+        !(dopt__is_finite(rule->weight_decay) && rule->weight_decay >= 0.0f))
         return DOPT_ERR_INVALID;
     return DOPT_OK;
 }
@@ -521,19 +583,14 @@ static dopt_status dopt__celgc_compute_step(const dopt_buf *grads, float scale, 
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_celgc_step_size_buf(const dopt_buf *grads, float scale, float eta, float gamma,
-                                              float *step) {
+DOPT_DEF dopt_status dopt_celgc_step_size(const dopt_buf *grads, const dopt_celgc *rule, float *step) {
     double st = 0.0;
+    float scale = 1.0f;
     dopt_status s = dopt__clip_check_buf(grads);
-    if (s == DOPT_OK) s = dopt__celgc_check(scale, eta, gamma);
-    if (s == DOPT_OK) s = dopt__celgc_compute_step(grads, scale, eta, gamma, &st);
+    if (s == DOPT_OK) s = dopt__celgc_check(rule, &scale);
+    if (s == DOPT_OK) s = dopt__celgc_compute_step(grads, scale, rule->eta, rule->gamma, &st);
     if (step) *step = s == DOPT_OK ? (float)st : 0.0f;
     return s;
-}
-
-DOPT_DEF dopt_status dopt_celgc_step_size(const float *grads, size_t n, float eta, float gamma, float *step) {
-    dopt_buf b = dopt_buf_flat((float *)grads, n, NULL, 0); /* only read */
-    return dopt_celgc_step_size_buf(&b, 1.0f, eta, gamma, step);
 }
 
 /* x ← keep·x − a·g with keep = 1 − step·weight_decay and a = step·scale (keep = 1 exactly
@@ -546,19 +603,17 @@ static void dopt__celgc_update(float *DOPT_RESTRICT x, const float *DOPT_RESTRIC
     for (i = n_main; i < n; i++) x[i] = keep * x[i] - a * g[i];
 }
 
-DOPT_DEF dopt_status dopt_celgc_step_buf(const dopt_buf *params, const dopt_buf *grads, float scale, float eta,
-                                         float gamma, float weight_decay) {
+DOPT_DEF dopt_status dopt_celgc_step(const dopt_buf *params, const dopt_buf *grads, const dopt_celgc *rule) {
     double step = 0.0;
     size_t i, k;
-    float keep, a;
+    float scale = 1.0f, keep, a;
     dopt_status s = dopt__clip_check_pair(params, grads);
-    if (s == DOPT_OK) s = dopt__celgc_check(scale, eta, gamma);
-    if (s == DOPT_OK && !(dopt__is_finite(weight_decay) && weight_decay >= 0.0f)) s = DOPT_ERR_INVALID;
-    if (s == DOPT_OK) s = dopt__celgc_compute_step(grads, scale, eta, gamma, &step);
+    if (s == DOPT_OK) s = dopt__celgc_check(rule, &scale);
+    if (s == DOPT_OK) s = dopt__celgc_compute_step(grads, scale, rule->eta, rule->gamma, &step);
     if (s != DOPT_OK) return s;
     /* in float arithmetic, where an overflow is an infinity rather than an out-of-range
        conversion; step ≤ eta is a float already */
-    keep = 1.0f - (float)step * weight_decay;
+    keep = 1.0f - (float)step * rule->weight_decay;
     a = (float)step * scale;
     k = dopt_buf_nsegs(grads);
     for (i = 0; i < k; i++) {
@@ -566,12 +621,6 @@ DOPT_DEF dopt_status dopt_celgc_step_buf(const dopt_buf *params, const dopt_buf 
         dopt__celgc_update(x.ptr, g.ptr, g.count, keep, a);
     }
     return DOPT_OK;
-}
-
-DOPT_DEF dopt_status dopt_celgc_step(float *params, const float *grads, size_t n, float eta, float gamma,
-                                     float weight_decay) {
-    dopt_buf x = dopt_buf_flat(params, n, NULL, 0), g = dopt_buf_flat((float *)grads, n, NULL, 0); /* g only read */
-    return dopt_celgc_step_buf(&x, &g, 1.0f, eta, gamma, weight_decay);
 }
 
 #ifdef __cplusplus

@@ -80,7 +80,8 @@
                dopt_batch_observe(&bc, &(dopt_buf){.data = micro, .n = n}, 1.0f);
                dopt_axpy(grads, 1.0f / dopt_batch_units(&bc), micro, n);
            }
-           dopt_dp_celgc_step(&ls, params, grads, eta, gamma, 0.0f);
+           dopt_dp_celgc_step(&ls, &(dopt_buf){.data = params, .n = n}, &(dopt_buf){.data = grads, .n = n},
+                              &(dopt_celgc){.eta = eta, .gamma = gamma});
        }                                    (the step's end for the batch controller too)
 
    WHEN THE AVERAGE HAPPENS
@@ -273,16 +274,15 @@
      without communication: every rank counts steps alike, so every rank skips alike. Collective
      otherwise; errors as dopt_dp_after_step.
 
-   dopt_status dopt_dp_celgc_step(dopt_dp *ls, float *params, const float *grads,
-                                        float eta, float gamma, float weight_decay)
-   dopt_status dopt_dp_celgc_step_buf(dopt_dp *ls, const dopt_buf *params,
-                                            const dopt_buf *grads, const dopt_buf *states,
-                                            float scale, float eta, float gamma,
-                                            float weight_decay)
+   dopt_status dopt_dp_celgc_step(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
+                                  const dopt_celgc *rule)
      CELGC (Liu et al. 2022), one step: after_backward (gradient average on synchronous steps
-     with sync_grads), x ← x − min(η, γ/‖g‖)·(scale·g + wd·x) with clip.h's
-     dopt_celgc_step_buf on this worker's own gradient, then after_step. Arguments are checked
-     before any communication (DOPT_ERR_INVALID, also for an ACROSS batch controller: see the
+     with sync_grads), x ← x − min(η, γ/‖g‖)·(scale·g + wd·x) with clip.h's dopt_celgc_step on
+     this worker's own gradient, then after_step with rule->states (the extra state buffers, as
+     dopt_dp_after_step_buf takes them; NULL when none). rule is clip.h's dopt_celgc (eta, gamma,
+     weight_decay, scale: 0 means 1), e.g. &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f}. Arguments
+     are checked before any communication (DOPT_ERR_INVALID, also for a NULL rule and for an
+     ACROSS batch controller: see the
      ACROSS estimator). With period 1 and sync_grads this is synchronous clipped SGD (gradients
      averaged, then clipped); with period 1 and without sync_grads, CELGC at I = 1 as its paper
      runs it (each worker clips its own gradient, the models are averaged after every step). A NaN or infinity in the gradient: this worker
@@ -595,13 +595,10 @@ DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *ls, const dopt_buf *gra
 DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *ls, float *params);
 DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
 DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
-DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, float *params, const float *grads, float eta,
-                                              float gamma, float weight_decay);
-DOPT_DEF dopt_status dopt_dp_celgc_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
-                                                  const dopt_buf *states, float scale, float eta, float gamma,
-                                                  float weight_decay);
+DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
+                                        const dopt_celgc *rule);
 DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
-                                          double *max_diff);
+                                            double *max_diff);
 DOPT_DEF dopt_status dopt_dp_close(dopt_dp *ls, float *params);
 DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
 DOPT_DEF dopt_status dopt_dp_set_step_samples(dopt_dp *ls, double samples);
@@ -1418,21 +1415,24 @@ DOPT_DEF dopt_status dopt_dp_broadcast(dopt_dp *ls, float *params) {
 
 /* ===================================================================== CELGC COMPOSITION */
 
-static int dopt__ls_celgc_args_ok(float scale, float eta, float gamma, float wd) {
-    return dopt__is_finite(scale) && scale != 0.0f && dopt__is_finite(eta) && eta > 0.0f && !dopt__is_nan(gamma) &&
-           gamma > 0.0f && dopt__is_finite(wd) && wd >= 0.0f;
+static int dopt__ls_celgc_args_ok(const dopt_celgc *r) { /* a zero scale means 1: finite */
+    return dopt__is_finite(r->scale) && dopt__is_finite(r->eta) && r->eta > 0.0f && !dopt__is_nan(r->gamma) &&
+           r->gamma > 0.0f && dopt__is_finite(r->weight_decay) && r->weight_decay >= 0.0f;
 }
 
-DOPT_DEF dopt_status dopt_dp_celgc_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
-                                                  const dopt_buf *states, float scale, float eta, float gamma,
-                                                  float weight_decay) {
+DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
+                                        const dopt_celgc *rule) {
     dopt_status s, step_status;
     if (ls == NULL) return DOPT_ERR_INVALID;
     if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
-    s = dopt__ls_check_layout(ls, params, states);
+    if (rule == NULL) {
+        dopt__ls_fail_detail(ls, "celgc step: no rule (NULL)");
+        return DOPT_ERR_INVALID;
+    }
+    s = dopt__ls_check_layout(ls, params, rule->states);
     if (s != DOPT_OK) return s;
     if (dopt__ls_check_buf(grads, ls->n) != DOPT_OK || dopt_buf_nsegs(grads) != dopt_buf_nsegs(params) ||
-        !dopt__ls_celgc_args_ok(scale, eta, gamma, weight_decay)) {
+        !dopt__ls_celgc_args_ok(rule)) {
         dopt__ls_fail_detail(ls, "celgc step: gradients of another layout, or a bad scale, eta, gamma or decay");
         return DOPT_ERR_INVALID;
     }
@@ -1445,21 +1445,14 @@ DOPT_DEF dopt_status dopt_dp_celgc_step_buf(dopt_dp *ls, const dopt_buf *params,
         s = dopt__ls_average_grads(ls, grads, "dopt_dp_celgc_step");
         if (s != DOPT_OK) return s;
     }
-    step_status = dopt_celgc_step_buf(params, grads, scale, eta, gamma, weight_decay);
+    step_status = dopt_celgc_step(params, grads, rule);
     if (step_status != DOPT_OK && step_status != DOPT_ERR_NONFINITE) {
         dopt__ls_fail_detail(ls, "celgc step: %s (segment sizes of parameters and gradients differ?)",
                              dopt_status_str(step_status));
         return step_status;
     }
-    s = dopt_dp_after_step_buf(ls, params, states);
+    s = dopt_dp_after_step_buf(ls, params, rule->states);
     return s != DOPT_OK ? s : step_status;
-}
-
-DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, float *params, const float *grads, float eta,
-                                              float gamma, float weight_decay) {
-    dopt_buf x = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
-    dopt_buf g = dopt_buf_flat((float *)grads, ls ? ls->n : 0, NULL, 0); /* averaged in place only with sync_grads */
-    return dopt_dp_celgc_step_buf(ls, &x, &g, NULL, 1.0f, eta, gamma, weight_decay);
 }
 
 /* ===================================================================== REPLICA CHECK */

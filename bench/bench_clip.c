@@ -2,8 +2,8 @@
    measures in the same run (the method of bench_kernels).
 
    For 1e5 and 1e7 floats:
-   - norm: dopt_clip_global_norm_factor, the pass every clipping step makes (reads the gradient
-     once; NaN/Inf detection comes from the sum itself), against the read limit;
+   - norm: dopt_clip_global_norm with measure_only, the pass every clipping step makes (reads the
+     gradient once; NaN/Inf detection comes from the sum itself), against the read limit;
    - sumsq: dopt_sumsq, distopt.h's kernel, which the norm pass equals bit for bit;
    - sumsq+finite: dopt_sumsq then dopt_all_finite, what a separate non-finite check would cost;
    - clip: dopt_clip_global_norm when it does clip (norm pass, then a scaling pass: 12 bytes of
@@ -29,10 +29,9 @@
 /* ---- the cases ---- */
 static void k_norm(void *ctx) {
     bench_arrays *a = (bench_arrays *)ctx;
-    double norm;
-    float factor;
-    dopt_clip_global_norm_factor(NULL, a->x, a->n, 1.0f, &norm, &factor);
-    a->sink = norm + factor;
+    dopt_clip_norm o = {.max_norm = 1.0f, .measure_only = 1};
+    dopt_clip_global_norm(NULL, &(dopt_buf){.data = a->x, .n = a->n}, &o);
+    a->sink = o.norm + o.factor;
 }
 static void k_sumsq(void *ctx) {
     bench_arrays *a = (bench_arrays *)ctx;
@@ -44,10 +43,11 @@ static void k_sumsq_finite(void *ctx) {
 }
 static void k_clip(void *ctx) {
     bench_arrays *a = (bench_arrays *)ctx;
-    double norm;
+    dopt_clip_norm o;
     a->scalar *= 0.99999f; /* the threshold, below the norm the previous call clipped the buffer to */
-    dopt_clip_global_norm(NULL, a->y, a->n, a->scalar, &norm);
-    a->sink = norm;
+    o = (dopt_clip_norm){.max_norm = a->scalar};
+    dopt_clip_global_norm(NULL, &(dopt_buf){.data = a->y, .n = a->n}, &o);
+    a->sink = o.norm;
 }
 static void read_prefetch(void *ctx) {
     bench_arrays *a = (bench_arrays *)ctx;

@@ -546,17 +546,20 @@ int main(int argc, char **argv) {
             }
             if (dopt_dp_should_sync(&ls, step)) rounds++;
             if (o.celgc) { /* distopt: x -= min(η, γ/‖g‖)·g, and the average when due */
+                const dopt_celgc rule = {.eta = o.celgc_eta, .gamma = o.celgc_gamma};
+                dopt_buf xb = {.data = params, .n = m.n}, gb = {.data = grads, .n = m.n};
                 float used = o.celgc_eta;
-                st = dopt_dp_celgc_step(&ls, params, grads, o.celgc_eta, o.celgc_gamma, 0.0f);
+                st = dopt_dp_celgc_step(&ls, &xb, &gb, &rule);
                 if (st == DOPT_ERR_NONFINITE) st = DOPT_OK, skipped++; /* this worker skipped its update */
-                else if (st == DOPT_OK) dopt_celgc_step_size(grads, m.n, o.celgc_eta, o.celgc_gamma, &used);
+                else if (st == DOPT_OK) dopt_celgc_step_size(&gb, &rule, &used);
                 clipped += used < o.celgc_eta; /* the step the rule chose was γ/‖g‖ */
             } else {
-                double norm = 0;
+                dopt_clip_norm clip = {.max_norm = o.clip};
                 dopt_dp_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
-                if (o.clip > 0 && dopt_clip_global_norm(NULL, grads, m.n, o.clip, &norm) == DOPT_ERR_NONFINITE)
+                if (o.clip > 0 && dopt_clip_global_norm(NULL, &(dopt_buf){.data = grads, .n = m.n}, &clip) ==
+                                      DOPT_ERR_NONFINITE)
                     memset(grads, 0, m.n * sizeof(float)), skipped++; /* distopt: clip; skip a NaN step */
-                clipped += o.clip > 0 && norm > o.clip;
+                clipped += o.clip > 0 && clip.norm > o.clip;
                 dopt_axpy(params, -o.lr, grads, m.n);
                 st = dopt_dp_after_step(&ls, params); /* distopt: model average when due */
             }

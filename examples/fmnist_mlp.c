@@ -330,11 +330,14 @@ int main(int argc, char **argv) {
             }
             if (dopt_dp_should_sync(&ls, step)) rounds++;
             if (o.celgc) { /* distopt: x -= min(η, γ/‖g‖)·g, and the average when due */
-                st = dopt_dp_celgc_step(&ls, params, grads, o.celgc_eta, o.celgc_gamma, 0.0f);
+                st = dopt_dp_celgc_step(&ls, &(dopt_buf){.data = params, .n = NPARAMS},
+                                        &(dopt_buf){.data = grads, .n = NPARAMS},
+                                        &(dopt_celgc){.eta = o.celgc_eta, .gamma = o.celgc_gamma});
                 if (st == DOPT_ERR_NONFINITE) st = DOPT_OK; /* this worker skipped its update; the average happened */
             } else {
                 dopt_dp_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
-                if (o.clip > 0 && dopt_clip_global_norm(NULL, grads, NPARAMS, o.clip, NULL) == DOPT_ERR_NONFINITE)
+                if (o.clip > 0 && dopt_clip_global_norm(NULL, &(dopt_buf){.data = grads, .n = NPARAMS},
+                                                        &(dopt_clip_norm){.max_norm = o.clip}) == DOPT_ERR_NONFINITE)
                     memset(grads, 0, NPARAMS * sizeof(float)); /* distopt: clip; skip a NaN step */
                 dopt_axpy(params, -o.lr, grads, NPARAMS);
                 st = dopt_dp_after_step(&ls, params); /* distopt: model average when due */

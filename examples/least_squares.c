@@ -85,7 +85,8 @@ int main(int argc, char **argv) {
         gradient(A, b, x, begin, end, &rng, g);
         if (dopt_dp_should_sync(&ls, (uint64_t)step)) messages++;
         if (o.celgc) { /* distopt: x -= min(η, γ/‖g‖)·g, and the average when due */
-            st = dopt_dp_celgc_step(&ls, x, g, o.celgc_eta, o.celgc_gamma, 0.0f);
+            st = dopt_dp_celgc_step(&ls, &(dopt_buf){.data = x, .n = DIM}, &(dopt_buf){.data = g, .n = DIM},
+                                    &(dopt_celgc){.eta = o.celgc_eta, .gamma = o.celgc_gamma});
             continue;
         }
         dopt_dp_after_backward(&ls, g); /* distopt: the mean (fp32 or compressed) on synchronous steps */

@@ -90,6 +90,24 @@ mutate clip-factor-inverted clip.h \
 mutate celgc-rule-max clip.h \
     '*step = limited < (double)eta ? limited : (double)eta;' '*step = limited > (double)eta ? limited : (double)eta;' \
     test_clip:celgc
+mutate clip-zero-scale-refused clip.h \
+    'static float dopt__clip_scale_or_one(float s) { return dopt__clip_is_zero(s) ? 1.0f : s; }' \
+    'static float dopt__clip_scale_or_one(float s) { return dopt__clip_is_zero(s) ? NAN : s; }' test_clip:zero_scale
+mutate clip-zero-scale-kept-as-zero clip.h \
+    'static float dopt__clip_scale_or_one(float s) { return dopt__clip_is_zero(s) ? 1.0f : s; }' \
+    'static float dopt__clip_scale_or_one(float s) { return s; }' test_clip:zero_scale
+mutate clip-zero-scale-by-comparison clip.h \
+    'static float dopt__clip_scale_or_one(float s) { return dopt__clip_is_zero(s) ? 1.0f : s; }' \
+    'static float dopt__clip_scale_or_one(float s) { return s == 0.0f ? 1.0f : s; }' test_clip_ofast:bad_arguments
+mutate clip-measure-only-clips clip.h \
+    '    if (!opt->measure_only) dopt__clip_apply_buf(grads, f);' '    dopt__clip_apply_buf(grads, f);' \
+    test_clip:measure_only
+mutate agc-zero-eps-not-the-default clip.h \
+    'float eps = opt == NULL || dopt__clip_is_zero(opt->eps) ? DOPT_AGC_EPS_DEFAULT : opt->eps;' \
+    'float eps = opt == NULL ? DOPT_AGC_EPS_DEFAULT : opt->eps;' test_clip:agc_zero_eps
+mutate dp-celgc-states-dropped localsgd.h \
+    '    s = dopt_dp_after_step_buf(ls, params, rule->states);' '    s = dopt_dp_after_step_buf(ls, params, NULL);' \
+    test_localsgd:celgc_rule
 mutate augmented-nu-not-squared localsgd.h \
     'if (g2 > 0.0) return v / (tol * tol * g2);' 'if (g2 > 0.0) return v / (tol * g2);' test_localsgd:inner_product
 mutate batch-rounds-down localsgd.h \

@@ -4,7 +4,8 @@
    in flight); the compressed allreduce with every codec of compress.h; and the steps of the
    local SGD driver (period 1 averaging the gradients, fp32 or through TernGrad; period 4
    averaging the models, plain, weighted, through DiLoCo's outer step, through top-k, with
-   extra state buffers).
+   extra state buffers); and clip.h's calls with a communicator, and CELGC's step through the
+   driver.
 
    The allocator is counted (DOPT_MALLOC / DOPT_FREE, defined before the headers). Each shape
    runs one round to warm up (buffers are sized at first use), then three more rounds of the
@@ -392,6 +393,67 @@ DTEST(localsgd_steps_shm_allocate_nothing_after_the_first_period) {
 DTEST(localsgd_steps_tcp_allocate_nothing_after_the_first_period) {
     world_run_sizes(WORLD_TCP, 2, 3, localsgd_steady, NULL);
 }
+
+/* ------------------------------------------------------------------ clipping and CELGC */
+
+#define CL_N ((size_t)4096 + 5)
+static const dopt_segment cl_segs[2] = {{0, 4096, "w"}, {4096 + 1, 4, "b"}};
+
+typedef struct clip_run {
+    dopt_dp ls;
+    float g[CL_N], w[CL_N], x[CL_N], momentum[CL_N];
+    double norms[2];
+} clip_run;
+
+/* Every clipping call on the communicator, then one period of CELGC through the driver (with a
+   state buffer, carried by the rule). */
+static void clip_round(steady *w, void *arg) {
+    clip_run *run = (clip_run *)arg;
+    dopt_buf gb = dopt_buf_flat(run->g, CL_N, cl_segs, 2), wb = dopt_buf_flat(run->w, CL_N, cl_segs, 2);
+    dopt_buf xb = dopt_buf_flat(run->x, CL_N, NULL, 0), flat_g = dopt_buf_flat(run->g, CL_N, NULL, 0);
+    dopt_buf mb = dopt_buf_flat(run->momentum, CL_N, NULL, 0);
+    dopt_clip_norm o = {.max_norm = 0.5f, .measure_only = 1};
+    const size_t cols[2] = {64, 0};
+    int k;
+    fill_floats(run->g, CL_N, round_seed(w));
+    STEADY_OK(w, dopt_clip_global_norm(w->c, &gb, &o));
+    o.measure_only = 0;
+    STEADY_OK(w, dopt_clip_global_norm(w->c, &gb, &o));
+    STEADY_OK(w, dopt_clip_segment_norms(w->c, &gb, &(dopt_clip_norm){.max_norm = 0.1f, .scale = 0.5f}, run->norms));
+    STEADY_OK(w, dopt_clip_value(w->c, &gb, 1.0f, 0.01f));
+    STEADY_OK(w, dopt_clip_sigma(w->c, &gb, DOPT_CLIP_SIGMA_DEFAULT));
+    STEADY_OK(w, dopt_clip_agc(w->c, &gb, &wb, &(dopt_agc){.lambda = 0.01f, .cols = cols}));
+    for (k = 0; k < LS_STEPS_PER_ROUND; k++) {
+        fill_floats(run->g, CL_N, round_seed(w) * 16 + (uint64_t)k);
+        STEADY_OK(w, dopt_dp_celgc_step(&run->ls, &xb, &flat_g,
+                                        &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f, .states = &mb}));
+    }
+}
+
+static void clip_steady(dopt_comm *c, void *arg) {
+    clip_run *run = (clip_run *)calloc(1, sizeof *run);
+    dopt_state_desc desc = {CL_N, DOPT_STATE_AVERAGE, "momentum"};
+    dopt_dp_config cfg;
+    dopt_buf xb, mb;
+    (void)arg;
+    DT_CHECK(run != NULL);
+    memset(&cfg, 0, sizeof cfg);
+    cfg.period = LS_STEPS_PER_ROUND;
+    cfg.states = &desc;
+    cfg.nstates = 1;
+    fill_floats(run->w, CL_N, (uint64_t)c->rank + 7);
+    fill_floats(run->x, CL_N, (uint64_t)c->rank + 99);
+    xb = dopt_buf_flat(run->x, CL_N, NULL, 0);
+    mb = dopt_buf_flat(run->momentum, CL_N, NULL, 0);
+    DT_OK(dopt_dp_init(&run->ls, c, CL_N, &cfg));
+    DT_OK(dopt_dp_broadcast_buf(&run->ls, &xb, &mb));
+    steady_run(c, "clipping and CELGC", clip_round, run);
+    dopt_dp_free(&run->ls);
+    free(run);
+}
+
+DTEST(clipping_shm_allocates_nothing_after_the_first_call) { world_run_sizes(WORLD_SHM, 2, 3, clip_steady, NULL); }
+DTEST(clipping_tcp_allocates_nothing_after_the_first_call) { world_run_sizes(WORLD_TCP, 2, 3, clip_steady, NULL); }
 
 /* ------------------------------------------------------------------ the counter itself */
 

@@ -211,10 +211,16 @@ DTEST(bad_layouts_are_invalid_found_before_communication_and_not_counted) {
     DT_EQ_INT(dopt_dp_after_step_buf(&ls, &xb, &mb), DOPT_ERR_INVALID); /* state of 4, not 5 */
     DT_CHECKF(strstr(dopt_dp_detail(&ls), "bad") != NULL, "detail: %s", dopt_dp_detail(&ls));
     DT_EQ_INT(ls.step, 0);
-    DT_EQ_INT(dopt_dp_celgc_step_buf(&ls, &xb, &xb, &mb, 1.0f, 0.1f, 1.0f, 0.0f), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_celgc_step(&ls, &xb, &xb, &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f, .states = &mb}),
+              DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_celgc_step(&ls, &xb, &xb, &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f}), DOPT_ERR_INVALID);
     mb.n = 5;
-    DT_EQ_INT(dopt_dp_celgc_step_buf(&ls, &xb, &xb, &mb, 0.0f, 0.1f, 1.0f, 0.0f), DOPT_ERR_INVALID);
-    DT_EQ_INT(dopt_dp_celgc_step_buf(&ls, &xb, &xb, &mb, 1.0f, INFINITY, 1.0f, 0.0f), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_celgc_step(&ls, &xb, &xb, &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f, .scale = NAN, .states = &mb}),
+              DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_celgc_step(&ls, &xb, &xb, &(dopt_celgc){.eta = INFINITY, .gamma = 1.0f, .states = &mb}),
+              DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_celgc_step(&ls, &xb, &xb, NULL), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&ls), "rule") != NULL, "detail: %s", dopt_dp_detail(&ls));
     DT_EQ_INT(ls.step, 0);
     DT_OK(dopt_dp_after_step_buf(&ls, &xb, &mb));
     DT_EQ_INT(ls.step, 1);
@@ -397,8 +403,9 @@ DTEST(shm_replica_check_of_ranks_at_different_steps_names_the_steps) { world_run
    return something else. */
 static void body_poisoned_calls(dopt_comm *c, void *arg) {
     enum { N = 64 };
-    float x[N], g[N], factor = 0;
-    double norm = 0, norms[1] = {0};
+    float x[N], g[N];
+    double norms[1] = {0};
+    dopt_clip_norm clip = {.max_norm = 1.0f}, measure = {.max_norm = 1.0f, .measure_only = 1};
     size_t got[8];
     dopt_segment seg = {0, N, "all"};
     dopt_buf bx = dopt_buf_flat(x, N, &seg, 1), bg = dopt_buf_flat(g, N, &seg, 1);
@@ -431,18 +438,19 @@ static void body_poisoned_calls(dopt_comm *c, void *arg) {
     POISONED(dopt_broadcast(c, x, sizeof x, 0));
     POISONED(dopt_barrier(c));
     POISONED(dopt_broadcast_buf(c, &bx, 0));
-    POISONED(dopt_clip_global_norm(c, g, N, 1.0f, &norm));
-    POISONED(dopt_clip_global_norm_factor(c, g, N, 1.0f, &norm, &factor));
-    POISONED(dopt_clip_segment_norms(c, &bg, 1.0f, NULL, 1.0f, norms));
+    POISONED(dopt_clip_global_norm(c, &bg, &clip));
+    POISONED(dopt_clip_global_norm(c, &bg, &measure));
+    POISONED(dopt_clip_segment_norms(c, &bg, &clip, norms));
     POISONED(dopt_clip_value(c, &bg, 1.0f, 0.5f));
     POISONED(dopt_clip_sigma(c, &bg, 3.0f));
+    POISONED(dopt_clip_agc(c, &bg, &bx, &(dopt_agc){.lambda = 0.01f}));
     POISONED(dopt_compress_allreduce(&cz, c, g, N));
     POISONED(dopt_dp_after_backward(&ls, g));
     POISONED(dopt_dp_after_step(&ls, x));
     POISONED(dopt_dp_after_step(&local, x)); /* a local step: nothing to send, still refused */
     POISONED(dopt_dp_sync(&ls, &bx, NULL));
     POISONED(dopt_dp_broadcast(&ls, x));
-    POISONED(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
+    POISONED(dopt_dp_celgc_step(&ls, &bx, &bg, &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f}));
     POISONED(check_flat(&ls, x, &same, NULL));
     POISONED(dopt_dp_close(&ls, x));
 #undef POISONED
@@ -896,7 +904,8 @@ static void body_celgc_reference(dopt_comm *c, void *arg) {
         if ((t + 1) % period == 0) DT_OK(dopt_allreduce(c, xe, LS_D, DOPT_F32, DOPT_MEAN));
         /* the composition */
         celgc_grad(&p, x, g, c->rank, c->size, t);
-        DT_OK(dopt_dp_celgc_step(&ls, x, g, eta, gamma, 0.0f));
+        DT_OK(dopt_dp_celgc_step(&ls, &(dopt_buf){.data = x, .n = LS_D}, &(dopt_buf){.data = g, .n = LS_D},
+                                 &(dopt_celgc){.eta = eta, .gamma = gamma}));
         DT_CHECKF(same_as_reference(x, xe, LS_D), "rank %d step %d: differs from the end-of-step reference", c->rank, t);
     }
     DT_OK(dopt_allreduce(c, xs, LS_D, DOPT_F32, DOPT_MEAN)); /* the start of step CG_STEPS */
@@ -934,14 +943,57 @@ DTEST(celgc_step_with_a_nonfinite_gradient_skips_the_update) {
         g[0] = g[1] = g[2] = g[3] = 0.5f;
         memcpy(&g[i + 1], &bad[i], sizeof(float));
         memcpy(before, x, sizeof x);
-        DT_EQ_INT(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f), DOPT_ERR_NONFINITE);
+        DT_EQ_INT(dopt_dp_celgc_step(&ls, &(dopt_buf){.data = x, .n = 4}, &(dopt_buf){.data = g, .n = 4},
+                                     &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f}), DOPT_ERR_NONFINITE);
         DT_CHECK(memcmp(x, before, sizeof x) == 0);
         DT_EQ_INT(ls.step, i + 1);
     }
     g[0] = g[1] = g[2] = g[3] = 0.5f;
-    DT_OK(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
+    DT_OK(dopt_dp_celgc_step(&ls, &(dopt_buf){.data = x, .n = 4}, &(dopt_buf){.data = g, .n = 4},
+                             &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f}));
     DT_CHECK(x[0] == 1.0f - 0.05f && x[3] == 4.0f - 0.05f);
     dopt_dp_free(&ls);
+    dopt_comm_destroy(c);
+}
+
+/* The rule's defaults and its states: a zero scale steps as scale 1 does, bit for bit; the
+   driver's state buffers come with the rule (averaged with the model); a rule without them, or
+   no rule, is refused before the step is counted. */
+DTEST(celgc_rule_zero_scale_is_one_and_carries_the_states) {
+    dopt_comm *c;
+    dopt_dp a, b;
+    dopt_dp_config cfg;
+    dopt_state_desc st[1] = {{3, DOPT_STATE_AVERAGE, "momentum"}};
+    float xa[6], xb[6], g[6], ma[3] = {1, 2, 3}, mb[3] = {1, 2, 3};
+    dopt_buf sa = dopt_buf_flat(ma, 3, NULL, 0), sb = dopt_buf_flat(mb, 3, NULL, 0);
+    int i, t;
+    DT_OK(dopt_comm_create_self(&c));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.period = 2;
+    cfg.states = st;
+    cfg.nstates = 1;
+    DT_OK(dopt_dp_init(&a, c, 6, &cfg));
+    DT_OK(dopt_dp_init(&b, c, 6, &cfg));
+    for (i = 0; i < 6; i++) xa[i] = xb[i] = 0.25f * (float)i - 0.5f;
+    DT_EQ_INT(dopt_dp_celgc_step(&a, &(dopt_buf){.data = xa, .n = 6}, &(dopt_buf){.data = g, .n = 6}, NULL),
+              DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&a), "rule") != NULL, "detail: %s", dopt_dp_detail(&a));
+    DT_EQ_INT(dopt_dp_celgc_step(&a, &(dopt_buf){.data = xa, .n = 6}, &(dopt_buf){.data = g, .n = 6},
+                                 &(dopt_celgc){.eta = 0.5f, .gamma = 0.1f}), DOPT_ERR_INVALID); /* states missing */
+    DT_EQ_INT(a.step, 0);
+    for (t = 0; t < 5; t++) {
+        for (i = 0; i < 6; i++) g[i] = xa[i] + 0.1f * (float)(i + t);
+        DT_OK(dopt_dp_celgc_step(&a, &(dopt_buf){.data = xa, .n = 6}, &(dopt_buf){.data = g, .n = 6},
+                                 &(dopt_celgc){.eta = 0.5f, .gamma = 0.1f, .weight_decay = 0.01f, .states = &sa}));
+        for (i = 0; i < 6; i++) g[i] = xb[i] + 0.1f * (float)(i + t);
+        DT_OK(dopt_dp_celgc_step(&b, &(dopt_buf){.data = xb, .n = 6}, &(dopt_buf){.data = g, .n = 6},
+                                 &(dopt_celgc){.eta = 0.5f, .gamma = 0.1f, .weight_decay = 0.01f, .scale = 1.0f,
+                                               .states = &sb}));
+    }
+    DT_CHECK(memcmp(xa, xb, sizeof xa) == 0 && xa[0] != -0.5f);
+    DT_EQ_INT(a.step, 5);
+    dopt_dp_free(&a);
+    dopt_dp_free(&b);
     dopt_comm_destroy(c);
 }
 
@@ -962,7 +1014,8 @@ DTEST(celgc_with_the_across_worker_batch_estimator_is_refused) {
     cfg.period = 2;
     cfg.batch = &bc;
     DT_OK(dopt_dp_init(&ls, c, 2, &cfg));
-    DT_EQ_INT(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_dp_celgc_step(&ls, &(dopt_buf){.data = x, .n = 2}, &(dopt_buf){.data = g, .n = 2},
+                                 &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f}), DOPT_ERR_INVALID);
     DT_CHECK(strstr(dopt_dp_detail(&ls), "DOPT_BATCH_WITHIN") != NULL);
     DT_CHECK(ls.step == 0 && x[0] == 0.0f);
     dopt_dp_free(&ls);
@@ -989,7 +1042,8 @@ static void body_celgc_synchronous(dopt_comm *c, void *arg) {
         DT_OK(dopt_allreduce(c, gr, LS_D, DOPT_F32, DOPT_MEAN));
         ref_celgc_update(xr, gr, 0.05f, 0.5f);
         celgc_grad(&p, x, g, c->rank, c->size, t);
-        DT_OK(dopt_dp_celgc_step(&ls, x, g, 0.05f, 0.5f, 0.0f));
+        DT_OK(dopt_dp_celgc_step(&ls, &(dopt_buf){.data = x, .n = LS_D}, &(dopt_buf){.data = g, .n = LS_D},
+                                 &(dopt_celgc){.eta = 0.05f, .gamma = 0.5f}));
         DT_CHECK(same_as_reference(x, xr, LS_D));
         DT_CHECK(same_as_reference(g, gr, LS_D)); /* the gradient was averaged in place */
     }
@@ -1033,7 +1087,8 @@ static void body_quartic(dopt_comm *c, void *arg) {
     for (j = 0; j < QD; j++) x[j] = y[j] = 5.0f;
     for (t = 0; t < 400; t++) {
         quartic_grad(x, g, c->rank, t);
-        DT_OK(dopt_dp_celgc_step(&ls, x, g, 0.1f, 1.0f, 0.0f));
+        DT_OK(dopt_dp_celgc_step(&ls, &(dopt_buf){.data = x, .n = QD}, &(dopt_buf){.data = g, .n = QD},
+                                 &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f}));
         if (t < 40) { /* fixed-step local SGD with the same schedule */
             quartic_grad(y, g, c->rank, t);
             for (j = 0; j < QD; j++) y[j] -= 0.1f * g[j];

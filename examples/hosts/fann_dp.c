@@ -138,8 +138,8 @@ int main(int argc, char **argv) {
                slopes are -∇ summed over the minibatch, hence the scale -1/batch. */
             dopt_dp_after_backward(&dp, ann->train_slopes);                                 /* distopt */
             if (o.clip > 0)                                                                 /* distopt option */
-                st = dopt_clip_global_norm_buf(NULL, &(dopt_buf){.data = ann->train_slopes, .n = ann->total_connections},
-                                               -1.0f / (float)o.batch, o.clip, NULL);       /* distopt option */
+                dopt_clip_global_norm(NULL, &(dopt_buf){.data = ann->train_slopes, .n = ann->total_connections},
+                                      &(dopt_clip_norm){.max_norm = o.clip, .scale = -1.0f / (float)o.batch}); /* distopt option */
             fann_set_learning_rate(ann, o.lr * (1 - (float)step++ / (float)steps)); /* linear decay to 0 */
             fann_update_weights_batch(ann, (unsigned)o.batch, 0, ann->total_connections);
         }
