@@ -35,7 +35,7 @@
            mean_loss = dopt_mean(comm, loss);       (a collective too: every rank calls it)
            if (comm->rank == 0) printf("loss %.4f\n", mean_loss);
            return dopt_comm_finish(comm, st);       (every rank's last call; a failure's detail
-       }                                              goes to stderr)
+       }                                              went to stderr through launch.h's logger)
 
    ./train is a world of one, DOPT_WORLD_SIZE=4 ./train forks 4 ranks on this host, and mpirun,
    srun and torchrun start it too (launch.h). With distopt.h alone, dopt_comm_create_self(&comm)
@@ -248,8 +248,8 @@
      Every fallible call returns dopt_status: DOPT_OK (0) or a negative code; dopt_status_str(s)
      returns a static string for every code and "unknown status" otherwise. Collectives also
      leave a one-line detail in the communicator (dopt_comm_detail), and after any error the
-     communicator is poisoned (COMMUNICATORS): end the rank with dopt_comm_finish(c, status),
-     which prints that detail, rather than calling on. What each code means here:
+     communicator is poisoned (COMMUNICATORS): end the rank with dopt_comm_finish(c, status)
+     (which prints that detail when no log callback was told it), rather than calling on. What each code means here:
      DOPT_ERR_INVALID      a bad argument or layout (a NULL pointer with a count, a segment table
                            out of order, an unknown dtype or op); on every rank when the ranks
                            disagree on what they must share (allgatherv's capacity, the weighted
@@ -274,8 +274,8 @@
 
    NOTES
    - Sizes are size_t. Buffers are passed at each call; nothing is captured at init.
-   - No global mutable state, no printing (but dopt_comm_finish's one line, and launch.h's
-     default logger), no exit(). Logging goes to a callback installed on a communicator
+   - No global mutable state, no printing (but dopt_comm_finish's one line when there is no log
+     callback, and launch.h's default logger), no exit(). Logging goes to a callback installed on a communicator
      (dopt_comm_set_log); without one the library is silent.
    - Thread safety: functions without a context are pure and may be called from any thread. A
      communicator must be used by one thread at a time.

@@ -19,8 +19,8 @@
        if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;   (the reason is on stderr)
        ... train, with comm->rank of comm->size (localsgd.h's driver: dopt_dp_init(&dp, comm, ...)) ...
        return dopt_comm_finish(comm, dopt_dp_close(&dp, params));
-                         (forked ranks exit here; rank 0 gets the job's status; a failure's
-                          detail goes to stderr)
+                         (forked ranks exit here; rank 0 gets the job's status; a failure was
+                          printed to stderr when it happened)
 
    and start it any of these ways:
 
@@ -76,8 +76,9 @@
      variables. On failure *out is NULL, one DOPT_LOG_ERROR line says why, and the status is the
      transport's (DOPT_ERR_INVALID for the environment's mistakes, DOPT_ERR_TIMEOUT when the
      ranks did not all arrive, ...). The default logger (warnings and errors to stderr, installed
-     on the communicator too) and dopt_comm_finish's last line for a failed rank are the only
-     places distopt prints: without a log_fn a failed start would be silent.
+     on the communicator too, so a later failure is printed once, when it happens) is, with
+     dopt_comm_finish's line for a failed rank that has no log callback, the only place distopt
+     prints: without a log_fn a failed start would be silent.
 
    const char *dopt_launch_choose(const dopt_launch_info *info, const dopt_launch_config *cfg,
                                   char *why, size_t cap)

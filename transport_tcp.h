@@ -39,7 +39,7 @@
            if (dopt_tcp_create_from_env(&comm, &base) != DOPT_OK) return 1;   (DOPT_RANK, ...)
            grads[0] = (float)comm->rank;
            st = dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN);
-           return dopt_comm_finish(comm, st);   (destroys comm; a failure's detail goes to stderr)
+           return dopt_comm_finish(comm, st);   (destroys comm; a failure was told to say)
        }
 
    LAUNCH (one process per rank; any start order; rank 0's address and port are the meeting point)
