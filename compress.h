@@ -13,16 +13,26 @@
    QUICK START (TernGrad over any communicator: every rank ends with the same averaged gradient)
 
        dopt_segment segs[2] = {{0, 4096, "w"}, {4096, 64, "b"}};   (the host's tensors)
+       dopt_comm *comm;
        dopt_compressor tern;
        dopt_compressor_config cfg = {0};          (zero: ternary, c = 2.5, scale sharing on)
+       dopt_status st = DOPT_OK;
        cfg.seed = 42;
+       if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;     (launch.h)
        if (dopt_compressor_init(&tern, &cfg, segs, 2) != DOPT_OK) return 1;
        for (step = 0; step < steps; step++) {
            forward_backward(params, grads);                        (the host's own code)
-           if (dopt_compress_allreduce(&tern, comm, grads, 4160) != DOPT_OK) break;
+           st = dopt_compress_allreduce(&tern, comm, grads, 4160);
+           if (st == DOPT_ERR_NONFINITE) continue;   (every rank skips this step together)
+           if (st != DOPT_OK) break;
            sgd_update(params, grads);             (same averaged gradient on every rank)
        }
        dopt_compressor_free(&tern);
+       return dopt_comm_finish(comm, st);
+
+   With localsgd.h's driver, hand the compressor to it instead of calling the allreduce yourself:
+   dopt_dp_config's grad_compressor averages the gradients of synchronous steps through it, its
+   compressor the model deltas of local SGD's averages (localsgd.h's quick start).
 
    Parameter localization (TernGrad §3): every rank applies the same averaged gradient to its own
    copy of the parameters; the copies stay identical when they start identical (broadcast them
@@ -104,7 +114,8 @@
                                     float weight, const dopt_buf *accum)
      Decodes a message of this compressor's layout and adds weight · C(g) into accum (flat or
      scatter list, the layout's segment counts). The message is validated completely before
-     accum is touched; anything that does not follow the format below — a wrong magic, version,
+     accum is touched; anything that does not follow the wire format (REFERENCE FOR CONTRIBUTORS
+     below) — a wrong magic, version,
      codec, layout, size, a 2-bit code 11, a level above s, an index out of range or out of
      order, non-zero padding or unused bits, a negative or non-finite scale or norm, a NaN or
      infinity among the values (fp32, fp16, bf16, top-k's, ternary's fp32 segments) — returns
@@ -118,14 +129,8 @@
                                            const dopt_buf *grads)
      The compressed allreduce, in place: on return grads holds (1/N) Σ_r C_r(g_r), the same bytes
      on every rank. The flat form uses the layout's segment table on grads (n must reach the end
-     of the last segment). Steps: (ternary, scale sharing) the per-segment scales and a
-     non-finite flag go through one allreduce MAX of nsegs + 1 floats; every rank encodes its
-     message (dopt_compress_bound bytes, equal on every rank), one allgather, and every rank
-     validates the N messages and decodes them with weight w = 1/N (a float). Ternary, N <= 127:
-     a segment whose N scales are equal (scale sharing) is summed as integers — its result is
-     (float)(Σ_r t_r) · (w·s), one rounding, in one write pass; other ternary segments (fp32,
-     or scales not shared), other codecs and N > 127 accumulate the N messages in rank order
-     into the zeroed segments, y += (w·s_r)·t_r. The first
+     of the last segment). How the messages are exchanged and summed: REFERENCE FOR CONTRIBUTORS
+     below (THE COMPRESSED ALLREDUCE). The first
      call sizes the gather buffer for comm->size messages (one allocation, kept for later calls;
      a larger world later grows it once). The step and the residual change only when the call
      succeeds. Errors: those of the collectives, DOPT_ERR_INVALID, DOPT_ERR_NONFINITE (some
@@ -144,8 +149,8 @@
    size_t dopt_compress_state_bytes(const dopt_compressor *cz)
    dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity)
    dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *in, size_t bytes)
-     The per-rank state — the step (RNG counter) and the error-feedback residual — as bytes:
-     magic "DOPS", version, codec, element count, step, residual (f32 each, when EF is on).
+     The per-rank state — the step (RNG counter) and the error-feedback residual — as bytes
+     (their layout: REFERENCE FOR CONTRIBUTORS below, STATE FORMAT).
      Load validates all of it against this compressor (DOPT_ERR_PROTOCOL otherwise, state
      unchanged). Save: DOPT_ERR_INVALID when capacity is too small.
 
@@ -157,11 +162,8 @@
      dopt_compress_allreduce returns DOPT_ERR_NONFINITE on every rank together, writes nothing
      into any rank's grads, and leaves every rank's step and residual as they were: skip the step
      and go on with the next one. dopt_compress_encode returns it too, with the same state kept.
-     How every rank learns it, at no extra round trip: with scale sharing (ternary's default)
-     the flag rides in the allreduce MAX of the scales, and the call returns before the message
-     exchange; otherwise the rank sends a flagged message (the header with the non-finite flag,
-     zeros after it) in the allgather it makes anyway, and every rank finds the flag before it
-     reads any body. The detection tests bits (an exponent of all ones) of the values each
+     Every rank learns it at no extra round trip (how: REFERENCE FOR CONTRIBUTORS below).
+     The detection tests bits (an exponent of all ones) of the values each
      encoder reads in a pass it makes anyway (ternary's statistics, QSGD's norms, top-k's keys,
      sign's scale, the fp16/bf16/fp32 conversion), so it holds in hosts built with -Ofast or
      -ffast-math, where the compiler may assume that no float is NaN or infinite and fold
@@ -169,65 +171,28 @@
      NaN and infinity pass through it like any value.
 
    RANDOMNESS
-     Ternary and QSGD round with distopt's Philox generator, the stream (seed, rank,
-     step · 2^32 + segment) (dopt_rng_init with stream = step << 32 | segment). QSGD: word e
-     decides element e of the segment. Ternary: element e is kept with probability A/2^24,
-     A = ceil(|clip(g_e)| · (2^24/s)) (the product in float), by comparing a 24-bit uniform
-     u = h·2^16 + l with A. h, 8 bits, is byte e of the stream (byte e mod 4, bits 8·(e mod 4)
-     and up, of word e div 4) — four elements per word; l, 16 bits, is the low half of word
-     2^63 + e, drawn only when h = A div 2^16 (probability 2^-8), since otherwise h alone
-     decides. A scale (ternary) or bucket norm (QSGD) below 1e-30, where 2^24/s would overflow
+     Ternary and QSGD round with distopt's Philox generator, keyed by the seed and the rank, one
+     stream per step and segment (the exact words each element uses: REFERENCE FOR CONTRIBUTORS
+     below). A scale (ternary) or bucket norm (QSGD) below 1e-30, where 2^24/s would overflow
      a float, sends zero codes: a bias below 1e-30 per element. The result does not depend on
-     threading, vector width or call order, and a run can be replayed. The step counts encodes; it is saved with the state.
-
-   WIRE FORMAT (little-endian; every message of a compressor has the same size)
-
-     message header, 32 bytes
-       0  u32  magic 0x43504F44 (the bytes "DOPC")
-       4  u8   version, 2 (version 1 had no flags: byte 6 was reserved)
-       5  u8   codec (dopt_codec)
-       6  u8   flags: bit 0 = the sender's gradient was not finite (its message carries nothing:
-               every byte after the header is 0); the other bits 0
-       7  u8   reserved, 0
-       8  u32  number of segments
-      12  u32  rank of the sender (the allreduce checks that message r says r)
-      16  u64  elements in all segments
-      24  u64  bytes in the whole message, this header included
-     then for each segment, in order: a 16-byte record header
-       0  u64  elements in the segment
-       8  u32  a (by codec, below)
-      12  u32  b (by codec, below)
-     and the body, padded with zero bytes to a multiple of 8.
-
-     codec    a                    b                  body
-     TERNARY  0: ternary, 1: fp32  scale s (f32 bits)  ternary: 2-bit codes 00 = 0, 01 = +1,
-                                   0 for fp32           10 = -1 (11 is invalid), value s·t;
-                                                        fp32: count f32 (segments below
-                                                        fp32_below)
-     QSGD     bucket size          s (levels)          one f32 norm per bucket, then codes:
-                                                        s <= 7: 4 bits, sign bit 3, level in
-                                                        bits 0-2; else one signed byte; value
-                                                        norm · level / s
-     TOPK     k                    0                   k u32 indices (strictly increasing),
-                                                        then k f32 values
-     SIGN     0                    scale (f32 bits)     1 bit per element, 1 = negative; value
-                                                        ±scale
-     FP16     0                    0                   count IEEE binary16
-     BF16     0                    0                   count bfloat16 (upper half of a f32)
-     FP32     0                    0                   count f32
-
-     Every value a message carries is finite: scales and norms are finite and not negative, and
-     no f32, fp16 or bf16 value has an exponent of all ones.
-
-     Bit packing (1, 2 and 4 bits): a segment's codes go in blocks of 64 elements (the last may
-     be shorter). A block of m elements of w bits takes q = ceil(m·w / 8) bytes; its element t
-     is at byte t mod q, bits w·(t div q) and up. Bits no element uses are 0. (This
-     interleaving lets a whole block be packed and unpacked with vertical vector operations.)
+     threading, vector width or call order, and a run can be replayed. The step counts encodes;
+     it is saved with the state.
 
    ERROR FEEDBACK
      A wrapper around any codec: p = g + e is compressed instead of g, and e = p - C(p) where
      C(p) is exactly what the message decodes to (the rank's own message is decoded with weight
      -1 into p). The residual is per-rank state: save it with dopt_compress_state_save.
+
+   ERRORS (what to do)
+     DOPT_ERR_NONFINITE   skip the step and go on: every rank of dopt_compress_allreduce got it
+                          together, and nothing changed (NON-FINITE GRADIENTS).
+     DOPT_ERR_INVALID     a layout, buffer or configuration that does not fit: fix the call.
+     DOPT_ERR_PROTOCOL    decode or state_load: bytes that are not this compressor's; from the
+                          allreduce, or DOPT_ERR_MISMATCH: the ranks do not share one layout and
+                          configuration (or one distopt release).
+     DOPT_ERR_NOMEM       an allocation failed (init, the allreduce's first call).
+     Others come from the collectives (distopt.h's ERRORS): the communicator is poisoned; end the
+     rank with dopt_comm_finish(comm, status).
 
    THREADING
      A compressor is used by one thread at a time; different compressors are independent.
@@ -314,6 +279,87 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
 #endif
 
 #endif /* DISTOPT_COMPRESS_H */
+
+/* ==================== REFERENCE FOR CONTRIBUTORS ====================
+   Not needed to use compress.h: how the compressed allreduce exchanges and sums the messages, how
+   a non-finite gradient reaches every rank, which random words round each element, and the
+   layouts of the messages and of the saved state.
+
+   THE COMPRESSED ALLREDUCE
+     dopt_compress_allreduce's steps: (ternary, scale sharing) the per-segment scales and a
+     non-finite flag go through one allreduce MAX of nsegs + 1 floats; every rank encodes its
+     message (dopt_compress_bound bytes, equal on every rank), one allgather, and every rank
+     validates the N messages and decodes them with weight w = 1/N (a float). Ternary, N <= 127:
+     a segment whose N scales are equal (scale sharing) is summed as integers — its result is
+     (float)(Σ_r t_r) · (w·s), one rounding, in one write pass; other ternary segments (fp32,
+     or scales not shared), other codecs and N > 127 accumulate the N messages in rank order
+     into the zeroed segments, y += (w·s_r)·t_r.
+
+   NON-FINITE GRADIENTS: HOW EVERY RANK LEARNS IT
+     How every rank learns it, at no extra round trip: with scale sharing (ternary's default)
+     the flag rides in the allreduce MAX of the scales, and the call returns before the message
+     exchange; otherwise the rank sends a flagged message (the header with the non-finite flag,
+     zeros after it) in the allgather it makes anyway, and every rank finds the flag before it
+     reads any body.
+
+   RANDOMNESS
+     Ternary and QSGD round with distopt's Philox generator, the stream (seed, rank,
+     step · 2^32 + segment) (dopt_rng_init with stream = step << 32 | segment). QSGD: word e
+     decides element e of the segment. Ternary: element e is kept with probability A/2^24,
+     A = ceil(|clip(g_e)| · (2^24/s)) (the product in float), by comparing a 24-bit uniform
+     u = h·2^16 + l with A. h, 8 bits, is byte e of the stream (byte e mod 4, bits 8·(e mod 4)
+     and up, of word e div 4) — four elements per word; l, 16 bits, is the low half of word
+     2^63 + e, drawn only when h = A div 2^16 (probability 2^-8), since otherwise h alone
+     decides.
+
+   WIRE FORMAT (little-endian; every message of a compressor has the same size)
+
+     message header, 32 bytes
+       0  u32  magic 0x43504F44 (the bytes "DOPC")
+       4  u8   version, 2 (version 1 had no flags: byte 6 was reserved)
+       5  u8   codec (dopt_codec)
+       6  u8   flags: bit 0 = the sender's gradient was not finite (its message carries nothing:
+               every byte after the header is 0); the other bits 0
+       7  u8   reserved, 0
+       8  u32  number of segments
+      12  u32  rank of the sender (the allreduce checks that message r says r)
+      16  u64  elements in all segments
+      24  u64  bytes in the whole message, this header included
+     then for each segment, in order: a 16-byte record header
+       0  u64  elements in the segment
+       8  u32  a (by codec, below)
+      12  u32  b (by codec, below)
+     and the body, padded with zero bytes to a multiple of 8.
+
+     codec    a                    b                  body
+     TERNARY  0: ternary, 1: fp32  scale s (f32 bits)  ternary: 2-bit codes 00 = 0, 01 = +1,
+                                   0 for fp32           10 = -1 (11 is invalid), value s·t;
+                                                        fp32: count f32 (segments below
+                                                        fp32_below)
+     QSGD     bucket size          s (levels)          one f32 norm per bucket, then codes:
+                                                        s <= 7: 4 bits, sign bit 3, level in
+                                                        bits 0-2; else one signed byte; value
+                                                        norm · level / s
+     TOPK     k                    0                   k u32 indices (strictly increasing),
+                                                        then k f32 values
+     SIGN     0                    scale (f32 bits)     1 bit per element, 1 = negative; value
+                                                        ±scale
+     FP16     0                    0                   count IEEE binary16
+     BF16     0                    0                   count bfloat16 (upper half of a f32)
+     FP32     0                    0                   count f32
+
+     Every value a message carries is finite: scales and norms are finite and not negative, and
+     no f32, fp16 or bf16 value has an exponent of all ones.
+
+     Bit packing (1, 2 and 4 bits): a segment's codes go in blocks of 64 elements (the last may
+     be shorter). A block of m elements of w bits takes q = ceil(m·w / 8) bytes; its element t
+     is at byte t mod q, bits w·(t div q) and up. Bits no element uses are 0. (This
+     interleaving lets a whole block be packed and unpacked with vertical vector operations.)
+
+   STATE FORMAT
+     dopt_compress_state_save writes the per-rank state as: magic "DOPS", version, codec, element
+     count, step, residual (f32 each, when EF is on).
+*/
 
 /* =====================================================================================
    IMPLEMENTATION — stop reading here if you only want the API.

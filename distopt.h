@@ -1,6 +1,12 @@
 /* distopt.h — communication-efficient data-parallel training for C training loops.
    Version 0.1.0. MIT licence (see the end of this file).
 
+   The core every other distopt header builds on: status codes, descriptors of the host's
+   parameter and gradient buffers, a counter-based random number generator, vector kernels, and the
+   communicator (dopt_comm) with its collectives, including a world of one ("self"). The transports
+   (transport_shm.h, transport_tcp.h, transport_mpi.h) give worlds of many; launch.h starts a job in
+   one call; clip.h, compress.h and localsgd.h are the training methods.
+
    DO THIS in exactly one C or C++ file of your program, before including the header:
 
        #define DISTOPT_IMPLEMENTATION
@@ -9,14 +15,32 @@
    Every other file includes "distopt.h" alone. With DISTOPT_STATIC defined as well, every function
    becomes static (and unused-safe), for programs that are a single translation unit.
 
-   QUICK START (a world of one; the transports give worlds of many)
+   QUICK START (every rank runs the same program; launch.h reads the job from the environment)
 
-       dopt_comm *comm;
-       if (dopt_comm_create_self(&comm) != DOPT_OK) return 1;
-       float grads[1000];                       (the host's own gradient buffer)
-       dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN);
-       double ss = dopt_sumsq(grads, 1000);
-       dopt_comm_destroy(comm);
+       #define DISTOPT_IMPLEMENTATION
+       #include "distopt.h"
+       #include "transport_shm.h"      (the transports the program may run on)
+       #include "transport_tcp.h"
+       #include "launch.h"
+       #include <stdio.h>
+
+       int main(void) {
+           float grads[1000] = {0};                 (the host's own gradient buffer)
+           double loss = 0.5, mean_loss;
+           dopt_status st;
+           dopt_comm *comm;
+           if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;   (the reason is on stderr)
+           grads[0] = (float)comm->rank;
+           st = dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN); (the mean, on every rank)
+           mean_loss = dopt_mean(comm, loss);       (a collective too: every rank calls it)
+           if (comm->rank == 0) printf("loss %.4f\n", mean_loss);
+           return dopt_comm_finish(comm, st);       (every rank's last call; a failure's detail
+       }                                              went to stderr through launch.h's logger)
+
+   ./train is a world of one, DOPT_WORLD_SIZE=4 ./train forks 4 ranks on this host, and mpirun,
+   srun and torchrun start it too (launch.h). With distopt.h alone, dopt_comm_create_self(&comm)
+   gives a world of one. A training loop calls localsgd.h's driver (dopt_dp_*) rather than the
+   collectives, and ends with return dopt_comm_finish(comm, dopt_dp_close(&dp, params));
 
    BUILD OPTIONS (define before including, in the implementation file unless said otherwise)
 
@@ -27,22 +51,15 @@
    | DOPT_MALLOC(sz), DOPT_FREE(p)| replace malloc/free; define both or neither           | impl file      |
    | DOPT_ASSERT(x)               | replace assert() for internal invariants              | impl file      |
    | DOPT_USE_BLAS                | dopt_axpy and dopt_scale through <cblas.h> (link a    | impl file      |
-   |                              | CBLAS, e.g. -lopenblas): 10-30% faster at large sizes |                |
-   |                              | here; without it every kernel is plain C and nothing  |                |
-   |                              | beyond libm is needed                                 |                |
+   |                              | CBLAS, e.g. -lopenblas): faster at large sizes (see   |                |
+   |                              | REFERENCE FOR CONTRIBUTORS below: measured); without  |                |
+   |                              | it every kernel is plain C and nothing beyond libm is |                |
+   |                              | needed                                                |                |
    | DOPT_NO_BLAS                 | never include <cblas.h>, even with DOPT_USE_BLAS      | impl file      |
-
-   CONVENTIONS
-   - Every fallible call returns dopt_status: DOPT_OK (0) or a negative code; dopt_status_str()
-     names it. Collectives also leave a one-line detail in the communicator (dopt_comm_detail).
-   - Sizes are size_t. Buffers are passed at each call; nothing is captured at init.
-   - No global mutable state, no printing, no exit(). Logging goes to a callback installed on a
-     communicator (dopt_comm_set_log); without one the library is silent.
-   - Thread safety: functions without a context are pure and may be called from any thread. A
-     communicator must be used by one thread at a time.
-
-   STATUS CODES
-     dopt_status_str(s) returns a static string for every code and "unknown status" otherwise.
+   | DOPT_NO_VECTOR_EXT           | plain loops only: no vector types and no intrinsics   | impl file      |
+   |                              | (distopt.h, compress.h), whatever the target supports |                |
+   | DOPT_NO_THREADS              | no <pthread.h>: dopt_comm_set_progress_thread returns | impl file      |
+   |                              | DOPT_ERR_UNSUPPORTED                                  |                |
 
    BUFFER DESCRIPTORS
      A host holds its parameters and gradients either flat (one float array, optionally cut into
@@ -131,16 +148,67 @@
      are bytes handed to the transport, not bytes on the wire, which depend on the algorithm (a
      ring allreduce sends 2·(size-1)/size of its payload). dopt_comm_traffic_total sums them;
      zero the struct to start a new count.
+     dopt_comm_set_log(c, fn, user) installs the log callback. dopt_comm_set_timeout(c, ms) sets
+     c->timeout_ms, the bound on every wait (0 or less: the default, 300 s; each transport's
+     config sets it at create; MPI without its engine enforces none: see transport_mpi.h).
 
      The collectives distopt's own calls make (the replica check, the batch-size decision, the
      clip verdict, TernGrad's scale sharing, the model average) name that call in the detail:
      "rank 0: dopt_dp_check_replicas: allreduce #68 (i64 max, 2 elems): rank 1 called
-     allreduce #68 (f32 mean, 235146 elems)". A module labels its collectives with
-     dopt_comm_set_api(c, "its call") and puts the previous label back after (labels nest).
+     allreduce #68 (f32 mean, 235146 elems)".
      In a program built with OpenMP (-fopenmp where DISTOPT_IMPLEMENTATION is defined), when
      several ranks share a host and OMP_NUM_THREADS is unset, the shm, TCP and MPI backends warn
      once through the log callback — each rank would start a thread per core — with the numbers
      and the setting to use.
+
+   REQUESTS (nonblocking collectives)
+     dopt_allreduce_start, dopt_allgather_start and dopt_broadcast_start take the arguments of
+     their blocking twins plus a dopt_request the caller keeps (a plain value, nothing to free),
+     and return at once. dopt_test(&req, &done) makes progress without sleeping and sets done;
+     dopt_wait(&req) makes progress until the request completed. Buffers belong to the
+     collective until then: do not touch them. Several may be in flight; they complete in the
+     order they were started (waiting on a later one completes the earlier ones too), and their
+     results equal the blocking call's bit for bit. Waiting again on a completed request returns
+     DOPT_OK. The blocking calls are start + wait, and every collective, blocking or not, takes
+     the next sequence number when it starts, so ranks must start them in the same order.
+     On a failure the communicator is poisoned as for a blocking call: the failing request and
+     every one after it return the error; one that completed before the failure returns
+     DOPT_OK. Progress is made inside dopt_test and dopt_wait (and the blocking calls) and, on a
+     communicator given one, by a progress thread: dopt_comm_set_progress_thread(c, interval_us)
+     (TCP: the config's progress_thread_us) starts a thread that passes over the links every
+     interval_us while requests are in flight and sleeps otherwise; it stops at destroy, and every
+     call on c (and its groups) then takes a lock the thread shares. A failure the thread finds
+     poisons c as any other would, and is logged from the thread (the log callback must then
+     tolerate being called from it). Without one, a request left alone does not move. With the TCP
+     transport (and any backend with links: see REFERENCE FOR CONTRIBUTORS below, WRITING A BACKEND)
+     the requests really overlap with the caller's work; the shm and MPI backends still run each
+     collective whole when it starts, so there a request is complete when start returns.
+
+   GROUPS (sub-communicators)
+     dopt_comm_split(c, color, key, &g): every rank of c calls it; the ranks that pass the same
+     color (>= 0) form a group g, ranked by key then by their rank in c; DOPT_UNDEFINED joins
+     none (g = NULL). dopt_comm_split_host(c, &g): the ranks of c on this rank's host (from the
+     host table TCP builds from its ranks' addresses; else from the host name and network
+     namespace, exchanged). A group is a communicator like any other (every collective, request,
+     the traffic counters of its own) and may be split again; destroy it with dopt_comm_destroy,
+     before or after c. Over TCP and shm (any backend with links) a group shares c's links, so a
+     rank that calls the parent while its peer calls a group they share is named (MISMATCH,
+     "... in group 1").
+     Rule: collectives on c and on groups split from it in which two ranks both take part must
+     be started in the same order on both (a program that does otherwise would deadlock on most
+     libraries; here it fails with a mismatch). A failure in c or any of its groups poisons them
+     all (they share links). Details name ranks of the communicator the transport made. MPI
+     splits with MPI_Comm_split; the self backend into itself; shm over its per-pair links (in
+     worlds of up to 64 ranks; larger ones have no links and return DOPT_ERR_UNSUPPORTED,
+     nothing poisoned).
+
+   RANKS THAT SHARE A HOST
+     Where the transport knows which ranks share a host (TCP, from the addresses its ranks listen
+     on), a large allreduce across several hosts with the same number of ranks each runs in two
+     levels, within each host and then across hosts, so that a host's link carries 2·(H−1)/H of
+     the buffer for H hosts instead of the flat ring's 2·(N−1)/N for N ranks. Every rank still
+     ends with the same bits, run after run. TCP's two_level (DOPT_TWO_LEVEL: auto, on, off)
+     chooses when; see REFERENCE FOR CONTRIBUTORS below: HOSTS.
 
    LAUNCH VARIABLES
      dopt_launch_read(&info, why, cap) reads where this process stands in its job from the
@@ -176,77 +244,41 @@
      torchrun only) are read as torchrun's first, so torchrun started by srun works too.
      info->rank_from and info->master_from say which variables were used.
 
-   REQUESTS (nonblocking collectives)
-     dopt_allreduce_start, dopt_allgather_start and dopt_broadcast_start take the arguments of
-     their blocking twins plus a dopt_request the caller keeps (a plain value, nothing to free),
-     and return at once. dopt_test(&req, &done) makes progress without sleeping and sets done;
-     dopt_wait(&req) makes progress until the request completed. Buffers belong to the
-     collective until then: do not touch them. Several may be in flight; they complete in the
-     order they were started (waiting on a later one completes the earlier ones too), and their
-     results equal the blocking call's bit for bit. Waiting again on a completed request returns
-     DOPT_OK. The blocking calls are start + wait, and every collective, blocking or not, takes
-     the next sequence number when it starts, so ranks must start them in the same order.
-     On a failure the communicator is poisoned as for a blocking call: the failing request and
-     every one after it return the error; one that completed before the failure returns
-     DOPT_OK. Progress is made inside dopt_test and dopt_wait (and the blocking calls) and, on a
-     communicator given one, by a progress thread: dopt_comm_set_progress_thread(c, interval_us)
-     (TCP: the config's progress_thread_us) starts a thread that passes over the links every
-     interval_us while requests are in flight and sleeps otherwise; it stops at destroy, and
-     every call on c (and its groups) then takes a lock the thread shares. A failure the thread
-     finds poisons c as any other would, and is logged from the thread (the log callback must
-     then tolerate being called from it). Without one, a request
-     left alone does not move. With the TCP transport (and any backend with links, below) the
-     requests really overlap with the caller's work; the shm and MPI backends still run each
-     collective whole when it starts, so there a request is complete when start returns.
+   ERRORS
+     Every fallible call returns dopt_status: DOPT_OK (0) or a negative code; dopt_status_str(s)
+     returns a static string for every code and "unknown status" otherwise. Collectives also
+     leave a one-line detail in the communicator (dopt_comm_detail), and after any error the
+     communicator is poisoned (COMMUNICATORS): end the rank with dopt_comm_finish(c, status)
+     (which prints that detail when no log callback was told it), rather than calling on. What each code means here:
+     DOPT_ERR_INVALID      a bad argument or layout (a NULL pointer with a count, a segment table
+                           out of order, an unknown dtype or op); on every rank when the ranks
+                           disagree on what they must share (allgatherv's capacity, the weighted
+                           mean's total). Fix the call.
+     DOPT_ERR_NOMEM        an allocation failed.
+     DOPT_ERR_IO           a system call failed (file, socket, shared memory).
+     DOPT_ERR_TIMEOUT      a peer did not answer within the communicator's timeout; the detail
+                           names it.
+     DOPT_ERR_PEER_LOST    a peer closed its connection or its process died; the detail names it.
+     DOPT_ERR_MISMATCH     ranks called different collectives, counts, types, ops or roots; the
+                           detail names both calls. Every rank must make the same calls in the
+                           same order.
+     DOPT_ERR_NONFINITE    NaN or infinity where finite numbers are needed (clip.h, compress.h
+                           and localsgd.h say what to do; dopt_allreduce checks nothing).
+     DOPT_ERR_PROTOCOL     bytes from a peer or a file that do not follow the format (another
+                           release of distopt, a stranger, a damaged state file).
+     DOPT_ERR_AUTH         a peer presented the wrong job token (TCP).
+     DOPT_ERR_UNSUPPORTED  the operation is not available with this backend or build (groups on
+                           shm beyond 64 ranks; a progress thread without links or threads).
+     DOPT_ERR_CLOSED       the communicator was already shut down (MPI finalized under it).
+     Each transport's manual lists what its create can return and what its details say.
 
-   GROUPS (sub-communicators)
-     dopt_comm_split(c, color, key, &g): every rank of c calls it; the ranks that pass the same
-     color (>= 0) form a group g, ranked by key then by their rank in c; DOPT_UNDEFINED joins
-     none (g = NULL). dopt_comm_split_host(c, &g): the ranks of c on this rank's host (from the
-     host table TCP builds from its ranks' addresses; else from the host name and network
-     namespace, exchanged). A group is a communicator like any other (every collective, request,
-     the traffic counters of its own) and may be split again; destroy it with dopt_comm_destroy,
-     before or after c. Over TCP and shm (any backend with links) a group shares c's links: its
-     collectives run on c's engine with the group's number in every frame, so a rank that calls
-     the parent while its peer calls a group they share is named (MISMATCH, "... in group 1").
-     Rule: collectives on c and on groups split from it in which two ranks both take part must
-     be started in the same order on both (a program that does otherwise would deadlock on most
-     libraries; here it fails with a mismatch). A failure in c or any of its groups poisons them
-     all (they share links). Details name ranks of the communicator the transport made. MPI
-     splits with MPI_Comm_split; the self backend into itself; shm over its per-pair links (in
-     worlds of up to 64 ranks; larger ones have no links and return DOPT_ERR_UNSUPPORTED,
-     nothing poisoned).
-
-   WRITING A BACKEND
-     A backend gives each rank a link to every peer: an ordered, reliable byte stream that it can
-     write and read without blocking, a way to wait until a link may move, and a way to end its
-     writing side (the link_* fields of dopt_comm_vtable, with struct_size =
-     sizeof(dopt_comm_vtable)). The engine in this file
-     runs every collective over those links: frames with the collective in every header (so a
-     rank that calls something else is named at once), ring reduce-scatter/allgather pipelined
-     at byte granularity for large messages, direct exchange, binomial tree, chain and
-     dissemination barrier for small ones, requests, timeouts, aborts that name the culprit on
-     every rank, and a link that ends without one blamed on the right rank. Create the
-     communicator with dopt_comm_new, tune the engine with dopt_comm_set_engine, tell it which
-     ranks share a host with dopt_comm_set_hosts (below), and call dopt_links_goodbye from
-     destroy before closing the links. tests/test_engine.c is a complete
-     backend over socketpairs (about 120 lines, connecting the ranks included), run through the
-     conformance suite.
-     HOSTS. Given which host each rank runs on (dopt_comm_set_hosts), with H > 1 hosts of the
-     same number L > 1 of ranks each, a large allreduce runs in two levels: a ring
-     reduce-scatter among the host's ranks leaves each with 1/L of the host's sum; the ranks that
-     hold the same 1/L on every host allreduce it in one ring across hosts; an allgather within
-     the host spreads the result, block by block as the ring across hosts finishes it. A host's
-     link then carries 2·(H−1)/H of the buffer instead of the flat ring's 2·(N−1)/N (N = H·L),
-     and every rank still ends with the same bits, run after run. DOPT_TWO_LEVEL_AUTO takes it on
-     the ring path (above small_bytes/(N−1)), _ON for every non-empty allreduce, _OFF never;
-     uneven hosts keep the flat ring. TCP passes the hosts its rendezvous found (ranks reached at
-     one address share a host) and its config's two_level.
-     A backend with collectives of its own sets their DOPT_PROVIDES_* bits and fills allreduce,
-     allgatherv, broadcast, barrier (a vtable without links provides them all): those see only
-     SUM, MAX and MIN (MEAN arrives with op = DOPT_MEAN in the descriptor for fingerprinting but
-     must be reduced as a SUM; the core divides afterwards) and allgatherv with every block size
-     already known, and report errors with dopt_comm_fail / dopt_comm_fail_mismatch.
+   NOTES
+   - Sizes are size_t. Buffers are passed at each call; nothing is captured at init.
+   - No global mutable state, no printing (but dopt_comm_finish's one line when there is no log
+     callback, and launch.h's default logger), no exit(). Logging goes to a callback installed on a communicator
+     (dopt_comm_set_log); without one the library is silent.
+   - Thread safety: functions without a context are pure and may be called from any thread. A
+     communicator must be used by one thread at a time.
 */
 /* The transports and localsgd.h call POSIX, which the C library hides under strict ISO C
    (-std=c11) unless a feature macro comes before the first system header. They define
@@ -604,8 +636,9 @@ DOPT_DEF void dopt_comm_set_engine(dopt_comm *c, size_t small_bytes, int spin_us
    values share a host; NULL: not known) and when the host-aware allreduce runs (two_level: one of
    DOPT_TWO_LEVEL_*). With more than one host, the same number of ranks on each and more than one
    on a host, an allreduce on the ring path (or any non-empty one, with ON) reduces within each
-   host, then across hosts, then spreads within the host (see the manual). Every rank must pass the
-   same table. DOPT_ERR_NOMEM, or DOPT_ERR_INVALID for an unknown two_level. */
+   host, then across hosts, then spreads within the host (see REFERENCE FOR CONTRIBUTORS below:
+   HOSTS). Every rank must pass the same table. DOPT_ERR_NOMEM, or DOPT_ERR_INVALID for an unknown
+   two_level. */
 DOPT_DEF dopt_status dopt_comm_set_hosts(dopt_comm *c, const int *host_of, int two_level);
 /* For a communicator with links (TCP, shm; not a group): a thread, started now and stopped at
    destroy, that moves the requests in flight of it and its groups while the caller computes: a
@@ -641,6 +674,56 @@ DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t 
 #endif
 
 #endif /* DISTOPT_H */
+
+/* ==================== REFERENCE FOR CONTRIBUTORS ====================
+   Not needed to use distopt.h: how a backend plugs into the engine in this file, what the engine
+   does over its links, how modules label their collectives, and measured figures.
+
+   WRITING A BACKEND
+     A backend gives each rank a link to every peer: an ordered, reliable byte stream that it can
+     write and read without blocking, a way to wait until a link may move, and a way to end its
+     writing side (the link_* fields of dopt_comm_vtable, with struct_size =
+     sizeof(dopt_comm_vtable)). The engine in this file runs every collective over those links:
+     frames with the collective in every header (so a rank that calls something else is named at
+     once), ring reduce-scatter/allgather pipelined at byte granularity for large messages, direct
+     exchange, binomial tree, chain and dissemination barrier for small ones, requests, timeouts,
+     aborts that name the culprit on every rank, and a link that ends without one blamed on the
+     right rank. Create the communicator with dopt_comm_new, tune the engine with
+     dopt_comm_set_engine, tell it which ranks share a host with dopt_comm_set_hosts (below), and
+     call dopt_links_goodbye from destroy before closing the links. tests/test_engine.c is a
+     complete backend over socketpairs (about 120 lines, connecting the ranks included), run through
+     the conformance suite.
+     The frame header is transport_tcp.h's (REFERENCE FOR CONTRIBUTORS there: WIRE FORMAT);
+     DOPT_FRAME_BYTES and DOPT_FRAME_VERSION are its size and version byte.
+     HOSTS. Given which host each rank runs on (dopt_comm_set_hosts), with H > 1 hosts of the
+     same number L > 1 of ranks each, a large allreduce runs in two levels: a ring
+     reduce-scatter among the host's ranks leaves each with 1/L of the host's sum; the ranks that
+     hold the same 1/L on every host allreduce it in one ring across hosts; an allgather within
+     the host spreads the result, block by block as the ring across hosts finishes it. A host's
+     link then carries 2·(H−1)/H of the buffer instead of the flat ring's 2·(N−1)/N (N = H·L),
+     and every rank still ends with the same bits, run after run. DOPT_TWO_LEVEL_AUTO takes it on
+     the ring path (above small_bytes/(N−1)), _ON for every non-empty allreduce, _OFF never;
+     uneven hosts keep the flat ring. TCP passes the hosts its rendezvous found (ranks reached at
+     one address share a host) and its config's two_level.
+     A backend with collectives of its own sets their DOPT_PROVIDES_* bits and fills allreduce,
+     allgatherv, broadcast, barrier (a vtable without links provides them all): those see only
+     SUM, MAX and MIN (MEAN arrives with op = DOPT_MEAN in the descriptor for fingerprinting but
+     must be reduced as a SUM; the core divides afterwards) and allgatherv with every block size
+     already known, and report errors with dopt_comm_fail / dopt_comm_fail_mismatch.
+
+   GROUPS ON LINKS
+     Over TCP and shm (any backend with links) a group's collectives run on c's engine with the
+     group's number in every frame; that is how a rank that calls the parent while its peer calls
+     a group they share is named.
+
+   MODULES
+     A module labels its collectives with dopt_comm_set_api(c, "its call") and puts the previous
+     label back after (labels nest), so that details name the call the user made.
+
+   MEASURED
+     DOPT_USE_BLAS: dopt_axpy and dopt_scale through OpenBLAS were 10-30% faster at large sizes
+     here (bench/bench_kernels.c, make bench).
+*/
 
 /* =====================================================================================
    IMPLEMENTATION — stop reading here if you only want the API.

@@ -17,8 +17,10 @@
 
        dopt_comm *comm;
        if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;   (the reason is on stderr)
-       ... train, with comm->rank of comm->size ...
-       return dopt_comm_finish(comm, 0);   (forked ranks exit here; rank 0 gets the job's status)
+       ... train, with comm->rank of comm->size (localsgd.h's driver: dopt_dp_init(&dp, comm, ...)) ...
+       return dopt_comm_finish(comm, dopt_dp_close(&dp, params));
+                         (forked ranks exit here; rank 0 gets the job's status; a failure was
+                          printed to stderr when it happened)
 
    and start it any of these ways:
 
@@ -73,13 +75,29 @@
      job returns in every rank). One DOPT_LOG_INFO line says what was chosen and from which
      variables. On failure *out is NULL, one DOPT_LOG_ERROR line says why, and the status is the
      transport's (DOPT_ERR_INVALID for the environment's mistakes, DOPT_ERR_TIMEOUT when the
-     ranks did not all arrive, ...). With the default logger this is the one place distopt
+     ranks did not all arrive, ...). The default logger (warnings and errors to stderr, installed
+     on the communicator too, so a later failure is printed once, when it happens) is, with
+     dopt_comm_finish's line for a failed rank that has no log callback, the only place distopt
      prints: without a log_fn a failed start would be silent.
 
    const char *dopt_launch_choose(const dopt_launch_info *info, const dopt_launch_config *cfg,
                                   char *why, size_t cap)
      The transport the rules above choose for info ("shm", "tcp", "mpi", "self"; a forked shm
-     job is "shm"), or NULL with why filled. No side effects: for printing and tests.
+     job is "shm"), or NULL with why filled. No side effects (it reads DOPT_SHM_NAME besides
+     info): for printing and tests.
+
+   ERRORS
+     dopt_comm_create_from_env and dopt_launch_create return DOPT_OK, or:
+     DOPT_ERR_INVALID  the environment does not describe a job this program can start: launch
+                       variables that conflict or are incomplete (distopt.h's LAUNCH
+                       VARIABLES), an unknown transport, a transport the program was built
+                       without (the line names the header to include), a world_size the
+                       launcher contradicts, or the transport's own configuration refused
+                       (DOPT_TIMEOUT_MS, DOPT_MPI_CHECK, ...). Fix the command line or the build.
+     any other         the transport's create failed (DOPT_ERR_TIMEOUT: not every rank arrived;
+                       DOPT_ERR_AUTH, DOPT_ERR_PROTOCOL, DOPT_ERR_IO, ...): see that header's
+                       ERRORS. The line on stderr (or through log_fn) says why.
+     Either way *out is NULL and no forked rank is left running: return from main.
 */
 #ifndef DISTOPT_LAUNCH_H
 #define DISTOPT_LAUNCH_H
@@ -107,6 +125,20 @@ DOPT_DEF const char *dopt_launch_choose(const dopt_launch_info *info, const dopt
 #endif
 
 #endif /* DISTOPT_LAUNCH_H */
+
+/* ==================== REFERENCE FOR CONTRIBUTORS ====================
+   Not needed to use launch.h: how it knows the transports and what it calls.
+
+   The transports this file can start are those whose headers were included before it in the
+   implementation file: it tests their include guards (DISTOPT_TRANSPORT_SHM_H, _TCP_H, _MPI_H)
+   when DISTOPT_IMPLEMENTATION is defined, so it links against nothing it was not given.
+   dopt_launch_create reads dopt_launch_read's info, asks dopt_launch_choose, logs the choice at
+   DOPT_LOG_INFO, and calls the transport with log_fn and log_user set: self,
+   dopt_comm_create_self (then dopt_comm_set_log); shm without a rank, dopt_shm_fork; shm with
+   one, dopt_shm_config_from_env then dopt_shm_create; tcp, dopt_tcp_create_from_env; mpi,
+   dopt_mpi_config_from_env then dopt_mpi_create. Its own refusals are one DOPT_LOG_ERROR line,
+   "cannot start the job: <why>"; a transport's are that transport's.
+*/
 
 /* =====================================================================================
    IMPLEMENTATION — stop reading here if you only want the API.

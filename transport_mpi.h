@@ -12,13 +12,17 @@
 
        mpicc -std=c11 -O2 -D_GNU_SOURCE train.c -lm -o train
 
-   (add -DDOPT_USE_BLAS $(pkg-config --cflags --libs openblas) for distopt.h's BLAS kernels)          (mpicxx -std=c++11 for C++)
+   (add -DDOPT_USE_BLAS $(pkg-config --cflags --libs openblas) for distopt.h's BLAS kernels;
+   mpicxx -std=c++11 for C++)
 
    In C++, the header defines OMPI_SKIP_MPICXX / MPICH_SKIP_MPICXX before including <mpi.h>
    (the old MPI-2 C++ bindings do not compile cleanly with -Wextra); a program that uses them
    includes <mpi.h> first.
 
    QUICK START
+   Most programs do not call this header themselves: with it included before launch.h,
+   dopt_comm_create_from_env(&comm) starts MPI when mpirun (or another PMI launcher) started the
+   program, and dopt_comm_finish(comm, status) ends every rank (launch.h). Called directly:
 
        #define DISTOPT_IMPLEMENTATION
        #include "distopt.h"
@@ -27,11 +31,11 @@
        int main(void) {
            float grads[1000] = {0};
            dopt_comm *comm;
+           dopt_status st;
            if (dopt_mpi_create(&comm, NULL) != DOPT_OK) return 1;   // calls MPI_Init_thread
            grads[0] = (float)comm->rank;
-           if (dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN) != DOPT_OK) return 1;
-           dopt_comm_destroy(comm);                                 // calls MPI_Finalize
-           return 0;
+           st = dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN);
+           return dopt_comm_finish(comm, st);                       // destroys comm: MPI_Finalize
        }
 
    LAUNCH
@@ -40,8 +44,9 @@
        mpirun --allow-run-as-root --oversubscribe -np 8 ./train   (as root; more ranks than cores)
 
    Every rank must create the communicator, call the same collectives in the same order, and
-   destroy it. With more ranks than cores, prefer Open MPI: it yields the processor while it waits
-   when oversubscribed (MPICH's default busy-polling then slows everything down badly).
+   destroy it (dopt_comm_finish does). With more ranks than cores, prefer Open MPI: it yields the
+   processor while it waits when oversubscribed (MPICH's default busy-polling then slows
+   everything down badly).
 
    BUILD OPTIONS (define before including, in the implementation file)
 
@@ -49,7 +54,7 @@
    |---------------------|----------------------------------------------------------------|---------|
    | DOPT_MPI_MAX_COUNT  | largest count handed to one MPI call: allreduce elements, or   | INT_MAX |
    |                     | bytes for broadcast and allgatherv; larger transfers are cut   |         |
-   |                     | into pieces of at most this many (the tests set it to 1000)    |         |
+   |                     | into pieces of at most this many                              |         |
 
    CONFIGURATION (dopt_mpi_config; all zero, or a NULL pointer, means the defaults)
 
@@ -70,6 +75,9 @@
    |                  | links (THE ENGINE OVER MPI, below); agreed at create (any rank   |                     |
    |                  | on: all on)                                                      |                     |
 
+   ENVIRONMENT (dopt_mpi_config_from_env)
+     DOPT_MPI_CHECK=1 or 0: the check (MISMATCHES below). Rank and size are MPI's own.
+
    FUNCTIONS
 
    dopt_status dopt_mpi_config_from_env(dopt_mpi_config *cfg)
@@ -85,7 +93,8 @@
      communicator with MPI_Comm_dup, so distopt's traffic never matches the program's own MPI
      calls, and sets MPI_ERRORS_RETURN on the duplicate only (the program's communicator keeps its
      error handler). comm->rank and comm->size are the rank and size in that communicator. On
-     success *out owns the duplicate; release it with dopt_comm_destroy. Errors (*out is NULL):
+     success *out owns the duplicate; release it with dopt_comm_finish (or dopt_comm_destroy).
+     Errors (*out is NULL):
      DOPT_ERR_INVALID (out is NULL, the communicator is MPI_COMM_NULL or an intercommunicator;
      or, when this call would initialise MPI, no MPI launcher started the process — none of
      OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK, MPI_LOCALNRANKS is set — and allow_singleton is 0:
@@ -128,22 +137,18 @@
 
    MISMATCHES
      With MPI's own collectives (engine = 0; the engine names mismatches from its frames) and
-     the check on, every collective first allreduces (MAX) 4 words: the call's fingerprint
-     (collective, dtype, op, root, count) and its sequence number, each beside its complement, so
-     one MAX shows whether all ranks agree. If they do not, every rank gathers all ranks'
-     descriptors and fails with DOPT_ERR_MISMATCH naming the first rank whose call differs from
-     its own ("rank 1 called allreduce #5 (f32 max, 16 elems)"); no rank starts the real
-     transfer, so nothing hangs and no buffer is touched. Detected: a different collective, dtype,
+     the check on, every collective is first compared across the ranks in one small allreduce
+     (how: REFERENCE FOR CONTRIBUTORS below). If they do not agree, every rank fails with
+     DOPT_ERR_MISMATCH naming the first rank whose call differs from its own ("rank 1 called
+     allreduce #5 (f32 max, 16 elems)"); no rank starts the real transfer, so nothing hangs and
+     no buffer is touched. Detected: a different collective, dtype,
      op, root, element or byte count (and a different sequence number), hence also a rank that
      skipped or added a call, once that puts two different calls opposite each other. Not
      detected: a rank that stops calling collectives altogether (the others wait in the check,
      as MPI would), and different buffer contents or lengths behind the same count.
-     The check costs one small allreduce per collective, about 0.6-0.9 us on shared memory.
-     Measured with Open MPI 4.1.4, 2 ranks on one 2-core machine (bench/bench_allreduce.c,
-     backend dopt-mpi-check, busbw relative to MPI_Allreduce in the same run): 0.83-0.87 at
-     4 KiB of f32, 0.97 at 64 KiB, 0.98-1.03 (noise) at 1 MiB and 16 MiB; without the check
-     distopt's MPI backend measures 0.98-1.03 at every size. The goal is to stay within 5% of
-     MPI_Allreduce, so the check is OFF by default: turn it on while developing
+     The check costs one small allreduce per collective, which shows at small sizes (measured:
+     REFERENCE FOR CONTRIBUTORS below). The goal is to stay within 5% of MPI_Allreduce, so the
+     check is OFF by default: turn it on while developing
      (DOPT_MPI_CHECK=1 mpirun -x DOPT_MPI_CHECK ...), or keep it for large messages only.
      With the check off, mismatched calls are undefined behaviour in MPI and distopt does not
      see them. Seen with Open MPI 4.1.4 at 2 and 3 ranks: allreduce with different counts fails
@@ -154,31 +159,26 @@
      leaves the extra bytes untouched.
 
    THE ENGINE OVER MPI (engine = 1)
-     Every collective then runs on distopt.h's engine (WRITING A BACKEND there) over links made
-     of MPI_Isend/MPI_Irecv on the duplicate: messages of up to 64 KiB sent from buffers of the
-     backend's own (4 in flight per peer) and received into 2 receives posted per peer, 384 KiB
-     per peer in all, allocated at create; an empty message ends a stream, and destroy reads
-     every peer's stream to its end before freeing the duplicate. What it gives over MPI's own
-     collectives: comm->timeout_ms holds (a peer that does not call is named, DOPT_ERR_TIMEOUT,
+     Every collective then runs on distopt.h's engine over links made of MPI_Isend/MPI_Irecv on
+     the duplicate (384 KiB of buffers per peer, allocated at create). What it gives over MPI's
+     own collectives: comm->timeout_ms holds (a peer that does not call is named, DOPT_ERR_TIMEOUT,
      and the others learn of it; MPI never holds a caller's buffer after a failure), every frame
      carries its collective so mismatches are named at no extra cost (the check above is not
      used), requests progress inside dopt_test/dopt_wait and on a progress thread
      (dopt_comm_set_progress_thread), groups split over the same links, and results do not
      depend on which algorithm the MPI library picks. Dead peers are still the launcher's to
-     report (MPI ends the job). Measured, 2 ranks on one machine, Open MPI 4.1.4 (mpirun -np 2
-     build/bench_allreduce mpi-raw mpi,mpi-engine; ratio = MPI_Allreduce's time over ours, a
-     noisy run): 0.73 at 4 KiB, 0.91 at 64 KiB, 0.95 at 1 MiB, 1.13 at 16 MiB, 1.36 at 64 MiB.
+     report (MPI ends the job). It is slower than MPI's own collectives on small messages and
+     faster on large ones here (measured, and how the links work: REFERENCE FOR CONTRIBUTORS
+     below).
 
    TIMEOUTS AND DEAD PEERS
-     With engine = 0, comm->timeout_ms is NOT enforced by this backend. MPI has no timeout on blocking
-     collectives. A non-blocking one (MPI_Iallreduce) polled with MPI_Test against a deadline
-     could stop waiting, but it cannot be cancelled, so MPI would still own the caller's buffer
-     after the timeout; and it is slow: Open MPI 4.1.4's MPI_Iallreduce polled that way ran at
-     0.60-0.73 of MPI_Allreduce's busbw from 4 KiB to 64 MiB (bench backend mpi-iallreduce).
+     With engine = 0, comm->timeout_ms is NOT enforced by this backend. MPI has no timeout on
+     blocking collectives (why distopt does not poll a nonblocking one instead: REFERENCE FOR
+     CONTRIBUTORS below).
      Rely on the launcher instead: when a rank dies, Open MPI's mpirun ends the other ranks of
      the job within about a second and names the one that failed ("mpirun noticed that process
      rank 1 with PID ... exited on signal 9 (Killed)"); the survivors see no status. For a stuck
-     peer, bound the job with `mpirun --timeout SECONDS` or an outer `timeout`.
+     peer, bound the job with `mpirun --timeout SECONDS` or an outer `timeout`, or set engine = 1.
      DOPT_ERR_PEER_LOST comes only from an MPI that reports failed processes (ULFM).
 */
 #ifndef DISTOPT_TRANSPORT_MPI_H
@@ -222,6 +222,41 @@ DOPT_DEF dopt_status dopt_mpi_config_from_env(dopt_mpi_config *cfg);
 #endif
 
 #endif /* DISTOPT_TRANSPORT_MPI_H */
+
+/* ==================== REFERENCE FOR CONTRIBUTORS ====================
+   Not needed to use transport_mpi.h: how the mismatch check and the engine's links work, why the
+   timeout is not enforced on MPI's own collectives, and what each measured.
+
+   THE MISMATCH CHECK
+     With the check on, every collective first allreduces (MAX) 4 words: the call's fingerprint
+     (collective, dtype, op, root, count) and its sequence number, each beside its complement, so
+     one MAX shows whether all ranks agree. If they do not, every rank gathers all ranks'
+     descriptors and names the first rank whose call differs from its own.
+     The check costs one small allreduce per collective, about 0.6-0.9 us on shared memory.
+     Measured with Open MPI 4.1.4, 2 ranks on one 2-core machine (bench/bench_allreduce.c,
+     backend dopt-mpi-check, busbw relative to MPI_Allreduce in the same run): 0.83-0.87 at
+     4 KiB of f32, 0.97 at 64 KiB, 0.98-1.03 (noise) at 1 MiB and 16 MiB; without the check
+     distopt's MPI backend measures 0.98-1.03 at every size.
+
+   THE ENGINE'S LINKS
+     The engine is distopt.h's (REFERENCE FOR CONTRIBUTORS there: WRITING A BACKEND). Its links
+     here are messages of up to 64 KiB sent from buffers of the backend's own (4 in flight per
+     peer) and received into 2 receives posted per peer (384 KiB per peer in all); an empty
+     message ends a stream, and destroy reads every peer's stream to its end before freeing the
+     duplicate. Measured, 2 ranks on one machine, Open MPI 4.1.4 (mpirun -np 2
+     build/bench_allreduce mpi-raw mpi,mpi-engine; ratio = MPI_Allreduce's time over ours, a
+     noisy run): 0.73 at 4 KiB, 0.91 at 64 KiB, 0.95 at 1 MiB, 1.13 at 16 MiB, 1.36 at 64 MiB.
+
+   NO TIMEOUT ON MPI'S OWN COLLECTIVES
+     MPI has no timeout on blocking collectives. A non-blocking one (MPI_Iallreduce) polled with
+     MPI_Test against a deadline could stop waiting, but it cannot be cancelled, so MPI would still
+     own the caller's buffer after the timeout; and it is slow: Open MPI 4.1.4's MPI_Iallreduce
+     polled that way ran at 0.60-0.73 of MPI_Allreduce's busbw from 4 KiB to 64 MiB (bench backend
+     mpi-iallreduce).
+
+   TESTS
+     The tests set DOPT_MPI_MAX_COUNT to 1000, so that chunking runs on small buffers.
+*/
 
 /* =====================================================================================
    IMPLEMENTATION — stop reading here if you only want the API.

@@ -14,7 +14,11 @@
 
        cc -std=c11 -D_GNU_SOURCE -O2 -march=native -o train train.c -lm -lrt
 
-   QUICK START (one command runs 4 workers: the program forks them itself)
+   QUICK START
+   Most programs do not call this header themselves: with it included before launch.h,
+   dopt_comm_create_from_env(&comm) forks the ranks (DOPT_WORLD_SIZE=4 ./train) or joins a job a
+   launcher started on this host, and dopt_comm_finish(comm, status) ends every rank (launch.h).
+   Called directly, one command runs 4 workers (the program forks them itself):
 
        #define DISTOPT_IMPLEMENTATION
        #include "distopt.h"
@@ -23,11 +27,11 @@
        int main(void) {
            float grads[1000] = {0};
            dopt_comm *comm;
-           int failed;
+           dopt_status st;
            if (dopt_shm_fork(&comm, 4, NULL) != DOPT_OK) return 1;  (returns in 4 processes)
            grads[0] = (float)comm->rank;
-           failed = dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN) != DOPT_OK;
-           return dopt_comm_finish(comm, failed);      (ranks 1..3 exit here; rank 0 gets
+           st = dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN);
+           return dopt_comm_finish(comm, st);          (ranks 1..3 exit here; rank 0 gets
        }                                                 the job's status: 0 when all ranks
                                                          finished with 0)
 
@@ -40,7 +44,7 @@
        dopt_comm *comm;
        if (dopt_shm_create(&comm, NULL) != DOPT_OK) return 1;   (NULL: the environment's configuration)
        ...
-       dopt_comm_destroy(comm);
+       return dopt_comm_finish(comm, st);                       (destroys the communicator)
 
    CONFIGURATION (dopt_shm_config; all zero, or a NULL pointer, means the defaults)
 
@@ -54,14 +58,18 @@
    | timeout_ms   | bound on every wait, joining included (comm->timeout_ms)    | 300 s                       |
    | chunk_bytes  | bytes each rank moves per pipeline step; the segment holds  | 256 KiB                     |
    |              | 3 per rank, so memory is size·3·chunk_bytes whatever the    |                             |
-   |              | message size; 64 B .. 1 GiB; every rank must give the same |                             |
-   | engine       | 1: every collective on distopt.h's engine over the links    | 0: the direct collectives   |
-   |              | (LINKS below), so that requests move while the caller       | (COLLECTIVES below), faster |
-   |              | computes; 0 or 1, every rank must give the same             | at every size measured      |
+   |              | message size; 64 B .. 1 GiB; every rank must give the same  |                             |
+   | engine       | 1: every collective on distopt.h's engine over the links    | 0: the direct collectives,  |
+   |              | (LINKS AND GROUPS below), so that requests move while the   | faster at every size        |
+   |              | caller computes; 0 or 1, every rank must give the same      | measured (REFERENCE below)  |
    | log_fn,      | logging callback, installed on the communicator, and told   | silent                      |
    | log_user     | why a create failed (there is no communicator to ask then)  |                             |
 
    A config is never read from the environment by itself; dopt_shm_config_from_env fills one.
+
+   ENVIRONMENT (dopt_shm_config_from_env; dopt_shm_create with cfg NULL)
+     DOPT_RANK, DOPT_WORLD_SIZE (or a launcher's: distopt.h's LAUNCH VARIABLES), DOPT_SHM_NAME
+     (else the launcher's job name), DOPT_TIMEOUT_MS.
 
    FUNCTIONS
 
@@ -84,7 +92,8 @@
      them died, or the job failed) is removed and replaced. A world of size 1 needs no name and
      no segment. cfg NULL takes the configuration from the environment (as
      dopt_shm_config_from_env, silent on failure). On success *out owns the mapping; release it
-     with dopt_comm_destroy. On failure *out is NULL and log_fn is told why. Errors:
+     with dopt_comm_finish (or dopt_comm_destroy). On failure *out is NULL and log_fn is told
+     why. Errors:
        DOPT_ERR_INVALID   out is NULL; no name, a bad name or bad size/rank (size 0 included);
                           chunk_bytes or timeout_ms out of range; the
                           job's segment was made for another world size or chunk size; or this
@@ -134,58 +143,32 @@
      finished forming. In a forked job use dopt_comm_finish instead.
 
    COLLECTIVES
-     Those of distopt.h. Each rank's slot in the segment holds a control line and 3 areas of
-     chunk_bytes. Allreduce up to 12 KiB (and at most one chunk) is one-shot: every rank copies
-     its input into its slot, one barrier, every rank reduces all inputs in rank order. Larger
-     allreduces are pipelined by chunks: rank r reduces the r-th of size slices of each chunk
-     straight from the peers' slots, in rank order 0, 1, ..., size-1, and publishes it; every
-     rank then copies the reduced slices out. One barrier per chunk; 3 areas let copy-out of
-     chunk k-1, reduction of chunk k and copy-in of chunk k+1 overlap between two barriers.
-     Broadcast and allgatherv are pipelined through the slots the same way. Results are bitwise
-     identical on every rank (each element is reduced by one rank, in rank order) and the same
-     from run to run. Zero-length calls synchronise like any other call. A request
-     (dopt_allreduce_start, ...) runs its collective at start, after finishing any group
-     request in flight.
+     Those of distopt.h. Results are bitwise identical on every rank (each element is reduced by
+     one rank, in rank order) and the same from run to run. Zero-length calls synchronise like
+     any other call. A request (dopt_allreduce_start, ...) runs its collective at start, after
+     finishing any group request in flight. How they run: see REFERENCE FOR CONTRIBUTORS below
+     (COLLECTIVES).
 
-   LINKS, GROUPS AND THE ENGINE
-     In worlds of 2..64 ranks the segment also holds a link per ordered pair of ranks: a ring
-     that one rank writes and the other reads without a lock (256 KiB each, halved while all of
-     them together would pass 16 MiB, at least 4 KiB: 512 KiB in all at 2 ranks, 14 MiB at 8,
-     16 MiB at 64). They are the links of distopt.h's engine (WRITING A BACKEND there), which
-     runs dopt_comm_split and dopt_comm_split_host groups, and, with engine = 1, every
-     collective: requests then progress in dopt_test/dopt_wait or on a progress thread
-     (dopt_comm_set_progress_thread). Waiting on links spins while the engine polls, then sleeps
-     on a futex word of its own that a peer rings after moving a link. Failures cross between
-     the two paths: a rank waiting in a direct collective for a peer that sends it frames of a
-     group's collective fails with MISMATCH naming both calls (the peer learns it from the
-     segment), and a failure of the engine is recorded in the segment for ranks waiting in a
-     direct collective. The engine is slower here: 2 ranks, bench/bench_allreduce (mpirun -np 2
-     build/bench_allreduce mpi-raw shm,shm-engine,memcpy), 1.6 against 1.1 µs at 4 KiB, 14.7
-     against 12.2 µs at 64 KiB, 168 against 90 µs at 1 MiB, 3.5 against 1.8 ms at 16 MiB: a ring
-     over links copies every byte into a link and out again, where the direct path reduces
-     straight from the peers' slots.
+   LINKS AND GROUPS
+     In worlds of 2..64 ranks the segment also holds a link per ordered pair of ranks (256 KiB
+     each, halved while all of them together would pass 16 MiB, at least 4 KiB: 512 KiB in all at
+     2 ranks, 14 MiB at 8, 16 MiB at 64). They carry dopt_comm_split and dopt_comm_split_host
+     groups, and, with engine = 1, every collective: requests then progress in
+     dopt_test/dopt_wait or on a progress thread (dopt_comm_set_progress_thread). Larger worlds
+     have no links: dopt_comm_split returns DOPT_ERR_UNSUPPORTED, and engine = 1 is ignored (the
+     direct collectives run).
 
    WAITING, TIMEOUTS AND DEAD PEERS
-     A barrier is one store of this rank's epoch (its count of barriers) on its own cache line;
-     waiting is reading the peers' epochs — a flat sense-reversing barrier whose sense is a
-     64-bit count, so no reset and no shared counter, and a late rank is known by name. A waiter
-     spins for 20 µs, then polls with sched_yield between polls (from the start when there are
-     more ranks than processors), up to 50 µs at a call's first barrier — the peers may still be
-     computing — or 500 µs between the pipeline steps of one call, where they are busy in the
-     same call; then it sleeps on a futex that arriving ranks wake (waking costs ~65 µs on
-     virtual machines; no processor is burnt while a peer computes for seconds). Every wait is
-     bounded by comm->timeout_ms; while waiting
-     it checks the ranks that have not arrived a few times per second: each rank holds a lock
-     on its own byte of the segment, released by the kernel when the process dies, and its pid
-     must exist. Any rank's failure is recorded in the segment (which rank, why) and wakes every
-     waiter, so all ranks fail within about a quarter second of a peer's death, not at the
-     timeout.
+     A rank waiting for its peers spins briefly, then sleeps until they arrive: no processor is
+     burnt while a peer computes for seconds. Every wait is bounded by comm->timeout_ms, and a
+     peer that dies is found long before that: all ranks fail within about a quarter second of a
+     peer's death, not at the timeout. The schedule of the waits: see REFERENCE FOR CONTRIBUTORS
+     below (WAITING).
 
    MISMATCHES
-     Each call publishes its sequence number and descriptor (collective, dtype, op, root, count)
-     beside its epoch before its first barrier; after it every rank compares every peer's with
-     its own. If any differs, every rank fails with DOPT_ERR_MISMATCH naming the first rank that
-     differs from it ("rank 2 called allreduce #7 (f32 max, 16 elems)"); no data is reduced.
+     Every call is checked against every peer's before any data is reduced. If any differs, every rank
+     fails with DOPT_ERR_MISMATCH naming the first rank that differs from it ("rank 2 called
+     allreduce #7 (f32 max, 16 elems)"); no data is reduced.
 
    ERRORS A USER CAN SEE (from collectives; the communicator is poisoned after any of them)
      DOPT_ERR_MISMATCH   ranks called different collectives, counts, dtypes, ops or roots.
@@ -230,6 +213,53 @@ DOPT_DEF int dopt_shm_fork_finish(dopt_comm *comm, int status);
 #endif
 
 #endif /* DISTOPT_TRANSPORT_SHM_H */
+
+/* ==================== REFERENCE FOR CONTRIBUTORS ====================
+   Not needed to use transport_shm.h: how the collectives, links, waits and mismatch checks work
+   in the segment, and what they measured.
+
+   COLLECTIVES
+     Each rank's slot in the segment holds a control line and 3 areas of chunk_bytes. Allreduce up
+     to 12 KiB (and at most one chunk) is one-shot: every rank copies its input into its slot, one
+     barrier, every rank reduces all inputs in rank order. Larger allreduces are pipelined by
+     chunks: rank r reduces the r-th of size slices of each chunk straight from the peers' slots, in
+     rank order 0, 1, ..., size-1, and publishes it; every rank then copies the reduced slices out.
+     One barrier per chunk; 3 areas let copy-out of chunk k-1, reduction of chunk k and copy-in of
+     chunk k+1 overlap between two barriers. Broadcast and allgatherv are pipelined through the
+     slots the same way.
+
+   LINKS AND THE ENGINE
+     Each link is a ring that one rank writes and the other reads without a lock. They are the links
+     of distopt.h's engine (distopt.h's REFERENCE FOR CONTRIBUTORS: WRITING A BACKEND). Waiting on
+     links spins while the engine polls, then sleeps on a futex word of its own that a peer rings
+     after moving a link. Failures cross between the two paths: a rank waiting in a direct
+     collective for a peer that sends it frames of a group's collective fails with MISMATCH naming
+     both calls (the peer learns it from the segment), and a failure of the engine is recorded in
+     the segment for ranks waiting in a direct collective. The engine is slower here: 2 ranks,
+     bench/bench_allreduce (mpirun -np 2 build/bench_allreduce mpi-raw shm,shm-engine,memcpy), 1.6
+     against 1.1 µs at 4 KiB, 14.7 against 12.2 µs at 64 KiB, 168 against 90 µs at 1 MiB, 3.5
+     against 1.8 ms at 16 MiB: a ring over links copies every byte into a link and out again, where
+     the direct path reduces straight from the peers' slots.
+
+   WAITING
+     A barrier is one store of this rank's epoch (its count of barriers) on its own cache line;
+     waiting is reading the peers' epochs — a flat sense-reversing barrier whose sense is a 64-bit
+     count, so no reset and no shared counter, and a late rank is known by name. A waiter spins for
+     20 µs, then polls with sched_yield between polls (from the start when there are more ranks than
+     processors), up to 50 µs at a call's first barrier — the peers may still be computing — or 500
+     µs between the pipeline steps of one call, where they are busy in the same call; then it sleeps
+     on a futex that arriving ranks wake (waking costs ~65 µs on virtual machines; no processor is
+     burnt while a peer computes for seconds). Every wait is bounded by comm->timeout_ms; while
+     waiting it checks the ranks that have not arrived a few times per second: each rank holds a
+     lock on its own byte of the segment, released by the kernel when the process dies, and its pid
+     must exist. Any rank's failure is recorded in the segment (which rank, why) and wakes every
+     waiter, so all ranks fail within about a quarter second of a peer's death, not at the timeout.
+
+   MISMATCHES
+     Each call publishes its sequence number and descriptor (collective, dtype, op, root, count)
+     beside its epoch before its first barrier; after it every rank compares every peer's with
+     its own.
+*/
 
 /* =====================================================================================
    IMPLEMENTATION — stop reading here if you only want the API.

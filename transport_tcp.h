@@ -13,6 +13,10 @@
    extra to link.
 
    QUICK START
+   Most programs do not call this header themselves: with it included before launch.h,
+   dopt_comm_create_from_env(&comm) starts TCP for ranks a launcher started (srun, torchrun,
+   DOPT_RANK=...; launch.h's WHICH TRANSPORT), and dopt_comm_finish(comm, status) ends every rank.
+   Called directly:
 
        #define DISTOPT_IMPLEMENTATION
        #include "distopt.h"
@@ -29,13 +33,13 @@
            float grads[1000] = {0};
            dopt_tcp_config base;
            dopt_comm *comm;
+           dopt_status st;
            memset(&base, 0, sizeof base);
            base.log_fn = say;    (whom the start waits for, and why it failed)
            if (dopt_tcp_create_from_env(&comm, &base) != DOPT_OK) return 1;   (DOPT_RANK, ...)
            grads[0] = (float)comm->rank;
-           if (dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN) != DOPT_OK) return 1;
-           dopt_comm_destroy(comm);
-           return 0;
+           st = dopt_allreduce(comm, grads, 1000, DOPT_F32, DOPT_MEAN);
+           return dopt_comm_finish(comm, st);   (destroys comm; a failure was told to say)
        }
 
    LAUNCH (one process per rank; any start order; rank 0's address and port are the meeting point)
@@ -215,17 +219,18 @@
      LOOPBACK); the other ranks connect to it (retrying with backoff while it is not up yet),
      present their rank, world size and token, and receive from rank 0 the table of everyone's
      listening address; each rank then connects to the ranks below it and accepts the ranks above
-     it, and rank 0 lets all go once all report ready. All of it within cfg->rendezvous_timeout_ms,
+     it, and rank 0 lets all go once all report ready (the records they exchange: REFERENCE FOR
+     CONTRIBUTORS below, WIRE FORMAT). All of it within cfg->rendezvous_timeout_ms,
      saying whom it waits for (STARTING UP). A joiner that dies before the job forms does not end
      it: rank 0 frees its rank, or, once the table has gone out, has every rank start the
      rendezvous over, and waits for the real one. Rank 0 keeps listening for the communicator's
      life, so that a late joiner (a second process given a rank already taken) is refused at once,
      during rank 0's collectives, instead of finding nobody there. On success *comm is a
      communicator of cfg->world_size ranks (a world of 1 opens no socket) that knows how many ranks
-     share this rank's rendezvous address (dopt_comm_set_host, with the cores online); destroy it
-     with dopt_comm_destroy. On failure *comm is NULL, every socket is closed, and the reason went
-     to cfg->log_fn in exactly one DOPT_LOG_ERROR line. cfg and its strings are read during the
-     call only.
+     share this rank's rendezvous address (dopt_comm_set_host, with the cores online); end it
+     with dopt_comm_finish (or dopt_comm_destroy). On failure *comm is NULL, every socket is
+     closed, and the reason went to cfg->log_fn in exactly one DOPT_LOG_ERROR line. cfg and its
+     strings are read during the call only.
    dopt_tcp_config_from_env(&cfg) sets cfg's fields from the environment (ENVIRONMENT above;
      the strings point into it) and keeps the others, log_fn and log_user included, as the
      caller set them: zero cfg first, or start from a config of your own. A port attached to
@@ -336,7 +341,108 @@
 
    Every survivor's detail names the rank whose failure it is (the culprit) first, and who saw
    it when that was another rank: "rank 0: allreduce #16 (f32 sum, 16777216 elems): rank 1
-   closed the connection (reported by rank 2)".
+   closed the connection (reported by rank 2)". A mismatch's words carry both
+   calls: "rank 2 called allreduce #7 (f32 sum, 17 elems) and rank 1 allreduce #7 (f32 sum,
+   16 elems) (reported by rank 1)". A connection that ends mid-frame may name two ranks ("rank 1
+   closed the connection; rank 2's is closed too"). How the failure travels between the ranks
+   (ABORT frames, which rank is blamed for a connection that ends): see REFERENCE FOR
+   CONTRIBUTORS below.
+   Every rank watches every connection during every collective, so:
+   - a mismatch gives DOPT_ERR_MISMATCH on every rank, each detail naming both calls;
+   - a killed peer gives DOPT_ERR_PEER_LOST on every survivor, naming the dead rank, typically
+     within milliseconds;
+   - a stuck (live but silent) peer gives DOPT_ERR_TIMEOUT after timeout_ms on the ranks
+     waiting for it, and the others get their abort at once, naming it.
+   A rank whose part of a collective was already complete when the error happened (the root of
+   a broadcast, or a rank that had everything it needed) returns DOPT_OK and fails at its next
+   collective with the peer's status. dopt_comm_destroy says goodbye to every peer (waiting at
+   most min(timeout_ms, 5 s) for room in a full send buffer), so a rank that leaves right after
+   the last collective never fails a peer still finishing it; a peer that closes without a
+   goodbye fails only the ranks that still need data from it.
+
+   ALGORITHMS (every rank ends with the same bytes, run after run)
+
+   The collectives, their requests (dopt_allreduce_start and friends) and the failure handling
+   above are distopt.h's engine running over this transport's connections; this header is the
+   connections and the rendezvous. Messages up to small_bytes take latency-optimal algorithms
+   (direct exchange, a tree), larger ones pipelined rings (or a chain, for broadcast). With
+   ranks on more than one host, the same number on each, a large allreduce runs in two levels
+   (two_level): a host's link then carries 2·(H−1)/H of the buffer for H hosts, against the flat
+   ring's 2·(N−1)/N. Which algorithm runs when: see REFERENCE FOR CONTRIBUTORS below (ALGORITHMS).
+   Any world size, powers of two or not. Sizes are size_t/uint64 throughout; nothing is limited
+   to int. Each rank keeps a 256 KiB receive stage per peer plus, for the small allreduce,
+   (size-1) x the message of scratch grown once and reused.
+
+   WAITING
+
+   After each step that moved bytes a rank keeps polling (poll() with a zero timeout and
+   sched_yield() in between) for spin_us; after that it sleeps in poll() until something
+   happens or the timeout (measured costs: REFERENCE FOR CONTRIBUTORS below, WAITING).
+
+   SECURITY
+
+   The token keeps jobs apart (another job on the same port, a stale process, a port scanner);
+   it is sent in clear text and traffic is not encrypted. Run jobs on networks you trust.
+*/
+#ifndef DISTOPT_TRANSPORT_TCP_H
+#define DISTOPT_TRANSPORT_TCP_H
+
+#define DOPT__WANT_POSIX 1 /* see the top of distopt.h */
+#include "distopt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DOPT_TCP_PROTOCOL_VERSION 3
+#define DOPT_TCP_TOKEN_MAX 64 /* bytes of a job token */
+
+typedef struct dopt_tcp_config {
+    int rank;                  /* this process's rank, 0 .. world_size - 1 */
+    int world_size;            /* number of ranks, >= 1 */
+    const char *master_addr;   /* rank 0's host name, IPv4 or IPv6 address, optionally with its port
+                                  ("host:29500", "[fd00::1]:29500"); NULL: "127.0.0.1" */
+    int master_port;           /* rank 0's rendezvous port; 0 on rank 0: any free port (on_listen) */
+    const char *bind_addr;     /* where this rank listens (a name, IPv4 or IPv6 address); NULL: rank 0
+                                  master_addr, others the local address of their connection to rank 0 */
+    const char *socket_ifname; /* the interface whose address this rank listens on and is reached at:
+                                  "eth" (prefixes), "=eth1" (names), "^lo,docker" (all but); NULL: as
+                                  bind_addr says (INTERFACES) */
+    int timeout_ms;            /* bound on every wait of a collective (the rendezvous has its own); 0: 300000 */
+    const char *token;         /* job token, at most DOPT_TCP_TOKEN_MAX bytes; NULL: "" */
+    int socket_buffer_bytes;   /* SO_SNDBUF and SO_RCVBUF; 0: the kernel's autotuning */
+    size_t small_bytes;        /* latency-optimal algorithms up to this many bytes; 0: 65536 */
+    int spin_us;               /* poll without sleeping this long after progress; 0: 50; <0: never */
+    int two_level;             /* host-aware allreduce: DOPT_TWO_LEVEL_AUTO (0), _ON or _OFF */
+    int progress_thread_us;    /* > 0: a progress thread passing over the links this often while
+                                  requests are in flight (dopt_comm_set_progress_thread); 0: none */
+    int rendezvous_timeout_ms; /* bound on the whole rendezvous; 0: 600000 */
+    int rendezvous_report_ms;  /* while the rendezvous waits, say who is missing this often; 0: 5000;
+                                  <0: never */
+    dopt_log_fn log_fn;        /* installed on the communicator; also told why a create failed */
+    void *log_user;
+    void (*on_listen)(void *user, int port); /* rank 0: called once its rendezvous port listens */
+    void *on_listen_user;
+    char master_host[DOPT_LAUNCH_ADDR_MAX + 1]; /* used when master_addr is NULL: a host name
+                                  dopt_tcp_config_from_env derived (Slurm's first node) */
+} dopt_tcp_config;
+
+DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg);
+DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg);
+DOPT_DEF dopt_status dopt_tcp_create_from_env(dopt_comm **out, const dopt_tcp_config *base);
+DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fds, const dopt_tcp_config *cfg);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DISTOPT_TRANSPORT_TCP_H */
+
+/* ==================== REFERENCE FOR CONTRIBUTORS ====================
+   Not needed to use transport_tcp.h: how a failure travels between the ranks, which algorithm
+   the engine runs when, what waiting costs, and the wire format.
+
+   HOW A FAILURE TRAVELS
    - The rank that detects an error sends every peer an ABORT frame carrying its status, the
      culprit (the dead, silent or mismatching peer; itself for its own errors), itself as the
      reporter, and its reason. A frame it was half-way through sending to a peer is finished
@@ -353,25 +459,12 @@
      aborting because of another, so this rank first waits up to min(timeout_ms, 0.5 s) for an
      ABORT from another peer or for another connection to end at a boundary, and names that
      rank instead ("rank 1 closed the connection; rank 2's is closed too").
-   Every rank watches every connection during every collective, so:
-   - a mismatch gives DOPT_ERR_MISMATCH on every rank, each detail naming both calls;
-   - a killed peer gives DOPT_ERR_PEER_LOST on every survivor, naming the dead rank, typically
-     within milliseconds (tests/test_faults.c kills each rank of worlds of 3 and 4 at random
-     moments of a run of ring allreduces and checks every survivor's detail);
-   - a stuck (live but silent) peer gives DOPT_ERR_TIMEOUT after timeout_ms on the ranks
-     waiting for it, and the others get their abort at once, naming it.
-   A rank whose part of a collective was already complete when the error happened (the root of
-   a broadcast, or a rank that had everything it needed) returns DOPT_OK and fails at its next
-   collective with the peer's status. dopt_comm_destroy says goodbye to every peer (waiting at
-   most min(timeout_ms, 5 s) for room in a full send buffer), so a rank that leaves right after
-   the last collective never fails a peer still finishing it; a peer that closes without a
-   goodbye fails only the ranks that still need data from it.
+   tests/test_faults.c kills each rank of worlds of 3 and 4 at random moments of a run of ring
+   allreduces and checks every survivor's detail.
 
-   ALGORITHMS (every rank ends with the same bytes, run after run)
-
-   The collectives, their requests (dopt_allreduce_start and friends) and the failure handling
-   above are distopt.h's engine running over this transport's connections (its WRITING A
-   BACKEND); this header is the connections and the rendezvous. What the engine does on them:
+   ALGORITHMS
+   The engine is distopt.h's (REFERENCE FOR CONTRIBUTORS there: WRITING A BACKEND). What it does
+   on this transport's connections:
 
    - allreduce: up to small_bytes/(size-1) bytes (or fewer elements than ranks), every rank
      sends its buffer to every other and each combines all inputs in rank order (x0∘x1∘...),
@@ -389,15 +482,9 @@
    - allgather/allgatherv: direct exchange up to small_bytes in all, else a pipelined ring.
    - broadcast: binomial tree up to small_bytes, else a pipelined chain from the root.
    - barrier: dissemination (ceil(log2 size) rounds of header-only frames).
-   Any world size, powers of two or not. Sizes are size_t/uint64 throughout; nothing is limited
-   to int. Each rank keeps a 256 KiB receive stage per peer plus, for the small allreduce,
-   (size-1) x the message of scratch grown once and reused.
 
    WAITING
-
-   After each step that moved bytes a rank keeps polling (poll() with a zero timeout and
-   sched_yield() in between) for spin_us; after that it sleeps in poll() until something
-   happens or the timeout. Blocking round trips cost ~65 us on a VM, spinning ones ~8 us; the
+   Blocking round trips cost ~65 us on a VM, spinning ones ~8 us; the
    yield keeps oversubscribed worlds (more ranks than cores) and loopback softirqs moving.
 
    WIRE FORMAT (all integers little-endian; protocol version DOPT_TCP_PROTOCOL_VERSION = 3)
@@ -431,7 +518,7 @@
    reports "different protocol version". Either side fails at once with DOPT_ERR_PROTOCOL.
    Setup: a rank connects, sends HELLO; the acceptor answers ACCEPT (with its own token, which
    the connector checks too) or REFUSE and closes. Once all joined, rank 0 sends each rank
-   REFUSE (6) when the table would break LOOPBACK's rule, else WELCOME followed by size entries
+   REFUSE (6) when the table would break LOOPBACK's rule (above), else WELCOME followed by size entries
    of 20 bytes (address 16 bytes, port 2, reserved 2 = 0), the listening addresses of all
    ranks. Each rank k then connects to ranks 1..k-1 (HELLO/ACCEPT), accepts ranks
    k+1..size-1, sends READY to rank 0, and waits for GO. When a rank's connection
@@ -467,65 +554,7 @@
    the receiver's current collective or a later one) and must name ranks of the world; its text
    is read only after the header has passed.
    Collectives send one DATA frame per step (ring step, tree edge, exchange) per peer.
-
-   SECURITY
-
-   The token keeps jobs apart (another job on the same port, a stale process, a port scanner);
-   it is sent in clear text and traffic is not encrypted. Run jobs on networks you trust.
 */
-#ifndef DISTOPT_TRANSPORT_TCP_H
-#define DISTOPT_TRANSPORT_TCP_H
-
-#define DOPT__WANT_POSIX 1 /* see the top of distopt.h */
-#include "distopt.h"
-
-#ifdef __cplusplus
-extern "C" {
-#endif
-
-#define DOPT_TCP_PROTOCOL_VERSION 3
-#define DOPT_TCP_TOKEN_MAX 64 /* bytes of a job token */
-
-typedef struct dopt_tcp_config {
-    int rank;                  /* this process's rank, 0 .. world_size - 1 */
-    int world_size;            /* number of ranks, >= 1 */
-    const char *master_addr;   /* rank 0's host name, IPv4 or IPv6 address, optionally with its port
-                                  ("host:29500", "[fd00::1]:29500"); NULL: "127.0.0.1" */
-    int master_port;           /* rank 0's rendezvous port; 0 on rank 0: any free port (on_listen) */
-    const char *bind_addr;     /* where this rank listens (a name, IPv4 or IPv6 address); NULL: rank 0
-                                  master_addr, others the local address of their connection to rank 0 */
-    const char *socket_ifname; /* the interface whose address this rank listens on and is reached at:
-                                  "eth" (prefixes), "=eth1" (names), "^lo,docker" (all but); NULL: as
-                                  bind_addr says (INTERFACES) */
-    int timeout_ms;            /* bound on every wait, rendezvous included; 0: 300000 */
-    const char *token;         /* job token, at most DOPT_TCP_TOKEN_MAX bytes; NULL: "" */
-    int socket_buffer_bytes;   /* SO_SNDBUF and SO_RCVBUF; 0: the kernel's autotuning */
-    size_t small_bytes;        /* latency-optimal algorithms up to this many bytes; 0: 65536 */
-    int spin_us;               /* poll without sleeping this long after progress; 0: 50; <0: never */
-    int two_level;             /* host-aware allreduce: DOPT_TWO_LEVEL_AUTO (0), _ON or _OFF */
-    int progress_thread_us;    /* > 0: a progress thread passing over the links this often while
-                                  requests are in flight (dopt_comm_set_progress_thread); 0: none */
-    int rendezvous_timeout_ms; /* bound on the whole rendezvous; 0: 600000 */
-    int rendezvous_report_ms;  /* while the rendezvous waits, say who is missing this often; 0: 5000;
-                                  <0: never */
-    dopt_log_fn log_fn;        /* installed on the communicator; also told why a create failed */
-    void *log_user;
-    void (*on_listen)(void *user, int port); /* rank 0: called once its rendezvous port listens */
-    void *on_listen_user;
-    char master_host[DOPT_LAUNCH_ADDR_MAX + 1]; /* used when master_addr is NULL: a host name
-                                  dopt_tcp_config_from_env derived (Slurm's first node) */
-} dopt_tcp_config;
-
-DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg);
-DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg);
-DOPT_DEF dopt_status dopt_tcp_create_from_env(dopt_comm **out, const dopt_tcp_config *base);
-DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fds, const dopt_tcp_config *cfg);
-
-#ifdef __cplusplus
-}
-#endif
-
-#endif /* DISTOPT_TRANSPORT_TCP_H */
 
 /* =====================================================================================
    IMPLEMENTATION — stop reading here if you only want the API.
@@ -864,7 +893,7 @@ static void dopt__tcp_if_list(const struct ifaddrs *list, char *out, size_t cap)
 
 /* ===================================================================== HANDSHAKE RECORDS */
 
-/* Every handshake message is one fixed 96-byte record (layout in the manual above). */
+/* Every handshake message is one fixed 96-byte record (layout: WIRE FORMAT, in the reference above). */
 typedef struct dopt__tcp_hs {
     uint32_t version, type, world, rank, port, reason, subject;
     unsigned char addr[16];

@@ -1673,7 +1673,7 @@ DTEST(frame_one_sequence_ahead_is_a_mismatch_naming_both_sides) {
     dopt_comm_destroy(c);
 }
 
-/* The layout of the manual's WIRE FORMAT, byte by byte: a HELLO from [fd00::1]:5555 and a
+/* The layout of transport_tcp.h's WIRE FORMAT, byte by byte: a HELLO from [fd00::1]:5555 and a
    refusal, then records that must be refused. */
 DTEST(handshake_records_have_the_documented_layout) {
     static const unsigned char fd00_1[16] = {0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
