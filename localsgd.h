@@ -1,6 +1,8 @@
-/* localsgd.h — local SGD with periodic model averaging (period, post-local warm-up, extra state
-   buffers with a policy each, DiLoCo's outer optimizer), CELGC as a ready composition, adaptive batch sizes (norm,
-   inner-product and augmented inner-product tests), the helpers every data-parallel host needs
+/* localsgd.h — the data-parallel driver, dopt_dp: synchronous data parallelism (the gradients
+   averaged after backward: period 1, the default), local SGD with periodic model averaging
+   (period, post-local warm-up, extra state buffers with a policy each, DiLoCo's outer optimizer,
+   compressed deltas), CELGC as a ready composition, adaptive batch sizes (norm, inner-product and
+   augmented inner-product tests), the closing call, the helpers every data-parallel host needs
    (broadcast, replica check, data shard), and per-rank state saved and loaded for exact resume.
    Part of distopt 0.1.0. MIT licence (see the end of distopt.h).
 
@@ -8,8 +10,9 @@
 
        #define DISTOPT_IMPLEMENTATION
        #include "distopt.h"
-       #include "clip.h"
-       #include "compress.h"
+       #include "transport_shm.h"          (the transports launch.h may start)
+       #include "transport_tcp.h"
+       #include "launch.h"
        #include "localsgd.h"
 
    Other files include the headers without the macro (localsgd.h includes clip.h and compress.h
@@ -17,28 +20,40 @@
    rename): under strict -std=c11 include localsgd.h first, before distopt.h and any system
    header (it then asks for POSIX itself), or build with -D_GNU_SOURCE, as the Makefile does.
 
-   THREE LOOP SHAPES
+   QUICK START: synchronous data parallelism in a loop with flat buffers
 
-   1. Synchronous SGD with compressed gradients (TernGrad): the driver, of period 1 with
-      sync_grads and a gradient compressor, averages the gradients through it (the models stay
-      identical: no other communication), and saves the compressor's state with its own:
-
-       dopt_compressor tern;
-       dopt_compressor_config ccfg = {0};
-       ccfg.seed = 42;                                  (ternary, c = 2.5, scale sharing)
-       dopt_compressor_init(&tern, &ccfg, segs, nsegs);
-       dopt_dp_config cfg = {0};
-       cfg.sync_grads = 1;
-       cfg.grad_compressor = &tern;
-       dopt_dp_init(&ls, comm, n, &cfg);
-       dopt_dp_broadcast(&ls, params);            (rank 0's parameters everywhere)
+       dopt_comm *comm; dopt_dp dp;
+       if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;   (launch.h; says why)
+       dopt_shard(nsamples, comm->rank, comm->size, &begin, &end);   (this rank's data)
+       dopt_dp_init(&dp, comm, n, NULL);                  (period 1: synchronous)
+       dopt_dp_broadcast(&dp, params);                    (rank 0's parameters everywhere)
        for (step = 0; step < steps; step++) {
-           forward_backward(params, grads);
-           dopt_dp_after_backward(&ls, grads);    (ternary mean of the gradients)
-           sgd_update(params, grads);
-           dopt_dp_after_step(&ls, params);
+           loss = forward_backward(params, grads);
+           dopt_dp_after_backward(&dp, grads);            (the ranks' mean gradient)
+           optimizer_update(params, grads);               (any optimizer: every rank does the same)
+           loss = dopt_mean(comm, loss);                  (a collective: every rank calls it)
+           if (comm->rank == 0) printf("loss %f\n", loss);
        }
-       dopt_dp_free(&ls);
+       return dopt_comm_finish(comm, dopt_dp_close(&dp, params));
+
+   No status is checked inside the loop (CHECK ONCE below): a refused init or a failed
+   collective makes every later call return the same status at once, dopt_dp_close returns it
+   (or checks that the replicas are bitwise identical), and dopt_comm_finish ends the job and
+   says why it failed. The same program runs under mpirun, srun, torchrun or with
+   DOPT_WORLD_SIZE=N (launch.h).
+
+   MORE LOOP SHAPES
+
+   1. Synchronous SGD with compressed gradients (TernGrad): give the driver a gradient
+      compressor and after_backward averages through it (the models stay identical: no other
+      communication); its state is saved with the driver's:
+
+       dopt_compressor tern = {0};
+       dopt_compressor_init(&tern, &(dopt_compressor_config){.seed = 42}, segs, nsegs);
+                                                        (ternary, c = 2.5, scale sharing)
+       dopt_dp_init(&dp, comm, n, &(dopt_dp_config){.grad_compressor = &tern});
+       ... the loop above ...
+       st = dopt_dp_close(&dp, params);
        dopt_compressor_free(&tern);
 
    2. Local SGD (post-local SGD: 100 synchronous steps, then average every 8):
@@ -141,76 +156,17 @@
    | history       | WITHIN: weight h in [0, 1) of earlier rounds' statistics   | 0: the round's    |
    |               | (a round k rounds back counts h^k)                         | own alone         |
 
-   The tests, with b the samples per local step, ĝ = g_B/‖g_B‖ the direction of the step's batch
-   gradient, and Var a per-sample variance summed over coordinates:
-     norm (Byrd et al. 2012):           b_needed = Var / (η²‖∇F‖²)
-     inner product (Bollapragada et al. 2018):
-                                        b_needed = Var(⟨∇f_i, ĝ⟩) / (θ²‖∇F‖²)
-                                                 (= Var(⟨∇f_i, g_B⟩)/(θ²‖g_B‖⁴) with ‖∇F‖ for ‖g_B‖)
-     augmented:                         the larger of the inner-product answer and
-                                        Var(∇f_i − ⟨∇f_i,ĝ⟩ĝ) / (ν²‖∇F‖²)
-   When b_needed > b the next size is ⌈b_needed / unit_samples⌉ units, rounded up to a multiple
-   of `multiple`, never below the current size (monotone) and never above max_units. When the
-   estimate of ‖∇F‖² is zero or below while there is noise (the noise accounts for all of the
-   observed gradient), no batch passes and the size goes to the cap. When the statistics are
-   missing (no step of the round with 2 micro-batches, no direction yet, one worker for ACROSS,
-   a zero gradient without noise, NaN) the size stays, bc->undecided counts the round, and the
-   communicator's log says why (a warning the first time, information after). Every input of the
-   decision is the result of a scalar allreduce, so every rank computes the same bits and reaches
-   the same size.
-
-   Defaults and what to expect. η = θ = ν = 0.1 are the defaults of the reference code of
-   AdAdaGrad (Lau, Liu, Kolar 2024), by the first author of the paper on adaptive batches for
-   local methods (Lau, Li, Xu, Liu, Kolar 2024); that code's example runs use η ∈ {0.1, 0.25,
-   0.5}, and θ = 0.5 with ν = 1; Bollapragada et al. suggest θ ≈ 0.9 with ν ≈ 5.84. The norm test
-   asks that the batch mean's noise, √(Var/b), be at most η·‖∇F‖: b ≥ Var/(η²‖∇F‖²). On a small
-   model the per-sample noise is many times the gradient, and a strict η asks for a batch far
-   beyond any cap at the first decision — the test's honest answer, not a fault. Choose η from
-   the batch you can afford: run once, read dopt_batch_stats (bc->last) and take
-   η ≈ √(Var/(b_max·‖∇F‖²)) for the b_max you want reached when the gradient is that small. The
-   Fashion-MNIST MLP in the distopt repository's examples/ (2 workers, period 4, 2 micro-batches
-   of 32 per step) asks at η = 0.1 for 3400 samples at its first decision, far beyond its range
-   of 64–512; with η = 1.5 and history 0.9 (below) it grows from 64 to 256 over 10 epochs.
-
-   The WITHIN estimator. The host reports each micro-batch's mean gradient v_j
-   (dopt_batch_observe), and marks the end of each local step (dopt_batch_end_step; the driver's
-   dopt_dp_after_step does it). The variance is the spread of the micro-batch gradients of
-   ONE step, all taken at the same parameters: τ² = Σ_t Σ_j ‖v_j − v̄_t‖² / Σ_t (k_t − 1), pooled
-   over the round's steps and over ranks, and Var = unit_samples·τ². Steps differ in parameters;
-   their difference is drift, not noise, and does not enter. A step of one micro-batch adds no
-   degree of freedom: at initial_units = 1 nothing is ever decided, so start at 2 units or more.
-   ‖∇F‖² is estimated without the upward bias of a batch mean (E‖v̄_t‖² = ‖∇F(x_t)‖² + τ²/k_t):
-   the mean over the round's steps and ranks of ‖v̄_t‖² − τ²/k_t, the variance of each step's mean
-   subtracted. Memory: n doubles for the step's sum, plus, for the inner-product tests:
-     DOPT_BATCH_PROJECT_PREVIOUS: n floats. ĝ is the previous step's mean (the round's first step
-       uses the previous round's last; the first step of all has none and adds nothing to the
-       projected statistics). An approximation: it lags one local step, and it is exact when the
-       direction does not move; where the direction turns within a step's distance it misplaces
-       spread between ip_var and orth_var (a 90-degree turn swaps them).
-     DOPT_BATCH_PROJECT_EXACT: max_units·n floats that keep the step's micro-batch gradients
-       until its end, then project them on the step's own mean: the tests' definition. A step of
-       more than max_units micro-batches is refused (DOPT_ERR_INVALID).
-
-   history (this library's addition, not the papers'). One round's estimate of ‖∇F‖² is noisy
-   when a round holds few micro-batches: the Fashion-MNIST MLP (2 workers, period 4, 2 micro-
-   batches of 32 per step) saw it between 0.17 and 6.9 in its first 30 rounds, and because the
-   size never shrinks, one low estimate sends it to the cap for good (η = 4: the cap of 512
-   samples within the first two epochs, while most rounds asked for 2 to 9 samples). With
-   history = 0.9 (the statistics of about the last 10 rounds) the same run stayed at 64 samples
-   at η = 4 and grew from 64 to 256 over 10 epochs at η = 1.5. The price is lag: a change of
-   the gradient's scale shows within about 1/(1 − h) rounds.
-
-   The ACROSS estimator. At each model average, with d_m = x_m − x_anchor rank m's model delta over
-   the round and B_m the samples it processed (B = Σ_m B_m), d̄ the (weighted) average:
-   Var = Σ_m B_m‖d_m − d̄‖² / (N − 1) = (Σ B_m‖d_m‖² − B‖d̄‖²)/(N − 1), ‖∇F‖² ≈ ‖d̄‖² − Var·c with
-   c = 1/B (weighted mean) or Σ_m(1/B_m)/N² (plain mean), and the projections on d̂ = d̄/‖d̄‖ from
-   ⟨d_m, d̄⟩: two scalar allreduces beyond the average itself. It reads a delta as a gradient sum
-   over the round's B_m samples times the step size (every test is a ratio, so the scale
-   cancels). That holds for plain SGD at one learning rate on every rank within a round. Under
-   momentum or adaptive optimizers the delta is the sum of the updates, not of the gradients,
-   and the estimate is of the spread of the updates; use WITHIN there. Under clipping (CELGC) a
-   step is min(η, γ/‖g‖)·g, not a fixed multiple of g: dopt_dp_celgc_step refuses an ACROSS
-   controller. Unbiased for a weighted mean, and for a plain mean when the B_m are equal.
+   What a user needs of the tests: every rank reaches the same decision (its inputs are results
+   of scalar allreduces), the size is monotone, rounded up to `multiple` and capped at
+   max_units; a round that cannot decide keeps the size, counts in bc->undecided and says why in
+   the communicator's log. WITHIN needs two micro-batches per step at least (initial_units ≥ 2).
+   Choose η from the batch you can afford: run once, read dopt_batch_stats (bc->last) and take
+   η ≈ √(Var/(b_max·‖∇F‖²)) for the b_max you want reached when the gradient is that small; a
+   strict η asks for a batch far beyond any cap at the first decision (the test's honest answer).
+   history smooths the noisy estimate of ‖∇F‖² of a round with few micro-batches, at the price of
+   a lag of about 1/(1 − h) rounds. ACROSS reads model deltas as gradient sums: plain SGD only (not
+   momentum, adaptive optimizers or CELGC, which refuses it). The tests' formulas, the estimators'
+   derivations and measured behaviour are in REFERENCE FOR CONTRIBUTORS below.
 
    FUNCTIONS (driver)
 
@@ -282,11 +238,11 @@
      dopt_dp_after_step_buf takes them; NULL when none). rule is clip.h's dopt_celgc (eta, gamma,
      weight_decay, scale: 0 means 1), e.g. &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f}. Arguments
      are checked before any communication (DOPT_ERR_INVALID, also for a NULL rule and for an
-     ACROSS batch controller: see the
-     ACROSS estimator). With period 1 and sync_grads this is synchronous clipped SGD (gradients
-     averaged, then clipped); with period 1 and without sync_grads, CELGC at I = 1 as its paper
-     runs it (each worker clips its own gradient, the models are averaged after every step). A NaN or infinity in the gradient: this worker
-     skips its update, the average still happens when due, and the call returns
+     ACROSS batch controller, which reads deltas as gradient sums: clipped steps are not). With
+     period 1 and sync_grads this is synchronous clipped SGD (gradients averaged, then clipped);
+     with period 1 and without sync_grads, CELGC at I = 1 as its paper runs it (each worker clips
+     its own gradient, the models are averaged after every step). A NaN or infinity in the
+     gradient: this worker skips its update, the average still happens when due, and the call returns
      DOPT_ERR_NONFINITE. grads is averaged in place on synchronous steps with sync_grads.
 
    dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
@@ -410,23 +366,23 @@
      (top-k, sign) the compressor's error feedback keeps what C dropped and adds it to the next
      round's delta; its residual and step are saved in the state file with the rest. AVERAGE
      state buffers still go in fp32. Not with `weighted` (DOPT_ERR_INVALID at init: the compressed
-     allreduce takes a plain mean). Synchronous gradient averages (sync_grads) go through
+     allreduce takes a plain mean). Synchronous gradient averages go through
      cfg.grad_compressor when one is given (below), else in fp32.
 
    DILOCO'S OUTER OPTIMIZER (Douillard et al. 2023)
      With outer_lr ≠ 1 or outer_momentum > 0, every model average (scheduled, on demand, in the
-     warm-up without sync_grads) is a step of an outer optimizer: with the pseudo-gradient
+     warm-up when the gradients were not averaged) is a step of an outer optimizer: with the pseudo-gradient
      Δ = x_anchor − mean_m(x_m), v ← μ·v + Δ and x_anchor ← x_anchor − lr·(Δ + μ·v) (Nesterov), and
      every worker continues from the new anchor. DiLoCo uses lr 0.7, μ 0.9 with an inner AdamW
      and 500 local steps. lr = 1 with μ = 0 is the plain average and takes the plain path, bit for
      bit. The anchor is kept (n floats) and v is n floats more; both are saved with the state.
      With cfg.compressor the pseudo-gradient is the mean of the compressed deltas (with the
-     compressor's error feedback). Gradient averages (sync_grads) are not model averages and do
+     compressor's error feedback). Gradient averages are not model averages and do
      not go through it; AVERAGE state buffers are averaged plainly.
 
    COMPRESSED GRADIENTS
-     With cfg.grad_compressor (same requirements as cfg.compressor, a different object, and
-     sync_grads), dopt_dp_after_backward — and so dopt_dp_celgc_step — averages the
+     With cfg.grad_compressor (same requirements as cfg.compressor, a different object),
+     dopt_dp_after_backward — and dopt_dp_celgc_step with sync_grads — averages the
      gradients of synchronous steps through dopt_compress_allreduce: (1/N) Σ_m C(g_m), the same
      bytes on every rank, packed into the workspace first so that any descriptor works. Its state
      (error-feedback residual, step) is saved with the driver's. Both compressors may be set:
@@ -616,6 +572,82 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
 #endif
 
 #endif /* DISTOPT_LOCALSGD_H */
+
+/* ==================== REFERENCE FOR CONTRIBUTORS ====================
+   Not needed to use the header: the adaptive batch-size tests' formulas, the estimators'
+   derivations, where the defaults come from and what was measured with them.
+
+   The tests, with b the samples per local step, ĝ = g_B/‖g_B‖ the direction of the step's batch
+   gradient, and Var a per-sample variance summed over coordinates:
+     norm (Byrd et al. 2012):           b_needed = Var / (η²‖∇F‖²)
+     inner product (Bollapragada et al. 2018):
+                                        b_needed = Var(⟨∇f_i, ĝ⟩) / (θ²‖∇F‖²)
+                                                 (= Var(⟨∇f_i, g_B⟩)/(θ²‖g_B‖⁴) with ‖∇F‖ for ‖g_B‖)
+     augmented:                         the larger of the inner-product answer and
+                                        Var(∇f_i − ⟨∇f_i,ĝ⟩ĝ) / (ν²‖∇F‖²)
+   When b_needed > b the next size is ⌈b_needed / unit_samples⌉ units, rounded up to a multiple
+   of `multiple`, never below the current size (monotone) and never above max_units. When the
+   estimate of ‖∇F‖² is zero or below while there is noise (the noise accounts for all of the
+   observed gradient), no batch passes and the size goes to the cap. When the statistics are
+   missing (no step of the round with 2 micro-batches, no direction yet, one worker for ACROSS,
+   a zero gradient without noise, NaN) the size stays, bc->undecided counts the round, and the
+   communicator's log says why (a warning the first time, information after). Every input of the
+   decision is the result of a scalar allreduce, so every rank computes the same bits and reaches
+   the same size.
+
+   Defaults and what to expect. η = θ = ν = 0.1 are the defaults of the reference code of
+   AdAdaGrad (Lau, Liu, Kolar 2024), by the first author of the paper on adaptive batches for
+   local methods (Lau, Li, Xu, Liu, Kolar 2024); that code's example runs use η ∈ {0.1, 0.25,
+   0.5}, and θ = 0.5 with ν = 1; Bollapragada et al. suggest θ ≈ 0.9 with ν ≈ 5.84. The norm test
+   asks that the batch mean's noise, √(Var/b), be at most η·‖∇F‖: b ≥ Var/(η²‖∇F‖²). On a small
+   model the per-sample noise is many times the gradient, and a strict η asks for a batch far
+   beyond any cap at the first decision — the test's honest answer, not a fault. Choose η from
+   the batch you can afford: run once, read dopt_batch_stats (bc->last) and take
+   η ≈ √(Var/(b_max·‖∇F‖²)) for the b_max you want reached when the gradient is that small. The
+   Fashion-MNIST MLP in the distopt repository's examples/ (2 workers, period 4, 2 micro-batches
+   of 32 per step) asks at η = 0.1 for 3400 samples at its first decision, far beyond its range
+   of 64–512; with η = 1.5 and history 0.9 (below) it grows from 64 to 256 over 10 epochs.
+
+   The WITHIN estimator. The host reports each micro-batch's mean gradient v_j
+   (dopt_batch_observe), and marks the end of each local step (dopt_batch_end_step; the driver's
+   dopt_dp_after_step does it). The variance is the spread of the micro-batch gradients of
+   ONE step, all taken at the same parameters: τ² = Σ_t Σ_j ‖v_j − v̄_t‖² / Σ_t (k_t − 1), pooled
+   over the round's steps and over ranks, and Var = unit_samples·τ². Steps differ in parameters;
+   their difference is drift, not noise, and does not enter. A step of one micro-batch adds no
+   degree of freedom: at initial_units = 1 nothing is ever decided, so start at 2 units or more.
+   ‖∇F‖² is estimated without the upward bias of a batch mean (E‖v̄_t‖² = ‖∇F(x_t)‖² + τ²/k_t):
+   the mean over the round's steps and ranks of ‖v̄_t‖² − τ²/k_t, the variance of each step's mean
+   subtracted. Memory: n doubles for the step's sum, plus, for the inner-product tests:
+     DOPT_BATCH_PROJECT_PREVIOUS: n floats. ĝ is the previous step's mean (the round's first step
+       uses the previous round's last; the first step of all has none and adds nothing to the
+       projected statistics). An approximation: it lags one local step, and it is exact when the
+       direction does not move; where the direction turns within a step's distance it misplaces
+       spread between ip_var and orth_var (a 90-degree turn swaps them).
+     DOPT_BATCH_PROJECT_EXACT: max_units·n floats that keep the step's micro-batch gradients
+       until its end, then project them on the step's own mean: the tests' definition. A step of
+       more than max_units micro-batches is refused (DOPT_ERR_INVALID).
+
+   history (this library's addition, not the papers'). One round's estimate of ‖∇F‖² is noisy
+   when a round holds few micro-batches: the Fashion-MNIST MLP (2 workers, period 4, 2 micro-
+   batches of 32 per step) saw it between 0.17 and 6.9 in its first 30 rounds, and because the
+   size never shrinks, one low estimate sends it to the cap for good (η = 4: the cap of 512
+   samples within the first two epochs, while most rounds asked for 2 to 9 samples). With
+   history = 0.9 (the statistics of about the last 10 rounds) the same run stayed at 64 samples
+   at η = 4 and grew from 64 to 256 over 10 epochs at η = 1.5. The price is lag: a change of
+   the gradient's scale shows within about 1/(1 − h) rounds.
+
+   The ACROSS estimator. At each model average, with d_m = x_m − x_anchor rank m's model delta over
+   the round and B_m the samples it processed (B = Σ_m B_m), d̄ the (weighted) average:
+   Var = Σ_m B_m‖d_m − d̄‖² / (N − 1) = (Σ B_m‖d_m‖² − B‖d̄‖²)/(N − 1), ‖∇F‖² ≈ ‖d̄‖² − Var·c with
+   c = 1/B (weighted mean) or Σ_m(1/B_m)/N² (plain mean), and the projections on d̂ = d̄/‖d̄‖ from
+   ⟨d_m, d̄⟩: two scalar allreduces beyond the average itself. It reads a delta as a gradient sum
+   over the round's B_m samples times the step size (every test is a ratio, so the scale
+   cancels). That holds for plain SGD at one learning rate on every rank within a round. Under
+   momentum or adaptive optimizers the delta is the sum of the updates, not of the gradients,
+   and the estimate is of the spread of the updates; use WITHIN there. Under clipping (CELGC) a
+   step is min(η, γ/‖g‖)·g, not a fixed multiple of g: dopt_dp_celgc_step refuses an ACROSS
+   controller. Unbiased for a weighted mean, and for a plain mean when the B_m are equal.
+*/
 
 /* =====================================================================================
    IMPLEMENTATION — stop reading here if you only want the API.
