@@ -1167,10 +1167,25 @@ static void dopt__shm_close_link(dopt__shm *s, int peer) {
 }
 
 /* The engine closes its links after a failure: the failure is recorded in the segment too, for
-   peers waiting in a direct collective. */
+   peers waiting in a direct collective. What is recorded is what the engine's ABORT frame says
+   (its culprit, and the reason without this rank's "rank R: <collective>: " prefix), since peers
+   check the segment before their links: recording this rank's whole detail made every survivor
+   name the reporter's call first ("rank 1: allreduce #5 (...): rank 0: allreduce #5 (...):
+   connection to rank 2 lost ...") where TCP's name the dead rank. */
 static void dopt__shm_link_close(dopt_comm *c, int peer) {
     dopt__shm *s = (dopt__shm *)c->impl;
-    if (dopt__family_error(c) != DOPT_OK) dopt__shm_publish_abort(s, c->error, s->rank, c->detail);
+    const dopt__engine *e = c->eng;
+    if (dopt__family_error(c) != DOPT_OK) {
+        if (e != NULL && e->abort_len > DOPT_FRAME_BYTES) {
+            char why[DOPT__SHM_REASON_MAX];
+            size_t n = e->abort_len - DOPT_FRAME_BYTES < sizeof why ? e->abort_len - DOPT_FRAME_BYTES : sizeof why - 1;
+            memcpy(why, e->abort_msg + DOPT_FRAME_BYTES, n);
+            why[n] = '\0';
+            dopt__shm_publish_abort(s, c->error, (int)dopt__get_le32(e->abort_msg + 32), why);
+        } else {
+            dopt__shm_publish_abort(s, c->error, s->rank, c->detail);
+        }
+    }
     dopt__shm_close_link(s, peer);
 }
 

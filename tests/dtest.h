@@ -1,6 +1,7 @@
 /* dtest.h — the test runner distopt's test files share.
 
-   A test file defines tests with DTEST(name) { ... } and ends with DTEST_MAIN(). Each test runs in
+   A test file defines tests with DTEST(name) { ... } and ends with DTEST_MAIN() (worlds.h adds
+   DTEST_WORLDS: one line registering a multi-rank test once per transport). Each test runs in
    its own forked process (its own process group), so a crash, an abort or a hang fails that test
    alone; a test that runs longer than its budget (DTEST_TIMEOUT_S, default 120 s, or
    dtest_set_timeout) is killed with its children. Checks print the file, the line and what failed
@@ -35,23 +36,38 @@
 #define DTEST_MAX 512
 
 typedef void (*dtest_fn)(void);
+typedef void (*dtest_fn_arg)(const void *arg);
 typedef struct dtest_entry {
     const char *name;
-    dtest_fn fn;
+    dtest_fn fn;         /* a DTEST(name) { ... } */
+    dtest_fn_arg fn_arg; /* or a test made by a harness (worlds.h): fn_arg(arg) */
+    const void *arg;
     int timeout_s;
 } dtest_entry;
 
 static dtest_entry dtest_list[DTEST_MAX];
 static int dtest_count;
+static int dtest_dropped; /* registrations beyond DTEST_MAX: the run fails, saying so */
 static const char *dtest_current = "?";
 
-__attribute__((unused)) static void dtest_register(const char *name, dtest_fn fn) {
-    if (dtest_count < DTEST_MAX) {
-        dtest_list[dtest_count].name = name;
-        dtest_list[dtest_count].fn = fn;
-        dtest_list[dtest_count].timeout_s = DTEST_TIMEOUT_S;
-        dtest_count++;
+static void dtest_add(const char *name, dtest_fn fn, dtest_fn_arg fn_arg, const void *arg) {
+    if (dtest_count >= DTEST_MAX) {
+        dtest_dropped++;
+        return;
     }
+    dtest_list[dtest_count].name = name;
+    dtest_list[dtest_count].fn = fn;
+    dtest_list[dtest_count].fn_arg = fn_arg;
+    dtest_list[dtest_count].arg = arg;
+    dtest_list[dtest_count].timeout_s = DTEST_TIMEOUT_S;
+    dtest_count++;
+}
+
+__attribute__((unused)) static void dtest_register(const char *name, dtest_fn fn) { dtest_add(name, fn, NULL, NULL); }
+
+/* A test that runs fn(arg): how a harness registers several tests from one line. */
+__attribute__((unused)) static void dtest_register_arg(const char *name, dtest_fn_arg fn, const void *arg) {
+    dtest_add(name, NULL, fn, arg);
 }
 
 #define DTEST(name)                                                                                \
@@ -202,7 +218,10 @@ __attribute__((unused)) static int dtest_run_one(const dtest_entry *t) {
     if (pid == 0) {
         setpgid(0, 0);
         dtest_current = t->name;
-        t->fn();
+        if (t->fn != NULL)
+            t->fn();
+        else
+            t->fn_arg(t->arg);
         fflush(stdout);
         _exit(0);
     }
@@ -244,6 +263,19 @@ __attribute__((unused)) static int dtest_main(int argc, char **argv) {
     base = base ? base + 1 : argv[0];
     setvbuf(stdout, NULL, _IOLBF, 0);
     signal(SIGPIPE, SIG_IGN);
+    if (dtest_dropped) { /* a test nobody would run must not pass unseen */
+        printf("FAIL %s: %d tests beyond DTEST_MAX (%d) were not registered; raise DTEST_MAX\n", base, dtest_dropped,
+               DTEST_MAX);
+        failed++;
+    }
+    for (i = 0; i < dtest_count; i++) { /* names select tests (and tests/mutate.sh's filters): one each */
+        int j;
+        for (j = 0; j < i; j++)
+            if (strcmp(dtest_list[i].name, dtest_list[j].name) == 0) {
+                printf("FAIL %s: two tests are named %s\n", base, dtest_list[i].name);
+                failed++;
+            }
+    }
     for (i = 0; i < dtest_count; i++) {
         if (filter && !strstr(dtest_list[i].name, filter)) continue;
         switch (dtest_run_one(&dtest_list[i])) {

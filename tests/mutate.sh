@@ -141,8 +141,11 @@ mutate shm-direct-wait-ignores-frames transport_shm.h \
     'if (st == DOPT_OK && d != NULL) st = dopt__shm_check_frames' 'if (0 && d != NULL) st = dopt__shm_check_frames' \
     test_shm:a_failure_crosses
 mutate shm-engine-failure-not-recorded transport_shm.h \
-    'if (dopt__family_error(c) != DOPT_OK) dopt__shm_publish_abort(s, c->error, s->rank, c->detail);' '' \
+    'if (dopt__family_error(c) != DOPT_OK) {' 'if (0) {' \
     test_shm:a_failure_crosses
+mutate shm-engine-abort-recorded-with-the-reporters-call transport_shm.h \
+    'dopt__shm_publish_abort(s, c->error, (int)dopt__get_le32(e->abort_msg + 32), why);' \
+    'dopt__shm_publish_abort(s, c->error, s->rank, c->detail);' test_faults:shm_engine
 mutate shm-link-end-ignores-segment-failure transport_shm.h \
     'if (!dopt__shm_links_aborted(c, s, err)) *err = reason;' '(void)c, (void)s, *err = reason;' test_shm:a_failure_crosses
 mutate mpi-links-leave-messages-behind transport_mpi.h \

@@ -1,5 +1,6 @@
-/* Zero allocations per call after the first, over real worlds of 2 and 3 processes on shared
-   memory (direct, and on the engine over its links), on TCP, and on groups of both: every collective, blocking and not (allreduce in every dtype and op, small
+/* Zero allocations per call after the first, over real worlds of 2 and 3 processes on every
+   transport of worlds.h (shared memory direct and on the engine over its links, TCP), and on
+   groups of each: every collective, blocking and not (allreduce in every dtype and op, small
    and large, allgather, allgatherv, broadcast, barrier, the _start forms with several requests
    in flight); the compressed allreduce with every codec of compress.h; and the steps of the
    local SGD driver (period 1 averaging the gradients, fp32 or through TernGrad; period 4
@@ -192,12 +193,7 @@ static void collectives_steady(dopt_comm *c, void *arg) {
     free(b);
 }
 
-DTEST(collectives_shm_allocate_nothing_after_the_first_call) {
-    world_run_sizes(WORLD_SHM, 2, 3, collectives_steady, NULL);
-}
-DTEST(collectives_tcp_allocate_nothing_after_the_first_call) {
-    world_run_sizes(WORLD_TCP, 2, 3, collectives_steady, NULL);
-}
+DTEST_WORLDS(collectives_allocate_nothing_after_the_first_call, collectives_steady, NULL, 2, 3);
 
 /* The same on a group of every rank (ranked backwards), which runs on the engine over the
    parent's links whichever way the parent's own collectives run. */
@@ -208,11 +204,7 @@ static void group_collectives_steady(dopt_comm *c, void *arg) {
     dopt_comm_destroy(g);
 }
 
-DTEST(collectives_shm_engine_and_groups_allocate_nothing_after_the_first_call) {
-    world_run_sizes(WORLD_SHM_ENGINE, 2, 3, collectives_steady, NULL);
-    world_run(WORLD_SHM, 3, group_collectives_steady, NULL);
-    world_run(WORLD_TCP, 3, group_collectives_steady, NULL);
-}
+DTEST_WORLDS(group_collectives_allocate_nothing_after_the_first_call, group_collectives_steady, NULL, 2, 3);
 
 /* ------------------------------------------------------------------ the compressed allreduce */
 
@@ -264,12 +256,7 @@ static void compress_steady(dopt_comm *c, void *arg) {
     free(run);
 }
 
-DTEST(compress_allreduce_shm_allocates_nothing_after_the_first_call) {
-    world_run_sizes(WORLD_SHM, 2, 3, compress_steady, NULL);
-}
-DTEST(compress_allreduce_tcp_allocates_nothing_after_the_first_call) {
-    world_run_sizes(WORLD_TCP, 2, 3, compress_steady, NULL);
-}
+DTEST_WORLDS(compress_allreduce_allocates_nothing_after_the_first_call, compress_steady, NULL, 2, 3);
 
 /* ------------------------------------------------------------------ local SGD steps */
 
@@ -387,12 +374,7 @@ static void localsgd_steady(dopt_comm *c, void *arg) {
     free(run);
 }
 
-DTEST(localsgd_steps_shm_allocate_nothing_after_the_first_period) {
-    world_run_sizes(WORLD_SHM, 2, 3, localsgd_steady, NULL);
-}
-DTEST(localsgd_steps_tcp_allocate_nothing_after_the_first_period) {
-    world_run_sizes(WORLD_TCP, 2, 3, localsgd_steady, NULL);
-}
+DTEST_WORLDS(localsgd_steps_allocate_nothing_after_the_first_period, localsgd_steady, NULL, 2, 3);
 
 /* ------------------------------------------------------------------ clipping and CELGC */
 
@@ -452,8 +434,7 @@ static void clip_steady(dopt_comm *c, void *arg) {
     free(run);
 }
 
-DTEST(clipping_shm_allocates_nothing_after_the_first_call) { world_run_sizes(WORLD_SHM, 2, 3, clip_steady, NULL); }
-DTEST(clipping_tcp_allocates_nothing_after_the_first_call) { world_run_sizes(WORLD_TCP, 2, 3, clip_steady, NULL); }
+DTEST_WORLDS(clipping_allocates_nothing_after_the_first_call, clip_steady, NULL, 2, 3);
 
 /* ------------------------------------------------------------------ the counter itself */
 

@@ -3,7 +3,8 @@
    convention, the argument structs' defaults (a zero scale is 1, a zero AGC eps the paper's,
    measure_only touches nothing), non-finite gradients and bad arguments (a NULL argument struct
    included), CELGC's rule against "clip to γ/η, step η", AGC against a hand computation, and,
-   over real processes on shared memory and on TCP, norms and factors that are bitwise identical
+   over real processes on every transport of worlds.h (shared memory direct and on the engine,
+   TCP), norms and factors that are bitwise identical
    on every rank and equal to the norm of the concatenated gradients, and verdicts (NaN, invalid
    arguments) that every rank shares. */
 #define DISTOPT_IMPLEMENTATION
@@ -1074,8 +1075,7 @@ static void body_global_norm(dopt_comm *c, void *unused) {
     mr_free(&g);
 }
 
-DTEST(shm_global_norm_is_bitwise_equal_on_every_rank_and_of_the_concatenation) { world_run_sizes(WORLD_SHM, 2, 4, body_global_norm, NULL); }
-DTEST(tcp_global_norm_is_bitwise_equal_on_every_rank_and_of_the_concatenation) { world_run_sizes(WORLD_TCP, 2, 4, body_global_norm, NULL); }
+DTEST_WORLDS(global_norm_is_bitwise_equal_on_every_rank_and_of_the_concatenation, body_global_norm, NULL, 2, 4);
 
 static void body_segment_norms(dopt_comm *c, void *unused) {
     (void)unused;
@@ -1103,8 +1103,7 @@ static void body_segment_norms(dopt_comm *c, void *unused) {
     mr_free(&g);
 }
 
-DTEST(shm_segment_norms_are_over_every_rank_and_identical) { world_run_sizes(WORLD_SHM, 2, 4, body_segment_norms, NULL); }
-DTEST(tcp_segment_norms_are_over_every_rank_and_identical) { world_run_sizes(WORLD_TCP, 2, 4, body_segment_norms, NULL); }
+DTEST_WORLDS(segment_norms_are_over_every_rank_and_identical, body_segment_norms, NULL, 2, 4);
 
 /* The last rank holds a NaN (then an infinity): every rank gets DOPT_ERR_NONFINITE from every
    call, no rank touches its buffer, and the communicator keeps working. */
@@ -1142,8 +1141,7 @@ static void body_nonfinite_on_one_rank(dopt_comm *c, void *unused) {
     mr_free(&w);
 }
 
-DTEST(shm_nan_on_one_rank_makes_every_rank_skip) { world_run_sizes(WORLD_SHM, 2, 4, body_nonfinite_on_one_rank, NULL); }
-DTEST(tcp_nan_on_one_rank_makes_every_rank_skip) { world_run_sizes(WORLD_TCP, 2, 4, body_nonfinite_on_one_rank, NULL); }
+DTEST_WORLDS(nan_on_one_rank_makes_every_rank_skip, body_nonfinite_on_one_rank, NULL, 2, 4);
 
 /* Rank 0 passes a NaN threshold (then a NaN scale, a negative one, a zero one, no argument
    struct at all): every rank gets DOPT_ERR_INVALID, nothing moves, and the communicator keeps
@@ -1176,8 +1174,7 @@ static void body_invalid_on_one_rank(dopt_comm *c, void *unused) {
     mr_free(&w);
 }
 
-DTEST(shm_invalid_argument_on_one_rank_fails_every_rank) { world_run_sizes(WORLD_SHM, 2, 4, body_invalid_on_one_rank, NULL); }
-DTEST(tcp_invalid_argument_on_one_rank_fails_every_rank) { world_run_sizes(WORLD_TCP, 2, 4, body_invalid_on_one_rank, NULL); }
+DTEST_WORLDS(invalid_argument_on_one_rank_fails_every_rank, body_invalid_on_one_rank, NULL, 2, 4);
 
 /* Rank 0 passes no norms array, so it cannot take part with MR_SEGS sums: every rank fails (rank
    0 with DOPT_ERR_INVALID, its peers with the transport's mismatch) instead of waiting. */
@@ -1195,7 +1192,6 @@ static void body_missing_norms_on_one_rank(dopt_comm *c, void *unused) {
     mr_free(&g);
 }
 
-DTEST(shm_rank_that_cannot_join_the_reduction_fails_every_rank) { world_run_sizes(WORLD_SHM, 2, 4, body_missing_norms_on_one_rank, NULL); }
-DTEST(tcp_rank_that_cannot_join_the_reduction_fails_every_rank) { world_run_sizes(WORLD_TCP, 2, 4, body_missing_norms_on_one_rank, NULL); }
+DTEST_WORLDS(rank_that_cannot_join_the_reduction_fails_every_rank, body_missing_norms_on_one_rank, NULL, 2, 4);
 
 DTEST_MAIN()

@@ -2,7 +2,8 @@
    its unbiasedness and variance bound, the 2-bit packing, determinism of the random rounding,
    scale sharing, QSGD, top-k, sign, fp16/bf16 rounding against references, error feedback, the
    wire-format validator against crafted bytes, state save/load, and the compressed allreduce
-   over real shared-memory and TCP worlds of 2-4 processes.
+   over real worlds of 2-4 processes on every transport of worlds.h (shared memory direct and on
+   the engine, TCP).
 
    Statistical tests use a fixed seed and a bound whose confidence is stated beside it. */
 #define DISTOPT_IMPLEMENTATION
@@ -1350,11 +1351,7 @@ static void allreduce_all_codecs(dopt_comm *c, void *unused) {
     allreduce_check(c, DOPT_CODEC_TERNARY, 1); /* each rank's own scale: against the messages' average */
 }
 
-DTEST(allreduce_shm_2_equals_serial_average_bitwise_on_all_ranks) { world_run(WORLD_SHM, 2, allreduce_all_codecs, NULL); }
-DTEST(allreduce_shm_3_equals_serial_average_bitwise_on_all_ranks) { world_run(WORLD_SHM, 3, allreduce_all_codecs, NULL); }
-DTEST(allreduce_shm_4_equals_serial_average_bitwise_on_all_ranks) { world_run(WORLD_SHM, 4, allreduce_all_codecs, NULL); }
-DTEST(allreduce_tcp_2_equals_serial_average_bitwise_on_all_ranks) { world_run(WORLD_TCP, 2, allreduce_all_codecs, NULL); }
-DTEST(allreduce_tcp_4_equals_serial_average_bitwise_on_all_ranks) { world_run(WORLD_TCP, 4, allreduce_all_codecs, NULL); }
+DTEST_WORLDS(allreduce_equals_serial_average_bitwise_on_all_ranks, allreduce_all_codecs, NULL, 2, 4);
 
 DTEST(allreduce_self_and_scatter_list) {
     dopt_comm *c;
@@ -1650,15 +1647,7 @@ static void nf_allreduce_body(dopt_comm *c, void *unused) {
     for (k = 0; k < 8; k++) nf_allreduce_case(c, &nf_cases[k]);
 }
 
-DTEST(allreduce_shm_2_nonfinite_on_one_rank_fails_every_rank_and_changes_nothing) {
-    world_run(WORLD_SHM, 2, nf_allreduce_body, NULL);
-}
-DTEST(allreduce_shm_3_nonfinite_on_one_rank_fails_every_rank_and_changes_nothing) {
-    world_run(WORLD_SHM, 3, nf_allreduce_body, NULL);
-}
-DTEST(allreduce_tcp_2_nonfinite_on_one_rank_fails_every_rank_and_changes_nothing) {
-    world_run(WORLD_TCP, 2, nf_allreduce_body, NULL);
-}
+DTEST_WORLDS(allreduce_nonfinite_on_one_rank_fails_every_rank_and_changes_nothing, nf_allreduce_body, NULL, 2, 3);
 
 /* Without scale sharing the verdict rides in the messages: one allgather per step, no allreduce
    of a flag, also when a rank is not finite. */
@@ -1680,7 +1669,7 @@ static void nf_traffic_body(dopt_comm *c, void *unused) {
     dopt_compressor_free(&cz);
 }
 
-DTEST(allreduce_without_scale_sharing_sends_the_verdict_in_the_messages) { world_run(WORLD_SHM, 2, nf_traffic_body, NULL); }
+DTEST_WORLDS(allreduce_without_scale_sharing_sends_the_verdict_in_the_messages, nf_traffic_body, NULL, 2, 2);
 
 /* ------------------------------------------------------------------ details name the call
 
@@ -1716,9 +1705,9 @@ static void mismatch_body(dopt_comm *c, void *arg) {
     dopt_compressor_free(&cz);
 }
 
-DTEST(mismatch_inside_the_compressed_allreduce_names_it_in_the_detail) {
-    int scenario;
-    for (scenario = 0; scenario < 3; scenario++) world_run(WORLD_SHM, 2, mismatch_body, &scenario);
-}
+/* ranks with other layouts, a plain allreduce against scale sharing, a label set by the caller */
+static const int mismatch_scenarios[3] = {0, 1, 2};
+DTEST_WORLDS_EACH(mismatch_inside_the_compressed_allreduce_names_it_in_the_detail, mismatch_body, mismatch_scenarios, 2,
+                  2);
 
 DTEST_MAIN()

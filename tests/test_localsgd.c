@@ -1,8 +1,9 @@
 /* Tests of localsgd.h: the averaging schedule; least squares with a known optimum reached by local
-   SGD at periods 1, 4 and 16 over real processes on shared memory and TCP, with replicas bitwise
-   identical after every average and each extra state buffer treated by its policy; CELGC against
-   a hand-written reference loop (periods 4 and 1), and on a quartic where fixed-step SGD
-   diverges; DiLoCo's outer Nesterov step by hand, plain averaging bit for bit, on compressed
+   SGD at periods 1, 4 and 16 over real processes on every transport of worlds.h (shared memory
+   direct and on the engine, TCP: every multi-rank test below runs on all three), with replicas
+   bitwise identical after every average and each extra state buffer treated by its policy;
+   CELGC against a hand-written reference loop (periods 4 and 1), and on a quartic where
+   fixed-step SGD diverges; DiLoCo's outer Nesterov step by hand, plain averaging bit for bit, on compressed
    pseudo-gradients; the batch-size tests against values computed by hand, the within-worker
    variance at one iterate (zero without noise under drift, known noise within a confidence
    interval, ‖∇F‖² unbiased), both projections against a double-precision reference, history,
@@ -309,24 +310,9 @@ static void body_least_squares(dopt_comm *c, void *arg) {
     dopt_dp_free(&ls);
 }
 
-static void least_squares_all_periods(world_via kind, int min_ranks, int max_ranks) {
-    static const size_t periods[] = {1, 4, 16};
-    size_t k;
-    int n;
-    for (n = min_ranks; n <= max_ranks; n++)
-        for (k = 0; k < 3; k++) {
-            lsgd_args a;
-            a.period = periods[k];
-            world_run(kind, n, body_least_squares, &a);
-        }
-}
-
-DTEST(shm_local_sgd_converges_at_periods_1_4_16_and_replicas_identical_after_each_sync) {
-    least_squares_all_periods(WORLD_SHM, 2, 4);
-}
-DTEST(tcp_local_sgd_converges_at_periods_1_4_16_and_replicas_identical_after_each_sync) {
-    least_squares_all_periods(WORLD_TCP, 2, 3);
-}
+static const lsgd_args ls_periods[3] = {{1}, {4}, {16}};
+DTEST_WORLDS_EACH(local_sgd_converges_at_periods_1_4_16_and_replicas_identical_after_each_sync, body_least_squares,
+                  ls_periods, 2, 4);
 
 /* ------------------------------------------------------------------ replica check */
 
@@ -349,7 +335,7 @@ static void body_replica_spread(dopt_comm *c, void *arg) {
     dopt_dp_free(&ls);
 }
 
-DTEST(shm_replica_check_finds_the_largest_difference_between_ranks) { world_run(WORLD_SHM, 3, body_replica_spread, NULL); }
+DTEST_WORLDS(replica_check_finds_the_largest_difference_between_ranks, body_replica_spread, NULL, 2, 4);
 
 /* The library's own collectives name the call the user made: rank 0 checks the replicas while
    rank 1 averages after its step (period 1); each rank's detail names its own call. */
@@ -369,7 +355,7 @@ static void body_named_calls(dopt_comm *c, void *arg) {
     dopt_dp_free(&ls);
 }
 
-DTEST(shm_internal_collectives_name_the_users_call_in_a_mismatch) { world_run(WORLD_SHM, 2, body_named_calls, NULL); }
+DTEST_WORLDS(internal_collectives_name_the_users_call_in_a_mismatch, body_named_calls, NULL, 2, 2); /* a pair's roles */
 
 /* Ranks a local step apart (period 4: no communication in between) meet in the replica check:
    every rank is told the steps, not a checksum. */
@@ -393,7 +379,8 @@ static void body_steps_apart(dopt_comm *c, void *arg) {
     dopt_dp_free(&ls);
 }
 
-DTEST(shm_replica_check_of_ranks_at_different_steps_names_the_steps) { world_run(WORLD_SHM, 2, body_steps_apart, NULL); }
+DTEST_WORLDS(replica_check_of_ranks_at_different_steps_names_the_steps, body_steps_apart, NULL, 2,
+             2); /* a pair's detail */
 
 /* Check once: after a failure every call on the communicator, and on a driver over it, returns
    the same status at once, whether or not it would communicate (a local step of local SGD
@@ -463,12 +450,7 @@ static void body_poisoned_calls(dopt_comm *c, void *arg) {
     dopt_dp_free(&ls);
 }
 
-DTEST(shm_every_call_on_a_poisoned_communicator_fails_at_once_the_same_way) {
-    world_run(WORLD_SHM, 2, body_poisoned_calls, NULL);
-}
-DTEST(tcp_every_call_on_a_poisoned_communicator_fails_at_once_the_same_way) {
-    world_run(WORLD_TCP, 3, body_poisoned_calls, NULL);
-}
+DTEST_WORLDS(every_call_on_a_poisoned_communicator_fails_at_once_the_same_way, body_poisoned_calls, NULL, 2, 4);
 
 /* ------------------------------------------------------------------ compressed model deltas */
 
@@ -530,20 +512,12 @@ static void body_compressed(dopt_comm *c, void *arg) {
     dopt_compressor_free(&cz);
 }
 
-DTEST(shm_compressed_deltas_with_error_feedback_converge_and_keep_replicas_identical) {
-    compressed_args a[2] = {{DOPT_CODEC_TOPK, 0}, {DOPT_CODEC_SIGN, 0}};
-    world_run(WORLD_SHM, 3, body_compressed, &a[0]);
-    world_run(WORLD_SHM, 2, body_compressed, &a[1]);
-}
-DTEST(tcp_compressed_deltas_with_error_feedback_converge_and_keep_replicas_identical) {
-    compressed_args a = {DOPT_CODEC_TOPK, 0};
-    world_run(WORLD_TCP, 3, body_compressed, &a);
-}
-DTEST(shm_outer_nesterov_on_compressed_pseudo_gradients_converges_and_keeps_replicas_identical) {
-    compressed_args a[2] = {{DOPT_CODEC_TOPK, 1}, {DOPT_CODEC_SIGN, 1}};
-    world_run(WORLD_SHM, 3, body_compressed, &a[0]);
-    world_run(WORLD_SHM, 2, body_compressed, &a[1]);
-}
+static const compressed_args plain_deltas[2] = {{DOPT_CODEC_TOPK, 0}, {DOPT_CODEC_SIGN, 0}};
+static const compressed_args outer_deltas[2] = {{DOPT_CODEC_TOPK, 1}, {DOPT_CODEC_SIGN, 1}};
+DTEST_WORLDS_EACH(compressed_deltas_with_error_feedback_converge_and_keep_replicas_identical, body_compressed,
+                  plain_deltas, 2, 4);
+DTEST_WORLDS_EACH(outer_nesterov_on_compressed_pseudo_gradients_converges_and_keeps_replicas_identical,
+                  body_compressed, outer_deltas, 2, 4);
 
 /* ------------------------------------------------------------------ DiLoCo's outer optimizer */
 
@@ -575,7 +549,7 @@ static void body_outer_hand(dopt_comm *c, void *arg) {
     dopt_dp_free(&ls);
 }
 
-DTEST(shm_outer_nesterov_step_matches_hand_computation) { world_run(WORLD_SHM, 2, body_outer_hand, NULL); }
+DTEST_WORLDS(outer_nesterov_step_matches_hand_computation, body_outer_hand, NULL, 2, 2); /* two ranks' deltas */
 
 /* Plain averaging is the outer step with lr 1 and no momentum: asking for it explicitly changes
    no bit of a noisy local-SGD run. */
@@ -607,7 +581,7 @@ static void body_outer_plain(dopt_comm *c, void *arg) {
     DT_CHECK(memcmp(x[0], x[1], sizeof x[0]) == 0);
 }
 
-DTEST(shm_outer_lr_1_without_momentum_is_bitwise_plain_averaging) { world_run(WORLD_SHM, 3, body_outer_plain, NULL); }
+DTEST_WORLDS(outer_lr_1_without_momentum_is_bitwise_plain_averaging, body_outer_plain, NULL, 2, 4);
 
 DTEST(outer_optimizer_settings_out_of_range_are_invalid) {
     dopt_comm *c;
@@ -702,8 +676,7 @@ static void body_close(dopt_comm *c, void *arg) {
     DT_EQ_INT(c->error, DOPT_OK);
 }
 
-DTEST(shm_close_averages_the_short_last_round_checks_and_releases) { world_run(WORLD_SHM, 3, body_close, NULL); }
-DTEST(tcp_close_averages_the_short_last_round_checks_and_releases) { world_run(WORLD_TCP, 2, body_close, NULL); }
+DTEST_WORLDS(close_averages_the_short_last_round_checks_and_releases, body_close, NULL, 2, 4);
 
 /* Replicas that differ at the end are named: which ranks, by how much; the status is a mismatch
    and the communicator's detail (which dopt_comm_finish prints) says the same, while the
@@ -711,9 +684,11 @@ DTEST(tcp_close_averages_the_short_last_round_checks_and_releases) { world_run(W
 static void body_close_differ(dopt_comm *c, void *arg) {
     float x[8], g[8];
     dopt_dp ls;
-    char want[160];
+    char want[200], others[64] = "";
     int j;
     (void)arg;
+    for (j = 1; j < c->size; j++)
+        snprintf(others + strlen(others), sizeof others - strlen(others), "%s%d", j > 1 ? ", " : "", j);
     DT_OK(dopt_dp_init(&ls, c, 8, NULL));
     for (j = 0; j < 8; j++) x[j] = g[j] = (float)j;
     DT_OK(dopt_dp_broadcast(&ls, x));
@@ -723,7 +698,7 @@ static void body_close_differ(dopt_comm *c, void *arg) {
     if (c->rank > 0) x[5] += 0.5f * (float)c->rank; /* a bug of the host's: ranks 1.. drift after the step */
     DT_EQ_INT(dopt_dp_close(&ls, x), DOPT_ERR_MISMATCH);
     snprintf(want, sizeof want, "dopt_dp_close: the replicas differ after step 1: %d rank%s (%s) hold%s other parameters "
-             "than rank 0, by at most %g", c->size - 1, c->size > 2 ? "s" : "", c->size > 2 ? "1, 2" : "1",
+             "than rank 0, by at most %g", c->size - 1, c->size > 2 ? "s" : "", others,
              c->size > 2 ? "" : "s", 0.5 * (c->size - 1));
     DT_CHECKF(strcmp(dopt_dp_detail(&ls), want) == 0, "detail: %s\nwant:   %s", dopt_dp_detail(&ls), want);
     DT_CHECKF(strstr(dopt_comm_detail(c), want) != NULL, "communicator's detail: %s", dopt_comm_detail(c));
@@ -753,10 +728,7 @@ DTEST(a_refused_init_fails_every_later_call_and_close_names_why) {
     DT_EQ_INT(dopt_comm_finish(c, DOPT_ERR_INVALID), 1);
 }
 
-DTEST(shm_close_names_the_ranks_whose_replicas_differ) {
-    world_run(WORLD_SHM, 2, body_close_differ, NULL);
-    world_run(WORLD_SHM, 3, body_close_differ, NULL);
-}
+DTEST_WORLDS(close_names_the_ranks_whose_replicas_differ, body_close_differ, NULL, 2, 4);
 
 /* Period 1 needs no second setting: dopt_dp_after_backward averages the gradients of a
    synchronous step (one allreduce per step, the step's model average then skipped), and a host
@@ -793,12 +765,9 @@ static void body_period_one(dopt_comm *c, void *arg) {
     }
 }
 
-DTEST(shm_period_one_averages_gradients_after_backward_and_models_otherwise) {
-    world_run(WORLD_SHM, 3, body_period_one, NULL);
-}
+DTEST_WORLDS(period_one_averages_gradients_after_backward_and_models_otherwise, body_period_one, NULL, 2, 4);
 
-DTEST(shm_sync_now_averages_a_short_round_and_is_not_a_step) { world_run(WORLD_SHM, 3, body_sync_now, NULL); }
-DTEST(tcp_sync_now_averages_a_short_round_and_is_not_a_step) { world_run(WORLD_TCP, 2, body_sync_now, NULL); }
+DTEST_WORLDS(sync_now_averages_a_short_round_and_is_not_a_step, body_sync_now, NULL, 2, 4);
 
 /* ------------------------------------------------------------------ compressed gradients */
 
@@ -856,9 +825,7 @@ static void body_grad_compressed(dopt_comm *c, void *arg) {
     dopt_compressor_free(&other);
 }
 
-DTEST(shm_compressed_gradients_through_the_driver_equal_the_compressed_allreduce) {
-    world_run(WORLD_SHM, 3, body_grad_compressed, NULL);
-}
+DTEST_WORLDS(compressed_gradients_through_the_driver_equal_the_compressed_allreduce, body_grad_compressed, NULL, 2, 4);
 
 /* ------------------------------------------------------------------ CELGC */
 
@@ -919,11 +886,9 @@ static void body_celgc_reference(dopt_comm *c, void *arg) {
 
 /* At period 1 without sync_grads this is CELGC at I = 1 as the paper runs it: each worker clips
    its own gradient, the models are averaged after every step. */
-DTEST(shm_celgc_matches_hand_written_reference_loop_at_periods_4_and_1) {
-    int periods[2] = {CG_PERIOD, 1};
-    world_run(WORLD_SHM, 3, body_celgc_reference, &periods[0]);
-    world_run(WORLD_SHM, 3, body_celgc_reference, &periods[1]);
-}
+static const int celgc_periods[2] = {CG_PERIOD, 1};
+DTEST_WORLDS_EACH(celgc_matches_hand_written_reference_loop_at_periods_4_and_1, body_celgc_reference, celgc_periods, 2,
+                  4);
 
 /* A NaN, +inf or -inf in the gradient: the worker skips its update and says so, the step still
    counts (the average comes when due), and the next finite step goes on. The values are made
@@ -1051,9 +1016,7 @@ static void body_celgc_synchronous(dopt_comm *c, void *arg) {
     dopt_dp_free(&ls);
 }
 
-DTEST(shm_celgc_period_1_with_gradient_averaging_is_synchronous_clipped_sgd) {
-    world_run(WORLD_SHM, 3, body_celgc_synchronous, NULL);
-}
+DTEST_WORLDS(celgc_period_1_with_gradient_averaging_is_synchronous_clipped_sgd, body_celgc_synchronous, NULL, 2, 4);
 
 /* f(x) = Σ x_i⁴ / 4 (gradient x³: (L0, L1)-smooth, not L-smooth), gradients with noise. From x_i = 5
    a fixed step of 0.1 overshoots (0.1·3·25 > 2) and blows up; CELGC's step adapts. */
@@ -1105,7 +1068,7 @@ static void body_quartic(dopt_comm *c, void *arg) {
     dopt_dp_free(&lf);
 }
 
-DTEST(shm_celgc_converges_on_a_quartic_where_fixed_step_sgd_diverges) { world_run(WORLD_SHM, 3, body_quartic, NULL); }
+DTEST_WORLDS(celgc_converges_on_a_quartic_where_fixed_step_sgd_diverges, body_quartic, NULL, 2, 4);
 
 /* ------------------------------------------------------------------ batch-size tests: the rule */
 
@@ -1560,12 +1523,8 @@ static void body_across_hand(dopt_comm *c, void *arg) {
     dopt_batch_free(&bc);
 }
 
-DTEST(shm_across_worker_estimator_matches_hand_computation_with_weighted_mean) {
-    world_run(WORLD_SHM, 3, body_across_hand, NULL);
-}
-DTEST(tcp_across_worker_estimator_matches_hand_computation_with_weighted_mean) {
-    world_run(WORLD_TCP, 3, body_across_hand, NULL);
-}
+DTEST_WORLDS(across_worker_estimator_matches_hand_computation_with_weighted_mean, body_across_hand, NULL, 3,
+             3); /* the hand values are three ranks' */
 
 /* Local SGD with each test and estimator on noisy least squares, different data on every rank:
    every decision is the same on every rank, and the size only grows and stays under the cap. */
@@ -1627,28 +1586,24 @@ static void body_growth(dopt_comm *c, void *arg) {
     dopt_batch_free(&bc);
 }
 
-static void growth_all(world_via kind, int n) {
-    int t, e;
-    for (t = 0; t < 3; t++)
-        for (e = 0; e < 3; e++) { /* WITHIN with both projections, ACROSS */
-            growth_args a;
-            a.test = (dopt_batch_test)t;
-            a.est = e < 2 ? DOPT_BATCH_WITHIN : DOPT_BATCH_ACROSS;
-            a.proj = e == 1 ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS;
-            if (t == 0 && e == 1) continue; /* the norm test projects nothing */
-            world_run(kind, n, body_growth, &a);
-        }
-}
-
-DTEST(shm_batch_decisions_identical_on_every_rank_monotone_capped_rounded) { growth_all(WORLD_SHM, 3); }
-DTEST(tcp_batch_decisions_identical_on_every_rank_monotone_capped_rounded) { growth_all(WORLD_TCP, 2); }
+/* Each test with WITHIN under both projections (the norm test projects nothing) and ACROSS. */
+static const growth_args growth_cases[8] = {
+    {DOPT_BATCH_NORM, DOPT_BATCH_WITHIN, DOPT_BATCH_PROJECT_PREVIOUS},
+    {DOPT_BATCH_NORM, DOPT_BATCH_ACROSS, DOPT_BATCH_PROJECT_PREVIOUS},
+    {DOPT_BATCH_INNER_PRODUCT, DOPT_BATCH_WITHIN, DOPT_BATCH_PROJECT_PREVIOUS},
+    {DOPT_BATCH_INNER_PRODUCT, DOPT_BATCH_WITHIN, DOPT_BATCH_PROJECT_EXACT},
+    {DOPT_BATCH_INNER_PRODUCT, DOPT_BATCH_ACROSS, DOPT_BATCH_PROJECT_PREVIOUS},
+    {DOPT_BATCH_AUGMENTED, DOPT_BATCH_WITHIN, DOPT_BATCH_PROJECT_PREVIOUS},
+    {DOPT_BATCH_AUGMENTED, DOPT_BATCH_WITHIN, DOPT_BATCH_PROJECT_EXACT},
+    {DOPT_BATCH_AUGMENTED, DOPT_BATCH_ACROSS, DOPT_BATCH_PROJECT_PREVIOUS},
+};
+DTEST_WORLDS_EACH(batch_decisions_identical_on_every_rank_monotone_capped_rounded, body_growth, growth_cases, 2, 4);
 
 /* ------------------------------------------------------------------ save, load, resume */
 
 #define RS_STEPS 41
 
 typedef struct resume_args {
-    char dir[128];
     int stop_at;
     dopt_batch_estimator est;
     int compressed; /* 1: model deltas through top-k with error feedback (then unweighted);
@@ -1729,13 +1684,14 @@ static void body_resume(dopt_comm *c, void *arg) {
     dopt_batch bc;
     dopt_dp ls;
     dopt_compressor cz, gz;
-    char path[256], hpath[256];
+    char dir[128], path[256], hpath[256];
     FILE *f;
     int j;
     lsq_make(&p);
     for (j = 0; j < LS_M; j++) p.b[j] += 0.5f * (float)((j * 31) % 7 - 3);
-    snprintf(path, sizeof path, "%s/state.%d", a->dir, c->rank);
-    snprintf(hpath, sizeof hpath, "%s/host.%d", a->dir, c->rank);
+    world_tmpdir(c, dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/state.%d", dir, c->rank);
+    snprintf(hpath, sizeof hpath, "%s/host.%d", dir, c->rank);
     /* the uninterrupted run */
     resume_setup(c, a, &bc, &ls, sd, &cz, &gz);
     for (j = 0; j < LS_D; j++) h.x[j] = h.mom[j] = 0.0f;
@@ -1774,6 +1730,7 @@ static void body_resume(dopt_comm *c, void *arg) {
     dopt_batch_free(&bc);
     dopt_compressor_free(&cz);
     dopt_compressor_free(&gz);
+    world_tmpdir_remove(c, dir);
 }
 
 static void make_tmpdir(char *dir, size_t cap) {
@@ -1787,23 +1744,24 @@ static void remove_tmpdir(const char *dir) {
     DT_CHECK(system(cmd) == 0);
 }
 
-DTEST(shm_resume_at_step_k_is_bitwise_equal_to_the_uninterrupted_run) {
-    static const int stops[] = {1, 2, 4, 7, 17, 30};
-    resume_args a;
-    size_t k;
-    int e;
-    make_tmpdir(a.dir, sizeof a.dir);
-    for (e = 0; e < 6; e++) /* 4: outer optimizer and compressed deltas; 5: exact projection */
-        for (k = 0; k < sizeof stops / sizeof *stops; k++) {
-            a.stop_at = stops[k];
-            a.est = e < 4 ? (dopt_batch_estimator)(e % 2) : DOPT_BATCH_WITHIN;
-            a.compressed = e < 2 ? 0 : e < 4 ? e - 1 : e == 4;
-            a.outer = e == 4;
-            a.proj = e == 5 ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS;
-            world_run(WORLD_SHM, 2, body_resume, &a);
+/* Every stop below under six settings: each estimator plain (0, 1), with compressed deltas (2, 3;
+   3 with compressed warm-up gradients too), the outer optimizer on compressed deltas (4), the
+   exact projection (5). */
+static resume_args resume_cases[6 * 6];
+__attribute__((constructor)) static void resume_cases_fill(void) {
+    static const int stops[6] = {1, 2, 4, 7, 17, 30};
+    int e, k;
+    for (e = 0; e < 6; e++)
+        for (k = 0; k < 6; k++) {
+            resume_args *a = &resume_cases[6 * e + k];
+            a->stop_at = stops[k];
+            a->est = e < 4 ? (dopt_batch_estimator)(e % 2) : DOPT_BATCH_WITHIN;
+            a->compressed = e < 2 ? 0 : e < 4 ? e - 1 : e == 4;
+            a->outer = e == 4;
+            a->proj = e == 5 ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS;
         }
-    remove_tmpdir(a.dir);
 }
+DTEST_WORLDS_EACH(resume_at_step_k_is_bitwise_equal_to_the_uninterrupted_run, body_resume, resume_cases, 2, 2);
 
 /* ------------------------------------------------------------------ corrupt and mismatched files */
 
@@ -1910,11 +1868,12 @@ DTEST(corrupt_truncated_other_version_and_other_layout_files_are_refused) {
 }
 
 static void body_other_world(dopt_comm *c, void *arg) {
-    const char *dir = (const char *)arg;
-    char path[256];
+    char dir[128], path[256];
     dopt_comm *self;
     dopt_dp ls, one;
     float x[4] = {0};
+    (void)arg;
+    world_tmpdir(c, dir, sizeof dir);
     DT_OK(dopt_dp_init(&ls, c, 4, NULL));
     DT_OK(dopt_dp_after_step(&ls, x));
     snprintf(path, sizeof path, "%s/w.%d", dir, c->rank);
@@ -1932,13 +1891,9 @@ static void body_other_world(dopt_comm *c, void *arg) {
     dopt_dp_free(&one);
     dopt_dp_free(&ls);
     dopt_comm_destroy(self);
+    world_tmpdir_remove(c, dir);
 }
 
-DTEST(shm_state_of_another_world_size_or_rank_is_refused) {
-    char dir[128];
-    make_tmpdir(dir, sizeof dir);
-    world_run(WORLD_SHM, 2, body_other_world, dir);
-    remove_tmpdir(dir);
-}
+DTEST_WORLDS(state_of_another_world_size_or_rank_is_refused, body_other_world, NULL, 2, 2); /* names size 2 */
 
 DTEST_MAIN()

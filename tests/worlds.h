@@ -1,24 +1,60 @@
-/* worlds.h — run a test body on every rank of a real multi-process world, over shared memory or
-   TCP on loopback, each rank creating its communicator the way a user would. Include after
-   dtest.h, transport_shm.h and transport_tcp.h.
+/* worlds.h — run a test body on every rank of a real multi-process world, over every transport the
+   harness knows, each rank creating its communicator the way a user would. Include after dtest.h,
+   transport_shm.h and transport_tcp.h.
 
-   world_run(via, n, body, arg)   forks n processes; rank r creates its communicator (shm: by a
-                                  unique job name, WORLD_SHM_ENGINE with every collective on
-                                  the engine over shm's links; TCP: rank 0 listens on a port the kernel picks
-                                  and hands it to the others through a pipe), runs body(comm,
-                                  arg), ends it with dopt_comm_finish. Fails the test when a rank
-                                  fails or outlives the budget (100 s).
-   world_run_sizes(via, lo, hi, body, arg)   the same for every world size lo..hi. */
+   A multi-rank test is written once, as a body, and registered by one line:
+
+       static void body_global_norm(dopt_comm *c, void *arg) { ... every rank runs this ... }
+       DTEST_WORLDS(global_norm_is_bitwise_equal_on_every_rank, body_global_norm, NULL, 2, 4);
+
+   registers one test per transport, named <transport>_<name>: shm_global_norm_is_..., where the
+   collectives run directly on the shared segment; shm_engine_global_norm_is_..., where every
+   collective runs on the engine over shm's per-pair links; tcp_global_norm_is_..., over TCP on
+   loopback. Each runs the body in a fresh world of every size 2..4 on its transport, so that
+   `./test_clip global_norm` runs all three, `./test_clip tcp_global_norm` one (and a filter
+   `shm_` both shm's). A new transport added here reaches every such test. A body checks what
+   must hold on every transport (bits, results, statuses, calls counted by c->traffic), never
+   what one backend happens to do.
+
+   DTEST_WORLDS(name, body, arg, lo, hi)        body(comm, arg) at world sizes lo..hi, per transport.
+   DTEST_WORLDS_EACH(name, body, args, lo, hi)  the same for every element of the array args (a
+                                                fresh world each: a case may poison its world).
+   DTEST_WORLDS_ON(name, body, arg, lo, hi, mask), DTEST_WORLDS_EACH_ON(..., mask)
+                                                only on the transports of mask (WORLD_MASK_SHM,
+                                                WORLD_MASK_SHM_ENGINE, WORLD_MASK_TCP): for a body
+                                                that cannot run on the others; say why beside it.
+   DTEST_WORLDS_RUN(name, run, lo, hi)          run(via, n) per transport and size n = lo..hi, for
+                                                a test that starts its worlds itself (test_faults.c
+                                                kills ranks in them).
+   arg (args) is an expression valid at file scope: NULL, or the address of a file-scope object.
+
+   The lower layer:
+   world_run(via, n, body, arg)   forks n processes; rank r creates its communicator (WORLD_SHM: by
+                                  a unique job name; WORLD_SHM_ENGINE the same with every
+                                  collective on the engine over shm's links; WORLD_TCP: rank 0
+                                  listens on a port the kernel picks and hands it to the others
+                                  through a pipe), runs body(comm, arg), ends it with
+                                  dopt_comm_finish. Fails the test when a rank fails or outlives
+                                  the budget (100 s).
+   world_run_sizes(via, lo, hi, body, arg)   the same for every world size lo..hi.
+   world_tmpdir(c, dir, cap), world_tmpdir_remove(c, dir)   a directory every rank of c shares
+                                  (made by rank 0, its name broadcast), and its removal. */
 #ifndef DOPT_TEST_WORLDS_H
 #define DOPT_TEST_WORLDS_H
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-typedef enum world_via { WORLD_SHM, WORLD_SHM_ENGINE, WORLD_TCP } world_via;
+typedef enum world_via { WORLD_SHM, WORLD_SHM_ENGINE, WORLD_TCP, WORLD_NVIA } world_via;
+#define WORLD_MASK_SHM (1u << WORLD_SHM)
+#define WORLD_MASK_SHM_ENGINE (1u << WORLD_SHM_ENGINE)
+#define WORLD_MASK_TCP (1u << WORLD_TCP)
+#define WORLD_MASK_ALL (WORLD_MASK_SHM | WORLD_MASK_SHM_ENGINE | WORLD_MASK_TCP)
 typedef void (*world_body)(dopt_comm *c, void *arg);
+typedef void (*world_runner)(world_via via, int n);
 
 typedef struct world {
     world_via via;
@@ -92,5 +128,91 @@ __attribute__((unused)) static void world_run_sizes(world_via via, int lo, int h
     int n;
     for (n = lo; n <= hi; n++) world_run(via, n, body, arg);
 }
+
+/* A directory every rank of c shares: rank 0 makes it, every rank gets its name. */
+__attribute__((unused)) static void world_tmpdir(dopt_comm *c, char *dir, size_t cap) {
+    char name[128];
+    memset(name, 0, sizeof name);
+    if (c->rank == 0) {
+        snprintf(name, sizeof name, "/tmp/dtest-world-XXXXXX");
+        DT_CHECK(mkdtemp(name) != NULL);
+    }
+    DT_OK(dopt_broadcast(c, name, sizeof name, 0));
+    DT_CHECK(strlen(name) < cap);
+    snprintf(dir, cap, "%s", name);
+}
+
+/* After every rank is done with it (a barrier), rank 0 removes it and what it holds. */
+__attribute__((unused)) static void world_tmpdir_remove(dopt_comm *c, const char *dir) {
+    char cmd[256];
+    DT_OK(dopt_barrier(c));
+    if (c->rank != 0) return;
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    DT_CHECK(system(cmd) == 0);
+}
+
+/* ------------------------------------------------------------------ one line, every transport */
+
+static const char *const world_via_names[WORLD_NVIA] = {"shm", "shm_engine", "tcp"};
+
+__attribute__((unused)) static const char *world_via_name(world_via via) {
+    return (unsigned)via < WORLD_NVIA ? world_via_names[via] : "?";
+}
+
+/* One registered test: a body over one transport at sizes lo..hi, once per case. */
+typedef struct world_test {
+    world_via via;
+    world_runner run; /* or, for DTEST_WORLDS_RUN, run(via, n) starts the worlds itself */
+    world_body body;
+    char *args;      /* the cases, arg_size bytes apart */
+    size_t arg_size; /* 0: one case, args itself */
+    size_t nargs;
+    int lo, hi;
+} world_test;
+
+__attribute__((unused)) static void world_test_run(const void *p) {
+    const world_test *t = (const world_test *)p;
+    int n;
+    size_t k;
+    for (n = t->lo; n <= t->hi; n++)
+        if (t->run != NULL)
+            t->run(t->via, n);
+        else
+            for (k = 0; k < t->nargs; k++) world_run(t->via, n, t->body, t->args + k * t->arg_size);
+}
+
+/* Fills one world_test per transport of mask and registers them, named by the names given. */
+__attribute__((unused)) static void world_register(world_test *tests, const char *const *names, unsigned mask,
+                                                   world_runner run, world_body body, void *args, size_t arg_size,
+                                                   size_t nargs, int lo, int hi) {
+    int v;
+    for (v = 0; v < WORLD_NVIA; v++) {
+        if (!(mask & (1u << v))) continue;
+        tests[v].via = (world_via)v;
+        tests[v].run = run;
+        tests[v].body = body;
+        tests[v].args = (char *)args;
+        tests[v].arg_size = arg_size;
+        tests[v].nargs = nargs;
+        tests[v].lo = lo;
+        tests[v].hi = hi;
+        dtest_register_arg(names[v], world_test_run, &tests[v]);
+    }
+}
+
+#define DTEST_WORLDS__(name, run, body, args, arg_size, nargs, lo, hi, mask)                       \
+    static world_test name##_worlds[WORLD_NVIA];                                                   \
+    __attribute__((constructor)) static void name##_worlds_register(void) {                        \
+        static const char *const names[WORLD_NVIA] = {"shm_" #name, "shm_engine_" #name, "tcp_" #name}; \
+        world_register(name##_worlds, names, (mask), (run), (body), (void *)(args), (arg_size), (nargs), (lo), (hi)); \
+    }                                                                                              \
+    typedef int name##_worlds_semicolon
+
+#define DTEST_WORLDS_ON(name, body, arg, lo, hi, mask) DTEST_WORLDS__(name, NULL, body, arg, 0, 1, lo, hi, mask)
+#define DTEST_WORLDS(name, body, arg, lo, hi) DTEST_WORLDS_ON(name, body, arg, lo, hi, WORLD_MASK_ALL)
+#define DTEST_WORLDS_EACH_ON(name, body, args, lo, hi, mask)                                       \
+    DTEST_WORLDS__(name, NULL, body, args, sizeof((args)[0]), sizeof(args) / sizeof((args)[0]), lo, hi, mask)
+#define DTEST_WORLDS_EACH(name, body, args, lo, hi) DTEST_WORLDS_EACH_ON(name, body, args, lo, hi, WORLD_MASK_ALL)
+#define DTEST_WORLDS_RUN(name, run, lo, hi) DTEST_WORLDS__(name, run, NULL, NULL, 0, 1, lo, hi, WORLD_MASK_ALL)
 
 #endif
