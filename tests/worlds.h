@@ -178,7 +178,8 @@ __attribute__((unused)) static void world_test_run(const void *p) {
         if (t->run != NULL)
             t->run(t->via, n);
         else
-            for (k = 0; k < t->nargs; k++) world_run(t->via, n, t->body, t->args + k * t->arg_size);
+            for (k = 0; k < t->nargs; k++) /* no arithmetic on a NULL argument (UBSan: a zero offset) */
+                world_run(t->via, n, t->body, t->args ? t->args + k * t->arg_size : NULL);
 }
 
 /* Fills one world_test per transport of mask and registers them, named by the names given. */
