@@ -1570,11 +1570,11 @@ static void dopt__ls_note(dopt_dp *ls) {
     dopt_comm_log(ls->comm, DOPT_LOG_ERROR, "%s", ls->comm->detail);
 }
 
-/* The closing call's verdict when the replicas differ: which ranks hold other parameters than
-   rank 0, and by how much at most; also written to the communicator's detail (without poisoning
-   it), where dopt_comm_finish finds it. */
+/* The closing call's verdict when the replicas differ, in the driver's detail: which ranks hold
+   other parameters than rank 0, and by how much at most (dopt_dp_close_buf passes it on to the
+   communicator through dopt__ls_note). */
 static dopt_status dopt__ls_close_mismatch(dopt_dp *ls, const dopt_buf *params) {
-    char ranks[96] = "";
+    char ranks[96] = "", when[48] = "";
     size_t used = 0;
     double spread = NAN;
     int r, listed = 0, differ = 0;
@@ -1589,7 +1589,7 @@ static dopt_status dopt__ls_close_mismatch(dopt_dp *ls, const dopt_buf *params) 
         }
     }
     if (dopt__ls_replica_spread(ls, params, &spread) != DOPT_OK) return dopt__ls_poisoned(ls);
-    char when[48] = ""; /* steps are counted by after_step: a host of after_backward alone has none */
+    /* steps are counted by after_step: a host of after_backward alone has none to name */
     if (ls->step > 0) snprintf(when, sizeof when, " after step %llu", (unsigned long long)ls->step);
     dopt__ls_fail_detail(ls, "dopt_dp_close: the replicas differ%s: %d rank%s (%s%s) hold%s other "
                              "parameters than rank 0, by at most %.9g",
