@@ -120,6 +120,16 @@
        size; their sizes are exchanged first and written to recv_bytes[size]; blocks are packed in
        rank order. When the total exceeds any rank's capacity, every rank gets DOPT_ERR_INVALID.
      - dopt_broadcast(c, buf, bytes, root), dopt_barrier(c).
+     - dopt_exchange(c, tag, sends, nsends, recvs, nrecvs): point-to-point messages as one
+       collective, for schedules of one's own (compress.h's integer ring is one). Every rank
+       calls it with the same tag (a number of the caller's choosing; another tag is a
+       MISMATCH) and lists the messages it sends and receives (dopt_xfer: peer, buffer, bytes;
+       either list may be empty). A rank's sends to a peer must match that peer's receives from
+       it one for one, in order and in size (else DOPT_ERR_PROTOCOL names the sizes). Sends
+       never wait for receives. It runs over links (TCP, shm in worlds of up to 64 ranks, MPI);
+       a communicator without them (MPI's groups, larger shm worlds) returns
+       DOPT_ERR_UNSUPPORTED without poisoning anything. Peer out of range or this rank itself,
+       or a NULL buffer with bytes: DOPT_ERR_INVALID.
      Results are bitwise identical on every rank. Zero-length calls are legal. On any error the
      communicator is poisoned: every later call returns the same status at once, without
      communicating, and dopt_comm_detail(c) names the rank, the collective and its sequence
@@ -143,7 +153,11 @@
      several numbers at once, dopt_allreduce(c, v, k, DOPT_F64, DOPT_MEAN).
      c->traffic counts, per collective kind (index dopt_coll), the calls this rank completed and
      their payload bytes: allreduce count × dtype size, allgather(v) this rank's own block,
-     broadcast the buffer (on every rank), barrier 0. Collectives the library issues itself (the
+     broadcast the buffer (on every rank), barrier 0, exchange the bytes it sent. sent[] and
+     received[] count what the engine actually wrote to and read from peers (frame payloads,
+     headers left out; a ring allreduce of B bytes over N ranks sends and receives
+     2·(N-1)/N·B); they stay 0 for collectives a backend runs itself (shm's direct
+     collectives, MPI's). Collectives the library issues itself (the
      size exchange of allgatherv, the total of a weighted mean, clip.h's norm) count too. These
      are bytes handed to the transport, not bytes on the wire, which depend on the algorithm (a
      ring allreduce sends 2·(size-1)/size of its payload). dopt_comm_traffic_total sums them;
@@ -162,7 +176,7 @@
      and the setting to use.
 
    REQUESTS (nonblocking collectives)
-     dopt_allreduce_start, dopt_allgather_start and dopt_broadcast_start take the arguments of
+     dopt_allreduce_start, dopt_allgather_start, dopt_broadcast_start and dopt_exchange_start take the arguments of
      their blocking twins plus a dopt_request the caller keeps (a plain value, nothing to free),
      and return at once. dopt_test(&req, &done) makes progress without sleeping and sets done;
      dopt_wait(&req) makes progress until the request completed. Buffers belong to the
@@ -209,6 +223,11 @@
      the buffer for H hosts instead of the flat ring's 2·(N−1)/N for N ranks. Every rank still
      ends with the same bits, run after run. TCP's two_level (DOPT_TWO_LEVEL: auto, on, off)
      chooses when; see REFERENCE FOR CONTRIBUTORS below: HOSTS.
+     dopt_comm_host_layout(c, &layout) tells a schedule of one's own what the engine knows: H
+     hosts of `local` ranks each (hosts = 0 when unknown, uneven, or c is a group), this rank's
+     host and place on it, and the two_level setting; dopt_comm_host_rank(c, host, place) is
+     the rank at a place (-1 out of range). Hosts are numbered in the order of their lowest
+     rank, places in rank order.
 
    LAUNCH VARIABLES
      dopt_launch_read(&info, why, cap) reads where this process stands in its job from the
@@ -435,7 +454,8 @@ typedef enum dopt_coll {
     DOPT_COLL_ALLGATHER = 2,
     DOPT_COLL_ALLGATHERV = 3,
     DOPT_COLL_BROADCAST = 4,
-    DOPT_COLL_BARRIER = 5
+    DOPT_COLL_BARRIER = 5,
+    DOPT_COLL_EXCHANGE = 6
 } dopt_coll;
 
 /* What a collective is, as every rank must agree on it. Backends put it (or its fingerprint) on
@@ -447,18 +467,36 @@ typedef struct dopt_coll_desc {
     int root;         /* broadcast; 0 otherwise */
     uint64_t seq;     /* 1, 2, 3, ... per communicator */
     uint64_t count;   /* allreduce: elements; allgather: bytes per rank; allgatherv: total bytes;
-                         broadcast: bytes; barrier: 0 */
+                         broadcast: bytes; barrier: 0; exchange: the caller's tag */
     uint32_t group;   /* 0: the communicator a backend made; else the number of the group
                          (dopt_comm_split) it runs in, below 2^24 */
 } dopt_coll_desc;
 
 typedef struct dopt_comm dopt_comm;
 
-/* Completed collectives and their payload bytes, indexed by dopt_coll (index 0 unused). */
+/* Completed collectives and their bytes, indexed by dopt_coll (index 0 unused). */
 typedef struct dopt_traffic {
-    uint64_t calls[6];
-    uint64_t bytes[6];
+    uint64_t calls[7];
+    uint64_t bytes[7];    /* payload handed to the transport (see COMMUNICATORS) */
+    uint64_t sent[7];     /* payload bytes the engine wrote to peers (0 where the backend runs it) */
+    uint64_t received[7]; /* payload bytes the engine read from peers (0 where the backend runs it) */
 } dopt_traffic;
+
+/* One message of an exchange (dopt_exchange_start): to or from rank `peer`. */
+typedef struct dopt_xfer {
+    int peer;
+    void *buf;    /* a send's bytes, or where a receive's land */
+    size_t bytes;
+} dopt_xfer;
+
+/* Where the ranks of a communicator live (dopt_comm_host_layout). */
+typedef struct dopt_host_layout {
+    int hosts;      /* H hosts of `local` ranks each; 0: not known, or hosts of unequal sizes */
+    int local;
+    int host;       /* this rank's host, 0 .. H-1 (hosts in the order of their lowest rank) */
+    int local_rank; /* its place among its host's ranks, in rank order */
+    int two_level;  /* DOPT_TWO_LEVEL_* in force for host-aware schedules */
+} dopt_host_layout;
 
 /* A piece of a frame for a link's send (a header, a payload). */
 typedef struct dopt_iov {
@@ -609,6 +647,12 @@ DOPT_DEF dopt_status dopt_allreduce_start(dopt_comm *c, void *buf, size_t count,
                                           dopt_request *req);
 DOPT_DEF dopt_status dopt_allgather_start(dopt_comm *c, const void *send, void *recv, size_t bytes, dopt_request *req);
 DOPT_DEF dopt_status dopt_broadcast_start(dopt_comm *c, void *buf, size_t bytes, int root, dopt_request *req);
+DOPT_DEF dopt_status dopt_exchange_start(dopt_comm *c, uint64_t tag, const dopt_xfer *sends, int nsends,
+                                         const dopt_xfer *recvs, int nrecvs, dopt_request *req);
+DOPT_DEF dopt_status dopt_exchange(dopt_comm *c, uint64_t tag, const dopt_xfer *sends, int nsends,
+                                   const dopt_xfer *recvs, int nrecvs);
+DOPT_DEF dopt_status dopt_comm_host_layout(const dopt_comm *c, dopt_host_layout *out);
+DOPT_DEF int dopt_comm_host_rank(const dopt_comm *c, int host, int local_rank);
 DOPT_DEF dopt_status dopt_test(dopt_request *req, int *done);
 DOPT_DEF dopt_status dopt_wait(dopt_request *req);
 
@@ -1921,6 +1965,7 @@ static const char *dopt__coll_name(dopt_coll k) {
     case DOPT_COLL_ALLGATHERV: return "allgatherv";
     case DOPT_COLL_BROADCAST: return "broadcast";
     case DOPT_COLL_BARRIER: return "barrier";
+    case DOPT_COLL_EXCHANGE: return "exchange";
     }
     return "collective?";
 }
@@ -1937,6 +1982,7 @@ DOPT_DEF int dopt_coll_describe(const dopt_coll_desc *d, char *out, size_t cap) 
     case DOPT_COLL_BROADCAST:
         return snprintf(out, cap, "%s #%llu%s (%llu bytes from rank %d)", name, seq, in, n, d->root);
     case DOPT_COLL_BARRIER: return snprintf(out, cap, "%s #%llu%s", name, seq, in);
+    case DOPT_COLL_EXCHANGE: return snprintf(out, cap, "%s #%llu%s (tag %llu)", name, seq, in, n);
     case DOPT_COLL_ALLGATHER:
     case DOPT_COLL_ALLGATHERV: break;
     }
@@ -2060,7 +2106,7 @@ static const char *dopt__frame_decode(const unsigned char *in, dopt__frame *f) {
     if (memcmp(in, "DOPF", 4) != 0) return "bad magic";
     if (in[4] != DOPT_FRAME_VERSION) return "unknown protocol version";
     if (in[5] < DOPT__FRAME_DATA || in[5] > DOPT__FRAME_GOODBYE) return "unknown frame type";
-    if (kind > DOPT_COLL_BARRIER || (kind == 0 && in[5] == DOPT__FRAME_DATA)) return "unknown collective";
+    if (kind > DOPT_COLL_EXCHANGE || (kind == 0 && in[5] == DOPT__FRAME_DATA)) return "unknown collective";
     if (dtype > DOPT_I64 || op > DOPT_MEAN) return "unknown dtype or op";
     if (root > (uint32_t)INT_MAX || sender > (uint32_t)INT_MAX) return "rank out of range";
     f->type = in[5];
@@ -2160,6 +2206,7 @@ typedef struct dopt__req {
     const char *api;            /* the label in force when it started */
     unsigned char *buf;         /* allreduce: the caller's buffer (finished at completion) */
     uint64_t payload;           /* bytes for the traffic counter */
+    uint64_t sent, received;    /* payload bytes of its sends and of its receives */
     int direct;                 /* a small allreduce: combine the inputs in scratch at completion */
     int first_op, end_op;       /* its ops */
     unsigned char *scratch;     /* from the pool (pool index in `pooled`; -1: none) */
@@ -2197,6 +2244,7 @@ typedef struct dopt__engine {
     int host_pos, local_pos;    /* this rank's host, and its place among that host's ranks */
     int *host_ring;             /* `local` links: this host's ranks in rank order */
     int *cross_ring;            /* `hosts` links: the ranks at this rank's local_pos, in host order */
+    int *host_table;            /* hosts · local links: host h's place j is host_table[h · local + j] */
     int two_level;              /* DOPT_TWO_LEVEL_* */
     int *host_of;               /* dopt_comm_set_hosts' table (size entries), NULL when not given */
     dopt_comm *root;            /* the backend's communicator, whose links these are */
@@ -2280,8 +2328,8 @@ static int dopt__has_links(const dopt_comm_vtable *vt) {
 
 /* 1 when the engine runs collective kind on c (the backend does not run it itself). */
 static int dopt__engine_runs(const dopt_comm *c, dopt_coll kind) {
-    static const unsigned bit[6] = {0, DOPT_PROVIDES_ALLREDUCE, DOPT_PROVIDES_ALLGATHERV, DOPT_PROVIDES_ALLGATHERV,
-                                    DOPT_PROVIDES_BROADCAST, DOPT_PROVIDES_BARRIER};
+    static const unsigned bit[7] = {0, DOPT_PROVIDES_ALLREDUCE, DOPT_PROVIDES_ALLGATHERV, DOPT_PROVIDES_ALLGATHERV,
+                                    DOPT_PROVIDES_BROADCAST, DOPT_PROVIDES_BARRIER, 0};
     return c->eng != NULL && !(c->vt->provides & bit[kind]);
 }
 
@@ -2300,6 +2348,7 @@ static void dopt__eng_free(dopt__engine *e) {
     DOPT_FREE(e->blk_len);
     DOPT_FREE(e->host_ring);
     DOPT_FREE(e->cross_ring);
+    DOPT_FREE(e->host_table);
     DOPT_FREE(e->family);
     DOPT_FREE(e->host_of);
     DOPT_FREE(e);
@@ -2594,6 +2643,7 @@ static int dopt__eng_op(dopt__engine *e, int peer, int is_tx, unsigned char *ptr
 static int dopt__eng_send(dopt__engine *e, const dopt_coll_desc *d, int peer, const void *src, size_t bytes, int dep) {
     int i = dopt__eng_op(e, peer, 1, (unsigned char *)(uintptr_t)src, bytes);
     e->ops[i].dep = dep;
+    dopt__eng_req(e, e->started)->sent += bytes;
     dopt__frame_encode(e->ops[i].hdr, DOPT__FRAME_DATA, d, e->rank, 0, bytes);
     return i;
 }
@@ -2601,6 +2651,7 @@ static int dopt__eng_send(dopt__engine *e, const dopt_coll_desc *d, int peer, co
 static int dopt__eng_recv(dopt__engine *e, int peer, void *dst, size_t bytes, int reduce) {
     int i = dopt__eng_op(e, peer, 0, (unsigned char *)dst, bytes);
     e->ops[i].reduce = reduce;
+    dopt__eng_req(e, e->started)->received += bytes;
     return i;
 }
 
@@ -2939,6 +2990,8 @@ static void dopt__eng_retire(dopt__engine *e) {
                 dopt__divide(q->buf, (size_t)q->desc.count, q->desc.dtype, q->comm->size);
             q->comm->traffic.calls[q->desc.kind]++;
             q->comm->traffic.bytes[q->desc.kind] += q->payload;
+            q->comm->traffic.sent[q->desc.kind] += q->sent;
+            q->comm->traffic.received[q->desc.kind] += q->received;
         }
         drop = q->end_op;
         e->retired++;
@@ -3036,6 +3089,7 @@ static dopt__req *dopt__eng_begin(dopt_comm *c, dopt__engine *e, const dopt_coll
     q->api = c->api;
     q->buf = NULL;
     q->payload = 0;
+    q->sent = q->received = 0;
     q->direct = 0;
     q->first_op = e->nops;
     return q;
@@ -3329,6 +3383,23 @@ static dopt_status dopt__eng_barrier_start(dopt_comm *c, const dopt_coll_desc *d
     return DOPT_OK;
 }
 
+/* Each rank's own messages, checked by dopt_exchange_start: every send and receive queued at
+   once, the sends never waiting for a receive. */
+static dopt_status dopt__eng_exchange(dopt_comm *c, const dopt_coll_desc *d, const dopt_xfer *sends, int nsends,
+                                      const dopt_xfer *recvs, int nrecvs) {
+    dopt__engine *e = c->eng;
+    dopt__req *q = dopt__eng_begin(c, e, d, nsends + nrecvs, 0);
+    int i;
+    if (q == NULL) return c->error;
+    for (i = 0; i < nsends; i++) {
+        dopt__eng_send(e, d, dopt__link(c, sends[i].peer), sends[i].buf, sends[i].bytes, -1);
+        q->payload += sends[i].bytes;
+    }
+    for (i = 0; i < nrecvs; i++) dopt__eng_recv(e, dopt__link(c, recvs[i].peer), recvs[i].buf, recvs[i].bytes, 0);
+    dopt__eng_end(e, q);
+    return DOPT_OK;
+}
+
 /* ===================================================================== ENGINE: FOR BACKENDS */
 
 DOPT_DEF void dopt_comm_set_engine(dopt_comm *c, size_t small_bytes, int spin_us) {
@@ -3351,7 +3422,8 @@ DOPT_DEF dopt_status dopt_comm_set_hosts(dopt_comm *c, const int *host_of, int t
     if (e->host_ring == NULL) {
         e->host_ring = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
         e->cross_ring = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
-        if (e->host_ring == NULL || e->cross_ring == NULL) return DOPT_ERR_NOMEM;
+        e->host_table = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
+        if (e->host_ring == NULL || e->cross_ring == NULL || e->host_table == NULL) return DOPT_ERR_NOMEM;
     }
     if ((e->host_of = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n)) == NULL) return DOPT_ERR_NOMEM;
     memcpy(e->host_of, host_of, sizeof(int) * (size_t)n);
@@ -3369,6 +3441,7 @@ DOPT_DEF dopt_status dopt_comm_set_hosts(dopt_comm *c, const int *host_of, int t
         for (q = r; q < n; q++)
             if (host_of[q] == host_of[r]) {
                 if (ranks == e->local_pos) e->cross_ring[e->hosts] = q;
+                if (ranks < count) e->host_table[e->hosts * count + ranks] = q;
                 ranks++;
             }
         if (ranks != count) { /* uneven hosts: flat schedules only */
@@ -3871,6 +3944,74 @@ DOPT_DEF dopt_status dopt_barrier(dopt_comm *c) {
     }
     s = dopt__eng_drain(c);
     return s != DOPT_OK ? s : dopt__finish(c, &d, c->vt->barrier(c, &d));
+}
+
+DOPT_DEF dopt_status dopt_exchange_start(dopt_comm *c, uint64_t tag, const dopt_xfer *sends, int nsends,
+                                         const dopt_xfer *recvs, int nrecvs, dopt_request *req) {
+    dopt_coll_desc d;
+    dopt_status s;
+    int i;
+    if (c == NULL) return DOPT_ERR_INVALID;
+    if (c->eng == NULL && c->size > 1) { /* a rank-local verdict that every rank of the backend reaches */
+        s = dopt__family_error(c);
+        if (s == DOPT_OK) s = DOPT_ERR_UNSUPPORTED;
+        dopt__req_done(c, req, s);
+        return s;
+    }
+    s = dopt__begin(c, &d, DOPT_COLL_EXCHANGE, tag);
+    dopt__req_done(c, req, s);
+    if (s != DOPT_OK) return s;
+    if (nsends < 0 || nrecvs < 0 || (nsends > 0 && sends == NULL) || (nrecvs > 0 && recvs == NULL))
+        s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "bad message lists (%d sends, %d receives)", nsends, nrecvs);
+    for (i = 0; s == DOPT_OK && i < nsends + nrecvs; i++) {
+        const dopt_xfer *x = i < nsends ? &sends[i] : &recvs[i - nsends];
+        const char *what = i < nsends ? "send" : "receive";
+        if (x->peer < 0 || x->peer >= c->size || x->peer == c->rank)
+            s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "a %s names rank %d (this rank is %d of %d)", what, x->peer,
+                               c->rank, c->size);
+        else if (x->buf == NULL && x->bytes > 0)
+            s = dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "a %s of %llu bytes from a NULL buffer", what,
+                               (unsigned long long)x->bytes);
+    }
+    if (s != DOPT_OK) {
+        dopt__req_done(c, req, s);
+        return s;
+    }
+    if (c->eng == NULL) { /* a world of one: nothing to move */
+        s = dopt__finish_bytes(c, &d, DOPT_OK, 0);
+        dopt__req_done(c, req, s);
+        return s;
+    }
+    return DOPT__LOCKED(c->eng, dopt__req_started(c, dopt__eng_exchange(c, &d, sends, nsends, recvs, nrecvs), req));
+}
+
+DOPT_DEF dopt_status dopt_exchange(dopt_comm *c, uint64_t tag, const dopt_xfer *sends, int nsends,
+                                   const dopt_xfer *recvs, int nrecvs) {
+    dopt_request req;
+    dopt_status s = dopt_exchange_start(c, tag, sends, nsends, recvs, nrecvs, &req);
+    return s != DOPT_OK ? s : dopt_wait(&req);
+}
+
+DOPT_DEF dopt_status dopt_comm_host_layout(const dopt_comm *c, dopt_host_layout *out) {
+    const dopt__engine *e;
+    if (c == NULL || out == NULL) return DOPT_ERR_INVALID;
+    memset(out, 0, sizeof *out);
+    e = c->eng;
+    out->two_level = e ? e->two_level : DOPT_TWO_LEVEL_OFF;
+    if (e == NULL || c != e->root || e->hosts == 0) return DOPT_OK; /* groups: flat */
+    out->hosts = e->hosts;
+    out->local = e->local;
+    out->host = e->host_pos;
+    out->local_rank = e->local_pos;
+    return DOPT_OK;
+}
+
+DOPT_DEF int dopt_comm_host_rank(const dopt_comm *c, int host, int local_rank) {
+    const dopt__engine *e = c ? c->eng : NULL;
+    if (e == NULL || c != e->root || e->hosts == 0 || host < 0 || host >= e->hosts || local_rank < 0 ||
+        local_rank >= e->local)
+        return -1;
+    return e->host_table[host * e->local + local_rank];
 }
 
 /* ===================================================================== GROUPS

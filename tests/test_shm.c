@@ -118,6 +118,13 @@ DTEST(conformance_on_the_engine_over_links_worlds_1_to_4) {
     for (n = 1; n <= 4; n++) run_body(n, 1, conformance_run);
 }
 
+DTEST(exchange_mismatches_fail_whichever_way_collectives_run) {
+    run_body(3, 0, conformance_mismatch_exchange);
+    run_body(3, 1, conformance_mismatch_exchange);
+    run_body(3, 0, conformance_exchange_size);
+    run_body(2, 1, conformance_exchange_size);
+}
+
 DTEST(mismatches_on_the_engine_over_links_fail_every_rank) {
     run_body(3, 1, conformance_mismatch_count);
     run_body(3, 1, conformance_mismatch_kind);

@@ -227,6 +227,19 @@ DTEST(op_mismatch_fails_every_rank_of_3) { mismatch_world(3, conformance_mismatc
 DTEST(kind_mismatch_fails_every_rank_of_3) { mismatch_world(3, conformance_mismatch_kind); }
 DTEST(mismatch_in_flight_fails_every_later_request_of_3) { mismatch_world(3, conformance_mismatch_in_flight); }
 DTEST(mismatch_in_flight_fails_every_later_request_of_2) { mismatch_world(2, conformance_mismatch_in_flight); }
+DTEST(exchange_tag_mismatch_fails_every_rank_of_3) { mismatch_world(3, conformance_mismatch_exchange); }
+static void exchange_size_rank(int rank, void *arg) {
+    tcp_world *w = (tcp_world *)arg;
+    dopt_comm *c = world_join(w, rank);
+    conformance_exchange_size(c);
+    dopt_comm_destroy(c);
+}
+
+DTEST(exchange_size_mismatch_is_a_protocol_error_of_3) {
+    tcp_world w;
+    world_init(&w, 3, 20000);
+    DT_EQ_INT(dtest_spawn(3, exchange_size_rank, &w, 60), 0);
+}
 
 /* A large allreduce (ring path) whose counts differ: the header is refused before any payload. */
 static void large_mismatch(dopt_comm *c) {
