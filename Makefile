@@ -44,6 +44,8 @@ CHECKS   := $(BUILD)/check_two_units $(BUILD)/check_cxx $(BUILD)/check_define_in
 # The core once more without OpenBLAS and without vector types: the portable loops users of
 # other compilers get.
 TESTS    += $(BUILD)/test_core_portable
+# The integer ring's portable kernels, on the same worlds as its vector ones.
+TESTS    += $(BUILD)/test_ring_portable
 # compress.h once more with multiply-adds fused wherever the compiler likes (GCC's GNU-mode
 # default; clang fuses within expressions): the error-feedback residual must stay exact.
 TESTS    += $(BUILD)/test_compress_fused
@@ -117,10 +119,13 @@ $(BUILD):
 # make hosts: distopt inside FANN's and darknet's own training loops (examples/hosts).
 include examples/hosts/hosts.mk
 
-$(filter-out $(BUILD)/test_core_portable $(BUILD)/test_compress_fused $(BUILD)/test_compress_clang $(BUILD)/test_openmp,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h tests/groups.h tests/links.h $(HEADERS) | $(BUILD)
+$(filter-out $(BUILD)/test_core_portable $(BUILD)/test_ring_portable $(BUILD)/test_compress_fused $(BUILD)/test_compress_clang $(BUILD)/test_openmp,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h tests/groups.h tests/links.h $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 
 $(BUILD)/test_core_portable: tests/test_core.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
+	$(CC) $(filter-out $(BLAS_CFLAGS),$(ALL_CFLAGS)) -DDOPT_NO_BLAS -DDOPT_NO_VECTOR_EXT -o $@ $< -lm -lpthread -lrt
+
+$(BUILD)/test_ring_portable: tests/test_ring.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(CC) $(filter-out $(BLAS_CFLAGS),$(ALL_CFLAGS)) -DDOPT_NO_BLAS -DDOPT_NO_VECTOR_EXT -o $@ $< -lm -lpthread -lrt
 
 $(BUILD)/test_compress_fused: tests/test_compress.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)

@@ -219,6 +219,17 @@ typedef enum dopt_codec {
 
 typedef enum dopt_ef_mode { DOPT_EF_AUTO = 0, DOPT_EF_ON = 1, DOPT_EF_OFF = 2 } dopt_ef_mode;
 
+/* How dopt_compress_allreduce combines the ranks' messages (dopt_compressor_config.aggregate). */
+typedef enum dopt_aggregate { DOPT_AGG_AUTO = 0, DOPT_AGG_ALLGATHER = 1, DOPT_AGG_RING = 2 } dopt_aggregate;
+
+/* The way the last allreduce went (dopt_compressor.path). */
+typedef enum dopt_agg_path {
+    DOPT_PATH_NONE = 0,          /* no allreduce yet, or the last one failed before exchanging */
+    DOPT_PATH_ALLGATHER = 1,     /* every rank's message to every rank */
+    DOPT_PATH_RING = 2,          /* ternary sums along one ring */
+    DOPT_PATH_RING_TWO_LEVEL = 3 /* ternary sums within hosts, then across them */
+} dopt_agg_path;
+
 #define DOPT_CLIP_OFF (-1.0f)
 #define DOPT_COMPRESS_MAGIC 0x43504F44u /* "DOPC" */
 #define DOPT_COMPRESS_VERSION 2
@@ -236,6 +247,7 @@ typedef struct dopt_compressor_config {
     size_t qsgd_bucket;
     double topk_ratio;
     dopt_ef_mode error_feedback;
+    dopt_aggregate aggregate;
 } dopt_compressor_config;
 
 typedef struct dopt_compressor {
@@ -256,6 +268,12 @@ typedef struct dopt_compressor {
     unsigned char *gather;      /* the allreduce's N messages */
     size_t gather_ranks;        /* messages the gather buffer holds */
     int gathered;               /* messages in it from the last allreduce */
+    dopt_agg_path path;         /* how the last allreduce combined the messages */
+    int16_t *ring_acc;          /* the integer ring: running sums, 64 per group of elements */
+    unsigned char *ring_fin;    /* ... the final sums, packed */
+    unsigned char *ring_io;     /* ... the pieces in flight */
+    int *ring_ranks;            /* ... the members of its rings */
+    size_t ring_groups, ring_fin_bytes, ring_io_bytes, ring_nranks;
 } dopt_compressor;
 
 DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
@@ -2076,27 +2094,536 @@ static dopt_status dopt__gathered_verdict(const dopt_compressor *cz, int nmsg) {
     return DOPT_OK;
 }
 
+/* ===================================================================== INTEGER RING (TERNARY SUMS)
+
+   With one shared scale per segment, the sum of the N ranks' ternary codes is an integer in
+   [-N, N]. The ring reduces it exactly: a chunk that carries the sums of k codes goes in
+   w(k) = ceil(log2(2k + 1)) bits per element, then the final sums go round once more in w(N)
+   bits. Integers add exactly, so the result does not depend on the schedule: flat or by host,
+   every rank gets the sums the allgather path computes, and the same floats from them.
+
+   Elements are taken in groups of 64, each segment's padded with zeros to whole groups (a
+   segment's codes sit in 64-element blocks in the message too). A group of sums biased by K
+   (v = S + K in [0, 2K]) travels as w little-endian 64-bit words, word j holding bit j of the 64
+   values (bit t for element t): 8·w bytes per group. */
+
+#define DOPT__RING_PIECE_GROUPS 4096 /* groups per exchange (256 Ki elements), at most */
+#define DOPT__RING_DEPTH 2           /* exchanges in flight */
+#define DOPT__RING_MAX_RANKS 16383   /* 2N + 1 values in the 16-bit sums */
+
+static unsigned dopt__ring_width(uint64_t k) {
+    unsigned w = 0;
+    while (((uint64_t)1 << w) < 2 * k + 1) w++;
+    return w;
+}
+
+static size_t dopt__ring_groups(size_t n) { return (n + DOPT__BLOCK - 1) / DOPT__BLOCK; }
+
+/* Segment i goes through the ring (a ternary segment: not one sent as fp32). */
+static int dopt__ring_carries(const dopt_compressor *cz, size_t i) { return cz->segs[i].count >= cz->cfg.fp32_below; }
+
+/* This rank's codes of segment i (the message body `in`, n elements) as sums of one: -1, 0, +1. */
+static void dopt__ring_load(int16_t *DOPT_RESTRICT acc, const uint8_t *DOPT_RESTRICT in, size_t n) {
+    size_t i, t;
+    for (i = 0; i < n; i += DOPT__BLOCK, in += 16, acc += DOPT__BLOCK) {
+        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK, q = (m + 3) / 4;
+        for (t = 0; t < m; t++) {
+            unsigned code = (in[t % q] >> (2 * (t / q))) & 3u;
+            acc[t] = (int16_t)((int)(code & 1u) - (int)(code >> 1));
+        }
+        for (; t < DOPT__BLOCK; t++) acc[t] = 0;
+    }
+}
+
+DOPT__MAYBE_UNUSED static void dopt__ring_pack_portable(const int16_t *DOPT_RESTRICT acc, size_t groups, int K, unsigned w,
+                            unsigned char *DOPT_RESTRICT out) {
+    size_t g;
+    unsigned j, t;
+    for (g = 0; g < groups; g++, acc += DOPT__BLOCK) {
+        uint16_t v[DOPT__BLOCK];
+        for (t = 0; t < DOPT__BLOCK; t++) v[t] = (uint16_t)(acc[t] + K);
+        for (j = 0; j < w; j++, out += 8) {
+            uint64_t word = 0;
+            for (t = 0; t < DOPT__BLOCK; t++) word |= (uint64_t)((v[t] >> j) & 1u) << t;
+            memcpy(out, &word, 8);
+        }
+    }
+}
+
+DOPT__MAYBE_UNUSED static void dopt__ring_unpack(const unsigned char *DOPT_RESTRICT in, unsigned w, uint16_t *DOPT_RESTRICT v) {
+    unsigned j, t;
+    for (t = 0; t < DOPT__BLOCK; t++) v[t] = 0;
+    for (j = 0; j < w; j++) {
+        uint64_t word;
+        memcpy(&word, in + 8 * j, 8);
+        for (t = 0; t < DOPT__BLOCK; t++) v[t] = (uint16_t)(v[t] | ((word >> t) & 1u) << j);
+    }
+}
+
+DOPT__MAYBE_UNUSED static unsigned dopt__ring_add_portable(int16_t *DOPT_RESTRICT acc, size_t groups, int K, unsigned w,
+                               const unsigned char *DOPT_RESTRICT in) {
+    unsigned bad = 0, t;
+    size_t g;
+    for (g = 0; g < groups; g++, acc += DOPT__BLOCK, in += 8 * w) {
+        uint16_t v[DOPT__BLOCK];
+        dopt__ring_unpack(in, w, v);
+        for (t = 0; t < DOPT__BLOCK; t++) {
+            bad |= v[t] > 2 * K;
+            acc[t] = (int16_t)(acc[t] + (int)v[t] - K);
+        }
+    }
+    return bad;
+}
+
+DOPT__MAYBE_UNUSED static void dopt__ring_decode_portable(float *DOPT_RESTRICT y, size_t n, int K, unsigned w, float scale,
+                              const unsigned char *DOPT_RESTRICT in) {
+    size_t i, t;
+    for (i = 0; i < n; i += DOPT__BLOCK, in += 8 * w) {
+        uint16_t v[DOPT__BLOCK];
+        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
+        dopt__ring_unpack(in, w, v);
+        for (t = 0; t < m; t++) y[i + t] = (float)((int)v[t] - K) * scale;
+    }
+}
+#ifdef DOPT__COMPRESS_AVX512
+static void dopt__ring_pack_avx512(const int16_t *DOPT_RESTRICT acc, size_t groups, int K, unsigned w,
+                            unsigned char *DOPT_RESTRICT out) {
+    const __m512i bias = _mm512_set1_epi16((short)K);
+    size_t g;
+    unsigned j;
+    for (g = 0; g < groups; g++, acc += DOPT__BLOCK) {
+        __m512i lo = _mm512_add_epi16(_mm512_loadu_si512((const void *)acc), bias);
+        __m512i hi = _mm512_add_epi16(_mm512_loadu_si512((const void *)(acc + 32)), bias);
+        for (j = 0; j < w; j++, out += 8) {
+            __m512i bit = _mm512_set1_epi16((short)(1 << j));
+            uint64_t word = (uint64_t)_mm512_test_epi16_mask(lo, bit) | (uint64_t)_mm512_test_epi16_mask(hi, bit) << 32;
+            memcpy(out, &word, 8);
+        }
+    }
+}
+
+/* acc += v - K for every value v in `in`; returns non-zero when a value exceeds 2K. */
+static unsigned dopt__ring_add_avx512(int16_t *DOPT_RESTRICT acc, size_t groups, int K, unsigned w,
+                               const unsigned char *DOPT_RESTRICT in) {
+    const __m512i bias = _mm512_set1_epi16((short)K), top = _mm512_set1_epi16((short)(2 * K));
+    __mmask32 bad = 0;
+    size_t g;
+    unsigned j;
+    for (g = 0; g < groups; g++, acc += DOPT__BLOCK, in += 8 * w) {
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        for (j = 0; j < w; j++) {
+            __m512i bit = _mm512_set1_epi16((short)(1 << j));
+            uint64_t word;
+            memcpy(&word, in + 8 * j, 8);
+            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi16((__mmask32)word, bit));
+            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi16((__mmask32)(word >> 32), bit));
+        }
+        bad |= _mm512_cmpgt_epi16_mask(lo, top) | _mm512_cmpgt_epi16_mask(hi, top);
+        _mm512_storeu_si512((void *)acc, _mm512_add_epi16(_mm512_loadu_si512((const void *)acc), _mm512_sub_epi16(lo, bias)));
+        _mm512_storeu_si512((void *)(acc + 32),
+                            _mm512_add_epi16(_mm512_loadu_si512((const void *)(acc + 32)), _mm512_sub_epi16(hi, bias)));
+    }
+    return bad != 0;
+}
+
+/* y[t] = (float)(v_t - K) · scale for the first n elements of the packed groups. */
+static void dopt__ring_decode_avx512(float *DOPT_RESTRICT y, size_t n, int K, unsigned w, float scale,
+                              const unsigned char *DOPT_RESTRICT in) {
+    const __m512i bias = _mm512_set1_epi16((short)K);
+    const __m512 vv = _mm512_set1_ps(scale);
+    size_t i;
+    unsigned j;
+    for (i = 0; i < n; i += DOPT__BLOCK, in += 8 * w) {
+        __m512i v[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        int h, q;
+        for (j = 0; j < w; j++) {
+            __m512i bit = _mm512_set1_epi16((short)(1 << j));
+            uint64_t word;
+            memcpy(&word, in + 8 * j, 8);
+            v[0] = _mm512_or_si512(v[0], _mm512_maskz_mov_epi16((__mmask32)word, bit));
+            v[1] = _mm512_or_si512(v[1], _mm512_maskz_mov_epi16((__mmask32)(word >> 32), bit));
+        }
+        for (h = 0; h < 2; h++) {
+            __m512i s = _mm512_sub_epi16(v[h], bias);
+            for (q = 0; q < 2; q++) {
+                size_t at = i + (size_t)(32 * h + 16 * q);
+                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                                             q ? _mm512_extracti64x4_epi64(s, 1) : _mm512_castsi512_si256(s))),
+                                         vv);
+                if (at + 16 <= n) {
+                    _mm512_storeu_ps(y + at, f);
+                } else if (at < n) {
+                    _mm512_mask_storeu_ps(y + at, (__mmask16)((1u << (n - at)) - 1u), f);
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* The vector kernels where the build has them; both give the same bits (tests compare them). */
+static void dopt__ring_pack(const int16_t *acc, size_t groups, int K, unsigned w, unsigned char *out) {
+#ifdef DOPT__COMPRESS_AVX512
+    dopt__ring_pack_avx512(acc, groups, K, w, out);
+#else
+    dopt__ring_pack_portable(acc, groups, K, w, out);
+#endif
+}
+
+static unsigned dopt__ring_add(int16_t *acc, size_t groups, int K, unsigned w, const unsigned char *in) {
+#ifdef DOPT__COMPRESS_AVX512
+    return dopt__ring_add_avx512(acc, groups, K, w, in);
+#else
+    return dopt__ring_add_portable(acc, groups, K, w, in);
+#endif
+}
+
+static void dopt__ring_decode(float *y, size_t n, int K, unsigned w, float scale, const unsigned char *in) {
+#ifdef DOPT__COMPRESS_AVX512
+    dopt__ring_decode_avx512(y, n, K, w, scale, in);
+#else
+    dopt__ring_decode_portable(y, n, K, w, scale, in);
+#endif
+}
+
+/* One pass of a ring over groups [g0, g1): chunk i is the i-th of n near-equal runs of groups,
+   each cut into `pieces` pieces, one exchange per piece and step. A reduce-scatter (gather = 0)
+   sends at step s chunk pos - s, holding the sums of (s + 1)·k0 codes, and adds chunk pos - s - 1
+   from the left into acc: after n - 1 steps chunk pos + 1 holds the sums of n·k0 codes. An
+   allgather (gather = 1) sends chunk pos + 1 - s of the packed final sums and receives chunk
+   pos - s into them; with pack_own it first packs chunk pos + 1 from acc. */
+typedef struct dopt__ring_pass {
+    dopt_comm *comm;
+    uint64_t tag;
+    const int *ranks; /* the members, in ring order (ranks of comm) */
+    int n, pos;
+    size_t g0, g1;
+    int gather, pack_own;
+    uint64_t k0;      /* reduce-scatter: the codes each member's sums hold */
+} dopt__ring_pass;
+
+static void dopt__ring_piece(const dopt__ring_pass *p, int pieces, long long chunk, int b, size_t *first,
+                             size_t *groups) {
+    uint64_t cf, cl, pf, pl;
+    dopt__ring_segment(p->g1 - p->g0, p->n, dopt__mod(chunk, p->n), &cf, &cl);
+    dopt__ring_segment(cl, pieces, b, &pf, &pl);
+    *first = p->g0 + (size_t)(cf + pf);
+    *groups = (size_t)pl;
+}
+
+/* Pieces per chunk: every rank computes the same from the pass's shape; at least the depth, so
+   that a piece's next step is never waited for by an exchange started before it. */
+static int dopt__ring_pieces(const dopt__ring_pass *p) {
+    size_t most = (p->g1 - p->g0 + (size_t)p->n - 1) / (size_t)p->n;
+    size_t k = (most + DOPT__RING_PIECE_GROUPS - 1) / DOPT__RING_PIECE_GROUPS;
+    return k < DOPT__RING_DEPTH ? DOPT__RING_DEPTH : (int)k;
+}
+
+/* The ring's buffers, grown to fit (kept for later calls). */
+static dopt_status dopt__ring_room(dopt_compressor *cz, size_t groups, unsigned wmax) {
+    size_t fin = groups * 8 * wmax, io = (size_t)2 * DOPT__RING_DEPTH * DOPT__RING_PIECE_GROUPS * 8 * wmax;
+    if (groups > cz->ring_groups) {
+        DOPT_FREE(cz->ring_acc);
+        cz->ring_groups = 0;
+        if ((cz->ring_acc = (int16_t *)DOPT_MALLOC(groups * DOPT__BLOCK * sizeof(int16_t))) == NULL) return DOPT_ERR_NOMEM;
+        cz->ring_groups = groups;
+    }
+    if (fin > cz->ring_fin_bytes) {
+        DOPT_FREE(cz->ring_fin);
+        cz->ring_fin_bytes = 0;
+        if ((cz->ring_fin = (unsigned char *)DOPT_MALLOC(fin)) == NULL) return DOPT_ERR_NOMEM;
+        cz->ring_fin_bytes = fin;
+    }
+    if (io > cz->ring_io_bytes) {
+        DOPT_FREE(cz->ring_io);
+        cz->ring_io_bytes = 0;
+        if ((cz->ring_io = (unsigned char *)DOPT_MALLOC(io)) == NULL) return DOPT_ERR_NOMEM;
+        cz->ring_io_bytes = io;
+    }
+    return DOPT_OK;
+}
+
+/* Exchange e of a pass: step e / pieces, piece e % pieces, in slot e % depth; its width and its
+   values' bias, and the groups it sends and receives. */
+typedef struct dopt__ring_hop {
+    unsigned w;
+    int K;
+    size_t out_first, out_groups, in_first, in_groups;
+    int slot;
+} dopt__ring_hop;
+
+static void dopt__ring_hop_of(const dopt__ring_pass *p, int pieces, unsigned wfin, long long e, dopt__ring_hop *h) {
+    int s = (int)(e / pieces), b = (int)(e % pieces);
+    long long out = p->gather ? (long long)p->pos + 1 - s : (long long)p->pos - s;
+    h->K = (s + 1) * (int)p->k0;
+    h->w = p->gather ? wfin : dopt__ring_width((uint64_t)h->K);
+    h->slot = (int)(e % DOPT__RING_DEPTH);
+    dopt__ring_piece(p, pieces, out, b, &h->out_first, &h->out_groups);
+    dopt__ring_piece(p, pieces, out - 1, b, &h->in_first, &h->in_groups);
+}
+
+static unsigned char *dopt__ring_slot(const dopt_compressor *cz, unsigned wfin, int rx, int slot) {
+    return cz->ring_io + (size_t)(rx * DOPT__RING_DEPTH + slot) * DOPT__RING_PIECE_GROUPS * 8 * wfin;
+}
+
+static dopt_status dopt__ring_start(dopt_compressor *cz, const dopt__ring_pass *p, int pieces, unsigned wfin,
+                                    long long e, dopt_request *req) {
+    dopt__ring_hop h;
+    dopt_xfer tx, rx;
+    dopt__ring_hop_of(p, pieces, wfin, e, &h);
+    tx.peer = p->ranks[(p->pos + 1) % p->n];
+    rx.peer = p->ranks[(p->pos + p->n - 1) % p->n];
+    tx.bytes = h.out_groups * 8 * h.w;
+    rx.bytes = h.in_groups * 8 * h.w;
+    if (p->gather) { /* forwarded as received: the final sums are packed once */
+        tx.buf = cz->ring_fin + h.out_first * 8 * h.w;
+        rx.buf = cz->ring_fin + h.in_first * 8 * h.w;
+    } else {
+        tx.buf = dopt__ring_slot(cz, wfin, 0, h.slot);
+        rx.buf = dopt__ring_slot(cz, wfin, 1, h.slot);
+        dopt__ring_pack(cz->ring_acc + h.out_first * DOPT__BLOCK, h.out_groups, h.K, h.w, (unsigned char *)tx.buf);
+    }
+    return dopt_exchange_start(p->comm, p->tag, &tx, 1, &rx, 1, req);
+}
+
+/* Runs pass p, DOPT__RING_DEPTH exchanges in flight: a reduce-scatter adds each piece it
+   receives into acc before the exchange that sends it on starts. */
+static dopt_status dopt__ring_run(dopt_compressor *cz, const dopt__ring_pass *p, unsigned wfin, int kfin) {
+    int pieces = dopt__ring_pieces(p);
+    long long steps = (long long)(p->n - 1) * pieces, e;
+    dopt_request req[DOPT__RING_DEPTH];
+    dopt_status s = DOPT_OK;
+    if (p->gather && p->pack_own) {
+        uint64_t cf, cl;
+        dopt__ring_segment(p->g1 - p->g0, p->n, (p->pos + 1) % p->n, &cf, &cl);
+        dopt__ring_pack(cz->ring_acc + (p->g0 + cf) * DOPT__BLOCK, (size_t)cl, kfin, wfin,
+                        cz->ring_fin + (p->g0 + cf) * 8 * wfin);
+    }
+    for (e = 0; e < steps && e < DOPT__RING_DEPTH && s == DOPT_OK; e++)
+        s = dopt__ring_start(cz, p, pieces, wfin, e, &req[e]);
+    for (e = 0; e < steps && s == DOPT_OK; e++) {
+        dopt__ring_hop h;
+        dopt__ring_hop_of(p, pieces, wfin, e, &h);
+        if ((s = dopt_wait(&req[h.slot])) != DOPT_OK) break;
+        if (!p->gather && dopt__ring_add(cz->ring_acc + h.in_first * DOPT__BLOCK, h.in_groups, h.K, h.w,
+                                         dopt__ring_slot(cz, wfin, 1, h.slot))) {
+            dopt_coll_desc d;
+            memset(&d, 0, sizeof d);
+            d.kind = DOPT_COLL_EXCHANGE;
+            d.seq = p->comm->seq;
+            d.count = p->tag;
+            d.group = p->comm->group;
+            return dopt_comm_fail(p->comm, &d, DOPT_ERR_PROTOCOL, "rank %d sent a sum beyond +-%d",
+                                  p->ranks[(p->pos + p->n - 1) % p->n], h.K);
+        }
+        if (e + DOPT__RING_DEPTH < steps) s = dopt__ring_start(cz, p, pieces, wfin, e + DOPT__RING_DEPTH, &req[h.slot]);
+    }
+    return s;
+}
+
+/* The sums of every rank's ternary codes, exactly, into cz->ring_fin (packed, biased by N, in
+   w(N) bits), over a flat ring or, when the ranks sit on several hosts of several ranks each
+   (and two-level schedules are not off), in two levels: a reduce-scatter within the host, one
+   across hosts among the ranks at the same place (their sums start at the host's count), the
+   final sums around the same rings back. Returns the path taken in *path. */
+static dopt_status dopt__ring_sums(dopt_compressor *cz, dopt_comm *comm, size_t groups, dopt_agg_path *path) {
+    int N = comm->size, i;
+    unsigned wfin = dopt__ring_width((uint64_t)N);
+    uint64_t tag = (uint64_t)groups << 8 | 0x52u; /* ranks with other layouts fail with a mismatch */
+    dopt_host_layout lay;
+    dopt_status s;
+    int *ranks = cz->ring_ranks;
+    dopt_comm_host_layout(comm, &lay);
+    if (lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF) {
+        int L = lay.local, H = lay.hosts, j = lay.local_rank;
+        uint64_t cf, cl;
+        dopt__ring_pass host = {0}, cross = {0};
+        for (i = 0; i < L; i++) ranks[i] = dopt_comm_host_rank(comm, lay.host, i);
+        for (i = 0; i < H; i++) ranks[L + i] = dopt_comm_host_rank(comm, i, j);
+        host.comm = cross.comm = comm;
+        host.ranks = ranks, host.n = L, host.pos = j, host.g1 = groups, host.k0 = 1;
+        dopt__ring_segment(groups, L, (j + 1) % L, &cf, &cl); /* the chunk this rank reduces across hosts */
+        cross.ranks = ranks + L, cross.n = H, cross.pos = lay.host, cross.g0 = (size_t)cf, cross.g1 = (size_t)(cf + cl);
+        cross.k0 = (uint64_t)L;
+        host.tag = tag | 1u << 4, cross.tag = tag | 2u << 4;
+        if ((s = dopt__ring_run(cz, &host, wfin, N)) != DOPT_OK) return s;
+        if ((s = dopt__ring_run(cz, &cross, wfin, N)) != DOPT_OK) return s;
+        cross.gather = cross.pack_own = 1, cross.tag = tag | 3u << 4;
+        if ((s = dopt__ring_run(cz, &cross, wfin, N)) != DOPT_OK) return s;
+        host.gather = 1, host.tag = tag | 4u << 4;
+        *path = DOPT_PATH_RING_TWO_LEVEL;
+        return dopt__ring_run(cz, &host, wfin, N);
+    } else {
+        dopt__ring_pass flat = {0};
+        for (i = 0; i < N; i++) ranks[i] = i;
+        flat.comm = comm, flat.ranks = ranks, flat.n = N, flat.pos = comm->rank, flat.g1 = groups, flat.k0 = 1;
+        flat.tag = tag | 5u << 4;
+        if ((s = dopt__ring_run(cz, &flat, wfin, N)) != DOPT_OK) return s;
+        flat.gather = flat.pack_own = 1, flat.tag = tag | 6u << 4;
+        *path = DOPT_PATH_RING;
+        return dopt__ring_run(cz, &flat, wfin, N);
+    }
+}
+
+/* ----- choosing the path */
+
+/* Pieces of a chunk of `groups` groups (as dopt__ring_pieces cuts them). */
+static double dopt__ring_predict_pieces(double groups) {
+    double k = ceil(groups / DOPT__RING_PIECE_GROUPS);
+    return k < DOPT__RING_DEPTH ? DOPT__RING_DEPTH : k;
+}
+
+/* Σ_{k = lo}^{hi} w(k·mult): the widths of the steps of a reduce-scatter. */
+static double dopt__ring_width_sum(int lo, int hi, int mult) {
+    double total = 0;
+    int k;
+    for (k = lo; k <= hi; k++) total += dopt__ring_width((uint64_t)k * (uint64_t)mult);
+    return total;
+}
+
+/* What each path costs a rank, predicted: DOPT__AGG_ALPHA seconds per exchange (a ring step,
+   or a piece of one), the bytes it receives at DOPT__AGG_BETA bytes per second, and the
+   elements it processes at costs measured on one core of an AVX-512 machine (REFERENCE FOR
+   CONTRIBUTORS: THE INTEGER RING). groups: 64-element groups of ternary codes; L ranks on each
+   of H hosts (L = 1: a flat ring of H = N); msg_bytes: a message, for the allgather. */
+#define DOPT__AGG_ALPHA 30e-6
+#define DOPT__AGG_BETA 1.25e9
+#define DOPT__AGG_SUM_NS 0.03 /* the allgather path: one message's code added to a sum */
+#define DOPT__AGG_HOP_NS 0.25 /* the ring: one element unpacked, added and packed at one step */
+#define DOPT__AGG_OUT_NS 0.25 /* either: one element of the result written */
+
+static double dopt__ring_predict(size_t groups, int N, int L, int H, int ring, double msg_bytes) {
+    double G = (double)groups, T = G * DOPT__BLOCK, wfin = dopt__ring_width((uint64_t)N), bytes, hops, steps;
+    if (!ring)
+        return (N - 1) * (DOPT__AGG_ALPHA + msg_bytes / DOPT__AGG_BETA) + T * (N * DOPT__AGG_SUM_NS + DOPT__AGG_OUT_NS) * 1e-9;
+    if (L > 1 && H > 1) {
+        double chunk = G / L, sub = chunk / H;
+        bytes = 8 * (chunk * dopt__ring_width_sum(1, L - 1, 1) + sub * dopt__ring_width_sum(1, H - 1, L) +
+                     (H - 1) * sub * wfin + (L - 1) * chunk * wfin);
+        hops = DOPT__BLOCK * ((L - 1) * chunk + (H - 1) * sub);
+        steps = 2.0 * (L - 1) * dopt__ring_predict_pieces(chunk) + 2.0 * (H - 1) * dopt__ring_predict_pieces(sub);
+    } else {
+        double chunk = G / N;
+        bytes = 8 * chunk * (dopt__ring_width_sum(1, N - 1, 1) + (N - 1) * wfin);
+        hops = DOPT__BLOCK * (N - 1) * chunk;
+        steps = 2.0 * (N - 1) * dopt__ring_predict_pieces(chunk);
+    }
+    return steps * DOPT__AGG_ALPHA + bytes / DOPT__AGG_BETA + (hops * DOPT__AGG_HOP_NS + T * DOPT__AGG_OUT_NS) * 1e-9;
+}
+
+/* 1 when this allreduce sums the codes along the ring: ternary with shared scales, a
+   communicator with exchanges, and (AUTO) a lower predicted cost than the allgather's. */
+static int dopt__ring_wanted(const dopt_compressor *cz, const dopt_comm *comm, size_t groups) {
+    dopt_host_layout lay;
+    int N = comm->size, L = 1, H = N;
+    if (cz->cfg.aggregate == DOPT_AGG_ALLGATHER || !dopt__shares_scales(cz) || N < 2 || N > DOPT__RING_MAX_RANKS ||
+        comm->eng == NULL || groups == 0)
+        return 0;
+    if (cz->cfg.aggregate == DOPT_AGG_RING) return 1;
+    dopt_comm_host_layout(comm, &lay);
+    if (lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF) L = lay.local, H = lay.hosts;
+    return dopt__ring_predict(groups, N, L, H, 1, 0) < dopt__ring_predict(groups, N, L, H, 0, (double)cz->msg_bytes);
+}
+
+/* The ring path of the compressed allreduce, after this rank's message is in cz->msg: the sums
+   of the ternary segments through the ring, the fp32 segments (those below fp32_below) through
+   one allgather of their values. Nothing of grads is written here. */
+static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, size_t groups) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, g = 0, small = 0, i;
+    unsigned wfin = dopt__ring_width((uint64_t)comm->size);
+    dopt_status s;
+    for (i = 0; i < cz->nsegs; i++) small += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
+    if ((s = dopt__ring_room(cz, groups, wfin)) != DOPT_OK) return s;
+    if ((size_t)comm->size > cz->ring_nranks) {
+        DOPT_FREE(cz->ring_ranks);
+        cz->ring_nranks = 0;
+        if ((cz->ring_ranks = (int *)DOPT_MALLOC(sizeof(int) * (size_t)comm->size)) == NULL) return DOPT_ERR_NOMEM;
+        cz->ring_nranks = (size_t)comm->size;
+    }
+    if (small > 0 && (s = dopt__gather_room(cz, comm->size)) != DOPT_OK) return s;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t n = cz->segs[i].count, body = dopt__body_bytes(&cz->cfg, n);
+        const unsigned char *data = cz->msg + off + DOPT_COMPRESS_RECORD_BYTES;
+        if (dopt__ring_carries(cz, i)) {
+            dopt__ring_load(cz->ring_acc + g * DOPT__BLOCK, data, n);
+            g += dopt__ring_groups(n);
+        }
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(body);
+    }
+    if ((s = dopt__ring_sums(cz, comm, groups, &cz->path)) != DOPT_OK) return s;
+    if (small == 0) return DOPT_OK;
+    /* the fp32 segments' values, packed, then every rank's after them in the gather buffer */
+    off = DOPT_COMPRESS_HEADER_BYTES;
+    small = 0;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t n = cz->segs[i].count, body = dopt__body_bytes(&cz->cfg, n);
+        if (!dopt__ring_carries(cz, i) && n > 0) {
+            memcpy(cz->gather + small * 4, cz->msg + off + DOPT_COMPRESS_RECORD_BYTES, 4 * n);
+            small += n;
+        }
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(body);
+    }
+    return dopt_allgather(comm, cz->gather, cz->gather + small * 4, small * 4);
+}
+
+/* grads from the ring's sums: y = (float)S · (weight · s) for a ternary segment, as the
+   allgather path computes it; an fp32 segment accumulates the ranks' values in rank order. */
+static void dopt__ring_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, g = 0, small = 0, total = 0, i;
+    unsigned wfin = dopt__ring_width((uint64_t)N);
+    int r;
+    for (i = 0; i < cz->nsegs; i++) total += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
+    for (i = 0; i < cz->nsegs; i++) {
+        dopt_span sp = dopt_buf_segment(grads, i);
+        size_t n = sp.count;
+        const unsigned char *rec = cz->msg + off;
+        if (dopt__ring_carries(cz, i)) {
+            float v = weight * dopt__bits_f32(dopt__get_le32(rec + 12));
+            if (n) dopt__ring_decode(sp.ptr, n, N, wfin, v, cz->ring_fin + g * 8 * wfin);
+            g += dopt__ring_groups(n);
+        } else if (n) {
+            memset(sp.ptr, 0, n * sizeof(float));
+            for (r = 0; r < N; r++)
+                dopt__f32_accum(sp.ptr, weight, cz->gather + ((size_t)(r + 1) * total + small) * 4, n);
+            small += n;
+        }
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
+    }
+}
+
 DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
     const char *prev;
     dopt_status s;
-    size_t i;
-    int r;
+    size_t i, groups = 0;
+    int r, ring;
     float weight;
     if (cz == NULL || cz->segs == NULL || comm == NULL || grads == NULL) return DOPT_ERR_INVALID;
     if (!dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
-    s = dopt__gather_room(cz, comm->size);
-    if (s != DOPT_OK) return s;
     cz->gathered = 0;
+    cz->path = DOPT_PATH_NONE;
+    for (i = 0; i < cz->nsegs; i++) groups += dopt__ring_carries(cz, i) ? dopt__ring_groups(cz->segs[i].count) : 0;
+    ring = cz->cfg.codec == DOPT_CODEC_TERNARY && dopt__ring_wanted(cz, comm, groups);
+    s = dopt__gather_room(cz, ring ? comm->size + 1 : comm->size);
+    if (s != DOPT_OK) return s;
     cz->cfg.rank = comm->rank;
     s = dopt__encode_local(cz, grads, comm->rank, cz->msg, comm);
     /* A non-finite gradient goes out as a flagged message, unless scale sharing has already told
        every rank. */
     if (s != DOPT_OK && (s != DOPT_ERR_NONFINITE || dopt__shares_scales(cz))) return s;
     prev = dopt__compress_label(comm, "dopt_compress_allreduce");
+    if (ring) {
+        s = dopt__ring_exchange(cz, comm, groups);
+        dopt_comm_set_api(comm, prev);
+        if (s != DOPT_OK) return s;
+        dopt__commit(cz, cz->msg);
+        dopt__ring_average(cz, comm->size, 1.0f / (float)comm->size, grads);
+        return DOPT_OK;
+    }
     s = dopt_allgather(comm, cz->msg, cz->gather, cz->msg_bytes);
     dopt_comm_set_api(comm, prev);
     if (s != DOPT_OK) return s;
     cz->gathered = comm->size;
+    cz->path = DOPT_PATH_ALLGATHER;
     s = dopt__gathered_verdict(cz, comm->size);
     if (s != DOPT_OK) return s;
     dopt__commit(cz, cz->msg);
@@ -2182,7 +2709,8 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec) {
 }
 
 static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
-    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_FP32 || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF)
+    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_FP32 || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF ||
+        (unsigned)c->aggregate > (unsigned)DOPT_AGG_RING)
         return DOPT_ERR_INVALID;
     /* NaN first, by its bits: under -ffast-math GCC compiles x == 0 so that it holds for NaN, which
        would then take the default */
@@ -2263,6 +2791,10 @@ DOPT_DEF void dopt_compressor_free(dopt_compressor *cz) {
     DOPT_FREE(cz->residual);
     DOPT_FREE(cz->work);
     DOPT_FREE(cz->gather);
+    DOPT_FREE(cz->ring_acc);
+    DOPT_FREE(cz->ring_fin);
+    DOPT_FREE(cz->ring_io);
+    DOPT_FREE(cz->ring_ranks);
     memset(cz, 0, sizeof *cz);
 }
 

@@ -1,0 +1,349 @@
+/* Tests of compress.h's integer ring: the ternary codes of every rank summed exactly along rings
+   of the engine, in widening integers.
+
+   - The sums against a serial integer reference read from the ranks' own messages (this file's
+     reader, not the library's decoder), at every world size 1..8, over every transport of
+     worlds.h, on a flat ring and on every host layout the size allows (hosts of 2, 3, 4 ranks,
+     numbered in blocks and interleaved); the result is bitwise the allgather path's.
+   - The widths at every hop: the bytes each rank receives equal what the schedule's widths
+     ceil(log2(2k + 1)) give, step by step, and gradients that push every sum to ±N at every hop
+     still come out exact (one bit less would wrap them).
+   - Segments sent as fp32, error feedback and the step carried across steps, a non-finite
+     gradient, the choice between the paths, and the vector kernels against the portable ones. */
+#define DISTOPT_IMPLEMENTATION
+#include "../distopt.h"
+#include "../compress.h"
+#include "../transport_shm.h"
+#include "../transport_tcp.h"
+#include "dtest.h"
+#include "worlds.h"
+
+/* ------------------------------------------------------------------ helpers */
+
+static uint64_t lcg_next(uint64_t *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return *s >> 11;
+}
+
+static unsigned width_of(uint64_t k) { /* ceil(log2(2k + 1)), written as the spec says it */
+    unsigned w = 0;
+    while ((1ull << w) < 2 * k + 1) w++;
+    return w;
+}
+
+/* The layout every world test uses: a run of segment sizes with partial groups, an empty one, a
+   tiny one (fp32 when fp32_below = 10) and one of exactly a group. */
+static const size_t seg_sizes[] = {1000, 64, 0, 130, 3, 5000, 1};
+#define NSEGS (sizeof seg_sizes / sizeof seg_sizes[0])
+
+static size_t make_segments(dopt_segment *segs) {
+    size_t total;
+    DT_OK(dopt_segments_from_sizes(segs, seg_sizes, NSEGS, &total));
+    return total;
+}
+
+/* Rank r's gradient: random (kind 0) or saturating (kind 1: every element of segment i is
+   ±1, the sign alternating with i, so that with clipping off every code is ±1 and every sum
+   reaches ±N). */
+static void fill(float *g, size_t n, const dopt_segment *segs, int rank, int step, int kind) {
+    size_t i, e;
+    uint64_t s = (uint64_t)rank * 7919u + (uint64_t)step * 104729u + 17u;
+    for (i = 0; i < n; i++) g[i] = (float)((double)(lcg_next(&s) % 20001) / 10000.0 - 1.0) * 0.01f;
+    if (kind == 1)
+        for (i = 0; i < NSEGS; i++)
+            for (e = 0; e < segs[i].count; e++) g[segs[i].offset + e] = i % 2 ? -1.0f : 1.0f;
+}
+
+/* Code of element e of a ternary body of n elements: blocks of 64, 16 bytes each (the last one
+   ceil(m/4) bytes), element t of a block of m at byte t mod q, bits 2·(t div q). */
+static int code_at(const unsigned char *body, size_t n, size_t e) {
+    size_t blk = e / 64, t = e % 64, m = n - blk * 64 < 64 ? n - blk * 64 : 64, q = (m + 3) / 4;
+    unsigned c = (body[blk * 16 + t % q] >> (2 * (t / q))) & 3u;
+    DT_CHECK(c != 3);
+    return c == 1 ? 1 : c == 2 ? -1 : 0;
+}
+
+static size_t pad8(size_t b) { return (b + 7) & ~(size_t)7; }
+
+/* The expected average from the messages the allgather path gathered: a ternary segment's
+   element is (float)Σ_r t_r · ((1/N)·s), an fp32 segment's the rank-order sum of (1/N)·x_r. */
+static void reference(const dopt_compressor *ag, int N, const dopt_segment *segs, float *want, size_t n) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, e;
+    float w = 1.0f / (float)N;
+    memset(want, 0, n * sizeof(float));
+    for (i = 0; i < NSEGS; i++) {
+        size_t cnt = segs[i].count, body;
+        int fp32 = cnt < ag->cfg.fp32_below, r;
+        for (e = 0; e < cnt; e++) {
+            long long sum = 0;
+            float acc = 0.0f, scale = 0.0f;
+            for (r = 0; r < N; r++) {
+                const unsigned char *m = (const unsigned char *)dopt_compress_message(ag, r, NULL), *rec = m + off;
+                DT_CHECK(m != NULL);
+                if (fp32) {
+                    float x;
+                    memcpy(&x, rec + 16 + 4 * e, 4);
+                    acc += w * x;
+                } else {
+                    memcpy(&scale, rec + 12, 4);
+                    sum += code_at(rec + 16, cnt, e);
+                }
+            }
+            DT_CHECK(sum >= -N && sum <= N);
+            want[segs[i].offset + e] = fp32 ? acc : (float)sum * (w * scale);
+        }
+        body = fp32 ? 4 * cnt : (cnt / 64) * 16 + ((cnt % 64) * 2 + 7) / 8;
+        off += 16 + pad8(body);
+    }
+}
+
+/* ring_segment of distopt.h, written again: part i of count split into n near-equal parts. */
+static void part(uint64_t count, int n, int i, uint64_t *first, uint64_t *len) {
+    uint64_t q = count / (uint64_t)n, rem = count % (uint64_t)n, ui = (uint64_t)i;
+    *first = ui * q + (ui < rem ? ui : rem);
+    *len = q + (ui < rem ? 1 : 0);
+}
+
+static int mod(long long a, int n) { return (int)(((a % n) + n) % n); }
+
+/* Bytes a rank at position pos of a ring of n receives in a pass over `count` groups: a
+   reduce-scatter (k0: the codes each member's sums hold) or an allgather of w(N)-bit sums. */
+static uint64_t pass_bytes(uint64_t count, int n, int pos, int gather, uint64_t k0, int N) {
+    uint64_t total = 0, f, len;
+    int s;
+    for (s = 0; s < n - 1; s++) {
+        part(count, n, mod(gather ? (long long)pos - s : (long long)pos - s - 1, n), &f, &len);
+        total += len * 8 * (gather ? width_of((uint64_t)N) : width_of((uint64_t)(s + 1) * k0));
+    }
+    return total;
+}
+
+/* What the spec says a rank receives: flat (L = 1), or hosts of L ranks (host h, place j). */
+static uint64_t expected_bytes(uint64_t groups, int N, int L, int h, int j, int rank) {
+    uint64_t cf, cl;
+    int H = N / L;
+    if (L == 1) return pass_bytes(groups, N, rank, 0, 1, N) + pass_bytes(groups, N, rank, 1, 1, N);
+    part(groups, L, (j + 1) % L, &cf, &cl);
+    return pass_bytes(groups, L, j, 0, 1, N) + pass_bytes(cl, H, h, 0, (uint64_t)L, N) +
+           pass_bytes(cl, H, h, 1, 1, N) + pass_bytes(groups, L, j, 1, 1, N);
+}
+
+static uint64_t total_groups(size_t fp32_below) {
+    uint64_t g = 0;
+    size_t i;
+    for (i = 0; i < NSEGS; i++)
+        if (seg_sizes[i] >= fp32_below) g += (seg_sizes[i] + 63) / 64;
+    return g;
+}
+
+/* ------------------------------------------------------------------ the ring against the reference */
+
+typedef struct ring_case {
+    size_t fp32_below;
+    int kind;          /* fill's */
+    dopt_ef_mode ef;
+} ring_case;
+
+/* Host tables for every layout of N ranks into hosts of L >= 2 ranks (H = N / L >= 2), in blocks
+   (rank r on host r / L) and interleaved (host r % H); layout 0 is flat. Returns how many. */
+static int layouts(int N, int (*host_of)[8], int *local) {
+    int k = 0, L, r;
+    local[k++] = 1;
+    for (L = 2; L <= N / 2; L++) {
+        if (N % L) continue;
+        for (r = 0; r < N; r++) host_of[k][r] = r / L;
+        local[k++] = L;
+        for (r = 0; r < N; r++) host_of[k][r] = r % (N / L);
+        local[k++] = L;
+    }
+    return k;
+}
+
+static void check_case(dopt_comm *c, const ring_case *rc, int layout_local, int steps) {
+    dopt_segment segs[NSEGS];
+    size_t n = make_segments(segs);
+    float *g = (float *)malloc(n * sizeof(float)), *h = (float *)malloc(n * sizeof(float));
+    float *want = (float *)malloc(n * sizeof(float));
+    dopt_compressor ring, ag;
+    dopt_compressor_config cfg;
+    dopt_host_layout lay;
+    int step, N = c->size;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.seed = 99;
+    cfg.fp32_below = rc->fp32_below;
+    cfg.error_feedback = rc->ef;
+    if (rc->kind == 1) cfg.clip_c = DOPT_CLIP_OFF;
+    cfg.aggregate = DOPT_AGG_RING;
+    DT_OK(dopt_compressor_init(&ring, &cfg, segs, NSEGS));
+    cfg.aggregate = DOPT_AGG_ALLGATHER;
+    DT_OK(dopt_compressor_init(&ag, &cfg, segs, NSEGS));
+    DT_OK(dopt_comm_host_layout(c, &lay));
+    for (step = 0; step < steps; step++) {
+        uint64_t before = c->traffic.received[DOPT_COLL_EXCHANGE], got;
+        fill(g, n, segs, c->rank, step, rc->kind);
+        memcpy(h, g, n * sizeof(float));
+        DT_OK(dopt_compress_allreduce(&ring, c, g, n));
+        DT_OK(dopt_compress_allreduce(&ag, c, h, n));
+        DT_CHECK(ag.path == DOPT_PATH_ALLGATHER);
+        DT_CHECKF(ring.path == (N == 1 ? DOPT_PATH_ALLGATHER : layout_local > 1 ? DOPT_PATH_RING_TWO_LEVEL : DOPT_PATH_RING),
+                  "rank %d of %d, hosts of %d: path %d", c->rank, N, layout_local, (int)ring.path);
+        reference(&ag, N, segs, want, n);
+        DT_CHECKF(memcmp(g, want, n * sizeof(float)) == 0, "rank %d of %d, hosts of %d, step %d: ring != reference",
+                  c->rank, N, layout_local, step);
+        DT_CHECKF(memcmp(h, want, n * sizeof(float)) == 0, "rank %d of %d: allgather != reference", c->rank, N);
+        got = c->traffic.received[DOPT_COLL_EXCHANGE] - before;
+        if (N > 1) {
+            uint64_t w = expected_bytes(total_groups(rc->fp32_below), N, layout_local,
+                                        layout_local > 1 ? lay.host : 0, layout_local > 1 ? lay.local_rank : 0, c->rank);
+            DT_CHECKF(got == w, "rank %d of %d, hosts of %d: received %llu bytes in exchanges, the widths give %llu",
+                      c->rank, N, layout_local, (unsigned long long)got, (unsigned long long)w);
+        }
+    }
+    DT_CHECK(ring.step == ag.step && ring.step == (uint64_t)steps);
+    dopt_compressor_free(&ring);
+    dopt_compressor_free(&ag);
+    free(g);
+    free(h);
+    free(want);
+}
+
+static const ring_case ring_cases[] = {
+    {0, 0, DOPT_EF_AUTO},  /* every segment ternary */
+    {10, 0, DOPT_EF_ON},   /* the 3- and 1-element segments as fp32; error feedback carried over steps */
+    {0, 1, DOPT_EF_AUTO},  /* every sum at ±N */
+};
+
+static void body_ring_reference(dopt_comm *c, void *arg) {
+    const ring_case *rc = (const ring_case *)arg;
+    int host_of[16][8], local[16], k, nl = layouts(c->size, host_of, local);
+    for (k = 0; k < nl; k++) {
+        DT_OK(dopt_comm_set_hosts(c, local[k] > 1 ? host_of[k] : NULL, local[k] > 1 ? DOPT_TWO_LEVEL_ON : DOPT_TWO_LEVEL_OFF));
+        check_case(c, rc, local[k], 2);
+    }
+}
+DTEST_WORLDS_EACH(integer_ring_equals_a_serial_integer_reference_flat_and_by_host, body_ring_reference, ring_cases, 1, 8);
+
+/* ------------------------------------------------------------------ failures and choices */
+
+/* One rank's NaN: every rank returns NONFINITE before any exchange, grads and step untouched. */
+static void body_ring_nonfinite(dopt_comm *c, void *arg) {
+    dopt_segment segs[NSEGS];
+    size_t n = make_segments(segs);
+    float *g = (float *)malloc(n * sizeof(float)), *copy = (float *)malloc(n * sizeof(float));
+    dopt_compressor ring;
+    dopt_compressor_config cfg;
+    (void)arg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.aggregate = DOPT_AGG_RING;
+    DT_OK(dopt_compressor_init(&ring, &cfg, segs, NSEGS));
+    fill(g, n, segs, c->rank, 0, 0);
+    if (c->rank == c->size - 1) g[segs[5].offset + 17] = NAN;
+    memcpy(copy, g, n * sizeof(float));
+    DT_EQ_INT(dopt_compress_allreduce(&ring, c, g, n), DOPT_ERR_NONFINITE);
+    DT_CHECK(ring.path == DOPT_PATH_NONE && ring.step == 0 && c->traffic.calls[DOPT_COLL_EXCHANGE] == 0);
+    DT_CHECK(memcmp(g, copy, n * sizeof(float)) == 0);
+    fill(g, n, segs, c->rank, 1, 0); /* and the next step goes on */
+    DT_OK(dopt_compress_allreduce(&ring, c, g, n));
+    DT_CHECK(ring.path == DOPT_PATH_RING && ring.step == 1);
+    dopt_compressor_free(&ring);
+    free(g);
+    free(copy);
+}
+DTEST_WORLDS(integer_ring_agrees_on_a_non_finite_gradient, body_ring_nonfinite, NULL, 2, 3);
+
+/* AUTO takes the allgather where it is predicted cheaper (2 ranks: 2 bits received per element
+   against 2.5) and the ring where the allgather's 2·(N-1) bits grow past it (8 ranks, 4 Mi
+   elements: 14 against 7.4); the counters say which ran. */
+static void body_ring_auto(dopt_comm *c, void *arg) {
+    size_t n = (size_t)1 << 22;
+    dopt_segment seg = {0, n, "w"};
+    float *g = (float *)malloc(n * sizeof(float));
+    dopt_compressor cz;
+    (void)arg;
+    DT_OK(dopt_compressor_init(&cz, NULL, &seg, 1));
+    fill(g, n, &seg, c->rank, 0, 0);
+    DT_OK(dopt_compress_allreduce(&cz, c, g, n));
+    if (c->size == 2) {
+        DT_CHECK(cz.path == DOPT_PATH_ALLGATHER && c->traffic.calls[DOPT_COLL_EXCHANGE] == 0);
+    } else {
+        DT_CHECK(cz.path == DOPT_PATH_RING && c->traffic.calls[DOPT_COLL_EXCHANGE] > 0);
+    }
+    dopt_compressor_free(&cz);
+    free(g);
+}
+DTEST_WORLDS_ON(integer_ring_is_chosen_where_it_is_predicted_cheaper, body_ring_auto, NULL, 2, 2, WORLD_MASK_TCP);
+DTEST_WORLDS_ON(integer_ring_is_chosen_at_8_ranks, body_ring_auto, NULL, 8, 8, WORLD_MASK_TCP);
+
+DTEST(predicted_costs_favour_the_allgather_for_few_ranks_and_the_ring_for_many) {
+    size_t groups = 1u << 18; /* 16 Mi elements */
+    double m = 32 + 16 + (double)groups * 16;
+    DT_CHECK(dopt__ring_predict(groups, 2, 1, 2, 1, m) > dopt__ring_predict(groups, 2, 1, 2, 0, m));
+    DT_CHECK(dopt__ring_predict(groups, 8, 1, 8, 1, m) < dopt__ring_predict(groups, 8, 1, 8, 0, m));
+    DT_CHECK(dopt__ring_predict(groups, 8, 2, 4, 1, m) < dopt__ring_predict(groups, 8, 2, 4, 0, m));
+    DT_CHECK(dopt__ring_predict(groups, 64, 8, 8, 1, m) < dopt__ring_predict(groups, 64, 8, 8, 0, m) / 4);
+}
+
+DTEST(aggregate_out_of_range_is_refused) {
+    dopt_segment seg = {0, 10, "w"};
+    dopt_compressor cz;
+    dopt_compressor_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.aggregate = (dopt_aggregate)3;
+    DT_EQ_INT(dopt_compressor_init(&cz, &cfg, &seg, 1), DOPT_ERR_INVALID);
+}
+
+/* A world of one and a communicator without exchanges take the allgather path, RING or not. */
+DTEST(ring_falls_back_where_there_is_no_ring) {
+    dopt_segment seg = {0, 100, "w"};
+    float g[100];
+    dopt_compressor cz;
+    dopt_compressor_config cfg;
+    dopt_comm *self;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.aggregate = DOPT_AGG_RING;
+    DT_OK(dopt_comm_create_self(&self));
+    DT_OK(dopt_compressor_init(&cz, &cfg, &seg, 1));
+    fill(g, 100, &seg, 0, 0, 0);
+    DT_OK(dopt_compress_allreduce(&cz, self, g, 100));
+    DT_CHECK(cz.path == DOPT_PATH_ALLGATHER);
+    dopt_compressor_free(&cz);
+    dopt_comm_destroy(self);
+}
+
+/* ------------------------------------------------------------------ kernels */
+
+/* The vector kernels give the portable ones' bits at every width, bias and tail; a value beyond
+   2K is refused by both. */
+DTEST(ring_kernels_vector_and_portable_agree) {
+    enum { G = 37 };
+    static int16_t acc[G * 64], a1[G * 64], a2[G * 64];
+    static unsigned char p1[G * 64 * 2], p2[G * 64 * 2];
+    static float y1[G * 64], y2[G * 64];
+    uint64_t s = 5;
+    unsigned w, j;
+    int top;
+    for (w = 2; w <= 15; w++)
+        for (top = 0; top < 2; top++) {
+            int K = top ? (1 << (w - 1)) - 1 : 1 << (w - 2); /* the largest and the smallest bias of width w */
+            size_t i, n = G * 64 - 13;
+            DT_CHECK(width_of((uint64_t)K) == w);
+            for (i = 0; i < G * 64; i++) acc[i] = (int16_t)((int)(lcg_next(&s) % (uint64_t)(2 * K + 1)) - K);
+            dopt__ring_pack_portable(acc, G, K, w, p1);
+            dopt__ring_pack(acc, G, K, w, p2);
+            DT_CHECKF(memcmp(p1, p2, (size_t)G * 8 * w) == 0, "pack, width %u", w);
+            for (i = 0; i < G * 64; i++) a1[i] = a2[i] = (int16_t)(i % 7);
+            DT_CHECK(dopt__ring_add_portable(a1, G, K, w, p1) == 0);
+            DT_CHECK(dopt__ring_add(a2, G, K, w, p1) == 0);
+            DT_CHECKF(memcmp(a1, a2, sizeof a1) == 0, "add, width %u", w);
+            for (i = 0; i < G * 64; i++) DT_CHECK(a1[i] == (int16_t)(acc[i] + (int)(i % 7)));
+            dopt__ring_decode_portable(y1, n, K, w, 0.25f, p1);
+            dopt__ring_decode(y2, n, K, w, 0.25f, p1);
+            DT_CHECKF(memcmp(y1, y2, n * sizeof(float)) == 0, "decode, width %u", w);
+            for (i = 0; i < n; i++) DT_CHECK(y1[i] == (float)acc[i] * 0.25f);
+            for (j = 0; j < w; j++) p1[5 * 8 * w + 8 * j + 7] |= 0x80; /* group 5, element 63: 2^w - 1 > 2K */
+            DT_CHECK(dopt__ring_add_portable(a1, G, K, w, p1) != 0);
+            DT_CHECK(dopt__ring_add(a2, G, K, w, p1) != 0);
+        }
+}
+
+DTEST_MAIN()
