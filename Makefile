@@ -155,6 +155,9 @@ $(OMP_EXAMPLES): $(BUILD)/%: examples/%.c $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -fopenmp -I. -o $@ $< $(LIBS)
 
 # The host-aware allreduce across simulated hosts (tests/check_cluster.sh).
+$(BUILD)/cluster_compress: bench/cluster_compress.c $(HEADERS) | $(BUILD)
+	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
+
 $(BUILD)/cluster_allreduce: tests/cluster_allreduce.c tests/dtest.h tests/conformance.h $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 

@@ -269,11 +269,11 @@ typedef struct dopt_compressor {
     size_t gather_ranks;        /* messages the gather buffer holds */
     int gathered;               /* messages in it from the last allreduce */
     dopt_agg_path path;         /* how the last allreduce combined the messages */
-    int16_t *ring_acc;          /* the integer ring: running sums, 64 per group of elements */
-    unsigned char *ring_fin;    /* ... the final sums, packed */
-    unsigned char *ring_io;     /* ... the pieces in flight */
+    unsigned char *ring_buf;    /* the integer ring's planes: own, final, the host's, stage */
+    unsigned char *ring_fin;    /* ... where the final sums are in it */
+    unsigned char *ring_stage;  /* ... and the stage */
     int *ring_ranks;            /* ... the members of its rings */
-    size_t ring_groups, ring_fin_bytes, ring_io_bytes, ring_nranks;
+    size_t ring_bytes, ring_nranks;
 } dopt_compressor;
 
 DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
@@ -2104,12 +2104,14 @@ static dopt_status dopt__gathered_verdict(const dopt_compressor *cz, int nmsg) {
 
    Elements are taken in groups of 64, each segment's padded with zeros to whole groups (a
    segment's codes sit in 64-element blocks in the message too). A group of sums biased by K
-   (v = S + K in [0, 2K]) travels as w little-endian 64-bit words, word j holding bit j of the 64
-   values (bit t for element t): 8·w bytes per group. */
+   (v = S + K in [0, 2K]) is stored, and travels, as w little-endian 64-bit words ("planes"), word
+   j holding bit j of the 64 values (bit t for element t): 8·w bytes per group. Each step of a
+   reduce-scatter folds what it receives into this rank's own contribution, plane array to plane
+   array, in registers. */
 
 #define DOPT__RING_PIECE_GROUPS 4096 /* groups per exchange (256 Ki elements), at most */
 #define DOPT__RING_DEPTH 2           /* exchanges in flight */
-#define DOPT__RING_MAX_RANKS 16383   /* 2N + 1 values in the 16-bit sums */
+#define DOPT__RING_MAX_RANKS 16383   /* 2N + 1 values in the 16-bit lanes of the kernels */
 
 static unsigned dopt__ring_width(uint64_t k) {
     unsigned w = 0;
@@ -2122,35 +2124,20 @@ static size_t dopt__ring_groups(size_t n) { return (n + DOPT__BLOCK - 1) / DOPT_
 /* Segment i goes through the ring (a ternary segment: not one sent as fp32). */
 static int dopt__ring_carries(const dopt_compressor *cz, size_t i) { return cz->segs[i].count >= cz->cfg.fp32_below; }
 
-/* This rank's codes of segment i (the message body `in`, n elements) as sums of one: -1, 0, +1. */
-static void dopt__ring_load(int16_t *DOPT_RESTRICT acc, const uint8_t *DOPT_RESTRICT in, size_t n) {
-    size_t i, t;
-    for (i = 0; i < n; i += DOPT__BLOCK, in += 16, acc += DOPT__BLOCK) {
-        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK, q = (m + 3) / 4;
-        for (t = 0; t < m; t++) {
-            unsigned code = (in[t % q] >> (2 * (t / q))) & 3u;
-            acc[t] = (int16_t)((int)(code & 1u) - (int)(code >> 1));
-        }
-        for (; t < DOPT__BLOCK; t++) acc[t] = 0;
-    }
-}
+/* Groups [g0, ...) of values biased by K in w planes, at p. */
+typedef struct dopt__planes {
+    unsigned char *p;
+    size_t g0;
+    unsigned w;
+    int K;
+} dopt__planes;
 
-DOPT__MAYBE_UNUSED static void dopt__ring_pack_portable(const int16_t *DOPT_RESTRICT acc, size_t groups, int K, unsigned w,
-                            unsigned char *DOPT_RESTRICT out) {
-    size_t g;
-    unsigned j, t;
-    for (g = 0; g < groups; g++, acc += DOPT__BLOCK) {
-        uint16_t v[DOPT__BLOCK];
-        for (t = 0; t < DOPT__BLOCK; t++) v[t] = (uint16_t)(acc[t] + K);
-        for (j = 0; j < w; j++, out += 8) {
-            uint64_t word = 0;
-            for (t = 0; t < DOPT__BLOCK; t++) word |= (uint64_t)((v[t] >> j) & 1u) << t;
-            memcpy(out, &word, 8);
-        }
-    }
-}
+static unsigned char *dopt__planes_at(const dopt__planes *a, size_t g) { return a->p + (g - a->g0) * 8 * a->w; }
 
-DOPT__MAYBE_UNUSED static void dopt__ring_unpack(const unsigned char *DOPT_RESTRICT in, unsigned w, uint16_t *DOPT_RESTRICT v) {
+/* ----- kernels: portable, then AVX-512 (the tests compare them bit for bit) */
+
+/* 64 values of a group out of its planes, and back. */
+static void dopt__ring_unpack(const unsigned char *DOPT_RESTRICT in, unsigned w, uint16_t *DOPT_RESTRICT v) {
     unsigned j, t;
     for (t = 0; t < DOPT__BLOCK; t++) v[t] = 0;
     for (j = 0; j < w; j++) {
@@ -2160,23 +2147,53 @@ DOPT__MAYBE_UNUSED static void dopt__ring_unpack(const unsigned char *DOPT_RESTR
     }
 }
 
-DOPT__MAYBE_UNUSED static unsigned dopt__ring_add_portable(int16_t *DOPT_RESTRICT acc, size_t groups, int K, unsigned w,
-                               const unsigned char *DOPT_RESTRICT in) {
-    unsigned bad = 0, t;
-    size_t g;
-    for (g = 0; g < groups; g++, acc += DOPT__BLOCK, in += 8 * w) {
+static void dopt__ring_pack(const uint16_t *DOPT_RESTRICT v, unsigned w, unsigned char *DOPT_RESTRICT out) {
+    unsigned j, t;
+    for (j = 0; j < w; j++) {
+        uint64_t word = 0;
+        for (t = 0; t < DOPT__BLOCK; t++) word |= (uint64_t)((v[t] >> j) & 1u) << t;
+        memcpy(out + 8 * j, &word, 8);
+    }
+}
+
+/* This rank's codes of a segment (a message body of n ternary elements) as planes of sums of
+   one: w = 2, K = 1 (v = t + 1). A full block's element 16i + j is at byte j, bits 2i. */
+DOPT__MAYBE_UNUSED static void dopt__ring_own_portable(const uint8_t *DOPT_RESTRICT in, size_t n,
+                                                      unsigned char *DOPT_RESTRICT out) {
+    size_t i, t;
+    for (i = 0; i < n; i += DOPT__BLOCK, in += 16, out += 16) {
+        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK, q = (m + 3) / 4;
         uint16_t v[DOPT__BLOCK];
-        dopt__ring_unpack(in, w, v);
         for (t = 0; t < DOPT__BLOCK; t++) {
-            bad |= v[t] > 2 * K;
-            acc[t] = (int16_t)(acc[t] + (int)v[t] - K);
+            unsigned code = t < m ? (in[t % q] >> (2 * (t / q))) & 3u : 0u;
+            v[t] = (uint16_t)(1 + (int)(code & 1u) - (int)(code >> 1));
         }
+        dopt__ring_pack(v, 2, out);
+    }
+}
+
+/* out = a + b re-biased, group by group: (va - Ka) + (vb - Kb) + Ko in wo planes. a is what a
+   peer sent: returns non-zero when one of its values exceeds 2·Ka. */
+DOPT__MAYBE_UNUSED static unsigned dopt__ring_fold_portable(const dopt__planes *a, const dopt__planes *b,
+                                                           const dopt__planes *o, size_t g, size_t groups) {
+    unsigned bad = 0, t;
+    size_t k;
+    for (k = 0; k < groups; k++) {
+        uint16_t va[DOPT__BLOCK], vb[DOPT__BLOCK];
+        dopt__ring_unpack(dopt__planes_at(a, g + k), a->w, va);
+        dopt__ring_unpack(dopt__planes_at(b, g + k), b->w, vb);
+        for (t = 0; t < DOPT__BLOCK; t++) {
+            bad |= va[t] > 2 * a->K;
+            va[t] = (uint16_t)(va[t] + vb[t] - a->K - b->K + o->K);
+        }
+        dopt__ring_pack(va, o->w, dopt__planes_at(o, g + k));
     }
     return bad;
 }
 
+/* y[t] = (float)(v_t - K) · scale for the first n elements of the groups at in. */
 DOPT__MAYBE_UNUSED static void dopt__ring_decode_portable(float *DOPT_RESTRICT y, size_t n, int K, unsigned w, float scale,
-                              const unsigned char *DOPT_RESTRICT in) {
+                                                         const unsigned char *DOPT_RESTRICT in) {
     size_t i, t;
     for (i = 0; i < n; i += DOPT__BLOCK, in += 8 * w) {
         uint16_t v[DOPT__BLOCK];
@@ -2185,96 +2202,101 @@ DOPT__MAYBE_UNUSED static void dopt__ring_decode_portable(float *DOPT_RESTRICT y
         for (t = 0; t < m; t++) y[i + t] = (float)((int)v[t] - K) * scale;
     }
 }
+
 #ifdef DOPT__COMPRESS_AVX512
-static void dopt__ring_pack_avx512(const int16_t *DOPT_RESTRICT acc, size_t groups, int K, unsigned w,
-                            unsigned char *DOPT_RESTRICT out) {
-    const __m512i bias = _mm512_set1_epi16((short)K);
-    size_t g;
+/* A group's values as two vectors of 32 16-bit lanes (elements 0-31, 32-63). */
+static void dopt__ring_unpack_avx512(const unsigned char *in, unsigned w, __m512i *lo, __m512i *hi) {
     unsigned j;
-    for (g = 0; g < groups; g++, acc += DOPT__BLOCK) {
-        __m512i lo = _mm512_add_epi16(_mm512_loadu_si512((const void *)acc), bias);
-        __m512i hi = _mm512_add_epi16(_mm512_loadu_si512((const void *)(acc + 32)), bias);
-        for (j = 0; j < w; j++, out += 8) {
-            __m512i bit = _mm512_set1_epi16((short)(1 << j));
-            uint64_t word = (uint64_t)_mm512_test_epi16_mask(lo, bit) | (uint64_t)_mm512_test_epi16_mask(hi, bit) << 32;
-            memcpy(out, &word, 8);
-        }
+    *lo = *hi = _mm512_setzero_si512();
+    for (j = 0; j < w; j++) {
+        __m512i bit = _mm512_set1_epi16((short)(1 << j));
+        uint64_t word;
+        memcpy(&word, in + 8 * j, 8);
+        *lo = _mm512_or_si512(*lo, _mm512_maskz_mov_epi16((__mmask32)word, bit));
+        *hi = _mm512_or_si512(*hi, _mm512_maskz_mov_epi16((__mmask32)(word >> 32), bit));
     }
 }
 
-/* acc += v - K for every value v in `in`; returns non-zero when a value exceeds 2K. */
-static unsigned dopt__ring_add_avx512(int16_t *DOPT_RESTRICT acc, size_t groups, int K, unsigned w,
-                               const unsigned char *DOPT_RESTRICT in) {
-    const __m512i bias = _mm512_set1_epi16((short)K), top = _mm512_set1_epi16((short)(2 * K));
-    __mmask32 bad = 0;
-    size_t g;
+static void dopt__ring_pack_avx512(__m512i lo, __m512i hi, unsigned w, unsigned char *out) {
     unsigned j;
-    for (g = 0; g < groups; g++, acc += DOPT__BLOCK, in += 8 * w) {
-        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-        for (j = 0; j < w; j++) {
-            __m512i bit = _mm512_set1_epi16((short)(1 << j));
-            uint64_t word;
-            memcpy(&word, in + 8 * j, 8);
-            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi16((__mmask32)word, bit));
-            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi16((__mmask32)(word >> 32), bit));
-        }
-        bad |= _mm512_cmpgt_epi16_mask(lo, top) | _mm512_cmpgt_epi16_mask(hi, top);
-        _mm512_storeu_si512((void *)acc, _mm512_add_epi16(_mm512_loadu_si512((const void *)acc), _mm512_sub_epi16(lo, bias)));
-        _mm512_storeu_si512((void *)(acc + 32),
-                            _mm512_add_epi16(_mm512_loadu_si512((const void *)(acc + 32)), _mm512_sub_epi16(hi, bias)));
+    for (j = 0; j < w; j++) {
+        __m512i bit = _mm512_set1_epi16((short)(1 << j));
+        uint64_t word = (uint64_t)_mm512_test_epi16_mask(lo, bit) | (uint64_t)_mm512_test_epi16_mask(hi, bit) << 32;
+        memcpy(out + 8 * j, &word, 8);
+    }
+}
+
+/* The 16 bytes of a full block broadcast to the four 128-bit lanes, lane q shifted by 2q bits:
+   byte j of lane q holds the code of element 16q + j, and a compare per plane gives its word. */
+static void dopt__ring_own_avx512(const uint8_t *in, size_t n, unsigned char *out) {
+    const __m512i shifts = _mm512_setr_epi64(0, 0, 2, 2, 4, 4, 6, 6), three = _mm512_set1_epi8(3);
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi8(1);
+    size_t full = n - n % DOPT__BLOCK, i;
+    for (i = 0; i < full; i += DOPT__BLOCK, in += 16, out += 16) {
+        __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)in));
+        __m512i c = _mm512_and_si512(_mm512_srlv_epi64(b, shifts), three);
+        uint64_t w0 = _mm512_cmpeq_epi8_mask(c, zero), w1 = _mm512_cmpeq_epi8_mask(c, one); /* v = 1, v = 2 */
+        memcpy(out, &w0, 8);
+        memcpy(out + 8, &w1, 8);
+    }
+    if (n > full) dopt__ring_own_portable(in, n - full, out);
+}
+
+static unsigned dopt__ring_fold_avx512(const dopt__planes *a, const dopt__planes *b, const dopt__planes *o, size_t g,
+                                       size_t groups) {
+    const __m512i top = _mm512_set1_epi16((short)(2 * a->K)), bias = _mm512_set1_epi16((short)(o->K - a->K - b->K));
+    __mmask32 bad = 0;
+    size_t k;
+    for (k = 0; k < groups; k++) {
+        __m512i alo, ahi, blo, bhi;
+        dopt__ring_unpack_avx512(dopt__planes_at(a, g + k), a->w, &alo, &ahi);
+        dopt__ring_unpack_avx512(dopt__planes_at(b, g + k), b->w, &blo, &bhi);
+        bad |= _mm512_cmpgt_epi16_mask(alo, top) | _mm512_cmpgt_epi16_mask(ahi, top);
+        dopt__ring_pack_avx512(_mm512_add_epi16(_mm512_add_epi16(alo, blo), bias),
+                               _mm512_add_epi16(_mm512_add_epi16(ahi, bhi), bias), o->w, dopt__planes_at(o, g + k));
     }
     return bad != 0;
 }
 
-/* y[t] = (float)(v_t - K) · scale for the first n elements of the packed groups. */
 static void dopt__ring_decode_avx512(float *DOPT_RESTRICT y, size_t n, int K, unsigned w, float scale,
-                              const unsigned char *DOPT_RESTRICT in) {
+                                     const unsigned char *DOPT_RESTRICT in) {
     const __m512i bias = _mm512_set1_epi16((short)K);
     const __m512 vv = _mm512_set1_ps(scale);
     size_t i;
-    unsigned j;
     for (i = 0; i < n; i += DOPT__BLOCK, in += 8 * w) {
-        __m512i v[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        __m512i v[2];
         int h, q;
-        for (j = 0; j < w; j++) {
-            __m512i bit = _mm512_set1_epi16((short)(1 << j));
-            uint64_t word;
-            memcpy(&word, in + 8 * j, 8);
-            v[0] = _mm512_or_si512(v[0], _mm512_maskz_mov_epi16((__mmask32)word, bit));
-            v[1] = _mm512_or_si512(v[1], _mm512_maskz_mov_epi16((__mmask32)(word >> 32), bit));
-        }
+        dopt__ring_unpack_avx512(in, w, &v[0], &v[1]);
         for (h = 0; h < 2; h++) {
             __m512i s = _mm512_sub_epi16(v[h], bias);
             for (q = 0; q < 2; q++) {
                 size_t at = i + (size_t)(32 * h + 16 * q);
-                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
-                                             q ? _mm512_extracti64x4_epi64(s, 1) : _mm512_castsi512_si256(s))),
-                                         vv);
-                if (at + 16 <= n) {
+                __m256i half = q ? _mm512_extracti64x4_epi64(s, 1) : _mm512_castsi512_si256(s);
+                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half)), vv);
+                if (at + 16 <= n)
                     _mm512_storeu_ps(y + at, f);
-                } else if (at < n) {
+                else if (at < n)
                     _mm512_mask_storeu_ps(y + at, (__mmask16)((1u << (n - at)) - 1u), f);
-                }
             }
         }
     }
 }
 #endif
 
-/* The vector kernels where the build has them; both give the same bits (tests compare them). */
-static void dopt__ring_pack(const int16_t *acc, size_t groups, int K, unsigned w, unsigned char *out) {
+static void dopt__ring_own(const uint8_t *in, size_t n, unsigned char *out) {
 #ifdef DOPT__COMPRESS_AVX512
-    dopt__ring_pack_avx512(acc, groups, K, w, out);
+    dopt__ring_own_avx512(in, n, out);
 #else
-    dopt__ring_pack_portable(acc, groups, K, w, out);
+    dopt__ring_own_portable(in, n, out);
 #endif
 }
 
-static unsigned dopt__ring_add(int16_t *acc, size_t groups, int K, unsigned w, const unsigned char *in) {
+static unsigned dopt__ring_fold(const dopt__planes *a, const dopt__planes *b, const dopt__planes *o, size_t g,
+                                size_t groups) {
 #ifdef DOPT__COMPRESS_AVX512
-    return dopt__ring_add_avx512(acc, groups, K, w, in);
+    return dopt__ring_fold_avx512(a, b, o, g, groups);
 #else
-    return dopt__ring_add_portable(acc, groups, K, w, in);
+    return dopt__ring_fold_portable(a, b, o, g, groups);
 #endif
 }
 
@@ -2286,21 +2308,32 @@ static void dopt__ring_decode(float *y, size_t n, int K, unsigned w, float scale
 #endif
 }
 
-/* One pass of a ring over groups [g0, g1): chunk i is the i-th of n near-equal runs of groups,
-   each cut into `pieces` pieces, one exchange per piece and step. A reduce-scatter (gather = 0)
-   sends at step s chunk pos - s, holding the sums of (s + 1)·k0 codes, and adds chunk pos - s - 1
-   from the left into acc: after n - 1 steps chunk pos + 1 holds the sums of n·k0 codes. An
-   allgather (gather = 1) sends chunk pos + 1 - s of the packed final sums and receives chunk
-   pos - s into them; with pack_own it first packs chunk pos + 1 from acc. */
+/* ----- the schedule */
+
+/* One pass of a ring of n members over groups [g0, g1): chunk i is the i-th of n near-equal runs
+   of groups, each cut into `pieces` pieces, one exchange per piece and step.
+   A reduce-scatter (gather = 0) starts from this rank's own contributions `own` (sums of k0
+   codes); at step s it sends chunk pos - s, holding the sums of (s + 1)·k0 codes (own itself at
+   step 0, else what it folded at step s - 1), and folds chunk pos - s - 1 from the left into its
+   own; the last step's fold, chunk pos + 1 with the sums of n·k0 codes, goes to `out`.
+   An allgather (gather = 1) sends chunk pos + 1 - s of `out` and receives chunk pos - s into it:
+   the final sums go round as they were packed, once. */
 typedef struct dopt__ring_pass {
     dopt_comm *comm;
     uint64_t tag;
     const int *ranks; /* the members, in ring order (ranks of comm) */
     int n, pos;
     size_t g0, g1;
-    int gather, pack_own;
-    uint64_t k0;      /* reduce-scatter: the codes each member's sums hold */
+    int gather;
+    uint64_t k0;
+    dopt__planes own, out;
 } dopt__ring_pass;
+
+static size_t dopt__ring_chunk_first(const dopt__ring_pass *p, long long chunk) {
+    uint64_t cf, cl;
+    dopt__ring_segment(p->g1 - p->g0, p->n, dopt__mod(chunk, p->n), &cf, &cl);
+    return p->g0 + (size_t)cf;
+}
 
 static void dopt__ring_piece(const dopt__ring_pass *p, int pieces, long long chunk, int b, size_t *first,
                              size_t *groups) {
@@ -2319,94 +2352,89 @@ static int dopt__ring_pieces(const dopt__ring_pass *p) {
     return k < DOPT__RING_DEPTH ? DOPT__RING_DEPTH : (int)k;
 }
 
-/* The ring's buffers, grown to fit (kept for later calls). */
-static dopt_status dopt__ring_room(dopt_compressor *cz, size_t groups, unsigned wmax) {
-    size_t fin = groups * 8 * wmax, io = (size_t)2 * DOPT__RING_DEPTH * DOPT__RING_PIECE_GROUPS * 8 * wmax;
-    if (groups > cz->ring_groups) {
-        DOPT_FREE(cz->ring_acc);
-        cz->ring_groups = 0;
-        if ((cz->ring_acc = (int16_t *)DOPT_MALLOC(groups * DOPT__BLOCK * sizeof(int16_t))) == NULL) return DOPT_ERR_NOMEM;
-        cz->ring_groups = groups;
-    }
-    if (fin > cz->ring_fin_bytes) {
-        DOPT_FREE(cz->ring_fin);
-        cz->ring_fin_bytes = 0;
-        if ((cz->ring_fin = (unsigned char *)DOPT_MALLOC(fin)) == NULL) return DOPT_ERR_NOMEM;
-        cz->ring_fin_bytes = fin;
-    }
-    if (io > cz->ring_io_bytes) {
-        DOPT_FREE(cz->ring_io);
-        cz->ring_io_bytes = 0;
-        if ((cz->ring_io = (unsigned char *)DOPT_MALLOC(io)) == NULL) return DOPT_ERR_NOMEM;
-        cz->ring_io_bytes = io;
-    }
-    return DOPT_OK;
-}
-
-/* Exchange e of a pass: step e / pieces, piece e % pieces, in slot e % depth; its width and its
-   values' bias, and the groups it sends and receives. */
+/* Exchange e of a pass (step e / pieces, piece e % pieces): what it sends (tx: own at step 0,
+   else the chunk step s - 1 folded into, in the stage), where it receives (rx: a slot per
+   exchange in flight) and where the fold of what it received goes (the stage, or at the last
+   step the pass's out). The stage (cz->ring_stage) holds two chunks at most out's width, then
+   the slots. */
 typedef struct dopt__ring_hop {
-    unsigned w;
-    int K;
+    int step, last;
     size_t out_first, out_groups, in_first, in_groups;
-    int slot;
+    dopt__planes tx, rx, fold; /* fold: where the reduce-scatter's fold of rx goes */
 } dopt__ring_hop;
 
-static void dopt__ring_hop_of(const dopt__ring_pass *p, int pieces, unsigned wfin, long long e, dopt__ring_hop *h) {
+static void dopt__ring_hop_of(const dopt_compressor *cz, const dopt__ring_pass *p, int pieces, long long e,
+                              dopt__ring_hop *h) {
     int s = (int)(e / pieces), b = (int)(e % pieces);
     long long out = p->gather ? (long long)p->pos + 1 - s : (long long)p->pos - s;
-    h->K = (s + 1) * (int)p->k0;
-    h->w = p->gather ? wfin : dopt__ring_width((uint64_t)h->K);
-    h->slot = (int)(e % DOPT__RING_DEPTH);
+    size_t chunk_cap = (p->g1 - p->g0 + (size_t)p->n - 1) / (size_t)p->n;
+    unsigned char *stage[2];
+    h->step = s;
+    h->last = s == p->n - 2;
     dopt__ring_piece(p, pieces, out, b, &h->out_first, &h->out_groups);
     dopt__ring_piece(p, pieces, out - 1, b, &h->in_first, &h->in_groups);
+    if (p->gather) {
+        h->tx = h->rx = p->out;
+        return;
+    }
+    /* stage[s % 2] gets step s's folds, sent at step s + 1; receptions go to a slot per piece */
+    stage[0] = cz->ring_stage, stage[1] = cz->ring_stage + chunk_cap * 8 * p->out.w;
+    h->rx.p = stage[1] + chunk_cap * 8 * p->out.w + (size_t)(e % DOPT__RING_DEPTH) * DOPT__RING_PIECE_GROUPS * 8 * p->out.w;
+    h->rx.g0 = h->in_first;
+    h->rx.K = (s + 1) * (int)p->k0;
+    h->rx.w = dopt__ring_width((uint64_t)h->rx.K);
+    if (s == 0) {
+        h->tx = p->own;
+    } else {
+        h->tx.p = stage[(s - 1) % 2];
+        h->tx.g0 = dopt__ring_chunk_first(p, out);
+        h->tx.K = h->rx.K;
+        h->tx.w = h->rx.w;
+    }
+    if (h->last) {
+        h->fold = p->out;
+    } else {
+        h->fold.p = stage[s % 2];
+        h->fold.g0 = dopt__ring_chunk_first(p, out - 1);
+        h->fold.K = (s + 2) * (int)p->k0;
+        h->fold.w = dopt__ring_width((uint64_t)h->fold.K);
+    }
 }
 
-static unsigned char *dopt__ring_slot(const dopt_compressor *cz, unsigned wfin, int rx, int slot) {
-    return cz->ring_io + (size_t)(rx * DOPT__RING_DEPTH + slot) * DOPT__RING_PIECE_GROUPS * 8 * wfin;
+/* Bytes of the stage a pass needs (dopt__ring_hop_of's layout). */
+static size_t dopt__ring_stage_bytes(const dopt__ring_pass *p) {
+    size_t chunk_cap = (p->g1 - p->g0 + (size_t)p->n - 1) / (size_t)p->n;
+    return p->gather ? 0 : (2 * chunk_cap + DOPT__RING_DEPTH * DOPT__RING_PIECE_GROUPS) * 8 * p->out.w;
 }
 
-static dopt_status dopt__ring_start(dopt_compressor *cz, const dopt__ring_pass *p, int pieces, unsigned wfin,
-                                    long long e, dopt_request *req) {
+static dopt_status dopt__ring_start(dopt_compressor *cz, const dopt__ring_pass *p, int pieces, long long e,
+                                    dopt_request *req) {
     dopt__ring_hop h;
     dopt_xfer tx, rx;
-    dopt__ring_hop_of(p, pieces, wfin, e, &h);
+    dopt__ring_hop_of(cz, p, pieces, e, &h);
     tx.peer = p->ranks[(p->pos + 1) % p->n];
     rx.peer = p->ranks[(p->pos + p->n - 1) % p->n];
-    tx.bytes = h.out_groups * 8 * h.w;
-    rx.bytes = h.in_groups * 8 * h.w;
-    if (p->gather) { /* forwarded as received: the final sums are packed once */
-        tx.buf = cz->ring_fin + h.out_first * 8 * h.w;
-        rx.buf = cz->ring_fin + h.in_first * 8 * h.w;
-    } else {
-        tx.buf = dopt__ring_slot(cz, wfin, 0, h.slot);
-        rx.buf = dopt__ring_slot(cz, wfin, 1, h.slot);
-        dopt__ring_pack(cz->ring_acc + h.out_first * DOPT__BLOCK, h.out_groups, h.K, h.w, (unsigned char *)tx.buf);
-    }
+    tx.buf = dopt__planes_at(&h.tx, h.out_first);
+    tx.bytes = h.out_groups * 8 * h.tx.w;
+    rx.buf = dopt__planes_at(&h.rx, h.in_first);
+    rx.bytes = h.in_groups * 8 * h.rx.w;
     return dopt_exchange_start(p->comm, p->tag, &tx, 1, &rx, 1, req);
 }
 
-/* Runs pass p, DOPT__RING_DEPTH exchanges in flight: a reduce-scatter adds each piece it
-   receives into acc before the exchange that sends it on starts. */
-static dopt_status dopt__ring_run(dopt_compressor *cz, const dopt__ring_pass *p, unsigned wfin, int kfin) {
+/* Runs pass p, DOPT__RING_DEPTH exchanges in flight: a reduce-scatter folds each piece it
+   receives before the exchange that sends the fold on starts (pieces >= depth). */
+static dopt_status dopt__ring_run(dopt_compressor *cz, const dopt__ring_pass *p) {
     int pieces = dopt__ring_pieces(p);
     long long steps = (long long)(p->n - 1) * pieces, e;
     dopt_request req[DOPT__RING_DEPTH];
     dopt_status s = DOPT_OK;
-    if (p->gather && p->pack_own) {
-        uint64_t cf, cl;
-        dopt__ring_segment(p->g1 - p->g0, p->n, (p->pos + 1) % p->n, &cf, &cl);
-        dopt__ring_pack(cz->ring_acc + (p->g0 + cf) * DOPT__BLOCK, (size_t)cl, kfin, wfin,
-                        cz->ring_fin + (p->g0 + cf) * 8 * wfin);
-    }
-    for (e = 0; e < steps && e < DOPT__RING_DEPTH && s == DOPT_OK; e++)
-        s = dopt__ring_start(cz, p, pieces, wfin, e, &req[e]);
+    for (e = 0; e < steps && e < DOPT__RING_DEPTH && s == DOPT_OK; e++) s = dopt__ring_start(cz, p, pieces, e, &req[e]);
     for (e = 0; e < steps && s == DOPT_OK; e++) {
         dopt__ring_hop h;
-        dopt__ring_hop_of(p, pieces, wfin, e, &h);
-        if ((s = dopt_wait(&req[h.slot])) != DOPT_OK) break;
-        if (!p->gather && dopt__ring_add(cz->ring_acc + h.in_first * DOPT__BLOCK, h.in_groups, h.K, h.w,
-                                         dopt__ring_slot(cz, wfin, 1, h.slot))) {
+        int slot = (int)(e % DOPT__RING_DEPTH);
+        if ((s = dopt_wait(&req[slot])) != DOPT_OK) break;
+        dopt__ring_hop_of(cz, p, pieces, e, &h);
+        if (!p->gather && dopt__ring_fold(&h.rx, &p->own, &h.fold, h.in_first, h.in_groups)) {
             dopt_coll_desc d;
             memset(&d, 0, sizeof d);
             d.kind = DOPT_COLL_EXCHANGE;
@@ -2414,55 +2442,95 @@ static dopt_status dopt__ring_run(dopt_compressor *cz, const dopt__ring_pass *p,
             d.count = p->tag;
             d.group = p->comm->group;
             return dopt_comm_fail(p->comm, &d, DOPT_ERR_PROTOCOL, "rank %d sent a sum beyond +-%d",
-                                  p->ranks[(p->pos + p->n - 1) % p->n], h.K);
+                                  p->ranks[(p->pos + p->n - 1) % p->n], h.rx.K);
         }
-        if (e + DOPT__RING_DEPTH < steps) s = dopt__ring_start(cz, p, pieces, wfin, e + DOPT__RING_DEPTH, &req[h.slot]);
+        if (e + DOPT__RING_DEPTH < steps) s = dopt__ring_start(cz, p, pieces, e + DOPT__RING_DEPTH, &req[slot]);
     }
     return s;
 }
 
-/* The sums of every rank's ternary codes, exactly, into cz->ring_fin (packed, biased by N, in
-   w(N) bits), over a flat ring or, when the ranks sit on several hosts of several ranks each
-   (and two-level schedules are not off), in two levels: a reduce-scatter within the host, one
-   across hosts among the ranks at the same place (their sums start at the host's count), the
-   final sums around the same rings back. Returns the path taken in *path. */
-static dopt_status dopt__ring_sums(dopt_compressor *cz, dopt_comm *comm, size_t groups, dopt_agg_path *path) {
-    int N = comm->size, i;
-    unsigned wfin = dopt__ring_width((uint64_t)N);
+/* This rank's codes of every ternary segment as planes of sums of one, group after group. */
+static void dopt__ring_fill_own(const dopt_compressor *cz, unsigned char *own) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t n = cz->segs[i].count;
+        if (dopt__ring_carries(cz, i)) {
+            dopt__ring_own(cz->msg + off + DOPT_COMPRESS_RECORD_BYTES, n, own);
+            own += dopt__ring_groups(n) * 16;
+        }
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
+    }
+}
+
+/* Grows the ring's one buffer to `bytes` (kept for later calls). */
+static dopt_status dopt__ring_room(dopt_compressor *cz, size_t bytes) {
+    if (bytes <= cz->ring_bytes) return DOPT_OK;
+    DOPT_FREE(cz->ring_buf);
+    cz->ring_bytes = 0;
+    if ((cz->ring_buf = (unsigned char *)DOPT_MALLOC(bytes)) == NULL) return DOPT_ERR_NOMEM;
+    cz->ring_bytes = bytes;
+    return DOPT_OK;
+}
+
+/* The sums of every rank's ternary codes, exactly, into the final planes (cz->ring_fin: w(N)
+   bits, biased by N), from this rank's own planes (the ring buffer's start: groups × 16
+   bytes, filled by the caller), over a flat ring or, when the ranks sit on several hosts of
+   several ranks each (and two-level schedules are not off), in two levels: a reduce-scatter
+   within the host into the host's sums of one chunk, one across hosts among the ranks at the same
+   place (starting from the host's sums), the final sums around the same two rings back. Sets
+   cz->path. */
+static dopt_status dopt__ring_sums(dopt_compressor *cz, dopt_comm *comm, size_t groups) {
+    int N = comm->size, i, two, L = 1, H = N, j = 0;
+    unsigned wfin = dopt__ring_width((uint64_t)N), whost = 0;
     uint64_t tag = (uint64_t)groups << 8 | 0x52u; /* ranks with other layouts fail with a mismatch */
     dopt_host_layout lay;
     dopt_status s;
+    dopt__ring_pass a, b; /* flat: the ring (a); two levels: within the host (a) and across (b) */
+    size_t fin_off = groups * 16, host_off = fin_off + groups * 8 * wfin, stage_off, stage;
+    uint64_t cf = 0, cl = 0;
     int *ranks = cz->ring_ranks;
     dopt_comm_host_layout(comm, &lay);
-    if (lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF) {
-        int L = lay.local, H = lay.hosts, j = lay.local_rank;
-        uint64_t cf, cl;
-        dopt__ring_pass host = {0}, cross = {0};
+    two = lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF;
+    if (two) {
+        L = lay.local, H = lay.hosts, j = lay.local_rank, whost = dopt__ring_width((uint64_t)L);
+        dopt__ring_segment(groups, L, (j + 1) % L, &cf, &cl); /* the chunk this rank carries across hosts */
+    }
+    /* one buffer: own planes | final planes | the host's sums of the chunk | stage */
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    a.comm = b.comm = comm;
+    a.g1 = groups, a.k0 = 1, a.n = two ? L : N;
+    a.out.w = two ? whost : wfin;
+    b.g0 = (size_t)cf, b.g1 = (size_t)(cf + cl), b.k0 = (uint64_t)L, b.n = H, b.out.w = wfin;
+    stage_off = host_off + (size_t)cl * 8 * whost;
+    stage = dopt__ring_stage_bytes(&a);
+    if (two && dopt__ring_stage_bytes(&b) > stage) stage = dopt__ring_stage_bytes(&b);
+    if ((s = dopt__ring_room(cz, stage_off + stage)) != DOPT_OK) return s;
+    cz->ring_fin = cz->ring_buf + fin_off;
+    cz->ring_stage = cz->ring_buf + stage_off;
+    dopt__ring_fill_own(cz, cz->ring_buf);
+    a.own.p = cz->ring_buf, a.own.w = 2, a.own.K = 1;
+    b.out.p = cz->ring_fin, b.out.K = N;
+    if (two) {
         for (i = 0; i < L; i++) ranks[i] = dopt_comm_host_rank(comm, lay.host, i);
         for (i = 0; i < H; i++) ranks[L + i] = dopt_comm_host_rank(comm, i, j);
-        host.comm = cross.comm = comm;
-        host.ranks = ranks, host.n = L, host.pos = j, host.g1 = groups, host.k0 = 1;
-        dopt__ring_segment(groups, L, (j + 1) % L, &cf, &cl); /* the chunk this rank reduces across hosts */
-        cross.ranks = ranks + L, cross.n = H, cross.pos = lay.host, cross.g0 = (size_t)cf, cross.g1 = (size_t)(cf + cl);
-        cross.k0 = (uint64_t)L;
-        host.tag = tag | 1u << 4, cross.tag = tag | 2u << 4;
-        if ((s = dopt__ring_run(cz, &host, wfin, N)) != DOPT_OK) return s;
-        if ((s = dopt__ring_run(cz, &cross, wfin, N)) != DOPT_OK) return s;
-        cross.gather = cross.pack_own = 1, cross.tag = tag | 3u << 4;
-        if ((s = dopt__ring_run(cz, &cross, wfin, N)) != DOPT_OK) return s;
-        host.gather = 1, host.tag = tag | 4u << 4;
-        *path = DOPT_PATH_RING_TWO_LEVEL;
-        return dopt__ring_run(cz, &host, wfin, N);
+        a.out.p = cz->ring_buf + host_off, a.out.g0 = (size_t)cf, a.out.K = L;
+        a.ranks = ranks, a.pos = j, a.tag = tag | 1u << 4;
+        b.own = a.out;
+        b.ranks = ranks + L, b.pos = lay.host, b.tag = tag | 2u << 4;
+        if ((s = dopt__ring_run(cz, &a)) != DOPT_OK || (s = dopt__ring_run(cz, &b)) != DOPT_OK) return s;
+        b.gather = 1, b.tag = tag | 3u << 4;
+        if ((s = dopt__ring_run(cz, &b)) != DOPT_OK) return s;
     } else {
-        dopt__ring_pass flat = {0};
         for (i = 0; i < N; i++) ranks[i] = i;
-        flat.comm = comm, flat.ranks = ranks, flat.n = N, flat.pos = comm->rank, flat.g1 = groups, flat.k0 = 1;
-        flat.tag = tag | 5u << 4;
-        if ((s = dopt__ring_run(cz, &flat, wfin, N)) != DOPT_OK) return s;
-        flat.gather = flat.pack_own = 1, flat.tag = tag | 6u << 4;
-        *path = DOPT_PATH_RING;
-        return dopt__ring_run(cz, &flat, wfin, N);
+        a.out = b.out;
+        a.ranks = ranks, a.pos = comm->rank, a.tag = tag | 5u << 4;
+        if ((s = dopt__ring_run(cz, &a)) != DOPT_OK) return s;
     }
+    a.out = b.out; /* the final sums go round within the host (or the flat ring) */
+    a.gather = 1, a.tag = tag | 4u << 4;
+    cz->path = two ? DOPT_PATH_RING_TWO_LEVEL : DOPT_PATH_RING;
+    return dopt__ring_run(cz, &a);
 }
 
 /* ----- choosing the path */
@@ -2529,31 +2597,17 @@ static int dopt__ring_wanted(const dopt_compressor *cz, const dopt_comm *comm, s
    of the ternary segments through the ring, the fp32 segments (those below fp32_below) through
    one allgather of their values. Nothing of grads is written here. */
 static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, size_t groups) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, g = 0, small = 0, i;
-    unsigned wfin = dopt__ring_width((uint64_t)comm->size);
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, small = 0, i;
     dopt_status s;
     for (i = 0; i < cz->nsegs; i++) small += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
-    if ((s = dopt__ring_room(cz, groups, wfin)) != DOPT_OK) return s;
     if ((size_t)comm->size > cz->ring_nranks) {
         DOPT_FREE(cz->ring_ranks);
         cz->ring_nranks = 0;
         if ((cz->ring_ranks = (int *)DOPT_MALLOC(sizeof(int) * (size_t)comm->size)) == NULL) return DOPT_ERR_NOMEM;
         cz->ring_nranks = (size_t)comm->size;
     }
-    if (small > 0 && (s = dopt__gather_room(cz, comm->size)) != DOPT_OK) return s;
-    for (i = 0; i < cz->nsegs; i++) {
-        size_t n = cz->segs[i].count, body = dopt__body_bytes(&cz->cfg, n);
-        const unsigned char *data = cz->msg + off + DOPT_COMPRESS_RECORD_BYTES;
-        if (dopt__ring_carries(cz, i)) {
-            dopt__ring_load(cz->ring_acc + g * DOPT__BLOCK, data, n);
-            g += dopt__ring_groups(n);
-        }
-        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(body);
-    }
-    if ((s = dopt__ring_sums(cz, comm, groups, &cz->path)) != DOPT_OK) return s;
-    if (small == 0) return DOPT_OK;
+    if ((s = dopt__ring_sums(cz, comm, groups)) != DOPT_OK || small == 0) return s;
     /* the fp32 segments' values, packed, then every rank's after them in the gather buffer */
-    off = DOPT_COMPRESS_HEADER_BYTES;
     small = 0;
     for (i = 0; i < cz->nsegs; i++) {
         size_t n = cz->segs[i].count, body = dopt__body_bytes(&cz->cfg, n);
@@ -2791,9 +2845,7 @@ DOPT_DEF void dopt_compressor_free(dopt_compressor *cz) {
     DOPT_FREE(cz->residual);
     DOPT_FREE(cz->work);
     DOPT_FREE(cz->gather);
-    DOPT_FREE(cz->ring_acc);
-    DOPT_FREE(cz->ring_fin);
-    DOPT_FREE(cz->ring_io);
+    DOPT_FREE(cz->ring_buf);
     DOPT_FREE(cz->ring_ranks);
     memset(cz, 0, sizeof *cz);
 }

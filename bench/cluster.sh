@@ -20,9 +20,10 @@
 # bandwidth-optimal allreduce needs to move the data each host must send over its one link
 # (the ring bound), so link_ratio 1 is the link's limit (latency left out).
 # Root only: otherwise prints "skipped: needs root" and exits 0. About 2 minutes.
-# Usage: bench/cluster.sh [build-dir]
+# Usage: bench/cluster.sh [build-dir] [all|allreduce|compress]   (the parts to run; all by default)
 set -eu
 BUILD=${1:-build}
+PARTS=${2:-all}
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -ne 0 ]; then echo "skipped: needs root"; exit 0; fi
 HOSTS=4
@@ -33,8 +34,9 @@ DOPT_CLUSTER=cb$$
 export DOPT_CLUSTER
 trap 'scripts/cluster.sh down' EXIT
 trap 'exit 1' INT TERM
-make --no-print-directory -s BUILD="$BUILD" "$BUILD/bench_allreduce" >/dev/null
+make --no-print-directory -s BUILD="$BUILD" "$BUILD/bench_allreduce" "$BUILD/cluster_compress" >/dev/null
 BENCH=$(cd "$BUILD" && pwd)/bench_allreduce
+COMPRESS=$(cd "$BUILD" && pwd)/cluster_compress
 LOGS=$BUILD/bench_cluster
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
@@ -53,20 +55,19 @@ report() {
         }'
 }
 
-# dopt-tcp: one process per rank, rank r on host r / PER_HOST; DOPT_TWO_LEVEL=auto (the
-# host-aware allreduce, the default) or off (dopt-tcp-flat: one ring through all 8 ranks)
-master=$(scripts/cluster.sh addr 0)
-port=$((20000 + $$ % 20000))
-for mode in auto off; do
-    name=dopt-tcp
-    [ $mode = off ] && name=dopt-tcp-flat
+# One process per rank, rank r on host r / PER_HOST, over TCP from DOPT_* variables; $1 names the
+# run (its logs), $2 the DOPT_TWO_LEVEL setting, the rest is the command.
+launch() {
+    name=$1
+    mode=$2
+    shift 2
     port=$((port + 1))
     pids=""
     r=0
     while [ $r -lt $RANKS ]; do
         timeout 600 scripts/cluster.sh exec $((r / PER_HOST)) env DOPT_RANK=$r DOPT_WORLD_SIZE=$RANKS \
             DOPT_MASTER_ADDR="$master" DOPT_MASTER_PORT=$port DOPT_TOKEN="bench-cluster-$$" DOPT_TWO_LEVEL=$mode \
-            "$BENCH" --from-env >"$LOGS/$name.rank$r.log" 2>&1 &
+            DOPT_BENCH_HOSTS=$HOSTS OPENBLAS_NUM_THREADS=1 "$@" >"$LOGS/$name.rank$r.log" 2>&1 &
         pids="$pids $!"
         r=$((r + 1))
     done
@@ -77,13 +78,29 @@ for mode in auto off; do
         tail -n 3 "$LOGS"/$name.rank*.log >&2
         exit 1
     fi
+}
+
+# dopt-tcp: one process per rank, rank r on host r / PER_HOST; DOPT_TWO_LEVEL=auto (the
+# host-aware allreduce, the default) or off (dopt-tcp-flat: one ring through all 8 ranks)
+master=$(scripts/cluster.sh addr 0)
+port=$((20000 + $$ % 20000))
+[ "$PARTS" = compress ] || for mode in auto off; do
+    name=dopt-tcp
+    [ $mode = off ] && name=dopt-tcp-flat
+    launch $name $mode "$BENCH" --from-env
     report <"$LOGS/$name.rank0.log"
 done
 
 # mpi-raw-tcp: bench_allreduce's raw MPI_Allreduce alone
-if ! timeout 600 scripts/cluster.sh mpirun $PER_HOST "$BENCH" mpi-raw-tcp none >"$LOGS/mpi-raw-tcp.log" 2>&1; then
+if [ "$PARTS" != compress ] && ! timeout 600 scripts/cluster.sh mpirun $PER_HOST "$BENCH" mpi-raw-tcp none >"$LOGS/mpi-raw-tcp.log" 2>&1; then
     echo "bench/cluster.sh: mpi-raw-tcp failed:" >&2
     tail -n 10 "$LOGS/mpi-raw-tcp.log" >&2
     exit 1
 fi
-report <"$LOGS/mpi-raw-tcp.log"
+[ "$PARTS" = compress ] || report <"$LOGS/mpi-raw-tcp.log"
+
+# The compressed allreduce of a 64 MiB gradient, every codec against the fp32 allreduce
+# (bench/cluster_compress.c): its "bench cluster-compress" lines as they are
+[ "$PARTS" = allreduce ] && exit 0
+launch cluster-compress auto "$COMPRESS"
+grep '^bench cluster-compress' "$LOGS/cluster-compress.rank0.log"

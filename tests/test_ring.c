@@ -312,37 +312,65 @@ DTEST(ring_falls_back_where_there_is_no_ring) {
 
 /* ------------------------------------------------------------------ kernels */
 
-/* The vector kernels give the portable ones' bits at every width, bias and tail; a value beyond
-   2K is refused by both. */
+/* The test's own planes: w words per group, word j holding bit j of the 64 values v = S + K. */
+static void planes_of(const int *S, size_t groups, int K, unsigned w, unsigned char *out) {
+    size_t g;
+    unsigned j, t;
+    for (g = 0; g < groups; g++)
+        for (j = 0; j < w; j++) {
+            uint64_t word = 0;
+            for (t = 0; t < 64; t++) word |= (uint64_t)(((unsigned)(S[g * 64 + t] + K) >> j) & 1u) << t;
+            memcpy(out + (g * w + j) * 8, &word, 8);
+        }
+}
+
+/* The vector kernels give the portable ones' bits, and both the spec's values, at every width,
+   bias and tail; a value beyond 2K is refused by both. */
 DTEST(ring_kernels_vector_and_portable_agree) {
     enum { G = 37 };
-    static int16_t acc[G * 64], a1[G * 64], a2[G * 64];
-    static unsigned char p1[G * 64 * 2], p2[G * 64 * 2];
+    static int S[G * 64], T[G * 64];
+    static unsigned char pa[G * 8 * 16], pb[G * 8 * 16], o1[G * 8 * 16], o2[G * 8 * 16], want[G * 8 * 16];
+    static unsigned char body[G * 16], own1[G * 16], own2[G * 16], ownw[G * 16];
     static float y1[G * 64], y2[G * 64];
     uint64_t s = 5;
     unsigned w, j;
     int top;
+    size_t i, n = G * 64 - 13;
+    /* own: a ternary body of n elements (the last block partial) to planes of t + 1 */
+    for (i = 0; i < sizeof body; i++) body[i] = (unsigned char)(lcg_next(&s) & 0xFF);
+    for (i = 0; i < sizeof body; i++) body[i] = (unsigned char)(body[i] & ~(body[i] >> 1 & 0x55)); /* no code 11 */
+    memset(body + (n / 64) * 16 + ((n % 64) * 2 + 7) / 8, 0, sizeof body - (n / 64) * 16 - ((n % 64) * 2 + 7) / 8);
+    for (i = 0; i < G * 64; i++) T[i] = i < n ? code_at(body, n, i) : 0;
+    planes_of(T, G, 1, 2, ownw);
+    dopt__ring_own_portable(body, n, own1);
+    dopt__ring_own(body, n, own2);
+    DT_CHECK(memcmp(own1, ownw, sizeof ownw) == 0 && memcmp(own2, ownw, sizeof ownw) == 0);
     for (w = 2; w <= 15; w++)
         for (top = 0; top < 2; top++) {
             int K = top ? (1 << (w - 1)) - 1 : 1 << (w - 2); /* the largest and the smallest bias of width w */
-            size_t i, n = G * 64 - 13;
+            int Kb = 1 + (int)(w % 3), Ko = K + Kb;
+            dopt__planes a = {pa, 0, w, K}, b = {pb, 0, 0, Kb}, out1 = {o1, 0, 0, Ko}, out2 = {o2, 0, 0, Ko};
+            b.w = width_of((uint64_t)Kb), out1.w = out2.w = width_of((uint64_t)Ko);
             DT_CHECK(width_of((uint64_t)K) == w);
-            for (i = 0; i < G * 64; i++) acc[i] = (int16_t)((int)(lcg_next(&s) % (uint64_t)(2 * K + 1)) - K);
-            dopt__ring_pack_portable(acc, G, K, w, p1);
-            dopt__ring_pack(acc, G, K, w, p2);
-            DT_CHECKF(memcmp(p1, p2, (size_t)G * 8 * w) == 0, "pack, width %u", w);
-            for (i = 0; i < G * 64; i++) a1[i] = a2[i] = (int16_t)(i % 7);
-            DT_CHECK(dopt__ring_add_portable(a1, G, K, w, p1) == 0);
-            DT_CHECK(dopt__ring_add(a2, G, K, w, p1) == 0);
-            DT_CHECKF(memcmp(a1, a2, sizeof a1) == 0, "add, width %u", w);
-            for (i = 0; i < G * 64; i++) DT_CHECK(a1[i] == (int16_t)(acc[i] + (int)(i % 7)));
-            dopt__ring_decode_portable(y1, n, K, w, 0.25f, p1);
-            dopt__ring_decode(y2, n, K, w, 0.25f, p1);
+            for (i = 0; i < G * 64; i++) {
+                S[i] = (int)(lcg_next(&s) % (uint64_t)(2 * K + 1)) - K;
+                T[i] = (int)(lcg_next(&s) % (uint64_t)(2 * Kb + 1)) - Kb;
+            }
+            planes_of(S, G, K, w, pa);
+            planes_of(T, G, Kb, b.w, pb);
+            for (i = 0; i < G * 64; i++) T[i] += S[i];
+            planes_of(T, G, Ko, out1.w, want);
+            DT_CHECK(dopt__ring_fold_portable(&a, &b, &out1, 0, G) == 0);
+            DT_CHECK(dopt__ring_fold(&a, &b, &out2, 0, G) == 0);
+            DT_CHECKF(memcmp(o1, want, (size_t)G * 8 * out1.w) == 0 && memcmp(o2, want, (size_t)G * 8 * out1.w) == 0,
+                      "fold, width %u", w);
+            dopt__ring_decode_portable(y1, n, K, w, 0.25f, pa);
+            dopt__ring_decode(y2, n, K, w, 0.25f, pa);
             DT_CHECKF(memcmp(y1, y2, n * sizeof(float)) == 0, "decode, width %u", w);
-            for (i = 0; i < n; i++) DT_CHECK(y1[i] == (float)acc[i] * 0.25f);
-            for (j = 0; j < w; j++) p1[5 * 8 * w + 8 * j + 7] |= 0x80; /* group 5, element 63: 2^w - 1 > 2K */
-            DT_CHECK(dopt__ring_add_portable(a1, G, K, w, p1) != 0);
-            DT_CHECK(dopt__ring_add(a2, G, K, w, p1) != 0);
+            for (i = 0; i < n; i++) DT_CHECK(y1[i] == (float)S[i] * 0.25f);
+            for (j = 0; j < w; j++) pa[5 * 8 * w + 8 * j + 7] |= 0x80; /* group 5, element 63: 2^w - 1 > 2K */
+            DT_CHECK(dopt__ring_fold_portable(&a, &b, &out1, 0, G) != 0);
+            DT_CHECK(dopt__ring_fold(&a, &b, &out2, 0, G) != 0);
         }
 }
 
