@@ -80,6 +80,10 @@
    | topk_ratio      | top-k: k = ceil(ratio·count) per segment (at least 1),   | 0.01               |
    |                 | 0 < ratio <= 1                                           |                    |
    | error_feedback  | DOPT_EF_AUTO, DOPT_EF_ON, DOPT_EF_OFF                    | AUTO (see table)   |
+   | aggregate       | how the allreduce combines the ranks' messages:          | DOPT_AGG_AUTO      |
+   |                 | DOPT_AGG_AUTO (the cheaper by prediction), _ALLGATHER,   |                    |
+   |                 | _RING (ternary: where the ring can run; see BYTES AS THE |                    |
+   |                 | WORLD GROWS)                                             |                    |
 
    FUNCTIONS
 
@@ -144,7 +148,36 @@
      compressor.
 
    const void *dopt_compress_message(const dopt_compressor *cz, int rank, size_t *bytes)
-     After an allreduce: rank's message as gathered (for inspection and tests); NULL before.
+     After an allreduce that gathered the messages (cz->path == DOPT_PATH_ALLGATHER): rank's
+     message as gathered (for inspection and tests); NULL otherwise.
+
+   cz->path says how the last allreduce combined the messages: DOPT_PATH_ALLGATHER,
+     DOPT_PATH_RING (ternary sums along one ring), DOPT_PATH_RING_TWO_LEVEL (within hosts, then
+     across them), DOPT_PATH_NONE (none yet, or it failed before exchanging). The
+     communicator's traffic counters show it too: the ring's steps are exchanges
+     (c->traffic.calls[DOPT_COLL_EXCHANGE]), and c->traffic.received[] holds the bytes a rank
+     received on every path that runs on the engine.
+
+   BYTES AS THE WORLD GROWS
+     The allgather path hands every rank N - 1 messages: a rank receives (N - 1) times the bits
+     per element of the table above — 2·(N - 1) for ternary, 14 at N = 8, 126 at N = 64, past
+     fp32's ring allreduce (2·32·(N - 1)/N, about 64) at N = 32. Ternary with shared scales (the
+     default) sums instead: the sum of N codes is an integer in [-N, N], reduced exactly along a
+     ring of the engine in widening integers (a part that holds the sums of k ranks' codes
+     travels in ceil(log2(2k + 1)) bits per element: 2 after one, 3 after two or three, 4 up to
+     seven, ...), then the final sums go round once in ceil(log2(2N + 1)) bits. A rank receives
+     at most 2·ceil(log2(2N + 1)) bits per element: 5 at N = 4, 7.4 at N = 8, 13.9 at N = 64
+     (flat ring); when the communicator knows its ranks' hosts (TCP; dopt_comm_set_hosts) and
+     each host has as many ranks, the sums are formed within each host first and the ring
+     across hosts starts from the host's counts, so a host's link carries less (a rank receives
+     6.75 at 4 hosts of 2). The result is the same bits either way, and the same as the
+     allgather path's: integers add exactly, whatever the order. DOPT_AGG_AUTO takes the ring
+     when its predicted time is lower (REFERENCE FOR CONTRIBUTORS: THE INTEGER RING), which at
+     2 ranks it is not (2 bits against 2.5); DOPT_AGG_RING insists, except where the ring cannot
+     run: other codecs, scales not shared, a world of one, more than 16383 ranks, a
+     communicator without exchanges (MPI's groups, shm worlds beyond 64 ranks: distopt.h's
+     dopt_exchange). QSGD, top-k, sign, fp16, bf16 and fp32 keep the allgather: their bytes
+     grow as (N - 1) times their message.
 
    size_t dopt_compress_state_bytes(const dopt_compressor *cz)
    dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity)
@@ -306,12 +339,43 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
    THE COMPRESSED ALLREDUCE
      dopt_compress_allreduce's steps: (ternary, scale sharing) the per-segment scales and a
      non-finite flag go through one allreduce MAX of nsegs + 1 floats; every rank encodes its
-     message (dopt_compress_bound bytes, equal on every rank), one allgather, and every rank
+     message (dopt_compress_bound bytes, equal on every rank). On the ring path (THE INTEGER
+     RING below) the codes go round and the fp32 segments (below fp32_below) go through one
+     allgather of their values. Otherwise one allgather of the messages, and every rank
      validates the N messages and decodes them with weight w = 1/N (a float). Ternary, N <= 127:
      a segment whose N scales are equal (scale sharing) is summed as integers — its result is
      (float)(Σ_r t_r) · (w·s), one rounding, in one write pass; other ternary segments (fp32,
      or scales not shared), other codecs and N > 127 accumulate the N messages in rank order
      into the zeroed segments, y += (w·s_r)·t_r.
+
+   THE INTEGER RING
+     Ternary segments (those not sent as fp32) are cut into groups of 64 elements, each
+     segment padded with zeros to whole groups. A group of sums S biased by K (v = S + K in
+     [0, 2K], K the number of codes summed) is kept and sent as w = ceil(log2(2K + 1))
+     little-endian 64-bit words, word j holding bit j of the 64 values (bit t for element t):
+     8·w bytes per group; this rank's own codes are such planes with K = 1, w = 2. A ring pass
+     over a range of groups among n members cuts it into n chunks (near-equal runs of groups)
+     and each chunk into pieces of at most 4096 groups (at least 2 per chunk); each step of each
+     piece is one dopt_exchange (send right, receive left), two in flight. A reduce-scatter
+     sends at step s the chunk pos - s with the sums of s + 1 members, and folds the chunk
+     pos - s - 1 it receives into its own contribution ((v_a - K_a) + (v_b - K_b) + K_out, in
+     registers, refusing a received value beyond 2·K_a as DOPT_ERR_PROTOCOL), so that after n - 1
+     steps chunk pos + 1 holds every member's sum. An allgather sends the final planes on as
+     received. Flat: one reduce-scatter and one allgather among all ranks (in rank order).
+     Two levels (hosts of L ranks, H hosts): a reduce-scatter within the host leaves place j
+     with the host's sums (K = L) of chunk j + 1; a reduce-scatter across hosts among the ranks
+     at place j, starting from those (K grows by L a step), then an allgather across hosts and
+     one within the host of the final sums (K = N). Every exchange carries a tag derived from
+     the number of groups and the pass, so ranks with other layouts fail with a mismatch.
+     Each rank then writes y = (float)(S) · (w·s) per element (w = 1/N as a float, s the
+     shared scale): the allgather path's formula, so both paths give the same bits.
+     The choice (DOPT_AGG_AUTO) compares predicted times: the allgather's N - 1 steps of one
+     message each plus N codes summed per element, against the ring's exchanges, the bytes its
+     widths give, and the folds, at 30 µs per exchange, 1.25 GB/s (10 Gbit/s) and per-element
+     costs measured on one core of an AVX-512 machine (0.03 ns per code summed, 0.25 ns per
+     element folded or written). The kernels run 64 elements as two vectors of 32 16-bit lanes
+     (AVX-512 BW: a word per plane from a mask, a mask per plane to a word); the portable loops
+     give the same bits (tests/test_ring.c compares them).
 
    NON-FINITE GRADIENTS: HOW EVERY RANK LEARNS IT
      How every rank learns it, at no extra round trip: with scale sharing (ternary's default)

@@ -531,7 +531,8 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
          0    4  magic "DOPF"
          4    1  protocol version (3)
          5    1  type: 1 DATA, 2 ABORT, 3 GOODBYE
-         6    1  collective: 1 allreduce, 2 allgather, 3 allgatherv, 4 broadcast, 5 barrier
+         6    1  collective: 1 allreduce, 2 allgather, 3 allgatherv, 4 broadcast, 5 barrier,
+                 6 exchange
                  (0 only on GOODBYE)
          7    1  dtype (0 f32, 1 f64, 2 i32, 3 i64; allreduce, else 0)
          8    1  op (0 sum, 1 max, 2 min, 3 mean; allreduce, else 0)
@@ -542,7 +543,8 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
         20    4  ABORT: the failure's dopt_status (negative, int32); else 0
         24    8  sequence number of the sender's collective
         32    8  DATA: the collective's count (allreduce: elements; allgather: bytes per
-                 rank; allgatherv: total bytes; broadcast: bytes; barrier: 0).
+                 rank; allgatherv: total bytes; broadcast: bytes; barrier: 0; exchange: the
+                 caller's tag).
                  ABORT: 4 bytes the culprit's rank, then 4 bytes the reporter's rank.
                  GOODBYE: 0
         40    8  payload bytes that follow (ABORT: at most 512, the reporter's reason, without
