@@ -55,10 +55,15 @@
    | DOPT_CODEC_FP16    | 16                              | no (2)   | off                      |
    | DOPT_CODEC_BF16    | 16                              | no (2)   | off                      |
    | DOPT_CODEC_FP32    | 32 (no compression: a baseline) | exact    | off                      |
+   | DOPT_CODEC_MAJORITY| 1 (+ 32 per segment)            | no (3)   | off                      |
 
    (1) Unbiased for the clipped gradient: E[s·t] = clip(g). Clipping itself (c·σ, on by default,
        as TernGrad does) trades a small bias for a lower variance.
    (2) Round to nearest even: the error is below half a unit in the last place, not zero-mean.
+   (3) signSGD with majority vote (Bernstein et al. 2018): each rank sends the signs of its
+       gradient (a zero counts as +), and the result is the sign of the vote, sign(Σ_r sign(g_r)),
+       0 where the vote ties (an even N); times 1, or with majority_l1 = 1 the ranks' mean of
+       ‖g‖₁/d per segment (the scale sign's messages carry). Every rank gets the same values.
    Every segment also costs a 16-byte record header and padding to 8 bytes; the message a 32-byte
    header. dopt_compress_bound gives the exact total.
 
@@ -80,6 +85,7 @@
    | topk_ratio      | top-k: k = ceil(ratio·count) per segment (at least 1),   | 0.01               |
    |                 | 0 < ratio <= 1                                           |                    |
    | error_feedback  | DOPT_EF_AUTO, DOPT_EF_ON, DOPT_EF_OFF                    | AUTO (see table)   |
+   | majority_l1     | majority: 1 = scale the vote by the mean ‖g‖₁/d          | 0: ±1              |
    | aggregate       | how the allreduce combines the ranks' messages:          | DOPT_AGG_AUTO      |
    |                 | DOPT_AGG_AUTO (the cheaper by prediction), _ALLGATHER,   |                    |
    |                 | _RING (ternary: where the ring can run; see BYTES AS THE |                    |
@@ -171,13 +177,19 @@
      each host has as many ranks, the sums are formed within each host first and the ring
      across hosts starts from the host's counts, so a host's link carries less (a rank receives
      6.75 at 4 hosts of 2). The result is the same bits either way, and the same as the
-     allgather path's: integers add exactly, whatever the order. DOPT_AGG_AUTO takes the ring
-     when its predicted time is lower (REFERENCE FOR CONTRIBUTORS: THE INTEGER RING), which at
-     2 ranks it is not (2 bits against 2.5); DOPT_AGG_RING insists, except where the ring cannot
-     run: other codecs, scales not shared, a world of one, more than 16383 ranks, a
-     communicator without exchanges (MPI's groups, shm worlds beyond 64 ranks: distopt.h's
-     dopt_exchange). QSGD, top-k, sign, fp16, bf16 and fp32 keep the allgather: their bytes
-     grow as (N - 1) times their message.
+     allgather path's: integers add exactly, whatever the order. Majority vote sums its signs
+     on the same ring (the same widths) and gets the allgather path's bits too. fp16 and bf16
+     go round as 16-bit running means, each step adding its own value in fp32 and rounding the
+     mean back to 16 bits: 2·16·(N - 1)/N bits per element received instead of 16·(N - 1); the
+     result is the same on every rank and run after run, but not the allgather path's (which
+     adds N exact values in rank order), and flat and by host round differently.
+     DOPT_AGG_AUTO takes the ring when its predicted time is lower (REFERENCE FOR
+     CONTRIBUTORS: THE INTEGER RING), which at 2 ranks it is not for ternary (2 bits against
+     2.5); DOPT_AGG_RING insists, except where the ring cannot run: QSGD, top-k, sign, fp32,
+     ternary without shared scales, a world of one, more than 16383 ranks (8191 for fp16 and
+     bf16), a communicator without exchanges (MPI's groups, shm worlds beyond 64 ranks:
+     distopt.h's dopt_exchange). QSGD, top-k, sign (with error feedback) and fp32 keep the
+     allgather: their bytes grow as (N - 1) times their message.
 
    size_t dopt_compress_state_bytes(const dopt_compressor *cz)
    dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity)
@@ -247,7 +259,8 @@ typedef enum dopt_codec {
     DOPT_CODEC_SIGN = 3,
     DOPT_CODEC_FP16 = 4,
     DOPT_CODEC_BF16 = 5,
-    DOPT_CODEC_FP32 = 6
+    DOPT_CODEC_FP32 = 6,
+    DOPT_CODEC_MAJORITY = 7
 } dopt_codec;
 
 typedef enum dopt_ef_mode { DOPT_EF_AUTO = 0, DOPT_EF_ON = 1, DOPT_EF_OFF = 2 } dopt_ef_mode;
@@ -281,6 +294,7 @@ typedef struct dopt_compressor_config {
     double topk_ratio;
     dopt_ef_mode error_feedback;
     dopt_aggregate aggregate;
+    int majority_l1;
 } dopt_compressor_config;
 
 typedef struct dopt_compressor {
@@ -366,7 +380,13 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      with the host's sums (K = L) of chunk j + 1; a reduce-scatter across hosts among the ranks
      at place j, starting from those (K grows by L a step), then an allgather across hosts and
      one within the host of the final sums (K = N). Every exchange carries a tag derived from
-     the number of groups and the pass, so ranks with other layouts fail with a mismatch.
+     the number of groups, the codec and the pass, so ranks with other layouts fail with a
+     mismatch. Majority vote: a rank's signs are planes with K = 1 too (v = 0 or 2), and the
+     ranks' scales and non-finite flags go through one allgather before the ring. fp16/bf16:
+     groups of 64 16-bit values (w = 16, K counting the means' contributions); a fold is
+     (a·K_a + b·K_b)/(K_a + K_b) in fp32 — exact products, so a fused multiply-add changes
+     nothing — rounded to nearest even, and a received value that is not finite is refused;
+     a reduced flag tells every rank of a non-finite gradient first.
      Each rank then writes y = (float)(S) · (w·s) per element (w = 1/N as a float, s the
      shared scale): the allgather path's formula, so both paths give the same bits.
      The choice (DOPT_AGG_AUTO) compares predicted times: the allgather's N - 1 steps of one
@@ -1767,7 +1787,8 @@ static size_t dopt__body_bytes(const dopt_compressor_config *cfg, size_t n) {
         return 4 * dopt__qsgd_nbuckets(n, cfg->qsgd_bucket) +
                (dopt__qsgd_width(cfg->qsgd_levels) == 4 ? dopt__packed_bytes(n, 4) : n);
     case DOPT_CODEC_TOPK: return 8 * dopt__topk_k(n, cfg->topk_ratio);
-    case DOPT_CODEC_SIGN: return dopt__packed_bytes(n, 1);
+    case DOPT_CODEC_SIGN:
+    case DOPT_CODEC_MAJORITY: return dopt__packed_bytes(n, 1);
     case DOPT_CODEC_FP16:
     case DOPT_CODEC_BF16: return 2 * n;
     case DOPT_CODEC_FP32: return 4 * n;
@@ -1862,7 +1883,8 @@ static int dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank
             a = (uint32_t)dopt__topk_k(n, cz->cfg.topk_ratio);
             finite = dopt__topk_encode_segment(sp.ptr, n, a, cz->select, data);
             break;
-        case DOPT_CODEC_SIGN: {
+        case DOPT_CODEC_SIGN:
+        case DOPT_CODEC_MAJORITY: {
             float scale;
             finite = dopt__sign_scale(sp.ptr, n, &scale);
             b = dopt__f32_bits(scale);
@@ -1935,7 +1957,8 @@ static int dopt__check_body(const dopt_compressor *cz, const unsigned char *m) {
         case DOPT_CODEC_TOPK:
             ok = ok && a == (uint32_t)dopt__topk_k(n, cfg->topk_ratio) && b == 0 && dopt__topk_check(data, n, a);
             break;
-        case DOPT_CODEC_SIGN: {
+        case DOPT_CODEC_SIGN:
+        case DOPT_CODEC_MAJORITY: {
             uint8_t c[DOPT__BLOCK];
             size_t j;
             ok = ok && a == 0 && dopt__scale_ok(b);
@@ -1972,7 +1995,8 @@ static void dopt__accumulate(const dopt_compressor *cz, const unsigned char *m, 
             break;
         case DOPT_CODEC_QSGD: dopt__qsgd_accum(sp.ptr, n, cfg->qsgd_bucket, cfg->qsgd_levels, weight, data); break;
         case DOPT_CODEC_TOPK: dopt__topk_accum(sp.ptr, body / 8, weight, data); break;
-        case DOPT_CODEC_SIGN: dopt__sign_accum(sp.ptr, n, weight * b, data); break;
+        case DOPT_CODEC_SIGN:
+        case DOPT_CODEC_MAJORITY: dopt__sign_accum(sp.ptr, n, weight * b, data); break;
         case DOPT_CODEC_FP16: dopt__f16_accum(sp.ptr, weight, data, n); break;
         case DOPT_CODEC_BF16: dopt__bf16_accum(sp.ptr, weight, data, n); break;
         case DOPT_CODEC_FP32: dopt__f32_accum(sp.ptr, weight, data, n); break;
@@ -2176,6 +2200,7 @@ static dopt_status dopt__gathered_verdict(const dopt_compressor *cz, int nmsg) {
 #define DOPT__RING_PIECE_GROUPS 4096 /* groups per exchange (256 Ki elements), at most */
 #define DOPT__RING_DEPTH 2           /* exchanges in flight */
 #define DOPT__RING_MAX_RANKS 16383   /* 2N + 1 values in the 16-bit lanes of the kernels */
+#define DOPT__RING_MAX_HALF_RANKS 8191 /* fp16 means: 11 significant bits times a count below 2^13, exact */
 
 static unsigned dopt__ring_width(uint64_t k) {
     unsigned w = 0;
@@ -2185,16 +2210,27 @@ static unsigned dopt__ring_width(uint64_t k) {
 
 static size_t dopt__ring_groups(size_t n) { return (n + DOPT__BLOCK - 1) / DOPT__BLOCK; }
 
-/* Segment i goes through the ring (a ternary segment: not one sent as fp32). */
-static int dopt__ring_carries(const dopt_compressor *cz, size_t i) { return cz->segs[i].count >= cz->cfg.fp32_below; }
+/* Segment i goes through the ring (all but ternary's segments sent as fp32). */
+static int dopt__ring_carries(const dopt_compressor *cz, size_t i) {
+    return cz->cfg.codec != DOPT_CODEC_TERNARY || cz->segs[i].count >= cz->cfg.fp32_below;
+}
 
-/* Groups [g0, ...) of values biased by K in w planes, at p. */
+/* What the ring carries: integer sums in planes (ternary, majority), or running means in fp16
+   or bf16 (64 values of 16 bits per group, little-endian). */
+enum { DOPT__RING_INT = 0, DOPT__RING_F16 = 1, DOPT__RING_BF16 = 2 };
+
+/* Groups [g0, ...) at p: integer sums biased by K in w planes, or (fmt F16, BF16; w = 16) the
+   means of K contributions. */
 typedef struct dopt__planes {
     unsigned char *p;
     size_t g0;
     unsigned w;
     int K;
+    int fmt;
 } dopt__planes;
+
+/* The width of K contributions in format fmt. */
+static unsigned dopt__ring_bits(int fmt, int K) { return fmt == DOPT__RING_INT ? dopt__ring_width((uint64_t)K) : 16u; }
 
 static unsigned char *dopt__planes_at(const dopt__planes *a, size_t g) { return a->p + (g - a->g0) * 8 * a->w; }
 
@@ -2355,8 +2391,45 @@ static void dopt__ring_own(const uint8_t *in, size_t n, unsigned char *out) {
 #endif
 }
 
+/* A 16-bit value of format fmt and back (round to nearest even). */
+static float dopt__ring_half_f32(int fmt, uint16_t h) {
+    return fmt == DOPT__RING_F16 ? dopt__f16_to_f32(h) : dopt__bf16_to_f32(h);
+}
+
+static uint16_t dopt__ring_f32_half(int fmt, float f) {
+    return fmt == DOPT__RING_F16 ? dopt__f32_to_f16(f) : dopt__f32_to_bf16(f);
+}
+
+/* The means of a (Ka contributions) and b (Kb) into o: (a·Ka + b·Kb) / (Ka + Kb) in fp32,
+   rounded to 16 bits. The products are exact (11 or 8 significant bits times K < 2^13), so
+   whether the compiler fuses the multiply-add does not change a bit. Returns non-zero when a
+   holds a NaN or an infinity. */
+static unsigned dopt__ring_fold_half(const dopt__planes *a, const dopt__planes *b, const dopt__planes *o, size_t g,
+                                     size_t groups) {
+    const unsigned char *pa = dopt__planes_at(a, g), *pb = dopt__planes_at(b, g);
+    unsigned char *po = dopt__planes_at(o, g);
+    const float ka = (float)a->K, kb = (float)b->K, ko = (float)o->K;
+    uint16_t inf = a->fmt == DOPT__RING_F16 ? DOPT__F16_INF : DOPT__BF16_INF;
+    size_t i, n = groups * DOPT__BLOCK;
+    unsigned bad = 0;
+    for (i = 0; i < n; i++) {
+        uint16_t ha, hb;
+        float x, y;
+        memcpy(&ha, pa + 2 * i, 2);
+        memcpy(&hb, pb + 2 * i, 2);
+        bad |= (ha & DOPT__HALF_ABS) >= inf;
+        x = dopt__ring_half_f32(a->fmt, ha) * ka;
+        y = dopt__ring_half_f32(a->fmt, hb) * kb;
+        x = (x + y) / ko;
+        hb = dopt__ring_f32_half(a->fmt, x);
+        memcpy(po + 2 * i, &hb, 2);
+    }
+    return bad;
+}
+
 static unsigned dopt__ring_fold(const dopt__planes *a, const dopt__planes *b, const dopt__planes *o, size_t g,
                                 size_t groups) {
+    if (a->fmt != DOPT__RING_INT) return dopt__ring_fold_half(a, b, o, g, groups);
 #ifdef DOPT__COMPRESS_AVX512
     return dopt__ring_fold_avx512(a, b, o, g, groups);
 #else
@@ -2370,6 +2443,62 @@ static void dopt__ring_decode(float *y, size_t n, int K, unsigned w, float scale
 #else
     dopt__ring_decode_portable(y, n, K, w, scale, in);
 #endif
+}
+
+/* y = ±v by the sign of S = value - K (0 where S = 0: a tie) for the first n elements. */
+DOPT__MAYBE_UNUSED static void dopt__ring_decode_vote_portable(float *DOPT_RESTRICT y, size_t n, int K, unsigned w,
+                                                              float v, const unsigned char *DOPT_RESTRICT in) {
+    size_t i, t;
+    for (i = 0; i < n; i += DOPT__BLOCK, in += 8 * w) {
+        uint16_t u[DOPT__BLOCK];
+        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
+        dopt__ring_unpack(in, w, u);
+        for (t = 0; t < m; t++) y[i + t] = u[t] > K ? v : u[t] < K ? -v : 0.0f;
+    }
+}
+
+#ifdef DOPT__COMPRESS_AVX512
+static void dopt__ring_decode_vote_avx512(float *DOPT_RESTRICT y, size_t n, int K, unsigned w, float v,
+                                          const unsigned char *DOPT_RESTRICT in) {
+    const __m512i k = _mm512_set1_epi16((short)K);
+    const __m512 pos = _mm512_set1_ps(v), neg = _mm512_set1_ps(-v);
+    size_t i;
+    for (i = 0; i < n; i += DOPT__BLOCK, in += 8 * w) {
+        __m512i u[2];
+        int h, q;
+        dopt__ring_unpack_avx512(in, w, &u[0], &u[1]);
+        for (h = 0; h < 2; h++) {
+            uint32_t gt = _mm512_cmpgt_epi16_mask(u[h], k), lt = _mm512_cmplt_epi16_mask(u[h], k);
+            for (q = 0; q < 2; q++) {
+                size_t at = i + (size_t)(32 * h + 16 * q);
+                __m512 f = _mm512_maskz_mov_ps((__mmask16)(gt >> 16 * q), pos);
+                f = _mm512_mask_mov_ps(f, (__mmask16)(lt >> 16 * q), neg);
+                if (at + 16 <= n)
+                    _mm512_storeu_ps(y + at, f);
+                else if (at < n)
+                    _mm512_mask_storeu_ps(y + at, (__mmask16)((1u << (n - at)) - 1u), f);
+            }
+        }
+    }
+}
+#endif
+
+static void dopt__ring_decode_vote(float *y, size_t n, int K, unsigned w, float v, const unsigned char *in) {
+#ifdef DOPT__COMPRESS_AVX512
+    dopt__ring_decode_vote_avx512(y, n, K, w, v, in);
+#else
+    dopt__ring_decode_vote_portable(y, n, K, w, v, in);
+#endif
+}
+
+/* The first n fp16 or bf16 means at in, as floats. */
+static void dopt__ring_decode_half(float *DOPT_RESTRICT y, size_t n, int fmt, const unsigned char *DOPT_RESTRICT in) {
+    size_t i;
+    for (i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, in + 2 * i, 2);
+        y[i] = dopt__ring_half_f32(fmt, h);
+    }
 }
 
 /* ----- the schedule */
@@ -2446,7 +2575,8 @@ static void dopt__ring_hop_of(const dopt_compressor *cz, const dopt__ring_pass *
     h->rx.p = stage[1] + chunk_cap * 8 * p->out.w + (size_t)(e % DOPT__RING_DEPTH) * DOPT__RING_PIECE_GROUPS * 8 * p->out.w;
     h->rx.g0 = h->in_first;
     h->rx.K = (s + 1) * (int)p->k0;
-    h->rx.w = dopt__ring_width((uint64_t)h->rx.K);
+    h->rx.w = dopt__ring_bits(p->own.fmt, h->rx.K);
+    h->rx.fmt = p->own.fmt;
     if (s == 0) {
         h->tx = p->own;
     } else {
@@ -2461,7 +2591,8 @@ static void dopt__ring_hop_of(const dopt_compressor *cz, const dopt__ring_pass *
         h->fold.p = stage[s % 2];
         h->fold.g0 = dopt__ring_chunk_first(p, out - 1);
         h->fold.K = (s + 2) * (int)p->k0;
-        h->fold.w = dopt__ring_width((uint64_t)h->fold.K);
+        h->fold.w = dopt__ring_bits(p->own.fmt, h->fold.K);
+        h->fold.fmt = p->own.fmt;
     }
 }
 
@@ -2505,8 +2636,8 @@ static dopt_status dopt__ring_run(dopt_compressor *cz, const dopt__ring_pass *p)
             d.seq = p->comm->seq;
             d.count = p->tag;
             d.group = p->comm->group;
-            return dopt_comm_fail(p->comm, &d, DOPT_ERR_PROTOCOL, "rank %d sent a sum beyond +-%d",
-                                  p->ranks[(p->pos + p->n - 1) % p->n], h.rx.K);
+            return dopt_comm_fail(p->comm, &d, DOPT_ERR_PROTOCOL, "rank %d sent %s", p->ranks[(p->pos + p->n - 1) % p->n],
+                                  h.rx.fmt == DOPT__RING_INT ? "a sum beyond its count" : "a mean that is not finite");
         }
         if (e + DOPT__RING_DEPTH < steps) s = dopt__ring_start(cz, p, pieces, e + DOPT__RING_DEPTH, &req[slot]);
     }
@@ -2514,13 +2645,84 @@ static dopt_status dopt__ring_run(dopt_compressor *cz, const dopt__ring_pass *p)
 }
 
 /* This rank's codes of every ternary segment as planes of sums of one, group after group. */
+/* The ring's format for this compressor's codec. */
+static int dopt__ring_fmt(const dopt_compressor *cz) {
+    return cz->cfg.codec == DOPT_CODEC_FP16 ? DOPT__RING_F16 : cz->cfg.codec == DOPT_CODEC_BF16 ? DOPT__RING_BF16 : DOPT__RING_INT;
+}
+
+/* This rank's signs (a majority message body of n elements, 1 bit each, 1 = negative) as planes
+   of sums of one: v = t + 1 is 0 or 2, so plane 0 is empty and plane 1 holds the positive
+   elements. A full block's byte j holds elements j, j + 8, ..., j + 56: transposed, a word. */
+static void dopt__ring_own_signs(const uint8_t *DOPT_RESTRICT in, size_t n, unsigned char *DOPT_RESTRICT out) {
+    size_t i, t;
+    for (i = 0; i < n; i += DOPT__BLOCK, in += 8, out += 16) {
+        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
+        uint64_t word = 0, zero = 0;
+        if (m == DOPT__BLOCK) {
+            memcpy(&word, in, 8);
+            word = ~dopt__transpose8x8(word);
+        } else {
+            uint8_t c[DOPT__BLOCK];
+            dopt__unpack_block(in, m, 1, c);
+            for (t = 0; t < m; t++) word |= (uint64_t)(c[t] == 0) << t;
+        }
+        memcpy(out, &zero, 8);
+        memcpy(out + 8, &word, 8);
+    }
+}
+
+/* This rank's contribution to the ring, group after group, from its message: planes of its
+   codes (ternary), of its signs (majority), or its fp16 or bf16 values padded with zeros. */
 static void dopt__ring_fill_own(const dopt_compressor *cz, unsigned char *own) {
     size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
+    int fmt = dopt__ring_fmt(cz);
     for (i = 0; i < cz->nsegs; i++) {
-        size_t n = cz->segs[i].count;
-        if (dopt__ring_carries(cz, i)) {
-            dopt__ring_own(cz->msg + off + DOPT_COMPRESS_RECORD_BYTES, n, own);
-            own += dopt__ring_groups(n) * 16;
+        size_t n = cz->segs[i].count, per = fmt == DOPT__RING_INT ? 16 : 128, groups = dopt__ring_groups(n);
+        const unsigned char *body = cz->msg + off + DOPT_COMPRESS_RECORD_BYTES;
+        if (!dopt__ring_carries(cz, i)) {
+        } else if (cz->cfg.codec == DOPT_CODEC_TERNARY) {
+            dopt__ring_own(body, n, own);
+        } else if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
+            dopt__ring_own_signs(body, n, own);
+        } else if (n > 0) {
+            memcpy(own, body, 2 * n);
+            memset(own + 2 * n, 0, groups * per - 2 * n);
+        }
+        if (dopt__ring_carries(cz, i)) own += groups * per;
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
+    }
+}
+
+/* Majority vote: the magnitude of a segment's result, 1, or with majority_l1 the mean of the
+   ranks' scales (‖g‖₁/d) summed in rank order, rank r's at scales + r·stride (f32 bits). */
+static float dopt__vote_magnitude(const dopt_compressor *cz, const unsigned char *scales, size_t stride, int N,
+                                  float weight) {
+    float v = 0.0f;
+    int r;
+    if (!cz->cfg.majority_l1) return 1.0f;
+    for (r = 0; r < N; r++) v += dopt__bits_f32(dopt__get_le32(scales + (size_t)r * stride));
+    return v * weight;
+}
+
+/* The allgather path of majority vote: S = N - 2·(negative votes) per element from the N
+   validated messages, y = ±v by its sign (0 on a tie), as the ring path computes it. */
+static void dopt__vote_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, b, t;
+    int r;
+    for (i = 0; i < cz->nsegs; i++) {
+        dopt_span sp = dopt_buf_segment(grads, i);
+        size_t n = sp.count;
+        float v = dopt__vote_magnitude(cz, cz->gather + off + 12, cz->msg_bytes, N, weight);
+        for (b = 0; b < n; b += DOPT__BLOCK) {
+            size_t m = n - b < DOPT__BLOCK ? n - b : DOPT__BLOCK;
+            int S[DOPT__BLOCK];
+            uint8_t c[DOPT__BLOCK];
+            for (t = 0; t < m; t++) S[t] = N;
+            for (r = 0; r < N; r++) {
+                dopt__unpack_block(cz->gather + (size_t)r * cz->msg_bytes + off + DOPT_COMPRESS_RECORD_BYTES + b / 8, m, 1, c);
+                for (t = 0; t < m; t++) S[t] -= 2 * c[t];
+            }
+            for (t = 0; t < m; t++) sp.ptr[b + t] = S[t] > 0 ? v : S[t] < 0 ? -v : 0.0f;
         }
         off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
     }
@@ -2544,19 +2746,19 @@ static dopt_status dopt__ring_room(dopt_compressor *cz, size_t bytes) {
    place (starting from the host's sums), the final sums around the same two rings back. Sets
    cz->path. */
 static dopt_status dopt__ring_sums(dopt_compressor *cz, dopt_comm *comm, size_t groups) {
-    int N = comm->size, i, two, L = 1, H = N, j = 0;
-    unsigned wfin = dopt__ring_width((uint64_t)N), whost = 0;
-    uint64_t tag = (uint64_t)groups << 8 | 0x52u; /* ranks with other layouts fail with a mismatch */
+    int N = comm->size, i, two, L = 1, H = N, j = 0, fmt = dopt__ring_fmt(cz);
+    unsigned wfin = dopt__ring_bits(fmt, N), whost = 0, wown = dopt__ring_bits(fmt, 1);
+    uint64_t tag = (uint64_t)groups << 16 | (uint64_t)cz->cfg.codec << 8; /* other layouts or codecs: a mismatch */
     dopt_host_layout lay;
     dopt_status s;
     dopt__ring_pass a, b; /* flat: the ring (a); two levels: within the host (a) and across (b) */
-    size_t fin_off = groups * 16, host_off = fin_off + groups * 8 * wfin, stage_off, stage;
+    size_t fin_off = groups * 8 * wown, host_off = fin_off + groups * 8 * wfin, stage_off, stage;
     uint64_t cf = 0, cl = 0;
     int *ranks = cz->ring_ranks;
     dopt_comm_host_layout(comm, &lay);
     two = lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF;
     if (two) {
-        L = lay.local, H = lay.hosts, j = lay.local_rank, whost = dopt__ring_width((uint64_t)L);
+        L = lay.local, H = lay.hosts, j = lay.local_rank, whost = dopt__ring_bits(fmt, L);
         dopt__ring_segment(groups, L, (j + 1) % L, &cf, &cl); /* the chunk this rank carries across hosts */
     }
     /* one buffer: own planes | final planes | the host's sums of the chunk | stage */
@@ -2573,12 +2775,12 @@ static dopt_status dopt__ring_sums(dopt_compressor *cz, dopt_comm *comm, size_t 
     cz->ring_fin = cz->ring_buf + fin_off;
     cz->ring_stage = cz->ring_buf + stage_off;
     dopt__ring_fill_own(cz, cz->ring_buf);
-    a.own.p = cz->ring_buf, a.own.w = 2, a.own.K = 1;
-    b.out.p = cz->ring_fin, b.out.K = N;
+    a.own.p = cz->ring_buf, a.own.w = wown, a.own.K = 1, a.own.fmt = fmt;
+    b.out.p = cz->ring_fin, b.out.K = N, b.out.fmt = fmt;
     if (two) {
         for (i = 0; i < L; i++) ranks[i] = dopt_comm_host_rank(comm, lay.host, i);
         for (i = 0; i < H; i++) ranks[L + i] = dopt_comm_host_rank(comm, i, j);
-        a.out.p = cz->ring_buf + host_off, a.out.g0 = (size_t)cf, a.out.K = L;
+        a.out.p = cz->ring_buf + host_off, a.out.g0 = (size_t)cf, a.out.K = L, a.out.fmt = fmt;
         a.ranks = ranks, a.pos = j, a.tag = tag | 1u << 4;
         b.own = a.out;
         b.ranks = ranks + L, b.pos = lay.host, b.tag = tag | 2u << 4;
@@ -2606,10 +2808,10 @@ static double dopt__ring_predict_pieces(double groups) {
 }
 
 /* Σ_{k = lo}^{hi} w(k·mult): the widths of the steps of a reduce-scatter. */
-static double dopt__ring_width_sum(int lo, int hi, int mult) {
+static double dopt__ring_width_sum(int fmt, int lo, int hi, int mult) {
     double total = 0;
     int k;
-    for (k = lo; k <= hi; k++) total += dopt__ring_width((uint64_t)k * (uint64_t)mult);
+    for (k = lo; k <= hi; k++) total += dopt__ring_bits(fmt, k * mult);
     return total;
 }
 
@@ -2624,37 +2826,66 @@ static double dopt__ring_width_sum(int lo, int hi, int mult) {
 #define DOPT__AGG_HOP_NS 0.25 /* the ring: one element unpacked, added and packed at one step */
 #define DOPT__AGG_OUT_NS 0.25 /* either: one element of the result written */
 
-static double dopt__ring_predict(size_t groups, int N, int L, int H, int ring, double msg_bytes) {
-    double G = (double)groups, T = G * DOPT__BLOCK, wfin = dopt__ring_width((uint64_t)N), bytes, hops, steps;
+static double dopt__ring_predict(int fmt, size_t groups, int N, int L, int H, int ring, double msg_bytes) {
+    double G = (double)groups, T = G * DOPT__BLOCK, wfin = dopt__ring_bits(fmt, N), bytes, hops, steps;
     if (!ring)
         return (N - 1) * (DOPT__AGG_ALPHA + msg_bytes / DOPT__AGG_BETA) + T * (N * DOPT__AGG_SUM_NS + DOPT__AGG_OUT_NS) * 1e-9;
     if (L > 1 && H > 1) {
         double chunk = G / L, sub = chunk / H;
-        bytes = 8 * (chunk * dopt__ring_width_sum(1, L - 1, 1) + sub * dopt__ring_width_sum(1, H - 1, L) +
+        bytes = 8 * (chunk * dopt__ring_width_sum(fmt, 1, L - 1, 1) + sub * dopt__ring_width_sum(fmt, 1, H - 1, L) +
                      (H - 1) * sub * wfin + (L - 1) * chunk * wfin);
         hops = DOPT__BLOCK * ((L - 1) * chunk + (H - 1) * sub);
         steps = 2.0 * (L - 1) * dopt__ring_predict_pieces(chunk) + 2.0 * (H - 1) * dopt__ring_predict_pieces(sub);
     } else {
         double chunk = G / N;
-        bytes = 8 * chunk * (dopt__ring_width_sum(1, N - 1, 1) + (N - 1) * wfin);
+        bytes = 8 * chunk * (dopt__ring_width_sum(fmt, 1, N - 1, 1) + (N - 1) * wfin);
         hops = DOPT__BLOCK * (N - 1) * chunk;
         steps = 2.0 * (N - 1) * dopt__ring_predict_pieces(chunk);
     }
     return steps * DOPT__AGG_ALPHA + bytes / DOPT__AGG_BETA + (hops * DOPT__AGG_HOP_NS + T * DOPT__AGG_OUT_NS) * 1e-9;
 }
 
-/* 1 when this allreduce sums the codes along the ring: ternary with shared scales, a
-   communicator with exchanges, and (AUTO) a lower predicted cost than the allgather's. */
+/* 1 when this allreduce goes along the ring: ternary with shared scales, majority, fp16 or
+   bf16, on a communicator with exchanges, and (AUTO) at a lower predicted cost than the
+   allgather's. */
 static int dopt__ring_wanted(const dopt_compressor *cz, const dopt_comm *comm, size_t groups) {
     dopt_host_layout lay;
-    int N = comm->size, L = 1, H = N;
-    if (cz->cfg.aggregate == DOPT_AGG_ALLGATHER || !dopt__shares_scales(cz) || N < 2 || N > DOPT__RING_MAX_RANKS ||
-        comm->eng == NULL || groups == 0)
+    dopt_codec c = cz->cfg.codec;
+    int N = comm->size, L = 1, H = N, fmt = dopt__ring_fmt(cz);
+    int codec_ok = dopt__shares_scales(cz) || c == DOPT_CODEC_MAJORITY || c == DOPT_CODEC_FP16 || c == DOPT_CODEC_BF16;
+    if (cz->cfg.aggregate == DOPT_AGG_ALLGATHER || !codec_ok || N < 2 || comm->eng == NULL || groups == 0 ||
+        N > (fmt == DOPT__RING_INT ? DOPT__RING_MAX_RANKS : DOPT__RING_MAX_HALF_RANKS))
         return 0;
     if (cz->cfg.aggregate == DOPT_AGG_RING) return 1;
     dopt_comm_host_layout(comm, &lay);
     if (lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF) L = lay.local, H = lay.hosts;
-    return dopt__ring_predict(groups, N, L, H, 1, 0) < dopt__ring_predict(groups, N, L, H, 0, (double)cz->msg_bytes);
+    return dopt__ring_predict(fmt, groups, N, L, H, 1, 0) < dopt__ring_predict(fmt, groups, N, L, H, 0, (double)cz->msg_bytes);
+}
+
+/* Before the ring: every rank learns whether any rank's gradient was not finite (ternary knows
+   it from the scale sharing). Majority vote allgathers each rank's scales and flag (its rows,
+   nsegs + 1 floats, stay in the gather buffer for the result's magnitude); fp16 and bf16 reduce
+   one flag. `mine` is this rank's encode status. */
+static dopt_status dopt__ring_agree(dopt_compressor *cz, dopt_comm *comm, dopt_status mine) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
+    float flag = mine == DOPT_ERR_NONFINITE ? 1.0f : 0.0f;
+    dopt_status s;
+    int r;
+    if (cz->cfg.codec == DOPT_CODEC_TERNARY) return mine;
+    if (cz->cfg.codec != DOPT_CODEC_MAJORITY) {
+        s = dopt_allreduce(comm, &flag, 1, DOPT_F32, DOPT_MAX);
+        return s != DOPT_OK ? s : flag != 0.0f ? DOPT_ERR_NONFINITE : DOPT_OK;
+    }
+    for (i = 0; i < cz->nsegs; i++) {
+        cz->scales[i] = mine == DOPT_OK ? dopt__bits_f32(dopt__get_le32(cz->msg + off + 12)) : 0.0f;
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, cz->segs[i].count));
+    }
+    cz->scales[cz->nsegs] = flag;
+    s = dopt_allgather(comm, cz->scales, cz->gather, (cz->nsegs + 1) * sizeof(float));
+    for (r = 0; s == DOPT_OK && r < comm->size; r++)
+        if (dopt__bits_f32(dopt__get_le32(cz->gather + ((size_t)r * (cz->nsegs + 1) + cz->nsegs) * 4)) != 0.0f)
+            s = DOPT_ERR_NONFINITE;
+    return s;
 }
 
 /* The ring path of the compressed allreduce, after this rank's message is in cz->msg: the sums
@@ -2688,16 +2919,23 @@ static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, siz
    allgather path computes it; an fp32 segment accumulates the ranks' values in rank order. */
 static void dopt__ring_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
     size_t off = DOPT_COMPRESS_HEADER_BYTES, g = 0, small = 0, total = 0, i;
-    unsigned wfin = dopt__ring_width((uint64_t)N);
-    int r;
+    int r, fmt = dopt__ring_fmt(cz);
+    unsigned wfin = dopt__ring_bits(fmt, N);
     for (i = 0; i < cz->nsegs; i++) total += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
     for (i = 0; i < cz->nsegs; i++) {
         dopt_span sp = dopt_buf_segment(grads, i);
         size_t n = sp.count;
-        const unsigned char *rec = cz->msg + off;
+        const unsigned char *rec = cz->msg + off, *fin = cz->ring_fin + g * 8 * wfin;
         if (dopt__ring_carries(cz, i)) {
-            float v = weight * dopt__bits_f32(dopt__get_le32(rec + 12));
-            if (n) dopt__ring_decode(sp.ptr, n, N, wfin, v, cz->ring_fin + g * 8 * wfin);
+            if (n == 0) {
+            } else if (fmt != DOPT__RING_INT) {
+                dopt__ring_decode_half(sp.ptr, n, fmt, fin);
+            } else if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
+                dopt__ring_decode_vote(sp.ptr, n, N, wfin,
+                                       dopt__vote_magnitude(cz, cz->gather + 4 * i, 4 * (cz->nsegs + 1), N, weight), fin);
+            } else {
+                dopt__ring_decode(sp.ptr, n, N, wfin, weight * dopt__bits_f32(dopt__get_le32(rec + 12)), fin);
+            }
             g += dopt__ring_groups(n);
         } else if (n) {
             memset(sp.ptr, 0, n * sizeof(float));
@@ -2720,7 +2958,7 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     cz->gathered = 0;
     cz->path = DOPT_PATH_NONE;
     for (i = 0; i < cz->nsegs; i++) groups += dopt__ring_carries(cz, i) ? dopt__ring_groups(cz->segs[i].count) : 0;
-    ring = cz->cfg.codec == DOPT_CODEC_TERNARY && dopt__ring_wanted(cz, comm, groups);
+    ring = dopt__ring_wanted(cz, comm, groups);
     s = dopt__gather_room(cz, ring ? comm->size + 1 : comm->size);
     if (s != DOPT_OK) return s;
     cz->cfg.rank = comm->rank;
@@ -2730,7 +2968,8 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     if (s != DOPT_OK && (s != DOPT_ERR_NONFINITE || dopt__shares_scales(cz))) return s;
     prev = dopt__compress_label(comm, "dopt_compress_allreduce");
     if (ring) {
-        s = dopt__ring_exchange(cz, comm, groups);
+        s = dopt__ring_agree(cz, comm, s);
+        if (s == DOPT_OK) s = dopt__ring_exchange(cz, comm, groups);
         dopt_comm_set_api(comm, prev);
         if (s != DOPT_OK) return s;
         dopt__commit(cz, cz->msg);
@@ -2748,6 +2987,10 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     weight = 1.0f / (float)comm->size;
     if (cz->cfg.codec == DOPT_CODEC_TERNARY && comm->size <= DOPT__TERN_SUM_MAX) {
         dopt__tern_average(cz, comm->size, weight, grads);
+        return DOPT_OK;
+    }
+    if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
+        dopt__vote_average(cz, comm->size, weight, grads);
         return DOPT_OK;
     }
     for (i = 0; i < cz->nsegs; i++) {
@@ -2822,13 +3065,14 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec) {
     case DOPT_CODEC_FP16: return "fp16";
     case DOPT_CODEC_BF16: return "bf16";
     case DOPT_CODEC_FP32: return "fp32";
+    case DOPT_CODEC_MAJORITY: return "majority";
     }
     return "?";
 }
 
 static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
-    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_FP32 || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF ||
-        (unsigned)c->aggregate > (unsigned)DOPT_AGG_RING)
+    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_MAJORITY || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF ||
+        (unsigned)c->aggregate > (unsigned)DOPT_AGG_RING || (unsigned)c->majority_l1 > 1u)
         return DOPT_ERR_INVALID;
     /* NaN first, by its bits: under -ffast-math GCC compiles x == 0 so that it holds for NaN, which
        would then take the default */

@@ -131,7 +131,7 @@ static inline void usage(const char *prog, const char *own) {
 }
 
 static const char *const transport_names[] = {"shm", "tcp", "mpi", "self", NULL};
-static const char *const codec_names[] = {"none", "ternary", "qsgd", "topk", "sign", "fp16", "bf16", NULL};
+static const char *const codec_names[] = {"none", "ternary", "qsgd", "topk", "sign", "fp16", "bf16", "majority", NULL};
 static const char *const adaptive_names[] = {"off", "norm", "ip", "aip", NULL};
 static const char *const average_names[] = {"grads", "models", NULL};
 
@@ -253,7 +253,8 @@ static inline void batch_report_print(const batch_report *r, const dopt_batch *b
 static inline int codec_from_name(const char *name, dopt_codec *codec) {
     static const struct { const char *name; dopt_codec codec; } table[] = {
         {"ternary", DOPT_CODEC_TERNARY}, {"qsgd", DOPT_CODEC_QSGD}, {"topk", DOPT_CODEC_TOPK},
-        {"sign", DOPT_CODEC_SIGN},       {"fp16", DOPT_CODEC_FP16}, {"bf16", DOPT_CODEC_BF16}};
+        {"sign", DOPT_CODEC_SIGN},       {"fp16", DOPT_CODEC_FP16}, {"bf16", DOPT_CODEC_BF16},
+        {"majority", DOPT_CODEC_MAJORITY}};
     size_t i;
     for (i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(name, table[i].name)) { *codec = table[i].codec; return 1; }

@@ -820,7 +820,7 @@ DTEST(ef_residual_is_p_minus_decoded_exactly_for_every_codec) {
     static float g[D], p[D], out[D], e_prev[D];
     int codec, step;
     size_t i;
-    for (codec = 0; codec <= (int)DOPT_CODEC_FP32; codec++) {
+    for (codec = 0; codec <= (int)DOPT_CODEC_MAJORITY; codec++) {
         dopt_compressor cz;
         dopt_compressor_config cfg = config_of((dopt_codec)codec);
         dopt_segment segs[3] = {{0, 300, NULL}, {300, 0, NULL}, {310, 467, NULL}};
@@ -1098,7 +1098,7 @@ static void encode_for(dopt_codec codec, dopt_compressor *cz, unsigned char **ms
    untouched. */
 DTEST(decoder_refuses_truncated_oversized_and_corrupt_messages) {
     int codec;
-    for (codec = 0; codec <= (int)DOPT_CODEC_FP32; codec++) {
+    for (codec = 0; codec <= (int)DOPT_CODEC_MAJORITY; codec++) {
         dopt_compressor cz;
         unsigned char *msg, *bad;
         size_t bytes, cut, bit;
@@ -1125,7 +1125,8 @@ DTEST(decoder_refuses_truncated_oversized_and_corrupt_messages) {
             /* every header field but the sender's rank (checked by the allreduce), the first
                record's count and a, and b where it is not a scale */
             if ((at < 44 && (at < 12 || at >= 16)) ||
-                (at >= 44 && at < 48 && codec != DOPT_CODEC_TERNARY && codec != DOPT_CODEC_SIGN))
+                (at >= 44 && at < 48 && codec != DOPT_CODEC_TERNARY && codec != DOPT_CODEC_SIGN &&
+                 codec != DOPT_CODEC_MAJORITY))
                 DT_CHECKF(s == DOPT_ERR_PROTOCOL, "%s header bit %zu accepted", dopt_codec_name((dopt_codec)codec), bit);
             if (s != DOPT_OK) {
                 size_t i;
@@ -1202,7 +1203,10 @@ DTEST(config_defaults_and_invalid_values) {
     DT_OK(dopt_compressor_init(&cz, &cfg, &seg, 1));
     DT_CHECK(cz.cfg.clip_c == DOPT_CLIP_OFF);
     dopt_compressor_free(&cz);
-    cfg = config_of((dopt_codec)7);
+    cfg = config_of((dopt_codec)(DOPT_CODEC_MAJORITY + 1));
+    DT_EQ_INT(dopt_compressor_init(&cz, &cfg, &seg, 1), DOPT_ERR_INVALID);
+    cfg = config_of(DOPT_CODEC_MAJORITY);
+    cfg.majority_l1 = 2;
     DT_EQ_INT(dopt_compressor_init(&cz, &cfg, &seg, 1), DOPT_ERR_INVALID);
     dopt_compressor_free(&cz); /* a zeroed object is fine */
 }
@@ -1571,7 +1575,7 @@ DTEST(decoder_refuses_nonfinite_values_and_reports_flagged_messages) {
         dopt_compressor_free(&cz);
         free(msg);
     }
-    for (i = 0; i <= (size_t)DOPT_CODEC_FP32; i++) {
+    for (i = 0; i <= (size_t)DOPT_CODEC_MAJORITY; i++) {
         dopt_compressor cz;
         unsigned char *msg;
         size_t bytes;

@@ -18,6 +18,8 @@
 #include "dtest.h"
 #include "worlds.h"
 
+#include <math.h>
+
 /* ------------------------------------------------------------------ helpers */
 
 static uint64_t lcg_next(uint64_t *s) {
@@ -106,6 +108,8 @@ static void part(uint64_t count, int n, int i, uint64_t *first, uint64_t *len) {
 
 static int mod(long long a, int n) { return (int)(((a % n) + n) % n); }
 
+static int half_bits; /* 16: the widths below are fp16/bf16's; 0: the integer sums' */
+
 /* Bytes a rank at position pos of a ring of n receives in a pass over `count` groups: a
    reduce-scatter (k0: the codes each member's sums hold) or an allgather of w(N)-bit sums. */
 static uint64_t pass_bytes(uint64_t count, int n, int pos, int gather, uint64_t k0, int N) {
@@ -113,7 +117,7 @@ static uint64_t pass_bytes(uint64_t count, int n, int pos, int gather, uint64_t 
     int s;
     for (s = 0; s < n - 1; s++) {
         part(count, n, mod(gather ? (long long)pos - s : (long long)pos - s - 1, n), &f, &len);
-        total += len * 8 * (gather ? width_of((uint64_t)N) : width_of((uint64_t)(s + 1) * k0));
+        total += len * 8 * (half_bits ? 16u : gather ? width_of((uint64_t)N) : width_of((uint64_t)(s + 1) * k0));
     }
     return total;
 }
@@ -223,17 +227,178 @@ static void body_ring_reference(dopt_comm *c, void *arg) {
 }
 DTEST_WORLDS_EACH(integer_ring_equals_a_serial_integer_reference_flat_and_by_host, body_ring_reference, ring_cases, 1, 8);
 
+/* ------------------------------------------------------------------ majority vote, fp16, bf16 */
+
+/* The majority's expected result from the gathered messages: S = Σ_r (1 - 2·bit_r), ±v by its
+   sign, 0 on a tie; v = 1, or with majority_l1 the ranks' scales summed in rank order times 1/N. */
+static void vote_reference(const dopt_compressor *ag, int N, const dopt_segment *segs, float *want) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, e;
+    float w = 1.0f / (float)N;
+    for (i = 0; i < NSEGS; i++) {
+        size_t cnt = segs[i].count;
+        float v = 0.0f;
+        int r;
+        for (r = 0; r < N; r++) {
+            float sc;
+            memcpy(&sc, (const unsigned char *)dopt_compress_message(ag, r, NULL) + off + 12, 4);
+            v += sc;
+        }
+        v = ag->cfg.majority_l1 ? v * w : 1.0f;
+        for (e = 0; e < cnt; e++) {
+            int S = 0;
+            for (r = 0; r < N; r++) {
+                const unsigned char *body = (const unsigned char *)dopt_compress_message(ag, r, NULL) + off + 16;
+                size_t blk = e / 64, t = e % 64, m = cnt - blk * 64 < 64 ? cnt - blk * 64 : 64, q = (m + 7) / 8;
+                S += 1 - 2 * ((body[blk * 8 + t % q] >> (t / q)) & 1);
+            }
+            want[segs[i].offset + e] = S > 0 ? v : S < 0 ? -v : 0.0f;
+        }
+        off += 16 + pad8((cnt / 64) * 8 + ((cnt % 64) + 7) / 8);
+    }
+}
+
+static float half_to_f32(dopt_codec codec, uint16_t h) {
+    if (codec == DOPT_CODEC_BF16) {
+        uint32_t u = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    } else {
+        int e = (h >> 10) & 31, m = h & 1023;
+        float f = e == 0 ? ldexpf((float)m, -24) : ldexpf((float)(m | 1024), e - 25);
+        return h & 0x8000 ? -f : f;
+    }
+}
+
+/* The flat ring's fp16/bf16 result, written as the spec says: element e of chunk c (the groups
+   of chunk c of N) starts as rank c's value and takes ranks c + 1, c + 2, ... in turn, each fold
+   the mean (m·k + x)/(k + 1) in fp32 rounded to 16 bits (by the library's own rounding, which
+   tests/test_compress.c checks against a reference). */
+static void half_reference(const dopt_compressor *ag, int N, const dopt_segment *segs, float *want) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, e, g0 = 0;
+    uint64_t G = total_groups(0);
+    int fmt = ag->cfg.codec == DOPT_CODEC_FP16 ? DOPT__RING_F16 : DOPT__RING_BF16;
+    for (i = 0; i < NSEGS; i++) {
+        size_t cnt = segs[i].count;
+        for (e = 0; e < cnt; e++) {
+            uint64_t g = g0 + e / 64, f, len;
+            int c = 0, k, r;
+            uint16_t m = 0, x;
+            for (c = 0; c < N; c++) {
+                part(G, N, c, &f, &len);
+                if (g >= f && g < f + len) break;
+            }
+            for (k = 0; k < N; k++) {
+                r = (c + k) % N;
+                memcpy(&x, (const unsigned char *)dopt_compress_message(ag, r, NULL) + off + 16 + 2 * e, 2);
+                if (k == 0) {
+                    m = x;
+                } else {
+                    float a = half_to_f32(ag->cfg.codec, m) * (float)k, b = half_to_f32(ag->cfg.codec, x);
+                    m = dopt__ring_f32_half(fmt, (a + b) / (float)(k + 1));
+                }
+            }
+            want[segs[i].offset + e] = half_to_f32(ag->cfg.codec, m);
+        }
+        g0 += (cnt + 63) / 64;
+        off += 16 + pad8(2 * cnt);
+    }
+}
+
+typedef struct codec_case {
+    dopt_codec codec;
+    int l1;
+} codec_case;
+
+static const codec_case codec_cases[] = {
+    {DOPT_CODEC_MAJORITY, 0},
+    {DOPT_CODEC_MAJORITY, 1},
+    {DOPT_CODEC_FP16, 0},
+    {DOPT_CODEC_BF16, 0},
+};
+
+/* Majority vote on the ring equals the vote over the gathered messages, bit for bit, on every
+   layout; its bytes are ternary's widths. fp16 and bf16 on the flat ring equal the reference of
+   the ring's order; on every layout the same bits on every rank, run after run, within the
+   rounding of the mean. */
+static void body_codecs(dopt_comm *c, void *arg) {
+    const codec_case *cc = (const codec_case *)arg;
+    int host_of[16][8], local[16], k, nl = layouts(c->size, host_of, local), N = c->size, step;
+    dopt_segment segs[NSEGS];
+    size_t n = make_segments(segs), e;
+    float *g = (float *)malloc(n * sizeof(float)), *h = (float *)malloc(n * sizeof(float));
+    float *want = (float *)malloc(n * sizeof(float)), *all = (float *)malloc(n * sizeof(float) * (size_t)N);
+    for (k = 0; k < nl; k++) {
+        dopt_compressor ring, ag;
+        dopt_compressor_config cfg;
+        dopt_host_layout lay;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.codec = cc->codec;
+        cfg.majority_l1 = cc->l1;
+        cfg.aggregate = DOPT_AGG_RING;
+        DT_OK(dopt_compressor_init(&ring, &cfg, segs, NSEGS));
+        cfg.aggregate = DOPT_AGG_ALLGATHER;
+        DT_OK(dopt_compressor_init(&ag, &cfg, segs, NSEGS));
+        DT_OK(dopt_comm_set_hosts(c, local[k] > 1 ? host_of[k] : NULL, local[k] > 1 ? DOPT_TWO_LEVEL_ON : DOPT_TWO_LEVEL_OFF));
+        DT_OK(dopt_comm_host_layout(c, &lay));
+        for (step = 0; step < 2; step++) {
+            uint64_t before = c->traffic.received[DOPT_COLL_EXCHANGE], got;
+            fill(g, n, segs, c->rank, step, 0);
+            if (c->rank % 2) /* some elements tie at even N */
+                for (e = 0; e < n; e += 5) g[e] = -g[e];
+            memcpy(h, g, n * sizeof(float));
+            DT_OK(dopt_compress_allreduce(&ring, c, g, n));
+            DT_OK(dopt_compress_allreduce(&ag, c, h, n));
+            DT_CHECK(ring.path == (N == 1 ? DOPT_PATH_ALLGATHER : local[k] > 1 ? DOPT_PATH_RING_TWO_LEVEL : DOPT_PATH_RING));
+            got = c->traffic.received[DOPT_COLL_EXCHANGE] - before;
+            half_bits = cc->codec == DOPT_CODEC_MAJORITY ? 0 : 16;
+            if (N > 1)
+                DT_CHECKF(got == expected_bytes(total_groups(0), N, local[k], local[k] > 1 ? lay.host : 0,
+                                                local[k] > 1 ? lay.local_rank : 0, c->rank),
+                          "rank %d of %d, hosts of %d: %llu bytes received", c->rank, N, local[k], (unsigned long long)got);
+            if (cc->codec == DOPT_CODEC_MAJORITY) {
+                vote_reference(&ag, N, segs, want);
+                DT_CHECKF(memcmp(g, want, n * sizeof(float)) == 0 && memcmp(h, want, n * sizeof(float)) == 0,
+                          "rank %d of %d, hosts of %d: majority differs from the reference", c->rank, N, local[k]);
+            } else {
+                DT_OK(dopt_allgather(c, g, all, n * sizeof(float)));
+                DT_CHECKF(memcmp(all, all + n * (size_t)(N - 1), n * sizeof(float)) == 0, "rank %d: ranks differ", c->rank);
+                if (local[k] == 1) {
+                    half_reference(&ag, N, segs, want);
+                    for (e = 0; e < n; e++)
+                        DT_CHECKF(memcmp(&g[e], &want[e], 4) == 0, "rank %d of %d: element %zu: %g, the ring's order gives %g",
+                                  c->rank, N, e, (double)g[e], (double)want[e]);
+                }
+                for (e = 0; e < n; e++) /* the allgather path sums in rank order: close, not equal (the */
+                    DT_CHECKF(fabsf(g[e] - h[e]) <= 1e-3f, /* inputs are at most 0.01; a bf16 step is 2^-7 of it */
+                              "rank %d: element %zu: %g against %g", c->rank, e, (double)g[e], (double)h[e]);
+            }
+        }
+        dopt_compressor_free(&ring);
+        dopt_compressor_free(&ag);
+    }
+    free(g);
+    free(h);
+    free(want);
+    free(all);
+}
+DTEST_WORLDS_EACH(majority_fp16_and_bf16_on_the_ring, body_codecs, codec_cases, 1, 8);
+
 /* ------------------------------------------------------------------ failures and choices */
 
-/* One rank's NaN: every rank returns NONFINITE before any exchange, grads and step untouched. */
+/* One rank's NaN: every rank returns NONFINITE before any exchange, grads and step untouched,
+   whatever the codec (ternary learns it from the scale sharing, majority from the allgather of
+   the scales, fp16 and bf16 from a reduced flag); the next step goes on. */
+static const dopt_codec nonfinite_codecs[] = {DOPT_CODEC_TERNARY, DOPT_CODEC_MAJORITY, DOPT_CODEC_FP16, DOPT_CODEC_BF16};
+
 static void body_ring_nonfinite(dopt_comm *c, void *arg) {
     dopt_segment segs[NSEGS];
     size_t n = make_segments(segs);
     float *g = (float *)malloc(n * sizeof(float)), *copy = (float *)malloc(n * sizeof(float));
     dopt_compressor ring;
     dopt_compressor_config cfg;
-    (void)arg;
     memset(&cfg, 0, sizeof cfg);
+    cfg.codec = *(const dopt_codec *)arg;
     cfg.aggregate = DOPT_AGG_RING;
     DT_OK(dopt_compressor_init(&ring, &cfg, segs, NSEGS));
     fill(g, n, segs, c->rank, 0, 0);
@@ -242,14 +407,14 @@ static void body_ring_nonfinite(dopt_comm *c, void *arg) {
     DT_EQ_INT(dopt_compress_allreduce(&ring, c, g, n), DOPT_ERR_NONFINITE);
     DT_CHECK(ring.path == DOPT_PATH_NONE && ring.step == 0 && c->traffic.calls[DOPT_COLL_EXCHANGE] == 0);
     DT_CHECK(memcmp(g, copy, n * sizeof(float)) == 0);
-    fill(g, n, segs, c->rank, 1, 0); /* and the next step goes on */
+    fill(g, n, segs, c->rank, 1, 0);
     DT_OK(dopt_compress_allreduce(&ring, c, g, n));
     DT_CHECK(ring.path == DOPT_PATH_RING && ring.step == 1);
     dopt_compressor_free(&ring);
     free(g);
     free(copy);
 }
-DTEST_WORLDS(integer_ring_agrees_on_a_non_finite_gradient, body_ring_nonfinite, NULL, 2, 3);
+DTEST_WORLDS_EACH(ring_agrees_on_a_non_finite_gradient, body_ring_nonfinite, nonfinite_codecs, 2, 3);
 
 /* AUTO takes the allgather where it is predicted cheaper (2 ranks: 2 bits received per element
    against 2.5) and the ring where the allgather's 2·(N-1) bits grow past it (8 ranks, 4 Mi
@@ -277,10 +442,10 @@ DTEST_WORLDS_ON(integer_ring_is_chosen_at_8_ranks, body_ring_auto, NULL, 8, 8, W
 DTEST(predicted_costs_favour_the_allgather_for_few_ranks_and_the_ring_for_many) {
     size_t groups = 1u << 18; /* 16 Mi elements */
     double m = 32 + 16 + (double)groups * 16;
-    DT_CHECK(dopt__ring_predict(groups, 2, 1, 2, 1, m) > dopt__ring_predict(groups, 2, 1, 2, 0, m));
-    DT_CHECK(dopt__ring_predict(groups, 8, 1, 8, 1, m) < dopt__ring_predict(groups, 8, 1, 8, 0, m));
-    DT_CHECK(dopt__ring_predict(groups, 8, 2, 4, 1, m) < dopt__ring_predict(groups, 8, 2, 4, 0, m));
-    DT_CHECK(dopt__ring_predict(groups, 64, 8, 8, 1, m) < dopt__ring_predict(groups, 64, 8, 8, 0, m) / 4);
+    DT_CHECK(dopt__ring_predict(DOPT__RING_INT, groups, 2, 1, 2, 1, m) > dopt__ring_predict(DOPT__RING_INT, groups, 2, 1, 2, 0, m));
+    DT_CHECK(dopt__ring_predict(DOPT__RING_INT, groups, 8, 1, 8, 1, m) < dopt__ring_predict(DOPT__RING_INT, groups, 8, 1, 8, 0, m));
+    DT_CHECK(dopt__ring_predict(DOPT__RING_INT, groups, 8, 2, 4, 1, m) < dopt__ring_predict(DOPT__RING_INT, groups, 8, 2, 4, 0, m));
+    DT_CHECK(dopt__ring_predict(DOPT__RING_INT, groups, 64, 8, 8, 1, m) < dopt__ring_predict(DOPT__RING_INT, groups, 64, 8, 8, 0, m) / 4);
 }
 
 DTEST(aggregate_out_of_range_is_refused) {
@@ -349,7 +514,7 @@ DTEST(ring_kernels_vector_and_portable_agree) {
         for (top = 0; top < 2; top++) {
             int K = top ? (1 << (w - 1)) - 1 : 1 << (w - 2); /* the largest and the smallest bias of width w */
             int Kb = 1 + (int)(w % 3), Ko = K + Kb;
-            dopt__planes a = {pa, 0, w, K}, b = {pb, 0, 0, Kb}, out1 = {o1, 0, 0, Ko}, out2 = {o2, 0, 0, Ko};
+            dopt__planes a = {pa, 0, w, K, 0}, b = {pb, 0, 0, Kb, 0}, out1 = {o1, 0, 0, Ko, 0}, out2 = {o2, 0, 0, Ko, 0};
             b.w = width_of((uint64_t)Kb), out1.w = out2.w = width_of((uint64_t)Ko);
             DT_CHECK(width_of((uint64_t)K) == w);
             for (i = 0; i < G * 64; i++) {
