@@ -2391,40 +2391,47 @@ static void dopt__ring_own(const uint8_t *in, size_t n, unsigned char *out) {
 #endif
 }
 
-/* A 16-bit value of format fmt and back (round to nearest even). */
-static float dopt__ring_half_f32(int fmt, uint16_t h) {
-    return fmt == DOPT__RING_F16 ? dopt__f16_to_f32(h) : dopt__bf16_to_f32(h);
-}
-
-static uint16_t dopt__ring_f32_half(int fmt, float f) {
-    return fmt == DOPT__RING_F16 ? dopt__f32_to_f16(f) : dopt__f32_to_bf16(f);
-}
-
 /* The means of a (Ka contributions) and b (Kb) into o: (a·Ka + b·Kb) / (Ka + Kb) in fp32,
    rounded to 16 bits. The products are exact (11 or 8 significant bits times K < 2^13), so
-   whether the compiler fuses the multiply-add does not change a bit. Returns non-zero when a
-   holds a NaN or an infinity. */
+   whether the compiler fuses the multiply-add does not change a bit. A group at a time through
+   local arrays (fixed trip counts: the conversions vectorize). Returns non-zero when a holds a
+   NaN or an infinity. */
 static unsigned dopt__ring_fold_half(const dopt__planes *a, const dopt__planes *b, const dopt__planes *o, size_t g,
                                      size_t groups) {
-    const unsigned char *pa = dopt__planes_at(a, g), *pb = dopt__planes_at(b, g);
-    unsigned char *po = dopt__planes_at(o, g);
     const float ka = (float)a->K, kb = (float)b->K, ko = (float)o->K;
-    uint16_t inf = a->fmt == DOPT__RING_F16 ? DOPT__F16_INF : DOPT__BF16_INF;
-    size_t i, n = groups * DOPT__BLOCK;
-    unsigned bad = 0;
-    for (i = 0; i < n; i++) {
-        uint16_t ha, hb;
-        float x, y;
-        memcpy(&ha, pa + 2 * i, 2);
-        memcpy(&hb, pb + 2 * i, 2);
-        bad |= (ha & DOPT__HALF_ABS) >= inf;
-        x = dopt__ring_half_f32(a->fmt, ha) * ka;
-        y = dopt__ring_half_f32(a->fmt, hb) * kb;
-        x = (x + y) / ko;
-        hb = dopt__ring_f32_half(a->fmt, x);
-        memcpy(po + 2 * i, &hb, 2);
+    const int f16 = a->fmt == DOPT__RING_F16;
+    const uint16_t inf = f16 ? DOPT__F16_INF : DOPT__BF16_INF;
+    uint16_t top = 0;
+    size_t k;
+    int t;
+    for (k = 0; k < groups; k++) {
+        uint16_t ha[DOPT__BLOCK], hb[DOPT__BLOCK];
+        float x[DOPT__BLOCK], y[DOPT__BLOCK];
+        memcpy(ha, dopt__planes_at(a, g + k), sizeof ha);
+        memcpy(hb, dopt__planes_at(b, g + k), sizeof hb);
+        for (t = 0; t < DOPT__BLOCK; t++) top = (uint16_t)((ha[t] & DOPT__HALF_ABS) > top ? (ha[t] & DOPT__HALF_ABS) : top);
+#ifdef DOPT__COMPRESS_AVX512
+        if (f16) {
+            for (t = 0; t < DOPT__BLOCK; t += 16) {
+                __m512 va = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(ha + t)));
+                __m512 vb = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(hb + t)));
+                __m512 v = _mm512_div_ps(_mm512_add_ps(_mm512_mul_ps(va, _mm512_set1_ps(ka)), _mm512_mul_ps(vb, _mm512_set1_ps(kb))),
+                                         _mm512_set1_ps(ko));
+                _mm256_storeu_si256((__m256i *)(void *)(ha + t), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            }
+            memcpy(dopt__planes_at(o, g + k), ha, sizeof ha);
+            continue;
+        }
+#endif
+        for (t = 0; t < DOPT__BLOCK; t++) {
+            x[t] = (f16 ? dopt__f16_to_f32(ha[t]) : dopt__bf16_to_f32(ha[t])) * ka;
+            y[t] = (f16 ? dopt__f16_to_f32(hb[t]) : dopt__bf16_to_f32(hb[t])) * kb;
+        }
+        for (t = 0; t < DOPT__BLOCK; t++) x[t] = (x[t] + y[t]) / ko;
+        for (t = 0; t < DOPT__BLOCK; t++) ha[t] = f16 ? dopt__f32_to_f16(x[t]) : dopt__f32_to_bf16(x[t]);
+        memcpy(dopt__planes_at(o, g + k), ha, sizeof ha);
     }
-    return bad;
+    return top >= inf;
 }
 
 static unsigned dopt__ring_fold(const dopt__planes *a, const dopt__planes *b, const dopt__planes *o, size_t g,
@@ -2493,11 +2500,16 @@ static void dopt__ring_decode_vote(float *y, size_t n, int K, unsigned w, float 
 
 /* The first n fp16 or bf16 means at in, as floats. */
 static void dopt__ring_decode_half(float *DOPT_RESTRICT y, size_t n, int fmt, const unsigned char *DOPT_RESTRICT in) {
-    size_t i;
-    for (i = 0; i < n; i++) {
+    size_t i = 0;
+#ifdef DOPT__F16C
+    if (fmt == DOPT__RING_F16)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(in + 2 * i))));
+#endif
+    for (; i < n; i++) {
         uint16_t h;
         memcpy(&h, in + 2 * i, 2);
-        y[i] = dopt__ring_half_f32(fmt, h);
+        y[i] = fmt == DOPT__RING_F16 ? dopt__f16_to_f32(h) : dopt__bf16_to_f32(h);
     }
 }
 
@@ -2704,25 +2716,60 @@ static float dopt__vote_magnitude(const dopt_compressor *cz, const unsigned char
     return v * weight;
 }
 
+/* Rank r's votes on a block of m elements as a word with bit t for element t (1 = negative):
+   the 1-bit body at base + r·stride + at, whose full block's byte j holds elements j, j + 8, ...,
+   j + 56 (the transpose makes it the word). */
+static uint64_t dopt__vote_word(const unsigned char *base, size_t stride, int r, size_t at, size_t m) {
+    const unsigned char *p = base + (size_t)r * stride + at;
+    uint64_t word = 0;
+    size_t t;
+    if (m == DOPT__BLOCK) {
+        memcpy(&word, p, 8);
+        return dopt__transpose8x8(word);
+    } else {
+        uint8_t c[DOPT__BLOCK];
+        dopt__unpack_block(p, m, 1, c);
+        for (t = 0; t < m; t++) word |= (uint64_t)c[t] << t;
+    }
+    return word;
+}
+
+/* The negative votes of N ranks on a block: cnt[0..64). With AVX-512 and N <= 127, 64 byte
+   counters at once (a mask's bytes are -1 where its bits are set). */
+static void dopt__vote_counts(const unsigned char *base, size_t stride, int N, size_t at, size_t m, int *cnt) {
+    size_t t;
+    int r;
+#ifdef DOPT__COMPRESS_AVX512
+    if (N <= DOPT__TERN_SUM_MAX) {
+        __m512i c = _mm512_setzero_si512();
+        int8_t c8[DOPT__BLOCK];
+        for (r = 0; r < N; r++) c = _mm512_sub_epi8(c, _mm512_movm_epi8(dopt__vote_word(base, stride, r, at, m)));
+        _mm512_storeu_si512((void *)c8, c);
+        for (t = 0; t < DOPT__BLOCK; t++) cnt[t] = c8[t];
+        return;
+    }
+#endif
+    for (t = 0; t < DOPT__BLOCK; t++) cnt[t] = 0;
+    for (r = 0; r < N; r++) {
+        uint64_t word = dopt__vote_word(base, stride, r, at, m);
+        for (t = 0; t < DOPT__BLOCK; t++) cnt[t] += (int)((word >> t) & 1u);
+    }
+}
+
 /* The allgather path of majority vote: S = N - 2·(negative votes) per element from the N
    validated messages, y = ±v by its sign (0 on a tie), as the ring path computes it. */
 static void dopt__vote_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
     size_t off = DOPT_COMPRESS_HEADER_BYTES, i, b, t;
-    int r;
     for (i = 0; i < cz->nsegs; i++) {
         dopt_span sp = dopt_buf_segment(grads, i);
         size_t n = sp.count;
         float v = dopt__vote_magnitude(cz, cz->gather + off + 12, cz->msg_bytes, N, weight);
+        const unsigned char *bodies = cz->gather + off + DOPT_COMPRESS_RECORD_BYTES;
         for (b = 0; b < n; b += DOPT__BLOCK) {
             size_t m = n - b < DOPT__BLOCK ? n - b : DOPT__BLOCK;
-            int S[DOPT__BLOCK];
-            uint8_t c[DOPT__BLOCK];
-            for (t = 0; t < m; t++) S[t] = N;
-            for (r = 0; r < N; r++) {
-                dopt__unpack_block(cz->gather + (size_t)r * cz->msg_bytes + off + DOPT_COMPRESS_RECORD_BYTES + b / 8, m, 1, c);
-                for (t = 0; t < m; t++) S[t] -= 2 * c[t];
-            }
-            for (t = 0; t < m; t++) sp.ptr[b + t] = S[t] > 0 ? v : S[t] < 0 ? -v : 0.0f;
+            int cnt[DOPT__BLOCK];
+            dopt__vote_counts(bodies, cz->msg_bytes, N, b / 8, m, cnt);
+            for (t = 0; t < m; t++) sp.ptr[b + t] = N - 2 * cnt[t] > 0 ? v : N - 2 * cnt[t] < 0 ? -v : 0.0f;
         }
         off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
     }

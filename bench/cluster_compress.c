@@ -7,7 +7,8 @@
      ternary          dopt_compress_allreduce, TernGrad, the path compress.h chooses (the integer
                       ring, by host, at this size and world)
      ternary-allgather the same with aggregate = DOPT_AGG_ALLGATHER: every message to every rank
-     sign, fp16, bf16, qsgd, topk   the other codecs (the allgather path)
+     majority, fp16, bf16   on their rings (where compress.h chooses them)
+     sign, qsgd, topk       the other codecs (the allgather path)
 
    A warm-up, then the median of 5 repetitions, each the slowest rank's time between barriers.
    bits_per_elem is what a rank received per element during one call, from the communicator's
@@ -138,6 +139,7 @@ int main(int argc, char **argv) {
         {"fp32", 1, DOPT_CODEC_FP32, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
         {"ternary", 0, DOPT_CODEC_TERNARY, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
         {"ternary-allgather", 0, DOPT_CODEC_TERNARY, DOPT_AGG_ALLGATHER, 0, 0, 0, 0, DOPT_PATH_NONE},
+        {"majority", 0, DOPT_CODEC_MAJORITY, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
         {"sign", 0, DOPT_CODEC_SIGN, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
         {"fp16", 0, DOPT_CODEC_FP16, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
         {"bf16", 0, DOPT_CODEC_BF16, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},

@@ -295,7 +295,7 @@ static void half_reference(const dopt_compressor *ag, int N, const dopt_segment 
                     m = x;
                 } else {
                     float a = half_to_f32(ag->cfg.codec, m) * (float)k, b = half_to_f32(ag->cfg.codec, x);
-                    m = dopt__ring_f32_half(fmt, (a + b) / (float)(k + 1));
+                    m = fmt == DOPT__RING_F16 ? dopt__f32_to_f16((a + b) / (float)(k + 1)) : dopt__f32_to_bf16((a + b) / (float)(k + 1));
                 }
             }
             want[segs[i].offset + e] = half_to_f32(ag->cfg.codec, m);
