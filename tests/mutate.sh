@@ -227,6 +227,30 @@ mutate shared-scale-is-min compress.h \
 mutate ef-residual-sign compress.h \
     'dopt__accumulate(cz, msg, -1.0f, &e);' 'dopt__accumulate(cz, msg, 1.0f, &e);' test_compress:ef_residual
 
+mutate ring-width-a-bit-short compress.h \
+    'while (((uint64_t)1 << w) < 2 * k + 1) w++;' 'while (((uint64_t)1 << w) < 2 * k) w++;' test_ring:integer_ring
+mutate ring-step-count compress.h \
+    'h->rx.K = (s + 1) * (int)p->k0;' 'h->rx.K = (s + 1) * (int)p->k0 + 1;' test_ring:integer_ring
+mutate ring-two-level-wrong-chunk compress.h \
+    '(j + 1) % L, &cf, &cl); /* the chunk this rank carries across hosts */' \
+    'j % L, &cf, &cl); /* the chunk this rank carries across hosts */' test_ring:integer_ring
+mutate ring-fold-bias-portable compress.h \
+    'va[t] = (uint16_t)(va[t] + vb[t] - a->K - b->K + o->K);' \
+    'va[t] = (uint16_t)(va[t] + vb[t] - a->K - b->K + o->K + 1);' test_ring_portable:integer_ring
+mutate ring-accepts-a-sum-too-large compress.h \
+    'bad |= va[t] > 2 * a->K;' 'bad |= va[t] > 2 * a->K + 1;' test_ring_portable:kernels
+mutate majority-tie-counts-as-positive compress.h \
+    'y[i + t] = u[t] > K ? v : u[t] < K ? -v : 0.0f;' 'y[i + t] = u[t] >= K ? v : u[t] < K ? -v : 0.0f;' \
+    test_ring_portable:majority
+mutate half-ring-mean-weights compress.h \
+    'x[t] = (x[t] + y[t]) / ko;' 'x[t] = (x[t] + y[t]) / (ko + 1.0f);' test_ring:majority_fp16_and_bf16
+mutate half-ring-ignores-non-finite compress.h \
+    'return s != DOPT_OK ? s : flag != 0.0f ? DOPT_ERR_NONFINITE : DOPT_OK;' \
+    'return s != DOPT_OK ? s : flag != 0.0f ? DOPT_OK : DOPT_OK;' test_ring:non_finite
+mutate exchange-received-bytes distopt.h \
+    'dopt__eng_req(e, e->started)->received += bytes;' 'dopt__eng_req(e, e->started)->received += bytes / 2;' \
+    test_tcp:conformance_world_of_3
+
 mutate launch-torchrun-port-not-moved distopt.h \
     '            info->master_port++;' '            (void)0;' test_launch:torchrun
 mutate launch-dopt-conflict-ignored distopt.h \
