@@ -107,7 +107,7 @@ if ! awk '
     cat "$LOGS/two-level.tx"
     exit 1
 fi
-echo "ok   two-level allreduce: $N ranks on $HOSTS hosts pass conformance (and so do the host groups and a group across hosts), equal the flat ring and the serial sum bit for bit, and send less per host link:"
+echo "ok   two-level allreduce: $N ranks on $HOSTS hosts pass conformance (and so do the host groups and a group across hosts), equal the flat ring and the serial sum bit for bit, sum TernGrad's codes and majority's signs by host into the allgather's bits, and send less per host link:"
 cat "$LOGS/two-level.tx"
 port=$((port + 1))
 before=$(tx 2 eth1)

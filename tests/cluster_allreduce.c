@@ -3,6 +3,7 @@
    - the conformance suite (every collective, dtype and op against a serial reference, the same
      bits on every rank and on a repeat) with the transport's choice of schedule, which is the
      two-level one for large allreduces when ranks share hosts;
+   - TernGrad's and majority vote's integer ring by host against their allgather (the same bits);
    - a 16 MiB integer-valued allreduce with the two-level schedule and again with the flat ring
      (the host table dropped): the same bits, equal to the serial sum;
    then, for groups, the conformance suite on dopt_comm_split_host's group (the two ranks of the
@@ -15,6 +16,7 @@
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_tcp.h"
+#include "../compress.h"
 #include "dtest.h"
 #include "conformance.h"
 
@@ -39,6 +41,38 @@ static long long host_tx_during(dopt_comm *c, float *x, size_t n) {
 
 static float int_value(int rank, size_t i) { return (float)((int)((i * 7 + (size_t)rank * 13) % 201) - 100); }
 
+/* TernGrad's integer ring across the hosts, by host (TCP knows them), against the allgather of
+   the messages: the same bits; then majority vote the same way. */
+static void compressed_by_host(dopt_comm *c) {
+    size_t m = (size_t)1 << 20, i;
+    dopt_segment segs[2] = {{0, ((size_t)1 << 20) - 1000, "w"}, {((size_t)1 << 20) - 1000, 1000, "b"}};
+    float *g = (float *)malloc(m * sizeof(float)), *h = (float *)malloc(m * sizeof(float));
+    int k;
+    DT_CHECK(g != NULL && h != NULL);
+    for (k = 0; k < 2; k++) {
+        dopt_compressor ring, ag;
+        dopt_compressor_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.codec = k ? DOPT_CODEC_MAJORITY : DOPT_CODEC_TERNARY;
+        cfg.seed = 11;
+        cfg.aggregate = DOPT_AGG_RING;
+        DT_OK(dopt_compressor_init(&ring, &cfg, segs, 2));
+        cfg.aggregate = DOPT_AGG_ALLGATHER;
+        DT_OK(dopt_compressor_init(&ag, &cfg, segs, 2));
+        for (i = 0; i < m; i++) g[i] = h[i] = int_value(c->rank, i) * 1e-3f;
+        DT_OK(dopt_compress_allreduce(&ring, c, g, m));
+        DT_OK(dopt_compress_allreduce(&ag, c, h, m));
+        DT_CHECKF(ring.path == DOPT_PATH_RING_TWO_LEVEL && ag.path == DOPT_PATH_ALLGATHER, "rank %d: paths %d, %d",
+                  c->rank, (int)ring.path, (int)ag.path);
+        DT_CHECKF(memcmp(g, h, m * sizeof(float)) == 0, "rank %d: %s: the ring by host and the allgather differ",
+                  c->rank, dopt_codec_name(cfg.codec));
+        dopt_compressor_free(&ring);
+        dopt_compressor_free(&ag);
+    }
+    free(g);
+    free(h);
+}
+
 int main(void) {
     dopt_comm *c;
     size_t n = (size_t)4 << 20, i;
@@ -52,6 +86,7 @@ int main(void) {
     }
     dopt_comm_set_timeout(c, 60000);
     conformance_run(c);
+    compressed_by_host(c);
     two = (float *)malloc(n * sizeof(float));
     flat = (float *)malloc(n * sizeof(float));
     DT_CHECK(two != NULL && flat != NULL);
