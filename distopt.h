@@ -69,17 +69,18 @@
        gives it a shape: 0 (the default: initialisers of the first three fields leave it 0) is a
        vector; otherwise the segment is a matrix of rows × (count / rows) elements stored row
        by row, and count must be a multiple of rows. Only compressors that work on matrices read
-       it (compress.h's PowerSGD). Initialisers of three fields still compile and mean a vector;
-       GCC's and clang's -Wextra warn about them (-Wmissing-field-initializers): add the fourth
-       value, 0, or name the fields ({.offset = 0, .count = n}) to silence it.
+       it (compress.h's PowerSGD, whose init refuses a count that is not a multiple of rows);
+       every other call ignores it, so a table filled field by field, without rows, works as it
+       did. Initialisers of three fields still compile and mean a vector; GCC's and clang's
+       -Wextra warn about them (-Wmissing-field-initializers): add the fourth value, 0, or name
+       the fields ({.offset = 0, .count = n}) to silence it.
      - dopt_segments_from_sizes(segs, sizes, nsegs, &total): fills consecutive segments from sizes
        (vectors: rows 0).
      - dopt_buf_flat(data, n, segs, nsegs) / dopt_buf_scatter(spans, nspans): build descriptors
        (no copy, no allocation; the caller keeps the arrays alive while the descriptor is used).
      - dopt_buf_validate(&b): DOPT_ERR_INVALID for a NULL pointer with a non-zero count, or a
-       segment table that is not in increasing offset order, overlaps, exceeds the buffer, or
-       holds a matrix whose count is not a multiple of its rows. Gaps between segments are
-       allowed (they belong to no segment).
+       segment table that is not in increasing offset order, overlaps, or exceeds the buffer.
+       Gaps between segments are allowed (they belong to no segment).
      - dopt_buf_count(&b) elements in all; dopt_buf_nsegs(&b) segments; dopt_buf_segment(&b, i)
        the i-th segment as a {ptr, count} span.
      - dopt_buf_pack(&b, dst) copies the segments, in order, into a contiguous dst of
@@ -878,7 +879,6 @@ DOPT_DEF dopt_status dopt_buf_validate(const dopt_buf *b) {
         const dopt_segment *s = &b->segs[i];
         if (s->offset < end) return DOPT_ERR_INVALID;              /* out of order or overlapping */
         if (s->offset > b->n || s->count > b->n - s->offset) return DOPT_ERR_INVALID;
-        if (s->rows != 0 && s->count % s->rows != 0) return DOPT_ERR_INVALID; /* not rows × cols */
         end = s->offset + s->count;
     }
     return DOPT_OK;
