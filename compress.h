@@ -214,7 +214,8 @@ typedef enum dopt_codec {
     DOPT_CODEC_SIGN = 3,
     DOPT_CODEC_FP16 = 4,
     DOPT_CODEC_BF16 = 5,
-    DOPT_CODEC_FP32 = 6
+    DOPT_CODEC_FP32 = 6,
+    DOPT_CODEC_POWERSGD = 7
 } dopt_codec;
 
 typedef enum dopt_ef_mode { DOPT_EF_AUTO = 0, DOPT_EF_ON = 1, DOPT_EF_OFF = 2 } dopt_ef_mode;
@@ -236,6 +237,8 @@ typedef struct dopt_compressor_config {
     size_t qsgd_bucket;
     double topk_ratio;
     dopt_ef_mode error_feedback;
+    unsigned powersgd_rank;
+    size_t powersgd_min;
 } dopt_compressor_config;
 
 typedef struct dopt_compressor {
@@ -256,6 +259,11 @@ typedef struct dopt_compressor {
     unsigned char *gather;      /* the allreduce's N messages */
     size_t gather_ranks;        /* messages the gather buffer holds */
     int gathered;               /* messages in it from the last allreduce */
+    float *psgd_q;              /* PowerSGD: every compressed matrix's Q (cols × r), in order */
+    double *psgd_gs;            /* PowerSGD: Gram–Schmidt's columns, rows × r of the tallest */
+    size_t psgd_np;             /* PowerSGD: floats of the first allreduce (P's, the rest, a flag) */
+    size_t psgd_nq;             /* PowerSGD: floats of all Q's (the second allreduce adds a flag) */
+    size_t psgd_nmat;           /* PowerSGD: matrices it compresses */
 } dopt_compressor;
 
 DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
@@ -369,6 +377,7 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
 #define DOPT__COMPRESS_IMPLEMENTED
 
 #include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <string.h>
 
@@ -1689,12 +1698,14 @@ static size_t dopt__body_bytes(const dopt_compressor_config *cfg, size_t n) {
     case DOPT_CODEC_FP16:
     case DOPT_CODEC_BF16: return 2 * n;
     case DOPT_CODEC_FP32: return 4 * n;
+    case DOPT_CODEC_POWERSGD: break; /* no messages: POWERSGD below */
     }
     return 0;
 }
 
 static size_t dopt__message_bytes(const dopt_compressor *cz) {
     size_t i, total = DOPT_COMPRESS_HEADER_BYTES;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return 4 * (cz->psgd_np + cz->psgd_nq + 1); /* its two allreduces */
     for (i = 0; i < cz->nsegs; i++)
         total += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, cz->segs[i].count));
     return total;
@@ -1790,6 +1801,7 @@ static int dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank
         case DOPT_CODEC_FP16: finite = dopt__f16_encode(sp.ptr, data, n); break;
         case DOPT_CODEC_BF16: finite = dopt__bf16_encode(sp.ptr, data, n); break;
         case DOPT_CODEC_FP32: finite = dopt__f32_encode(sp.ptr, data, n); break;
+        case DOPT_CODEC_POWERSGD: break; /* no messages */
         }
         if (!finite) return 0;
         dopt__put_le64(rec, (uint64_t)n);
@@ -1864,6 +1876,7 @@ static int dopt__check_body(const dopt_compressor *cz, const unsigned char *m) {
         case DOPT_CODEC_FP16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__F16_INF); break;
         case DOPT_CODEC_BF16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__BF16_INF); break;
         case DOPT_CODEC_FP32: ok = ok && a == 0 && b == 0 && dopt__f32_bytes_finite(data, n); break;
+        case DOPT_CODEC_POWERSGD: ok = 0; break; /* no messages */
         }
         if (!ok) return 0;
         p = data + dopt__pad8(body);
@@ -1894,6 +1907,7 @@ static void dopt__accumulate(const dopt_compressor *cz, const unsigned char *m, 
         case DOPT_CODEC_FP16: dopt__f16_accum(sp.ptr, weight, data, n); break;
         case DOPT_CODEC_BF16: dopt__bf16_accum(sp.ptr, weight, data, n); break;
         case DOPT_CODEC_FP32: dopt__f32_accum(sp.ptr, weight, data, n); break;
+        case DOPT_CODEC_POWERSGD: break; /* no messages */
         }
         p = data + dopt__pad8(body);
     }
@@ -1902,6 +1916,7 @@ static void dopt__accumulate(const dopt_compressor *cz, const unsigned char *m, 
 DOPT_DEF dopt_status dopt_compress_decode(const dopt_compressor *cz, const void *msg, size_t bytes, float weight,
                                           const dopt_buf *accum) {
     if (cz == NULL || cz->segs == NULL || accum == NULL || (msg == NULL && bytes > 0)) return DOPT_ERR_INVALID;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return DOPT_ERR_UNSUPPORTED; /* two rounds, no message */
     if (!dopt__segment_matches(cz, accum)) return DOPT_ERR_INVALID;
     if (msg == NULL || dopt__check_header(cz, (const unsigned char *)msg, bytes) < 0) return DOPT_ERR_PROTOCOL;
     if (dopt__flagged_nonfinite((const unsigned char *)msg)) return DOPT_ERR_NONFINITE;
@@ -1996,12 +2011,16 @@ static void dopt__commit(dopt_compressor *cz, const unsigned char *own) {
     cz->step++;
 }
 
+/* PowerSGD's step (POWERSGD below): two allreduces instead of a message exchange. */
+static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads);
+
 DOPT_DEF size_t dopt_compress_bound(const dopt_compressor *cz) { return cz ? cz->msg_bytes : 0; }
 
 DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *grads, void *out, size_t capacity,
                                           size_t *bytes) {
     dopt_status s;
     if (cz == NULL || cz->segs == NULL || grads == NULL || out == NULL || bytes == NULL) return DOPT_ERR_INVALID;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return DOPT_ERR_UNSUPPORTED; /* two rounds, no message */
     if (capacity < cz->msg_bytes || !dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
     s = dopt__encode_local(cz, grads, cz->cfg.rank, (unsigned char *)out, NULL);
     *bytes = cz->msg_bytes; /* the flagged message too: a peer that decodes it learns the verdict */
@@ -2084,6 +2103,7 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     float weight;
     if (cz == NULL || cz->segs == NULL || comm == NULL || grads == NULL) return DOPT_ERR_INVALID;
     if (!dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return dopt__psgd_allreduce(cz, comm, grads);
     s = dopt__gather_room(cz, comm->size);
     if (s != DOPT_OK) return s;
     cz->gathered = 0;
@@ -2126,6 +2146,332 @@ DOPT_DEF const void *dopt_compress_message(const dopt_compressor *cz, int rank, 
     return cz->gather + (size_t)rank * cz->msg_bytes;
 }
 
+/* ===================================================================== POWERSGD */
+
+/* PowerSGD (Vogels, Karimireddy, Jaggi 2019; DESIGN §5.7), per compressed matrix M (rows × cols,
+   row-major) of a rank, with its residual E: M ← g + E; P = M·Q; P ← mean of P over the ranks;
+   P's columns made orthonormal; Q ← Mᵀ·P; Q ← mean of Q; output M̂ = P·Qᵀ; E ← M − M̂. Q stays
+   from one step to the next (the warm start: one step of subspace iteration per step). Two
+   allreduces (DOPT_MEAN of f32) per step, in cz->msg: the first carries [every P | the other
+   segments' values | a flag], psgd_np floats; the second [every Q | a flag], psgd_nq + 1. A flag
+   is 1 on a rank that cannot go on, so its mean is not 0 on every rank alike. Everything after
+   an allreduce is computed from the bytes every rank holds, by the same code in the same order:
+   every rank writes the same output. */
+
+#define DOPT__PSGD_MAX_RANK 64u
+/* |x| at or above 2^64 in M, P or Q — and NaN, ±inf — stops the step (NON-FINITE GRADIENTS):
+   below it every product the step makes stays far from overflowing (|P̂| <= 1, so |M̂| <=
+   r·2^64·(1 + ε) and |E| < 2^71). */
+#define DOPT__PSGD_LIMIT_BITS 0x5F800000u
+#define DOPT__PSGD_Q_STREAM ((uint64_t)1 << 63) /* Q's first draw: stream 2^63 + segment */
+
+/* Rows of segment i when PowerSGD compresses it, else 0: a matrix with r·(rows + cols) < count
+   (the factors are smaller than the matrix) and count >= powersgd_min. */
+static size_t dopt__psgd_rows(const dopt_compressor *cz, size_t i) {
+    size_t rows = cz->segs[i].rows, n = cz->segs[i].count;
+    if (cz->cfg.codec != DOPT_CODEC_POWERSGD || rows == 0 || n == 0 || n < cz->cfg.powersgd_min) return 0;
+    return rows + n / rows <= (n - 1) / cz->cfg.powersgd_rank ? rows : 0; /* r·(rows + cols) < n, no overflow */
+}
+
+/* n numbers uniform in [−1, 1) from words first.. of rng: 24 bits each, exact as floats. */
+static void dopt__psgd_uniform(const dopt_rng *rng, uint64_t first, float *out, size_t n) {
+    size_t i;
+    dopt_rng_uniform(rng, first, out, n);
+    for (i = 0; i < n; i++) out[i] = 2.0f * out[i] - 1.0f;
+}
+
+/* The products, row-major: P = M·Q (rows × r), Q = Mᵀ·P (cols × r), M̂ = P·Qᵀ (rows × cols).
+   OpenBLAS's sgemm with DOPT_USE_BLAS, plain loops otherwise; either way in float, the sums in
+   an order fixed by the sizes alone. */
+static void dopt__psgd_mq(const float *m, size_t rows, size_t cols, const float *q, size_t r, float *p) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)r, (int)cols, 1.0f, m, (int)cols, q,
+                (int)r, 0.0f, p, (int)r);
+#else
+    size_t i, j, k;
+    for (i = 0; i < rows; i++) {
+        const float *mi = m + i * cols;
+        float *pi = p + i * r;
+        for (k = 0; k < r; k++) pi[k] = 0.0f;
+        for (j = 0; j < cols; j++)
+            for (k = 0; k < r; k++) pi[k] += mi[j] * q[j * r + k];
+    }
+#endif
+}
+
+static void dopt__psgd_mtp(const float *m, size_t rows, size_t cols, const float *p, size_t r, float *q) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)cols, (int)r, (int)rows, 1.0f, m, (int)cols, p,
+                (int)r, 0.0f, q, (int)r);
+#else
+    size_t i, j, k;
+    for (j = 0; j < cols * r; j++) q[j] = 0.0f;
+    for (i = 0; i < rows; i++) {
+        const float *mi = m + i * cols, *pi = p + i * r;
+        for (j = 0; j < cols; j++)
+            for (k = 0; k < r; k++) q[j * r + k] += mi[j] * pi[k];
+    }
+#endif
+}
+
+static void dopt__psgd_pqt(const float *p, size_t rows, size_t cols, const float *q, size_t r, float *out) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)cols, (int)r, 1.0f, p, (int)r, q, (int)r,
+                0.0f, out, (int)cols);
+#else
+    size_t i, j, k;
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < cols; j++) {
+            float acc = 0.0f; /* not p·q alone for r = 1: E = M − M̂ must not fuse with it */
+            for (k = 0; k < r; k++) acc += p[i * r + k] * q[j * r + k];
+            out[i * cols + j] = acc;
+        }
+#endif
+}
+
+/* Modified Gram–Schmidt on column j of v (columns of `rows` doubles, one after another): made
+   orthogonal to columns 0 .. j−1, which are orthonormal, one at a time in that order, then
+   normalised. Returns 0, leaving it unnormalised, when its norm fell to 1e-10 of what it was (or
+   it was zero): it lay in their span, and normalising the rounding left would be noise. */
+static int dopt__psgd_gs_column(double *v, size_t rows, size_t j) {
+    double *x = v + j * rows, n0 = 0.0, n = 0.0, d;
+    size_t i, k;
+    for (k = 0; k < rows; k++) n0 += x[k] * x[k];
+    for (i = 0; i < j; i++) {
+        const double *u = v + i * rows;
+        for (d = 0.0, k = 0; k < rows; k++) d += u[k] * x[k];
+        for (k = 0; k < rows; k++) x[k] -= d * u[k];
+    }
+    for (k = 0; k < rows; k++) n += x[k] * x[k];
+    if (!(n > 1e-20 * n0)) return 0; /* norms squared: 1e-10 relative; n0 = 0 too */
+    n = sqrt(n);
+    for (k = 0; k < rows; k++) x[k] /= n;
+    return 1;
+}
+
+/* A column that Gram–Schmidt could not keep (zero, or in the span of those before it) becomes a
+   random one, orthonormalised the same way: the same on every rank (seed, step and segment
+   decide it), and never zero, so that Q = Mᵀ·P stays able to grow back and the warm start does
+   not stall on a zero column. Uniform (−1, 1) numbers keyed by (seed, rank 0), stream
+   step·2^32 + segment, words (attempt·r + j)·rows ..; the fourth failure leaves zeros (four
+   random vectors within the span of j < rows columns: never in practice). */
+static void dopt__psgd_replace_column(const dopt_compressor *cz, size_t seg, double *v, size_t rows, size_t j) {
+    float draw[DOPT__BLOCK];
+    double *x = v + j * rows;
+    dopt_rng rng;
+    uint64_t attempt, first;
+    size_t k, take, t;
+    dopt_rng_init(&rng, cz->cfg.seed, 0, (cz->step << 32) | (uint64_t)seg);
+    for (attempt = 0; attempt < 4; attempt++) {
+        first = (attempt * cz->cfg.powersgd_rank + j) * rows;
+        for (k = 0; k < rows; k += take) {
+            take = rows - k < DOPT__BLOCK ? rows - k : DOPT__BLOCK;
+            dopt__psgd_uniform(&rng, first + k, draw, take);
+            for (t = 0; t < take; t++) x[k + t] = (double)draw[t];
+        }
+        if (dopt__psgd_gs_column(v, rows, j)) return;
+    }
+    memset(x, 0, rows * sizeof(double));
+}
+
+/* P (rows × r, row-major, the mean every rank holds) gets orthonormal columns, computed in
+   double in plain C (no threaded library: the order of every sum is fixed), columns in the order
+   0, 1, ..., r−1. */
+static void dopt__psgd_orthonormalize(const dopt_compressor *cz, size_t seg, float *p, size_t rows) {
+    size_t r = cz->cfg.powersgd_rank, i, j;
+    double *v = cz->psgd_gs;
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < r; j++) v[j * rows + i] = (double)p[i * r + j];
+    for (j = 0; j < r; j++)
+        if (!dopt__psgd_gs_column(v, rows, j)) dopt__psgd_replace_column(cz, seg, v, rows, j);
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < r; j++) p[i * r + j] = (float)v[j * rows + i];
+}
+
+/* The first allreduce's buffer: every compressed matrix's P = M·Q and the other segments' M, in
+   segment order, M = g + e in the work buffer. 0 when a rank cannot go on (NaN or ±inf
+   anywhere, |x| >= 2^64 in a compressed matrix or its P): the buffer is then zeros. */
+static int dopt__psgd_first(dopt_compressor *cz, float *a) {
+    const float *m = cz->work, *q = cz->psgd_q;
+    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
+    float *out = a;
+    for (i = 0; i < cz->nsegs; i++, m += n) {
+        n = cz->segs[i].count;
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            if (dopt__absbits_max(m, n) > DOPT__F32_MAX_BITS) break;
+            if (n) memcpy(out, m, n * sizeof(float));
+            out += n;
+            continue;
+        }
+        cols = n / rows;
+        if (dopt__absbits_max(m, n) >= DOPT__PSGD_LIMIT_BITS) break;
+        dopt__psgd_mq(m, rows, cols, q, r, out);
+        if (dopt__absbits_max(out, rows * r) >= DOPT__PSGD_LIMIT_BITS) break;
+        out += rows * r;
+        q += cols * r;
+    }
+    if (i == cz->nsegs) return 1;
+    memset(a, 0, cz->psgd_np * sizeof(float));
+    return 0;
+}
+
+/* After the first allreduce: each mean P (in a) orthonormalised in place, and the second
+   allreduce's buffer b: every compressed matrix's Q = Mᵀ·P. 0 when a Q holds |x| >= 2^64 (or
+   NaN, ±inf): b is then zeros. */
+static int dopt__psgd_second(dopt_compressor *cz, float *a, float *b) {
+    const float *m = cz->work;
+    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
+    float *q = b;
+    for (i = 0; i < cz->nsegs; i++, m += n) {
+        n = cz->segs[i].count;
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            a += n;
+            continue;
+        }
+        cols = n / rows;
+        dopt__psgd_orthonormalize(cz, i, a, rows);
+        dopt__psgd_mtp(m, rows, cols, a, r, q);
+        if (dopt__absbits_max(q, cols * r) >= DOPT__PSGD_LIMIT_BITS) {
+            memset(b, 0, cz->psgd_nq * sizeof(float));
+            return 0;
+        }
+        a += rows * r;
+        q += cols * r;
+    }
+    return 1;
+}
+
+/* The step is done on every rank: grads gets M̂ = P·Qᵀ (compressed matrices) or the mean (the
+   others), E = M − M̂ (0 for the others, sent exactly), Q is kept for the next step. */
+static void dopt__psgd_commit(dopt_compressor *cz, const float *a, const float *b, const dopt_buf *grads) {
+    size_t r = cz->cfg.powersgd_rank, i, k, rows, cols, off = 0;
+    float *q = cz->psgd_q;
+    for (i = 0; i < cz->nsegs; i++) {
+        dopt_span sp = dopt_buf_segment(grads, i);
+        float *e = cz->residual + off;
+        const float *m = cz->work + off;
+        rows = dopt__psgd_rows(cz, i);
+        off += sp.count;
+        if (rows == 0) {
+            if (sp.count) memcpy(sp.ptr, a, sp.count * sizeof(float));
+            if (sp.count) memset(e, 0, sp.count * sizeof(float));
+            a += sp.count;
+            continue;
+        }
+        cols = sp.count / rows;
+        dopt__psgd_pqt(a, rows, cols, b, r, sp.ptr);
+        for (k = 0; k < sp.count; k++) e[k] = m[k] - sp.ptr[k];
+        memcpy(q, b, cols * r * sizeof(float));
+        a += rows * r;
+        b += cols * r;
+        q += cols * r;
+    }
+    cz->step++;
+}
+
+static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
+    float *a = (float *)(void *)cz->msg, *b = a + cz->psgd_np;
+    const char *prev;
+    dopt_status s;
+    cz->gathered = 0;
+    cz->cfg.rank = comm->rank;
+    dopt__ef_prepare(cz, grads); /* M = g + e, every segment, into the work buffer */
+    a[cz->psgd_np - 1] = dopt__psgd_first(cz, a) ? 0.0f : 1.0f;
+    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's P");
+    s = dopt_allreduce(comm, a, cz->psgd_np, DOPT_F32, DOPT_MEAN);
+    dopt_comm_set_api(comm, prev);
+    if (s != DOPT_OK) return s;
+    if (a[cz->psgd_np - 1] != 0.0f) return DOPT_ERR_NONFINITE;
+    b[cz->psgd_nq] = dopt__psgd_second(cz, a, b) ? 0.0f : 1.0f;
+    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's Q");
+    s = dopt_allreduce(comm, b, cz->psgd_nq + 1, DOPT_F32, DOPT_MEAN);
+    dopt_comm_set_api(comm, prev);
+    if (s != DOPT_OK) return s;
+    if (b[cz->psgd_nq] != 0.0f) return DOPT_ERR_NONFINITE;
+    dopt__psgd_commit(cz, a, b, grads);
+    return DOPT_OK;
+}
+
+/* At init: the sizes of the two allreduces, the Gram–Schmidt workspace, and every compressed
+   matrix's first Q, uniform in (−1, 1) from (seed, rank 0): the same on every rank. A
+   compressed matrix must have rows and cols below 2^31 (sgemm takes int). */
+static dopt_status dopt__psgd_init(dopt_compressor *cz) {
+    size_t r = cz->cfg.powersgd_rank, i, rows, cols, tallest = 0, nq = 0;
+    float *q;
+    dopt_rng rng;
+    cz->psgd_np = 1;
+    for (i = 0; i < cz->nsegs; i++) {
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            cz->psgd_np += cz->segs[i].count;
+            continue;
+        }
+        cols = cz->segs[i].count / rows;
+        if (rows > INT_MAX || cols > INT_MAX) return DOPT_ERR_INVALID;
+        cz->psgd_np += rows * r;
+        nq += cols * r;
+        tallest = rows > tallest ? rows : tallest;
+        cz->psgd_nmat++;
+    }
+    cz->psgd_nq = nq;
+    cz->psgd_q = (float *)DOPT_MALLOC((nq ? nq : 1) * sizeof(float));
+    cz->psgd_gs = (double *)DOPT_MALLOC((tallest ? tallest * r : 1) * sizeof(double));
+    if (cz->psgd_q == NULL || cz->psgd_gs == NULL) return DOPT_ERR_NOMEM;
+    for (q = cz->psgd_q, i = 0; i < cz->nsegs; i++) {
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        cols = cz->segs[i].count / rows;
+        dopt_rng_init(&rng, cz->cfg.seed, 0, DOPT__PSGD_Q_STREAM | (uint64_t)i);
+        dopt__psgd_uniform(&rng, 0, q, cols * r);
+        q += cols * r;
+    }
+    return DOPT_OK;
+}
+
+/* PowerSGD's part of the state, after the residual: u32 r, u32 compressed matrices, a 16-byte
+   record per matrix (u32 segment, u32 0, u64 rows), then every Q (cols × r f32). */
+static size_t dopt__psgd_state_bytes(const dopt_compressor *cz) {
+    return cz->cfg.codec == DOPT_CODEC_POWERSGD ? 8 + 16 * cz->psgd_nmat + 4 * cz->psgd_nq : 0;
+}
+
+static void dopt__psgd_state_save(const dopt_compressor *cz, unsigned char *o) {
+    size_t i;
+    dopt__put_le32(o, (uint32_t)cz->cfg.powersgd_rank);
+    dopt__put_le32(o + 4, (uint32_t)cz->psgd_nmat);
+    o += 8;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        dopt__put_le32(o, (uint32_t)i);
+        dopt__put_le32(o + 4, 0);
+        dopt__put_le64(o + 8, (uint64_t)rows);
+        o += 16;
+    }
+    if (cz->psgd_nq) memcpy(o, cz->psgd_q, 4 * cz->psgd_nq);
+}
+
+/* 1 when p holds this compressor's PowerSGD part: its r, its compressed matrices, finite Q's. */
+static int dopt__psgd_state_ok(const dopt_compressor *cz, const unsigned char *p) {
+    size_t i;
+    if (dopt__get_le32(p) != (uint32_t)cz->cfg.powersgd_rank || dopt__get_le32(p + 4) != (uint32_t)cz->psgd_nmat)
+        return 0;
+    p += 8;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        if (dopt__get_le32(p) != (uint32_t)i || dopt__get_le32(p + 4) != 0 || dopt__get_le64(p + 8) != (uint64_t)rows)
+            return 0;
+        p += 16;
+    }
+    return dopt__f32_bytes_finite(p, cz->psgd_nq);
+}
+
+static void dopt__psgd_state_load(dopt_compressor *cz, const unsigned char *p) {
+    if (cz->psgd_nq) memcpy(cz->psgd_q, p + 8 + 16 * cz->psgd_nmat, 4 * cz->psgd_nq);
+}
+
 /* ===================================================================== STATE SAVE / LOAD */
 
 #define DOPT__STATE_MAGIC 0x53504F44u /* "DOPS" */
@@ -2134,7 +2480,7 @@ DOPT_DEF const void *dopt_compress_message(const dopt_compressor *cz, int rank, 
 
 DOPT_DEF size_t dopt_compress_state_bytes(const dopt_compressor *cz) {
     if (cz == NULL) return 0;
-    return DOPT__STATE_HEADER + (cz->ef ? 4 * cz->count : 0);
+    return DOPT__STATE_HEADER + (cz->ef ? 4 * cz->count : 0) + dopt__psgd_state_bytes(cz);
 }
 
 DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity) {
@@ -2148,6 +2494,7 @@ DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *o
     dopt__put_le64(o + 8, (uint64_t)cz->count);
     dopt__put_le64(o + 16, cz->step);
     if (cz->ef && cz->count) memcpy(o + DOPT__STATE_HEADER, cz->residual, 4 * cz->count);
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_save(cz, o + DOPT__STATE_HEADER + 4 * cz->count);
     return DOPT_OK;
 }
 
@@ -2158,10 +2505,13 @@ DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *i
         p[4] != DOPT__STATE_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
         p[7] != 0 || dopt__get_le64(p + 8) != (uint64_t)cz->count || !dopt__zero_bytes(p + 24, 8))
         return DOPT_ERR_PROTOCOL;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD && !dopt__psgd_state_ok(cz, p + DOPT__STATE_HEADER + 4 * cz->count))
+        return DOPT_ERR_PROTOCOL;
     if (cz->ef && cz->count) {
         if (!dopt__f32_bytes_finite(p + DOPT__STATE_HEADER, cz->count)) return DOPT_ERR_PROTOCOL;
         memcpy(cz->residual, p + DOPT__STATE_HEADER, 4 * cz->count);
     }
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_load(cz, p + DOPT__STATE_HEADER + 4 * cz->count);
     cz->step = dopt__get_le64(p + 16);
     return DOPT_OK;
 }
@@ -2177,12 +2527,13 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec) {
     case DOPT_CODEC_FP16: return "fp16";
     case DOPT_CODEC_BF16: return "bf16";
     case DOPT_CODEC_FP32: return "fp32";
+    case DOPT_CODEC_POWERSGD: return "powersgd";
     }
     return "?";
 }
 
 static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
-    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_FP32 || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF)
+    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_POWERSGD || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF)
         return DOPT_ERR_INVALID;
     /* NaN first, by its bits: under -ffast-math GCC compiles x == 0 so that it holds for NaN, which
        would then take the default */
@@ -2197,10 +2548,17 @@ static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
     if (c->topk_ratio == 0.0) c->topk_ratio = 0.01;
     if (!(c->topk_ratio > 0.0 && c->topk_ratio <= 1.0)) return DOPT_ERR_INVALID;
     if (c->rank < 0) return DOPT_ERR_INVALID;
+    if (c->powersgd_rank == 0) c->powersgd_rank = 2;
+    if (c->powersgd_rank > DOPT__PSGD_MAX_RANK) return DOPT_ERR_INVALID;
+    if (c->powersgd_min == 0) c->powersgd_min = 4096;
+    /* PowerSGD without its error feedback does not converge well (Vogels et al. 2019, §4.1) */
+    if (c->codec == DOPT_CODEC_POWERSGD && c->error_feedback == DOPT_EF_OFF) return DOPT_ERR_INVALID;
     return DOPT_OK;
 }
 
-static int dopt__ef_default(dopt_codec codec) { return codec == DOPT_CODEC_TOPK || codec == DOPT_CODEC_SIGN; }
+static int dopt__ef_default(dopt_codec codec) {
+    return codec == DOPT_CODEC_TOPK || codec == DOPT_CODEC_SIGN || codec == DOPT_CODEC_POWERSGD;
+}
 
 DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
                                           const dopt_segment *segs, size_t nsegs) {
@@ -2220,6 +2578,8 @@ DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compre
         count += segs[i].count;
         max_seg = segs[i].count > max_seg ? segs[i].count : max_seg;
         if (c.codec == DOPT_CODEC_TOPK && segs[i].count > UINT32_MAX) return DOPT_ERR_INVALID;
+        if (c.codec == DOPT_CODEC_POWERSGD && segs[i].rows != 0 && segs[i].count % segs[i].rows != 0)
+            return DOPT_ERR_INVALID; /* not rows × cols (other codecs never read rows) */
     }
     if (count > SIZE_MAX / 8) return DOPT_ERR_INVALID;
     cz->cfg = c;
@@ -2232,6 +2592,13 @@ DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compre
     cz->segs = (dopt_segment *)DOPT_MALLOC(table);
     if (cz->segs == NULL) return DOPT_ERR_NOMEM;
     memcpy(cz->segs, segs, nsegs * sizeof(dopt_segment));
+    if (c.codec == DOPT_CODEC_POWERSGD) {
+        dopt_status s = dopt__psgd_init(cz);
+        if (s != DOPT_OK) {
+            dopt_compressor_free(cz);
+            return s;
+        }
+    }
     cz->msg_bytes = dopt__message_bytes(cz);
     cz->msg = (unsigned char *)DOPT_MALLOC(cz->msg_bytes);
     cz->scales = (float *)DOPT_MALLOC((2 * nsegs + 1) * sizeof(float));
@@ -2263,6 +2630,8 @@ DOPT_DEF void dopt_compressor_free(dopt_compressor *cz) {
     DOPT_FREE(cz->residual);
     DOPT_FREE(cz->work);
     DOPT_FREE(cz->gather);
+    DOPT_FREE(cz->psgd_q);
+    DOPT_FREE(cz->psgd_gs);
     memset(cz, 0, sizeof *cz);
 }
 

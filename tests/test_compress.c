@@ -1202,7 +1202,7 @@ DTEST(config_defaults_and_invalid_values) {
     DT_OK(dopt_compressor_init(&cz, &cfg, &seg, 1));
     DT_CHECK(cz.cfg.clip_c == DOPT_CLIP_OFF);
     dopt_compressor_free(&cz);
-    cfg = config_of((dopt_codec)7);
+    cfg = config_of((dopt_codec)8); /* one past the last codec */
     DT_EQ_INT(dopt_compressor_init(&cz, &cfg, &seg, 1), DOPT_ERR_INVALID);
     dopt_compressor_free(&cz); /* a zeroed object is fine */
 }
