@@ -1,5 +1,6 @@
 /* compress.h — gradient compressors behind one interface (TernGrad's ternary, QSGD, top-k, sign,
-   fp16, bf16), error feedback, a validated wire format, and the compressed allreduce.
+   fp16, bf16, PowerSGD's low-rank factors), error feedback, a validated wire format, and the
+   compressed allreduce.
    Part of distopt 0.1.0. MIT licence (see the end of distopt.h).
 
    DO THIS in exactly one C or C++ file of your program, before including the headers:
@@ -44,23 +45,28 @@
 
    COMPRESSORS
 
-   | codec              | bits / element                  | unbiased | error feedback (EF_AUTO) |
-   |--------------------|---------------------------------|----------|--------------------------|
-   | DOPT_CODEC_TERNARY | 2 (+ 32 per segment)            | yes (1)  | off                      |
-   | DOPT_CODEC_QSGD    | 4 for s <= 7, 8 for s <= 127    | yes      | off                      |
-   |                    | (+ 32 per bucket)               |          |                          |
-   | DOPT_CODEC_TOPK    | 64 per kept element (index +    | no       | on                       |
-   |                    | value): 0.64 at ratio 0.01      |          |                          |
-   | DOPT_CODEC_SIGN    | 1 (+ 32 per segment)            | no       | on                       |
-   | DOPT_CODEC_FP16    | 16                              | no (2)   | off                      |
-   | DOPT_CODEC_BF16    | 16                              | no (2)   | off                      |
-   | DOPT_CODEC_FP32    | 32 (no compression: a baseline) | exact    | off                      |
+   | codec               | bits / element                  | unbiased | error feedback (EF_AUTO) |
+   |---------------------|---------------------------------|----------|--------------------------|
+   | DOPT_CODEC_TERNARY  | 2 (+ 32 per segment)            | yes (1)  | off                      |
+   | DOPT_CODEC_QSGD     | 4 for s <= 7, 8 for s <= 127    | yes      | off                      |
+   |                     | (+ 32 per bucket)               |          |                          |
+   | DOPT_CODEC_TOPK     | 64 per kept element (index +    | no       | on                       |
+   |                     | value): 0.64 at ratio 0.01      |          |                          |
+   | DOPT_CODEC_SIGN     | 1 (+ 32 per segment)            | no       | on                       |
+   | DOPT_CODEC_FP16     | 16                              | no (2)   | off                      |
+   | DOPT_CODEC_BF16     | 16                              | no (2)   | off                      |
+   | DOPT_CODEC_FP32     | 32 (no compression: a baseline) | exact    | off                      |
+   | DOPT_CODEC_POWERSGD | r·(rows + cols) floats per      | no       | always on (3)            |
+   |                     | matrix per step, independent of |          |                          |
+   |                     | N; 32 for the rest (fp32)       |          |                          |
 
    (1) Unbiased for the clipped gradient: E[s·t] = clip(g). Clipping itself (c·σ, on by default,
        as TernGrad does) trades a small bias for a lower variance.
    (2) Round to nearest even: the error is below half a unit in the last place, not zero-mean.
+   (3) DOPT_EF_OFF is refused: PowerSGD without its error feedback does not converge well.
    Every segment also costs a 16-byte record header and padding to 8 bytes; the message a 32-byte
-   header. dopt_compress_bound gives the exact total.
+   header. dopt_compress_bound gives the exact total. PowerSGD sends no message: it averages its
+   factors with two fp32 allreduces per step (POWERSGD below).
 
    CONFIGURATION (dopt_compressor_config; all zero means the defaults)
 
@@ -80,6 +86,9 @@
    | topk_ratio      | top-k: k = ceil(ratio·count) per segment (at least 1),   | 0.01               |
    |                 | 0 < ratio <= 1                                           |                    |
    | error_feedback  | DOPT_EF_AUTO, DOPT_EF_ON, DOPT_EF_OFF                    | AUTO (see table)   |
+   | powersgd_rank   | PowerSGD: r, the rank of the factors, 1..64 (checked for | 2                  |
+   |                 | every codec)                                             |                    |
+   | powersgd_min    | PowerSGD: a matrix of fewer elements goes as fp32        | 4096               |
 
    FUNCTIONS
 
@@ -87,11 +96,14 @@
                                     const dopt_segment *segs, size_t nsegs)
      Sizes a compressor for a gradient layout: segs[0..nsegs) (offsets into a flat buffer, in
      increasing order, non-overlapping; gaps belong to no segment and are never touched). The
-     table is copied. cfg may be NULL (all defaults). Allocates the message buffer, and with
-     error feedback the residual (zero) and a work buffer of one float per element. Errors:
-     DOPT_ERR_INVALID (NULL cz, nsegs = 0 or segs NULL, a bad table, a config value out of range,
-     top-k with a segment of 2^32 elements or more), DOPT_ERR_NOMEM. The object must not move
-     after init. On failure nothing needs freeing.
+     table is copied; only PowerSGD reads the segments' rows. cfg may be NULL (all defaults).
+     Allocates the message buffer, and with error feedback the residual (zero) and a work buffer
+     of one float per element; PowerSGD also every compressed matrix's Q and a Gram–Schmidt
+     workspace (rows × r doubles of the tallest). Errors: DOPT_ERR_INVALID (NULL cz, nsegs = 0
+     or segs NULL, a bad table, a config value out of range, top-k with a segment of 2^32
+     elements or more; PowerSGD with DOPT_EF_OFF, a segment whose count is not a multiple of its
+     rows, or a compressed matrix with 2^31 rows or columns or more), DOPT_ERR_NOMEM. The object
+     must not move after init. On failure nothing needs freeing.
 
    void dopt_compressor_free(dopt_compressor *cz)
      Releases everything init and the allreduce allocated. NULL and a zeroed object are accepted.
@@ -99,6 +111,8 @@
    size_t dopt_compress_bound(const dopt_compressor *cz)
      The size in bytes of every message this compressor writes: it depends only on the layout
      and the configuration, so it is exact, not just a bound, and the same on every rank.
+     PowerSGD, which writes none: the bytes of its two allreduces per step, 4 · (Σ r·(rows +
+     cols) over the compressed matrices + the elements of the other segments + 2 flags).
 
    dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *grads, void *out,
                                     size_t capacity, size_t *bytes)
@@ -108,7 +122,9 @@
      sets e = p - C(p). Advances the step (the RNG key). grads is not modified. Errors:
      DOPT_ERR_INVALID (layout mismatch, capacity too small, NULL arguments), DOPT_ERR_NONFINITE
      (any codec: see NON-FINITE GRADIENTS; out then holds the flagged message, *bytes is set,
-     and the step and the residual are unchanged).
+     and the step and the residual are unchanged), DOPT_ERR_UNSUPPORTED (PowerSGD: its factors
+     need a round of communication between the two products, so there is no message; nothing
+     changes).
 
    dopt_status dopt_compress_decode(const dopt_compressor *cz, const void *msg, size_t bytes,
                                     float weight, const dopt_buf *accum)
@@ -120,8 +136,9 @@
      order, non-zero padding or unused bits, a negative or non-finite scale or norm, a NaN or
      infinity among the values (fp32, fp16, bf16, top-k's, ternary's fp32 segments) — returns
      DOPT_ERR_PROTOCOL. A flagged message (its sender's gradient was not finite) returns
-     DOPT_ERR_NONFINITE, accum untouched. Never reads outside msg[0, bytes) nor writes outside
-     accum. Pure: may be called from several threads on different accum buffers.
+     DOPT_ERR_NONFINITE, accum untouched. PowerSGD: DOPT_ERR_UNSUPPORTED (no messages). Never
+     reads outside msg[0, bytes) nor writes outside accum. Pure: may be called from several
+     threads on different accum buffers.
 
    dopt_status dopt_compress_allreduce(dopt_compressor *cz, dopt_comm *comm, float *grads,
                                        size_t n)
@@ -138,19 +155,22 @@
      message that fails validation: every rank sees the same bytes, so every rank fails alike),
      DOPT_ERR_NOMEM (first call only). The communicator's detail names the failed collective as
      "dopt_compress_allreduce: allgather ..." (the message exchange) or
-     "dopt_compress_allreduce: scale sharing: allreduce ..." — unless the caller has labelled the
+     "dopt_compress_allreduce: scale sharing: allreduce ..." (PowerSGD: "...: PowerSGD's P:
+     allreduce ..." and "...: PowerSGD's Q: allreduce ...") — unless the caller has labelled the
      communicator itself (localsgd.h does, with the call the user made): that label stays. Every
      rank must call it with the same layout and configuration. One thread at a time per
      compressor.
 
    const void *dopt_compress_message(const dopt_compressor *cz, int rank, size_t *bytes)
-     After an allreduce: rank's message as gathered (for inspection and tests); NULL before.
+     After an allreduce: rank's message as gathered (for inspection and tests); NULL before, and
+     always NULL for PowerSGD.
 
    size_t dopt_compress_state_bytes(const dopt_compressor *cz)
    dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity)
    dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *in, size_t bytes)
-     The per-rank state — the step (RNG counter) and the error-feedback residual — as bytes
-     (their layout: REFERENCE FOR CONTRIBUTORS below, STATE FORMAT).
+     The per-rank state — the step (RNG counter) and the error-feedback residual; PowerSGD also
+     r, which matrices it compresses and their rows, and every Q — as bytes (their layout:
+     REFERENCE FOR CONTRIBUTORS below, STATE FORMAT).
      Load validates all of it against this compressor (DOPT_ERR_PROTOCOL otherwise, state
      unchanged). Save: DOPT_ERR_INVALID when capacity is too small.
 
@@ -158,14 +178,16 @@
      One rule for every codec. When a rank's gradient — with error feedback, p = g + e — holds
      a NaN or an infinity in a segment (elements in gaps between segments are never read), or a
      value its codec cannot carry (fp16: |x| >= 65520, which would round to infinity; bf16: |x|
-     that rounds beyond 3.39e38; QSGD: a bucket whose norm exceeds FLT_MAX), then
-     dopt_compress_allreduce returns DOPT_ERR_NONFINITE on every rank together, writes nothing
-     into any rank's grads, and leaves every rank's step and residual as they were: skip the step
-     and go on with the next one. dopt_compress_encode returns it too, with the same state kept.
+     that rounds beyond 3.39e38; QSGD: a bucket whose norm exceeds FLT_MAX; PowerSGD: |x| >=
+     2^64 ≈ 1.8e19 in a compressed matrix or in its products P = M·Q and Q = Mᵀ·P, below which
+     none of its products can overflow), then dopt_compress_allreduce returns DOPT_ERR_NONFINITE
+     on every rank together, writes nothing into any rank's grads, and leaves every rank's step
+     and residual (PowerSGD: and Q) as they were: skip the step and go on with the next one. dopt_compress_encode returns it too, with the same state kept.
      Every rank learns it at no extra round trip (how: REFERENCE FOR CONTRIBUTORS below).
      The detection tests bits (an exponent of all ones) of the values each
      encoder reads in a pass it makes anyway (ternary's statistics, QSGD's norms, top-k's keys,
-     sign's scale, the fp16/bf16/fp32 conversion), so it holds in hosts built with -Ofast or
+     sign's scale, the fp16/bf16/fp32 conversion; PowerSGD: a pass over M and over each product
+     it makes), so it holds in hosts built with -Ofast or
      -ffast-math, where the compiler may assume that no float is NaN or infinite and fold
      isnan() or x != x away. The plain allreduce of distopt.h (dopt_allreduce) checks nothing:
      NaN and infinity pass through it like any value.
@@ -175,13 +197,42 @@
      stream per step and segment (the exact words each element uses: REFERENCE FOR CONTRIBUTORS
      below). A scale (ternary) or bucket norm (QSGD) below 1e-30, where 2^24/s would overflow
      a float, sends zero codes: a bias below 1e-30 per element. The result does not depend on
-     threading, vector width or call order, and a run can be replayed. The step counts encodes;
-     it is saved with the state.
+     threading, vector width or call order, and a run can be replayed. The step counts encodes
+     (and PowerSGD's steps); it is saved with the state. PowerSGD draws from the seed alone (the
+     same numbers on every rank): its first Q, and a column that Gram–Schmidt cannot keep
+     (POWERSGD below).
 
    ERROR FEEDBACK
      A wrapper around any codec: p = g + e is compressed instead of g, and e = p - C(p) where
      C(p) is exactly what the message decodes to (the rank's own message is decoded with weight
      -1 into p). The residual is per-rank state: save it with dopt_compress_state_save.
+     PowerSGD's C(p) is the averaged approximation every rank receives, M̂ = P·Qᵀ (its error
+     feedback is part of the method: Vogels et al., Algorithm 2).
+
+   POWERSGD (Vogels, Karimireddy, Jaggi 2019)
+     Compresses the segments that have a shape (dopt_segment's rows: a rows × cols matrix, row
+     by row) when r·(rows + cols) < rows·cols and the matrix holds at least powersgd_min
+     elements. Per compressed matrix, on each rank, with its residual E:
+         M = g + E;  P = M·Q;  P ← mean over the ranks;  P's columns made orthonormal;
+         Q = Mᵀ·P;  Q ← mean over the ranks;  output M̂ = P·Qᵀ;  E ← M − M̂.
+     Q is kept from one step to the next (the warm start: each step is one step of subspace
+     iteration, so the factors follow the gradient's leading directions from step to step).
+     Vectors (rows 0), small matrices and those that would not shrink go as fp32 and come back
+     as the exact fp32 mean, their residual 0. One step is two fp32 allreduces (DOPT_MEAN): the
+     first carries every P and the fp32 segments, the second every Q; a rank sends r·(rows +
+     cols) floats per compressed matrix, whatever the number of ranks (dopt_compress_bound).
+     The products go through OpenBLAS's sgemm when the implementation is built with
+     DOPT_USE_BLAS, through plain C loops otherwise; the orthonormalisation is modified
+     Gram–Schmidt in double, in plain C, columns in the order 0, 1, ..., r−1. A column that falls
+     to 1e-10 of its norm (zero, or in the span of those before it: a zero gradient, a matrix of
+     rank below r) is replaced by a random one drawn from the seed, the step and the segment,
+     then orthonormalised: zeros would stay zero through the warm start for good. Every rank
+     computes the output from the same averaged bytes with the same code, so the ranks of one
+     build on one kind of CPU end with bitwise the same gradient. Ranks on different CPU types
+     may not: OpenBLAS picks its sgemm kernel by CPU, and two kernels may round differently.
+     The first Q is uniform in (−1, 1), the same on every rank. The state (saved with
+     dopt_compress_state_save) holds the step, the residual and every Q; encode and decode are
+     DOPT_ERR_UNSUPPORTED (there is no message), and error feedback cannot be turned off.
 
    ERRORS (what to do)
      DOPT_ERR_NONFINITE   skip the step and go on: every rank of dopt_compress_allreduce got it
@@ -191,6 +242,7 @@
                           allreduce, or DOPT_ERR_MISMATCH: the ranks do not share one layout and
                           configuration (or one distopt release).
      DOPT_ERR_NOMEM       an allocation failed (init, the allreduce's first call).
+     DOPT_ERR_UNSUPPORTED encode or decode of PowerSGD, which has no message: use the allreduce.
      Others come from the collectives (distopt.h's ERRORS): the communicator is poisoned; end the
      rank with dopt_comm_finish(comm, status).
 
@@ -249,7 +301,7 @@ typedef struct dopt_compressor {
     size_t flat_end;            /* a flat buffer must hold this many elements */
     size_t msg_bytes;           /* every message's size */
     int ef;                     /* error feedback on */
-    uint64_t step;              /* encodes so far: the RNG counter */
+    uint64_t step;              /* encodes (PowerSGD: steps) so far: the RNG counter */
     float *residual;            /* EF: count floats */
     float *work;                /* EF: p = g + e, count floats */
     float *scales;              /* ternary: nsegs local/shared scales + a non-finite flag */
@@ -302,13 +354,24 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      (float)(Σ_r t_r) · (w·s), one rounding, in one write pass; other ternary segments (fp32,
      or scales not shared), other codecs and N > 127 accumulate the N messages in rank order
      into the zeroed segments, y += (w·s_r)·t_r.
+     PowerSGD exchanges no messages: its first allreduce (DOPT_MEAN of f32, in the message
+     buffer) carries, in segment order, each compressed matrix's P (rows × r, row-major) and
+     each other segment's M = g + e, then a flag; the second each compressed matrix's Q (cols ×
+     r) and a flag. Between them every rank orthonormalises the mean P it received and forms
+     its own Q = Mᵀ·P; after the second it writes M̂ = P·Qᵀ (or the mean), the residual, and
+     keeps Q. Its products are float sums in an order that one build on one CPU type fixes
+     (sgemm's blocking; the plain loops' j = 0, 1, ...); the output is not fused with the
+     residual (E = M − M̂ subtracts the stored output), so E is exact with multiply-adds fused
+     too (-ffp-contract=fast; -ffast-math may rewrite any of it).
 
    NON-FINITE GRADIENTS: HOW EVERY RANK LEARNS IT
      How every rank learns it, at no extra round trip: with scale sharing (ternary's default)
      the flag rides in the allreduce MAX of the scales, and the call returns before the message
      exchange; otherwise the rank sends a flagged message (the header with the non-finite flag,
      zeros after it) in the allgather it makes anyway, and every rank finds the flag before it
-     reads any body.
+     reads any body. PowerSGD: a rank that cannot go on zeroes its part of an allreduce and sets
+     its flag to 1; the mean of the flags is then above 0 on every rank, which stops before
+     writing anything (after the first allreduce: M or P; after the second: Q).
 
    RANDOMNESS
      Ternary and QSGD round with distopt's Philox generator, the stream (seed, rank,
@@ -319,6 +382,11 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      and up, of word e div 4) — four elements per word; l, 16 bits, is the low half of word
      2^63 + e, drawn only when h = A div 2^16 (probability 2^-8), since otherwise h alone
      decides.
+     PowerSGD keys Philox by (seed, rank 0) on every rank and maps a word w to the uniform
+     (w >> 8)·2^-23 − 1 in [−1, 1). The first Q of segment s: stream 2^63 + s, word k for
+     element k of Q (cols × r, row-major). A column j that Gram–Schmidt cannot keep, at step t:
+     stream t·2^32 + s, words (a·r + j)·rows + i for its element i at attempt a = 0..3 (the next
+     attempt when the draw too lies in the span of the columns before; zeros after four).
 
    WIRE FORMAT (little-endian; every message of a compressor has the same size)
 
@@ -366,7 +434,12 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
 
    STATE FORMAT
      dopt_compress_state_save writes the per-rank state as: magic "DOPS", version, codec, element
-     count, step, residual (f32 each, when EF is on).
+     count, step, residual (f32 each, when EF is on). The 32-byte header: u32 magic, u8 version
+     1, u8 codec, u8 EF on, u8 0, u64 elements, u64 step, 8 zero bytes. PowerSGD appends, after
+     the residual: u32 r, u32 compressed matrices, one 16-byte record per compressed matrix (u32
+     segment index, u32 0, u64 rows), then every compressed matrix's Q (cols × r f32, row-major),
+     in segment order. Load checks all of it against the compressor (and that every value is
+     finite) before it changes anything.
 */
 
 /* =====================================================================================
