@@ -1,5 +1,6 @@
 /* compress.h — gradient compressors behind one interface (TernGrad's ternary, QSGD, top-k, sign,
-   fp16, bf16), error feedback, a validated wire format, and the compressed allreduce.
+   fp16, bf16, PowerSGD's low-rank factors), error feedback, a validated wire format, and the
+   compressed allreduce.
    Part of distopt 0.1.0. MIT licence (see the end of distopt.h).
 
    DO THIS in exactly one C or C++ file of your program, before including the headers:
@@ -12,7 +13,7 @@
 
    QUICK START (TernGrad over any communicator: every rank ends with the same averaged gradient)
 
-       dopt_segment segs[2] = {{0, 4096, "w"}, {4096, 64, "b"}};   (the host's tensors)
+       dopt_segment segs[2] = {{0, 4096, "w", 0}, {4096, 64, "b", 0}};   (the host's tensors)
        dopt_comm *comm;
        dopt_compressor tern;
        dopt_compressor_config cfg = {0};          (zero: ternary, c = 2.5, scale sharing on)
@@ -44,18 +45,21 @@
 
    COMPRESSORS
 
-   | codec              | bits / element                  | unbiased | error feedback (EF_AUTO) |
-   |--------------------|---------------------------------|----------|--------------------------|
-   | DOPT_CODEC_TERNARY | 2 (+ 32 per segment)            | yes (1)  | off                      |
-   | DOPT_CODEC_QSGD    | 4 for s <= 7, 8 for s <= 127    | yes      | off                      |
-   |                    | (+ 32 per bucket)               |          |                          |
-   | DOPT_CODEC_TOPK    | 64 per kept element (index +    | no       | on                       |
-   |                    | value): 0.64 at ratio 0.01      |          |                          |
-   | DOPT_CODEC_SIGN    | 1 (+ 32 per segment)            | no       | on                       |
-   | DOPT_CODEC_FP16    | 16                              | no (2)   | off                      |
-   | DOPT_CODEC_BF16    | 16                              | no (2)   | off                      |
-   | DOPT_CODEC_FP32    | 32 (no compression: a baseline) | exact    | off                      |
-   | DOPT_CODEC_MAJORITY| 1 (+ 32 per segment)            | no (3)   | off                      |
+   | codec               | bits / element                  | unbiased | error feedback (EF_AUTO) |
+   |---------------------|---------------------------------|----------|--------------------------|
+   | DOPT_CODEC_TERNARY  | 2 (+ 32 per segment)            | yes (1)  | off                      |
+   | DOPT_CODEC_QSGD     | 4 for s <= 7, 8 for s <= 127    | yes      | off                      |
+   |                     | (+ 32 per bucket)               |          |                          |
+   | DOPT_CODEC_TOPK     | 64 per kept element (index +    | no       | on                       |
+   |                     | value): 0.64 at ratio 0.01      |          |                          |
+   | DOPT_CODEC_SIGN     | 1 (+ 32 per segment)            | no       | on                       |
+   | DOPT_CODEC_FP16     | 16                              | no (2)   | off                      |
+   | DOPT_CODEC_BF16     | 16                              | no (2)   | off                      |
+   | DOPT_CODEC_FP32     | 32 (no compression: a baseline) | exact    | off                      |
+   | DOPT_CODEC_MAJORITY | 1 (+ 32 per segment)            | no (3)   | off                      |
+   | DOPT_CODEC_POWERSGD | r·(rows + cols) floats per      | no       | always on (4)            |
+   |                     | matrix per step, independent of |          |                          |
+   |                     | N; 32 for the rest (fp32)       |          |                          |
 
    (1) Unbiased for the clipped gradient: E[s·t] = clip(g). Clipping itself (c·σ, on by default,
        as TernGrad does) trades a small bias for a lower variance.
@@ -64,8 +68,10 @@
        gradient (a zero counts as +), and the result is the sign of the vote, sign(Σ_r sign(g_r)),
        0 where the vote ties (an even N); times 1, or with majority_l1 = 1 the ranks' mean of
        ‖g‖₁/d per segment (the scale sign's messages carry). Every rank gets the same values.
+   (4) PowerSGD: DOPT_EF_OFF is refused: PowerSGD without its error feedback does not converge well.
    Every segment also costs a 16-byte record header and padding to 8 bytes; the message a 32-byte
-   header. dopt_compress_bound gives the exact total.
+   header. dopt_compress_bound gives the exact total. PowerSGD sends no message: it averages its
+   factors with two fp32 allreduces per step (POWERSGD below).
 
    CONFIGURATION (dopt_compressor_config; all zero means the defaults)
 
@@ -90,6 +96,9 @@
    |                 | DOPT_AGG_AUTO (the cheaper by prediction), _ALLGATHER,   |                    |
    |                 | _RING (ternary: where the ring can run; see BYTES AS THE |                    |
    |                 | WORLD GROWS)                                             |                    |
+   | powersgd_rank   | PowerSGD: r, the rank of the factors, 1..64 (checked for | 2                  |
+   |                 | every codec)                                             |                    |
+   | powersgd_min    | PowerSGD: a matrix of fewer elements goes as fp32        | 4096               |
 
    FUNCTIONS
 
@@ -97,11 +106,14 @@
                                     const dopt_segment *segs, size_t nsegs)
      Sizes a compressor for a gradient layout: segs[0..nsegs) (offsets into a flat buffer, in
      increasing order, non-overlapping; gaps belong to no segment and are never touched). The
-     table is copied. cfg may be NULL (all defaults). Allocates the message buffer, and with
-     error feedback the residual (zero) and a work buffer of one float per element. Errors:
-     DOPT_ERR_INVALID (NULL cz, nsegs = 0 or segs NULL, a bad table, a config value out of range,
-     top-k with a segment of 2^32 elements or more), DOPT_ERR_NOMEM. The object must not move
-     after init. On failure nothing needs freeing.
+     table is copied; only PowerSGD reads the segments' rows. cfg may be NULL (all defaults).
+     Allocates the message buffer, and with error feedback the residual (zero) and a work buffer
+     of one float per element; PowerSGD also every compressed matrix's Q and a Gram–Schmidt
+     workspace (rows × r doubles of the tallest). Errors: DOPT_ERR_INVALID (NULL cz, nsegs = 0
+     or segs NULL, a bad table, a config value out of range, top-k with a segment of 2^32
+     elements or more; PowerSGD with DOPT_EF_OFF, a segment whose count is not a multiple of its
+     rows, or a compressed matrix with 2^31 rows or columns or more), DOPT_ERR_NOMEM. The object
+     must not move after init. On failure nothing needs freeing.
 
    void dopt_compressor_free(dopt_compressor *cz)
      Releases everything init and the allreduce allocated. NULL and a zeroed object are accepted.
@@ -109,6 +121,8 @@
    size_t dopt_compress_bound(const dopt_compressor *cz)
      The size in bytes of every message this compressor writes: it depends only on the layout
      and the configuration, so it is exact, not just a bound, and the same on every rank.
+     PowerSGD, which writes none: the bytes of its two allreduces per step, 4 · (Σ r·(rows +
+     cols) over the compressed matrices + the elements of the other segments + 2 flags).
 
    dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *grads, void *out,
                                     size_t capacity, size_t *bytes)
@@ -118,7 +132,9 @@
      sets e = p - C(p). Advances the step (the RNG key). grads is not modified. Errors:
      DOPT_ERR_INVALID (layout mismatch, capacity too small, NULL arguments), DOPT_ERR_NONFINITE
      (any codec: see NON-FINITE GRADIENTS; out then holds the flagged message, *bytes is set,
-     and the step and the residual are unchanged).
+     and the step and the residual are unchanged), DOPT_ERR_UNSUPPORTED (PowerSGD: its factors
+     need a round of communication between the two products, so there is no message; nothing
+     changes).
 
    dopt_status dopt_compress_decode(const dopt_compressor *cz, const void *msg, size_t bytes,
                                     float weight, const dopt_buf *accum)
@@ -130,8 +146,9 @@
      order, non-zero padding or unused bits, a negative or non-finite scale or norm, a NaN or
      infinity among the values (fp32, fp16, bf16, top-k's, ternary's fp32 segments) — returns
      DOPT_ERR_PROTOCOL. A flagged message (its sender's gradient was not finite) returns
-     DOPT_ERR_NONFINITE, accum untouched. Never reads outside msg[0, bytes) nor writes outside
-     accum. Pure: may be called from several threads on different accum buffers.
+     DOPT_ERR_NONFINITE, accum untouched. PowerSGD: DOPT_ERR_UNSUPPORTED (no messages). Never
+     reads outside msg[0, bytes) nor writes outside accum. Pure: may be called from several
+     threads on different accum buffers.
 
    dopt_status dopt_compress_allreduce(dopt_compressor *cz, dopt_comm *comm, float *grads,
                                        size_t n)
@@ -148,14 +165,15 @@
      message that fails validation: every rank sees the same bytes, so every rank fails alike),
      DOPT_ERR_NOMEM (first call only). The communicator's detail names the failed collective as
      "dopt_compress_allreduce: allgather ..." (the message exchange) or
-     "dopt_compress_allreduce: scale sharing: allreduce ..." — unless the caller has labelled the
+     "dopt_compress_allreduce: scale sharing: allreduce ..." (PowerSGD: "...: PowerSGD's P:
+     allreduce ..." and "...: PowerSGD's Q: allreduce ...") — unless the caller has labelled the
      communicator itself (localsgd.h does, with the call the user made): that label stays. Every
      rank must call it with the same layout and configuration. One thread at a time per
      compressor.
 
    const void *dopt_compress_message(const dopt_compressor *cz, int rank, size_t *bytes)
      After an allreduce that gathered the messages (cz->path == DOPT_PATH_ALLGATHER): rank's
-     message as gathered (for inspection and tests); NULL otherwise.
+     message as gathered (for inspection and tests); NULL otherwise (PowerSGD never gathers).
 
    cz->path says how the last allreduce combined the messages: DOPT_PATH_ALLGATHER,
      DOPT_PATH_RING (ternary sums along one ring), DOPT_PATH_RING_TWO_LEVEL (within hosts, then
@@ -194,8 +212,9 @@
    size_t dopt_compress_state_bytes(const dopt_compressor *cz)
    dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity)
    dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *in, size_t bytes)
-     The per-rank state — the step (RNG counter) and the error-feedback residual — as bytes
-     (their layout: REFERENCE FOR CONTRIBUTORS below, STATE FORMAT).
+     The per-rank state — the step (RNG counter) and the error-feedback residual; PowerSGD also
+     r, which matrices it compresses and their rows, and every Q — as bytes (their layout:
+     REFERENCE FOR CONTRIBUTORS below, STATE FORMAT).
      Load validates all of it against this compressor (DOPT_ERR_PROTOCOL otherwise, state
      unchanged). Save: DOPT_ERR_INVALID when capacity is too small.
 
@@ -203,14 +222,16 @@
      One rule for every codec. When a rank's gradient — with error feedback, p = g + e — holds
      a NaN or an infinity in a segment (elements in gaps between segments are never read), or a
      value its codec cannot carry (fp16: |x| >= 65520, which would round to infinity; bf16: |x|
-     that rounds beyond 3.39e38; QSGD: a bucket whose norm exceeds FLT_MAX), then
-     dopt_compress_allreduce returns DOPT_ERR_NONFINITE on every rank together, writes nothing
-     into any rank's grads, and leaves every rank's step and residual as they were: skip the step
-     and go on with the next one. dopt_compress_encode returns it too, with the same state kept.
+     that rounds beyond 3.39e38; QSGD: a bucket whose norm exceeds FLT_MAX; PowerSGD: |x| >=
+     2^64 ≈ 1.8e19 in a compressed matrix or in its products P = M·Q and Q = Mᵀ·P, below which
+     none of its products can overflow), then dopt_compress_allreduce returns DOPT_ERR_NONFINITE
+     on every rank together, writes nothing into any rank's grads, and leaves every rank's step
+     and residual (PowerSGD: and Q) as they were: skip the step and go on with the next one. dopt_compress_encode returns it too, with the same state kept.
      Every rank learns it at no extra round trip (how: REFERENCE FOR CONTRIBUTORS below).
      The detection tests bits (an exponent of all ones) of the values each
      encoder reads in a pass it makes anyway (ternary's statistics, QSGD's norms, top-k's keys,
-     sign's scale, the fp16/bf16/fp32 conversion), so it holds in hosts built with -Ofast or
+     sign's scale, the fp16/bf16/fp32 conversion; PowerSGD: a pass over M and over each product
+     it makes), so it holds in hosts built with -Ofast or
      -ffast-math, where the compiler may assume that no float is NaN or infinite and fold
      isnan() or x != x away. The plain allreduce of distopt.h (dopt_allreduce) checks nothing:
      NaN and infinity pass through it like any value.
@@ -220,13 +241,42 @@
      stream per step and segment (the exact words each element uses: REFERENCE FOR CONTRIBUTORS
      below). A scale (ternary) or bucket norm (QSGD) below 1e-30, where 2^24/s would overflow
      a float, sends zero codes: a bias below 1e-30 per element. The result does not depend on
-     threading, vector width or call order, and a run can be replayed. The step counts encodes;
-     it is saved with the state.
+     threading, vector width or call order, and a run can be replayed. The step counts encodes
+     (and PowerSGD's steps); it is saved with the state. PowerSGD draws from the seed alone (the
+     same numbers on every rank): its first Q, and a column that Gram–Schmidt cannot keep
+     (POWERSGD below).
 
    ERROR FEEDBACK
      A wrapper around any codec: p = g + e is compressed instead of g, and e = p - C(p) where
      C(p) is exactly what the message decodes to (the rank's own message is decoded with weight
      -1 into p). The residual is per-rank state: save it with dopt_compress_state_save.
+     PowerSGD's C(p) is the averaged approximation every rank receives, M̂ = P·Qᵀ (its error
+     feedback is part of the method: Vogels et al., Algorithm 2).
+
+   POWERSGD (Vogels, Karimireddy, Jaggi 2019)
+     Compresses the segments that have a shape (dopt_segment's rows: a rows × cols matrix, row
+     by row) when r·(rows + cols) < rows·cols and the matrix holds at least powersgd_min
+     elements. Per compressed matrix, on each rank, with its residual E:
+         M = g + E;  P = M·Q;  P ← mean over the ranks;  P's columns made orthonormal;
+         Q = Mᵀ·P;  Q ← mean over the ranks;  output M̂ = P·Qᵀ;  E ← M − M̂.
+     Q is kept from one step to the next (the warm start: each step is one step of subspace
+     iteration, so the factors follow the gradient's leading directions from step to step).
+     Vectors (rows 0), small matrices and those that would not shrink go as fp32 and come back
+     as the exact fp32 mean, their residual 0. One step is two fp32 allreduces (DOPT_MEAN): the
+     first carries every P and the fp32 segments, the second every Q; a rank sends r·(rows +
+     cols) floats per compressed matrix, whatever the number of ranks (dopt_compress_bound).
+     The products go through OpenBLAS's sgemm when the implementation is built with
+     DOPT_USE_BLAS, through plain C loops otherwise; the orthonormalisation is modified
+     Gram–Schmidt in double, in plain C, columns in the order 0, 1, ..., r−1. A column that falls
+     to 1e-10 of its norm (zero, or in the span of those before it: a zero gradient, a matrix of
+     rank below r) is replaced by a random one drawn from the seed, the step and the segment,
+     then orthonormalised: zeros would stay zero through the warm start for good. Every rank
+     computes the output from the same averaged bytes with the same code, so the ranks of one
+     build on one kind of CPU end with bitwise the same gradient. Ranks on different CPU types
+     may not: OpenBLAS picks its sgemm kernel by CPU, and two kernels may round differently.
+     The first Q is uniform in (−1, 1), the same on every rank. The state (saved with
+     dopt_compress_state_save) holds the step, the residual and every Q; encode and decode are
+     DOPT_ERR_UNSUPPORTED (there is no message), and error feedback cannot be turned off.
 
    ERRORS (what to do)
      DOPT_ERR_NONFINITE   skip the step and go on: every rank of dopt_compress_allreduce got it
@@ -236,6 +286,7 @@
                           allreduce, or DOPT_ERR_MISMATCH: the ranks do not share one layout and
                           configuration (or one distopt release).
      DOPT_ERR_NOMEM       an allocation failed (init, the allreduce's first call).
+     DOPT_ERR_UNSUPPORTED encode or decode of PowerSGD, which has no message: use the allreduce.
      Others come from the collectives (distopt.h's ERRORS): the communicator is poisoned; end the
      rank with dopt_comm_finish(comm, status).
 
@@ -260,7 +311,8 @@ typedef enum dopt_codec {
     DOPT_CODEC_FP16 = 4,
     DOPT_CODEC_BF16 = 5,
     DOPT_CODEC_FP32 = 6,
-    DOPT_CODEC_MAJORITY = 7
+    DOPT_CODEC_MAJORITY = 7,
+    DOPT_CODEC_POWERSGD = 8
 } dopt_codec;
 
 typedef enum dopt_ef_mode { DOPT_EF_AUTO = 0, DOPT_EF_ON = 1, DOPT_EF_OFF = 2 } dopt_ef_mode;
@@ -295,6 +347,8 @@ typedef struct dopt_compressor_config {
     dopt_ef_mode error_feedback;
     dopt_aggregate aggregate;
     int majority_l1;
+    unsigned powersgd_rank;
+    size_t powersgd_min;
 } dopt_compressor_config;
 
 typedef struct dopt_compressor {
@@ -305,7 +359,7 @@ typedef struct dopt_compressor {
     size_t flat_end;            /* a flat buffer must hold this many elements */
     size_t msg_bytes;           /* every message's size */
     int ef;                     /* error feedback on */
-    uint64_t step;              /* encodes so far: the RNG counter */
+    uint64_t step;              /* encodes (PowerSGD: steps) so far: the RNG counter */
     float *residual;            /* EF: count floats */
     float *work;                /* EF: p = g + e, count floats */
     float *scales;              /* ternary: nsegs local/shared scales + a non-finite flag */
@@ -321,6 +375,11 @@ typedef struct dopt_compressor {
     unsigned char *ring_stage;  /* ... and the stage */
     int *ring_ranks;            /* ... the members of its rings */
     size_t ring_bytes, ring_nranks;
+    float *psgd_q;              /* PowerSGD: every compressed matrix's Q (cols × r), in order */
+    double *psgd_gs;            /* PowerSGD: Gram–Schmidt's columns, rows × r of the tallest */
+    size_t psgd_np;             /* PowerSGD: floats of the first allreduce (P's, the rest, a flag) */
+    size_t psgd_nq;             /* PowerSGD: floats of all Q's (the second allreduce adds a flag) */
+    size_t psgd_nmat;           /* PowerSGD: matrices it compresses */
 } dopt_compressor;
 
 DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
@@ -361,6 +420,15 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      (float)(Σ_r t_r) · (w·s), one rounding, in one write pass; other ternary segments (fp32,
      or scales not shared), other codecs and N > 127 accumulate the N messages in rank order
      into the zeroed segments, y += (w·s_r)·t_r.
+     PowerSGD exchanges no messages: its first allreduce (DOPT_MEAN of f32, in the message
+     buffer) carries, in segment order, each compressed matrix's P (rows × r, row-major) and
+     each other segment's M = g + e, then a flag; the second each compressed matrix's Q (cols ×
+     r) and a flag. Between them every rank orthonormalises the mean P it received and forms
+     its own Q = Mᵀ·P; after the second it writes M̂ = P·Qᵀ (or the mean), the residual, and
+     keeps Q. Its products are float sums in an order that one build on one CPU type fixes
+     (sgemm's blocking; the plain loops' j = 0, 1, ...); the output is not fused with the
+     residual (E = M − M̂ subtracts the stored output), so E is exact with multiply-adds fused
+     too (-ffp-contract=fast; -ffast-math may rewrite any of it).
 
    THE INTEGER RING
      Ternary segments (those not sent as fp32) are cut into groups of 64 elements, each
@@ -402,7 +470,9 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      the flag rides in the allreduce MAX of the scales, and the call returns before the message
      exchange; otherwise the rank sends a flagged message (the header with the non-finite flag,
      zeros after it) in the allgather it makes anyway, and every rank finds the flag before it
-     reads any body.
+     reads any body. PowerSGD: a rank that cannot go on zeroes its part of an allreduce and sets
+     its flag to 1; the mean of the flags is then above 0 on every rank, which stops before
+     writing anything (after the first allreduce: M or P; after the second: Q).
 
    RANDOMNESS
      Ternary and QSGD round with distopt's Philox generator, the stream (seed, rank,
@@ -413,6 +483,11 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      and up, of word e div 4) — four elements per word; l, 16 bits, is the low half of word
      2^63 + e, drawn only when h = A div 2^16 (probability 2^-8), since otherwise h alone
      decides.
+     PowerSGD keys Philox by (seed, rank 0) on every rank and maps a word w to the uniform
+     (w >> 8)·2^-23 − 1 in [−1, 1). The first Q of segment s: stream 2^63 + s, word k for
+     element k of Q (cols × r, row-major). A column j that Gram–Schmidt cannot keep, at step t:
+     stream t·2^32 + s, words (a·r + j)·rows + i for its element i at attempt a = 0..3 (the next
+     attempt when the draw too lies in the span of the columns before; zeros after four).
 
    WIRE FORMAT (little-endian; every message of a compressor has the same size)
 
@@ -460,7 +535,12 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
 
    STATE FORMAT
      dopt_compress_state_save writes the per-rank state as: magic "DOPS", version, codec, element
-     count, step, residual (f32 each, when EF is on).
+     count, step, residual (f32 each, when EF is on). The 32-byte header: u32 magic, u8 version
+     1, u8 codec, u8 EF on, u8 0, u64 elements, u64 step, 8 zero bytes. PowerSGD appends, after
+     the residual: u32 r, u32 compressed matrices, one 16-byte record per compressed matrix (u32
+     segment index, u32 0, u64 rows), then every compressed matrix's Q (cols × r f32, row-major),
+     in segment order. Load checks all of it against the compressor (and that every value is
+     finite) before it changes anything.
 */
 
 /* =====================================================================================
@@ -471,6 +551,7 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
 #define DOPT__COMPRESS_IMPLEMENTED
 
 #include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <string.h>
 
@@ -1792,12 +1873,14 @@ static size_t dopt__body_bytes(const dopt_compressor_config *cfg, size_t n) {
     case DOPT_CODEC_FP16:
     case DOPT_CODEC_BF16: return 2 * n;
     case DOPT_CODEC_FP32: return 4 * n;
+    case DOPT_CODEC_POWERSGD: break; /* no messages: POWERSGD below */
     }
     return 0;
 }
 
 static size_t dopt__message_bytes(const dopt_compressor *cz) {
     size_t i, total = DOPT_COMPRESS_HEADER_BYTES;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return 4 * (cz->psgd_np + cz->psgd_nq + 1); /* its two allreduces */
     for (i = 0; i < cz->nsegs; i++)
         total += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, cz->segs[i].count));
     return total;
@@ -1894,6 +1977,7 @@ static int dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank
         case DOPT_CODEC_FP16: finite = dopt__f16_encode(sp.ptr, data, n); break;
         case DOPT_CODEC_BF16: finite = dopt__bf16_encode(sp.ptr, data, n); break;
         case DOPT_CODEC_FP32: finite = dopt__f32_encode(sp.ptr, data, n); break;
+        case DOPT_CODEC_POWERSGD: break; /* no messages */
         }
         if (!finite) return 0;
         dopt__put_le64(rec, (uint64_t)n);
@@ -1969,6 +2053,7 @@ static int dopt__check_body(const dopt_compressor *cz, const unsigned char *m) {
         case DOPT_CODEC_FP16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__F16_INF); break;
         case DOPT_CODEC_BF16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__BF16_INF); break;
         case DOPT_CODEC_FP32: ok = ok && a == 0 && b == 0 && dopt__f32_bytes_finite(data, n); break;
+        case DOPT_CODEC_POWERSGD: ok = 0; break; /* no messages */
         }
         if (!ok) return 0;
         p = data + dopt__pad8(body);
@@ -2000,6 +2085,7 @@ static void dopt__accumulate(const dopt_compressor *cz, const unsigned char *m, 
         case DOPT_CODEC_FP16: dopt__f16_accum(sp.ptr, weight, data, n); break;
         case DOPT_CODEC_BF16: dopt__bf16_accum(sp.ptr, weight, data, n); break;
         case DOPT_CODEC_FP32: dopt__f32_accum(sp.ptr, weight, data, n); break;
+        case DOPT_CODEC_POWERSGD: break; /* no messages */
         }
         p = data + dopt__pad8(body);
     }
@@ -2008,6 +2094,7 @@ static void dopt__accumulate(const dopt_compressor *cz, const unsigned char *m, 
 DOPT_DEF dopt_status dopt_compress_decode(const dopt_compressor *cz, const void *msg, size_t bytes, float weight,
                                           const dopt_buf *accum) {
     if (cz == NULL || cz->segs == NULL || accum == NULL || (msg == NULL && bytes > 0)) return DOPT_ERR_INVALID;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return DOPT_ERR_UNSUPPORTED; /* two rounds, no message */
     if (!dopt__segment_matches(cz, accum)) return DOPT_ERR_INVALID;
     if (msg == NULL || dopt__check_header(cz, (const unsigned char *)msg, bytes) < 0) return DOPT_ERR_PROTOCOL;
     if (dopt__flagged_nonfinite((const unsigned char *)msg)) return DOPT_ERR_NONFINITE;
@@ -2102,12 +2189,16 @@ static void dopt__commit(dopt_compressor *cz, const unsigned char *own) {
     cz->step++;
 }
 
+/* PowerSGD's step (POWERSGD below): two allreduces instead of a message exchange. */
+static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads);
+
 DOPT_DEF size_t dopt_compress_bound(const dopt_compressor *cz) { return cz ? cz->msg_bytes : 0; }
 
 DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *grads, void *out, size_t capacity,
                                           size_t *bytes) {
     dopt_status s;
     if (cz == NULL || cz->segs == NULL || grads == NULL || out == NULL || bytes == NULL) return DOPT_ERR_INVALID;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return DOPT_ERR_UNSUPPORTED; /* two rounds, no message */
     if (capacity < cz->msg_bytes || !dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
     s = dopt__encode_local(cz, grads, cz->cfg.rank, (unsigned char *)out, NULL);
     *bytes = cz->msg_bytes; /* the flagged message too: a peer that decodes it learns the verdict */
@@ -3002,6 +3093,7 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     float weight;
     if (cz == NULL || cz->segs == NULL || comm == NULL || grads == NULL) return DOPT_ERR_INVALID;
     if (!dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return dopt__psgd_allreduce(cz, comm, grads);
     cz->gathered = 0;
     cz->path = DOPT_PATH_NONE;
     for (i = 0; i < cz->nsegs; i++) groups += dopt__ring_carries(cz, i) ? dopt__ring_groups(cz->segs[i].count) : 0;
@@ -3061,6 +3153,332 @@ DOPT_DEF const void *dopt_compress_message(const dopt_compressor *cz, int rank, 
     return cz->gather + (size_t)rank * cz->msg_bytes;
 }
 
+/* ===================================================================== POWERSGD */
+
+/* PowerSGD (Vogels, Karimireddy, Jaggi 2019; DESIGN §5.7), per compressed matrix M (rows × cols,
+   row-major) of a rank, with its residual E: M ← g + E; P = M·Q; P ← mean of P over the ranks;
+   P's columns made orthonormal; Q ← Mᵀ·P; Q ← mean of Q; output M̂ = P·Qᵀ; E ← M − M̂. Q stays
+   from one step to the next (the warm start: one step of subspace iteration per step). Two
+   allreduces (DOPT_MEAN of f32) per step, in cz->msg: the first carries [every P | the other
+   segments' values | a flag], psgd_np floats; the second [every Q | a flag], psgd_nq + 1. A flag
+   is 1 on a rank that cannot go on, so its mean is not 0 on every rank alike. Everything after
+   an allreduce is computed from the bytes every rank holds, by the same code in the same order:
+   every rank writes the same output. */
+
+#define DOPT__PSGD_MAX_RANK 64u
+/* |x| at or above 2^64 in M, P or Q — and NaN, ±inf — stops the step (NON-FINITE GRADIENTS):
+   below it every product the step makes stays far from overflowing (|P̂| <= 1, so |M̂| <=
+   r·2^64·(1 + ε) and |E| < 2^71). */
+#define DOPT__PSGD_LIMIT_BITS 0x5F800000u
+#define DOPT__PSGD_Q_STREAM ((uint64_t)1 << 63) /* Q's first draw: stream 2^63 + segment */
+
+/* Rows of segment i when PowerSGD compresses it, else 0: a matrix with r·(rows + cols) < count
+   (the factors are smaller than the matrix) and count >= powersgd_min. */
+static size_t dopt__psgd_rows(const dopt_compressor *cz, size_t i) {
+    size_t rows = cz->segs[i].rows, n = cz->segs[i].count;
+    if (cz->cfg.codec != DOPT_CODEC_POWERSGD || rows == 0 || n == 0 || n < cz->cfg.powersgd_min) return 0;
+    return rows + n / rows <= (n - 1) / cz->cfg.powersgd_rank ? rows : 0; /* r·(rows + cols) < n, no overflow */
+}
+
+/* n numbers uniform in [−1, 1) from words first.. of rng: 24 bits each, exact as floats. */
+static void dopt__psgd_uniform(const dopt_rng *rng, uint64_t first, float *out, size_t n) {
+    size_t i;
+    dopt_rng_uniform(rng, first, out, n);
+    for (i = 0; i < n; i++) out[i] = 2.0f * out[i] - 1.0f;
+}
+
+/* The products, row-major: P = M·Q (rows × r), Q = Mᵀ·P (cols × r), M̂ = P·Qᵀ (rows × cols).
+   OpenBLAS's sgemm with DOPT_USE_BLAS, plain loops otherwise; either way in float, the sums in
+   an order fixed by the sizes alone. */
+static void dopt__psgd_mq(const float *m, size_t rows, size_t cols, const float *q, size_t r, float *p) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)r, (int)cols, 1.0f, m, (int)cols, q,
+                (int)r, 0.0f, p, (int)r);
+#else
+    size_t i, j, k;
+    for (i = 0; i < rows; i++) {
+        const float *mi = m + i * cols;
+        float *pi = p + i * r;
+        for (k = 0; k < r; k++) pi[k] = 0.0f;
+        for (j = 0; j < cols; j++)
+            for (k = 0; k < r; k++) pi[k] += mi[j] * q[j * r + k];
+    }
+#endif
+}
+
+static void dopt__psgd_mtp(const float *m, size_t rows, size_t cols, const float *p, size_t r, float *q) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)cols, (int)r, (int)rows, 1.0f, m, (int)cols, p,
+                (int)r, 0.0f, q, (int)r);
+#else
+    size_t i, j, k;
+    for (j = 0; j < cols * r; j++) q[j] = 0.0f;
+    for (i = 0; i < rows; i++) {
+        const float *mi = m + i * cols, *pi = p + i * r;
+        for (j = 0; j < cols; j++)
+            for (k = 0; k < r; k++) q[j * r + k] += mi[j] * pi[k];
+    }
+#endif
+}
+
+static void dopt__psgd_pqt(const float *p, size_t rows, size_t cols, const float *q, size_t r, float *out) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)cols, (int)r, 1.0f, p, (int)r, q, (int)r,
+                0.0f, out, (int)cols);
+#else
+    size_t i, j, k;
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < cols; j++) {
+            float acc = 0.0f; /* not p·q alone for r = 1: E = M − M̂ must not fuse with it */
+            for (k = 0; k < r; k++) acc += p[i * r + k] * q[j * r + k];
+            out[i * cols + j] = acc;
+        }
+#endif
+}
+
+/* Modified Gram–Schmidt on column j of v (columns of `rows` doubles, one after another): made
+   orthogonal to columns 0 .. j−1, which are orthonormal, one at a time in that order, then
+   normalised. Returns 0, leaving it unnormalised, when its norm fell to 1e-10 of what it was (or
+   it was zero): it lay in their span, and normalising the rounding left would be noise. */
+static int dopt__psgd_gs_column(double *v, size_t rows, size_t j) {
+    double *x = v + j * rows, n0 = 0.0, n = 0.0, d;
+    size_t i, k;
+    for (k = 0; k < rows; k++) n0 += x[k] * x[k];
+    for (i = 0; i < j; i++) {
+        const double *u = v + i * rows;
+        for (d = 0.0, k = 0; k < rows; k++) d += u[k] * x[k];
+        for (k = 0; k < rows; k++) x[k] -= d * u[k];
+    }
+    for (k = 0; k < rows; k++) n += x[k] * x[k];
+    if (!(n > 1e-20 * n0)) return 0; /* norms squared: 1e-10 relative; n0 = 0 too */
+    n = sqrt(n);
+    for (k = 0; k < rows; k++) x[k] /= n;
+    return 1;
+}
+
+/* A column that Gram–Schmidt could not keep (zero, or in the span of those before it) becomes a
+   random one, orthonormalised the same way: the same on every rank (seed, step and segment
+   decide it), and never zero, so that Q = Mᵀ·P stays able to grow back and the warm start does
+   not stall on a zero column. Uniform (−1, 1) numbers keyed by (seed, rank 0), stream
+   step·2^32 + segment, words (attempt·r + j)·rows ..; the fourth failure leaves zeros (four
+   random vectors within the span of j < rows columns: never in practice). */
+static void dopt__psgd_replace_column(const dopt_compressor *cz, size_t seg, double *v, size_t rows, size_t j) {
+    float draw[DOPT__BLOCK];
+    double *x = v + j * rows;
+    dopt_rng rng;
+    uint64_t attempt, first;
+    size_t k, take, t;
+    dopt_rng_init(&rng, cz->cfg.seed, 0, (cz->step << 32) | (uint64_t)seg);
+    for (attempt = 0; attempt < 4; attempt++) {
+        first = (attempt * cz->cfg.powersgd_rank + j) * rows;
+        for (k = 0; k < rows; k += take) {
+            take = rows - k < DOPT__BLOCK ? rows - k : DOPT__BLOCK;
+            dopt__psgd_uniform(&rng, first + k, draw, take);
+            for (t = 0; t < take; t++) x[k + t] = (double)draw[t];
+        }
+        if (dopt__psgd_gs_column(v, rows, j)) return;
+    }
+    memset(x, 0, rows * sizeof(double));
+}
+
+/* P (rows × r, row-major, the mean every rank holds) gets orthonormal columns, computed in
+   double in plain C (no threaded library: the order of every sum is fixed), columns in the order
+   0, 1, ..., r−1. */
+static void dopt__psgd_orthonormalize(const dopt_compressor *cz, size_t seg, float *p, size_t rows) {
+    size_t r = cz->cfg.powersgd_rank, i, j;
+    double *v = cz->psgd_gs;
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < r; j++) v[j * rows + i] = (double)p[i * r + j];
+    for (j = 0; j < r; j++)
+        if (!dopt__psgd_gs_column(v, rows, j)) dopt__psgd_replace_column(cz, seg, v, rows, j);
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < r; j++) p[i * r + j] = (float)v[j * rows + i];
+}
+
+/* The first allreduce's buffer: every compressed matrix's P = M·Q and the other segments' M, in
+   segment order, M = g + e in the work buffer. 0 when a rank cannot go on (NaN or ±inf
+   anywhere, |x| >= 2^64 in a compressed matrix or its P): the buffer is then zeros. */
+static int dopt__psgd_first(dopt_compressor *cz, float *a) {
+    const float *m = cz->work, *q = cz->psgd_q;
+    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
+    float *out = a;
+    for (i = 0; i < cz->nsegs; i++, m += n) {
+        n = cz->segs[i].count;
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            if (dopt__absbits_max(m, n) > DOPT__F32_MAX_BITS) break;
+            if (n) memcpy(out, m, n * sizeof(float));
+            out += n;
+            continue;
+        }
+        cols = n / rows;
+        if (dopt__absbits_max(m, n) >= DOPT__PSGD_LIMIT_BITS) break;
+        dopt__psgd_mq(m, rows, cols, q, r, out);
+        if (dopt__absbits_max(out, rows * r) >= DOPT__PSGD_LIMIT_BITS) break;
+        out += rows * r;
+        q += cols * r;
+    }
+    if (i == cz->nsegs) return 1;
+    memset(a, 0, cz->psgd_np * sizeof(float));
+    return 0;
+}
+
+/* After the first allreduce: each mean P (in a) orthonormalised in place, and the second
+   allreduce's buffer b: every compressed matrix's Q = Mᵀ·P. 0 when a Q holds |x| >= 2^64 (or
+   NaN, ±inf): b is then zeros. */
+static int dopt__psgd_second(dopt_compressor *cz, float *a, float *b) {
+    const float *m = cz->work;
+    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
+    float *q = b;
+    for (i = 0; i < cz->nsegs; i++, m += n) {
+        n = cz->segs[i].count;
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            a += n;
+            continue;
+        }
+        cols = n / rows;
+        dopt__psgd_orthonormalize(cz, i, a, rows);
+        dopt__psgd_mtp(m, rows, cols, a, r, q);
+        if (dopt__absbits_max(q, cols * r) >= DOPT__PSGD_LIMIT_BITS) {
+            memset(b, 0, cz->psgd_nq * sizeof(float));
+            return 0;
+        }
+        a += rows * r;
+        q += cols * r;
+    }
+    return 1;
+}
+
+/* The step is done on every rank: grads gets M̂ = P·Qᵀ (compressed matrices) or the mean (the
+   others), E = M − M̂ (0 for the others, sent exactly), Q is kept for the next step. */
+static void dopt__psgd_commit(dopt_compressor *cz, const float *a, const float *b, const dopt_buf *grads) {
+    size_t r = cz->cfg.powersgd_rank, i, k, rows, cols, off = 0;
+    float *q = cz->psgd_q;
+    for (i = 0; i < cz->nsegs; i++) {
+        dopt_span sp = dopt_buf_segment(grads, i);
+        float *e = cz->residual + off;
+        const float *m = cz->work + off;
+        rows = dopt__psgd_rows(cz, i);
+        off += sp.count;
+        if (rows == 0) {
+            if (sp.count) memcpy(sp.ptr, a, sp.count * sizeof(float));
+            if (sp.count) memset(e, 0, sp.count * sizeof(float));
+            a += sp.count;
+            continue;
+        }
+        cols = sp.count / rows;
+        dopt__psgd_pqt(a, rows, cols, b, r, sp.ptr);
+        for (k = 0; k < sp.count; k++) e[k] = m[k] - sp.ptr[k];
+        memcpy(q, b, cols * r * sizeof(float));
+        a += rows * r;
+        b += cols * r;
+        q += cols * r;
+    }
+    cz->step++;
+}
+
+static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
+    float *a = (float *)(void *)cz->msg, *b = a + cz->psgd_np;
+    const char *prev;
+    dopt_status s;
+    cz->gathered = 0;
+    cz->cfg.rank = comm->rank;
+    dopt__ef_prepare(cz, grads); /* M = g + e, every segment, into the work buffer */
+    a[cz->psgd_np - 1] = dopt__psgd_first(cz, a) ? 0.0f : 1.0f;
+    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's P");
+    s = dopt_allreduce(comm, a, cz->psgd_np, DOPT_F32, DOPT_MEAN);
+    dopt_comm_set_api(comm, prev);
+    if (s != DOPT_OK) return s;
+    if (a[cz->psgd_np - 1] != 0.0f) return DOPT_ERR_NONFINITE;
+    b[cz->psgd_nq] = dopt__psgd_second(cz, a, b) ? 0.0f : 1.0f;
+    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's Q");
+    s = dopt_allreduce(comm, b, cz->psgd_nq + 1, DOPT_F32, DOPT_MEAN);
+    dopt_comm_set_api(comm, prev);
+    if (s != DOPT_OK) return s;
+    if (b[cz->psgd_nq] != 0.0f) return DOPT_ERR_NONFINITE;
+    dopt__psgd_commit(cz, a, b, grads);
+    return DOPT_OK;
+}
+
+/* At init: the sizes of the two allreduces, the Gram–Schmidt workspace, and every compressed
+   matrix's first Q, uniform in (−1, 1) from (seed, rank 0): the same on every rank. A
+   compressed matrix must have rows and cols below 2^31 (sgemm takes int). */
+static dopt_status dopt__psgd_init(dopt_compressor *cz) {
+    size_t r = cz->cfg.powersgd_rank, i, rows, cols, tallest = 0, nq = 0;
+    float *q;
+    dopt_rng rng;
+    cz->psgd_np = 1;
+    for (i = 0; i < cz->nsegs; i++) {
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            cz->psgd_np += cz->segs[i].count;
+            continue;
+        }
+        cols = cz->segs[i].count / rows;
+        if (rows > INT_MAX || cols > INT_MAX) return DOPT_ERR_INVALID;
+        cz->psgd_np += rows * r;
+        nq += cols * r;
+        tallest = rows > tallest ? rows : tallest;
+        cz->psgd_nmat++;
+    }
+    cz->psgd_nq = nq;
+    cz->psgd_q = (float *)DOPT_MALLOC((nq ? nq : 1) * sizeof(float));
+    cz->psgd_gs = (double *)DOPT_MALLOC((tallest ? tallest * r : 1) * sizeof(double));
+    if (cz->psgd_q == NULL || cz->psgd_gs == NULL) return DOPT_ERR_NOMEM;
+    for (q = cz->psgd_q, i = 0; i < cz->nsegs; i++) {
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        cols = cz->segs[i].count / rows;
+        dopt_rng_init(&rng, cz->cfg.seed, 0, DOPT__PSGD_Q_STREAM | (uint64_t)i);
+        dopt__psgd_uniform(&rng, 0, q, cols * r);
+        q += cols * r;
+    }
+    return DOPT_OK;
+}
+
+/* PowerSGD's part of the state, after the residual: u32 r, u32 compressed matrices, a 16-byte
+   record per matrix (u32 segment, u32 0, u64 rows), then every Q (cols × r f32). */
+static size_t dopt__psgd_state_bytes(const dopt_compressor *cz) {
+    return cz->cfg.codec == DOPT_CODEC_POWERSGD ? 8 + 16 * cz->psgd_nmat + 4 * cz->psgd_nq : 0;
+}
+
+static void dopt__psgd_state_save(const dopt_compressor *cz, unsigned char *o) {
+    size_t i;
+    dopt__put_le32(o, (uint32_t)cz->cfg.powersgd_rank);
+    dopt__put_le32(o + 4, (uint32_t)cz->psgd_nmat);
+    o += 8;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        dopt__put_le32(o, (uint32_t)i);
+        dopt__put_le32(o + 4, 0);
+        dopt__put_le64(o + 8, (uint64_t)rows);
+        o += 16;
+    }
+    if (cz->psgd_nq) memcpy(o, cz->psgd_q, 4 * cz->psgd_nq);
+}
+
+/* 1 when p holds this compressor's PowerSGD part: its r, its compressed matrices, finite Q's. */
+static int dopt__psgd_state_ok(const dopt_compressor *cz, const unsigned char *p) {
+    size_t i;
+    if (dopt__get_le32(p) != (uint32_t)cz->cfg.powersgd_rank || dopt__get_le32(p + 4) != (uint32_t)cz->psgd_nmat)
+        return 0;
+    p += 8;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        if (dopt__get_le32(p) != (uint32_t)i || dopt__get_le32(p + 4) != 0 || dopt__get_le64(p + 8) != (uint64_t)rows)
+            return 0;
+        p += 16;
+    }
+    return dopt__f32_bytes_finite(p, cz->psgd_nq);
+}
+
+static void dopt__psgd_state_load(dopt_compressor *cz, const unsigned char *p) {
+    if (cz->psgd_nq) memcpy(cz->psgd_q, p + 8 + 16 * cz->psgd_nmat, 4 * cz->psgd_nq);
+}
+
 /* ===================================================================== STATE SAVE / LOAD */
 
 #define DOPT__STATE_MAGIC 0x53504F44u /* "DOPS" */
@@ -3069,7 +3487,7 @@ DOPT_DEF const void *dopt_compress_message(const dopt_compressor *cz, int rank, 
 
 DOPT_DEF size_t dopt_compress_state_bytes(const dopt_compressor *cz) {
     if (cz == NULL) return 0;
-    return DOPT__STATE_HEADER + (cz->ef ? 4 * cz->count : 0);
+    return DOPT__STATE_HEADER + (cz->ef ? 4 * cz->count : 0) + dopt__psgd_state_bytes(cz);
 }
 
 DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity) {
@@ -3083,6 +3501,7 @@ DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *o
     dopt__put_le64(o + 8, (uint64_t)cz->count);
     dopt__put_le64(o + 16, cz->step);
     if (cz->ef && cz->count) memcpy(o + DOPT__STATE_HEADER, cz->residual, 4 * cz->count);
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_save(cz, o + DOPT__STATE_HEADER + 4 * cz->count);
     return DOPT_OK;
 }
 
@@ -3093,10 +3512,13 @@ DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *i
         p[4] != DOPT__STATE_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
         p[7] != 0 || dopt__get_le64(p + 8) != (uint64_t)cz->count || !dopt__zero_bytes(p + 24, 8))
         return DOPT_ERR_PROTOCOL;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD && !dopt__psgd_state_ok(cz, p + DOPT__STATE_HEADER + 4 * cz->count))
+        return DOPT_ERR_PROTOCOL;
     if (cz->ef && cz->count) {
         if (!dopt__f32_bytes_finite(p + DOPT__STATE_HEADER, cz->count)) return DOPT_ERR_PROTOCOL;
         memcpy(cz->residual, p + DOPT__STATE_HEADER, 4 * cz->count);
     }
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_load(cz, p + DOPT__STATE_HEADER + 4 * cz->count);
     cz->step = dopt__get_le64(p + 16);
     return DOPT_OK;
 }
@@ -3113,12 +3535,13 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec) {
     case DOPT_CODEC_BF16: return "bf16";
     case DOPT_CODEC_FP32: return "fp32";
     case DOPT_CODEC_MAJORITY: return "majority";
+    case DOPT_CODEC_POWERSGD: return "powersgd";
     }
     return "?";
 }
 
 static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
-    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_MAJORITY || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF ||
+    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_POWERSGD || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF ||
         (unsigned)c->aggregate > (unsigned)DOPT_AGG_RING || (unsigned)c->majority_l1 > 1u)
         return DOPT_ERR_INVALID;
     /* NaN first, by its bits: under -ffast-math GCC compiles x == 0 so that it holds for NaN, which
@@ -3134,10 +3557,17 @@ static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
     if (c->topk_ratio == 0.0) c->topk_ratio = 0.01;
     if (!(c->topk_ratio > 0.0 && c->topk_ratio <= 1.0)) return DOPT_ERR_INVALID;
     if (c->rank < 0) return DOPT_ERR_INVALID;
+    if (c->powersgd_rank == 0) c->powersgd_rank = 2;
+    if (c->powersgd_rank > DOPT__PSGD_MAX_RANK) return DOPT_ERR_INVALID;
+    if (c->powersgd_min == 0) c->powersgd_min = 4096;
+    /* PowerSGD without its error feedback does not converge well (Vogels et al. 2019, §4.1) */
+    if (c->codec == DOPT_CODEC_POWERSGD && c->error_feedback == DOPT_EF_OFF) return DOPT_ERR_INVALID;
     return DOPT_OK;
 }
 
-static int dopt__ef_default(dopt_codec codec) { return codec == DOPT_CODEC_TOPK || codec == DOPT_CODEC_SIGN; }
+static int dopt__ef_default(dopt_codec codec) {
+    return codec == DOPT_CODEC_TOPK || codec == DOPT_CODEC_SIGN || codec == DOPT_CODEC_POWERSGD;
+}
 
 DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
                                           const dopt_segment *segs, size_t nsegs) {
@@ -3157,6 +3587,8 @@ DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compre
         count += segs[i].count;
         max_seg = segs[i].count > max_seg ? segs[i].count : max_seg;
         if (c.codec == DOPT_CODEC_TOPK && segs[i].count > UINT32_MAX) return DOPT_ERR_INVALID;
+        if (c.codec == DOPT_CODEC_POWERSGD && segs[i].rows != 0 && segs[i].count % segs[i].rows != 0)
+            return DOPT_ERR_INVALID; /* not rows × cols (other codecs never read rows) */
     }
     if (count > SIZE_MAX / 8) return DOPT_ERR_INVALID;
     cz->cfg = c;
@@ -3169,6 +3601,13 @@ DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compre
     cz->segs = (dopt_segment *)DOPT_MALLOC(table);
     if (cz->segs == NULL) return DOPT_ERR_NOMEM;
     memcpy(cz->segs, segs, nsegs * sizeof(dopt_segment));
+    if (c.codec == DOPT_CODEC_POWERSGD) {
+        dopt_status s = dopt__psgd_init(cz);
+        if (s != DOPT_OK) {
+            dopt_compressor_free(cz);
+            return s;
+        }
+    }
     cz->msg_bytes = dopt__message_bytes(cz);
     cz->msg = (unsigned char *)DOPT_MALLOC(cz->msg_bytes);
     cz->scales = (float *)DOPT_MALLOC((2 * nsegs + 1) * sizeof(float));
@@ -3202,6 +3641,8 @@ DOPT_DEF void dopt_compressor_free(dopt_compressor *cz) {
     DOPT_FREE(cz->gather);
     DOPT_FREE(cz->ring_buf);
     DOPT_FREE(cz->ring_ranks);
+    DOPT_FREE(cz->psgd_q);
+    DOPT_FREE(cz->psgd_gs);
     memset(cz, 0, sizeof *cz);
 }
 

@@ -65,7 +65,17 @@
      A host holds its parameters and gradients either flat (one float array, optionally cut into
      segments, one per tensor or layer) or as a scatter list of {ptr, count} arrays. dopt_buf
      describes either; segment i of a gradient buffer corresponds to segment i of its parameters.
-     - dopt_segments_from_sizes(segs, sizes, nsegs, &total): fills consecutive segments from sizes.
+     - dopt_segment {offset, count, name, rows}: a segment of a flat buffer. rows, the last field,
+       gives it a shape: 0 (the default: initialisers of the first three fields leave it 0) is a
+       vector; otherwise the segment is a matrix of rows × (count / rows) elements stored row
+       by row, and count must be a multiple of rows. Only compressors that work on matrices read
+       it (compress.h's PowerSGD, whose init refuses a count that is not a multiple of rows);
+       every other call ignores it, so a table filled field by field, without rows, works as it
+       did. Initialisers of three fields still compile and mean a vector; GCC's and clang's
+       -Wextra warn about them (-Wmissing-field-initializers): add the fourth value, 0, or name
+       the fields ({.offset = 0, .count = n}) to silence it.
+     - dopt_segments_from_sizes(segs, sizes, nsegs, &total): fills consecutive segments from sizes
+       (vectors: rows 0).
      - dopt_buf_flat(data, n, segs, nsegs) / dopt_buf_scatter(spans, nspans): build descriptors
        (no copy, no allocation; the caller keeps the arrays alive while the descriptor is used).
      - dopt_buf_validate(&b): DOPT_ERR_INVALID for a NULL pointer with a non-zero count, or a
@@ -389,6 +399,7 @@ typedef struct dopt_segment {
     size_t offset;    /* first element of the segment in the flat buffer */
     size_t count;     /* elements */
     const char *name; /* optional, for messages; not copied */
+    size_t rows;      /* 0: a vector; else a rows × (count / rows) matrix, row-major */
 } dopt_segment;
 
 typedef struct dopt_span {
@@ -872,6 +883,7 @@ DOPT_DEF dopt_status dopt_segments_from_sizes(dopt_segment *segs, const size_t *
         segs[i].offset = off;
         segs[i].count = sizes[i];
         segs[i].name = NULL;
+        segs[i].rows = 0;
         off += sizes[i];
     }
     if (total) *total = off;

@@ -24,7 +24,7 @@
 typedef struct options {
     const char *transport;   /* shm, tcp, mpi, self; NULL: as the environment says (launch.h) */
     int workers;             /* ranks to fork when no launcher started this one; 0: DOPT_WORLD_SIZE, else 1 */
-    const char *compress;    /* none, ternary, qsgd, topk, sign, fp16, bf16 */
+    const char *compress;    /* none, ternary, qsgd, topk, sign, fp16, bf16, powersgd */
     int celgc;               /* 1 when --celgc eta,gamma was given */
     float celgc_eta, celgc_gamma;
     size_t period;
@@ -45,6 +45,7 @@ typedef struct options {
     double history;          /* adaptive batch: weight of earlier rounds' statistics, 0: this round's alone */
     double outer_lr;         /* DiLoCo's outer step size on each model average, 0: 1 (plain average) */
     double outer_momentum;   /* its Nesterov momentum, 0: none */
+    unsigned powersgd_rank;  /* --compress powersgd: the factors' rank r, 0: the library's default (2) */
 } options;
 
 /* --transport and --workers are shorthands for the environment launch.h reads (DOPT_TRANSPORT,
@@ -115,7 +116,8 @@ static inline const char *flag_choice(const char *flag, const char *v, const cha
 }
 
 static inline void usage(const char *prog, const char *own) {
-    printf("usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--compress none|ternary|qsgd|topk|sign|fp16|bf16]\n"
+    printf("usage: %s [--transport shm|tcp|mpi|self] [--workers N]\n"
+           "          [--compress none|ternary|qsgd|topk|sign|fp16|bf16|powersgd] [--powersgd-rank R]\n"
            "          [--celgc eta,gamma] [--period I] [--average grads|models] [--clip C] [--seed S]\n"
            "          [--steps N] [--epochs N] [--batch B] [--lr LR] [--adaptive-batch off|norm|ip|aip]\n"
            "          [--batch-eta X] [--max-batch-units U] [--batch-nu X] [--batch-history H]\n"
@@ -131,7 +133,7 @@ static inline void usage(const char *prog, const char *own) {
 }
 
 static const char *const transport_names[] = {"shm", "tcp", "mpi", "self", NULL};
-static const char *const codec_names[] = {"none", "ternary", "qsgd", "topk", "sign", "fp16", "bf16", "majority", NULL};
+static const char *const codec_names[] = {"none", "ternary", "qsgd", "topk", "sign", "fp16", "bf16", "majority", "powersgd", NULL};
 static const char *const adaptive_names[] = {"off", "norm", "ip", "aip", NULL};
 static const char *const average_names[] = {"grads", "models", NULL};
 
@@ -140,6 +142,7 @@ static inline int common_flag(options *o, const char *f, const char *v) {
     if (!strcmp(f, "--transport")) o->transport = flag_choice(f, v, transport_names);
     else if (!strcmp(f, "--workers")) o->workers = (int)flag_long(f, v, 1, 1024);
     else if (!strcmp(f, "--compress")) o->compress = flag_choice(f, v, codec_names);
+    else if (!strcmp(f, "--powersgd-rank")) o->powersgd_rank = (unsigned)flag_long(f, v, 1, 64);
     else if (!strcmp(f, "--celgc")) {
         char *end;
         o->celgc_eta = strtof(v, &end);
@@ -254,7 +257,7 @@ static inline int codec_from_name(const char *name, dopt_codec *codec) {
     static const struct { const char *name; dopt_codec codec; } table[] = {
         {"ternary", DOPT_CODEC_TERNARY}, {"qsgd", DOPT_CODEC_QSGD}, {"topk", DOPT_CODEC_TOPK},
         {"sign", DOPT_CODEC_SIGN},       {"fp16", DOPT_CODEC_FP16}, {"bf16", DOPT_CODEC_BF16},
-        {"majority", DOPT_CODEC_MAJORITY}};
+        {"majority", DOPT_CODEC_MAJORITY}, {"powersgd", DOPT_CODEC_POWERSGD}};
     size_t i;
     for (i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(name, table[i].name)) { *codec = table[i].codec; return 1; }
@@ -281,6 +284,7 @@ static inline int method_configs(const options *o, dopt_compressor *cz, dopt_com
     memset(ccfg, 0, sizeof *ccfg);
     ccfg->codec = codec;
     ccfg->seed = o->seed;
+    ccfg->powersgd_rank = o->powersgd_rank; /* PowerSGD compresses the segments that have rows */
     memset(lcfg, 0, sizeof *lcfg);
     lcfg->period = o->period;
     lcfg->sync_grads = sync;

@@ -10,6 +10,10 @@
 
        mpirun --allow-run-as-root -n 2 -x OPENBLAS_NUM_THREADS=1 build/fmnist_mlp --transport mpi
 
+   --compress powersgd (with --powersgd-rank R, default 2) sends rank-R factors of W1 and W2, the
+   weight matrices the segment table gives a shape; the biases and W3 (1280 elements, below
+   PowerSGD's 4096) go as fp32.
+
    Data: the Debian package dataset-fashion-mnist (gzip IDX files, read with zlib). One line per
    evaluation (at the end of every epoch, and --evals-per-epoch E times per epoch): epoch (a
    fraction between epoch ends), train loss since the previous evaluation (mean over ranks), test
@@ -219,7 +223,7 @@ static dopt_status evaluate(const evaluation *ev, const float *params, progress 
 }
 
 int main(int argc, char **argv) {
-    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0};
+    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0};
     size_t ntrain, ntest, nlabels, begin, end, per_rank, i, units;
     unsigned char *train_px, *test_px, *train_y, *test_y, *batch_y;
     float *train_x, *test_x, *params, *grads, *micro, *eval, *batch_x;
@@ -280,6 +284,7 @@ int main(int argc, char **argv) {
     sync = o.period == 1;
     ccfg.clip_c = lo.tern_clip;
     dopt_segments_from_sizes(segs, tensor_sizes, NTENSORS, NULL);
+    segs[0].rows = IN, segs[2].rows = H1, segs[4].rows = H2; /* distopt: W's shapes, in × out (PowerSGD's matrices) */
     lcfg.batch = adaptive ? &bc : NULL;
     if (compress) dopt_compressor_init(&cz, &ccfg, segs, NTENSORS);
     if (adaptive) dopt_batch_init(&bc, NPARAMS, &bcfg);

@@ -371,7 +371,7 @@ static void parse_config(const char *spec, config *c) {
     const char *eq = strchr(spec, '='), *body = eq ? eq + 1 : spec;
     char flag[16] = "";
     int got;
-    dopt_codec codec;
+    dopt_codec codec = DOPT_CODEC_FP32;
     memset(c, 0, sizeof *c);
     snprintf(c->label, sizeof c->label, "%.*s", eq ? (int)(eq - spec) : (int)strlen(spec), spec);
     got = sscanf(body, "%15[^:]:%lf:%zu:%15s", c->codec_name, &c->batch, &c->period, flag);
@@ -380,6 +380,8 @@ static void parse_config(const char *spec, config *c) {
     if (codec_from_name(c->codec_name, &codec) < 0)
         flag_error("configuration \"%s\": unknown codec \"%s\" (none, ternary, qsgd, topk, sign, fp16, bf16)", spec,
                    c->codec_name);
+    if (codec == DOPT_CODEC_POWERSGD) /* two allreduces and matrix products, no message to time */
+        flag_error("configuration \"%s\": the model has no powersgd (it times a codec's message)", spec);
     c->adaptive = got == 4;
 }
 

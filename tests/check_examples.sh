@@ -48,7 +48,7 @@ expect_message() {
 build least_squares
 expect_message 2 "error: --workers must be >= 1 (got 0)" "$BUILD/least_squares" --workers 0
 expect_message 2 "error: --period must be >= 1 (got 0)" "$BUILD/least_squares" --period 0
-expect_message 2 'error: --compress must be one of none, ternary, qsgd, topk, sign, fp16, bf16 (got "nonsense")' \
+expect_message 2 'error: --compress must be one of none, ternary, qsgd, topk, sign, fp16, bf16, majority, powersgd (got "nonsense")' \
     "$BUILD/least_squares" --compress nonsense
 expect_message 2 "error: --lr expects a number (got \"fast\")" "$BUILD/least_squares" --lr fast
 expect_message 2 "error: unknown flag --wokers" "$BUILD/least_squares" --wokers 2
@@ -77,6 +77,8 @@ if [ -r /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz ]; then
         --adaptive-batch aip --batch-eta 0.5 --max-batch-units 4
     expect converges "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048 \
         --compress ternary --tern-clip off --evals-per-epoch 2 --target-acc 10
+    expect converges "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048 \
+        --compress powersgd --powersgd-rank 4
 else
     echo "FAIL: Fashion-MNIST is missing (scripts/install-deps.sh installs dataset-fashion-mnist)"
     failed=1
@@ -106,4 +108,5 @@ fi
 build perf_model
 expect converges "$BUILD/perf_model" --transport shm --workers 2 --seconds 0.02 none:64:1 ternary:64:1 none:512:4:adaptive
 expect fails "$BUILD/perf_model" --transport self bogus:64:1
+expect fails "$BUILD/perf_model" --transport self powersgd:64:1
 exit $failed

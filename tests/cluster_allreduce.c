@@ -45,7 +45,7 @@ static float int_value(int rank, size_t i) { return (float)((int)((i * 7 + (size
    the messages: the same bits; then majority vote the same way. */
 static void compressed_by_host(dopt_comm *c) {
     size_t m = (size_t)1 << 20, i;
-    dopt_segment segs[2] = {{0, ((size_t)1 << 20) - 1000, "w"}, {((size_t)1 << 20) - 1000, 1000, "b"}};
+    dopt_segment segs[2] = {{0, ((size_t)1 << 20) - 1000, "w", 0}, {((size_t)1 << 20) - 1000, 1000, "b", 0}};
     float *g = (float *)malloc(m * sizeof(float)), *h = (float *)malloc(m * sizeof(float));
     int k;
     DT_CHECK(g != NULL && h != NULL);

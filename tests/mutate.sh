@@ -226,6 +226,20 @@ mutate shared-scale-is-min compress.h \
     'dopt_allreduce(share, cz->scales, cz->nsegs + 1, DOPT_F32, DOPT_MIN);' test_compress:equals_serial
 mutate ef-residual-sign compress.h \
     'dopt__accumulate(cz, msg, -1.0f, &e);' 'dopt__accumulate(cz, msg, 1.0f, &e);' test_compress:ef_residual
+mutate powersgd-warm-start-dropped compress.h \
+    '        memcpy(q, b, cols * r * sizeof(float));' '        (void)q;' test_powersgd:warm_start
+mutate powersgd-residual-sign compress.h \
+    'for (k = 0; k < sp.count; k++) e[k] = m[k] - sp.ptr[k];' 'for (k = 0; k < sp.count; k++) e[k] = sp.ptr[k] - m[k];' \
+    test_powersgd:residual
+mutate powersgd-gram-schmidt-order compress.h \
+    '    for (j = 0; j < r; j++)
+        if (!dopt__psgd_gs_column(v, rows, j))' '    for (j = r; j-- > 0;)
+        if (!dopt__psgd_gs_column(v, rows, j))' test_powersgd:warm_start
+mutate powersgd-dependent-column-left-zero compress.h \
+    'for (attempt = 0; attempt < 4; attempt++) {' 'for (attempt = 0; attempt > 4; attempt++) {' test_powersgd:zero_gradient
+mutate powersgd-q-flag-ignored compress.h \
+    'b[cz->psgd_nq] = dopt__psgd_second(cz, a, b) ? 0.0f : 1.0f;' 'b[cz->psgd_nq] = 0.0f * (float)dopt__psgd_second(cz, a, b);' \
+    test_powersgd:nonfinite
 
 mutate ring-width-a-bit-short compress.h \
     'while (((uint64_t)1 << w) < 2 * k + 1) w++;' 'while (((uint64_t)1 << w) < 2 * k) w++;' test_ring:integer_ring

@@ -208,9 +208,10 @@ DTEST_WORLDS(group_collectives_allocate_nothing_after_the_first_call, group_coll
 
 /* ------------------------------------------------------------------ the compressed allreduce */
 
-/* Three tensors with gaps between them, one of them smaller than fp32_below below. */
+/* Three tensors with gaps between them, one of them smaller than fp32_below below; w1 is a
+   256 × 256 matrix (only PowerSGD reads the shape). */
 #define CZ_ELEMS (65536 + 5 + 64 + 4099 + 2)
-static const dopt_segment cz_segs[3] = {{0, 65536, "w1"}, {65536 + 5, 64, "b1"}, {65536 + 5 + 64, 4099, "w2"}};
+static const dopt_segment cz_segs[3] = {{0, 65536, "w1", 256}, {65536 + 5, 64, "b1"}, {65536 + 5 + 64, 4099, "w2"}};
 
 typedef struct codec_case {
     const char *name;
@@ -230,6 +231,7 @@ static const codec_case codec_cases[] = {
     {"fp16", {.codec = DOPT_CODEC_FP16}},
     {"bf16", {.codec = DOPT_CODEC_BF16}},
     {"fp32", {.codec = DOPT_CODEC_FP32}},
+    {"powersgd (w1 compressed)", {.codec = DOPT_CODEC_POWERSGD, .seed = 42, .powersgd_rank = 4}},
 };
 
 typedef struct compress_run {

@@ -1203,7 +1203,7 @@ DTEST(config_defaults_and_invalid_values) {
     DT_OK(dopt_compressor_init(&cz, &cfg, &seg, 1));
     DT_CHECK(cz.cfg.clip_c == DOPT_CLIP_OFF);
     dopt_compressor_free(&cz);
-    cfg = config_of((dopt_codec)(DOPT_CODEC_MAJORITY + 1));
+    cfg = config_of((dopt_codec)(DOPT_CODEC_POWERSGD + 1));
     DT_EQ_INT(dopt_compressor_init(&cz, &cfg, &seg, 1), DOPT_ERR_INVALID);
     cfg = config_of(DOPT_CODEC_MAJORITY);
     cfg.majority_l1 = 2;
