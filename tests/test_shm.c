@@ -521,7 +521,7 @@ DTEST(segment_of_other_protocol_version_is_refused_while_held) {
     munmap(words, 4096); /* the mapping holds the open file too: both go to release the lock */
     close(fd);           /* the segment is now a dead job's */
     sleep(3);
-    cfg = config_for(name, 0, 0, 5000, NULL);
+    cfg = config_for(name, 0, 0, 30000, NULL); /* a bound on the join, not a figure: loaded machines are slow */
     DT_OK(dopt_shm_fork(&c, 2, &cfg));
     DT_OK(dopt_barrier(c));
     DT_EQ_INT(dopt_comm_finish(c, 0), 0);
