@@ -38,7 +38,17 @@
 
    What it leaves out: evaluation (fmnist_mlp takes it off its clock), the steps' variation (the
    median is used), overlap (none in fmnist_mlp: every call blocks), and a world of one (N = 1: the
-   self backend's collectives are copies, measured like any other). */
+   self backend's collectives are copies, measured like any other).
+
+   --project: no world, a projection instead. From this core's compute (the MLP per sample,
+   TernGrad's encode and decode per element, a PowerSGD step) and an α-β model of the schedules
+   (PROJECTION below), the samples per second of fp32, TernGrad's allgather, TernGrad's integer
+   ring, PowerSGD and local SGD at N = 2 .. 1024 ranks on hosts of --ranks-per-host ranks, for each
+   link rate of --gbits, as a table on stdout, DIR/projection.csv and (with gnuplot)
+   DIR/projection.png:
+
+       OPENBLAS_NUM_THREADS=1 build/perf_model --project --layers 4096,4096,4096,1000 --batch 32 \
+           --ranks-per-host 8 --gbits 1,10 --out docs/img */
 #define DISTOPT_IMPLEMENTATION
 #include "distopt.h"
 #include "transport_shm.h"
@@ -63,13 +73,19 @@ typedef struct model_options {
     const char *csv;
     const char *configs[MAX_CONFIGS];
     int nconfigs;
+    int project;         /* --project: the projection below instead of the measured model */
+    int local, period, rank; /* --ranks-per-host, --period, --rank (PowerSGD's r) */
+    double link_us, intra_gbs, intra_us; /* --link-us, --intra-gbs, --intra-us */
+    const char *gbits, *out; /* --gbits 1,10; --out DIR */
 } model_options;
 
 static void model_usage(const char *prog) {
     printf("usage: %s [--transport shm|tcp|mpi|self] [--workers N] [--layers 784,256,128,10] [--batch B]\n"
            "          [--sample-us X] [--alpha-us A --beta-gbs B] [--seconds S] [--csv FILE]\n"
-           "          [LABEL=]CODEC:B:I[:adaptive] ...\n",
-           prog);
+           "          [LABEL=]CODEC:B:I[:adaptive] ...\n"
+           "       %s --project [--layers ...] [--batch B] [--sample-us X] [--ranks-per-host L] [--gbits 1,10]\n"
+           "          [--link-us A] [--intra-gbs G] [--intra-us A] [--period I] [--rank R] [--out DIR]\n",
+           prog, prog);
     exit(0);
 }
 
@@ -78,6 +94,10 @@ static void parse_model_options(model_options *mo, int argc, char **argv) {
     for (i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) model_usage(argv[0]);
+        if (!strcmp(f, "--project")) {
+            mo->project = 1;
+            continue;
+        }
         if (strncmp(f, "--", 2)) {
             if (mo->nconfigs == MAX_CONFIGS) flag_error("at most %d configurations (got more)", MAX_CONFIGS);
             mo->configs[mo->nconfigs++] = f;
@@ -93,6 +113,14 @@ static void parse_model_options(model_options *mo, int argc, char **argv) {
         else if (!strcmp(f, "--beta-gbs")) mo->beta_gbs = flag_double(f, v, 0, 1e12, 0);
         else if (!strcmp(f, "--seconds")) mo->seconds = flag_double(f, v, 1e-6, 1e6, 0);
         else if (!strcmp(f, "--csv")) mo->csv = v;
+        else if (!strcmp(f, "--ranks-per-host")) mo->local = (int)flag_long(f, v, 1, 1024);
+        else if (!strcmp(f, "--period")) mo->period = (int)flag_long(f, v, 1, 1 << 20);
+        else if (!strcmp(f, "--rank")) mo->rank = (int)flag_long(f, v, 1, 64);
+        else if (!strcmp(f, "--link-us")) mo->link_us = flag_double(f, v, 0, 1e9, 0);
+        else if (!strcmp(f, "--intra-gbs")) mo->intra_gbs = flag_double(f, v, 1e-6, 1e9, 0);
+        else if (!strcmp(f, "--intra-us")) mo->intra_us = flag_double(f, v, 0, 1e9, 0);
+        else if (!strcmp(f, "--gbits")) mo->gbits = v;
+        else if (!strcmp(f, "--out")) mo->out = v;
         else if (!strcmp(f, "--layers")) {
             char *end = (char *)v;
             for (mo->nlayers = 0; mo->nlayers < MAX_LAYERS && *end; end += *end == ',') {
@@ -385,6 +413,196 @@ static void parse_config(const char *spec, config *c) {
     c->adaptive = got == 4;
 }
 
+
+/* ===================================================================== PROJECTION (--project)
+
+   Samples per second of each method at N = 2 .. 1024 ranks on hosts of L ranks (H = N / L hosts;
+   N < L: one host), for each link rate, from an α-β model of the schedules distopt runs and the
+   compute this core measures (no world: it runs alone). Per step of b samples per rank:
+
+     T = b·t_sample + C_method
+     fp32        the allreduce of 4n bytes: within a host a ring (2(L-1)/L of the bytes at the
+                 host's rate, 2(L-1) latencies), across hosts one ring per place carrying 1/L
+                 each, so a host's link carries 2(H-1)/H of the bytes (2(H-1) latencies); flat
+                 across hosts when L = 1
+     tern-ag     TernGrad's message m (2 bits per element) to every rank: (N-1) messages over
+                 each host's link (a ring through the ranks in host order), then N messages
+                 summed per element; plus the encode
+     tern-ring   TernGrad's integer ring by host: within the host the sums of 1..L-1 ranks and
+                 the final ones, across hosts those of L..(H-1)L and the final ones, each
+                 ceil(log2(2k+1)) bits per element (compress.h: THE INTEGER RING); plus the encode
+                 and a fold per element and step
+     powersgd    two fp32 allreduces of r·(rows + cols) floats per matrix (and the vectors), plus
+                 the products and orthonormalisation this core times
+     local-I     the fp32 allreduce of the model every I steps
+   The schedule column says which each takes (two-level or flat). What it leaves out: overlap of
+   compute and communication (none in these loops), congestion beyond one link per host, and
+   the rates of real NICs and switches (give them: --gbits, --link-us, --intra-gbs). */
+
+typedef struct projection {
+    int L, period, rank, batch;
+    double link_us, intra_gbs, intra_us, gbits[4];
+    int ngbits;
+    const char *out;
+    double t_sample, c_enc, c_dec, t_psgd; /* measured here: seconds per sample, per element, per step */
+    size_t n, vec, nmat, psgd_floats_p, psgd_floats_q;
+    size_t rows[MAX_LAYERS], cols[MAX_LAYERS];
+} projection;
+
+static unsigned proj_width(double k) {
+    unsigned w = 0;
+    while ((double)(1ull << w) < 2 * k + 1) w++;
+    return w;
+}
+
+/* Seconds of an allreduce of `bytes` over H hosts of L ranks, link R bytes/s. */
+static double proj_allreduce(const projection *p, double bytes, int H, int L, double R) {
+    double intra = L > 1 ? 2.0 * (L - 1) / L * bytes / (p->intra_gbs * 1e9) + 2.0 * (L - 1) * p->intra_us * 1e-6 : 0;
+    double cross = H > 1 ? 2.0 * (H - 1) / H * bytes / R + 2.0 * (H - 1) * p->link_us * 1e-6 : 0;
+    return intra + cross;
+}
+
+/* The integer ring's seconds: bytes each host link carries and each rank moves within its host. */
+static double proj_ring(const projection *p, int H, int L, double R) {
+    double n = (double)p->n, N = (double)H * L, wN = proj_width(N), cross = 0, intra = 0, steps = 0;
+    int k;
+    for (k = 1; k < L; k++) intra += proj_width(k);
+    intra = (n / L) * (intra + (L - 1) * wN) / 8; /* bytes one rank receives within its host */
+    for (k = 1; k < H; k++) cross += proj_width((double)k * L);
+    cross = (n / H) * (cross + (H - 1) * wN) / 8; /* bytes a host's link carries (L places share it) */
+    steps = 2.0 * (H - 1);
+    return cross / R + steps * p->link_us * 1e-6 + intra / (p->intra_gbs * 1e9) + 2.0 * (L - 1) * p->intra_us * 1e-6 +
+           n * ((L - 1.0) / L + (H - 1.0) / (H * L)) * p->c_dec;
+}
+
+/* C_method (seconds per step) and the schedule's name. */
+static double proj_method(const projection *p, int m, int H, int L, double R, const char **schedule) {
+    double n = (double)p->n, N = (double)H * L, msg = n / 4 + 32 + 16.0 * 2 * p->nmat, f32 = 4 * n;
+    *schedule = H > 1 && L > 1 ? "two-level" : "flat";
+    switch (m) {
+    case 0: return proj_allreduce(p, f32, H, L, R);
+    case 1:
+        *schedule = "allgather";
+        return (N - 1) * (msg / (H > 1 ? R : p->intra_gbs * 1e9) + (H > 1 ? p->link_us : p->intra_us) * 1e-6) +
+               n * (p->c_enc + N * p->c_dec);
+    case 2: return proj_ring(p, H, L, R) + n * (p->c_enc + p->c_dec);
+    case 3:
+        return proj_allreduce(p, 4.0 * (double)p->psgd_floats_p, H, L, R) +
+               proj_allreduce(p, 4.0 * (double)p->psgd_floats_q, H, L, R) + p->t_psgd;
+    default: return proj_allreduce(p, f32, H, L, R) / p->period;
+    }
+}
+
+static const char *const proj_names[5] = {"fp32", "tern-allgather", "tern-ring", "powersgd", "local-sgd"};
+
+static void run_psgd_step(void *ctx) {
+    buffers *u = ctx;
+    memcpy(u->b, u->a, u->count * sizeof(float));
+    dopt_compress_allreduce(u->cz, u->comm, u->b, u->count);
+}
+
+static int project_main(const model_options *mo, projection *p) {
+    dopt_comm *self;
+    mlp m;
+    buffers u;
+    dopt_compressor cz;
+    dopt_compressor_config cfg;
+    dopt_segment segs[MAX_LAYERS * 2];
+    size_t i, nsegs = 2 * (size_t)(mo->nlayers - 1);
+    int gi, N, meth;
+    char path[1024];
+    FILE *csv;
+    if (dopt_comm_create_self(&self) != DOPT_OK) return 1;
+    p->n = mlp_params(mo->layers, mo->nlayers);
+    for (i = 0; i + 1 < (size_t)mo->nlayers; i++) {
+        segs[2 * i].count = (size_t)mo->layers[i] * (size_t)mo->layers[i + 1];
+        segs[2 * i].rows = (size_t)mo->layers[i + 1]; /* W: outputs × inputs */
+        segs[2 * i + 1].count = (size_t)mo->layers[i + 1];
+        segs[2 * i + 1].rows = 0;
+        segs[2 * i].name = segs[2 * i + 1].name = NULL;
+    }
+    for (i = 0; i < nsegs; i++) segs[i].offset = i ? segs[i - 1].offset + segs[i - 1].count : 0;
+    /* this core: the MLP per sample, TernGrad's encode and decode per element, PowerSGD's step */
+    mlp_init(&m, mo->layers, mo->nlayers, mo->micro, 0);
+    p->t_sample = mo->sample_us > 0 ? mo->sample_us * 1e-6 : measure(self, mlp_micro_batch, &m, mo->seconds) / mo->micro;
+    memset(&u, 0, sizeof u);
+    u.comm = self, u.count = p->n;
+    u.a = m.grads;
+    u.b = malloc(p->n * sizeof(float));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.seed = 1;
+    if (u.b == NULL || dopt_compressor_init(&cz, &cfg, segs, nsegs) != DOPT_OK) return dopt_comm_finish(self, 1);
+    u.cz = &cz, u.msg_bytes = dopt_compress_bound(&cz), u.msg = malloc(u.msg_bytes);
+    p->c_enc = measure(self, run_encode, &u, mo->seconds / 2) / (double)p->n;
+    p->c_dec = measure(self, run_decode, &u, mo->seconds / 2) / (double)p->n;
+    free(u.msg);
+    dopt_compressor_free(&cz);
+    cfg.codec = DOPT_CODEC_POWERSGD;
+    cfg.powersgd_rank = (unsigned)p->rank;
+    if (dopt_compressor_init(&cz, &cfg, segs, nsegs) != DOPT_OK) return dopt_comm_finish(self, 1);
+    u.cz = &cz;
+    p->t_psgd = measure(self, run_psgd_step, &u, mo->seconds / 2);
+    p->psgd_floats_p = p->psgd_floats_q = 0;
+    for (i = 0; i < nsegs; i++) {
+        size_t rows = segs[i].rows, n = segs[i].count;
+        int squeezed = rows && (size_t)p->rank * (rows + n / rows) < n && n >= 4096;
+        p->psgd_floats_p += squeezed ? (size_t)p->rank * rows : n;
+        p->psgd_floats_q += squeezed ? (size_t)p->rank * (n / rows) : 0;
+    }
+    dopt_compressor_free(&cz);
+    if (strlen(p->out) > 300) flag_error("--out: a directory name of at most 300 characters");
+    snprintf(path, sizeof path, "%s/projection.csv", p->out);
+    if ((csv = fopen(path, "w")) == NULL) {
+        fprintf(stderr, "perf_model: cannot write %s (does the directory exist?)\n", path);
+        return dopt_comm_finish(self, 1);
+    }
+    fprintf(csv, "gbits,ranks,hosts,local,method,schedule,comm_ms,step_ms,samples_per_s\n");
+    printf("perf_model --project: MLP of %zu parameters, %d samples per rank and step, hosts of %d ranks\n", p->n,
+           p->batch, p->L);
+    printf("  measured on this core: %.2f us per sample, TernGrad encode %.2f ns and decode %.2f ns per element,\n"
+           "  PowerSGD r = %d step %.1f us; links %.0f us per message, within a host %.1f GB/s and %.1f us\n",
+           1e6 * p->t_sample, 1e9 * p->c_enc, 1e9 * p->c_dec, p->rank, 1e6 * p->t_psgd, p->link_us, p->intra_gbs,
+           p->intra_us);
+    for (gi = 0; gi < p->ngbits; gi++) { /* the table, a row per world size */
+        double R = p->gbits[gi] * 1e9 / 8;
+        printf("\n  %.0f Gbit/s: samples per second (schedule)\n  %6s %6s", p->gbits[gi], "ranks", "hosts");
+        for (meth = 0; meth < 5; meth++) printf(" %24s", proj_names[meth]);
+        printf("\n");
+        for (N = 2; N <= 1024; N *= 2) {
+            int L = N < p->L ? N : p->L, H = N / L;
+            printf("  %6d %6d", N, H);
+            for (meth = 0; meth < 5; meth++) {
+                const char *sched;
+                double t = p->batch * p->t_sample + proj_method(p, meth, H, L, R, &sched);
+                printf(" %12.0f %-11s", N * p->batch / t, sched);
+            }
+            printf("\n");
+        }
+    }
+    for (gi = 0; gi < p->ngbits; gi++) /* the CSV, a run of rows per rate and method (the figure's lines) */
+        for (meth = 0; meth < 5; meth++)
+            for (N = 2; N <= 1024; N *= 2) {
+                int L = N < p->L ? N : p->L, H = N / L;
+                const char *sched;
+                double c = proj_method(p, meth, H, L, p->gbits[gi] * 1e9 / 8, &sched), t = p->batch * p->t_sample + c;
+                fprintf(csv, "%g,%d,%d,%d,%s,%s,%.4f,%.4f,%.1f\n", p->gbits[gi], N, H, L, proj_names[meth], sched,
+                        1e3 * c, 1e3 * t, N * p->batch / t);
+            }
+    fclose(csv);
+    printf("\n  table: %s\n", path);
+    snprintf(path, sizeof path, "command -v gnuplot >/dev/null 2>&1 && cd '%s' && gnuplot -e \"set terminal pngcairo size 1000,420; "
+             "set output 'projection.png'; set datafile separator ','; set logscale x 2; set logscale y 10; set format y '10^{%%L}'; set key top left; "
+             "set xlabel 'ranks'; set ylabel 'samples per second'; set multiplot layout 1,2; "
+             "do for [g in '%g %g'] { set title g.' Gbit/s between hosts, %d ranks per host'; "
+             "plot for [m in 'fp32 tern-allgather tern-ring powersgd local-sgd'] 'projection.csv' "
+             "using (\\$1 == g+0 && strcol(5) eq m ? \\$2 : NaN):9 with linespoints title m }; unset multiplot\"",
+             p->out, p->gbits[0], p->gbits[p->ngbits > 1 ? 1 : 0], p->L);
+    if (system(path) == 0) printf("  figure: %s/projection.png\n", p->out);
+    free(u.b);
+    mlp_free(&m);
+    return dopt_comm_finish(self, 0);
+}
+
 int main(int argc, char **argv) {
     model_options mo;
     ingredients g;
@@ -404,7 +622,23 @@ int main(int argc, char **argv) {
     mo.comm.adaptive = "off";
     mo.layers[0] = 784, mo.layers[1] = 256, mo.layers[2] = 128, mo.layers[3] = 10, mo.nlayers = 4;
     mo.micro = 64, mo.seconds = 0.2;
+    mo.local = 8, mo.period = 8, mo.rank = 4, mo.link_us = 50, mo.intra_gbs = 10, mo.intra_us = 5;
+    mo.gbits = "1,10", mo.out = ".";
     parse_model_options(&mo, argc, argv);
+    if (mo.project) {
+        projection p;
+        char *end = (char *)mo.gbits;
+        memset(&p, 0, sizeof p);
+        p.L = mo.local, p.period = mo.period, p.rank = mo.rank, p.batch = mo.micro;
+        p.link_us = mo.link_us, p.intra_gbs = mo.intra_gbs, p.intra_us = mo.intra_us, p.out = mo.out;
+        while (*end && p.ngbits < 4) {
+            double g = strtod(end, &end);
+            if (!(g > 0) || (*end != ',' && *end != '\0')) flag_error("--gbits expects rates > 0 separated by commas (got \"%s\")", mo.gbits);
+            p.gbits[p.ngbits++] = g;
+            end += *end == ',';
+        }
+        return project_main(&mo, &p);
+    }
     for (i = 0; i < mo.nconfigs; i++) parse_config(mo.configs[i], &cfgs[i]);
     export_launch_flags(&mo.comm);
     if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;

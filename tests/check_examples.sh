@@ -3,7 +3,7 @@
 # over shared memory in fp32, with TernGrad, with local SGD and compressed deltas, with CELGC at
 # period 4, with DiLoCo's outer optimizer at period 8, and over MPI — and must report failure when the step size makes SGD diverge;
 # fmnist_mlp must run one short epoch, with fixed and with adaptive batches; perf_model must
-# measure its ingredients and predict. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
+# measure its ingredients and predict, and project to 1024 ranks. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
 # examples there through the Makefile when they are missing or stale. A few seconds.
 set -u
 
@@ -109,4 +109,17 @@ build perf_model
 expect converges "$BUILD/perf_model" --transport shm --workers 2 --seconds 0.02 none:64:1 ternary:64:1 none:512:4:adaptive
 expect fails "$BUILD/perf_model" --transport self bogus:64:1
 expect fails "$BUILD/perf_model" --transport self powersgd:64:1
+# The projection: a row per rate, method and world size 2..1024; TernGrad's allgather stops
+# growing across hosts while its integer ring keeps scaling (1 Gbit/s, 1024 ranks: several times).
+proj=$(mktemp -d)
+if "$BUILD/perf_model" --project --seconds 0.02 --out "$proj" >/dev/null 2>&1 &&
+    awk -F, 'NR > 1 { rows++ } $1 == 1 && $2 == 1024 { sps[$5] = $9 }
+             END { exit !(rows == 100 && sps["tern-ring"] > 3 * sps["tern-allgather"] && sps["fp32"] > sps["tern-allgather"]) }' \
+        "$proj/projection.csv"; then
+    echo "ok   projection: 100 rows in $proj/projection.csv; at 1024 ranks the integer ring outruns the allgather"
+else
+    echo "FAIL projection: $BUILD/perf_model --project --out $proj"
+    failed=1
+fi
+rm -rf "$proj"
 exit $failed
