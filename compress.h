@@ -2382,15 +2382,17 @@ DOPT__MAYBE_UNUSED static unsigned dopt__ring_fold_portable(const dopt__planes *
     return bad;
 }
 
-/* y[t] = (float)(v_t - K) · scale for the first n elements of the groups at in. */
+/* The first n elements of the groups at in, S = v - K: y = (float)S · scale, or with vote
+   (majority) y = ±scale by the sign of S, 0 where S = 0 (a tie). */
 DOPT__MAYBE_UNUSED static void dopt__ring_decode_portable(float *DOPT_RESTRICT y, size_t n, int K, unsigned w, float scale,
-                                                         const unsigned char *DOPT_RESTRICT in) {
+                                                         int vote, const unsigned char *DOPT_RESTRICT in) {
     size_t i, t;
     for (i = 0; i < n; i += DOPT__BLOCK, in += 8 * w) {
         uint16_t v[DOPT__BLOCK];
         size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
         dopt__ring_unpack(in, w, v);
-        for (t = 0; t < m; t++) y[i + t] = (float)((int)v[t] - K) * scale;
+        for (t = 0; t < m; t++)
+            y[i + t] = vote ? (v[t] > K ? scale : v[t] < K ? -scale : 0.0f) : (float)((int)v[t] - K) * scale;
     }
 }
 
@@ -2449,10 +2451,10 @@ static unsigned dopt__ring_fold_avx512(const dopt__planes *a, const dopt__planes
     return bad != 0;
 }
 
-static void dopt__ring_decode_avx512(float *DOPT_RESTRICT y, size_t n, int K, unsigned w, float scale,
+static void dopt__ring_decode_avx512(float *DOPT_RESTRICT y, size_t n, int K, unsigned w, float scale, int vote,
                                      const unsigned char *DOPT_RESTRICT in) {
     const __m512i bias = _mm512_set1_epi16((short)K);
-    const __m512 vv = _mm512_set1_ps(scale);
+    const __m512 vv = _mm512_set1_ps(scale), neg = _mm512_set1_ps(-scale);
     size_t i;
     for (i = 0; i < n; i += DOPT__BLOCK, in += 8 * w) {
         __m512i v[2];
@@ -2460,10 +2462,13 @@ static void dopt__ring_decode_avx512(float *DOPT_RESTRICT y, size_t n, int K, un
         dopt__ring_unpack_avx512(in, w, &v[0], &v[1]);
         for (h = 0; h < 2; h++) {
             __m512i s = _mm512_sub_epi16(v[h], bias);
+            uint32_t gt = _mm512_cmpgt_epi16_mask(v[h], bias), lt = _mm512_cmplt_epi16_mask(v[h], bias);
             for (q = 0; q < 2; q++) {
                 size_t at = i + (size_t)(32 * h + 16 * q);
                 __m256i half = q ? _mm512_extracti64x4_epi64(s, 1) : _mm512_castsi512_si256(s);
-                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half)), vv);
+                __m512 f = vote ? _mm512_mask_mov_ps(_mm512_maskz_mov_ps((__mmask16)(gt >> 16 * q), vv),
+                                                     (__mmask16)(lt >> 16 * q), neg)
+                                : _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half)), vv);
                 if (at + 16 <= n)
                     _mm512_storeu_ps(y + at, f);
                 else if (at < n)
@@ -2535,57 +2540,11 @@ static unsigned dopt__ring_fold(const dopt__planes *a, const dopt__planes *b, co
 #endif
 }
 
-static void dopt__ring_decode(float *y, size_t n, int K, unsigned w, float scale, const unsigned char *in) {
+static void dopt__ring_decode(float *y, size_t n, int K, unsigned w, float scale, int vote, const unsigned char *in) {
 #ifdef DOPT__COMPRESS_AVX512
-    dopt__ring_decode_avx512(y, n, K, w, scale, in);
+    dopt__ring_decode_avx512(y, n, K, w, scale, vote, in);
 #else
-    dopt__ring_decode_portable(y, n, K, w, scale, in);
-#endif
-}
-
-/* y = ±v by the sign of S = value - K (0 where S = 0: a tie) for the first n elements. */
-DOPT__MAYBE_UNUSED static void dopt__ring_decode_vote_portable(float *DOPT_RESTRICT y, size_t n, int K, unsigned w,
-                                                              float v, const unsigned char *DOPT_RESTRICT in) {
-    size_t i, t;
-    for (i = 0; i < n; i += DOPT__BLOCK, in += 8 * w) {
-        uint16_t u[DOPT__BLOCK];
-        size_t m = n - i < DOPT__BLOCK ? n - i : DOPT__BLOCK;
-        dopt__ring_unpack(in, w, u);
-        for (t = 0; t < m; t++) y[i + t] = u[t] > K ? v : u[t] < K ? -v : 0.0f;
-    }
-}
-
-#ifdef DOPT__COMPRESS_AVX512
-static void dopt__ring_decode_vote_avx512(float *DOPT_RESTRICT y, size_t n, int K, unsigned w, float v,
-                                          const unsigned char *DOPT_RESTRICT in) {
-    const __m512i k = _mm512_set1_epi16((short)K);
-    const __m512 pos = _mm512_set1_ps(v), neg = _mm512_set1_ps(-v);
-    size_t i;
-    for (i = 0; i < n; i += DOPT__BLOCK, in += 8 * w) {
-        __m512i u[2];
-        int h, q;
-        dopt__ring_unpack_avx512(in, w, &u[0], &u[1]);
-        for (h = 0; h < 2; h++) {
-            uint32_t gt = _mm512_cmpgt_epi16_mask(u[h], k), lt = _mm512_cmplt_epi16_mask(u[h], k);
-            for (q = 0; q < 2; q++) {
-                size_t at = i + (size_t)(32 * h + 16 * q);
-                __m512 f = _mm512_maskz_mov_ps((__mmask16)(gt >> 16 * q), pos);
-                f = _mm512_mask_mov_ps(f, (__mmask16)(lt >> 16 * q), neg);
-                if (at + 16 <= n)
-                    _mm512_storeu_ps(y + at, f);
-                else if (at < n)
-                    _mm512_mask_storeu_ps(y + at, (__mmask16)((1u << (n - at)) - 1u), f);
-            }
-        }
-    }
-}
-#endif
-
-static void dopt__ring_decode_vote(float *y, size_t n, int K, unsigned w, float v, const unsigned char *in) {
-#ifdef DOPT__COMPRESS_AVX512
-    dopt__ring_decode_vote_avx512(y, n, K, w, v, in);
-#else
-    dopt__ring_decode_vote_portable(y, n, K, w, v, in);
+    dopt__ring_decode_portable(y, n, K, w, scale, vote, in);
 #endif
 }
 
@@ -3069,10 +3028,10 @@ static void dopt__ring_average(dopt_compressor *cz, int N, float weight, const d
             } else if (fmt != DOPT__RING_INT) {
                 dopt__ring_decode_half(sp.ptr, n, fmt, fin);
             } else if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
-                dopt__ring_decode_vote(sp.ptr, n, N, wfin,
-                                       dopt__vote_magnitude(cz, cz->gather + 4 * i, 4 * (cz->nsegs + 1), N, weight), fin);
+                dopt__ring_decode(sp.ptr, n, N, wfin,
+                                  dopt__vote_magnitude(cz, cz->gather + 4 * i, 4 * (cz->nsegs + 1), N, weight), 1, fin);
             } else {
-                dopt__ring_decode(sp.ptr, n, N, wfin, weight * dopt__bits_f32(dopt__get_le32(rec + 12)), fin);
+                dopt__ring_decode(sp.ptr, n, N, wfin, weight * dopt__bits_f32(dopt__get_le32(rec + 12)), 0, fin);
             }
             g += dopt__ring_groups(n);
         } else if (n) {

@@ -254,7 +254,7 @@ mutate ring-fold-bias-portable compress.h \
 mutate ring-accepts-a-sum-too-large compress.h \
     'bad |= va[t] > 2 * a->K;' 'bad |= va[t] > 2 * a->K + 1;' test_ring_portable:kernels
 mutate majority-tie-counts-as-positive compress.h \
-    'y[i + t] = u[t] > K ? v : u[t] < K ? -v : 0.0f;' 'y[i + t] = u[t] >= K ? v : u[t] < K ? -v : 0.0f;' \
+    'y[i + t] = vote ? (v[t] > K ? scale : v[t] < K ? -scale : 0.0f)' 'y[i + t] = vote ? (v[t] >= K ? scale : v[t] < K ? -scale : 0.0f)' \
     test_ring_portable:majority
 mutate half-ring-mean-weights compress.h \
     'x[t] = (x[t] + y[t]) / ko;' 'x[t] = (x[t] + y[t]) / (ko + 1.0f);' test_ring:majority_fp16_and_bf16

@@ -529,10 +529,14 @@ DTEST(ring_kernels_vector_and_portable_agree) {
             DT_CHECK(dopt__ring_fold(&a, &b, &out2, 0, G) == 0);
             DT_CHECKF(memcmp(o1, want, (size_t)G * 8 * out1.w) == 0 && memcmp(o2, want, (size_t)G * 8 * out1.w) == 0,
                       "fold, width %u", w);
-            dopt__ring_decode_portable(y1, n, K, w, 0.25f, pa);
-            dopt__ring_decode(y2, n, K, w, 0.25f, pa);
+            dopt__ring_decode_portable(y1, n, K, w, 0.25f, 0, pa);
+            dopt__ring_decode(y2, n, K, w, 0.25f, 0, pa);
             DT_CHECKF(memcmp(y1, y2, n * sizeof(float)) == 0, "decode, width %u", w);
             for (i = 0; i < n; i++) DT_CHECK(y1[i] == (float)S[i] * 0.25f);
+            dopt__ring_decode_portable(y1, n, K, w, 0.25f, 1, pa); /* majority: the sign, 0 on a tie */
+            dopt__ring_decode(y2, n, K, w, 0.25f, 1, pa);
+            DT_CHECKF(memcmp(y1, y2, n * sizeof(float)) == 0, "vote, width %u", w);
+            for (i = 0; i < n; i++) DT_CHECK(y1[i] == (S[i] > 0 ? 0.25f : S[i] < 0 ? -0.25f : 0.0f));
             for (j = 0; j < w; j++) pa[5 * 8 * w + 8 * j + 7] |= 0x80; /* group 5, element 63: 2^w - 1 > 2K */
             DT_CHECK(dopt__ring_fold_portable(&a, &b, &out1, 0, G) != 0);
             DT_CHECK(dopt__ring_fold(&a, &b, &out2, 0, G) != 0);
