@@ -110,7 +110,7 @@ int main(int argc, char **argv) {
     /* With TernGrad, a segment per layer (each gets its own scale) and the driver averages the
        slopes through it; then rank 0's weights everywhere. */
     for (l = ann->first_layer + 1; l != ann->last_layer; l++)                               /* distopt option */
-        segs[nsegs++] = (dopt_segment){l->first_neuron->first_con, (l->last_neuron - 1)->last_con - l->first_neuron->first_con, NULL}; /* distopt option */
+        segs[nsegs++] = (dopt_segment){l->first_neuron->first_con, (l->last_neuron - 1)->last_con - l->first_neuron->first_con, NULL, 0}; /* distopt option */
     if (tern) dopt_compressor_init(&cz, &(dopt_compressor_config){.seed = o.seed}, segs, nsegs); /* distopt option */
     dopt_dp_init(&dp, comm, ann->total_connections, &(dopt_dp_config){.grad_compressor = tern ? &cz : NULL}); /* distopt */
     dopt_dp_broadcast(&dp, ann->weights);                                                   /* distopt */
