@@ -20,7 +20,13 @@
 # bandwidth-optimal allreduce needs to move the data each host must send over its one link
 # (the ring bound), so link_ratio 1 is the link's limit (latency left out).
 # Root only: otherwise prints "skipped: needs root" and exits 0. About 2 minutes.
-# Usage: bench/cluster.sh [build-dir] [all|allreduce|compress]   (the parts to run; all by default)
+# Then (part "model") the performance model's communication times against measurement at 2, 4 and
+# 8 ranks (2 hosts × 1, 2 × 2, 4 × 2): examples/perf_model.c --project --same-box predicts each
+# method's seconds per call for the same gradient (16 matrices of 1024 × 1024), the same links
+# and this machine's cores, cluster_compress measures them:
+#   bench model-check hosts=H ranks=N method=M measured_ms=t model_ms=p ratio=p/t
+#   bench model-check worst_ratio=r within_20pct=yes|no
+# Usage: bench/cluster.sh [build-dir] [all|allreduce|compress|model]   (the parts to run; all by default)
 set -eu
 BUILD=${1:-build}
 PARTS=${2:-all}
@@ -34,7 +40,7 @@ DOPT_CLUSTER=cb$$
 export DOPT_CLUSTER
 trap 'scripts/cluster.sh down' EXIT
 trap 'exit 1' INT TERM
-make --no-print-directory -s BUILD="$BUILD" "$BUILD/bench_allreduce" "$BUILD/cluster_compress" >/dev/null
+make --no-print-directory -s BUILD="$BUILD" "$BUILD/bench_allreduce" "$BUILD/cluster_compress" "$BUILD/perf_model" >/dev/null
 BENCH=$(cd "$BUILD" && pwd)/bench_allreduce
 COMPRESS=$(cd "$BUILD" && pwd)/cluster_compress
 LOGS=$BUILD/bench_cluster
@@ -84,7 +90,7 @@ launch() {
 # host-aware allreduce, the default) or off (dopt-tcp-flat: one ring through all 8 ranks)
 master=$(scripts/cluster.sh addr 0)
 port=$((20000 + $$ % 20000))
-[ "$PARTS" = compress ] || for mode in auto off; do
+[ "$PARTS" = compress ] || [ "$PARTS" = model ] || for mode in auto off; do
     name=dopt-tcp
     [ $mode = off ] && name=dopt-tcp-flat
     launch $name $mode "$BENCH" --from-env
@@ -92,15 +98,47 @@ port=$((20000 + $$ % 20000))
 done
 
 # mpi-raw-tcp: bench_allreduce's raw MPI_Allreduce alone
-if [ "$PARTS" != compress ] && ! timeout 600 scripts/cluster.sh mpirun $PER_HOST "$BENCH" mpi-raw-tcp none >"$LOGS/mpi-raw-tcp.log" 2>&1; then
+if [ "$PARTS" != compress ] && [ "$PARTS" != model ] && ! timeout 600 scripts/cluster.sh mpirun $PER_HOST "$BENCH" mpi-raw-tcp none >"$LOGS/mpi-raw-tcp.log" 2>&1; then
     echo "bench/cluster.sh: mpi-raw-tcp failed:" >&2
     tail -n 10 "$LOGS/mpi-raw-tcp.log" >&2
     exit 1
 fi
-[ "$PARTS" = compress ] || report <"$LOGS/mpi-raw-tcp.log"
+[ "$PARTS" = compress ] || [ "$PARTS" = model ] || report <"$LOGS/mpi-raw-tcp.log"
 
 # The compressed allreduce of a 64 MiB gradient, every codec against the fp32 allreduce
 # (bench/cluster_compress.c): its "bench cluster-compress" lines as they are
 [ "$PARTS" = allreduce ] && exit 0
-launch cluster-compress auto "$COMPRESS"
-grep '^bench cluster-compress' "$LOGS/cluster-compress.rank0.log"
+if [ "$PARTS" != model ]; then
+    launch cluster-compress auto "$COMPRESS"
+    grep '^bench cluster-compress' "$LOGS/cluster-compress.rank0.log"
+fi
+[ "$PARTS" = compress ] && exit 0
+
+# The model against the cluster: each layout measured, then predicted
+layers=1024
+i=0
+while [ $i -lt 16 ]; do layers="$layers,1024"; i=$((i + 1)); done
+OPENBLAS_NUM_THREADS=1 "$(cd "$BUILD" && pwd)/perf_model" --project --layers "$layers" --layouts 2x1,2x2,4x2 --gbits 1 --link-us 30 \
+    --intra-gbs 2 --same-box --seconds 1.5 --out "$LOGS" >"$LOGS/model.log" 2>&1 || { cat "$LOGS/model.log" >&2; exit 1; }
+for layout in 2x1 2x2 4x2; do
+    H=${layout%x*} PER_HOST=${layout#*x}
+    RANKS=$((H * PER_HOST))
+    launch "model-$layout" auto "$COMPRESS" fp32 ternary-allgather ternary-ring powersgd
+done
+for layout in 2x1 2x2 4x2; do
+    H=${layout%x*} L=${layout#*x}
+    awk -v H="$H" -v L="$L" -F'[ =,]' '
+        FNR == NR && $2 == H * L && $3 == H { model[$5] = $7; next }  # projection.csv: gbits,ranks,hosts,local,method,...
+        $1 == "bench" && $2 == "cluster-compress" { for (i = 3; i < NF; i += 2) f[$i] = $(i + 1); meas[f["codec"]] = f["us"] / 1000 }
+        END {
+            split("fp32:fp32 ternary-allgather:tern-allgather ternary-ring:tern-ring powersgd:powersgd", pairs, " ")
+            for (k in pairs) {
+                split(pairs[k], mm, ":")
+                if (meas[mm[1]] > 0 && model[mm[2]] > 0)
+                    printf "bench model-check hosts=%d ranks=%d method=%s measured_ms=%.1f model_ms=%.1f ratio=%.2f\n",
+                        H, H * L, mm[2], meas[mm[1]], model[mm[2]], model[mm[2]] / meas[mm[1]]
+            }
+        }' "$LOGS/projection.csv" "$LOGS/model-$layout.rank0.log"
+done | tee "$LOGS/model-check.txt"
+awk '{ split($8, r, "="); d = r[2] > 1 ? r[2] - 1 : 1 - r[2]; if (d > worst) { worst = d; w = r[2] } }
+     END { printf "bench model-check worst_ratio=%.2f within_20pct=%s\n", w, worst <= 0.2 ? "yes" : "no" }' "$LOGS/model-check.txt"

@@ -7,8 +7,11 @@
      ternary          dopt_compress_allreduce, TernGrad, the path compress.h chooses (the integer
                       ring, by host, at this size and world)
      ternary-allgather the same with aggregate = DOPT_AGG_ALLGATHER: every message to every rank
+     ternary-ring      the same with aggregate = DOPT_AGG_RING (where AUTO would not take it)
      majority, fp16, bf16   on their rings (where compress.h chooses them)
      sign, qsgd, topk       the other codecs (the allgather path)
+     powersgd               rank 4 (its default r is 2) of each segment as a 1024 × 1024 matrix:
+                            two fp32 allreduces of 4·(1024 + 1024) floats per matrix
 
    A warm-up, then the median of 5 repetitions, each the slowest rank's time between barriers.
    bits_per_elem is what a rank received per element during one call, from the communicator's
@@ -21,7 +24,8 @@
    speedup_fp32 = fp32's time / this method's; speedup_allgather = ternary-allgather's time /
    ternary's (na for the others); path: how compress.h combined the messages (fp32: the
    allreduce). hosts comes from DOPT_BENCH_HOSTS (the script's layout; 0 when unset).
-   Arguments: the methods to run (all when none is named; a ratio to one not run is "na").
+   Arguments: the methods to run (all but ternary-ring when none is named; a ratio to one not run
+   is "na").
    Run by bench/cluster.sh (root); by hand: DOPT_WORLD_SIZE=4 build/cluster_compress [METHOD...] */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
@@ -91,6 +95,7 @@ static void run(dopt_comm *c, method *m, const dopt_segment *segs, const float *
     cfg.codec = m->codec;
     cfg.aggregate = m->aggregate;
     cfg.seed = 7;
+    cfg.powersgd_rank = 4;
     if (!m->fp32 && (s = dopt_compressor_init(&cz, &cfg, segs, NSEG)) != DOPT_OK) die(c, s, "init");
     for (rep = -1; rep < REPS; rep++) {
         uint64_t before;
@@ -117,7 +122,7 @@ static void run(dopt_comm *c, method *m, const dopt_segment *segs, const float *
 }
 
 static const char *path_name(const method *m) {
-    if (m->fp32) return "allreduce";
+    if (m->fp32 || m->codec == DOPT_CODEC_POWERSGD) return "allreduce";
     switch (m->path) {
     case DOPT_PATH_ALLGATHER: return "allgather";
     case DOPT_PATH_RING: return "ring";
@@ -145,6 +150,8 @@ int main(int argc, char **argv) {
         {"bf16", 0, DOPT_CODEC_BF16, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
         {"qsgd", 0, DOPT_CODEC_QSGD, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
         {"topk", 0, DOPT_CODEC_TOPK, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
+        {"powersgd", 0, DOPT_CODEC_POWERSGD, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
+        {"ternary-ring", 0, DOPT_CODEC_TERNARY, DOPT_AGG_RING, 0, 0, 0, 0, DOPT_PATH_NONE},
     };
     size_t nm = sizeof ms / sizeof ms[0], i, n = NSEG * SEG;
     dopt_segment segs[NSEG];
@@ -153,16 +160,17 @@ int main(int argc, char **argv) {
     const char *hosts = getenv("DOPT_BENCH_HOSTS");
     dopt_status s = dopt_comm_create_from_env(&c);
     if (s != DOPT_OK) return 1;
-    for (i = 0; i < NSEG; i++) segs[i].offset = i * SEG, segs[i].count = SEG, segs[i].name = NULL;
+    for (i = 0; i < NSEG; i++) segs[i].offset = i * SEG, segs[i].count = SEG, segs[i].name = NULL, segs[i].rows = 1024;
     grad = (float *)malloc(n * sizeof(float));
     work = (float *)malloc(n * sizeof(float));
     if (grad == NULL || work == NULL) die(c, DOPT_ERR_NOMEM, "malloc");
     fill(grad, n, c->rank);
     for (i = 0; i < nm; i++)
-        if (wanted(argc, argv, ms[i].name)) run(c, &ms[i], segs, grad, work);
+        if (wanted(argc, argv, ms[i].name) && (argc > 1 || strcmp(ms[i].name, "ternary-ring") != 0))
+            run(c, &ms[i], segs, grad, work);
     for (i = 0; c->rank == 0 && i < nm; i++) {
         char ag[32] = "na", f32[32] = "na";
-        if (ms[i].us == 0) continue;
+        if (ms[i].us == 0 || (strcmp(ms[i].name, "ternary-ring") == 0 && argc < 2)) continue; /* named only */
         if (ms[i].codec == DOPT_CODEC_TERNARY && !ms[i].fp32 && ms[2].us > 0)
             snprintf(ag, sizeof ag, "%.2f", ms[2].us / ms[i].us);
         if (ms[0].us > 0) snprintf(f32, sizeof f32, "%.2f", ms[0].us / ms[i].us);

@@ -59,7 +59,7 @@
 #include <cblas.h>
 #include <math.h>
 
-enum { MAX_LAYERS = 8, MAX_CONFIGS = 32, POOL_ROWS = 16384, REPEATS = 5 };
+enum { MAX_LAYERS = 24, MAX_CONFIGS = 32, POOL_ROWS = 16384, REPEATS = 5 };
 
 /* ===================================================================== FLAGS */
 
@@ -77,6 +77,8 @@ typedef struct model_options {
     int local, period, rank; /* --ranks-per-host, --period, --rank (PowerSGD's r) */
     double link_us, intra_gbs, intra_us; /* --link-us, --intra-gbs, --intra-us */
     const char *gbits, *out; /* --gbits 1,10; --out DIR */
+    const char *layouts;     /* --layouts HxL,... */
+    int same_box;            /* --same-box */
 } model_options;
 
 static void model_usage(const char *prog) {
@@ -84,7 +86,8 @@ static void model_usage(const char *prog) {
            "          [--sample-us X] [--alpha-us A --beta-gbs B] [--seconds S] [--csv FILE]\n"
            "          [LABEL=]CODEC:B:I[:adaptive] ...\n"
            "       %s --project [--layers ...] [--batch B] [--sample-us X] [--ranks-per-host L] [--gbits 1,10]\n"
-           "          [--link-us A] [--intra-gbs G] [--intra-us A] [--period I] [--rank R] [--out DIR]\n",
+           "          [--link-us A] [--intra-gbs G] [--intra-us A] [--period I] [--rank R] [--out DIR]\n"
+           "          [--layouts HxL,...] [--same-box]\n",
            prog, prog);
     exit(0);
 }
@@ -94,8 +97,8 @@ static void parse_model_options(model_options *mo, int argc, char **argv) {
     for (i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) model_usage(argv[0]);
-        if (!strcmp(f, "--project")) {
-            mo->project = 1;
+        if (!strcmp(f, "--project") || !strcmp(f, "--same-box")) {
+            *(f[2] == 'p' ? &mo->project : &mo->same_box) = 1;
             continue;
         }
         if (strncmp(f, "--", 2)) {
@@ -121,6 +124,7 @@ static void parse_model_options(model_options *mo, int argc, char **argv) {
         else if (!strcmp(f, "--intra-us")) mo->intra_us = flag_double(f, v, 0, 1e9, 0);
         else if (!strcmp(f, "--gbits")) mo->gbits = v;
         else if (!strcmp(f, "--out")) mo->out = v;
+        else if (!strcmp(f, "--layouts")) mo->layouts = v;
         else if (!strcmp(f, "--layers")) {
             char *end = (char *)v;
             for (mo->nlayers = 0; mo->nlayers < MAX_LAYERS && *end; end += *end == ',') {
@@ -427,7 +431,8 @@ static void parse_config(const char *spec, config *c) {
                  across hosts when L = 1
      tern-ag     TernGrad's message m (2 bits per element) to every rank: (N-1) messages over
                  each host's link (a ring through the ranks in host order), then N messages
-                 summed per element; plus the encode
+                 checked and summed per element (a decode's float pass, and each further message's
+                 2-bit codes read twice: 1/8 of that pass); plus the encode
      tern-ring   TernGrad's integer ring by host: within the host the sums of 1..L-1 ranks and
                  the final ones, across hosts those of L..(H-1)L and the final ones, each
                  ceil(log2(2k+1)) bits per element (compress.h: THE INTEGER RING); plus the encode
@@ -435,6 +440,8 @@ static void parse_config(const char *spec, config *c) {
      powersgd    two fp32 allreduces of r·(rows + cols) floats per matrix (and the vectors), plus
                  the products and orthonormalisation this core times
      local-I     the fp32 allreduce of the model every I steps
+   Compute (encode, decode, folds, PowerSGD's products) is this core's; with --same-box, as on
+   the simulated cluster, N ranks share this machine's cores and it is N/cores times slower.
    The schedule column says which each takes (two-level or flat). What it leaves out: overlap of
    compute and communication (none in these loops), congestion beyond one link per host, and
    the rates of real NICs and switches (give them: --gbits, --link-us, --intra-gbs). */
@@ -445,9 +452,13 @@ typedef struct projection {
     int ngbits;
     const char *out;
     double t_sample, c_enc, c_dec, t_psgd; /* measured here: seconds per sample, per element, per step */
-    size_t n, vec, nmat, psgd_floats_p, psgd_floats_q;
-    size_t rows[MAX_LAYERS], cols[MAX_LAYERS];
+    size_t n, nmat, psgd_floats_p, psgd_floats_q;
+    int layouts[16][2], nlayouts;          /* --layouts HxL,...: these instead of N = 2 .. 1024 */
+    int cores;                              /* --same-box: every rank on this machine's cores */
 } projection;
+
+/* Compute on N ranks: as on one core, or (--same-box) slowed by the ranks each core runs. */
+static double proj_share(const projection *p, int N) { return p->cores > 0 && N > p->cores ? (double)N / p->cores : 1.0; }
 
 static unsigned proj_width(double k) {
     unsigned w = 0;
@@ -472,23 +483,25 @@ static double proj_ring(const projection *p, int H, int L, double R) {
     cross = (n / H) * (cross + (H - 1) * wN) / 8; /* bytes a host's link carries (L places share it) */
     steps = 2.0 * (H - 1);
     return cross / R + steps * p->link_us * 1e-6 + intra / (p->intra_gbs * 1e9) + 2.0 * (L - 1) * p->intra_us * 1e-6 +
-           n * ((L - 1.0) / L + (H - 1.0) / (H * L)) * p->c_dec;
+           n * ((L - 1.0) / L + (H - 1.0) / (H * L)) * p->c_dec * proj_share(p, H * L);
 }
 
 /* C_method (seconds per step) and the schedule's name. */
 static double proj_method(const projection *p, int m, int H, int L, double R, const char **schedule) {
     double n = (double)p->n, N = (double)H * L, msg = n / 4 + 32 + 16.0 * 2 * p->nmat, f32 = 4 * n;
+    double share = proj_share(p, H * L);
     *schedule = H > 1 && L > 1 ? "two-level" : "flat";
     switch (m) {
     case 0: return proj_allreduce(p, f32, H, L, R);
     case 1:
         *schedule = "allgather";
         return (N - 1) * (msg / (H > 1 ? R : p->intra_gbs * 1e9) + (H > 1 ? p->link_us : p->intra_us) * 1e-6) +
-               n * (p->c_enc + N * p->c_dec);
-    case 2: return proj_ring(p, H, L, R) + n * (p->c_enc + p->c_dec);
+               n * (p->c_enc + p->c_dec * (1 + (N - 1) / 8)) * share; /* one float pass; each further message's
+                                                                          codes read twice (check, sum): 1/8 of one */
+    case 2: return proj_ring(p, H, L, R) + n * (p->c_enc + p->c_dec) * share;
     case 3:
         return proj_allreduce(p, 4.0 * (double)p->psgd_floats_p, H, L, R) +
-               proj_allreduce(p, 4.0 * (double)p->psgd_floats_q, H, L, R) + p->t_psgd;
+               proj_allreduce(p, 4.0 * (double)p->psgd_floats_q, H, L, R) + p->t_psgd * share;
     default: return proj_allreduce(p, f32, H, L, R) / p->period;
     }
 }
@@ -501,6 +514,20 @@ static void run_psgd_step(void *ctx) {
     dopt_compress_allreduce(u->cz, u->comm, u->b, u->count);
 }
 
+/* The rows: --layouts, else N = 2, 4, ..., 1024 on hosts of L (one host below L). */
+static int proj_rows(const projection *p) { return p->nlayouts ? p->nlayouts : 10; }
+
+static int proj_layout(const projection *p, int i, int *H, int *L) {
+    int N = 2 << i;
+    if (p->nlayouts) {
+        *H = p->layouts[i][0], *L = p->layouts[i][1];
+        return *H * *L;
+    }
+    *L = N < p->L ? N : p->L;
+    *H = N / *L;
+    return N;
+}
+
 static int project_main(const model_options *mo, projection *p) {
     dopt_comm *self;
     mlp m;
@@ -509,11 +536,12 @@ static int project_main(const model_options *mo, projection *p) {
     dopt_compressor_config cfg;
     dopt_segment segs[MAX_LAYERS * 2];
     size_t i, nsegs = 2 * (size_t)(mo->nlayers - 1);
-    int gi, N, meth;
+    int gi, N, meth, li;
     char path[1024];
     FILE *csv;
     if (dopt_comm_create_self(&self) != DOPT_OK) return 1;
     p->n = mlp_params(mo->layers, mo->nlayers);
+    p->nmat = (size_t)(mo->nlayers - 1);
     for (i = 0; i + 1 < (size_t)mo->nlayers; i++) {
         segs[2 * i].count = (size_t)mo->layers[i] * (size_t)mo->layers[i + 1];
         segs[2 * i].rows = (size_t)mo->layers[i + 1]; /* W: outputs × inputs */
@@ -527,7 +555,9 @@ static int project_main(const model_options *mo, projection *p) {
     p->t_sample = mo->sample_us > 0 ? mo->sample_us * 1e-6 : measure(self, mlp_micro_batch, &m, mo->seconds) / mo->micro;
     memset(&u, 0, sizeof u);
     u.comm = self, u.count = p->n;
-    u.a = m.grads;
+    u.a = m.grads; /* the codecs timed on noise: a gradient of one short run may be mostly zeros */
+    for (i = 0; i < p->n; i++) m.rng = m.rng * 6364136223846793005ull + 1442695040888963407ull,
+                              u.a[i] = (float)((double)(m.rng >> 40) / 16777216.0 - 0.5) * 0.02f;
     u.b = malloc(p->n * sizeof(float));
     memset(&cfg, 0, sizeof cfg);
     cfg.seed = 1;
@@ -568,8 +598,9 @@ static int project_main(const model_options *mo, projection *p) {
         printf("\n  %.0f Gbit/s: samples per second (schedule)\n  %6s %6s", p->gbits[gi], "ranks", "hosts");
         for (meth = 0; meth < 5; meth++) printf(" %24s", proj_names[meth]);
         printf("\n");
-        for (N = 2; N <= 1024; N *= 2) {
-            int L = N < p->L ? N : p->L, H = N / L;
+        for (li = 0; li < proj_rows(p); li++) {
+            int H, L;
+            N = proj_layout(p, li, &H, &L);
             printf("  %6d %6d", N, H);
             for (meth = 0; meth < 5; meth++) {
                 const char *sched;
@@ -581,9 +612,10 @@ static int project_main(const model_options *mo, projection *p) {
     }
     for (gi = 0; gi < p->ngbits; gi++) /* the CSV, a run of rows per rate and method (the figure's lines) */
         for (meth = 0; meth < 5; meth++)
-            for (N = 2; N <= 1024; N *= 2) {
-                int L = N < p->L ? N : p->L, H = N / L;
+            for (li = 0; li < proj_rows(p); li++) {
+                int H, L;
                 const char *sched;
+                N = proj_layout(p, li, &H, &L);
                 double c = proj_method(p, meth, H, L, p->gbits[gi] * 1e9 / 8, &sched), t = p->batch * p->t_sample + c;
                 fprintf(csv, "%g,%d,%d,%d,%s,%s,%.4f,%.4f,%.1f\n", p->gbits[gi], N, H, L, proj_names[meth], sched,
                         1e3 * c, 1e3 * t, N * p->batch / t);
@@ -631,6 +663,15 @@ int main(int argc, char **argv) {
         memset(&p, 0, sizeof p);
         p.L = mo.local, p.period = mo.period, p.rank = mo.rank, p.batch = mo.micro;
         p.link_us = mo.link_us, p.intra_gbs = mo.intra_gbs, p.intra_us = mo.intra_us, p.out = mo.out;
+        p.cores = mo.same_box ? (int)sysconf(_SC_NPROCESSORS_ONLN) : 0;
+        for (end = (char *)mo.layouts; end && *end && p.nlayouts < 16; p.nlayouts++) {
+            long h = strtol(end, &end, 10), l = *end == 'x' ? strtol(end + 1, &end, 10) : 0;
+            if (h < 1 || l < 1 || h * l > 1 << 20 || (*end != ',' && *end != '\0'))
+                flag_error("--layouts expects HOSTSxRANKS separated by commas (got \"%s\")", mo.layouts);
+            p.layouts[p.nlayouts][0] = (int)h, p.layouts[p.nlayouts][1] = (int)l;
+            end += *end == ',';
+        }
+        end = (char *)mo.gbits;
         while (*end && p.ngbits < 4) {
             double g = strtod(end, &end);
             if (!(g > 0) || (*end != ',' && *end != '\0')) flag_error("--gbits expects rates > 0 separated by commas (got \"%s\")", mo.gbits);
