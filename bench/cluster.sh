@@ -73,7 +73,7 @@ launch() {
     while [ $r -lt $RANKS ]; do
         timeout 600 scripts/cluster.sh exec $((r / PER_HOST)) env DOPT_RANK=$r DOPT_WORLD_SIZE=$RANKS \
             DOPT_MASTER_ADDR="$master" DOPT_MASTER_PORT=$port DOPT_TOKEN="bench-cluster-$$" DOPT_TWO_LEVEL=$mode \
-            DOPT_BENCH_HOSTS=$HOSTS OPENBLAS_NUM_THREADS=1 "$@" >"$LOGS/$name.rank$r.log" 2>&1 &
+            DOPT_BENCH_HOSTS=$((RANKS / PER_HOST)) OPENBLAS_NUM_THREADS=1 "$@" >"$LOGS/$name.rank$r.log" 2>&1 &
         pids="$pids $!"
         r=$((r + 1))
     done
