@@ -261,6 +261,9 @@ mutate half-ring-mean-weights compress.h \
 mutate half-ring-ignores-non-finite compress.h \
     'return s != DOPT_OK ? s : flag != 0.0f ? DOPT_ERR_NONFINITE : DOPT_OK;' \
     'return s != DOPT_OK ? s : flag != 0.0f ? DOPT_OK : DOPT_OK;' test_ring:non_finite
+mutate ring-buffer-allocated-every-call compress.h \
+    'if (bytes <= cz->ring_bytes) return DOPT_OK;' 'if (bytes < cz->ring_bytes) return DOPT_OK;' \
+    test_allocs:compress_allreduce
 mutate exchange-received-bytes distopt.h \
     'dopt__eng_req(e, e->started)->received += bytes;' 'dopt__eng_req(e, e->started)->received += bytes / 2;' \
     test_tcp:conformance_world_of_3

@@ -2,7 +2,8 @@
    transport of worlds.h (shared memory direct and on the engine over its links, TCP), and on
    groups of each: every collective, blocking and not (allreduce in every dtype and op, small
    and large, allgather, allgatherv, broadcast, barrier, the _start forms with several requests
-   in flight); the compressed allreduce with every codec of compress.h; and the steps of the
+   in flight); the compressed allreduce with every codec of compress.h, gathered and on the rings;
+   and the steps of the
    local SGD driver (period 1 averaging the gradients, fp32 or through TernGrad; period 4
    averaging the models, plain, weighted, through DiLoCo's outer step, through top-k, with
    extra state buffers); and clip.h's calls with a communicator, and CELGC's step through the
@@ -232,6 +233,12 @@ static const codec_case codec_cases[] = {
     {"bf16", {.codec = DOPT_CODEC_BF16}},
     {"fp32", {.codec = DOPT_CODEC_FP32}},
     {"powersgd (w1 compressed)", {.codec = DOPT_CODEC_POWERSGD, .seed = 42, .powersgd_rank = 4}},
+    {"ternary on the integer ring", {.codec = DOPT_CODEC_TERNARY, .seed = 42, .aggregate = DOPT_AGG_RING}},
+    {"ternary on the ring, small segments as fp32",
+     {.codec = DOPT_CODEC_TERNARY, .seed = 42, .fp32_below = 100, .aggregate = DOPT_AGG_RING}},
+    {"majority on the ring", {.codec = DOPT_CODEC_MAJORITY, .aggregate = DOPT_AGG_RING}},
+    {"majority gathered", {.codec = DOPT_CODEC_MAJORITY, .majority_l1 = 1, .aggregate = DOPT_AGG_ALLGATHER}},
+    {"fp16 on the ring", {.codec = DOPT_CODEC_FP16, .aggregate = DOPT_AGG_RING}},
 };
 
 typedef struct compress_run {
