@@ -2,12 +2,11 @@
    transport of worlds.h (shared memory direct and on the engine over its links, TCP), and on
    groups of each: every collective, blocking and not (allreduce in every dtype and op, small
    and large, allgather, allgatherv, broadcast, barrier, the _start forms with several requests
-   in flight); the compressed allreduce with every codec of compress.h, gathered and on the rings;
-   and the steps of the
-   local SGD driver (period 1 averaging the gradients, fp32 or through TernGrad; period 4
-   averaging the models, plain, weighted, through DiLoCo's outer step, through top-k, with
-   extra state buffers); and clip.h's calls with a communicator, and CELGC's step through the
-   driver.
+   in flight); the compressed allreduce with every codec of compress.h, gathered and on the
+   rings; and the steps of the local SGD driver (period 1 averaging the gradients, fp32 or
+   through TernGrad; period 4 averaging the models, plain, weighted, through DiLoCo's outer step,
+   through top-k, with extra state buffers); and clip.h's calls with a communicator, and CELGC's
+   step through the driver.
 
    The allocator is counted (DOPT_MALLOC / DOPT_FREE, defined before the headers). Each shape
    runs one round to warm up (buffers are sized at first use), then three more rounds of the
