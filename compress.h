@@ -2784,18 +2784,31 @@ static uint64_t dopt__vote_word(const unsigned char *base, size_t stride, int r,
     return word;
 }
 
-/* The negative votes of N ranks on a block: cnt[0..64). With AVX-512 and N <= 127, 64 byte
-   counters at once (a mask's bytes are -1 where its bits are set). */
-static void dopt__vote_counts(const unsigned char *base, size_t stride, int N, size_t at, size_t m, int *cnt) {
+/* The vote of N ranks on a block of m elements into y: S = N - 2·(negative votes), y = ±v by
+   its sign, 0 on a tie (v >= 0, so sign(S)·v gives those bits). With AVX-512 and N <= 127, 64
+   byte counters at once (a mask's bytes are -1 where its bits are set) and the floats from
+   masks. */
+static void dopt__vote_block(const unsigned char *base, size_t stride, int N, size_t at, size_t m, float v,
+                             float *DOPT_RESTRICT y) {
+    int cnt[DOPT__BLOCK], r;
     size_t t;
-    int r;
 #ifdef DOPT__COMPRESS_AVX512
     if (N <= DOPT__TERN_SUM_MAX) {
-        __m512i c = _mm512_setzero_si512();
-        int8_t c8[DOPT__BLOCK];
+        const __m512 pos = _mm512_set1_ps(v), neg = _mm512_set1_ps(-v);
+        __m512i c = _mm512_setzero_si512(), d;
+        uint64_t gt, lt;
+        int q;
         for (r = 0; r < N; r++) c = _mm512_sub_epi8(c, _mm512_movm_epi8(dopt__vote_word(base, stride, r, at, m)));
-        _mm512_storeu_si512((void *)c8, c);
-        for (t = 0; t < DOPT__BLOCK; t++) cnt[t] = c8[t];
+        d = _mm512_sub_epi8(_mm512_set1_epi8((char)N), _mm512_add_epi8(c, c));
+        gt = _mm512_cmpgt_epi8_mask(d, _mm512_setzero_si512());
+        lt = _mm512_cmplt_epi8_mask(d, _mm512_setzero_si512());
+        for (q = 0; q < 4 && (size_t)(16 * q) < m; q++) {
+            __m512 f = _mm512_mask_mov_ps(_mm512_maskz_mov_ps((__mmask16)(gt >> 16 * q), pos), (__mmask16)(lt >> 16 * q), neg);
+            if ((size_t)(16 * q + 16) <= m)
+                _mm512_storeu_ps(y + 16 * q, f);
+            else
+                _mm512_mask_storeu_ps(y + 16 * q, (__mmask16)((1u << (m - 16 * (size_t)q)) - 1u), f);
+        }
         return;
     }
 #endif
@@ -2804,23 +2817,23 @@ static void dopt__vote_counts(const unsigned char *base, size_t stride, int N, s
         uint64_t word = dopt__vote_word(base, stride, r, at, m);
         for (t = 0; t < DOPT__BLOCK; t++) cnt[t] += (int)((word >> t) & 1u);
     }
+    for (t = 0; t < m; t++) {
+        int d = N - 2 * cnt[t];
+        y[t] = (float)((d > 0) - (d < 0)) * v;
+    }
 }
 
 /* The allgather path of majority vote: S = N - 2·(negative votes) per element from the N
    validated messages, y = ±v by its sign (0 on a tie), as the ring path computes it. */
 static void dopt__vote_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, b, t;
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, b;
     for (i = 0; i < cz->nsegs; i++) {
         dopt_span sp = dopt_buf_segment(grads, i);
         size_t n = sp.count;
         float v = dopt__vote_magnitude(cz, cz->gather + off + 12, cz->msg_bytes, N, weight);
         const unsigned char *bodies = cz->gather + off + DOPT_COMPRESS_RECORD_BYTES;
-        for (b = 0; b < n; b += DOPT__BLOCK) {
-            size_t m = n - b < DOPT__BLOCK ? n - b : DOPT__BLOCK;
-            int cnt[DOPT__BLOCK];
-            dopt__vote_counts(bodies, cz->msg_bytes, N, b / 8, m, cnt);
-            for (t = 0; t < m; t++) sp.ptr[b + t] = N - 2 * cnt[t] > 0 ? v : N - 2 * cnt[t] < 0 ? -v : 0.0f;
-        }
+        for (b = 0; b < n; b += DOPT__BLOCK)
+            dopt__vote_block(bodies, cz->msg_bytes, N, b / 8, n - b < DOPT__BLOCK ? n - b : DOPT__BLOCK, v, sp.ptr + b);
         off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
     }
 }

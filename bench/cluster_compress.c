@@ -7,7 +7,7 @@
      ternary          dopt_compress_allreduce, TernGrad, the path compress.h chooses (the integer
                       ring, by host, at this size and world)
      ternary-allgather the same with aggregate = DOPT_AGG_ALLGATHER: every message to every rank
-     ternary-ring      the same with aggregate = DOPT_AGG_RING (where AUTO would not take it)
+     ternary-ring, majority-ring   aggregate = DOPT_AGG_RING (where AUTO would not take it)
      majority, fp16, bf16   on their rings (where compress.h chooses them)
      sign, qsgd, topk       the other codecs (the allgather path)
      powersgd               rank 4 (its default r is 2) of each segment as a 1024 × 1024 matrix:
@@ -24,8 +24,8 @@
    speedup_fp32 = fp32's time / this method's; speedup_allgather = ternary-allgather's time /
    ternary's (na for the others); path: how compress.h combined the messages (fp32: the
    allreduce). hosts comes from DOPT_BENCH_HOSTS (the script's layout; 0 when unset).
-   Arguments: the methods to run (all but ternary-ring when none is named; a ratio to one not run
-   is "na").
+   Arguments: the methods to run (all but the forced rings when none is named; a ratio to one not
+   run is "na").
    Run by bench/cluster.sh (root); by hand: DOPT_WORLD_SIZE=4 build/cluster_compress [METHOD...] */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
@@ -152,6 +152,7 @@ int main(int argc, char **argv) {
         {"topk", 0, DOPT_CODEC_TOPK, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
         {"powersgd", 0, DOPT_CODEC_POWERSGD, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
         {"ternary-ring", 0, DOPT_CODEC_TERNARY, DOPT_AGG_RING, 0, 0, 0, 0, DOPT_PATH_NONE},
+        {"majority-ring", 0, DOPT_CODEC_MAJORITY, DOPT_AGG_RING, 0, 0, 0, 0, DOPT_PATH_NONE},
     };
     size_t nm = sizeof ms / sizeof ms[0], i, n = NSEG * SEG;
     dopt_segment segs[NSEG];
@@ -166,11 +167,11 @@ int main(int argc, char **argv) {
     if (grad == NULL || work == NULL) die(c, DOPT_ERR_NOMEM, "malloc");
     fill(grad, n, c->rank);
     for (i = 0; i < nm; i++)
-        if (wanted(argc, argv, ms[i].name) && (argc > 1 || strcmp(ms[i].name, "ternary-ring") != 0))
+        if (wanted(argc, argv, ms[i].name) && (argc > 1 || strstr(ms[i].name, "-ring") == NULL))
             run(c, &ms[i], segs, grad, work);
     for (i = 0; c->rank == 0 && i < nm; i++) {
         char ag[32] = "na", f32[32] = "na";
-        if (ms[i].us == 0 || (strcmp(ms[i].name, "ternary-ring") == 0 && argc < 2)) continue; /* named only */
+        if (ms[i].us == 0) continue;
         if (ms[i].codec == DOPT_CODEC_TERNARY && !ms[i].fp32 && ms[2].us > 0)
             snprintf(ag, sizeof ag, "%.2f", ms[2].us / ms[i].us);
         if (ms[0].us > 0) snprintf(f32, sizeof f32, "%.2f", ms[0].us / ms[i].us);
