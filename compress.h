@@ -2601,11 +2601,14 @@ static void dopt__ring_piece(const dopt__ring_pass *p, int pieces, long long chu
 
 /* Pieces per chunk: every rank computes the same from the pass's shape; at least the depth, so
    that a piece's next step is never waited for by an exchange started before it. */
-static int dopt__ring_pieces(const dopt__ring_pass *p) {
-    size_t most = (p->g1 - p->g0 + (size_t)p->n - 1) / (size_t)p->n;
-    size_t k = (most + DOPT__RING_PIECE_GROUPS - 1) / DOPT__RING_PIECE_GROUPS;
+static size_t dopt__ring_chunk_cap(const dopt__ring_pass *p) { return (p->g1 - p->g0 + (size_t)p->n - 1) / (size_t)p->n; }
+
+static int dopt__ring_pieces_of(size_t chunk_groups) {
+    size_t k = (chunk_groups + DOPT__RING_PIECE_GROUPS - 1) / DOPT__RING_PIECE_GROUPS;
     return k < DOPT__RING_DEPTH ? DOPT__RING_DEPTH : (int)k;
 }
+
+static int dopt__ring_pieces(const dopt__ring_pass *p) { return dopt__ring_pieces_of(dopt__ring_chunk_cap(p)); }
 
 /* Exchange e of a pass (step e / pieces, piece e % pieces): what it sends (tx: own at step 0,
    else the chunk step s - 1 folded into, in the stage), where it receives (rx: a slot per
@@ -2613,7 +2616,6 @@ static int dopt__ring_pieces(const dopt__ring_pass *p) {
    step the pass's out). The stage (cz->ring_stage) holds two chunks at most out's width, then
    the slots. */
 typedef struct dopt__ring_hop {
-    int step, last;
     size_t out_first, out_groups, in_first, in_groups;
     dopt__planes tx, rx, fold; /* fold: where the reduce-scatter's fold of rx goes */
 } dopt__ring_hop;
@@ -2622,10 +2624,8 @@ static void dopt__ring_hop_of(const dopt_compressor *cz, const dopt__ring_pass *
                               dopt__ring_hop *h) {
     int s = (int)(e / pieces), b = (int)(e % pieces);
     long long out = p->gather ? (long long)p->pos + 1 - s : (long long)p->pos - s;
-    size_t chunk_cap = (p->g1 - p->g0 + (size_t)p->n - 1) / (size_t)p->n;
+    size_t chunk_cap = dopt__ring_chunk_cap(p);
     unsigned char *stage[2];
-    h->step = s;
-    h->last = s == p->n - 2;
     dopt__ring_piece(p, pieces, out, b, &h->out_first, &h->out_groups);
     dopt__ring_piece(p, pieces, out - 1, b, &h->in_first, &h->in_groups);
     if (p->gather) {
@@ -2646,8 +2646,9 @@ static void dopt__ring_hop_of(const dopt_compressor *cz, const dopt__ring_pass *
         h->tx.g0 = dopt__ring_chunk_first(p, out);
         h->tx.K = h->rx.K;
         h->tx.w = h->rx.w;
+        h->tx.fmt = h->rx.fmt;
     }
-    if (h->last) {
+    if (s == p->n - 2) { /* the last step: the chunk's final sums */
         h->fold = p->out;
     } else {
         h->fold.p = stage[s % 2];
@@ -2660,7 +2661,7 @@ static void dopt__ring_hop_of(const dopt_compressor *cz, const dopt__ring_pass *
 
 /* Bytes of the stage a pass needs (dopt__ring_hop_of's layout). */
 static size_t dopt__ring_stage_bytes(const dopt__ring_pass *p) {
-    size_t chunk_cap = (p->g1 - p->g0 + (size_t)p->n - 1) / (size_t)p->n;
+    size_t chunk_cap = dopt__ring_chunk_cap(p);
     return p->gather ? 0 : (2 * chunk_cap + DOPT__RING_DEPTH * DOPT__RING_PIECE_GROUPS) * 8 * p->out.w;
 }
 
@@ -2912,10 +2913,7 @@ static dopt_status dopt__ring_sums(dopt_compressor *cz, dopt_comm *comm, size_t 
 /* ----- choosing the path */
 
 /* Pieces of a chunk of `groups` groups (as dopt__ring_pieces cuts them). */
-static double dopt__ring_predict_pieces(double groups) {
-    double k = ceil(groups / DOPT__RING_PIECE_GROUPS);
-    return k < DOPT__RING_DEPTH ? DOPT__RING_DEPTH : k;
-}
+static double dopt__ring_predict_pieces(double groups) { return dopt__ring_pieces_of((size_t)ceil(groups)); }
 
 /* Σ_{k = lo}^{hi} w(k·mult): the widths of the steps of a reduce-scatter. */
 static double dopt__ring_width_sum(int fmt, int lo, int hi, int mult) {
