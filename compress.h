@@ -99,6 +99,8 @@
    | powersgd_rank   | PowerSGD: r, the rank of the factors, 1..64 (checked for | 2                  |
    |                 | every codec)                                             |                    |
    | powersgd_min    | PowerSGD: a matrix of fewer elements goes as fp32        | 4096               |
+   | ring_buckets    | ternary on the ring: buckets the call pipelines (each    | 0: one per 1 Mi    |
+   |                 | encoded while the ring sums the one before), 1..64       | elements, at most 8|
 
    FUNCTIONS
 
@@ -177,7 +179,8 @@
 
    cz->path says how the last allreduce combined the messages: DOPT_PATH_ALLGATHER,
      DOPT_PATH_RING (ternary sums along one ring), DOPT_PATH_RING_TWO_LEVEL (within hosts, then
-     across them), DOPT_PATH_NONE (none yet, or it failed before exchanging). The
+     across them), DOPT_PATH_NONE (none yet, or it failed before exchanging); cz->buckets how
+     many buckets a ring allreduce pipelined (0 off the ring). The
      communicator's traffic counters show it too: the ring's steps are exchanges
      (c->traffic.calls[DOPT_COLL_EXCHANGE]), and c->traffic.received[] holds the bytes a rank
      received on every path that runs on the engine.
@@ -349,6 +352,7 @@ typedef struct dopt_compressor_config {
     int majority_l1;
     unsigned powersgd_rank;
     size_t powersgd_min;
+    int ring_buckets;
 } dopt_compressor_config;
 
 typedef struct dopt_compressor {
@@ -370,6 +374,7 @@ typedef struct dopt_compressor {
     size_t gather_ranks;        /* messages the gather buffer holds */
     int gathered;               /* messages in it from the last allreduce */
     dopt_agg_path path;         /* how the last allreduce combined the messages */
+    int buckets;                /* ... on the ring: the buckets it pipelined (0: not the ring) */
     unsigned char *ring_buf;    /* the integer ring's planes: own, final, the host's, stage */
     unsigned char *ring_fin;    /* ... where the final sums are in it */
     unsigned char *ring_stage;  /* ... and the stage */
@@ -457,6 +462,15 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      a reduced flag tells every rank of a non-finite gradient first.
      Each rank then writes y = (float)(S) · (w·s) per element (w = 1/N as a float, s the
      shared scale): the allgather path's formula, so both paths give the same bits.
+     Ternary's pipeline: once the scales are shared, the groups are cut into B buckets (near-
+     equal runs of groups: ring_buckets, or one per 16384 groups up to 8), each summed by the
+     passes above on its own (tags carry the bucket's size and its number mod 16). The
+     caller's thread encodes bucket k + 1 (codes straight into the message and the own planes)
+     while a thread of the call runs bucket k's exchanges; that thread alone uses the
+     communicator until it is joined, so every rank starts the same exchanges in the same order.
+     Without threads (DOPT_NO_THREADS, or one that cannot start) the buckets run one after the
+     other: the same bytes. The results are written to grads only once every bucket is summed,
+     so a failed call leaves grads as it was.
      The choice (DOPT_AGG_AUTO) compares predicted times: the allgather's N - 1 steps of one
      message each plus N codes summed per element, against the ring's exchanges, the bytes its
      widths give, and the folds, at 30 µs per exchange, 1.25 GB/s (10 Gbit/s) and per-element
@@ -1266,15 +1280,17 @@ static float dopt__tern_k(float s) { return s > DOPT__TINY_SCALE ? (float)(16777
 
 #define DOPT__TERN_RUN 1024 /* elements whose words are generated together (256 words) */
 
-/* The runs go from the segment's end to its start: the statistics pass just read the segment
-   front to back, so its end is what the cache still holds. (Order does not change the result:
-   every element's words are fixed by its index.) Each block prefetches the elements 8 KiB
-   further in that order, so that the generator's work overlaps the misses. */
-static void dopt__tern_encode_segment(const float *x, size_t n, float bound, float s, const dopt_rng *rng,
-                                      uint8_t *out) {
+/* The codes of elements [e0, e1) of a segment of n (e0 a multiple of 64; e1 one too, or n) into
+   its packed body `out`, the bytes of those blocks alone. The runs go front to back, each block
+   prefetching the elements 8 KiB further on, so that the generator's work overlaps the misses.
+   (Order does not change the result: every element's words are fixed by its index. Back to
+   front, to start where the statistics pass left the cache, was slower: the whole encoder ran
+   at 1.27-1.33 Gelem/s on a 64 MiB gradient against 1.35-1.40 front to back.) */
+static void dopt__tern_encode_range(const float *x, size_t n, size_t e0, size_t e1, float bound, float s,
+                                    const dopt_rng *rng, uint8_t *out) {
     uint32_t r[DOPT__TERN_RUN / 4];
     uint8_t c[DOPT__BLOCK];
-    size_t i, j, full = n - n % DOPT__BLOCK, runs = (full + DOPT__TERN_RUN - 1) / DOPT__TERN_RUN;
+    size_t i, j, full = n - n % DOPT__BLOCK, end = e1 < full ? e1 : full;
     dopt__tern_seg sg;
     sg.x = x;
     sg.n = n;
@@ -1283,23 +1299,22 @@ static void dopt__tern_encode_segment(const float *x, size_t n, float bound, flo
     sg.rng = rng;
     sg.out = out;
     sg.nties = 0;
-    if (n > full) {
+    if (e1 > full) { /* the short last block */
         uint64_t ties;
+        memset(c, 0, sizeof c);
         dopt_rng_u32(rng, full / 4, r, 16);
         ties = dopt__tern_codes(x + full, r, n - full, bound, sg.k, c);
         dopt__pack_block(c, n - full, 2, out + full / 4);
         dopt__tern_queue(&sg, ties, full);
     }
-    while (runs-- > 0) {
-        size_t run;
-        i = runs * DOPT__TERN_RUN;
-        run = full - i < DOPT__TERN_RUN ? full - i : DOPT__TERN_RUN;
+    for (i = e0; i < end; i += DOPT__TERN_RUN) {
+        size_t run = end - i < DOPT__TERN_RUN ? end - i : DOPT__TERN_RUN;
         dopt_rng_u32(rng, i / 4, r, run / 4);
         for (j = 0; j < run; j += DOPT__BLOCK) {
             const float *xb = x + i + j;
             uint64_t ties;
             int p;
-            for (p = 0; p < 4; p++) DOPT__PREFETCH(xb + 16 * p, (uintptr_t)0 - DOPT__AHEAD);
+            for (p = 0; p < 4; p++) DOPT__PREFETCH(xb + 16 * p, DOPT__AHEAD);
 #ifdef DOPT__COMPRESS_AVX512
             ties = dopt__tern_block_avx512(xb, r + j / 4, bound, sg.k, out + (i + j) / 4);
 #else
@@ -1311,6 +1326,12 @@ static void dopt__tern_encode_segment(const float *x, size_t n, float bound, flo
     }
     if (sg.nties) dopt__tern_resolve(&sg);
 }
+
+static void dopt__tern_encode_segment(const float *x, size_t n, float bound, float s, const dopt_rng *rng,
+                                      uint8_t *out) {
+    dopt__tern_encode_range(x, n, 0, n, bound, s, rng, out);
+}
+
 /* y += v·t over a block of codes, v = weight·s: the product is exact for t in {-1, 0, 1}, so the
    only rounding is the add's. Returns non-zero when a code is 11. */
 DOPT__MAYBE_UNUSED static unsigned dopt__tern_accum_full(float *DOPT_RESTRICT y, float v, const uint8_t *DOPT_RESTRICT in) {
@@ -1933,8 +1954,9 @@ static void dopt__tern_scales(dopt_compressor *cz, const dopt_buf *g) {
    returns 0 at the first segment that holds a NaN or ±inf, or a value its codec cannot carry
    (out then holds part of a message). Each codec finds them in a pass over the segment it makes
    anyway. Ternary takes its scales and bounds from cz->scales and cz->bounds, which
-   dopt__tern_scales found finite. */
-static int dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank, unsigned char *out) {
+   dopt__tern_scales found finite; without tern_bodies its codes are left for the ring's pipeline
+   to write (dopt__pipe_encode), the rest of the message written all the same. */
+static int dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank, unsigned char *out, int tern_bodies) {
     size_t i;
     unsigned char *p = out + DOPT_COMPRESS_HEADER_BYTES;
     dopt__write_header(cz, rank, out);
@@ -1954,7 +1976,7 @@ static int dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank
                 if (n) memcpy(data, sp.ptr, 4 * n);
             } else {
                 b = dopt__f32_bits(cz->scales[i]);
-                dopt__tern_encode_segment(sp.ptr, n, cz->bounds[i], cz->scales[i], &rng, data);
+                if (tern_bodies) dopt__tern_encode_segment(sp.ptr, n, cz->bounds[i], cz->scales[i], &rng, data);
             }
             break;
         case DOPT_CODEC_QSGD:
@@ -2159,7 +2181,7 @@ static int dopt__shares_scales(const dopt_compressor *cz) {
    with scale sharing every rank has then learnt it from the allreduce and returns it too. The
    step and the residual do not change here: dopt__commit does that once the step is done. */
 static dopt_status dopt__encode_local(dopt_compressor *cz, const dopt_buf *grads, int rank, unsigned char *out,
-                                      dopt_comm *share) {
+                                      dopt_comm *share, int tern_bodies) {
     dopt_buf p = *grads;
     if (cz->ef) p = dopt__ef_prepare(cz, grads);
     if (cz->cfg.codec == DOPT_CODEC_TERNARY) {
@@ -2176,7 +2198,7 @@ static dopt_status dopt__encode_local(dopt_compressor *cz, const dopt_buf *grads
             return DOPT_ERR_NONFINITE;
         }
     }
-    if (!dopt__encode_message(cz, &p, rank, out)) {
+    if (!dopt__encode_message(cz, &p, rank, out, tern_bodies)) {
         dopt__write_nonfinite(cz, rank, out);
         return DOPT_ERR_NONFINITE;
     }
@@ -2200,7 +2222,7 @@ DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *g
     if (cz == NULL || cz->segs == NULL || grads == NULL || out == NULL || bytes == NULL) return DOPT_ERR_INVALID;
     if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return DOPT_ERR_UNSUPPORTED; /* two rounds, no message */
     if (capacity < cz->msg_bytes || !dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
-    s = dopt__encode_local(cz, grads, cz->cfg.rank, (unsigned char *)out, NULL);
+    s = dopt__encode_local(cz, grads, cz->cfg.rank, (unsigned char *)out, NULL, 1);
     *bytes = cz->msg_bytes; /* the flagged message too: a peer that decodes it learns the verdict */
     if (s == DOPT_OK) dopt__commit(cz, (const unsigned char *)out);
     return s;
@@ -2581,6 +2603,8 @@ typedef struct dopt__ring_pass {
     size_t g0, g1;
     int gather;
     uint64_t k0;
+    size_t cap;       /* groups of the largest chunk of this pass on any ring of its level: every
+                         rank cuts as many pieces (exchanges are numbered on the whole communicator) */
     dopt__planes own, out;
 } dopt__ring_pass;
 
@@ -2599,16 +2623,16 @@ static void dopt__ring_piece(const dopt__ring_pass *p, int pieces, long long chu
     *groups = (size_t)pl;
 }
 
-/* Pieces per chunk: every rank computes the same from the pass's shape; at least the depth, so
-   that a piece's next step is never waited for by an exchange started before it. */
-static size_t dopt__ring_chunk_cap(const dopt__ring_pass *p) { return (p->g1 - p->g0 + (size_t)p->n - 1) / (size_t)p->n; }
+/* Pieces per chunk: every rank computes the same from the level's largest chunk (p->cap); at
+   least the depth, so that a piece's next step is never waited for by an exchange started before
+   it. */
 
 static int dopt__ring_pieces_of(size_t chunk_groups) {
     size_t k = (chunk_groups + DOPT__RING_PIECE_GROUPS - 1) / DOPT__RING_PIECE_GROUPS;
     return k < DOPT__RING_DEPTH ? DOPT__RING_DEPTH : (int)k;
 }
 
-static int dopt__ring_pieces(const dopt__ring_pass *p) { return dopt__ring_pieces_of(dopt__ring_chunk_cap(p)); }
+static int dopt__ring_pieces(const dopt__ring_pass *p) { return dopt__ring_pieces_of(p->cap); }
 
 /* Exchange e of a pass (step e / pieces, piece e % pieces): what it sends (tx: own at step 0,
    else the chunk step s - 1 folded into, in the stage), where it receives (rx: a slot per
@@ -2624,7 +2648,7 @@ static void dopt__ring_hop_of(const dopt_compressor *cz, const dopt__ring_pass *
                               dopt__ring_hop *h) {
     int s = (int)(e / pieces), b = (int)(e % pieces);
     long long out = p->gather ? (long long)p->pos + 1 - s : (long long)p->pos - s;
-    size_t chunk_cap = dopt__ring_chunk_cap(p);
+    size_t chunk_cap = p->cap;
     unsigned char *stage[2];
     dopt__ring_piece(p, pieces, out, b, &h->out_first, &h->out_groups);
     dopt__ring_piece(p, pieces, out - 1, b, &h->in_first, &h->in_groups);
@@ -2661,7 +2685,7 @@ static void dopt__ring_hop_of(const dopt_compressor *cz, const dopt__ring_pass *
 
 /* Bytes of the stage a pass needs (dopt__ring_hop_of's layout). */
 static size_t dopt__ring_stage_bytes(const dopt__ring_pass *p) {
-    size_t chunk_cap = dopt__ring_chunk_cap(p);
+    size_t chunk_cap = p->cap;
     return p->gather ? 0 : (2 * chunk_cap + DOPT__RING_DEPTH * DOPT__RING_PIECE_GROUPS) * 8 * p->out.w;
 }
 
@@ -2735,23 +2759,21 @@ static void dopt__ring_own_signs(const uint8_t *DOPT_RESTRICT in, size_t n, unsi
 }
 
 /* This rank's contribution to the ring, group after group, from its message: planes of its
-   codes (ternary), of its signs (majority), or its fp16 or bf16 values padded with zeros. */
+   signs (majority), or its fp16 or bf16 values padded with zeros. (Ternary's planes come from
+   the pipeline: dopt__pipe_encode.) */
 static void dopt__ring_fill_own(const dopt_compressor *cz, unsigned char *own) {
     size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
     int fmt = dopt__ring_fmt(cz);
     for (i = 0; i < cz->nsegs; i++) {
         size_t n = cz->segs[i].count, per = fmt == DOPT__RING_INT ? 16 : 128, groups = dopt__ring_groups(n);
         const unsigned char *body = cz->msg + off + DOPT_COMPRESS_RECORD_BYTES;
-        if (!dopt__ring_carries(cz, i)) {
-        } else if (cz->cfg.codec == DOPT_CODEC_TERNARY) {
-            dopt__ring_own(body, n, own);
-        } else if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
+        if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
             dopt__ring_own_signs(body, n, own);
         } else if (n > 0) {
             memcpy(own, body, 2 * n);
             memset(own + 2 * n, 0, groups * per - 2 * n);
         }
-        if (dopt__ring_carries(cz, i)) own += groups * per;
+        own += groups * per;
         off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
     }
 }
@@ -2849,65 +2871,231 @@ static dopt_status dopt__ring_room(dopt_compressor *cz, size_t bytes) {
     return DOPT_OK;
 }
 
-/* The sums of every rank's ternary codes, exactly, into the final planes (cz->ring_fin: w(N)
-   bits, biased by N), from this rank's own planes (the ring buffer's start: groups × 16
-   bytes, filled by the caller), over a flat ring or, when the ranks sit on several hosts of
-   several ranks each (and two-level schedules are not off), in two levels: a reduce-scatter
-   within the host into the host's sums of one chunk, one across hosts among the ranks at the same
-   place (starting from the host's sums), the final sums around the same two rings back. Sets
-   cz->path. */
-static dopt_status dopt__ring_sums(dopt_compressor *cz, dopt_comm *comm, size_t groups) {
-    int N = comm->size, i, two, L = 1, H = N, j = 0, fmt = dopt__ring_fmt(cz);
-    unsigned wfin = dopt__ring_bits(fmt, N), whost = 0, wown = dopt__ring_bits(fmt, 1);
-    uint64_t tag = (uint64_t)groups << 16 | (uint64_t)cz->cfg.codec << 8; /* other layouts or codecs: a mismatch */
-    dopt_host_layout lay;
-    dopt_status s;
-    dopt__ring_pass a, b; /* flat: the ring (a); two levels: within the host (a) and across (b) */
-    size_t fin_off = groups * 8 * wown, host_off = fin_off + groups * 8 * wfin, stage_off, stage;
+/* Where this rank stands in the ring's schedule. The ring's one buffer holds: the own planes
+   (groups × w(1), from group 0) | the final planes (cz->ring_fin: groups × w(N), biased by N) |
+   the host's sums of the chunk this rank carries across hosts (host_sums: the largest bucket's) |
+   the stage (cz->ring_stage). cz->ring_ranks: the host's ranks in order, then the ranks at this
+   rank's place on each host (two levels), or 0 .. N - 1 (flat). */
+typedef struct dopt__ring_plan {
+    dopt_comm *comm;
+    int fmt, two, L, H, j, host;
+    unsigned wown, whost, wfin;
+    unsigned char *host_sums;
+} dopt__ring_plan;
+
+/* The passes that sum groups [g0, g1): over a flat ring (a) or, when the ranks sit on several
+   hosts of several ranks each (and two-level schedules are not off), a reduce-scatter within the
+   host (a) into the host's sums of one chunk, then one across hosts (b) among the ranks at the
+   same place, starting from the host's sums. Only the shapes are needed for sizing (host_sums
+   may be NULL then). */
+static void dopt__ring_passes(const dopt_compressor *cz, const dopt__ring_plan *pl, size_t g0, size_t g1,
+                              dopt__ring_pass *a, dopt__ring_pass *b) {
     uint64_t cf = 0, cl = 0;
-    int *ranks = cz->ring_ranks;
-    dopt_comm_host_layout(comm, &lay);
-    two = lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF;
-    if (two) {
-        L = lay.local, H = lay.hosts, j = lay.local_rank, whost = dopt__ring_bits(fmt, L);
-        dopt__ring_segment(groups, L, (j + 1) % L, &cf, &cl); /* the chunk this rank carries across hosts */
+    memset(a, 0, sizeof *a);
+    memset(b, 0, sizeof *b);
+    a->comm = b->comm = pl->comm;
+    a->g0 = g0, a->g1 = g1, a->k0 = 1, a->n = pl->two ? pl->L : pl->comm->size;
+    a->cap = (g1 - g0 + (size_t)a->n - 1) / (size_t)a->n;
+    a->ranks = cz->ring_ranks;
+    a->own.p = cz->ring_buf, a->own.w = pl->wown, a->own.K = 1, a->own.fmt = pl->fmt;
+    b->out.p = cz->ring_fin, b->out.w = pl->wfin, b->out.K = pl->comm->size, b->out.fmt = pl->fmt;
+    if (!pl->two) {
+        a->out = b->out;
+        a->pos = pl->comm->rank;
+        return;
     }
-    /* one buffer: own planes | final planes | the host's sums of the chunk | stage */
-    memset(&a, 0, sizeof a);
-    memset(&b, 0, sizeof b);
-    a.comm = b.comm = comm;
-    a.g1 = groups, a.k0 = 1, a.n = two ? L : N;
-    a.out.w = two ? whost : wfin;
-    b.g0 = (size_t)cf, b.g1 = (size_t)(cf + cl), b.k0 = (uint64_t)L, b.n = H, b.out.w = wfin;
-    stage_off = host_off + (size_t)cl * 8 * whost;
+    dopt__ring_segment(g1 - g0, pl->L, (pl->j + 1) % pl->L, &cf, &cl); /* the chunk carried across */
+    a->out.p = pl->host_sums, a->out.g0 = g0 + (size_t)cf, a->out.w = pl->whost, a->out.K = pl->L, a->out.fmt = pl->fmt;
+    a->pos = pl->j;
+    b->own = a->out;
+    b->g0 = g0 + (size_t)cf, b->g1 = g0 + (size_t)(cf + cl), b->k0 = (uint64_t)pl->L, b->n = pl->H;
+    b->cap = (a->cap + (size_t)pl->H - 1) / (size_t)pl->H; /* a->cap: the largest host chunk */
+    b->ranks = cz->ring_ranks + pl->L, b->pos = pl->host;
+}
+
+/* The plan of an allreduce of `groups` groups cut into buckets of at most `most` groups, and the
+   ring's buffer (grown once, kept for later calls). */
+static dopt_status dopt__ring_plan_init(dopt_compressor *cz, dopt_comm *comm, size_t groups, size_t most,
+                                        dopt__ring_plan *pl) {
+    dopt_host_layout lay;
+    dopt__ring_pass a, b;
+    size_t fin_off, host_off, stage_off, stage;
+    dopt_status s;
+    int i;
+    memset(pl, 0, sizeof *pl);
+    pl->comm = comm;
+    pl->fmt = dopt__ring_fmt(cz);
+    pl->L = 1, pl->H = comm->size;
+    dopt_comm_host_layout(comm, &lay);
+    pl->two = lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF;
+    if (pl->two) pl->L = lay.local, pl->H = lay.hosts, pl->j = lay.local_rank, pl->host = lay.host;
+    pl->wown = dopt__ring_bits(pl->fmt, 1);
+    pl->whost = dopt__ring_bits(pl->fmt, pl->L);
+    pl->wfin = dopt__ring_bits(pl->fmt, comm->size);
+    dopt__ring_passes(cz, pl, 0, most, &a, &b);
+    fin_off = groups * 8 * pl->wown;
+    host_off = fin_off + groups * 8 * pl->wfin;
+    stage_off = host_off + (pl->two ? (b.g1 - b.g0) * 8 * pl->whost : 0);
     stage = dopt__ring_stage_bytes(&a);
-    if (two && dopt__ring_stage_bytes(&b) > stage) stage = dopt__ring_stage_bytes(&b);
+    if (pl->two && dopt__ring_stage_bytes(&b) > stage) stage = dopt__ring_stage_bytes(&b);
     if ((s = dopt__ring_room(cz, stage_off + stage)) != DOPT_OK) return s;
     cz->ring_fin = cz->ring_buf + fin_off;
     cz->ring_stage = cz->ring_buf + stage_off;
-    dopt__ring_fill_own(cz, cz->ring_buf);
-    a.own.p = cz->ring_buf, a.own.w = wown, a.own.K = 1, a.own.fmt = fmt;
-    b.out.p = cz->ring_fin, b.out.K = N, b.out.fmt = fmt;
-    if (two) {
-        for (i = 0; i < L; i++) ranks[i] = dopt_comm_host_rank(comm, lay.host, i);
-        for (i = 0; i < H; i++) ranks[L + i] = dopt_comm_host_rank(comm, i, j);
-        a.out.p = cz->ring_buf + host_off, a.out.g0 = (size_t)cf, a.out.K = L, a.out.fmt = fmt;
-        a.ranks = ranks, a.pos = j, a.tag = tag | 1u << 4;
-        b.own = a.out;
-        b.ranks = ranks + L, b.pos = lay.host, b.tag = tag | 2u << 4;
+    pl->host_sums = cz->ring_buf + host_off;
+    if (pl->two) {
+        for (i = 0; i < pl->L; i++) cz->ring_ranks[i] = dopt_comm_host_rank(comm, lay.host, i);
+        for (i = 0; i < pl->H; i++) cz->ring_ranks[pl->L + i] = dopt_comm_host_rank(comm, i, pl->j);
+    } else {
+        for (i = 0; i < comm->size; i++) cz->ring_ranks[i] = i;
+    }
+    return DOPT_OK;
+}
+
+/* The sums of every rank's contributions to groups [g0, g1) (bucket `bucket` of the call),
+   exactly, into the final planes, from this rank's own planes: the reduce-scatters of
+   dopt__ring_passes, then the final sums around the same rings back. */
+static dopt_status dopt__ring_sums(dopt_compressor *cz, const dopt__ring_plan *pl, size_t g0, size_t g1, int bucket) {
+    uint64_t tag = (uint64_t)(g1 - g0) << 16 | (uint64_t)cz->cfg.codec << 8 | (uint64_t)(bucket & 15); /* else: a mismatch */
+    dopt__ring_pass a, b;
+    dopt_status s;
+    dopt__ring_passes(cz, pl, g0, g1, &a, &b);
+    if (pl->two) {
+        a.tag = tag | 1u << 4;
+        b.tag = tag | 2u << 4;
         if ((s = dopt__ring_run(cz, &a)) != DOPT_OK || (s = dopt__ring_run(cz, &b)) != DOPT_OK) return s;
         b.gather = 1, b.tag = tag | 3u << 4;
         if ((s = dopt__ring_run(cz, &b)) != DOPT_OK) return s;
     } else {
-        for (i = 0; i < N; i++) ranks[i] = i;
-        a.out = b.out;
-        a.ranks = ranks, a.pos = comm->rank, a.tag = tag | 5u << 4;
+        a.tag = tag | 5u << 4;
         if ((s = dopt__ring_run(cz, &a)) != DOPT_OK) return s;
     }
     a.out = b.out; /* the final sums go round within the host (or the flat ring) */
     a.gather = 1, a.tag = tag | 4u << 4;
-    cz->path = two ? DOPT_PATH_RING_TWO_LEVEL : DOPT_PATH_RING;
     return dopt__ring_run(cz, &a);
+}
+
+/* ----- the pipeline: ternary's codes encoded while the ring sums the buckets before them */
+
+#define DOPT__RING_BUCKET_GROUPS 16384 /* the least an automatic bucket holds: 1 Mi elements */
+#define DOPT__RING_AUTO_BUCKETS 8      /* automatic buckets, at most */
+#define DOPT__RING_MAX_BUCKETS 64      /* ring_buckets, at most */
+
+/* Buckets of this call: near-equal runs of groups (dopt__ring_segment's cut), each encoded
+   before the ring sums it. Ternary only (its codes come out of the encoder group by group, and
+   its non-finite verdict is known before any code is); 1 for the other codecs. */
+static int dopt__ring_nbuckets(const dopt_compressor *cz, size_t groups) {
+    size_t nb = 1;
+    if (cz->cfg.codec != DOPT_CODEC_TERNARY || groups == 0) return 1;
+    if (cz->cfg.ring_buckets > 0)
+        nb = (size_t)cz->cfg.ring_buckets;
+    else
+        nb = groups / DOPT__RING_BUCKET_GROUPS;
+    if (cz->cfg.ring_buckets == 0 && nb > DOPT__RING_AUTO_BUCKETS) nb = DOPT__RING_AUTO_BUCKETS;
+    if (nb > groups) nb = groups;
+    return nb < 1 ? 1 : (int)nb;
+}
+
+/* Ternary's codes of groups [g0, g1) of p into the message (cz->msg, whose records are written)
+   and, as planes of sums of one, into the ring's own planes. */
+static void dopt__pipe_encode(dopt_compressor *cz, const dopt_buf *p, size_t g0, size_t g1) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, gb = 0, i;
+    for (i = 0; i < cz->nsegs && gb < g1; i++) {
+        size_t n = cz->segs[i].count, gn = dopt__ring_groups(n);
+        size_t lo = g0 > gb ? g0 : gb, hi = g1 < gb + gn ? g1 : gb + gn;
+        if (!dopt__ring_carries(cz, i)) {
+            gn = 0;
+        } else if (lo < hi) {
+            dopt_span sp = dopt_buf_segment(p, i);
+            unsigned char *body = cz->msg + off + DOPT_COMPRESS_RECORD_BYTES;
+            size_t e0 = (lo - gb) * DOPT__BLOCK, e1 = (hi - gb) * DOPT__BLOCK < n ? (hi - gb) * DOPT__BLOCK : n;
+            dopt_rng rng;
+            dopt__seg_rng(cz, cz->cfg.rank, i, &rng);
+            dopt__tern_encode_range(sp.ptr, n, e0, e1, cz->bounds[i], cz->scales[i], &rng, body);
+            dopt__ring_own(body + e0 / 4, e1 - e0, cz->ring_buf + lo * 16);
+        }
+        gb += gn;
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
+    }
+}
+
+#ifdef DOPT__THREADS
+/* The ring's side of the pipeline: a thread that sums bucket k once the caller's thread has
+   encoded it. Only this thread uses the communicator until it is joined. */
+typedef struct dopt__pipe {
+    dopt_compressor *cz;
+    const dopt__ring_plan *plan;
+    size_t groups;
+    int nb, encoded;
+    dopt_status status;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+} dopt__pipe;
+
+static void *dopt__pipe_ring(void *arg) {
+    dopt__pipe *q = (dopt__pipe *)arg;
+    dopt_status s = DOPT_OK;
+    int k;
+    for (k = 0; k < q->nb && s == DOPT_OK; k++) {
+        uint64_t f, l;
+        pthread_mutex_lock(&q->mu);
+        while (q->encoded <= k) pthread_cond_wait(&q->cv, &q->mu);
+        pthread_mutex_unlock(&q->mu);
+        dopt__ring_segment(q->groups, q->nb, k, &f, &l);
+        s = dopt__ring_sums(q->cz, q->plan, (size_t)f, (size_t)(f + l), k);
+    }
+    q->status = s;
+    return NULL;
+}
+#endif
+
+/* Ternary's ring in nb buckets: bucket k + 1 is encoded on this thread while a second one sums
+   bucket k (without threads, or when one cannot start: one after the other, the same bytes).
+   Every rank starts the same exchanges in the same order either way. */
+static dopt_status dopt__ring_pipeline(dopt_compressor *cz, const dopt__ring_plan *pl, const dopt_buf *p, size_t groups,
+                                       int nb) {
+    dopt_status s = DOPT_OK;
+    int k;
+#ifdef DOPT__THREADS
+    if (nb > 1) {
+        dopt__pipe q;
+        pthread_t t;
+        int mu, cv;
+        memset(&q, 0, sizeof q);
+        q.cz = cz, q.plan = pl, q.groups = groups, q.nb = nb;
+        mu = pthread_mutex_init(&q.mu, NULL) == 0;
+        cv = mu && pthread_cond_init(&q.cv, NULL) == 0;
+        if (cv && pthread_create(&t, NULL, dopt__pipe_ring, &q) == 0) {
+            for (k = 0; k < nb; k++) {
+                uint64_t f, l;
+                dopt__ring_segment(groups, nb, k, &f, &l);
+#ifdef DOPT__PIPE_TEST_DELAY_US /* tests: a slow encoder, so that a ring that runs ahead reads stale planes */
+                {
+                    struct timespec ts = {0, DOPT__PIPE_TEST_DELAY_US * 1000L};
+                    nanosleep(&ts, NULL);
+                }
+#endif
+                dopt__pipe_encode(cz, p, (size_t)f, (size_t)(f + l));
+                pthread_mutex_lock(&q.mu);
+                q.encoded = k + 1;
+                pthread_cond_signal(&q.cv);
+                pthread_mutex_unlock(&q.mu);
+            }
+            pthread_join(t, NULL);
+            pthread_cond_destroy(&q.cv);
+            pthread_mutex_destroy(&q.mu);
+            return q.status;
+        }
+        if (cv) pthread_cond_destroy(&q.cv);
+        if (mu) pthread_mutex_destroy(&q.mu);
+    }
+#endif
+    for (k = 0; k < nb && s == DOPT_OK; k++) {
+        uint64_t f, l;
+        dopt__ring_segment(groups, nb, k, &f, &l);
+        dopt__pipe_encode(cz, p, (size_t)f, (size_t)(f + l));
+        s = dopt__ring_sums(cz, pl, (size_t)f, (size_t)(f + l), k);
+    }
+    return s;
 }
 
 /* ----- choosing the path */
@@ -2996,11 +3184,15 @@ static dopt_status dopt__ring_agree(dopt_compressor *cz, dopt_comm *comm, dopt_s
     return s;
 }
 
-/* The ring path of the compressed allreduce, after this rank's message is in cz->msg: the sums
-   of the ternary segments through the ring, the fp32 segments (those below fp32_below) through
-   one allgather of their values. Nothing of grads is written here. */
-static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, size_t groups) {
+/* The ring path of the compressed allreduce, after this rank's message is in cz->msg (ternary:
+   all but the codes, which the pipeline writes from p, the gradient encoded): the sums of the
+   segments through the ring, ternary's fp32 segments (those below fp32_below) through one
+   allgather of their values. Nothing of grads is written here. Sets cz->path and cz->buckets. */
+static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *p, size_t groups) {
     size_t off = DOPT_COMPRESS_HEADER_BYTES, small = 0, i;
+    int nb = dopt__ring_nbuckets(cz, groups);
+    uint64_t most, unused;
+    dopt__ring_plan plan;
     dopt_status s;
     for (i = 0; i < cz->nsegs; i++) small += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
     if ((size_t)comm->size > cz->ring_nranks) {
@@ -3009,7 +3201,18 @@ static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, siz
         if ((cz->ring_ranks = (int *)DOPT_MALLOC(sizeof(int) * (size_t)comm->size)) == NULL) return DOPT_ERR_NOMEM;
         cz->ring_nranks = (size_t)comm->size;
     }
-    if ((s = dopt__ring_sums(cz, comm, groups)) != DOPT_OK || small == 0) return s;
+    dopt__ring_segment(groups, nb, 0, &unused, &most); /* the first bucket is the largest */
+    if ((s = dopt__ring_plan_init(cz, comm, groups, (size_t)most, &plan)) != DOPT_OK) return s;
+    if (cz->cfg.codec == DOPT_CODEC_TERNARY) {
+        s = dopt__ring_pipeline(cz, &plan, p, groups, nb);
+    } else {
+        dopt__ring_fill_own(cz, cz->ring_buf);
+        s = dopt__ring_sums(cz, &plan, 0, groups, 0);
+    }
+    if (s != DOPT_OK) return s;
+    cz->path = plan.two ? DOPT_PATH_RING_TWO_LEVEL : DOPT_PATH_RING;
+    cz->buckets = nb;
+    if (small == 0) return DOPT_OK;
     /* the fp32 segments' values, packed, then every rank's after them in the gather buffer */
     small = 0;
     for (i = 0; i < cz->nsegs; i++) {
@@ -3071,14 +3274,17 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     s = dopt__gather_room(cz, ring ? comm->size + 1 : comm->size);
     if (s != DOPT_OK) return s;
     cz->cfg.rank = comm->rank;
-    s = dopt__encode_local(cz, grads, comm->rank, cz->msg, comm);
+    cz->buckets = 0;
+    /* on the ring, ternary's codes are written by its pipeline (dopt__ring_pipeline) */
+    s = dopt__encode_local(cz, grads, comm->rank, cz->msg, comm, !(ring && cz->cfg.codec == DOPT_CODEC_TERNARY));
     /* A non-finite gradient goes out as a flagged message, unless scale sharing has already told
        every rank. */
     if (s != DOPT_OK && (s != DOPT_ERR_NONFINITE || dopt__shares_scales(cz))) return s;
     prev = dopt__compress_label(comm, "dopt_compress_allreduce");
     if (ring) {
+        dopt_buf p = cz->ef ? dopt__spans_over(cz, cz->work) : *grads; /* what was encoded */
         s = dopt__ring_agree(cz, comm, s);
-        if (s == DOPT_OK) s = dopt__ring_exchange(cz, comm, groups);
+        if (s == DOPT_OK) s = dopt__ring_exchange(cz, comm, &p, groups);
         dopt_comm_set_api(comm, prev);
         if (s != DOPT_OK) return s;
         dopt__commit(cz, cz->msg);
@@ -3530,6 +3736,7 @@ static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
     if (c->powersgd_rank == 0) c->powersgd_rank = 2;
     if (c->powersgd_rank > DOPT__PSGD_MAX_RANK) return DOPT_ERR_INVALID;
     if (c->powersgd_min == 0) c->powersgd_min = 4096;
+    if (c->ring_buckets < 0 || c->ring_buckets > DOPT__RING_MAX_BUCKETS) return DOPT_ERR_INVALID;
     /* PowerSGD without its error feedback does not converge well (Vogels et al. 2019, §4.1) */
     if (c->codec == DOPT_CODEC_POWERSGD && c->error_feedback == DOPT_EF_OFF) return DOPT_ERR_INVALID;
     return DOPT_OK;

@@ -27,6 +27,7 @@
 #   bench model-check hosts=H ranks=N method=M measured_ms=t model_ms=p ratio=p/t
 #   bench model-check worst_ratio=r within_20pct=yes|no
 # Usage: bench/cluster.sh [build-dir] [all|allreduce|compress|model]   (the parts to run; all by default)
+#   CLUSTER_COMPRESS_METHODS="fp32 ternary ..." runs only those methods of the compress part.
 set -eu
 BUILD=${1:-build}
 PARTS=${2:-all}
@@ -109,7 +110,8 @@ fi
 # (bench/cluster_compress.c): its "bench cluster-compress" lines as they are
 [ "$PARTS" = allreduce ] && exit 0
 if [ "$PARTS" != model ]; then
-    launch cluster-compress auto "$COMPRESS"
+    # shellcheck disable=SC2086 # CLUSTER_COMPRESS_METHODS: a list of method names
+    launch cluster-compress auto "$COMPRESS" ${CLUSTER_COMPRESS_METHODS:-}
     grep '^bench cluster-compress' "$LOGS/cluster-compress.rank0.log"
 fi
 [ "$PARTS" = compress ] && exit 0

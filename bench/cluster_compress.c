@@ -8,6 +8,8 @@
                       ring, by host, at this size and world)
      ternary-allgather the same with aggregate = DOPT_AGG_ALLGATHER: every message to every rank
      ternary-ring, majority-ring   aggregate = DOPT_AGG_RING (where AUTO would not take it)
+     ternary-ring-1-bucket   the ring without its pipeline (ring_buckets = 1): the encoder runs
+                      whole before the ring starts
      majority, fp16, bf16   on their rings (where compress.h chooses them)
      sign, qsgd, topk       the other codecs (the allgather path)
      powersgd               rank 4 (its default r is 2) of each segment as a 1024 × 1024 matrix:
@@ -19,11 +21,12 @@
    scale sharing too), the largest over the ranks. One line per method on rank 0:
 
      bench cluster-compress hosts=H ranks=N codec=C bytes=B us=T bits_per_elem=b speedup_fp32=s
-           speedup_allgather=a path=P us_min=.. us_max=..
+           speedup_allgather=a path=P us_min=.. us_max=.. buckets=k
 
    speedup_fp32 = fp32's time / this method's; speedup_allgather = ternary-allgather's time /
    ternary's (na for the others); path: how compress.h combined the messages (fp32: the
-   allreduce). hosts comes from DOPT_BENCH_HOSTS (the script's layout; 0 when unset).
+   allreduce); buckets: how many the ring pipelined (0 off the ring). hosts comes from
+   DOPT_BENCH_HOSTS (the script's layout; 0 when unset).
    Arguments: the methods to run (all but the forced rings when none is named; a ratio to one not
    run is "na").
    Run by bench/cluster.sh (root); by hand: DOPT_WORLD_SIZE=4 build/cluster_compress [METHOD...] */
@@ -48,8 +51,10 @@ typedef struct method {
     int fp32;
     dopt_codec codec;
     dopt_aggregate aggregate;
+    int buckets; /* ring_buckets (0: compress.h's choice) */
     double us, us_min, us_max, bits;
     dopt_agg_path path;
+    int used;    /* buckets the ring pipelined (cz->buckets) */
 } method;
 
 static double now_seconds(void) {
@@ -94,6 +99,7 @@ static void run(dopt_comm *c, method *m, const dopt_segment *segs, const float *
     memset(&cfg, 0, sizeof cfg);
     cfg.codec = m->codec;
     cfg.aggregate = m->aggregate;
+    cfg.ring_buckets = m->buckets;
     cfg.seed = 7;
     cfg.powersgd_rank = 4;
     if (!m->fp32 && (s = dopt_compressor_init(&cz, &cfg, segs, NSEG)) != DOPT_OK) die(c, s, "init");
@@ -118,6 +124,7 @@ static void run(dopt_comm *c, method *m, const dopt_segment *segs, const float *
     m->us_min = t[0] * 1e6;
     m->us_max = t[REPS - 1] * 1e6;
     m->path = m->fp32 ? DOPT_PATH_NONE : cz.path;
+    m->used = m->fp32 ? 0 : cz.buckets;
     if (!m->fp32) dopt_compressor_free(&cz);
 }
 
@@ -141,18 +148,19 @@ static int wanted(int argc, char **argv, const char *name) {
 
 int main(int argc, char **argv) {
     method ms[] = {
-        {"fp32", 1, DOPT_CODEC_FP32, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"ternary", 0, DOPT_CODEC_TERNARY, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"ternary-allgather", 0, DOPT_CODEC_TERNARY, DOPT_AGG_ALLGATHER, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"majority", 0, DOPT_CODEC_MAJORITY, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"sign", 0, DOPT_CODEC_SIGN, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"fp16", 0, DOPT_CODEC_FP16, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"bf16", 0, DOPT_CODEC_BF16, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"qsgd", 0, DOPT_CODEC_QSGD, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"topk", 0, DOPT_CODEC_TOPK, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"powersgd", 0, DOPT_CODEC_POWERSGD, DOPT_AGG_AUTO, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"ternary-ring", 0, DOPT_CODEC_TERNARY, DOPT_AGG_RING, 0, 0, 0, 0, DOPT_PATH_NONE},
-        {"majority-ring", 0, DOPT_CODEC_MAJORITY, DOPT_AGG_RING, 0, 0, 0, 0, DOPT_PATH_NONE},
+        {"fp32", 1, DOPT_CODEC_FP32, DOPT_AGG_AUTO, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"ternary", 0, DOPT_CODEC_TERNARY, DOPT_AGG_AUTO, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"ternary-allgather", 0, DOPT_CODEC_TERNARY, DOPT_AGG_ALLGATHER, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"majority", 0, DOPT_CODEC_MAJORITY, DOPT_AGG_AUTO, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"sign", 0, DOPT_CODEC_SIGN, DOPT_AGG_AUTO, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"fp16", 0, DOPT_CODEC_FP16, DOPT_AGG_AUTO, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"bf16", 0, DOPT_CODEC_BF16, DOPT_AGG_AUTO, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"qsgd", 0, DOPT_CODEC_QSGD, DOPT_AGG_AUTO, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"topk", 0, DOPT_CODEC_TOPK, DOPT_AGG_AUTO, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"powersgd", 0, DOPT_CODEC_POWERSGD, DOPT_AGG_AUTO, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"ternary-ring", 0, DOPT_CODEC_TERNARY, DOPT_AGG_RING, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"majority-ring", 0, DOPT_CODEC_MAJORITY, DOPT_AGG_RING, 0, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
+        {"ternary-ring-1-bucket", 0, DOPT_CODEC_TERNARY, DOPT_AGG_RING, 1, 0, 0, 0, 0, DOPT_PATH_NONE, 0},
     };
     size_t nm = sizeof ms / sizeof ms[0], i, n = NSEG * SEG;
     dopt_segment segs[NSEG];
@@ -176,8 +184,9 @@ int main(int argc, char **argv) {
             snprintf(ag, sizeof ag, "%.2f", ms[2].us / ms[i].us);
         if (ms[0].us > 0) snprintf(f32, sizeof f32, "%.2f", ms[0].us / ms[i].us);
         printf("bench cluster-compress hosts=%s ranks=%d codec=%s bytes=%zu us=%.0f bits_per_elem=%.2f "
-               "speedup_fp32=%s speedup_allgather=%s path=%s us_min=%.0f us_max=%.0f\n",
-               hosts ? hosts : "0", c->size, ms[i].name, n * sizeof(float), ms[i].us, ms[i].bits, f32, ag, path_name(&ms[i]), ms[i].us_min, ms[i].us_max);
+               "speedup_fp32=%s speedup_allgather=%s path=%s us_min=%.0f us_max=%.0f buckets=%d\n",
+               hosts ? hosts : "0", c->size, ms[i].name, n * sizeof(float), ms[i].us, ms[i].bits, f32, ag, path_name(&ms[i]),
+               ms[i].us_min, ms[i].us_max, ms[i].used);
     }
     fflush(stdout);
     free(grad);

@@ -246,8 +246,18 @@ mutate ring-width-a-bit-short compress.h \
 mutate ring-step-count compress.h \
     'h->rx.K = (s + 1) * (int)p->k0;' 'h->rx.K = (s + 1) * (int)p->k0 + 1;' test_ring:integer_ring
 mutate ring-two-level-wrong-chunk compress.h \
-    '(j + 1) % L, &cf, &cl); /* the chunk this rank carries across hosts */' \
-    'j % L, &cf, &cl); /* the chunk this rank carries across hosts */' test_ring:integer_ring
+    '(pl->j + 1) % pl->L, &cf, &cl); /* the chunk carried across */' \
+    'pl->j % pl->L, &cf, &cl); /* the chunk carried across */' test_ring:integer_ring
+mutate ring-pieces-from-this-place-alone compress.h \
+    'b->cap = (a->cap + (size_t)pl->H - 1) / (size_t)pl->H;' 'b->cap = (b->g1 - b->g0 + (size_t)pl->H - 1) / (size_t)pl->H;' \
+    test_ring:cuts_as_many
+mutate ring-pipeline-runs-ahead-of-the-encoder compress.h \
+    '        q.encoded = k + 1;' '        q.encoded = k + 2;' test_ring:integer_ring
+mutate ring-pipeline-bucket-planes-misplaced compress.h \
+    'dopt__ring_own(body + e0 / 4, e1 - e0, cz->ring_buf + lo * 16);' \
+    'dopt__ring_own(body + e0 / 4, e1 - e0, cz->ring_buf + (lo - g0) * 16);' test_ring:integer_ring
+mutate ring-pipeline-bucket-cut compress.h \
+    'size_t e0 = (lo - gb) * DOPT__BLOCK, e1' 'size_t e0 = (lo - gb + (lo > gb)) * DOPT__BLOCK, e1' test_ring:integer_ring
 mutate ring-fold-bias-portable compress.h \
     'va[t] = (uint16_t)(va[t] + vb[t] - a->K - b->K + o->K);' \
     'va[t] = (uint16_t)(va[t] + vb[t] - a->K - b->K + o->K + 1);' test_ring_portable:integer_ring

@@ -10,6 +10,8 @@
      still come out exact (one bit less would wrap them).
    - Segments sent as fp32, error feedback and the step carried across steps, a non-finite
      gradient, the choice between the paths, and the vector kernels against the portable ones. */
+/* the pipeline's encoder pauses before each bucket: a ring that ran ahead of it would read stale planes */
+#define DOPT__PIPE_TEST_DELAY_US 300
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../compress.h"
@@ -146,6 +148,7 @@ typedef struct ring_case {
     size_t fp32_below;
     int kind;          /* fill's */
     dopt_ef_mode ef;
+    int buckets;       /* ring_buckets (0: automatic, one bucket at these sizes) */
 } ring_case;
 
 /* Host tables for every layout of N ranks into hosts of L >= 2 ranks (H = N / L >= 2), in blocks
@@ -178,6 +181,7 @@ static void check_case(dopt_comm *c, const ring_case *rc, int layout_local, int 
     cfg.error_feedback = rc->ef;
     if (rc->kind == 1) cfg.clip_c = DOPT_CLIP_OFF;
     cfg.aggregate = DOPT_AGG_RING;
+    cfg.ring_buckets = rc->buckets;
     DT_OK(dopt_compressor_init(&ring, &cfg, segs, NSEGS));
     cfg.aggregate = DOPT_AGG_ALLGATHER;
     DT_OK(dopt_compressor_init(&ag, &cfg, segs, NSEGS));
@@ -196,9 +200,15 @@ static void check_case(dopt_comm *c, const ring_case *rc, int layout_local, int 
                   c->rank, N, layout_local, step);
         DT_CHECKF(memcmp(h, want, n * sizeof(float)) == 0, "rank %d of %d: allgather != reference", c->rank, N);
         got = c->traffic.received[DOPT_COLL_EXCHANGE] - before;
-        if (N > 1) {
-            uint64_t w = expected_bytes(total_groups(rc->fp32_below), N, layout_local,
-                                        layout_local > 1 ? lay.host : 0, layout_local > 1 ? lay.local_rank : 0, c->rank);
+        if (N > 1) { /* each bucket goes round the rings on its own */
+            uint64_t w = 0, f, len;
+            int nb = rc->buckets > 0 ? rc->buckets : 1, k;
+            for (k = 0; k < nb; k++) {
+                part(total_groups(rc->fp32_below), nb, k, &f, &len);
+                w += expected_bytes(len, N, layout_local, layout_local > 1 ? lay.host : 0,
+                                    layout_local > 1 ? lay.local_rank : 0, c->rank);
+            }
+            DT_CHECKF(ring.buckets == nb, "rank %d of %d: %d buckets, configured %d", c->rank, N, ring.buckets, nb);
             DT_CHECKF(got == w, "rank %d of %d, hosts of %d: received %llu bytes in exchanges, the widths give %llu",
                       c->rank, N, layout_local, (unsigned long long)got, (unsigned long long)w);
         }
@@ -212,9 +222,10 @@ static void check_case(dopt_comm *c, const ring_case *rc, int layout_local, int 
 }
 
 static const ring_case ring_cases[] = {
-    {0, 0, DOPT_EF_AUTO},  /* every segment ternary */
-    {10, 0, DOPT_EF_ON},   /* the 3- and 1-element segments as fp32; error feedback carried over steps */
-    {0, 1, DOPT_EF_AUTO},  /* every sum at ±N */
+    {0, 0, DOPT_EF_AUTO, 0},  /* every segment ternary, one bucket */
+    {10, 0, DOPT_EF_ON, 3},   /* the 3- and 1-element segments as fp32; error feedback carried over steps;
+                                 3 buckets of 33 or 34 groups, cutting segments inside and at a short block */
+    {0, 1, DOPT_EF_AUTO, 13}, /* every sum at ±N; 13 buckets */
 };
 
 static void body_ring_reference(dopt_comm *c, void *arg) {
@@ -226,6 +237,38 @@ static void body_ring_reference(dopt_comm *c, void *arg) {
     }
 }
 DTEST_WORLDS_EACH(integer_ring_equals_a_serial_integer_reference_flat_and_by_host, body_ring_reference, ring_cases, 1, 8);
+
+/* 2 hosts of 2, 32769 groups: place 0 carries 16385 groups across hosts and place 1 16384, so
+   the chunks of their cross-host rings hold 8193 and 8192 groups, on either side of a piece
+   boundary (4096 groups). Every rank must still cut the same number of pieces: the exchanges
+   are numbered on the whole communicator, and the host's rings that follow pair the places. */
+static void body_ring_piece_boundary(dopt_comm *c, void *arg) {
+    size_t n = (size_t)32769 * 64;
+    dopt_segment seg = {0, n, "w"};
+    float *g = (float *)malloc(n * sizeof(float)), *h = (float *)malloc(n * sizeof(float));
+    int host_of[4] = {0, 0, 1, 1};
+    dopt_compressor ring, ag;
+    dopt_compressor_config cfg;
+    (void)arg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.aggregate = DOPT_AGG_RING;
+    cfg.ring_buckets = 1;
+    DT_OK(dopt_compressor_init(&ring, &cfg, &seg, 1));
+    cfg.aggregate = DOPT_AGG_ALLGATHER;
+    DT_OK(dopt_compressor_init(&ag, &cfg, &seg, 1));
+    DT_OK(dopt_comm_set_hosts(c, host_of, DOPT_TWO_LEVEL_ON));
+    fill(g, n, &seg, c->rank, 0, 0);
+    memcpy(h, g, n * sizeof(float));
+    DT_OK(dopt_compress_allreduce(&ring, c, g, n));
+    DT_OK(dopt_compress_allreduce(&ag, c, h, n));
+    DT_CHECK(ring.path == DOPT_PATH_RING_TWO_LEVEL);
+    DT_CHECK(memcmp(g, h, n * sizeof(float)) == 0);
+    dopt_compressor_free(&ring);
+    dopt_compressor_free(&ag);
+    free(g);
+    free(h);
+}
+DTEST_WORLDS_ON(integer_ring_cuts_as_many_pieces_on_every_ring, body_ring_piece_boundary, NULL, 4, 4, WORLD_MASK_TCP);
 
 /* ------------------------------------------------------------------ majority vote, fp16, bf16 */
 
@@ -429,9 +472,10 @@ static void body_ring_auto(dopt_comm *c, void *arg) {
     fill(g, n, &seg, c->rank, 0, 0);
     DT_OK(dopt_compress_allreduce(&cz, c, g, n));
     if (c->size == 2) {
-        DT_CHECK(cz.path == DOPT_PATH_ALLGATHER && c->traffic.calls[DOPT_COLL_EXCHANGE] == 0);
-    } else {
+        DT_CHECK(cz.path == DOPT_PATH_ALLGATHER && c->traffic.calls[DOPT_COLL_EXCHANGE] == 0 && cz.buckets == 0);
+    } else { /* 65536 groups: 4 automatic buckets of 16384 */
         DT_CHECK(cz.path == DOPT_PATH_RING && c->traffic.calls[DOPT_COLL_EXCHANGE] > 0);
+        DT_CHECKF(cz.buckets == 4, "%d buckets", cz.buckets);
     }
     dopt_compressor_free(&cz);
     free(g);
@@ -448,13 +492,21 @@ DTEST(predicted_costs_favour_the_allgather_for_few_ranks_and_the_ring_for_many) 
     DT_CHECK(dopt__ring_predict(DOPT__RING_INT, groups, 64, 8, 8, 1, m) < dopt__ring_predict(DOPT__RING_INT, groups, 64, 8, 8, 0, m) / 4);
 }
 
-DTEST(aggregate_out_of_range_is_refused) {
+DTEST(aggregate_and_ring_buckets_out_of_range_are_refused) {
     dopt_segment seg = {0, 10, "w"};
     dopt_compressor cz;
     dopt_compressor_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.aggregate = (dopt_aggregate)3;
     DT_EQ_INT(dopt_compressor_init(&cz, &cfg, &seg, 1), DOPT_ERR_INVALID);
+    cfg.aggregate = DOPT_AGG_RING;
+    cfg.ring_buckets = -1;
+    DT_EQ_INT(dopt_compressor_init(&cz, &cfg, &seg, 1), DOPT_ERR_INVALID);
+    cfg.ring_buckets = 65;
+    DT_EQ_INT(dopt_compressor_init(&cz, &cfg, &seg, 1), DOPT_ERR_INVALID);
+    cfg.ring_buckets = 64;
+    DT_OK(dopt_compressor_init(&cz, &cfg, &seg, 1));
+    dopt_compressor_free(&cz);
 }
 
 /* A world of one and a communicator without exchanges take the allgather path, RING or not. */
