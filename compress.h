@@ -100,7 +100,7 @@
    |                 | every codec)                                             |                    |
    | powersgd_min    | PowerSGD: a matrix of fewer elements goes as fp32        | 4096               |
    | ring_buckets    | ternary on the ring: buckets the call pipelines (each    | 0: one per 1 Mi    |
-   |                 | encoded while the ring sums the one before), 1..64       | elements, at most 8|
+   |                 | encoded while the ring sums the one before), 1..64       | elements, up to 16 |
 
    FUNCTIONS
 
@@ -452,25 +452,37 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      Two levels (hosts of L ranks, H hosts): a reduce-scatter within the host leaves place j
      with the host's sums (K = L) of chunk j + 1; a reduce-scatter across hosts among the ranks
      at place j, starting from those (K grows by L a step), then an allgather across hosts and
-     one within the host of the final sums (K = N). Every exchange carries a tag derived from
-     the number of groups, the codec and the pass, so ranks with other layouts fail with a
-     mismatch. Majority vote: a rank's signs are planes with K = 1 too (v = 0 or 2), and the
-     ranks' scales and non-finite flags go through one allgather before the ring. fp16/bf16:
+     one within the host of the final sums (K = N). Majority vote: a rank's signs are planes
+     with K = 1 too (v = 0 or 2), and the ranks' scales and non-finite flags go through one
+     allgather before the ring. fp16/bf16:
      groups of 64 16-bit values (w = 16, K counting the means' contributions); a fold is
      (a·K_a + b·K_b)/(K_a + K_b) in fp32 — exact products, so a fused multiply-add changes
      nothing — rounded to nearest even, and a received value that is not finite is refused;
      a reduced flag tells every rank of a non-finite gradient first.
      Each rank then writes y = (float)(S) · (w·s) per element (w = 1/N as a float, s the
      shared scale): the allgather path's formula, so both paths give the same bits.
-     Ternary's pipeline: once the scales are shared, the groups are cut into B buckets (near-
-     equal runs of groups: ring_buckets, or one per 16384 groups up to 8), each summed by the
-     passes above on its own (tags carry the bucket's size and its number mod 16). The
-     caller's thread encodes bucket k + 1 (codes straight into the message and the own planes)
-     while a thread of the call runs bucket k's exchanges; that thread alone uses the
-     communicator until it is joined, so every rank starts the same exchanges in the same order.
-     Without threads (DOPT_NO_THREADS, or one that cannot start) the buckets run one after the
-     other: the same bytes. The results are written to grads only once every bucket is summed,
-     so a failed call leaves grads as it was.
+     Every ring of a level cuts its chunks into as many pieces, from the level's largest chunk:
+     exchanges are numbered on the whole communicator, so places whose chunks straddle a piece
+     boundary would otherwise drift apart.
+     The pipeline: the groups are cut into B buckets (near-equal runs: ring_buckets, or one per
+     16384 groups, up to 16), each going through the passes above on its own (tags carry the
+     bucket's size and its number mod 16), in steps: at step t bucket t is summed within the
+     host, t - 1 and t - 2 cross between hosts (reduce-scatter and allgather), t - 3 goes back
+     within the host (flat: t reduced, t - 1 gathered). A step's passes run at once, each with
+     two exchanges in flight, started round-robin in an order fixed by their shapes (never by
+     which completes first), so every rank starts the same exchanges in the same order; the
+     links across hosts stay busy while the hosts' own rings ride along. Two regions hold the
+     host's sums (bucket t's formed while t - 1's cross) and each level of reduce-scatter has
+     its stage. Ternary's codes are encoded per bucket, once the scales are shared: the caller's
+     thread encodes bucket t (codes into the message and the own planes) once step t - 1 has
+     begun — one bucket ahead, no more: further ahead, the encoders starved the ring on a busy
+     machine — and decodes into grads each bucket the schedule has finished, while a thread of
+     the call runs the schedule (it alone uses the communicator until it is joined). Without
+     threads (DOPT_NO_THREADS, or one that cannot start), or for the other codecs (one bucket,
+     their messages encoded first), one thread runs the steps, encoding bucket t before step t
+     and decoding at the end: the same exchanges, the same bytes. A call that fails on the ring
+     may have written some buckets' results into grads; the step and the residual are then
+     unchanged, as on every failure.
      The choice (DOPT_AGG_AUTO) compares predicted times: the allgather's N - 1 steps of one
      message each plus N codes summed per element, against the ring's exchanges, the bytes its
      widths give, and the folds, at 30 µs per exchange, 1.25 GB/s (10 Gbit/s) and per-element
@@ -2606,6 +2618,7 @@ typedef struct dopt__ring_pass {
     size_t cap;       /* groups of the largest chunk of this pass on any ring of its level: every
                          rank cuts as many pieces (exchanges are numbered on the whole communicator) */
     dopt__planes own, out;
+    unsigned char *stage; /* a reduce-scatter's: its folds and receptions (dopt__ring_hop_of) */
 } dopt__ring_pass;
 
 static size_t dopt__ring_chunk_first(const dopt__ring_pass *p, long long chunk) {
@@ -2637,15 +2650,14 @@ static int dopt__ring_pieces(const dopt__ring_pass *p) { return dopt__ring_piece
 /* Exchange e of a pass (step e / pieces, piece e % pieces): what it sends (tx: own at step 0,
    else the chunk step s - 1 folded into, in the stage), where it receives (rx: a slot per
    exchange in flight) and where the fold of what it received goes (the stage, or at the last
-   step the pass's out). The stage (cz->ring_stage) holds two chunks at most out's width, then
-   the slots. */
+   step the pass's out). The pass's stage holds two chunks at most out's width, then the
+   slots. */
 typedef struct dopt__ring_hop {
     size_t out_first, out_groups, in_first, in_groups;
     dopt__planes tx, rx, fold; /* fold: where the reduce-scatter's fold of rx goes */
 } dopt__ring_hop;
 
-static void dopt__ring_hop_of(const dopt_compressor *cz, const dopt__ring_pass *p, int pieces, long long e,
-                              dopt__ring_hop *h) {
+static void dopt__ring_hop_of(const dopt__ring_pass *p, int pieces, long long e, dopt__ring_hop *h) {
     int s = (int)(e / pieces), b = (int)(e % pieces);
     long long out = p->gather ? (long long)p->pos + 1 - s : (long long)p->pos - s;
     size_t chunk_cap = p->cap;
@@ -2657,7 +2669,7 @@ static void dopt__ring_hop_of(const dopt_compressor *cz, const dopt__ring_pass *
         return;
     }
     /* stage[s % 2] gets step s's folds, sent at step s + 1; receptions go to a slot per piece */
-    stage[0] = cz->ring_stage, stage[1] = cz->ring_stage + chunk_cap * 8 * p->out.w;
+    stage[0] = p->stage, stage[1] = p->stage + chunk_cap * 8 * p->out.w;
     h->rx.p = stage[1] + chunk_cap * 8 * p->out.w + (size_t)(e % DOPT__RING_DEPTH) * DOPT__RING_PIECE_GROUPS * 8 * p->out.w;
     h->rx.g0 = h->in_first;
     h->rx.K = (s + 1) * (int)p->k0;
@@ -2689,11 +2701,10 @@ static size_t dopt__ring_stage_bytes(const dopt__ring_pass *p) {
     return p->gather ? 0 : (2 * chunk_cap + DOPT__RING_DEPTH * DOPT__RING_PIECE_GROUPS) * 8 * p->out.w;
 }
 
-static dopt_status dopt__ring_start(dopt_compressor *cz, const dopt__ring_pass *p, int pieces, long long e,
-                                    dopt_request *req) {
+static dopt_status dopt__ring_start(const dopt__ring_pass *p, int pieces, long long e, dopt_request *req) {
     dopt__ring_hop h;
     dopt_xfer tx, rx;
-    dopt__ring_hop_of(cz, p, pieces, e, &h);
+    dopt__ring_hop_of(p, pieces, e, &h);
     tx.peer = p->ranks[(p->pos + 1) % p->n];
     rx.peer = p->ranks[(p->pos + p->n - 1) % p->n];
     tx.buf = dopt__planes_at(&h.tx, h.out_first);
@@ -2703,31 +2714,65 @@ static dopt_status dopt__ring_start(dopt_compressor *cz, const dopt__ring_pass *
     return dopt_exchange_start(p->comm, p->tag, &tx, 1, &rx, 1, req);
 }
 
-/* Runs pass p, DOPT__RING_DEPTH exchanges in flight: a reduce-scatter folds each piece it
-   receives before the exchange that sends the fold on starts (pieces >= depth). */
-static dopt_status dopt__ring_run(dopt_compressor *cz, const dopt__ring_pass *p) {
-    int pieces = dopt__ring_pieces(p);
-    long long steps = (long long)(p->n - 1) * pieces, e;
+/* A pass among others in flight (dopt__ring_run). */
+typedef struct dopt__ring_job {
+    const dopt__ring_pass *p;
+    int pieces;
+    long long steps, started, done;
     dopt_request req[DOPT__RING_DEPTH];
+} dopt__ring_job;
+
+static dopt_status dopt__ring_job_start(dopt__ring_job *j) {
+    long long e = j->started++;
+    return dopt__ring_start(j->p, j->pieces, e, &j->req[e % DOPT__RING_DEPTH]);
+}
+
+/* Waits for job j's oldest exchange; a reduce-scatter folds what it received. */
+static dopt_status dopt__ring_job_fold(dopt__ring_job *j) {
+    const dopt__ring_pass *p = j->p;
+    long long e = j->done++;
+    dopt__ring_hop h;
+    dopt_coll_desc d;
+    dopt_status s = dopt_wait(&j->req[e % DOPT__RING_DEPTH]);
+    if (s != DOPT_OK) return s;
+    dopt__ring_hop_of(p, j->pieces, e, &h);
+    if (p->gather || !dopt__ring_fold(&h.rx, &p->own, &h.fold, h.in_first, h.in_groups)) return DOPT_OK;
+    memset(&d, 0, sizeof d);
+    d.kind = DOPT_COLL_EXCHANGE;
+    d.seq = p->comm->seq;
+    d.count = p->tag;
+    d.group = p->comm->group;
+    return dopt_comm_fail(p->comm, &d, DOPT_ERR_PROTOCOL, "rank %d sent %s", p->ranks[(p->pos + p->n - 1) % p->n],
+                          h.rx.fmt == DOPT__RING_INT ? "a sum beyond its count" : "a mean that is not finite");
+}
+
+/* Runs passes ps[0 .. np) at once (np <= 4; they write different places), each with
+   DOPT__RING_DEPTH exchanges in flight: round after round, each unfinished pass in turn waits
+   for its oldest exchange, folds it (a reduce-scatter, before the exchange that sends the fold
+   on starts: pieces >= depth) and starts its next. What a rank starts, and in which order,
+   follows from the passes' shapes alone, never from which exchange completes first: every rank
+   starts the same exchanges in the same order. A slow pass (across hosts) paces the rounds; a
+   fast one (within the host) rides along. */
+static dopt_status dopt__ring_run(const dopt__ring_pass *const *ps, int np) {
+    dopt__ring_job jobs[4];
     dopt_status s = DOPT_OK;
-    for (e = 0; e < steps && e < DOPT__RING_DEPTH && s == DOPT_OK; e++) s = dopt__ring_start(cz, p, pieces, e, &req[e]);
-    for (e = 0; e < steps && s == DOPT_OK; e++) {
-        dopt__ring_hop h;
-        int slot = (int)(e % DOPT__RING_DEPTH);
-        if ((s = dopt_wait(&req[slot])) != DOPT_OK) break;
-        dopt__ring_hop_of(cz, p, pieces, e, &h);
-        if (!p->gather && dopt__ring_fold(&h.rx, &p->own, &h.fold, h.in_first, h.in_groups)) {
-            dopt_coll_desc d;
-            memset(&d, 0, sizeof d);
-            d.kind = DOPT_COLL_EXCHANGE;
-            d.seq = p->comm->seq;
-            d.count = p->tag;
-            d.group = p->comm->group;
-            return dopt_comm_fail(p->comm, &d, DOPT_ERR_PROTOCOL, "rank %d sent %s", p->ranks[(p->pos + p->n - 1) % p->n],
-                                  h.rx.fmt == DOPT__RING_INT ? "a sum beyond its count" : "a mean that is not finite");
-        }
-        if (e + DOPT__RING_DEPTH < steps) s = dopt__ring_start(cz, p, pieces, e + DOPT__RING_DEPTH, &req[slot]);
+    int i, d, busy = 1;
+    for (i = 0; i < np; i++) {
+        jobs[i].p = ps[i];
+        jobs[i].pieces = dopt__ring_pieces(ps[i]);
+        jobs[i].steps = (long long)(ps[i]->n - 1) * jobs[i].pieces;
+        jobs[i].started = jobs[i].done = 0;
     }
+    for (d = 0; d < DOPT__RING_DEPTH; d++)
+        for (i = 0; i < np && s == DOPT_OK; i++)
+            if (jobs[i].started < jobs[i].steps) s = dopt__ring_job_start(&jobs[i]);
+    while (busy && s == DOPT_OK)
+        for (i = 0, busy = 0; i < np && s == DOPT_OK; i++) {
+            if (jobs[i].done == jobs[i].steps) continue;
+            busy = 1;
+            s = dopt__ring_job_fold(&jobs[i]);
+            if (s == DOPT_OK && jobs[i].started < jobs[i].steps) s = dopt__ring_job_start(&jobs[i]);
+        }
     return s;
 }
 
@@ -2873,22 +2918,27 @@ static dopt_status dopt__ring_room(dopt_compressor *cz, size_t bytes) {
 
 /* Where this rank stands in the ring's schedule. The ring's one buffer holds: the own planes
    (groups × w(1), from group 0) | the final planes (cz->ring_fin: groups × w(N), biased by N) |
-   the host's sums of the chunk this rank carries across hosts (host_sums: the largest bucket's) |
-   the stage (cz->ring_stage). cz->ring_ranks: the host's ranks in order, then the ranks at this
+   two regions for the host's sums of the chunk this rank carries across hosts (host_sums:
+   bucket k uses region k % 2, as bucket k + 1's sums are formed while k's cross) | the stages
+   of the reduce-scatters within the host (or the flat ring) and across hosts (cz->ring_stage:
+   stage_a then stage_b). cz->ring_ranks: the host's ranks in order, then the ranks at this
    rank's place on each host (two levels), or 0 .. N - 1 (flat). */
 typedef struct dopt__ring_plan {
     dopt_comm *comm;
     int fmt, two, L, H, j, host;
     unsigned wown, whost, wfin;
+    size_t groups;
+    int nb;                    /* buckets */
     unsigned char *host_sums;
+    size_t host_bytes;         /* one region of host_sums */
+    unsigned char *stage_a, *stage_b;
 } dopt__ring_plan;
 
-/* The passes that sum groups [g0, g1): over a flat ring (a) or, when the ranks sit on several
-   hosts of several ranks each (and two-level schedules are not off), a reduce-scatter within the
-   host (a) into the host's sums of one chunk, then one across hosts (b) among the ranks at the
-   same place, starting from the host's sums. Only the shapes are needed for sizing (host_sums
-   may be NULL then). */
-static void dopt__ring_passes(const dopt_compressor *cz, const dopt__ring_plan *pl, size_t g0, size_t g1,
+/* The reduce-scatters that sum groups [g0, g1) (bucket k): over a flat ring (a) or, when the
+   ranks sit on several hosts of several ranks each (and two-level schedules are not off), within
+   the host (a) into the host's sums of one chunk, then across hosts (b) among the ranks at the
+   same place, starting from the host's sums. For sizing, the buffers may be NULL. */
+static void dopt__ring_passes(const dopt_compressor *cz, const dopt__ring_plan *pl, size_t g0, size_t g1, int k,
                               dopt__ring_pass *a, dopt__ring_pass *b) {
     uint64_t cf = 0, cl = 0;
     memset(a, 0, sizeof *a);
@@ -2897,6 +2947,7 @@ static void dopt__ring_passes(const dopt_compressor *cz, const dopt__ring_plan *
     a->g0 = g0, a->g1 = g1, a->k0 = 1, a->n = pl->two ? pl->L : pl->comm->size;
     a->cap = (g1 - g0 + (size_t)a->n - 1) / (size_t)a->n;
     a->ranks = cz->ring_ranks;
+    a->stage = pl->stage_a;
     a->own.p = cz->ring_buf, a->own.w = pl->wown, a->own.K = 1, a->own.fmt = pl->fmt;
     b->out.p = cz->ring_fin, b->out.w = pl->wfin, b->out.K = pl->comm->size, b->out.fmt = pl->fmt;
     if (!pl->two) {
@@ -2905,25 +2956,29 @@ static void dopt__ring_passes(const dopt_compressor *cz, const dopt__ring_plan *
         return;
     }
     dopt__ring_segment(g1 - g0, pl->L, (pl->j + 1) % pl->L, &cf, &cl); /* the chunk carried across */
-    a->out.p = pl->host_sums, a->out.g0 = g0 + (size_t)cf, a->out.w = pl->whost, a->out.K = pl->L, a->out.fmt = pl->fmt;
+    a->out.p = pl->host_sums ? pl->host_sums + (size_t)(k % 2) * pl->host_bytes : NULL;
+    a->out.g0 = g0 + (size_t)cf, a->out.w = pl->whost, a->out.K = pl->L, a->out.fmt = pl->fmt;
     a->pos = pl->j;
     b->own = a->out;
     b->g0 = g0 + (size_t)cf, b->g1 = g0 + (size_t)(cf + cl), b->k0 = (uint64_t)pl->L, b->n = pl->H;
     b->cap = (a->cap + (size_t)pl->H - 1) / (size_t)pl->H; /* a->cap: the largest host chunk */
     b->ranks = cz->ring_ranks + pl->L, b->pos = pl->host;
+    b->stage = pl->stage_b;
 }
 
-/* The plan of an allreduce of `groups` groups cut into buckets of at most `most` groups, and the
-   ring's buffer (grown once, kept for later calls). */
-static dopt_status dopt__ring_plan_init(dopt_compressor *cz, dopt_comm *comm, size_t groups, size_t most,
+/* The plan of an allreduce of `groups` groups in nb buckets, and the ring's buffer (grown once,
+   kept for later calls). */
+static dopt_status dopt__ring_plan_init(dopt_compressor *cz, dopt_comm *comm, size_t groups, int nb,
                                         dopt__ring_plan *pl) {
     dopt_host_layout lay;
     dopt__ring_pass a, b;
-    size_t fin_off, host_off, stage_off, stage;
+    uint64_t first, most;
+    size_t fin_off, host_off, stage_off, sa, sb = 0;
     dopt_status s;
     int i;
     memset(pl, 0, sizeof *pl);
     pl->comm = comm;
+    pl->groups = groups, pl->nb = nb;
     pl->fmt = dopt__ring_fmt(cz);
     pl->L = 1, pl->H = comm->size;
     dopt_comm_host_layout(comm, &lay);
@@ -2932,16 +2987,18 @@ static dopt_status dopt__ring_plan_init(dopt_compressor *cz, dopt_comm *comm, si
     pl->wown = dopt__ring_bits(pl->fmt, 1);
     pl->whost = dopt__ring_bits(pl->fmt, pl->L);
     pl->wfin = dopt__ring_bits(pl->fmt, comm->size);
-    dopt__ring_passes(cz, pl, 0, most, &a, &b);
+    dopt__ring_segment(groups, nb, 0, &first, &most); /* the first bucket is the largest */
+    dopt__ring_passes(cz, pl, 0, (size_t)most, 0, &a, &b);
+    sa = dopt__ring_stage_bytes(&a);
+    if (pl->two) sb = dopt__ring_stage_bytes(&b), pl->host_bytes = (b.g1 - b.g0) * 8 * pl->whost;
     fin_off = groups * 8 * pl->wown;
     host_off = fin_off + groups * 8 * pl->wfin;
-    stage_off = host_off + (pl->two ? (b.g1 - b.g0) * 8 * pl->whost : 0);
-    stage = dopt__ring_stage_bytes(&a);
-    if (pl->two && dopt__ring_stage_bytes(&b) > stage) stage = dopt__ring_stage_bytes(&b);
-    if ((s = dopt__ring_room(cz, stage_off + stage)) != DOPT_OK) return s;
+    stage_off = host_off + 2 * pl->host_bytes;
+    if ((s = dopt__ring_room(cz, stage_off + sa + sb)) != DOPT_OK) return s;
     cz->ring_fin = cz->ring_buf + fin_off;
     cz->ring_stage = cz->ring_buf + stage_off;
     pl->host_sums = cz->ring_buf + host_off;
+    pl->stage_a = cz->ring_stage, pl->stage_b = cz->ring_stage + sa;
     if (pl->two) {
         for (i = 0; i < pl->L; i++) cz->ring_ranks[i] = dopt_comm_host_rank(comm, lay.host, i);
         for (i = 0; i < pl->H; i++) cz->ring_ranks[pl->L + i] = dopt_comm_host_rank(comm, i, pl->j);
@@ -2951,38 +3008,94 @@ static dopt_status dopt__ring_plan_init(dopt_compressor *cz, dopt_comm *comm, si
     return DOPT_OK;
 }
 
-/* The sums of every rank's contributions to groups [g0, g1) (bucket `bucket` of the call),
-   exactly, into the final planes, from this rank's own planes: the reduce-scatters of
-   dopt__ring_passes, then the final sums around the same rings back. */
-static dopt_status dopt__ring_sums(dopt_compressor *cz, const dopt__ring_plan *pl, size_t g0, size_t g1, int bucket) {
-    uint64_t tag = (uint64_t)(g1 - g0) << 16 | (uint64_t)cz->cfg.codec << 8 | (uint64_t)(bucket & 15); /* else: a mismatch */
-    dopt__ring_pass a, b;
-    dopt_status s;
-    dopt__ring_passes(cz, pl, g0, g1, &a, &b);
-    if (pl->two) {
-        a.tag = tag | 1u << 4;
-        b.tag = tag | 2u << 4;
-        if ((s = dopt__ring_run(cz, &a)) != DOPT_OK || (s = dopt__ring_run(cz, &b)) != DOPT_OK) return s;
-        b.gather = 1, b.tag = tag | 3u << 4;
-        if ((s = dopt__ring_run(cz, &b)) != DOPT_OK) return s;
-    } else {
-        a.tag = tag | 5u << 4;
-        if ((s = dopt__ring_run(cz, &a)) != DOPT_OK) return s;
+/* The passes of bucket k, in order: the reduce-scatters of dopt__ring_passes, then the final
+   sums back around the same rings (across hosts, then within the host). Returns how many (2
+   flat, 4 by host). Tags carry the bucket's size, the codec, the pass and k mod 16: ranks with
+   another layout fail with a mismatch. */
+static int dopt__ring_bucket_passes(const dopt_compressor *cz, const dopt__ring_plan *pl, int k, dopt__ring_pass *ps) {
+    uint64_t f, l, tag;
+    dopt__ring_segment(pl->groups, pl->nb, k, &f, &l);
+    tag = l << 16 | (uint64_t)cz->cfg.codec << 8 | (uint64_t)(k & 15);
+    dopt__ring_passes(cz, pl, (size_t)f, (size_t)(f + l), k, &ps[0], &ps[1]);
+    if (!pl->two) {
+        ps[0].tag = tag | 5u << 4;
+        ps[1] = ps[0];
+        ps[1].gather = 1, ps[1].tag = tag | 4u << 4;
+        return 2;
     }
-    a.out = b.out; /* the final sums go round within the host (or the flat ring) */
-    a.gather = 1, a.tag = tag | 4u << 4;
-    return dopt__ring_run(cz, &a);
+    ps[0].tag = tag | 1u << 4;
+    ps[1].tag = tag | 2u << 4;
+    ps[2] = ps[1];
+    ps[2].gather = 1, ps[2].tag = tag | 3u << 4;
+    ps[3] = ps[0];
+    ps[3].out = ps[1].out; /* the final sums go round within the host */
+    ps[3].gather = 1, ps[3].tag = tag | 4u << 4;
+    return 4;
+}
+
+/* Walks the segments the ring carries that overlap groups [g0, g1), in order: each step gives
+   the next one (seg), its elements [e0, e1) within the range, its first group there (lo) and
+   its record in cz->msg (rec); 0 at the end. */
+typedef struct dopt__ring_walk {
+    size_t g0, g1, gb, off, next; /* the range; the next segment's first group and record; its index */
+    size_t seg, e0, e1, lo, rec;
+} dopt__ring_walk;
+
+static dopt__ring_walk dopt__ring_walk_over(size_t g0, size_t g1) {
+    dopt__ring_walk w;
+    memset(&w, 0, sizeof w);
+    w.g0 = g0, w.g1 = g1, w.off = DOPT_COMPRESS_HEADER_BYTES;
+    return w;
+}
+
+static int dopt__ring_walk_step(const dopt_compressor *cz, dopt__ring_walk *w) {
+    while (w->next < cz->nsegs && w->gb < w->g1) {
+        size_t i = w->next++, n = cz->segs[i].count, gb = w->gb, off = w->off;
+        size_t gn = dopt__ring_carries(cz, i) ? dopt__ring_groups(n) : 0;
+        size_t lo = w->g0 > gb ? w->g0 : gb, hi = w->g1 < gb + gn ? w->g1 : gb + gn;
+        w->gb += gn;
+        w->off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
+        if (lo < hi) {
+            w->seg = i, w->lo = lo, w->rec = off;
+            w->e0 = (lo - gb) * DOPT__BLOCK;
+            w->e1 = (hi - gb) * DOPT__BLOCK < n ? (hi - gb) * DOPT__BLOCK : n;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* grads over groups [g0, g1) of the segments the ring carries, from its final sums: y = (float)S ·
+   (weight · s) for ternary, as the allgather path computes it; ±v or 0 for majority; the means
+   for fp16 and bf16. */
+static void dopt__ring_decode_groups(dopt_compressor *cz, int N, float weight, const dopt_buf *grads, size_t g0,
+                                     size_t g1) {
+    int fmt = dopt__ring_fmt(cz);
+    unsigned wfin = dopt__ring_bits(fmt, N);
+    dopt__ring_walk w = dopt__ring_walk_over(g0, g1);
+    while (dopt__ring_walk_step(cz, &w)) {
+        float *y = dopt_buf_segment(grads, w.seg).ptr + w.e0;
+        const unsigned char *fin = cz->ring_fin + w.lo * 8 * wfin;
+        if (fmt != DOPT__RING_INT)
+            dopt__ring_decode_half(y, w.e1 - w.e0, fmt, fin);
+        else if (cz->cfg.codec == DOPT_CODEC_MAJORITY)
+            dopt__ring_decode(y, w.e1 - w.e0, N, wfin,
+                              dopt__vote_magnitude(cz, cz->gather + 4 * w.seg, 4 * (cz->nsegs + 1), N, weight), 1, fin);
+        else
+            dopt__ring_decode(y, w.e1 - w.e0, N, wfin, weight * dopt__bits_f32(dopt__get_le32(cz->msg + w.rec + 12)), 0,
+                              fin);
+    }
 }
 
 /* ----- the pipeline: ternary's codes encoded while the ring sums the buckets before them */
 
 #define DOPT__RING_BUCKET_GROUPS 16384 /* the least an automatic bucket holds: 1 Mi elements */
-#define DOPT__RING_AUTO_BUCKETS 8      /* automatic buckets, at most */
+#define DOPT__RING_AUTO_BUCKETS 16     /* automatic buckets, at most */
 #define DOPT__RING_MAX_BUCKETS 64      /* ring_buckets, at most */
 
-/* Buckets of this call: near-equal runs of groups (dopt__ring_segment's cut), each encoded
-   before the ring sums it. Ternary only (its codes come out of the encoder group by group, and
-   its non-finite verdict is known before any code is); 1 for the other codecs. */
+/* Buckets of this call: near-equal runs of groups (dopt__ring_segment's cut). Ternary only (its
+   codes come out of the encoder group by group, and its non-finite verdict is known before any
+   code is); 1 for the other codecs. */
 static int dopt__ring_nbuckets(const dopt_compressor *cz, size_t groups) {
     size_t nb = 1;
     if (cz->cfg.codec != DOPT_CODEC_TERNARY || groups == 0) return 1;
@@ -2995,106 +3108,160 @@ static int dopt__ring_nbuckets(const dopt_compressor *cz, size_t groups) {
     return nb < 1 ? 1 : (int)nb;
 }
 
-/* Ternary's codes of groups [g0, g1) of p into the message (cz->msg, whose records are written)
-   and, as planes of sums of one, into the ring's own planes. */
-static void dopt__pipe_encode(dopt_compressor *cz, const dopt_buf *p, size_t g0, size_t g1) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, gb = 0, i;
-    for (i = 0; i < cz->nsegs && gb < g1; i++) {
-        size_t n = cz->segs[i].count, gn = dopt__ring_groups(n);
-        size_t lo = g0 > gb ? g0 : gb, hi = g1 < gb + gn ? g1 : gb + gn;
-        if (!dopt__ring_carries(cz, i)) {
-            gn = 0;
-        } else if (lo < hi) {
-            dopt_span sp = dopt_buf_segment(p, i);
-            unsigned char *body = cz->msg + off + DOPT_COMPRESS_RECORD_BYTES;
-            size_t e0 = (lo - gb) * DOPT__BLOCK, e1 = (hi - gb) * DOPT__BLOCK < n ? (hi - gb) * DOPT__BLOCK : n;
-            dopt_rng rng;
-            dopt__seg_rng(cz, cz->cfg.rank, i, &rng);
-            dopt__tern_encode_range(sp.ptr, n, e0, e1, cz->bounds[i], cz->scales[i], &rng, body);
-            dopt__ring_own(body + e0 / 4, e1 - e0, cz->ring_buf + lo * 16);
-        }
-        gb += gn;
-        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
+/* Ternary's codes of bucket k of p into the message (cz->msg, whose records are written) and, as
+   planes of sums of one, into the ring's own planes. */
+static void dopt__pipe_encode(dopt_compressor *cz, const dopt__ring_plan *pl, const dopt_buf *p, int k) {
+    uint64_t f, l;
+    dopt__ring_walk w;
+    dopt__ring_segment(pl->groups, pl->nb, k, &f, &l);
+    w = dopt__ring_walk_over((size_t)f, (size_t)(f + l));
+    while (dopt__ring_walk_step(cz, &w)) {
+        dopt_span sp = dopt_buf_segment(p, w.seg);
+        unsigned char *body = cz->msg + w.rec + DOPT_COMPRESS_RECORD_BYTES;
+        dopt_rng rng;
+        dopt__seg_rng(cz, cz->cfg.rank, w.seg, &rng);
+        dopt__tern_encode_range(sp.ptr, sp.count, w.e0, w.e1, cz->bounds[w.seg], cz->scales[w.seg], &rng, body);
+        dopt__ring_own(body + w.e0 / 4, w.e1 - w.e0, cz->ring_buf + w.lo * 16);
     }
 }
 
-#ifdef DOPT__THREADS
-/* The ring's side of the pipeline: a thread that sums bucket k once the caller's thread has
-   encoded it. Only this thread uses the communicator until it is joined. */
+/* Who writes the own planes of bucket k before its first pass starts: nobody (filled before the
+   schedule), this thread (encode, p), or the caller's thread, which a second one waits for
+   (threaded), and which decodes each bucket once the schedule says it is summed. */
 typedef struct dopt__pipe {
     dopt_compressor *cz;
     const dopt__ring_plan *plan;
-    size_t groups;
-    int nb, encoded;
+    const dopt_buf *encode;    /* this thread encodes bucket k itself (no second thread) */
+    int threaded, encoded;     /* buckets the caller's thread has encoded */
+    int begun;                 /* steps the schedule has begun */
+    int summed;                /* buckets whose final sums are in place (nb once the schedule ends) */
     dopt_status status;
+#ifdef DOPT__THREADS
     pthread_mutex_t mu;
     pthread_cond_t cv;
+#endif
 } dopt__pipe;
 
+/* The ring's schedule, in steps: at step t, bucket t's first pass, t - 1's second, ... run at once
+   (dopt__ring_run), so that bucket t is summed within the host while t - 1 and t - 2 cross
+   between hosts and t - 3 goes back within the host. Bucket t's own planes are ready before step
+   t (waited for, or encoded here). The same steps, passes and order on every rank. */
+static dopt_status dopt__ring_schedule(dopt__pipe *q) {
+    const dopt__ring_plan *pl = q->plan;
+    int levels = pl->two ? 4 : 2, t, i;
+    dopt_status s = DOPT_OK;
+    for (t = 0; t < pl->nb + levels - 1 && s == DOPT_OK; t++) {
+        dopt__ring_pass all[4], now[4];
+        const dopt__ring_pass *run[4];
+        int np = 0;
+        if (t < pl->nb && q->encode) dopt__pipe_encode(q->cz, pl, q->encode, t);
+#ifdef DOPT__THREADS
+        if (q->threaded) {
+            pthread_mutex_lock(&q->mu);
+            while (t < pl->nb && q->encoded <= t) pthread_cond_wait(&q->cv, &q->mu);
+            q->begun = t + 1;
+            pthread_cond_broadcast(&q->cv);
+            pthread_mutex_unlock(&q->mu);
+        }
+#endif
+        for (i = 0; i < levels; i++)
+            if (t - i >= 0 && t - i < pl->nb) {
+                dopt__ring_bucket_passes(q->cz, pl, t - i, all);
+                now[np] = all[i];
+                run[np] = &now[np];
+                np++;
+            }
+        s = dopt__ring_run(run, np);
+#ifdef DOPT__THREADS
+        if (q->threaded && s == DOPT_OK && t - levels + 2 > 0) { /* bucket t - levels + 1 went its last pass */
+            pthread_mutex_lock(&q->mu);
+            q->summed = t - levels + 2;
+            pthread_cond_broadcast(&q->cv);
+            pthread_mutex_unlock(&q->mu);
+        }
+#endif
+    }
+    return s;
+}
+
+#ifdef DOPT__THREADS
 static void *dopt__pipe_ring(void *arg) {
     dopt__pipe *q = (dopt__pipe *)arg;
-    dopt_status s = DOPT_OK;
-    int k;
-    for (k = 0; k < q->nb && s == DOPT_OK; k++) {
-        uint64_t f, l;
-        pthread_mutex_lock(&q->mu);
-        while (q->encoded <= k) pthread_cond_wait(&q->cv, &q->mu);
-        pthread_mutex_unlock(&q->mu);
-        dopt__ring_segment(q->groups, q->nb, k, &f, &l);
-        s = dopt__ring_sums(q->cz, q->plan, (size_t)f, (size_t)(f + l), k);
-    }
+    dopt_status s = dopt__ring_schedule(q);
+    pthread_mutex_lock(&q->mu);
     q->status = s;
+    q->summed = q->plan->nb;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
     return NULL;
 }
 #endif
 
-/* Ternary's ring in nb buckets: bucket k + 1 is encoded on this thread while a second one sums
-   bucket k (without threads, or when one cannot start: one after the other, the same bytes).
-   Every rank starts the same exchanges in the same order either way. */
-static dopt_status dopt__ring_pipeline(dopt_compressor *cz, const dopt__ring_plan *pl, const dopt_buf *p, size_t groups,
-                                       int nb) {
+/* The caller's side of a threaded pipeline: bucket k is encoded once step k - 1 has begun, one
+   bucket ahead of the ring and no more (further ahead, the encoders of 8 ranks on 2 cores starved
+   the ring's thread: 178 ms a call against 163 at 4 hosts × 2, 8 buckets), and between two the
+   buckets the schedule has finished are decoded into grads. Returns the schedule's status. */
+static dopt_status dopt__pipe_caller(dopt__pipe *q, const dopt_buf *p, const dopt_buf *grads, float weight) {
+    const dopt__ring_plan *pl = q->plan;
     dopt_status s = DOPT_OK;
-    int k;
-#ifdef DOPT__THREADS
-    if (nb > 1) {
-        dopt__pipe q;
-        pthread_t t;
-        int mu, cv;
-        memset(&q, 0, sizeof q);
-        q.cz = cz, q.plan = pl, q.groups = groups, q.nb = nb;
-        mu = pthread_mutex_init(&q.mu, NULL) == 0;
-        cv = mu && pthread_cond_init(&q.cv, NULL) == 0;
-        if (cv && pthread_create(&t, NULL, dopt__pipe_ring, &q) == 0) {
-            for (k = 0; k < nb; k++) {
-                uint64_t f, l;
-                dopt__ring_segment(groups, nb, k, &f, &l);
+    int k = 0, d = 0, encode;
+    while (d < pl->nb) {
+        uint64_t f, l;
+        pthread_mutex_lock(&q->mu);
+        while (!(encode = k < pl->nb && q->begun >= k) && q->summed <= d) pthread_cond_wait(&q->cv, &q->mu);
+        s = q->status; /* DOPT_OK until the schedule has ended */
+        pthread_mutex_unlock(&q->mu);
+        if (s != DOPT_OK) break;
+        if (encode) {
 #ifdef DOPT__PIPE_TEST_DELAY_US /* tests: a slow encoder, so that a ring that runs ahead reads stale planes */
-                {
-                    struct timespec ts = {0, DOPT__PIPE_TEST_DELAY_US * 1000L};
-                    nanosleep(&ts, NULL);
-                }
+            struct timespec ts = {0, DOPT__PIPE_TEST_DELAY_US * 1000L};
+            nanosleep(&ts, NULL);
 #endif
-                dopt__pipe_encode(cz, p, (size_t)f, (size_t)(f + l));
-                pthread_mutex_lock(&q.mu);
-                q.encoded = k + 1;
-                pthread_cond_signal(&q.cv);
-                pthread_mutex_unlock(&q.mu);
-            }
+            dopt__pipe_encode(q->cz, pl, p, k);
+            pthread_mutex_lock(&q->mu);
+            q->encoded = ++k;
+            pthread_cond_broadcast(&q->cv);
+            pthread_mutex_unlock(&q->mu);
+        } else { /* bucket d is summed */
+            dopt__ring_segment(pl->groups, pl->nb, d, &f, &l);
+            dopt__ring_decode_groups(q->cz, pl->comm->size, weight, grads, (size_t)f, (size_t)(f + l));
+            d++;
+        }
+    }
+    return s;
+}
+
+/* The ring's sums into grads' carried segments, ternary's codes encoded bucket by bucket on the
+   way: with nb > 1 and threads, this thread encodes bucket k + 1 while a second one runs the
+   schedule (it alone uses the communicator until it is joined), then decodes each bucket as the
+   schedule finishes it; else one thread does it all, bucket t encoded before step t and every
+   bucket decoded at the end. The same exchanges in the same order either way, so the same bytes.
+   p == NULL: the own planes are filled already. On a failure, grads may hold some buckets'
+   results. */
+static dopt_status dopt__ring_pipeline(dopt_compressor *cz, const dopt__ring_plan *pl, const dopt_buf *p,
+                                       const dopt_buf *grads, float weight) {
+    dopt_status s;
+    dopt__pipe q;
+    memset(&q, 0, sizeof q);
+    q.cz = cz, q.plan = pl;
+#ifdef DOPT__THREADS
+    if (p != NULL && pl->nb > 1 && pthread_mutex_init(&q.mu, NULL) == 0) {
+        pthread_t t;
+        q.threaded = pthread_cond_init(&q.cv, NULL) == 0;
+        if (q.threaded && pthread_create(&t, NULL, dopt__pipe_ring, &q) == 0) {
+            s = dopt__pipe_caller(&q, p, grads, weight);
             pthread_join(t, NULL);
             pthread_cond_destroy(&q.cv);
             pthread_mutex_destroy(&q.mu);
-            return q.status;
+            return s;
         }
-        if (cv) pthread_cond_destroy(&q.cv);
-        if (mu) pthread_mutex_destroy(&q.mu);
+        if (q.threaded) pthread_cond_destroy(&q.cv);
+        pthread_mutex_destroy(&q.mu);
+        q.threaded = 0;
     }
 #endif
-    for (k = 0; k < nb && s == DOPT_OK; k++) {
-        uint64_t f, l;
-        dopt__ring_segment(groups, nb, k, &f, &l);
-        dopt__pipe_encode(cz, p, (size_t)f, (size_t)(f + l));
-        s = dopt__ring_sums(cz, pl, (size_t)f, (size_t)(f + l), k);
-    }
+    q.encode = p;
+    if ((s = dopt__ring_schedule(&q)) == DOPT_OK) dopt__ring_decode_groups(cz, pl->comm->size, weight, grads, 0, pl->groups);
     return s;
 }
 
@@ -3186,12 +3353,13 @@ static dopt_status dopt__ring_agree(dopt_compressor *cz, dopt_comm *comm, dopt_s
 
 /* The ring path of the compressed allreduce, after this rank's message is in cz->msg (ternary:
    all but the codes, which the pipeline writes from p, the gradient encoded): the sums of the
-   segments through the ring, ternary's fp32 segments (those below fp32_below) through one
-   allgather of their values. Nothing of grads is written here. Sets cz->path and cz->buckets. */
-static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *p, size_t groups) {
+   segments through the ring into grads (dopt__ring_pipeline), ternary's fp32 segments (those
+   below fp32_below) through one allgather of their values, left in the gather buffer for
+   dopt__ring_decode_small. Sets cz->path and cz->buckets. */
+static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *p, const dopt_buf *grads,
+                                       size_t groups) {
     size_t off = DOPT_COMPRESS_HEADER_BYTES, small = 0, i;
     int nb = dopt__ring_nbuckets(cz, groups);
-    uint64_t most, unused;
     dopt__ring_plan plan;
     dopt_status s;
     for (i = 0; i < cz->nsegs; i++) small += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
@@ -3201,14 +3369,9 @@ static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, con
         if ((cz->ring_ranks = (int *)DOPT_MALLOC(sizeof(int) * (size_t)comm->size)) == NULL) return DOPT_ERR_NOMEM;
         cz->ring_nranks = (size_t)comm->size;
     }
-    dopt__ring_segment(groups, nb, 0, &unused, &most); /* the first bucket is the largest */
-    if ((s = dopt__ring_plan_init(cz, comm, groups, (size_t)most, &plan)) != DOPT_OK) return s;
-    if (cz->cfg.codec == DOPT_CODEC_TERNARY) {
-        s = dopt__ring_pipeline(cz, &plan, p, groups, nb);
-    } else {
-        dopt__ring_fill_own(cz, cz->ring_buf);
-        s = dopt__ring_sums(cz, &plan, 0, groups, 0);
-    }
+    if ((s = dopt__ring_plan_init(cz, comm, groups, nb, &plan)) != DOPT_OK) return s;
+    if (cz->cfg.codec != DOPT_CODEC_TERNARY) dopt__ring_fill_own(cz, cz->ring_buf);
+    s = dopt__ring_pipeline(cz, &plan, cz->cfg.codec == DOPT_CODEC_TERNARY ? p : NULL, grads, 1.0f / (float)comm->size);
     if (s != DOPT_OK) return s;
     cz->path = plan.two ? DOPT_PATH_RING_TWO_LEVEL : DOPT_PATH_RING;
     cz->buckets = nb;
@@ -3226,35 +3389,18 @@ static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, con
     return dopt_allgather(comm, cz->gather, cz->gather + small * 4, small * 4);
 }
 
-/* grads from the ring's sums: y = (float)S · (weight · s) for a ternary segment, as the
-   allgather path computes it; an fp32 segment accumulates the ranks' values in rank order. */
-static void dopt__ring_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, g = 0, small = 0, total = 0, i;
-    int r, fmt = dopt__ring_fmt(cz);
-    unsigned wfin = dopt__ring_bits(fmt, N);
+/* ternary's fp32 segments after the ring: the ranks' values accumulated in rank order. */
+static void dopt__ring_decode_small(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
+    size_t small = 0, total = 0, i;
+    int r;
     for (i = 0; i < cz->nsegs; i++) total += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
     for (i = 0; i < cz->nsegs; i++) {
         dopt_span sp = dopt_buf_segment(grads, i);
-        size_t n = sp.count;
-        const unsigned char *rec = cz->msg + off, *fin = cz->ring_fin + g * 8 * wfin;
-        if (dopt__ring_carries(cz, i)) {
-            if (n == 0) {
-            } else if (fmt != DOPT__RING_INT) {
-                dopt__ring_decode_half(sp.ptr, n, fmt, fin);
-            } else if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
-                dopt__ring_decode(sp.ptr, n, N, wfin,
-                                  dopt__vote_magnitude(cz, cz->gather + 4 * i, 4 * (cz->nsegs + 1), N, weight), 1, fin);
-            } else {
-                dopt__ring_decode(sp.ptr, n, N, wfin, weight * dopt__bits_f32(dopt__get_le32(rec + 12)), 0, fin);
-            }
-            g += dopt__ring_groups(n);
-        } else if (n) {
-            memset(sp.ptr, 0, n * sizeof(float));
-            for (r = 0; r < N; r++)
-                dopt__f32_accum(sp.ptr, weight, cz->gather + ((size_t)(r + 1) * total + small) * 4, n);
-            small += n;
-        }
-        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
+        if (dopt__ring_carries(cz, i) || sp.count == 0) continue;
+        memset(sp.ptr, 0, sp.count * sizeof(float));
+        for (r = 0; r < N; r++)
+            dopt__f32_accum(sp.ptr, weight, cz->gather + ((size_t)(r + 1) * total + small) * 4, sp.count);
+        small += sp.count;
     }
 }
 
@@ -3284,11 +3430,11 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     if (ring) {
         dopt_buf p = cz->ef ? dopt__spans_over(cz, cz->work) : *grads; /* what was encoded */
         s = dopt__ring_agree(cz, comm, s);
-        if (s == DOPT_OK) s = dopt__ring_exchange(cz, comm, &p, groups);
+        if (s == DOPT_OK) s = dopt__ring_exchange(cz, comm, &p, grads, groups);
         dopt_comm_set_api(comm, prev);
         if (s != DOPT_OK) return s;
         dopt__commit(cz, cz->msg);
-        dopt__ring_average(cz, comm->size, 1.0f / (float)comm->size, grads);
+        dopt__ring_decode_small(cz, comm->size, 1.0f / (float)comm->size, grads);
         return DOPT_OK;
     }
     s = dopt_allgather(comm, cz->msg, cz->gather, cz->msg_bytes);

@@ -252,12 +252,15 @@ mutate ring-pieces-from-this-place-alone compress.h \
     'b->cap = (a->cap + (size_t)pl->H - 1) / (size_t)pl->H;' 'b->cap = (b->g1 - b->g0 + (size_t)pl->H - 1) / (size_t)pl->H;' \
     test_ring:cuts_as_many
 mutate ring-pipeline-runs-ahead-of-the-encoder compress.h \
-    '        q.encoded = k + 1;' '        q.encoded = k + 2;' test_ring:integer_ring
+    'while (t < pl->nb && q->encoded <= t)' 'while (t < pl->nb && q->encoded < t)' test_ring:integer_ring
+mutate ring-pipeline-decodes-a-bucket-not-summed compress.h \
+    '&& q->summed <= d) pthread_cond_wait' '&& q->summed < d) pthread_cond_wait' test_ring:integer_ring
+mutate ring-pipeline-host-sums-in-one-region compress.h \
+    '(size_t)(k % 2) * pl->host_bytes' '(size_t)(k % 1) * pl->host_bytes' test_ring:integer_ring
 mutate ring-pipeline-bucket-planes-misplaced compress.h \
-    'dopt__ring_own(body + e0 / 4, e1 - e0, cz->ring_buf + lo * 16);' \
-    'dopt__ring_own(body + e0 / 4, e1 - e0, cz->ring_buf + (lo - g0) * 16);' test_ring:integer_ring
+    'cz->ring_buf + w.lo * 16);' 'cz->ring_buf + (w.lo - (size_t)f) * 16);' test_ring:integer_ring
 mutate ring-pipeline-bucket-cut compress.h \
-    'size_t e0 = (lo - gb) * DOPT__BLOCK, e1' 'size_t e0 = (lo - gb + (lo > gb)) * DOPT__BLOCK, e1' test_ring:integer_ring
+    'w->e0 = (lo - gb) * DOPT__BLOCK;' 'w->e0 = (lo - gb + (lo > gb)) * DOPT__BLOCK;' test_ring:integer_ring
 mutate ring-fold-bias-portable compress.h \
     'va[t] = (uint16_t)(va[t] + vb[t] - a->K - b->K + o->K);' \
     'va[t] = (uint16_t)(va[t] + vb[t] - a->K - b->K + o->K + 1);' test_ring_portable:integer_ring
