@@ -2308,6 +2308,18 @@ static void dopt__eng_note_failure(dopt_comm *c) {
     memcpy(e->failure_detail, c->detail, sizeof e->failure_detail);
 }
 
+/* For a backend whose setup starts over (transport_tcp.h's rendezvous, when a rank left before
+   the job formed): the failure recorded on the way is moot, on the communicator and on its
+   engine, where dopt_comm_fail noted it for the family. */
+DOPT__MAYBE_UNUSED static void dopt__comm_forget_failure(dopt_comm *c) {
+    c->error = DOPT_OK;
+    c->detail[0] = '\0';
+    if (c->eng != NULL) {
+        c->eng->failure = DOPT_OK;
+        c->eng->failure_detail[0] = '\0';
+    }
+}
+
 /* With a progress thread, every use of the engine holds its lock (the thread's passes too). */
 static void dopt__eng_lock(dopt__engine *e) {
 #ifdef DOPT__THREADS

@@ -1128,11 +1128,6 @@ static dopt_status dopt__tcp_setup_fail(dopt_comm *c, dopt_status s, const char 
     return c->error;
 }
 
-/* Forgets a setup failure that starting over makes moot. */
-static void dopt__tcp_setup_forget(dopt_comm *c) {
-    c->error = DOPT_OK;
-    c->detail[0] = '\0';
-}
 
 /* 1 when the rendezvous has waited report_ms more since its last report (the next is then
    scheduled). */
@@ -1789,7 +1784,7 @@ static dopt_status dopt__tcp_send_tables(dopt_comm *c, dopt__tcp *t, double dead
         snprintf(who, sizeof who, "rank %d", r);
         s = dopt__tcp_send_all(c, t->peers[r].fd, table, table_bytes, deadline, who);
         if (s == DOPT_ERR_PEER_LOST) {
-            dopt__tcp_setup_forget(c);
+            dopt__comm_forget_failure(c);
             dopt__tcp_left_early(c, t, r, "closed its connection", "starting the rendezvous over");
             s = DOPT__TCP_RESTART;
         }
@@ -2017,7 +2012,7 @@ static dopt_status dopt__tcp_verdict(dopt_comm *c, int fd0, double deadline, dop
     pf.events = POLLIN;
     pf.revents = 0;
     if (poll(&pf, 1, dopt__ms_left(until)) > 0 && dopt__tcp_setup_lost(c, fd0, until) == DOPT__TCP_RESTART) {
-        dopt__tcp_setup_forget(c);
+        dopt__comm_forget_failure(c);
         return DOPT__TCP_RESTART;
     }
     return s;

@@ -435,16 +435,18 @@ static void parse_config(const char *spec, config *c) {
                  2-bit codes read twice: 1/8 of that pass); plus the encode
      tern-ring   TernGrad's integer ring by host: within the host the sums of 1..L-1 ranks and
                  the final ones, across hosts those of L..(H-1)L and the final ones, each
-                 ceil(log2(2k+1)) bits per element (compress.h: THE INTEGER RING); plus the encode
-                 and a fold per element and step
+                 ceil(log2(2k+1)) bits per element (compress.h: THE INTEGER RING); the encode's
+                 statistics pass first, then the rest of the encode, a fold per element and step
+                 and the decode overlapped with the wires, bucket by bucket (proj_ring_call)
      powersgd    two fp32 allreduces of r·(rows + cols) floats per matrix (and the vectors), plus
                  the products and orthonormalisation this core times
      local-I     the fp32 allreduce of the model every I steps
    Compute (encode, decode, folds, PowerSGD's products) is this core's; with --same-box, as on
    the simulated cluster, N ranks share this machine's cores and it is N/cores times slower.
    The schedule column says which each takes (two-level or flat). What it leaves out: overlap of
-   compute and communication (none in these loops), congestion beyond one link per host, and
-   the rates of real NICs and switches (give them: --gbits, --link-us, --intra-gbs). */
+   compute and communication (but for the integer ring's own pipeline), congestion beyond one
+   link per host, and the rates of real NICs and switches (give them: --gbits, --link-us,
+   --intra-gbs). */
 
 typedef struct projection {
     int L, period, rank, batch;
@@ -456,6 +458,10 @@ typedef struct projection {
     int layouts[16][2], nlayouts;          /* --layouts HxL,...: these instead of N = 2 .. 1024 */
     int cores;                              /* --same-box: every rank on this machine's cores */
 } projection;
+
+/* What of a link's rate carries data: a 1500-byte frame holds 1448 bytes of TCP payload (IP's 20
+   and TCP's 32 with timestamps besides) in the 1514 a shaper counts with the Ethernet header. */
+#define PROJ_PAYLOAD (1448.0 / 1514.0)
 
 /* Compute on N ranks: as on one core, or (--same-box) slowed by the ranks each core runs. */
 static double proj_share(const projection *p, int N) { return p->cores > 0 && N > p->cores ? (double)N / p->cores : 1.0; }
@@ -473,7 +479,8 @@ static double proj_allreduce(const projection *p, double bytes, int H, int L, do
     return intra + cross;
 }
 
-/* The integer ring's seconds: bytes each host link carries and each rank moves within its host. */
+/* The integer ring's seconds on the wires: bytes each host link carries and each rank moves
+   within its host. */
 static double proj_ring(const projection *p, int H, int L, double R) {
     double n = (double)p->n, N = (double)H * L, wN = proj_width(N), cross = 0, intra = 0, steps = 0;
     int k;
@@ -482,8 +489,25 @@ static double proj_ring(const projection *p, int H, int L, double R) {
     for (k = 1; k < H; k++) cross += proj_width((double)k * L);
     cross = (n / H) * (cross + (H - 1) * wN) / 8; /* bytes a host's link carries (L places share it) */
     steps = 2.0 * (H - 1);
-    return cross / R + steps * p->link_us * 1e-6 + intra / (p->intra_gbs * 1e9) + 2.0 * (L - 1) * p->intra_us * 1e-6 +
-           n * ((L - 1.0) / L + (H - 1.0) / (H * L)) * p->c_dec * proj_share(p, H * L);
+    return cross / R + steps * p->link_us * 1e-6 + intra / (p->intra_gbs * 1e9) + 2.0 * (L - 1) * p->intra_us * 1e-6;
+}
+
+/* The share of TernGrad's encode spent in its statistics pass (σ and max |g| per segment), which
+   runs before the scales are shared and so before the ring: 0.28 in a profile of
+   dopt_compress_encode on a 64 MiB gradient here (the generator 0.26, ternarize and pack 0.39,
+   ties 0.07). */
+#define PROJ_STATS_SHARE 0.28
+
+/* The integer ring's call as compress.h pipelines it (THE INTEGER RING): the statistics pass
+   first, then B buckets (one per 1 Mi elements, up to 16), each encoded, summed and decoded
+   while the ones around it are: the wires' time W and the rest of the compute C (encode, a fold
+   per element and step, decode) overlap, but for a bucket's worth of the smaller at either end. */
+static double proj_ring_call(const projection *p, int H, int L, double R) {
+    double n = (double)p->n, share = proj_share(p, H * L), B = floor(n / 1048576.0);
+    double W = proj_ring(p, H, L, R);
+    double C = n * ((1 - PROJ_STATS_SHARE) * p->c_enc + p->c_dec * (1 + (L - 1.0) / L + (H - 1.0) / (H * L))) * share;
+    B = B < 1 ? 1 : B > 16 ? 16 : B;
+    return n * PROJ_STATS_SHARE * p->c_enc * share + (W > C ? W : C) + (W > C ? C : W) / B;
 }
 
 /* C_method (seconds per step) and the schedule's name. */
@@ -498,7 +522,7 @@ static double proj_method(const projection *p, int m, int H, int L, double R, co
         return (N - 1) * (msg / (H > 1 ? R : p->intra_gbs * 1e9) + (H > 1 ? p->link_us : p->intra_us) * 1e-6) +
                n * (p->c_enc + p->c_dec * (1 + (N - 1) / 8)) * share; /* one float pass; each further message's
                                                                           codes read twice (check, sum): 1/8 of one */
-    case 2: return proj_ring(p, H, L, R) + n * (p->c_enc + p->c_dec) * share;
+    case 2: return proj_ring_call(p, H, L, R);
     case 3:
         return proj_allreduce(p, 4.0 * (double)p->psgd_floats_p, H, L, R) +
                proj_allreduce(p, 4.0 * (double)p->psgd_floats_q, H, L, R) + p->t_psgd * share;
@@ -594,7 +618,7 @@ static int project_main(const model_options *mo, projection *p) {
            1e6 * p->t_sample, 1e9 * p->c_enc, 1e9 * p->c_dec, p->rank, 1e6 * p->t_psgd, p->link_us, p->intra_gbs,
            p->intra_us);
     for (gi = 0; gi < p->ngbits; gi++) { /* the table, a row per world size */
-        double R = p->gbits[gi] * 1e9 / 8;
+        double R = p->gbits[gi] * 1e9 / 8 * PROJ_PAYLOAD;
         printf("\n  %.0f Gbit/s: samples per second (schedule)\n  %6s %6s", p->gbits[gi], "ranks", "hosts");
         for (meth = 0; meth < 5; meth++) printf(" %24s", proj_names[meth]);
         printf("\n");
@@ -616,7 +640,8 @@ static int project_main(const model_options *mo, projection *p) {
                 int H, L;
                 const char *sched;
                 N = proj_layout(p, li, &H, &L);
-                double c = proj_method(p, meth, H, L, p->gbits[gi] * 1e9 / 8, &sched), t = p->batch * p->t_sample + c;
+                double c = proj_method(p, meth, H, L, p->gbits[gi] * 1e9 / 8 * PROJ_PAYLOAD, &sched);
+                double t = p->batch * p->t_sample + c;
                 fprintf(csv, "%g,%d,%d,%d,%s,%s,%.4f,%.4f,%.1f\n", p->gbits[gi], N, H, L, proj_names[meth], sched,
                         1e3 * c, 1e3 * t, N * p->batch / t);
             }

@@ -277,6 +277,8 @@ mutate half-ring-ignores-non-finite compress.h \
 mutate ring-buffer-allocated-every-call compress.h \
     'if (bytes <= cz->ring_bytes) return DOPT_OK;' 'if (bytes < cz->ring_bytes) return DOPT_OK;' \
     test_allocs:compress_allreduce
+mutate setup-failure-kept-by-the-engine distopt.h \
+    '        c->eng->failure = DOPT_OK;' '        (void)0;' test_tcp:forgotten
 mutate exchange-received-bytes distopt.h \
     'dopt__eng_req(e, e->started)->received += bytes;' 'dopt__eng_req(e, e->started)->received += bytes / 2;' \
     test_tcp:conformance_world_of_3
