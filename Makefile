@@ -44,7 +44,8 @@ CHECKS   := $(BUILD)/check_two_units $(BUILD)/check_cxx $(BUILD)/check_define_in
 # The core once more without OpenBLAS and without vector types: the portable loops users of
 # other compilers get.
 TESTS    += $(BUILD)/test_core_portable
-# The integer ring's portable kernels, on the same worlds as its vector ones.
+# The integer ring's portable kernels, on the same worlds as its vector ones, and built without
+# threads: its pipeline then runs on the caller's thread alone.
 TESTS    += $(BUILD)/test_ring_portable
 # compress.h once more with multiply-adds fused wherever the compiler likes (GCC's GNU-mode
 # default; clang fuses within expressions): the error-feedback residual must stay exact.
@@ -133,7 +134,7 @@ $(BUILD)/test_core_portable: tests/test_core.c tests/dtest.h tests/conformance.h
 	$(CC) $(filter-out $(BLAS_CFLAGS),$(ALL_CFLAGS)) -DDOPT_NO_BLAS -DDOPT_NO_VECTOR_EXT -o $@ $< -lm -lpthread -lrt
 
 $(BUILD)/test_ring_portable: tests/test_ring.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
-	$(CC) $(filter-out $(BLAS_CFLAGS),$(ALL_CFLAGS)) -DDOPT_NO_BLAS -DDOPT_NO_VECTOR_EXT -o $@ $< -lm -lpthread -lrt
+	$(CC) $(filter-out $(BLAS_CFLAGS),$(ALL_CFLAGS)) -DDOPT_NO_BLAS -DDOPT_NO_VECTOR_EXT -DDOPT_NO_THREADS -o $@ $< -lm -lrt
 
 $(BUILD)/test_compress_fused: tests/test_compress.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(CC) $(subst -std=c11,-std=gnu11,$(ALL_CFLAGS)) -ffp-contract=fast -o $@ $< $(LIBS)

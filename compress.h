@@ -377,7 +377,6 @@ typedef struct dopt_compressor {
     int buckets;                /* ... on the ring: the buckets it pipelined (0: not the ring) */
     unsigned char *ring_buf;    /* the integer ring's planes: own, final, the host's, stage */
     unsigned char *ring_fin;    /* ... where the final sums are in it */
-    unsigned char *ring_stage;  /* ... and the stage */
     int *ring_ranks;            /* ... the members of its rings */
     size_t ring_bytes, ring_nranks;
     float *psgd_q;              /* PowerSGD: every compressed matrix's Q (cols × r), in order */
@@ -2639,7 +2638,6 @@ static void dopt__ring_piece(const dopt__ring_pass *p, int pieces, long long chu
 /* Pieces per chunk: every rank computes the same from the level's largest chunk (p->cap); at
    least the depth, so that a piece's next step is never waited for by an exchange started before
    it. */
-
 static int dopt__ring_pieces_of(size_t chunk_groups) {
     size_t k = (chunk_groups + DOPT__RING_PIECE_GROUPS - 1) / DOPT__RING_PIECE_GROUPS;
     return k < DOPT__RING_DEPTH ? DOPT__RING_DEPTH : (int)k;
@@ -2920,8 +2918,8 @@ static dopt_status dopt__ring_room(dopt_compressor *cz, size_t bytes) {
    (groups × w(1), from group 0) | the final planes (cz->ring_fin: groups × w(N), biased by N) |
    two regions for the host's sums of the chunk this rank carries across hosts (host_sums:
    bucket k uses region k % 2, as bucket k + 1's sums are formed while k's cross) | the stages
-   of the reduce-scatters within the host (or the flat ring) and across hosts (cz->ring_stage:
-   stage_a then stage_b). cz->ring_ranks: the host's ranks in order, then the ranks at this
+   of the reduce-scatters within the host (or the flat ring) and across hosts (stage_a, then
+   stage_b). cz->ring_ranks: the host's ranks in order, then the ranks at this
    rank's place on each host (two levels), or 0 .. N - 1 (flat). */
 typedef struct dopt__ring_plan {
     dopt_comm *comm;
@@ -2996,9 +2994,8 @@ static dopt_status dopt__ring_plan_init(dopt_compressor *cz, dopt_comm *comm, si
     stage_off = host_off + 2 * pl->host_bytes;
     if ((s = dopt__ring_room(cz, stage_off + sa + sb)) != DOPT_OK) return s;
     cz->ring_fin = cz->ring_buf + fin_off;
-    cz->ring_stage = cz->ring_buf + stage_off;
     pl->host_sums = cz->ring_buf + host_off;
-    pl->stage_a = cz->ring_stage, pl->stage_b = cz->ring_stage + sa;
+    pl->stage_a = cz->ring_buf + stage_off, pl->stage_b = pl->stage_a + sa;
     if (pl->two) {
         for (i = 0; i < pl->L; i++) cz->ring_ranks[i] = dopt_comm_host_rank(comm, lay.host, i);
         for (i = 0; i < pl->H; i++) cz->ring_ranks[pl->L + i] = dopt_comm_host_rank(comm, i, pl->j);
@@ -3125,13 +3122,13 @@ static void dopt__pipe_encode(dopt_compressor *cz, const dopt__ring_plan *pl, co
     }
 }
 
-/* Who writes the own planes of bucket k before its first pass starts: nobody (filled before the
-   schedule), this thread (encode, p), or the caller's thread, which a second one waits for
-   (threaded), and which decodes each bucket once the schedule says it is summed. */
+/* Who writes the own planes of bucket k before its first pass starts: nobody (encode NULL: filled
+   before the schedule), the schedule's own thread, or (threaded) the caller's thread, which the
+   schedule's waits for and which decodes each bucket once the schedule says it is summed. */
 typedef struct dopt__pipe {
     dopt_compressor *cz;
     const dopt__ring_plan *plan;
-    const dopt_buf *encode;    /* this thread encodes bucket k itself (no second thread) */
+    const dopt_buf *encode;    /* the gradient ternary's codes come from */
     int threaded, encoded;     /* buckets the caller's thread has encoded */
     int begun;                 /* steps the schedule has begun */
     int summed;                /* buckets whose final sums are in place (nb once the schedule ends) */
@@ -3154,7 +3151,7 @@ static dopt_status dopt__ring_schedule(dopt__pipe *q) {
         dopt__ring_pass all[4], now[4];
         const dopt__ring_pass *run[4];
         int np = 0;
-        if (t < pl->nb && q->encode) dopt__pipe_encode(q->cz, pl, q->encode, t);
+        if (t < pl->nb && q->encode && !q->threaded) dopt__pipe_encode(q->cz, pl, q->encode, t);
 #ifdef DOPT__THREADS
         if (q->threaded) {
             pthread_mutex_lock(&q->mu);
@@ -3195,13 +3192,12 @@ static void *dopt__pipe_ring(void *arg) {
     pthread_mutex_unlock(&q->mu);
     return NULL;
 }
-#endif
 
 /* The caller's side of a threaded pipeline: bucket k is encoded once step k - 1 has begun, one
    bucket ahead of the ring and no more (further ahead, the encoders of 8 ranks on 2 cores starved
    the ring's thread: 178 ms a call against 163 at 4 hosts × 2, 8 buckets), and between two the
    buckets the schedule has finished are decoded into grads. Returns the schedule's status. */
-static dopt_status dopt__pipe_caller(dopt__pipe *q, const dopt_buf *p, const dopt_buf *grads, float weight) {
+static dopt_status dopt__pipe_caller(dopt__pipe *q, const dopt_buf *grads, float weight) {
     const dopt__ring_plan *pl = q->plan;
     dopt_status s = DOPT_OK;
     int k = 0, d = 0, encode;
@@ -3217,7 +3213,7 @@ static dopt_status dopt__pipe_caller(dopt__pipe *q, const dopt_buf *p, const dop
             struct timespec ts = {0, DOPT__PIPE_TEST_DELAY_US * 1000L};
             nanosleep(&ts, NULL);
 #endif
-            dopt__pipe_encode(q->cz, pl, p, k);
+            dopt__pipe_encode(q->cz, pl, q->encode, k);
             pthread_mutex_lock(&q->mu);
             q->encoded = ++k;
             pthread_cond_broadcast(&q->cv);
@@ -3230,6 +3226,7 @@ static dopt_status dopt__pipe_caller(dopt__pipe *q, const dopt_buf *p, const dop
     }
     return s;
 }
+#endif
 
 /* The ring's sums into grads' carried segments, ternary's codes encoded bucket by bucket on the
    way: with nb > 1 and threads, this thread encodes bucket k + 1 while a second one runs the
@@ -3243,13 +3240,13 @@ static dopt_status dopt__ring_pipeline(dopt_compressor *cz, const dopt__ring_pla
     dopt_status s;
     dopt__pipe q;
     memset(&q, 0, sizeof q);
-    q.cz = cz, q.plan = pl;
+    q.cz = cz, q.plan = pl, q.encode = p;
 #ifdef DOPT__THREADS
     if (p != NULL && pl->nb > 1 && pthread_mutex_init(&q.mu, NULL) == 0) {
         pthread_t t;
         q.threaded = pthread_cond_init(&q.cv, NULL) == 0;
         if (q.threaded && pthread_create(&t, NULL, dopt__pipe_ring, &q) == 0) {
-            s = dopt__pipe_caller(&q, p, grads, weight);
+            s = dopt__pipe_caller(&q, grads, weight);
             pthread_join(t, NULL);
             pthread_cond_destroy(&q.cv);
             pthread_mutex_destroy(&q.mu);
@@ -3260,7 +3257,6 @@ static dopt_status dopt__ring_pipeline(dopt_compressor *cz, const dopt__ring_pla
         q.threaded = 0;
     }
 #endif
-    q.encode = p;
     if ((s = dopt__ring_schedule(&q)) == DOPT_OK) dopt__ring_decode_groups(cz, pl->comm->size, weight, grads, 0, pl->groups);
     return s;
 }

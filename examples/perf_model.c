@@ -97,8 +97,11 @@ static void parse_model_options(model_options *mo, int argc, char **argv) {
     for (i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) model_usage(argv[0]);
-        if (!strcmp(f, "--project") || !strcmp(f, "--same-box")) {
-            *(f[2] == 'p' ? &mo->project : &mo->same_box) = 1;
+        if (!strcmp(f, "--project") || !strcmp(f, "--same-box")) { /* the flags without a value */
+            if (!strcmp(f, "--project"))
+                mo->project = 1;
+            else
+                mo->same_box = 1;
             continue;
         }
         if (strncmp(f, "--", 2)) {
