@@ -61,7 +61,7 @@ TESTS    += $(BUILD)/test_openmp
 # The modules whose checks must hold in hosts built with flags we do not choose, once with GCC's
 # -Ofast and once with clang's -O2 -ffast-math: the compiler may then assume no NaN and no
 # infinity, so NaN and infinity are found by their bits (make asan leaves these out).
-FAST_MATH_TESTS := $(foreach t,compress powersgd clip localsgd,$(BUILD)/test_$(t)_ofast $(BUILD)/test_$(t)_clang_fastmath)
+FAST_MATH_TESTS := $(foreach t,compress powersgd clip localsgd nonfinite,$(BUILD)/test_$(t)_ofast $(BUILD)/test_$(t)_clang_fastmath)
 # The tests write a vector segment in the short form {offset, count, name} (rows, the fourth
 # field, left 0 on purpose), which -Wextra's missing-field-initializers flags: off for the tests
 # only. Examples, benchmarks and the headers build with every warning, as users' code may.
@@ -148,13 +148,13 @@ $(BUILD)/test_compress_clang: tests/test_compress.c tests/dtest.h tests/worlds.h
 
 $(BUILD)/test_openmp: tests/test_openmp.c tests/dtest.h $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -fopenmp -o $@ $< $(LIBS)
-$(BUILD)/test_%_ofast: tests/test_%.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
+$(BUILD)/test_%_ofast: tests/test_%.c tests/dtest.h tests/worlds.h tests/nonfinite.h $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -Ofast -o $@ $< $(LIBS)
 
-$(BUILD)/test_%_clang_fastmath: tests/test_%.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
+$(BUILD)/test_%_clang_fastmath: tests/test_%.c tests/dtest.h tests/worlds.h tests/nonfinite.h $(HEADERS) | $(BUILD)
 	clang $(ALL_CFLAGS) -ffast-math -o $@ $< $(LIBS)
 
-$(MPI_TESTS): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h tests/groups.h tests/links.h $(HEADERS) | $(BUILD)
+$(MPI_TESTS): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h tests/groups.h tests/links.h tests/nonfinite.h $(HEADERS) | $(BUILD)
 	$(MPICC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 
 # The examples include "distopt.h" as a user's program would, from the top directory; built with

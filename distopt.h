@@ -107,6 +107,10 @@
      dopt_mean_var(x, n, &mean, &var)  mean and population variance in one pass (shifted sums in
                               double; accurate when |mean| ≫ std too).
      dopt_all_finite(x, n)    1 when no element is NaN or ±Inf.
+     dopt_copy_finite(dst, src, n)  dst = src (n floats, no overlap), and 1 when no element is
+                              NaN or ±Inf: the check rides on a copy that runs anyway (the
+                              driver's verdict on an average costs no pass of its own).
+     Both test bits, so they hold in hosts built with -ffast-math or -Ofast.
      dopt_reduce(dst, src, count, dtype, op)  dst ∘= src elementwise (MEAN reduces as SUM). The
                               primitive every transport reduces with.
 
@@ -456,6 +460,7 @@ DOPT_DEF void dopt_scale(float *x, float a, size_t n);
 DOPT_DEF float dopt_maxabs(const float *x, size_t n);
 DOPT_DEF void dopt_mean_var(const float *x, size_t n, double *mean, double *var);
 DOPT_DEF int dopt_all_finite(const float *x, size_t n);
+DOPT_DEF int dopt_copy_finite(float *DOPT_RESTRICT dst, const float *DOPT_RESTRICT src, size_t n);
 DOPT_DEF void dopt_reduce(void *dst, const void *src, size_t count, dopt_dtype dt, dopt_op op);
 
 /* ===================================================================== COMMUNICATORS */
@@ -1612,23 +1617,39 @@ DOPT_DEF void dopt_mean_var(const float *x, size_t n, double *mean, double *var)
     *var = d2 - d1 * d1 > 0.0 ? d2 - d1 * d1 : 0.0;
 }
 
+/* An exponent of all ones is NaN or Inf; integer tests vectorize and never trap. With dst, the
+   same loop copies: the check costs nothing beside the copy's memory traffic. */
+#define DOPT__FINITE_SCAN(COPY, dst, x, n, any)                                                     \
+    do {                                                                                            \
+        uint32_t bad_[DOPT__LANES] = {0};                                                           \
+        size_t i_, n_main_ = (n) - (n) % DOPT__LANES;                                               \
+        int j_;                                                                                     \
+        for (i_ = 0; i_ < n_main_; i_ += DOPT__LANES)                                               \
+            for (j_ = 0; j_ < DOPT__LANES; j_++) {                                                  \
+                uint32_t u_;                                                                        \
+                memcpy(&u_, &(x)[i_ + j_], sizeof u_);                                              \
+                bad_[j_] |= (uint32_t)((u_ & 0x7F800000u) == 0x7F800000u);                          \
+                if (COPY) memcpy(&(dst)[i_ + j_], &u_, sizeof u_);                                  \
+            }                                                                                       \
+        for (i_ = n_main_; i_ < (n); i_++) {                                                        \
+            uint32_t u_;                                                                            \
+            memcpy(&u_, &(x)[i_], sizeof u_);                                                       \
+            (any) |= (uint32_t)((u_ & 0x7F800000u) == 0x7F800000u);                                 \
+            if (COPY) memcpy(&(dst)[i_], &u_, sizeof u_);                                           \
+        }                                                                                           \
+        for (j_ = 0; j_ < DOPT__LANES; j_++) (any) |= bad_[j_];                                     \
+    } while (0)
+
 DOPT_DEF int dopt_all_finite(const float *x, size_t n) {
-    uint32_t bad[DOPT__LANES] = {0}, any = 0;
-    size_t i, n_main = n - n % DOPT__LANES;
-    int j;
-    /* An exponent of all ones is NaN or Inf; integer tests vectorize and never trap. */
-    for (i = 0; i < n_main; i += DOPT__LANES)
-        for (j = 0; j < DOPT__LANES; j++) {
-            uint32_t u;
-            memcpy(&u, &x[i + j], sizeof u);
-            bad[j] |= (uint32_t)((u & 0x7F800000u) == 0x7F800000u);
-        }
-    for (i = n_main; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i], sizeof u);
-        any |= (uint32_t)((u & 0x7F800000u) == 0x7F800000u);
-    }
-    for (j = 0; j < DOPT__LANES; j++) any |= bad[j];
+    uint32_t any = 0;
+    float *none = NULL;
+    DOPT__FINITE_SCAN(0, none, x, n, any);
+    return any == 0;
+}
+
+DOPT_DEF int dopt_copy_finite(float *DOPT_RESTRICT dst, const float *DOPT_RESTRICT src, size_t n) {
+    uint32_t any = 0;
+    DOPT__FINITE_SCAN(1, dst, src, n, any);
     return any == 0;
 }
 

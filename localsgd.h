@@ -134,6 +134,8 @@
    | outer_lr     | DiLoCo's outer step size on each model average (below)     | 1 (plain average) |
    | outer_       | its Nesterov momentum μ, in [0, 1)                         | 0                 |
    |  momentum    |                                                            |                   |
+   | nonfinite    | what an average that is not finite does (NON-FINITE        | DOPT_NONFINITE_   |
+   |              | AVERAGES below): DOPT_NONFINITE_FAIL or _SKIP              |  FAIL             |
 
    Policies of extra state buffers at every model average: DOPT_STATE_AVERAGE (averaged with the
    parameters, in the same allreduce), DOPT_STATE_KEEP (left local), DOPT_STATE_RESET (set to 0).
@@ -210,7 +212,11 @@
      identical because every rank applies the same update. On a local step: DOPT_OK at once,
      without communication. Call it between backward and the optimizer's update. A host that
      never calls it has its models averaged by after_step instead (exact for SGD, not for
-     optimizers with state: call it).
+     optimizers with state: call it). An average that is not finite (a NaN or an infinity in any
+     rank's gradient, or a sum beyond the float range) returns DOPT_ERR_NONFINITE on every rank
+     and leaves zeros in grads on every rank; what follows is the policy's (NON-FINITE AVERAGES).
+     A host that never calls after_step has its steps counted here: a second after_backward with
+     no after_step between ends the step before it (STEPS below).
 
    dopt_status dopt_dp_after_step(dopt_dp *ls, float *params)
    dopt_status dopt_dp_after_step_buf(dopt_dp *ls, const dopt_buf *params,
@@ -242,8 +248,10 @@
      period 1 and sync_grads this is synchronous clipped SGD (gradients averaged, then clipped);
      with period 1 and without sync_grads, CELGC at I = 1 as its paper runs it (each worker clips
      its own gradient, the models are averaged after every step). A NaN or infinity in the
-     gradient: this worker skips its update, the average still happens when due, and the call returns
-     DOPT_ERR_NONFINITE. grads is averaged in place on synchronous steps with sync_grads.
+     gradient: without sync_grads this worker skips its update, the average still happens when
+     due, and the call returns DOPT_ERR_NONFINITE on this rank; with sync_grads the gradient
+     average has NON-FINITE AVERAGES' rule (under SKIP every rank skips its update and the step
+     is counted). grads is averaged in place on synchronous steps with sync_grads.
 
    dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
                                       double *max_diff)
@@ -299,7 +307,54 @@
      from it), every call of the driver — after_backward, after_step, sync, broadcast,
      celgc_step, check_replicas, a local step that would not communicate included — returns the
      communicator's status at once, sends nothing and counts no step; so a training loop may
-     ignore the statuses inside a step and check the last one, once per step or per epoch.
+     ignore the statuses inside a step and check the last one, once per step or per epoch. A
+     non-finite average under DOPT_NONFINITE_FAIL stops the driver the same way (the
+     communicator itself stays usable: dopt_mean and the host's own collectives go on).
+
+   NON-FINITE AVERAGES
+     Every average the driver makes — fp32, fp16/bf16 and every codec, the gradients of
+     synchronous steps (after_backward, celgc_step with sync_grads) and the models of local SGD
+     (after_step, sync, close) — has one verdict: finite or not, taken from bits every rank holds
+     identically (the averaged result, or the compressor's flags), so every rank reaches the same
+     verdict in the same call, and it tests bits, so it holds under -Ofast and -ffast-math. For
+     the gradients it rides on the copies the driver makes anyway (dopt_copy_finite; its cost beside
+     the fp32 allreduce is measured in the distopt repository's docs/reliability.md). One allgather, only then,
+     names the first non-finite element (segment by name, from the descriptor's table or the
+     compressor's) and the ranks whose input held NaN or infinity, or says that every input was
+     finite and the sum overflowed. dopt_dp_detail then reads, for example:
+         dopt_dp_after_backward: the gradient average of step 51 is not finite (first at segment
+         3 (layer1), element 17): the input of rank 1 held NaN or infinity; ...
+     A gradient average that is not finite leaves zeros in grads on every rank, under either
+     policy (replicas stay identical even when the host applies them). Then:
+     - DOPT_NONFINITE_FAIL (the default): the driver stops. The call returns DOPT_ERR_NONFINITE,
+       one DOPT_LOG_ERROR line says the detail, and every later call returns DOPT_ERR_NONFINITE
+       at once; dopt_dp_close returns it and puts the detail in the communicator's, which
+       dopt_comm_finish prints before the rank exits 1. A loop that checks nothing ends loudly.
+       A model average that is not finite leaves every rank's parameters as they were.
+     - DOPT_NONFINITE_SKIP: the step is skipped on every rank and the driver goes on. The call
+       returns DOPT_ERR_NONFINITE; grads holds zeros; dp.skipped counts such averages; a
+       DOPT_LOG_WARN line says the detail (each of the first 8, then the 16th, 32nd, 64th, ...).
+       The host skips its update as mixed-precision loss scaling does:
+
+           if (dopt_dp_after_backward(&dp, grads) == DOPT_ERR_NONFINITE) continue;
+
+       (a host that applies the zeros anyway moves only by its optimizer's momentum or decay,
+       alike on every rank). A model average that is not finite is replaced by the plain mean,
+       in fp32, of the ranks whose parameters and AVERAGE states are finite (without the outer
+       step or the across-worker statistics; the compressor's residual is left as it was), and
+       every rank continues from it; the round ends as usual. When no rank is finite the driver
+       stops as under FAIL.
+     celgc_step without sync_grads clips each worker's own gradient: a non-finite one there is
+     this rank's alone — it skips its own update and returns DOPT_ERR_NONFINITE on this rank only
+     (nothing is averaged, so nothing is stopped); the model average that follows has the rule
+     above.
+
+   STEPS
+     Steps are counted by dopt_dp_after_step. A host that calls only after_backward (README's
+     drop-in) has its synchronous steps counted there: when an after_backward finds the step
+     before it averaged and no after_step since, that step is over. dopt_dp_close and
+     dopt_dp_save count the last one the same way. The details and the closing call's same-step
+     check then name the host's own step numbers (0 for the first call).
 
    FUNCTIONS (adaptive batch)
 
@@ -497,6 +552,11 @@ typedef struct dopt_state_desc {
     const char *name; /* optional, for messages; not copied */
 } dopt_state_desc;
 
+typedef enum dopt_nonfinite_policy {
+    DOPT_NONFINITE_FAIL = 0, /* the driver stops: every later call returns DOPT_ERR_NONFINITE */
+    DOPT_NONFINITE_SKIP = 1  /* the step is skipped on every rank (zero gradients); the driver goes on */
+} dopt_nonfinite_policy;
+
 typedef struct dopt_dp_config {
     size_t period;
     size_t warmup_steps;
@@ -510,6 +570,7 @@ typedef struct dopt_dp_config {
     dopt_compressor *grad_compressor;
     double outer_lr;
     double outer_momentum;
+    dopt_nonfinite_policy nonfinite;
 } dopt_dp_config;
 
 typedef struct dopt_dp {
@@ -532,7 +593,10 @@ typedef struct dopt_dp {
     uint64_t syncs;          /* averages done (model or gradient) */
     uint64_t round_steps;    /* steps since the last average */
     uint64_t grads_step;     /* step + 1 of the last step whose gradients were averaged, or 0 */
-    dopt_status status;      /* init's refusal, returned by every later call */
+    dopt_status status;      /* init's refusal or a non-finite average under FAIL: every later call returns it */
+    dopt_nonfinite_policy nonfinite;
+    uint64_t skipped;        /* averages found non-finite and skipped (DOPT_NONFINITE_SKIP) */
+    int logged;              /* 1: the failure in detail was logged when it happened */
     double round_samples;    /* samples since the last average (the weight) */
     double step_samples;     /* set by dopt_dp_set_step_samples, 0: automatic */
     uint64_t *replica_words; /* the replica check's exchange: checksum and step of every rank */
@@ -1049,6 +1113,8 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n, const 
          c.weighted || c.grad_compressor == c.compressor))
         return dopt__ls_init_fail(ls, "grad_compressor: not initialised, not covering the n packed elements, with "
                                       "`weighted`, or the same object as compressor");
+    if ((unsigned)c.nonfinite > (unsigned)DOPT_NONFINITE_SKIP)
+        return dopt__ls_init_fail(ls, "nonfinite is neither DOPT_NONFINITE_FAIL nor DOPT_NONFINITE_SKIP");
     /* NaN first, by its bits: under GCC's -ffast-math NaN == 0.0 holds and would take the default */
     if (!dopt__is_finite(c.outer_lr) || !dopt__is_finite(c.outer_momentum))
         return dopt__ls_init_fail(ls, "outer_lr or outer_momentum is not finite");
@@ -1068,6 +1134,7 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n, const 
     ls->grad_compressor = c.grad_compressor;
     ls->outer_lr = c.outer_lr;
     ls->outer_momentum = c.outer_momentum;
+    ls->nonfinite = c.nonfinite;
     ls->nstates = c.nstates;
     ls->work_count = work;
     if (c.nstates) {
@@ -1151,15 +1218,40 @@ static dopt_status dopt__ls_check_layout(dopt_dp *ls, const dopt_buf *params, co
     return DOPT_OK;
 }
 
-/* params, then the AVERAGE states, into the workspace; and back. */
-static void dopt__ls_pack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
+/* A descriptor's segments into a contiguous dst, and back; 1 when every element copied is finite
+   (the check rides on the copy: dopt_copy_finite). */
+static int dopt__ls_pack_finite(const dopt_buf *b, float *dst) {
+    size_t i, k = dopt_buf_nsegs(b);
+    int finite = 1;
+    for (i = 0; i < k; i++) {
+        dopt_span sp = dopt_buf_segment(b, i);
+        finite &= dopt_copy_finite(dst, sp.ptr, sp.count);
+        dst += sp.count;
+    }
+    return finite;
+}
+
+static int dopt__ls_unpack_finite(const dopt_buf *b, const float *src) {
+    size_t i, k = dopt_buf_nsegs(b);
+    int finite = 1;
+    for (i = 0; i < k; i++) {
+        dopt_span sp = dopt_buf_segment(b, i);
+        finite &= dopt_copy_finite(sp.ptr, src, sp.count);
+        src += sp.count;
+    }
+    return finite;
+}
+
+/* params, then the AVERAGE states, into the workspace (1 when all of it is finite); and back. */
+static int dopt__ls_pack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     size_t i, off = ls->n;
-    dopt_buf_pack(params, ls->work);
+    int finite = dopt__ls_pack_finite(params, ls->work);
     for (i = 0; i < ls->nstates; i++)
         if (ls->states[i].policy == DOPT_STATE_AVERAGE) {
-            dopt_buf_pack(&states[i], ls->work + off);
+            finite &= dopt__ls_pack_finite(&states[i], ls->work + off);
             off += ls->states[i].count;
         }
+    return finite;
 }
 
 static void dopt__ls_unpack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
@@ -1183,6 +1275,133 @@ static void dopt__ls_unpack(dopt_dp *ls, const dopt_buf *params, const dopt_buf 
 static double dopt__ls_step_samples(const dopt_dp *ls) {
     if (ls->step_samples > 0.0) return ls->step_samples;
     return ls->batch ? (double)ls->batch->units * (double)ls->batch->cfg.unit_samples : 1.0;
+}
+
+/* ===================================================================== NON-FINITE AVERAGES */
+
+/* The first element of x[0..n) that is NaN or ±Inf, by its bits; n when there is none (the rare
+   path only: the steady state's verdict rides on the copies). */
+static size_t dopt__ls_first_nonfinite(const float *x, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (!dopt_all_finite(x + i, 1)) return i;
+    return n;
+}
+
+/* The same over a descriptor, as a packed index; dopt_buf_count(b) when there is none. */
+static size_t dopt__ls_first_nonfinite_buf(const dopt_buf *b) {
+    size_t i, k = dopt_buf_nsegs(b), off = 0;
+    for (i = 0; i < k; i++) {
+        dopt_span sp = dopt_buf_segment(b, i);
+        size_t j = dopt__ls_first_nonfinite(sp.ptr, sp.count);
+        if (j < sp.count) return off + j;
+        off += sp.count;
+    }
+    return off;
+}
+
+/* Packed element i in words: its segment, by name where a table names it (the descriptor's, else
+   the compressor's), and its place there; past n, an AVERAGE state's. */
+static void dopt__ls_where(const dopt_dp *ls, const dopt_buf *b, const dopt_compressor *cz, size_t i, char *out,
+                           size_t cap) {
+    size_t k, off = 0, nseg = dopt_buf_nsegs(b);
+    if (i >= ls->n) {
+        for (i -= ls->n, k = 0; k < ls->nstates; k++) {
+            if (ls->states[k].policy != DOPT_STATE_AVERAGE) continue;
+            if (i < ls->states[k].count) break;
+            i -= ls->states[k].count;
+        }
+        snprintf(out, cap, "state %zu (%s), element %zu", k, k < ls->nstates && ls->states[k].name ?
+                 ls->states[k].name : "unnamed", i);
+        return;
+    }
+    if (cz && b->data && b->segs == NULL) /* a flat buffer without a table: the compressor's names it */
+        for (k = 0; k < cz->nsegs; k++)
+            if (i >= cz->segs[k].offset && i - cz->segs[k].offset < cz->segs[k].count) {
+                snprintf(out, cap, "segment %zu (%s), element %zu", k, cz->segs[k].name ? cz->segs[k].name : "unnamed",
+                         i - cz->segs[k].offset);
+                return;
+            }
+    for (k = 0; k + 1 < nseg && i - off >= dopt_buf_segment(b, k).count; k++) off += dopt_buf_segment(b, k).count;
+    if (nseg <= 1)
+        snprintf(out, cap, "element %zu", i);
+    else
+        snprintf(out, cap, "%s %zu (%s), element %zu", b->data ? "segment" : "span", k,
+                 b->data && b->segs[k].name ? b->segs[k].name : "unnamed", i - off);
+}
+
+/* Which ranks' inputs were not finite, as "rank 1" or "ranks 1, 3"; the count in *bad. */
+static void dopt__ls_bad_ranks(const dopt_dp *ls, char *out, size_t cap, int *bad) {
+    size_t used = 0;
+    int r;
+    *bad = 0;
+    out[0] = 0;
+    for (r = 0; r < ls->comm->size; r++) {
+        int k;
+        if (ls->replica_words[2 * r] == 0) continue;
+        if (++*bad > 8) continue;
+        k = snprintf(out + used, cap - used, "%s%d", *bad > 1 ? ", " : "", r);
+        if (k > 0 && (size_t)k < cap - used) used += (size_t)k;
+    }
+    if (*bad > 8 && used + 6 < cap) snprintf(out + used, cap - used, ", ...");
+}
+
+/* An average found not finite, on every rank alike (the verdict came from bits every rank holds:
+   the averaged result, or the compressor's flags). One allgather says whose input held NaN or
+   infinity and where the first one is; the detail names the step, the segment and the ranks;
+   the policy decides: FAIL stops the driver, SKIP counts and warns (the first 8, then the 16th,
+   32nd, ...). The first non-finite element is looked for in the average when the workspace holds
+   it (from_input 0), else in this rank's input `layout`, whose segments (or cz's) name it; the
+   average is the one ls->api names.
+   *finite_ranks: ranks whose input was finite. Returns DOPT_ERR_NONFINITE, or the allgather's
+   failure. */
+static dopt_status dopt__ls_nonfinite(dopt_dp *ls, const dopt_buf *layout, const dopt_compressor *cz, int from_input,
+                                      int mine_finite, int *finite_ranks) {
+    uint64_t mine[2], first = UINT64_MAX;
+    char where[128] = "an element no rank found again", ranks[64], whose[160];
+    const char *prev = dopt_comm_set_api(ls->comm, ls->api);
+    size_t total = from_input ? dopt_buf_count(layout) : ls->work_count;
+    size_t at = from_input ? dopt__ls_first_nonfinite_buf(layout) : dopt__ls_first_nonfinite(ls->work, total);
+    int r, bad;
+    dopt_status s;
+    mine[0] = mine_finite ? 0 : 1;
+    mine[1] = at < total ? (uint64_t)at : UINT64_MAX;
+    s = dopt_allgather(ls->comm, mine, ls->replica_words, sizeof mine);
+    dopt_comm_set_api(ls->comm, prev);
+    if (s != DOPT_OK) return s;
+    for (r = 0; r < ls->comm->size; r++)
+        if (ls->replica_words[2 * r + 1] < first) first = ls->replica_words[2 * r + 1];
+    dopt__ls_bad_ranks(ls, ranks, sizeof ranks, &bad);
+    *finite_ranks = ls->comm->size - bad;
+    if (first != UINT64_MAX) dopt__ls_where(ls, layout, cz, (size_t)first, where, sizeof where);
+    if (bad)
+        snprintf(whose, sizeof whose, "the input of rank%s %s held NaN or infinity", bad > 1 ? "s" : "", ranks);
+    else
+        snprintf(whose, sizeof whose, "every rank's input was finite: the sum overflowed the float range");
+    if (ls->nonfinite == DOPT_NONFINITE_FAIL) {
+        dopt__ls_fail_detail(ls, "%s is not finite (first at %s): %s; the driver stopped (DOPT_NONFINITE_FAIL: every "
+                                 "later call returns this; .nonfinite = DOPT_NONFINITE_SKIP skips such steps instead)",
+                             ls->api, where, whose);
+        ls->status = DOPT_ERR_NONFINITE;
+        ls->logged = 1;
+        dopt_comm_log(ls->comm, DOPT_LOG_ERROR, "rank %d: %s", ls->comm->rank, ls->detail);
+        return DOPT_ERR_NONFINITE;
+    }
+    ls->skipped++;
+    dopt__ls_fail_detail(ls, "%s is not finite (first at %s): %s; skipped on every rank (%llu so far)", ls->api, where,
+                         whose, (unsigned long long)ls->skipped);
+    if (ls->skipped <= 8 || (ls->skipped & (ls->skipped - 1)) == 0)
+        dopt_comm_log(ls->comm, DOPT_LOG_WARN, "rank %d: %s", ls->comm->rank, ls->detail);
+    return DOPT_ERR_NONFINITE;
+}
+
+/* Zeros in every element of a descriptor. */
+static void dopt__ls_zero(const dopt_buf *b) {
+    size_t i, k = dopt_buf_nsegs(b);
+    for (i = 0; i < k; i++) {
+        dopt_span sp = dopt_buf_segment(b, i);
+        if (sp.count) memset(sp.ptr, 0, sp.count * sizeof(float));
+    }
 }
 
 /* ===================================================================== LOCAL SGD: AVERAGING */
@@ -1244,8 +1463,8 @@ static dopt_status dopt__ls_average_compressed(dopt_dp *ls) {
 
 /* DiLoCo's outer step (Douillard et al. 2023) on the average in the workspace: the
    pseudo-gradient Δ = anchor − mean, v ← μ·v + Δ, new model = anchor − lr·(Δ + μ·v) (Nesterov).
-   The same bits on every rank: its inputs (anchor, mean, v) are. */
-static void dopt__ls_outer_step(dopt_dp *ls) {
+   The same bits on every rank: its inputs (anchor, mean, v) are. 1 when the new model is finite. */
+static int dopt__ls_outer_step(dopt_dp *ls) {
     double lr = ls->outer_lr, mu = ls->outer_momentum;
     size_t i;
     for (i = 0; i < ls->n; i++) {
@@ -1256,14 +1475,61 @@ static void dopt__ls_outer_step(dopt_dp *ls) {
         }
         ls->work[i] = (float)((double)ls->anchor[i] - lr * d);
     }
+    return dopt_all_finite(ls->work, ls->n);
 }
 
+/* DOPT_NONFINITE_SKIP's round whose average is not finite: the plain mean, in fp32, of the ranks
+   whose parameters and AVERAGE states are finite (the others send zeros with weight 0), without
+   the outer step or the across-worker statistics. Every rank then continues from the same finite
+   model. No finite rank, or a mean that is still not finite: the driver stops, as under FAIL. */
+static dopt_status dopt__ls_rescue_average(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states, int mine_finite,
+                                           int finite_ranks) {
+    dopt_status s;
+    const char *prev;
+    if (finite_ranks > 0) {
+        if (mine_finite)
+            dopt__ls_pack(ls, params, states);
+        else
+            memset(ls->work, 0, ls->work_count * sizeof(float));
+        prev = dopt_comm_set_api(ls->comm, ls->api);
+        s = dopt_allreduce_weighted_mean(ls->comm, ls->work, ls->work_count, DOPT_F32, mine_finite ? 1.0 : 0.0);
+        dopt_comm_set_api(ls->comm, prev);
+        if (s != DOPT_OK) return s;
+        if (dopt_all_finite(ls->work, ls->work_count)) return DOPT_ERR_NONFINITE; /* skipped, and mended */
+    }
+    ls->status = DOPT_ERR_NONFINITE;
+    snprintf(ls->detail + strlen(ls->detail), sizeof ls->detail - strlen(ls->detail),
+             "; %s: the driver stopped", finite_ranks ? "the mean of the finite ranks is not finite either"
+                                                      : "no rank holds finite parameters");
+    dopt_comm_log(ls->comm, DOPT_LOG_ERROR, "rank %d: %s", ls->comm->rank, ls->detail);
+    ls->logged = 1;
+    return DOPT_ERR_NONFINITE;
+}
+
+/* A round whose average (or outer step) is not finite: named, then FAIL stops the driver with the
+   parameters as they were, and SKIP puts the mean of the finite ranks in their place. */
+static dopt_status dopt__ls_models_not_finite(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states,
+                                              int mine_finite, int from_input) {
+    int finite_ranks = 0;
+    dopt_status s = dopt__ls_nonfinite(ls, params, ls->compressor, from_input, mine_finite, &finite_ranks);
+    if (s == DOPT_ERR_NONFINITE && ls->nonfinite == DOPT_NONFINITE_SKIP)
+        s = dopt__ls_rescue_average(ls, params, states, mine_finite, finite_ranks);
+    if (s == DOPT_ERR_NONFINITE && ls->status == DOPT_OK) {
+        dopt__ls_unpack(ls, params, states);
+        if (ls->anchor && ls->n) memcpy(ls->anchor, ls->work, ls->n * sizeof(float));
+    }
+    return s;
+}
+
+/* The round's average into params and states. The verdict on it is one pass over the workspace
+   before anything is written (SKIP's mean of the finite ranks needs every rank's parameters as
+   they were), and the outer step's own loop. */
 static dopt_status dopt__ls_average_models(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
-    int across = ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_ACROSS;
+    int across = ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_ACROSS, mine_finite, averaged;
     double local_d2 = 0.0;
     dopt_batch_stats st;
     dopt_status s;
-    dopt__ls_pack(ls, params, states);
+    mine_finite = dopt__ls_pack(ls, params, states);
     if (across) local_d2 = dopt__ls_sqdist(ls->work, ls->anchor, ls->n);
     if (ls->compressor)
         s = dopt__ls_average_compressed(ls);
@@ -1271,13 +1537,15 @@ static dopt_status dopt__ls_average_models(dopt_dp *ls, const dopt_buf *params, 
         s = dopt_allreduce_weighted_mean(ls->comm, ls->work, ls->work_count, DOPT_F32, ls->round_samples);
     else
         s = dopt_allreduce(ls->comm, ls->work, ls->work_count, DOPT_F32, DOPT_MEAN);
-    if (s != DOPT_OK) return s;
-    if (across) {
+    averaged = s == DOPT_OK; /* else the compressor refused before writing: the input names the place */
+    if (s == DOPT_OK && !dopt_all_finite(ls->work, ls->work_count)) s = DOPT_ERR_NONFINITE;
+    if (s == DOPT_OK && across) {
         s = dopt__ls_across_stats(ls, params, local_d2, &st);
-        if (s != DOPT_OK) return s;
-        dopt__batch_apply(ls->batch, &st, ls->comm);
+        if (s == DOPT_OK) dopt__batch_apply(ls->batch, &st, ls->comm);
     }
-    if (ls->outer) dopt__ls_outer_step(ls);
+    if (s == DOPT_OK && ls->outer && !dopt__ls_outer_step(ls)) s = DOPT_ERR_NONFINITE;
+    if (s == DOPT_ERR_NONFINITE) return dopt__ls_models_not_finite(ls, params, states, mine_finite, !averaged);
+    if (s != DOPT_OK) return s;
     dopt__ls_unpack(ls, params, states);
     if (ls->anchor && ls->n) memcpy(ls->anchor, ls->work, ls->n * sizeof(float));
     return DOPT_OK;
@@ -1287,21 +1555,38 @@ static dopt_status dopt__ls_average_models(dopt_dp *ls, const dopt_buf *params, 
    a step that would not communicate included. */
 static dopt_status dopt__ls_poisoned(dopt_dp *ls) {
     if (ls->work == NULL) return ls->status != DOPT_OK ? ls->status : DOPT_ERR_CLOSED; /* refused, or closed */
+    if (ls->status != DOPT_OK) return ls->status; /* a non-finite average under DOPT_NONFINITE_FAIL */
     return dopt__family_error(ls->comm);
 }
 
+/* A host that never calls after_step: the gradients of step `step` were averaged and no after_step
+   followed, so its next after_backward (or the close, or a save) finds that step over. */
+static uint64_t dopt__ls_steps_done(const dopt_dp *ls) { return ls->step + (ls->grads_step == ls->step + 1); }
+
+static void dopt__ls_count_pending_step(dopt_dp *ls) {
+    if (ls->grads_step != ls->step + 1) return;
+    ls->step++;
+    ls->syncs++;
+}
+
 /* The gradient mean of a synchronous step; the step's model average is then skipped. */
+/* The gradient mean of a synchronous step; the step's model average is then skipped. The verdict
+   on it rides on the copy back into grads (the same bits on every rank); this rank's own verdict,
+   on the copy in, names it when the average is not finite. Then every rank's grads hold zeros,
+   whatever the policy: replicas stay identical even where the host applies them. */
 static dopt_status dopt__ls_average_grads(dopt_dp *ls, const dopt_buf *grads, const char *api) {
     const char *prev;
+    int mine_finite, finite_ranks;
     dopt_status s;
     if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
     if (dopt__ls_check_buf(grads, ls->n) != DOPT_OK) {
         dopt__ls_fail_detail(ls, "gradients: not a valid descriptor of %zu elements", ls->n);
         return DOPT_ERR_INVALID;
     }
+    dopt__ls_count_pending_step(ls);
     if (!dopt_dp_is_synchronous(ls, ls->step)) return DOPT_OK;
     prev = dopt__ls_label(ls, "%s: the gradient average of step %llu", api, (unsigned long long)ls->step);
-    dopt_buf_pack(grads, ls->work);
+    mine_finite = dopt__ls_pack_finite(grads, ls->work);
     if (ls->grad_compressor) /* over the packed gradients, the compressor's own segments */
         s = dopt_compress_allreduce(ls->grad_compressor, ls->comm, ls->work, ls->n);
     else if (ls->weighted)
@@ -1309,10 +1594,18 @@ static dopt_status dopt__ls_average_grads(dopt_dp *ls, const dopt_buf *grads, co
     else
         s = dopt_allreduce(ls->comm, ls->work, ls->n, DOPT_F32, DOPT_MEAN);
     dopt_comm_set_api(ls->comm, prev);
-    if (s != DOPT_OK) return s;
-    dopt_buf_unpack(grads, ls->work);
-    ls->grads_step = ls->step + 1;
-    return DOPT_OK;
+    if (s == DOPT_OK && dopt__ls_unpack_finite(grads, ls->work)) {
+        ls->grads_step = ls->step + 1;
+        return DOPT_OK;
+    }
+    if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s;
+    /* not finite: named from the average when grads received it, else (the compressor refused
+       before writing) from this rank's input */
+    s = dopt__ls_nonfinite(ls, grads, ls->grad_compressor, s == DOPT_ERR_NONFINITE, mine_finite, &finite_ranks);
+    if (s != DOPT_ERR_NONFINITE) return s;
+    dopt__ls_zero(grads);
+    if (ls->status == DOPT_OK) ls->grads_step = ls->step + 1; /* SKIP: zeros are the step's average */
+    return s;
 }
 
 DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *ls, const dopt_buf *grads) {
@@ -1330,15 +1623,20 @@ DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *ls, float *grads) {
 static dopt_status dopt__ls_end_round(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states, int average,
                                       uint64_t t, const char *how) {
     dopt_status s = DOPT_OK;
+    int skipped;
     const char *prev = dopt__ls_label(ls, "%s: the average after step %llu",
                                       *how ? "dopt_dp_sync" : "dopt_dp_after_step", (unsigned long long)t);
     if (average)
         s = dopt__ls_average_models(ls, params, states);
     else if (ls->anchor && ls->n)
         dopt_buf_pack(params, ls->anchor);
+    /* SKIP: a non-finite average was replaced by the finite ranks' mean; the round ends as usual */
+    skipped = s == DOPT_ERR_NONFINITE && ls->status == DOPT_OK;
+    if (skipped) s = DOPT_OK;
     if (s == DOPT_OK && ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN)
         s = dopt__batch_decide(ls->batch, ls->comm);
     dopt_comm_set_api(ls->comm, prev);
+    if (s == DOPT_ERR_NONFINITE) return s; /* FAIL: the detail is said */
     if (s != DOPT_OK) {
         dopt__ls_fail_detail(ls, "average after step %llu%s: %s (%s)", (unsigned long long)t, how, dopt_status_str(s),
                              dopt_comm_detail(ls->comm));
@@ -1347,7 +1645,7 @@ static dopt_status dopt__ls_end_round(dopt_dp *ls, const dopt_buf *params, const
     ls->syncs++;
     ls->round_steps = 0;
     ls->round_samples = 0.0;
-    return DOPT_OK;
+    return skipped ? DOPT_ERR_NONFINITE : DOPT_OK;
 }
 
 DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
@@ -1475,6 +1773,10 @@ DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, const dopt_buf *params, con
     }
     if (ls->sync_grads) { /* else CELGC's own: each worker clips its gradient, the models are averaged */
         s = dopt__ls_average_grads(ls, grads, "dopt_dp_celgc_step");
+        if (s == DOPT_ERR_NONFINITE && ls->status == DOPT_OK) { /* SKIP: no update, the step still counts */
+            s = dopt_dp_after_step_buf(ls, params, rule->states);
+            return s != DOPT_OK ? s : DOPT_ERR_NONFINITE;
+        }
         if (s != DOPT_OK) return s;
     }
     step_status = dopt_celgc_step(params, grads, rule);
@@ -1518,7 +1820,7 @@ static dopt_status dopt__ls_check_replicas(dopt_dp *ls, const dopt_buf *params, 
     int r, same = 1;
     dopt_status s;
     mine[0] = DOPT__FNV_OFFSET;
-    mine[1] = ls->step;
+    mine[1] = dopt__ls_steps_done(ls);
     for (i = 0; i < k; i++) {
         dopt_span sp = dopt_buf_segment(params, i);
         mine[0] = dopt__fnv1a(mine[0], sp.ptr, sp.count * sizeof(float));
@@ -1567,7 +1869,7 @@ DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params,
 static void dopt__ls_note(dopt_dp *ls) {
     if (ls->comm == NULL || ls->comm->error != DOPT_OK) return;
     snprintf(ls->comm->detail, sizeof ls->comm->detail, "rank %d: %s", ls->comm->rank, ls->detail);
-    dopt_comm_log(ls->comm, DOPT_LOG_ERROR, "%s", ls->comm->detail);
+    if (!ls->logged) dopt_comm_log(ls->comm, DOPT_LOG_ERROR, "%s", ls->comm->detail);
 }
 
 /* The closing call's verdict when the replicas differ, in the driver's detail: which ranks hold
@@ -1589,7 +1891,7 @@ static dopt_status dopt__ls_close_mismatch(dopt_dp *ls, const dopt_buf *params) 
         }
     }
     if (dopt__ls_replica_spread(ls, params, &spread) != DOPT_OK) return dopt__ls_poisoned(ls);
-    /* steps are counted by after_step: a host of after_backward alone has none to name */
+    /* a host of after_backward alone has its steps counted there (and its last one by the close) */
     if (ls->step > 0) snprintf(when, sizeof when, " after step %llu", (unsigned long long)ls->step);
     dopt__ls_fail_detail(ls, "dopt_dp_close: the replicas differ%s: %d rank%s (%s%s) hold%s other "
                              "parameters than rank 0, by at most %.9g",
@@ -1603,8 +1905,9 @@ DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params, cons
     const char *prev;
     dopt_status s;
     if (ls == NULL) return DOPT_ERR_INVALID;
-    if (ls->work == NULL && ls->status != DOPT_OK) { /* init refused: its reason stands */
+    if (ls->status != DOPT_OK) { /* init refused, or a non-finite average stopped it: its reason stands */
         dopt__ls_note(ls);
+        dopt_dp_free(ls);
         return ls->status;
     }
     ls->detail[0] = 0; /* what follows is the verdict of this call */
@@ -1614,6 +1917,7 @@ DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params, cons
     }
     s = dopt__ls_poisoned(ls);
     if (s == DOPT_OK) s = dopt__ls_check_layout(ls, params, states);
+    dopt__ls_count_pending_step(ls);
     if (s == DOPT_OK && ls->round_steps > 0) s = dopt__ls_end_round(ls, params, states, 1, ls->step, " (close)");
     if (s == DOPT_OK) {
         prev = dopt_comm_set_api(ls->comm, "dopt_dp_close");
@@ -1720,7 +2024,7 @@ static void dopt__ls_put_layout(dopt__ls_writer *w, const dopt_dp *ls) {
 }
 
 static void dopt__ls_put_state(dopt__ls_writer *w, const dopt_dp *ls) {
-    dopt__ls_put_u64(w, ls->step);
+    dopt__ls_put_u64(w, dopt__ls_steps_done(ls));
     dopt__ls_put_u64(w, ls->syncs);
     dopt__ls_put_u64(w, ls->round_steps);
     dopt__ls_put_f64(w, ls->round_samples);

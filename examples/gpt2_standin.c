@@ -21,7 +21,8 @@
        mpirun -n 2 -x OMP_NUM_THREADS=1 ./gpt2_standin       (srun, torchrun, ...: see launch.h)
        ./gpt2_standin --gradcheck                            gpt2_backward against finite differences
    Flags: --steps N (default 300); --gradcheck; --desync: rank 1 changes one parameter before the
-   end, so that the replica check fails (for tests). Give each rank one OpenMP thread per core it
+   end, so that the replica check fails (for tests); --nan-at K: the last rank's gradient holds a
+   NaN at step K, so that the driver stops and the job ends with status 1 (for tests). Give each rank one OpenMP thread per core it
    may use: threads beyond the free cores spin at every parallel loop's barrier.
 
    The lines marked distopt are all that distopt adds to the loop: synchronous data parallelism.
@@ -31,7 +32,8 @@
    to the same gradient), the printed loss is the mean over the ranks, and the end checks that the
    replicas are identical. No status is checked inside the loop: a communicator that failed makes
    every later call return at once, and dopt_dp_close returns its status, which dopt_comm_finish
-   prints and turns into the exit status. The unmarked lines around the end (--desync, and the
+   prints and turns into the exit status; a NaN in one rank's gradient is such a failure (the driver
+   stops at that step on every rank). The unmarked lines (--nan-at, --desync, and the
    "result:" line rank 0 prints when the whole job succeeded) are test harness; without them the
    end is one line, return dopt_comm_finish(comm, dopt_dp_close(&dp, model.params_memory)).
    scripts/count-lines.sh counts the marked lines; tests/check_gpt2_standin.sh runs all this. */
@@ -838,12 +840,12 @@ static int gpt2_gradcheck(void) {
 
 static int usage(const char *message) {
     if (message) fprintf(stderr, "gpt2_standin: %s\n", message);
-    fprintf(message ? stderr : stdout, "usage: gpt2_standin [--steps N] [--gradcheck] [--desync]\n");
+    fprintf(message ? stderr : stdout, "usage: gpt2_standin [--steps N] [--gradcheck] [--desync] [--nan-at K]\n");
     return message ? 2 : 0;
 }
 
 int main(int argc, char **argv) {
-    int steps = 300, desync = 0;
+    int steps = 300, desync = 0, nan_at = -1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--gradcheck")) return gpt2_gradcheck();
         if (!strcmp(argv[i], "--desync")) {
@@ -853,6 +855,11 @@ int main(int argc, char **argv) {
             long v = strtol(argv[++i], &end, 10);
             if (*end || v < 1 || v > 1000000) return usage("--steps expects a number from 1 to 1000000");
             steps = (int)v;
+        } else if (!strcmp(argv[i], "--nan-at") && i + 1 < argc) {
+            char *end;
+            long v = strtol(argv[++i], &end, 10);
+            if (*end || v < 0 || v > 1000000) return usage("--nan-at expects a step from 0 to 1000000");
+            nan_at = (int)v;
         } else if (!strcmp(argv[i], "--help")) {
             return usage(NULL);
         } else {
@@ -887,6 +894,7 @@ int main(int argc, char **argv) {
         gpt2_forward(&model, train_loader.inputs, train_loader.targets, B, T);
         gpt2_zero_grad(&model);
         gpt2_backward(&model);
+        if (step == nan_at && comm->rank == comm->size - 1) model.grads_memory[12345] = NAN;
         dopt_dp_after_backward(&dp, model.grads_memory);                     /* distopt: the ranks' mean gradient */
         gpt2_update(&model, 3e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, step + 1);
         model.mean_loss = (float)dopt_mean(comm, model.mean_loss);           /* distopt: the mean over the ranks */

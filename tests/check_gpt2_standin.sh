@@ -94,13 +94,27 @@ train two 2
 # The check can fail: rank 1's replica differs at the end.
 run desync env DOPT_WORLD_SIZE=2 "$bin" --steps 20 --desync
 status=$?
-differ='^distopt: rank [01]: dopt_dp_close: the replicas differ: 1 rank (1) holds other parameters'
+differ='^distopt: rank [01]: dopt_dp_close: the replicas differ after step 20: 1 rank (1) holds other parameters'
 says=$(grep -c "$differ" "$tmp/desync.err")
 if [ $status -ne 0 ] && [ "$says" -ge 1 ] && ! grep -q '^result:' "$tmp/desync.out"; then
     echo "ok   desynchronised replicas: exit $status, $(grep -m1 'replicas differ' "$tmp/desync.err")"
 else
     fail "desynchronised replicas: exit $status, $says \"replicas differ\" lines on stderr (expected a failure)"
     show desync
+fi
+
+# A NaN in the last rank's gradient at step 7, in a loop that checks no status: every rank stops
+# there, the job exits non-zero with the library's line naming the step and the rank, and the
+# loss lines stop being averaged (no result line).
+run nan env DOPT_WORLD_SIZE=2 "$bin" --steps 20 --nan-at 7
+status=$?
+named='^distopt: rank [01]: dopt_dp_after_backward: the gradient average of step 7 is not finite (first at element 12345): the input of rank 1 held NaN or infinity'
+says=$(grep -c "$named" "$tmp/nan.err")
+if [ $status -eq 1 ] && [ "$says" -ge 1 ] && ! grep -q '^result:' "$tmp/nan.out"; then
+    echo "ok   a NaN at step 7: exit 1, $(grep -m1 'not finite' "$tmp/nan.err" | cut -c1-120)..."
+else
+    fail "a NaN at step 7: exit $status, $says lines naming it on stderr (expected exit 1 and the line)"
+    show nan
 fi
 
 # The drop-in's size.

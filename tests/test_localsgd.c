@@ -1041,6 +1041,7 @@ static void body_quartic(dopt_comm *c, void *arg) {
     float x[QD], y[QD], g[QD];
     dopt_dp ls, lf;
     dopt_dp_config cfg;
+    dopt_status lf_status = DOPT_OK;
     int t, j, finite = 1;
     (void)arg;
     memset(&cfg, 0, sizeof cfg);
@@ -1055,12 +1056,15 @@ static void body_quartic(dopt_comm *c, void *arg) {
         if (t < 40) { /* fixed-step local SGD with the same schedule */
             quartic_grad(y, g, c->rank, t);
             for (j = 0; j < QD; j++) y[j] -= 0.1f * g[j];
-            DT_OK(dopt_dp_after_step(&lf, y));
+            lf_status = dopt_dp_after_step(&lf, y); /* the diverged average is refused: non-finite */
+            DT_CHECKF(lf_status == DOPT_OK || lf_status == DOPT_ERR_NONFINITE, "%s", dopt_status_str(lf_status));
         }
     }
     for (j = 0; j < QD; j++)
         if (!dopt__is_finite(y[j]) || fabsf(y[j]) >= 1e6f) finite = 0; /* bits: -ffast-math folds NaN compares */
     DT_CHECKF(!finite, "rank %d: fixed-step SGD should have diverged, f = %g", c->rank, quartic(y));
+    DT_CHECKF(dopt_all_finite(y, QD) || lf_status == DOPT_ERR_NONFINITE, "rank %d: a non-finite model went unnamed",
+              c->rank);
     DT_CHECKF(quartic(x) < 1e-2, "rank %d: CELGC should converge: f = %g from %g", c->rank, quartic(x),
               QD * 625.0 / 4.0);
     DT_CHECK(same_on_every_rank(c, x, sizeof x)); /* the run ends on an average (400 = 100·4) */

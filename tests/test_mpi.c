@@ -26,6 +26,8 @@ static void *mpi_test_malloc(size_t n) {
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_mpi.h"
+#include "../compress.h"
+#include "../localsgd.h"
 
 #include "dtest.h" /* its checks; this file has its own main, since MPI and fork do not mix */
 #include "conformance.h"
@@ -557,6 +559,32 @@ static void engine_over_links_names_mismatches_and_timeouts(void) {
     dopt_comm_destroy(c);
 }
 
+/* ------------------------------------------------------------------ the driver's non-finite rule */
+
+#define NF_CHECK(cond, ...) CHECK(cond, __VA_ARGS__)
+#include "nonfinite.h"
+
+/* tests/nonfinite.h's cases over MPI's own collectives (test_nonfinite runs every case on shm and
+   TCP): fp32 and codecs on both paths of the compressed allreduce, a model average, an overflow. */
+static void non_finite_averages_stop_or_skip_on_every_rank(void) {
+    static const nf_case cases[] = {
+        {NF_GRADS, -1, DOPT_AGG_AUTO, DOPT_NONFINITE_FAIL, 0, 0, 0},
+        {NF_GRADS, -1, DOPT_AGG_AUTO, DOPT_NONFINITE_SKIP, 1, 0, 0},
+        {NF_GRADS, DOPT_CODEC_TERNARY, DOPT_AGG_RING, DOPT_NONFINITE_SKIP, 0, 0, 0},
+        {NF_GRADS, DOPT_CODEC_TERNARY, DOPT_AGG_ALLGATHER, DOPT_NONFINITE_FAIL, 1, 0, 0},
+        {NF_GRADS, DOPT_CODEC_FP16, DOPT_AGG_AUTO, DOPT_NONFINITE_FAIL, 0, 0, 0},
+        {NF_GRADS, DOPT_CODEC_POWERSGD, DOPT_AGG_AUTO, DOPT_NONFINITE_SKIP, 0, 0, 0},
+        {NF_CELGC, -1, DOPT_AGG_AUTO, DOPT_NONFINITE_SKIP, 1, 0, 0},
+        {NF_MODELS, -1, DOPT_AGG_AUTO, DOPT_NONFINITE_SKIP, 0, 0, 0},
+        {NF_MODELS, -1, DOPT_AGG_AUTO, DOPT_NONFINITE_FAIL, 1, 0, 1},
+        {NF_OVERFLOW, -1, DOPT_AGG_AUTO, DOPT_NONFINITE_FAIL, 0, 0, 0},
+    };
+    dopt_comm *c = create_or_die(NULL);
+    size_t i;
+    for (i = 0; i < sizeof cases / sizeof cases[0]; i++) nf_run(c, &cases[i]);
+    dopt_comm_destroy(c);
+}
+
 /* ------------------------------------------------------------------ the end of MPI */
 
 /* Destroying the communicator that initialised MPI finalizes it; a communicator still alive then
@@ -599,6 +627,7 @@ int main(void) {
         MPI_TEST(engine_links_keep_order_and_bytes),
         MPI_TEST(collectives_allocate_nothing_after_the_first_call),
         MPI_TEST(engine_over_links_names_mismatches_and_timeouts),
+        MPI_TEST(non_finite_averages_stop_or_skip_on_every_rank),
         MPI_TEST(destroying_the_owner_finalizes_mpi),
     };
     const int ntests = (int)(sizeof tests / sizeof tests[0]);
