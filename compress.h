@@ -192,13 +192,16 @@
      default) sums instead: the sum of N codes is an integer in [-N, N], reduced exactly along a
      ring of the engine in widening integers (a part that holds the sums of k ranks' codes
      travels in ceil(log2(2k + 1)) bits per element: 2 after one, 3 after two or three, 4 up to
-     seven, ...), then the final sums go round once in ceil(log2(2N + 1)) bits. A rank receives
-     at most 2·ceil(log2(2N + 1)) bits per element: 5 at N = 4, 7.4 at N = 8, 13.9 at N = 64
-     (flat ring); when the communicator knows its ranks' hosts (TCP; dopt_comm_set_hosts) and
-     each host has as many ranks, the sums are formed within each host first and the ring
-     across hosts starts from the host's counts, so a host's link carries less (a rank receives
-     6.75 at 4 hosts of 2). The result is the same bits either way, and the same as the
-     allgather path's: integers add exactly, whatever the order. Majority vote sums its signs
+     seven, ...), then the final sums go round once in ceil(log2(2N + 1)) bits. On a flat ring
+     a rank receives, per element of the padded gradient and averaged over the ranks,
+     (Σ_{k=1}^{N-1} ceil(log2(2k + 1)) + (N - 1)·ceil(log2(2N + 1)))/N bits: 2.5 at N = 2,
+     3.667 at N = 3, 5 at N = 4, 7.375 at N = 8, 13.875 at N = 64. No part is wider than the
+     final sums, so that stays below 2·ceil(log2(2N + 1)) bits: 8 at N = 4, 10 at N = 8, 16 at
+     N = 64. When the communicator knows its ranks' hosts (TCP; dopt_comm_set_hosts) and each
+     host has as many ranks, the sums are formed within each host first and the ring across
+     hosts starts from the host's counts, so a host's link carries less (a rank receives 6.75 at
+     4 hosts of 2). The result is the same bits either way, and the same as the allgather
+     path's: integers add exactly, whatever the order. Majority vote sums its signs
      on the same ring (the same widths) and gets the allgather path's bits too. fp16 and bf16
      go round as 16-bit running means, each step adding its own value in fp32 and rounding the
      mean back to 16 bits: 2·16·(N - 1)/N bits per element received instead of 16·(N - 1); the

@@ -9,7 +9,11 @@
 #     the block's order (a line that is exactly "..." elides), and FILE is a source that make
 #     builds or runs (under examples/, tests/ or bench/) or a header of the top directory.
 # Every relative link of those pages ([text](path), ![alt](img/x.png), path#anchor) must name a
-# file that exists, and an anchor a heading of that page. Blocks of other languages (sh, text,
+# file that exists, and an anchor a heading of that page. compress.h's manual gives the integer
+# ring's bits per element as formulas, each followed by figures ("FORMULA bits: V at N = n, V at
+# N = n, ..." in BYTES AS THE WORLD GROWS): every figure must be its formula's value at that N to
+# the digits printed, and both formulas must be there (this script knows them: change it with the
+# text), so the figures cannot drift from the formula beside them. Blocks of other languages (sh, text,
 # diff) are not checked. Extracted blocks are left in BUILD_DIR/check_docs.
 # Before the pages, the check runs itself on pages made to fail (a typo in an excerpt, lines out
 # of order, an unannounced fragment, a program that does not compile, an excerpt of a file make
@@ -33,7 +37,7 @@ BLAS_CFLAGS="$(pkg-config --cflags openblas 2>/dev/null) -DDOPT_USE_BLAS"
 BLAS_LIBS=$(pkg-config --libs openblas 2>/dev/null || echo -lopenblas)
 
 # Counters of one run of check_pages.
-programs=0 excerpts=0 links=0 failures=0
+programs=0 excerpts=0 links=0 figures=0 failures=0
 
 fail() { # $1: page:line, $2: what is wrong, $3: what to do (may be empty)
     echo "FAIL $1: $2"
@@ -182,9 +186,60 @@ check_page() { # $1: page (relative to PAGES_TOP)
     check_links "$page"
 }
 
+# Prints one line per figure of the header's BYTES AS THE WORLD GROWS that is not its formula's
+# value (to the digits printed), or per formula missing or without figures; then "figures K".
+ring_bits_mismatch() { # $1: header
+    awk '
+        function width(x,   b) { b = 0; while (2 ^ b < x) b++; return b }   # ceil(log2(x))
+        function mean(n,   k, s) {
+            for (k = 1; k < n; k++) s += width(2 * k + 1)
+            return (s + (n - 1) * width(2 * n + 1)) / n
+        }
+        /BYTES AS THE WORLD GROWS/ { on = 1; next }
+        on && /^[ \t]*$/ { on = 0 }
+        on { t = t " " $0 }
+        END {
+            gsub(/[ \t]+/, " ", t)
+            f[1] = "(Σ_{k=1}^{N-1} ceil(log2(2k + 1)) + (N - 1)·ceil(log2(2N + 1)))/N bits: "
+            f[2] = "2·ceil(log2(2N + 1)) bits: "
+            for (i = 1; i <= 2; i++) {
+                p = index(t, f[i])
+                if (!p) { print "the formula \"" f[i] "\" is not there"; continue }
+                rest = substr(t, p + length(f[i]))
+                seen = 0
+                while (match(rest, /^[0-9]+(\.[0-9]+)? at N = [0-9]+/)) {
+                    split(substr(rest, 1, RLENGTH), a, " at N = ")
+                    rest = substr(rest, RLENGTH + 1)
+                    d = index(a[1], ".") ? length(a[1]) - index(a[1], ".") : 0
+                    x = i == 1 ? mean(a[2] + 0) : 2 * width(2 * a[2] + 1)
+                    if (sprintf("%." d "f", x) != a[1])
+                        print "\"" a[1] " at N = " a[2] "\" after \"" f[i] "\": the formula gives " sprintf("%.4f", x)
+                    seen++
+                    if (!match(rest, /^(,| and) /)) break
+                    rest = substr(rest, RLENGTH + 1)
+                }
+                if (!seen) print "the formula \"" f[i] "\" has no figures after it (\"V at N = n, ...\")"
+                figures += seen
+            }
+            print "figures", figures + 0
+        }
+    ' "$1"
+}
+
+check_figures() { # $1: header (relative to PAGES_TOP)
+    ring_bits_mismatch "$PAGES_TOP/$1" >"$WORK/figures"
+    while read -r line; do
+        case "$line" in
+            "figures "*) figures=$((figures + ${line#figures })) ;;
+            *) fail "$1: BYTES AS THE WORLD GROWS" "$line" \
+                "print each figure as the formula before it gives it (or change the formula here and in the text)" ;;
+        esac
+    done <"$WORK/figures"
+}
+
 # Checks every page given, relative to PAGES_TOP; sets the counters.
 check_pages() {
-    programs=0 excerpts=0 links=0 failures=0
+    programs=0 excerpts=0 links=0 figures=0 failures=0
     for p in "$@"; do check_page "$p"; done
 }
 
@@ -283,8 +338,38 @@ int main(void) { return 0; }"
         fi
         refused=$((refused + 1))
     done
+    # the ring's figures: right, one wrong (the bound's formula beside the mean's figures, as the
+    # text once had it), a formula gone
+    figure_text() { # $1: the line of figures after the mean's formula, $2: the bound's
+        printf '   BYTES AS THE WORLD GROWS\n     a rank receives\n     %s\n     and below %s\n\n   next\n' \
+            "(Σ_{k=1}^{N-1} ceil(log2(2k + 1)) + (N - 1)·ceil(log2(2N + 1)))/N bits: $1." \
+            "$2"
+    }
+    figure_text "2.5 at N = 2, 3.667 at N = 3, 5 at N = 4, 7.375 at N = 8, 13.875 at N = 64" \
+        "2·ceil(log2(2N + 1)) bits: 8 at N = 4, 10 at N = 8 and 16 at N = 64" >"$st/good.h"
+    figure_text "2.5 at N = 2, 5 at N = 4" "2·ceil(log2(2N + 1)) bits: 5 at N = 4, 7.4 at N = 8" >"$st/wrong.h"
+    figure_text "2.5 at N = 2" "2·ceil(log2(N)) bits: 4 at N = 4" >"$st/gone.h"
+    failures=0 figures=0
+    check_figures good.h >"$st/log" 2>&1
+    if [ "$failures" -ne 0 ] || [ "$figures" -ne 8 ]; then
+        PAGES_TOP=$saved_top WORK=$saved_work
+        echo "check_docs: SELF-TEST FAILED: right figures gave $failures failures, $figures figures (want 0, 8):"
+        cat "$st/log"
+        return 1
+    fi
+    for case in "wrong:\"7.4 at N = 8\" after" "gone:2·ceil(log2(2N + 1)) bits: \" is not there"; do
+        failures=0
+        check_figures "${case%%:*}.h" >"$st/log" 2>&1
+        if [ "$failures" -eq 0 ] || ! grep -qF -- "${case#*:}" "$st/log"; then
+            PAGES_TOP=$saved_top WORK=$saved_work
+            echo "check_docs: SELF-TEST FAILED: ${case%%:*}.h, made to fail with \"${case#*:}\", gave:"
+            cat "$st/log"
+            return 1
+        fi
+        refused=$((refused + 1))
+    done
     PAGES_TOP=$saved_top WORK=$saved_work
-    echo "check_docs: self-test: a good page passed, $refused pages made to fail were refused"
+    echo "check_docs: self-test: a good page and good figures passed, $refused pages and figures made to fail were refused"
 }
 
 PAGES_TOP=$TOP
@@ -298,7 +383,8 @@ for p in docs/*.md; do
 done
 # shellcheck disable=SC2086
 check_pages $pages
-echo "check_docs: $npages pages: $programs programs compiled, $excerpts excerpts matched, $links links resolved, $failures failures"
+check_figures compress.h
+echo "check_docs: $npages pages: $programs programs compiled, $excerpts excerpts matched, $links links resolved; compress.h: $figures figures computed; $failures failures"
 if [ "$failures" -ne 0 ]; then
     echo "check_docs: FAILED: the documentation no longer matches the code (extracted blocks in $WORK)"
     exit 1
