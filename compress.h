@@ -16,8 +16,9 @@
        dopt_segment segs[2] = {{0, 4096, "w", 0}, {4096, 64, "b", 0}};   (the host's tensors)
        dopt_comm *comm;
        dopt_compressor tern;
-       dopt_compressor_config cfg = {0};          (zero: ternary, c = 2.5, scale sharing on)
+       dopt_compressor_config cfg;
        dopt_status st = DOPT_OK;
+       memset(&cfg, 0, sizeof cfg);               (zero: ternary, c = 2.5, scale sharing on)
        cfg.seed = 42;
        if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;     (launch.h)
        if (dopt_compressor_init(&tern, &cfg, segs, 2) != DOPT_OK) return 1;
@@ -115,7 +116,9 @@
      or segs NULL, a bad table, a config value out of range, top-k with a segment of 2^32
      elements or more; PowerSGD with DOPT_EF_OFF, a segment whose count is not a multiple of its
      rows, or a compressed matrix with 2^31 rows or columns or more), DOPT_ERR_NOMEM. The object
-     must not move after init. On failure nothing needs freeing.
+     must not move after init. init sets every field of *cz, so it needs no initialiser (no
+     "= {0}", which C++ refuses and -Wc++-compat warns about); on failure *cz is left zeroed
+     (dopt_compressor_free accepts it) and nothing needs freeing.
 
    void dopt_compressor_free(dopt_compressor *cz)
      Releases everything init and the allreduce allocated. NULL and a zeroed object are accepted.

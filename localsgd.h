@@ -48,7 +48,7 @@
       compressor and after_backward averages through it (the models stay identical: no other
       communication); its state is saved with the driver's:
 
-       dopt_compressor tern = {0};
+       dopt_compressor tern;                            (init sets every field, failing or not)
        dopt_compressor_init(&tern, &(dopt_compressor_config){.seed = 42}, segs, nsegs);
                                                         (ternary, c = 2.5, scale sharing)
        dopt_dp_init(&dp, comm, n, &(dopt_dp_config){.grad_compressor = &tern});
@@ -58,7 +58,8 @@
 
    2. Local SGD (post-local SGD: 100 synchronous steps, then average every 8):
 
-       dopt_dp_config cfg = {0};
+       dopt_dp_config cfg;
+       memset(&cfg, 0, sizeof cfg);                     (zero: the defaults)
        cfg.period = 8;
        cfg.warmup_steps = 100;
        dopt_dp_init(&ls, comm, n, &cfg);
@@ -79,7 +80,8 @@
       micro-batches for the next round:
 
        dopt_batch bc;
-       dopt_batch_config bcfg = {0};
+       dopt_batch_config bcfg;
+       memset(&bcfg, 0, sizeof bcfg);
        bcfg.test = DOPT_BATCH_NORM;                     (Var/b ≤ η²‖∇F‖², η = bcfg.eta)
        bcfg.unit_samples = 32;                          (samples per micro-batch)
        bcfg.initial_units = 2;                          (the variance needs 2 per step)

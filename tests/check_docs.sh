@@ -2,8 +2,9 @@
 # The documentation's C cannot drift from the code. Every ```c block of README.md and docs/*.md
 # is one of two kinds, or the check fails naming the page and the line of the block:
 #   - a complete program (it contains "int main"): compiled and linked as a user would build it,
-#     cc -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -I<top> with OpenBLAS and -DDOPT_USE_BLAS
-#     as the Makefile links it (mpicc when it includes transport_mpi.h); not run;
+#     cc -std=c11 -Wall -Wextra -Wc++-compat -Werror -D_GNU_SOURCE -I<top> with OpenBLAS and
+#     -DDOPT_USE_BLAS as the Makefile links it (mpicc when it includes transport_mpi.h), so what
+#     it shows also builds in hosts compiled with -Wc++-compat (kann); not run;
 #   - an excerpt, announced by the line  <!-- excerpt: FILE -->  right before its fence: every
 #     non-blank line of the block, whitespace-trimmed, is a whitespace-trimmed line of FILE, in
 #     the block's order (a line that is exactly "..." elides), and FILE is a source that make
@@ -13,7 +14,11 @@
 # ring's bits per element as formulas, each followed by figures ("FORMULA bits: V at N = n, V at
 # N = n, ..." in BYTES AS THE WORLD GROWS): every figure must be its formula's value at that N to
 # the digits printed, and both formulas must be there (this script knows them: change it with the
-# text), so the figures cannot drift from the formula beside them. Blocks of other languages (sh, text,
+# text), so the figures cannot drift from the formula beside them. No page, and no header's
+# manual (its top comment), initialises a dopt_ struct with "= {0}": C++ refuses it when the
+# struct's first field is an enum (dopt_compressor, dopt_compressor_config, dopt_batch_config),
+# -Wc++-compat warns about it in C, and g++ -Wextra warns for every struct; a manual's form must
+# build in C and in C++ hosts alike. Blocks of other languages (sh, text,
 # diff) are not checked. Extracted blocks are left in BUILD_DIR/check_docs.
 # Before the pages, the check runs itself on pages made to fail (a typo in an excerpt, lines out
 # of order, an unannounced fragment, a program that does not compile, an excerpt of a file make
@@ -108,7 +113,7 @@ compile_program() { # $1: block, $2: page, $3: line of its fence, $4: executable
     # the compiler's messages name the page and its lines
     { printf '#line %d "%s"\n' $(($3 + 1)) "$2"; cat "$1"; } >"$1.src.c"
     # shellcheck disable=SC2086
-    $cc -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -I"$PAGES_TOP" $BLAS_CFLAGS -o "$4" "$1.src.c" \
+    $cc -std=c11 -Wall -Wextra -Wc++-compat -Werror -D_GNU_SOURCE -I"$PAGES_TOP" $BLAS_CFLAGS -o "$4" "$1.src.c" \
         $BLAS_LIBS -lm -lpthread -lrt >"$1.log" 2>&1
 }
 
@@ -237,10 +242,27 @@ check_figures() { # $1: header (relative to PAGES_TOP)
     done <"$WORK/figures"
 }
 
+# Fails every line of the file (a page, or with $2 = manual a header's top comment alone) that
+# initialises a dopt_ struct with "= {0}".
+check_zero_inits() { # $1: file (relative to PAGES_TOP), $2: "page" or "manual"
+    awk -v part="$2" '
+        part == "manual" && /\*\// { print_end = 1 }
+        /dopt_[a-z0-9_]+[ \t]+[A-Za-z_][A-Za-z0-9_]*[ \t]*=[ \t]*\{[ \t]*0[ \t]*\}/ { print FNR }
+        print_end { exit }
+    ' "$PAGES_TOP/$1" >"$WORK/zero_inits"
+    while read -r line; do
+        fail "$1:$line" "a dopt_ struct initialised with \"= {0}\", which C++ refuses (an enum first field) or warns about, as -Wc++-compat does" \
+            "drop it where an init sets every field (dopt_compressor_init does), else memset(&x, 0, sizeof x)"
+    done <"$WORK/zero_inits"
+}
+
 # Checks every page given, relative to PAGES_TOP; sets the counters.
 check_pages() {
     programs=0 excerpts=0 links=0 figures=0 failures=0
-    for p in "$@"; do check_page "$p"; done
+    for p in "$@"; do
+        check_page "$p"
+        check_zero_inits "$p" page
+    done
 }
 
 # The self-test: a small repository whose pages must pass or fail as stated.
@@ -310,6 +332,17 @@ ${fence}"
     mk deadanchor "[nowhere](good.md#no-such-heading)"
     mk unterminated "${fence}c
 int main(void) { return 0; }"
+    mk cxxcompat "${fence}c
+enum color { RED };
+struct paint { enum color c; int n; };
+int main(void) { struct paint p = {0}; return p.n; }
+${fence}"
+    mk zeroinit "<!-- excerpt: examples/loop.c -->
+${fence}c
+    x += step;
+${fence}
+
+    dopt_compressor tern = {0};"
 
     saved_top=$PAGES_TOP saved_work=$WORK
     PAGES_TOP=$st WORK=$st/out
@@ -325,7 +358,8 @@ int main(void) { return 0; }"
     # each page made to fail, and the words its failure must give
     for case in "typo:is not in" "order:is not in" "fragment:neither a complete program" \
         "warning:does not compile" "outside:not a source that make" "elided:no line to match" \
-        "deadlink:no such file" "deadanchor:no heading with that anchor" "unterminated:never ends"; do
+        "deadlink:no such file" "deadanchor:no heading with that anchor" "unterminated:never ends" \
+        "cxxcompat:does not compile" "zeroinit:initialised with"; do
         name=${case%%:*}
         check_pages "docs/$name.md" >"$st/log" 2>&1
         if [ "$failures" -eq 0 ] || ! grep -qF -- "${case#*:}" "$st/log"; then
@@ -349,6 +383,19 @@ int main(void) { return 0; }"
         "2·ceil(log2(2N + 1)) bits: 8 at N = 4, 10 at N = 8 and 16 at N = 64" >"$st/good.h"
     figure_text "2.5 at N = 2, 5 at N = 4" "2·ceil(log2(2N + 1)) bits: 5 at N = 4, 7.4 at N = 8" >"$st/wrong.h"
     figure_text "2.5 at N = 2" "2·ceil(log2(N)) bits: 4 at N = 4" >"$st/gone.h"
+    # a header's manual with "= {0}" fails; the same after its top comment (code) does not
+    printf '/* x.h\n\n       dopt_batch_config bcfg = {0};\n*/\n' >"$st/manual.h"
+    printf '/* x.h */\nstatic dopt_span none = {0};\n' >"$st/code.h"
+    failures=0
+    check_zero_inits code.h manual >"$st/log" 2>&1
+    check_zero_inits manual.h manual >>"$st/log" 2>&1
+    if [ "$failures" -ne 1 ] || ! grep -qF "manual.h:3: a dopt_ struct initialised with" "$st/log"; then
+        PAGES_TOP=$saved_top WORK=$saved_work
+        echo "check_docs: SELF-TEST FAILED: a manual's \"= {0}\" (and not code's) should fail, gave:"
+        cat "$st/log"
+        return 1
+    fi
+    refused=$((refused + 1))
     failures=0 figures=0
     check_figures good.h >"$st/log" 2>&1
     if [ "$failures" -ne 0 ] || [ "$figures" -ne 8 ]; then
@@ -383,6 +430,7 @@ for p in docs/*.md; do
 done
 # shellcheck disable=SC2086
 check_pages $pages
+for h in *.h; do check_zero_inits "$h" manual; done
 check_figures compress.h
 echo "check_docs: $npages pages: $programs programs compiled, $excerpts excerpts matched, $links links resolved; compress.h: $figures figures computed; $failures failures"
 if [ "$failures" -ne 0 ]; then
