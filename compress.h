@@ -16,8 +16,9 @@
        dopt_segment segs[2] = {{0, 4096, "w", 0}, {4096, 64, "b", 0}};   (the host's tensors)
        dopt_comm *comm;
        dopt_compressor tern;
-       dopt_compressor_config cfg = {0};          (zero: ternary, c = 2.5, scale sharing on)
+       dopt_compressor_config cfg;
        dopt_status st = DOPT_OK;
+       memset(&cfg, 0, sizeof cfg);               (zero: ternary, c = 2.5, scale sharing on)
        cfg.seed = 42;
        if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;     (launch.h)
        if (dopt_compressor_init(&tern, &cfg, segs, 2) != DOPT_OK) return 1;
@@ -115,7 +116,9 @@
      or segs NULL, a bad table, a config value out of range, top-k with a segment of 2^32
      elements or more; PowerSGD with DOPT_EF_OFF, a segment whose count is not a multiple of its
      rows, or a compressed matrix with 2^31 rows or columns or more), DOPT_ERR_NOMEM. The object
-     must not move after init. On failure nothing needs freeing.
+     must not move after init. init sets every field of *cz, so it needs no initialiser (no
+     "= {0}", which C++ refuses and -Wc++-compat warns about); on failure *cz is left zeroed
+     (dopt_compressor_free accepts it) and nothing needs freeing.
 
    void dopt_compressor_free(dopt_compressor *cz)
      Releases everything init and the allreduce allocated. NULL and a zeroed object are accepted.
@@ -192,13 +195,16 @@
      default) sums instead: the sum of N codes is an integer in [-N, N], reduced exactly along a
      ring of the engine in widening integers (a part that holds the sums of k ranks' codes
      travels in ceil(log2(2k + 1)) bits per element: 2 after one, 3 after two or three, 4 up to
-     seven, ...), then the final sums go round once in ceil(log2(2N + 1)) bits. A rank receives
-     at most 2·ceil(log2(2N + 1)) bits per element: 5 at N = 4, 7.4 at N = 8, 13.9 at N = 64
-     (flat ring); when the communicator knows its ranks' hosts (TCP; dopt_comm_set_hosts) and
-     each host has as many ranks, the sums are formed within each host first and the ring
-     across hosts starts from the host's counts, so a host's link carries less (a rank receives
-     6.75 at 4 hosts of 2). The result is the same bits either way, and the same as the
-     allgather path's: integers add exactly, whatever the order. Majority vote sums its signs
+     seven, ...), then the final sums go round once in ceil(log2(2N + 1)) bits. On a flat ring
+     a rank receives, per element of the padded gradient and averaged over the ranks,
+     (Σ_{k=1}^{N-1} ceil(log2(2k + 1)) + (N - 1)·ceil(log2(2N + 1)))/N bits: 2.5 at N = 2,
+     3.667 at N = 3, 5 at N = 4, 7.375 at N = 8, 13.875 at N = 64. No part is wider than the
+     final sums, so that stays below 2·ceil(log2(2N + 1)) bits: 8 at N = 4, 10 at N = 8, 16 at
+     N = 64. When the communicator knows its ranks' hosts (TCP; dopt_comm_set_hosts) and each
+     host has as many ranks, the sums are formed within each host first and the ring across
+     hosts starts from the host's counts, so a host's link carries less (a rank receives 6.75 at
+     4 hosts of 2). The result is the same bits either way, and the same as the allgather
+     path's: integers add exactly, whatever the order. Majority vote sums its signs
      on the same ring (the same widths) and gets the allgather path's bits too. fp16 and bf16
      go round as 16-bit running means, each step adding its own value in fp32 and rounding the
      mean back to 16 bits: 2·16·(N - 1)/N bits per element received instead of 16·(N - 1); the

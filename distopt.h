@@ -74,8 +74,12 @@
        did. Initialisers of three fields still compile and mean a vector; GCC's and clang's
        -Wextra warn about them (-Wmissing-field-initializers): add the fourth value, 0, or name
        the fields ({.offset = 0, .count = n}) to silence it.
-     - dopt_segments_from_sizes(segs, sizes, nsegs, &total): fills consecutive segments from sizes
-       (vectors: rows 0).
+     - dopt_segments_from_sizes(segs, sizes, nsegs, &total): fills segs[0..nsegs) with
+       consecutive segments, segment i of sizes[i] elements (sizes: const size_t *), starting at
+       offset 0 with no gaps; names NULL, rows 0 (vectors). total, when not NULL, gets the sum
+       of the sizes, the flat buffer's length; pass NULL to skip it. DOPT_ERR_INVALID when segs
+       or sizes is NULL with nsegs > 0, or the sum overflows size_t (segs then partly filled,
+       *total untouched); nsegs 0 is DOPT_OK with a total of 0.
      - dopt_buf_flat(data, n, segs, nsegs) / dopt_buf_scatter(spans, nspans): build descriptors
        (no copy, no allocation; the caller keeps the arrays alive while the descriptor is used).
      - dopt_buf_validate(&b): DOPT_ERR_INVALID for a NULL pointer with a non-zero count, or a
@@ -116,7 +120,11 @@
 
    COMMUNICATORS (dopt_comm)
      A communicator is a rank in a world of size ranks with a backend behind a vtable. Backends:
-     dopt_comm_create_self (here), and the shm, TCP and MPI transports in their own headers. These
+     dopt_comm_create_self (here), and the shm, TCP and MPI transports in their own headers.
+     c->vt->name names the backend, for messages and tests: "self" (dopt_comm_create_self),
+     "shm" (transport_shm.h, with or without its engine), "tcp" (transport_tcp.h), "mpi"
+     (transport_mpi.h, with or without its engine), and "group" for a group dopt_comm_split
+     made (GROUPS below) over links, whatever the transport; a group MPI splits itself is "mpi". These
      collectives block (REQUESTS has their nonblocking forms), work in place where it makes sense,
      and must be called by every rank in the same order with matching arguments:
      - dopt_allreduce(c, buf, count, dtype, op): dtypes F32, F64, I32, I64; ops SUM, MAX, MIN, MEAN
@@ -165,16 +173,20 @@
      dopt_mean(c, x) returns the mean of x over the ranks (a collective; NaN once c is
      poisoned): reporting a loss is one line, printf("loss %.4f\n", dopt_mean(c, loss)). For
      several numbers at once, dopt_allreduce(c, v, k, DOPT_F64, DOPT_MEAN).
-     c->traffic counts, per collective kind (index dopt_coll), the calls this rank completed and
-     their payload bytes: allreduce count × dtype size, allgather(v) this rank's own block,
-     broadcast the buffer (on every rank), barrier 0, exchange the bytes it sent. sent[] and
-     received[] count what the engine actually wrote to and read from peers (frame payloads,
-     headers left out; a ring allreduce of B bytes over N ranks sends and receives
-     2·(N-1)/N·B); they stay 0 for collectives a backend runs itself (shm's direct
-     collectives, MPI's). Collectives the library issues itself (the
-     size exchange of allgatherv, the total of a weighted mean, clip.h's norm) count too. These
-     are bytes handed to the transport, not bytes on the wire, which depend on the algorithm (a
-     ring allreduce sends 2·(size-1)/size of its payload). dopt_comm_traffic_total sums them;
+     c->traffic counts, per collective kind (index dopt_coll), what this rank's completed
+     collectives carried, in four arrays:
+     - calls[]: the collectives completed;
+     - bytes[]: their payload as the caller hands it to the transport, whatever the algorithm
+       then sends: allreduce count × dtype size, allgather(v) this rank's own block, broadcast
+       the buffer (on every rank), barrier 0, exchange the bytes it sent. Not bytes on the
+       wire;
+     - sent[] and received[]: the bytes on the links, what the engine actually wrote to and
+       read from peers for them: frame payloads, the 48-byte frame headers (DOPT_FRAME_BYTES)
+       and TCP/IP's own left out (a ring allreduce of B bytes over N ranks sends and receives
+       2·(N-1)/N·B). 0 for collectives a backend runs itself, without the engine (shm's direct
+       collectives, MPI's).
+     Collectives the library issues itself (the size exchange of allgatherv, the total of a
+     weighted mean, clip.h's norm) count in all four. dopt_comm_traffic_total sums bytes[];
      zero the struct to start a new count.
      dopt_comm_set_log(c, fn, user) installs the log callback. dopt_comm_set_timeout(c, ms) sets
      c->timeout_ms, the bound on every wait (0 or less: the default, 300 s; each transport's

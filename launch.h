@@ -30,6 +30,9 @@
        DOPT_TRANSPORT=tcp mpirun -n 8 -x DOPT_TRANSPORT -x DOPT_MASTER_ADDR=node1 ./train
        srun -n 8 ./train                                    TCP; rank 0 on the step's first node
        torchrun --nnodes 2 --nproc-per-node 4 ... ./train   TCP at MASTER_ADDR:MASTER_PORT + 1
+       torchrun --standalone --nproc-per-node 4 ./train     shm (every rank on this host)
+       DOPT_LOG_LEVEL=info DOPT_WORLD_SIZE=4 ./train        says what it chose and how each rank
+                                                            started (ENVIRONMENT below)
        DOPT_RANK=0 DOPT_WORLD_SIZE=2 DOPT_MASTER_ADDR=10.0.0.1 DOPT_MASTER_PORT=29500 ./train
 
    WHO THIS PROCESS IS
@@ -45,7 +48,9 @@
         self for one rank, else that many ranks forked on this host by transport_shm.h;
      3. a world of one: self;
      4. every rank on this host (the launcher's local size is the world size), shm included,
-        and a job name known (DOPT_SHM_NAME, Slurm's job and step, Open MPI's job id): shm;
+        and a job name known (DOPT_SHM_NAME, else the launcher's: Slurm's job and step, Open
+        MPI's job id, PMI's KVS name, torchrun's MASTER_ADDR and MASTER_PORT): shm — so
+        torchrun's workers on one host (LOCAL_WORLD_SIZE = WORLD_SIZE) meet in shared memory;
      5. tcp when included, else shm when every rank is on this host, else DOPT_ERR_INVALID
         naming what the program would need.
      DOPT_TRANSPORT=shm without a rank forks too; with a rank it joins by name. A transport this
@@ -59,11 +64,39 @@
    |             |                                                                  | else chosen above |
    | world_size  | the ranks to fork when no launcher started this process; a       | DOPT_WORLD_SIZE,  |
    |             | launcher that started another number is DOPT_ERR_INVALID         | else 1            |
-   | log_fn,     | told why a start failed and, installed on the communicator,      | DOPT_LOG_WARN and |
-   | log_user    | everything after (as each transport's log_fn)                    | ERROR to stderr   |
+   | log_fn,     | told why a start failed and, installed on the communicator,      | the default       |
+   | log_user    | everything after (as each transport's log_fn), every level       | logger: stderr,   |
+   |             |                                                                  | DOPT_LOG_LEVEL's  |
+   |             |                                                                  | lines (below)     |
 
-   Each transport's settings come from its own ..._config_from_env (DOPT_TIMEOUT_MS, DOPT_TOKEN,
-   DOPT_SOCKET_IFNAME, DOPT_SHM_NAME, DOPT_MPI_CHECK, ...; see each header's ENVIRONMENT).
+   ENVIRONMENT (read during dopt_launch_create, by it or the ..._config_from_env it calls; never
+   by a config. Rank, world size and rank 0's address: distopt.h's LAUNCH VARIABLES)
+
+   | variable                | meaning                                             | unset or empty    |
+   |-------------------------|-----------------------------------------------------|-------------------|
+   | DOPT_TRANSPORT          | shm, tcp, mpi or self (WHICH TRANSPORT)             | the rules choose  |
+   | DOPT_WORLD_SIZE         | without a launcher: the ranks to fork               | 1                 |
+   | DOPT_LOG_LEVEL          | error, warn, info or debug: the default logger      | warn: warnings    |
+   |                         | prints the lines of that level and the more severe. | and errors        |
+   |                         | info adds the transport chosen and from which       |                   |
+   |                         | variables, and each rank's start: its rank, where   |                   |
+   |                         | it met the others, the host layout. A log_fn of the |                   |
+   |                         | program's own gets every line whatever it says      |                   |
+   | DOPT_SHM_ENGINE         | 0 or 1: shm's engine option (transport_shm.h's      | 0                 |
+   |                         | CONFIGURATION), for forked ranks and joining ones   |                   |
+   | DOPT_PROGRESS_THREAD_US | TCP's progress_thread_us (transport_tcp.h): a       | 0: no thread      |
+   |                         | thread moves requests every this many µs            |                   |
+
+   A value outside these is refused before anything starts, with one line naming the variable
+   and what it accepts ("cannot start the job: DOPT_LOG_LEVEL="loud" is not one of error,
+   warn, info, debug"). With DOPT_LOG_LEVEL=info a start says (TCP, rank 1 of 4 on 2 hosts):
+       distopt: transport tcp; rank and size from RANK, WORLD_SIZE; meeting point from
+         MASTER_ADDR, MASTER_PORT + 1
+       distopt: tcp rank 1 of 4: rendezvous at 10.0.0.1:29501, 2 hosts (ranks per host 2,2)
+   (shm: "shm rank 1 of 4: job 'slurm-4242.0', ..."; MPI: "mpi rank 1 of 4: joined MPI, ...").
+   Each transport's other settings come from its own ..._config_from_env (DOPT_TIMEOUT_MS,
+   DOPT_TOKEN, DOPT_SOCKET_IFNAME, DOPT_SHM_NAME, DOPT_MPI_CHECK, ...; see each header's
+   ENVIRONMENT).
 
    FUNCTIONS
 
@@ -73,12 +106,14 @@
    dopt_status dopt_launch_create(dopt_comm **out, const dopt_launch_config *cfg)
      Reads the environment, chooses the transport and creates the communicator (a forked shm
      job returns in every rank). One DOPT_LOG_INFO line says what was chosen and from which
-     variables. On failure *out is NULL, one DOPT_LOG_ERROR line says why, and the status is the
-     transport's (DOPT_ERR_INVALID for the environment's mistakes, DOPT_ERR_TIMEOUT when the
-     ranks did not all arrive, ...). The default logger (warnings and errors to stderr, installed
-     on the communicator too, so a later failure is printed once, when it happens) is, with
-     dopt_comm_finish's line for a failed rank that has no log callback, the only place distopt
-     prints: without a log_fn a failed start would be silent.
+     variables (shown by the default logger at DOPT_LOG_LEVEL=info). On failure *out is NULL,
+     one DOPT_LOG_ERROR line says why, and the status is the transport's (DOPT_ERR_INVALID for
+     the environment's mistakes, DOPT_ERR_TIMEOUT when the ranks did not all arrive, ...). The
+     default logger (to stderr, "distopt: <line>", the levels DOPT_LOG_LEVEL lets through:
+     warnings and errors unless set; installed on the communicator too, so a later failure is
+     printed once, when it happens) is, with dopt_comm_finish's line for a failed rank that has
+     no log callback, the only place distopt prints: without a log_fn a failed start would be
+     silent.
 
    const char *dopt_launch_choose(const dopt_launch_info *info, const dopt_launch_config *cfg,
                                   char *why, size_t cap)
@@ -92,8 +127,10 @@
                        variables that conflict or are incomplete (distopt.h's LAUNCH
                        VARIABLES), an unknown transport, a transport the program was built
                        without (the line names the header to include), a world_size the
-                       launcher contradicts, or the transport's own configuration refused
-                       (DOPT_TIMEOUT_MS, DOPT_MPI_CHECK, ...). Fix the command line or the build.
+                       launcher contradicts, a bad DOPT_LOG_LEVEL or DOPT_SHM_ENGINE, or the
+                       transport's own configuration refused (DOPT_TIMEOUT_MS,
+                       DOPT_PROGRESS_THREAD_US, DOPT_MPI_CHECK, ...). Fix the command line or
+                       the build.
      any other         the transport's create failed (DOPT_ERR_TIMEOUT: not every rank arrived;
                        DOPT_ERR_AUTH, DOPT_ERR_PROTOCOL, DOPT_ERR_IO, ...): see that header's
                        ERRORS. The line on stderr (or through log_fn) says why.
@@ -111,7 +148,7 @@ extern "C" {
 typedef struct dopt_launch_config {
     const char *transport; /* "shm", "tcp", "mpi", "self"; NULL: DOPT_TRANSPORT, else chosen */
     int world_size;        /* ranks to fork without a launcher; 0: DOPT_WORLD_SIZE, else 1 */
-    dopt_log_fn log_fn;    /* NULL: warnings and errors to stderr */
+    dopt_log_fn log_fn;    /* NULL: to stderr, the levels DOPT_LOG_LEVEL lets through */
     void *log_user;
 } dopt_launch_config;
 
@@ -132,12 +169,17 @@ DOPT_DEF const char *dopt_launch_choose(const dopt_launch_info *info, const dopt
    The transports this file can start are those whose headers were included before it in the
    implementation file: it tests their include guards (DISTOPT_TRANSPORT_SHM_H, _TCP_H, _MPI_H)
    when DISTOPT_IMPLEMENTATION is defined, so it links against nothing it was not given.
-   dopt_launch_create reads dopt_launch_read's info, asks dopt_launch_choose, logs the choice at
-   DOPT_LOG_INFO, and calls the transport with log_fn and log_user set: self,
-   dopt_comm_create_self (then dopt_comm_set_log); shm without a rank, dopt_shm_fork; shm with
+   dopt_launch_create reads DOPT_LOG_LEVEL (the default logger is one function per level, so
+   the level travels in the function pointer and log_user stays NULL: no state), then
+   dopt_launch_read's info, asks dopt_launch_choose, logs the choice at DOPT_LOG_INFO, and calls
+   the transport with log_fn and log_user set: self, dopt_comm_create_self (then
+   dopt_comm_set_log); shm without a rank, dopt_shm_fork with engine from DOPT_SHM_ENGINE (read
+   here: dopt_shm_config_from_env, which reads it for a joining rank, needs a rank); shm with
    one, dopt_shm_config_from_env then dopt_shm_create; tcp, dopt_tcp_create_from_env; mpi,
    dopt_mpi_config_from_env then dopt_mpi_create. Its own refusals are one DOPT_LOG_ERROR line,
-   "cannot start the job: <why>"; a transport's are that transport's.
+   "cannot start the job: <why>"; a transport's are that transport's. Each transport logs one
+   DOPT_LOG_INFO line once its rank has joined (rank, size, where it met the others, the host
+   layout): the lines DOPT_LOG_LEVEL=info shows.
 */
 
 /* =====================================================================================
@@ -170,10 +212,61 @@ extern "C" {
 #  define DOPT__LAUNCH_MPI 0
 #endif
 
-static void dopt__launch_stderr(void *user, dopt_log_level level, const char *message) {
-    (void)user;
-    if (level <= DOPT_LOG_WARN) fprintf(stderr, "distopt: %s\n", message);
+/* The default logger: the lines up to a level to stderr, one function per level (the level
+   travels in the function pointer; log_user stays NULL). */
+static void dopt__launch_print(dopt_log_level upto, dopt_log_level level, const char *message) {
+    if (level <= upto) fprintf(stderr, "distopt: %s\n", message);
 }
+static void dopt__launch_stderr_error(void *user, dopt_log_level level, const char *message) {
+    (void)user;
+    dopt__launch_print(DOPT_LOG_ERROR, level, message);
+}
+static void dopt__launch_stderr_warn(void *user, dopt_log_level level, const char *message) {
+    (void)user;
+    dopt__launch_print(DOPT_LOG_WARN, level, message);
+}
+static void dopt__launch_stderr_info(void *user, dopt_log_level level, const char *message) {
+    (void)user;
+    dopt__launch_print(DOPT_LOG_INFO, level, message);
+}
+static void dopt__launch_stderr_debug(void *user, dopt_log_level level, const char *message) {
+    (void)user;
+    dopt__launch_print(DOPT_LOG_DEBUG, level, message);
+}
+static const dopt_log_fn dopt__launch_stderr[4] = {dopt__launch_stderr_error, dopt__launch_stderr_warn,
+                                                   dopt__launch_stderr_info, dopt__launch_stderr_debug};
+
+/* DOPT_LOG_LEVEL into *level (warn when unset or empty); 0, or -1 with why. */
+static int dopt__launch_log_level(dopt_log_level *level, char *why, size_t cap) {
+    static const char *const names[4] = {"error", "warn", "info", "debug"};
+    const char *v = getenv("DOPT_LOG_LEVEL");
+    int i;
+    *level = DOPT_LOG_WARN;
+    if (v == NULL || *v == '\0') return 0;
+    for (i = 0; i < 4; i++)
+        if (!strcmp(v, names[i])) {
+            *level = (dopt_log_level)i;
+            return 0;
+        }
+    snprintf(why, cap, "DOPT_LOG_LEVEL=\"%.40s\" is not one of error, warn, info, debug", v);
+    return -1;
+}
+
+#if DOPT__LAUNCH_SHM
+/* DOPT_SHM_ENGINE for a forked world, with dopt_shm_config_from_env's rule (that function needs
+   a rank, which forked ranks get from the fork): 0 or 1 into *engine (unset or empty: left as
+   it is); 0, or -1 with why. */
+static int dopt__launch_shm_engine(int *engine, char *why, size_t cap) {
+    const char *v = getenv("DOPT_SHM_ENGINE");
+    if (v == NULL || *v == '\0') return 0;
+    if (strcmp(v, "0") && strcmp(v, "1")) {
+        snprintf(why, cap, "DOPT_SHM_ENGINE=\"%.40s\" is not 0 or 1", v);
+        return -1;
+    }
+    *engine = *v == '1';
+    return 0;
+}
+#endif
 
 /* The world a launcher-less start asks for: cfg's, else DOPT_WORLD_SIZE's, else 1. */
 static int dopt__launch_fork_size(const dopt_launch_info *info, const dopt_launch_config *cfg) {
@@ -251,13 +344,16 @@ DOPT_DEF dopt_status dopt_comm_create_from_env(dopt_comm **out) { return dopt_la
 
 DOPT_DEF dopt_status dopt_launch_create(dopt_comm **out, const dopt_launch_config *cfg) {
     dopt_launch_info info;
-    dopt_log_fn log_fn = cfg && cfg->log_fn ? cfg->log_fn : dopt__launch_stderr;
+    dopt_log_level level;
+    dopt_log_fn log_fn = cfg && cfg->log_fn ? cfg->log_fn : dopt__launch_stderr[DOPT_LOG_WARN];
     void *user = cfg && cfg->log_fn ? cfg->log_user : NULL;
     char why[DOPT_DETAIL_MAX];
     const char *t;
     dopt_status st = DOPT_ERR_INVALID;
     if (out == NULL) return DOPT_ERR_INVALID;
     *out = NULL;
+    if (dopt__launch_log_level(&level, why, sizeof why) < 0) return dopt__launch_fail(log_fn, user, st, why);
+    if (!(cfg && cfg->log_fn)) log_fn = dopt__launch_stderr[level];
     if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__launch_fail(log_fn, user, st, why);
     t = dopt_launch_choose(&info, cfg, why, sizeof why);
     if (t == NULL) return dopt__launch_fail(log_fn, user, st, why);
@@ -276,7 +372,10 @@ DOPT_DEF dopt_status dopt_launch_create(dopt_comm **out, const dopt_launch_confi
         memset(&sc, 0, sizeof sc);
         sc.log_fn = log_fn;
         sc.log_user = user;
-        if (info.rank < 0) return dopt_shm_fork(out, dopt__launch_fork_size(&info, cfg), &sc);
+        if (info.rank < 0) {
+            if (dopt__launch_shm_engine(&sc.engine, why, sizeof why) < 0) return dopt__launch_fail(log_fn, user, st, why);
+            return dopt_shm_fork(out, dopt__launch_fork_size(&info, cfg), &sc);
+        }
         st = dopt_shm_config_from_env(&sc);
         return st == DOPT_OK ? dopt_shm_create(out, &sc) : st;
     }

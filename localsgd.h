@@ -48,7 +48,7 @@
       compressor and after_backward averages through it (the models stay identical: no other
       communication); its state is saved with the driver's:
 
-       dopt_compressor tern = {0};
+       dopt_compressor tern;                            (init sets every field, failing or not)
        dopt_compressor_init(&tern, &(dopt_compressor_config){.seed = 42}, segs, nsegs);
                                                         (ternary, c = 2.5, scale sharing)
        dopt_dp_init(&dp, comm, n, &(dopt_dp_config){.grad_compressor = &tern});
@@ -58,7 +58,8 @@
 
    2. Local SGD (post-local SGD: 100 synchronous steps, then average every 8):
 
-       dopt_dp_config cfg = {0};
+       dopt_dp_config cfg;
+       memset(&cfg, 0, sizeof cfg);                     (zero: the defaults)
        cfg.period = 8;
        cfg.warmup_steps = 100;
        dopt_dp_init(&ls, comm, n, &cfg);
@@ -79,7 +80,8 @@
       micro-batches for the next round:
 
        dopt_batch bc;
-       dopt_batch_config bcfg = {0};
+       dopt_batch_config bcfg;
+       memset(&bcfg, 0, sizeof bcfg);
        bcfg.test = DOPT_BATCH_NORM;                     (Var/b ≤ η²‖∇F‖², η = bcfg.eta)
        bcfg.unit_samples = 32;                          (samples per micro-batch)
        bcfg.initial_units = 2;                          (the variance needs 2 per step)
@@ -649,6 +651,14 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
                                                  (= Var(⟨∇f_i, g_B⟩)/(θ²‖g_B‖⁴) with ‖∇F‖ for ‖g_B‖)
      augmented:                         the larger of the inner-product answer and
                                         Var(∇f_i − ⟨∇f_i,ĝ⟩ĝ) / (ν²‖∇F‖²)
+   The three statistics (dopt_batch_stats), with ∇f_i a sample's gradient and ∇F their mean:
+     var      = Var              = E‖∇f_i − ∇F‖²
+     ip_var   = Var(⟨∇f_i, ĝ⟩)   = E⟨∇f_i − ∇F, ĝ⟩²                 the spread along ĝ
+     orth_var = Var(∇f_i − ⟨∇f_i,ĝ⟩ĝ) = E‖(∇f_i − ∇F) − ⟨∇f_i − ∇F, ĝ⟩ĝ‖² = var − ip_var
+                                                                     the spread across ĝ
+   (the orthogonality statistic; the last equality is Pythagoras', ĝ being a unit vector:
+   ‖u‖² = ⟨u,ĝ⟩² + ‖u − ⟨u,ĝ⟩ĝ‖²). The estimators below compute it so: the spread less the
+   spread along ĝ, the latter first held within [0, the spread], so orth_var ≥ 0.
    When b_needed > b the next size is ⌈b_needed / unit_samples⌉ units, rounded up to a multiple
    of `multiple`, never below the current size (monotone) and never above max_units. When the
    estimate of ‖∇F‖² is zero or below while there is noise (the noise accounts for all of the
@@ -690,6 +700,11 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
      DOPT_BATCH_PROJECT_EXACT: max_units·n floats that keep the step's micro-batch gradients
        until its end, then project them on the step's own mean: the tests' definition. A step of
        more than max_units micro-batches is refused (DOPT_ERR_INVALID).
+   The projected statistics, with p_j = ⟨v_j, ĝ⟩ and p̄_t its mean over step t, summed over the
+   steps that have a direction (S) and over ranks:
+     ip_var   = unit_samples · Σ_{t∈S} Σ_j (p_j − p̄_t)² / Σ_{t∈S} (k_t − 1)
+     orth_var = unit_samples · Σ_{t∈S} Σ_j (‖v_j − v̄_t‖² − (p_j − p̄_t)²) / Σ_{t∈S} (k_t − 1)
+   a step's Σ_j (p_j − p̄_t)² held within [0, Σ_j ‖v_j − v̄_t‖²], so orth_var ≥ 0.
 
    history (this library's addition, not the papers'). One round's estimate of ‖∇F‖² is noisy
    when a round holds few micro-batches: the Fashion-MNIST MLP (2 workers, period 4, 2 micro-
@@ -704,13 +719,15 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
    the round and B_m the samples it processed (B = Σ_m B_m), d̄ the (weighted) average:
    Var = Σ_m B_m‖d_m − d̄‖² / (N − 1) = (Σ B_m‖d_m‖² − B‖d̄‖²)/(N − 1), ‖∇F‖² ≈ ‖d̄‖² − Var·c with
    c = 1/B (weighted mean) or Σ_m(1/B_m)/N² (plain mean), and the projections on d̂ = d̄/‖d̄‖ from
-   ⟨d_m, d̄⟩: two scalar allreduces beyond the average itself. It reads a delta as a gradient sum
-   over the round's B_m samples times the step size (every test is a ratio, so the scale
-   cancels). That holds for plain SGD at one learning rate on every rank within a round. Under
-   momentum or adaptive optimizers the delta is the sum of the updates, not of the gradients,
-   and the estimate is of the spread of the updates; use WITHIN there. Under clipping (CELGC) a
-   step is min(η, γ/‖g‖)·g, not a fixed multiple of g: dopt_dp_celgc_step refuses an ACROSS
-   controller. Unbiased for a weighted mean, and for a plain mean when the B_m are equal.
+   ⟨d_m, d̄⟩: ip_var = (Σ_m B_m⟨d_m, d̂⟩² − B‖d̄‖²)/(N − 1), held within [0, Var], and
+   orth_var = Var − ip_var; two scalar allreduces beyond the average itself. It reads a delta
+   as a gradient sum over the round's B_m samples times the step size (every test is a ratio,
+   so the scale cancels). That holds for plain SGD at one learning rate on every rank within a
+   round. Under momentum or adaptive optimizers the delta is the sum of the updates, not of the
+   gradients, and the estimate is of the spread of the updates; use WITHIN there. Under
+   clipping (CELGC) a step is min(η, γ/‖g‖)·g, not a fixed multiple of g: dopt_dp_celgc_step
+   refuses an ACROSS controller. Unbiased for a weighted mean, and for a plain mean when the B_m
+   are equal.
 */
 
 /* =====================================================================================

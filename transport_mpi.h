@@ -988,7 +988,7 @@ DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg
     dopt__mpi *m = NULL;
     dopt_comm *c = NULL;
     MPI_Comm base = MPI_COMM_NULL;
-    int rank = 0, size = 0;
+    int rank = 0, size = 0, local;
     dopt_status s;
     if (cfg == NULL) {
         memset(&defaults, 0, sizeof defaults);
@@ -1019,11 +1019,12 @@ DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg
         return s;
     }
     dopt_comm_set_log(c, cfg->log_fn, cfg->log_user);
-    dopt_comm_log(c, DOPT_LOG_INFO, "mpi rank %d of %d: %s MPI, %s, at most %zu per MPI call", rank, size,
-                  m->owns_mpi ? "initialised" : "joined",
+    local = dopt__mpi_local_ranks(m->comm);
+    dopt_comm_log(c, DOPT_LOG_INFO, "mpi rank %d of %d: %s MPI, %s, at most %zu per MPI call, %d ranks on this host%s",
+                  rank, size, m->owns_mpi ? "initialised" : "joined",
                   m->engine ? "collectives on the engine over links" : m->check ? "mismatch check on" : "mismatch check off",
-                  m->max_count);
-    dopt_comm_set_host(c, dopt__mpi_local_ranks(m->comm), dopt__mpi_cores());
+                  m->max_count, local, local ? "" : " (MPI cannot tell)");
+    dopt_comm_set_host(c, local, dopt__mpi_cores());
     *out = c;
     return DOPT_OK;
 }

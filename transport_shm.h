@@ -69,7 +69,8 @@
 
    ENVIRONMENT (dopt_shm_config_from_env; dopt_shm_create with cfg NULL)
      DOPT_RANK, DOPT_WORLD_SIZE (or a launcher's: distopt.h's LAUNCH VARIABLES), DOPT_SHM_NAME
-     (else the launcher's job name), DOPT_TIMEOUT_MS.
+     (else the launcher's job name), DOPT_TIMEOUT_MS, DOPT_SHM_ENGINE (0 or 1: engine).
+     launch.h reads DOPT_SHM_ENGINE for the ranks it forks too.
 
    FUNCTIONS
 
@@ -78,8 +79,9 @@
      world size from the launch variables distopt.h reads (DOPT_RANK/DOPT_WORLD_SIZE, mpirun,
      srun or torchrun's; see LAUNCH VARIABLES there), the name from DOPT_SHM_NAME or else the
      job's name the launcher gives (Slurm's job and step, Open MPI's job id), DOPT_TIMEOUT_MS
-     when set. DOPT_ERR_INVALID, said through cfg->log_fn, when no rank or size is given, a value
-     is malformed, or the launcher puts some of the job's ranks on other hosts.
+     when set, engine from DOPT_SHM_ENGINE when set. DOPT_ERR_INVALID, said through cfg->log_fn,
+     when no rank or size is given, a value is malformed (DOPT_SHM_ENGINE="2" is not 0 or 1), or
+     the launcher puts some of the job's ranks on other hosts.
 
    dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg)
      Joins the job: the first of its ranks to arrive creates the segment (any rank may be first),
@@ -1612,12 +1614,12 @@ static dopt_status dopt__shm_join(dopt_comm *c, dopt__shm *s) {
     return st;
 }
 
-/* The job's rank, size, name and timeout from the launch variables (distopt.h's
-   dopt_launch_read) and DOPT_SHM_NAME, DOPT_TIMEOUT_MS. */
+/* The job's rank, size, name, timeout and engine from the launch variables (distopt.h's
+   dopt_launch_read) and DOPT_SHM_NAME, DOPT_TIMEOUT_MS, DOPT_SHM_ENGINE. */
 DOPT_DEF dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg) {
     dopt_launch_info info;
     char why[DOPT__SHM_REASON_MAX];
-    const char *name = getenv("DOPT_SHM_NAME");
+    const char *name = getenv("DOPT_SHM_NAME"), *engine = getenv("DOPT_SHM_ENGINE");
     long ms = 0;
     if (cfg == NULL) return DOPT_ERR_INVALID;
     if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
@@ -1647,11 +1649,16 @@ DOPT_DEF dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg) {
                  DOPT_SHM_NAME_MAX);
         return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
     }
+    if (engine && *engine && strcmp(engine, "0") && strcmp(engine, "1")) {
+        snprintf(why, sizeof why, "DOPT_SHM_ENGINE=\"%.40s\" is not 0 or 1", engine);
+        return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    }
     snprintf(cfg->env_name, sizeof cfg->env_name, "%s", name && *name ? name : info.job);
     cfg->name = NULL;
     cfg->rank = info.rank;
     cfg->size = info.world_size;
     if (ms > 0) cfg->timeout_ms = (int)ms;
+    if (engine && *engine) cfg->engine = *engine == '1';
     return DOPT_OK;
 }
 

@@ -113,6 +113,7 @@
    | DOPT_BIND_ADDR             | bind_addr             | no                                 |
    | DOPT_SOCKET_IFNAME         | socket_ifname         | no                                 |
    | DOPT_TWO_LEVEL             | two_level             | no ("auto", "on" or "off")         |
+   | DOPT_PROGRESS_THREAD_US    | progress_thread_us    | no (the config's, else 0: none)    |
 
    Rank, world size and rank 0's address and port are read by distopt.h's dopt_launch_read (its
    LAUNCH VARIABLES): besides DOPT_*, from mpirun's (OMPI_COMM_WORLD_*, PMI_*), srun's
@@ -123,9 +124,9 @@
    names rank 0's host, that is an error rather than a guess.
    The variables that describe the job (rank, world size, where rank 0 is, the token, where to
    listen, on which interface) come from the environment alone, unset ones meaning the default;
-   the timeouts and DOPT_TWO_LEVEL only when set. Every other field is the caller's. A value that
-   does not fit is refused with one DOPT_LOG_ERROR line through the config's log_fn naming the
-   variable, its value and the rule:
+   the timeouts, DOPT_TWO_LEVEL and DOPT_PROGRESS_THREAD_US only when set. Every other field is
+   the caller's. A value that does not fit is refused with one DOPT_LOG_ERROR line through the
+   config's log_fn naming the variable, its value and the rule:
        DOPT_WORLD_SIZE="abc" is not a number
        DOPT_RANK=2 is not below DOPT_WORLD_SIZE=2
        DOPT_RANK is not set (every rank needs it; or start the job with a launcher that sets it:
@@ -264,8 +265,13 @@
    WARN, not INFO: a rank still missing after seconds is how a launch gone wrong first shows (a
    rank not started, a wrong port or address), so callbacks that show only warnings (the
    examples' does) must show it; a healthy start is over before the first report and logs
-   nothing. A rank that refuses a joiner says so at once (WARN), naming it, and keeps waiting
-   for the real rank; the joiner's create fails with the reason:
+   nothing at WARN. Once the job formed, each rank says how at DOPT_LOG_INFO (launch.h's
+   default logger shows it with DOPT_LOG_LEVEL=info): where it met rank 0, and the hosts as
+   the ranks' rendezvous addresses tell them (in the order of their lowest rank):
+       tcp rank 1 of 4: rendezvous at 10.0.0.1:29500, 2 hosts (ranks per host 2,2)
+       tcp rank 0 of 1: a world of one, no sockets
+   A rank that refuses a joiner says so at once (WARN), naming it, and keeps waiting for the real
+   rank; the joiner's create fails with the reason:
        rank 0: refused a joiner from 127.0.0.1:41234 claiming rank 1: token differs
        rank 0: refused a joiner from 127.0.0.1:41240 claiming rank 1: its world size is 3, this
          job's 2
@@ -2259,6 +2265,28 @@ static int dopt__tcp_local_ranks(const dopt__tcp *t) {
     return n;
 }
 
+/* No rank below r has r's rendezvous address: r is the first of its host. */
+static int dopt__tcp_first_of_host(const dopt__tcp *t, int r) {
+    int q;
+    for (q = 0; q < r; q++)
+        if (memcmp(t->peers[q].addr, t->peers[r].addr, 16) == 0) return 0;
+    return 1;
+}
+
+/* "H hosts (ranks per host a,b,...)", hosts in the order of their lowest rank, for the log. */
+static void dopt__tcp_hosts_str(const dopt__tcp *t, char *out, size_t cap) {
+    int r, q, n, hosts = 0, shown = 0;
+    size_t used;
+    for (r = 0; r < t->size; r++) hosts += dopt__tcp_first_of_host(t, r);
+    used = (size_t)snprintf(out, cap, "%d host%s (ranks per host ", hosts, hosts == 1 ? "" : "s");
+    for (r = 0; r < t->size && shown < hosts && used + 16 < cap; r++) {
+        if (!dopt__tcp_first_of_host(t, r)) continue;
+        for (q = r, n = 0; q < t->size; q++) n += memcmp(t->peers[q].addr, t->peers[r].addr, 16) == 0;
+        used += (size_t)snprintf(out + used, cap - used, "%s%d", shown++ ? "," : "", n);
+    }
+    snprintf(out + used, cap - used, "%s)", shown < hosts ? ",..." : "");
+}
+
 /* The engine's host table: ranks whose rendezvous address is the same share a host. */
 static dopt_status dopt__tcp_set_hosts(dopt_comm *c, const dopt__tcp *t, int two_level) {
     int *host_of = (int *)DOPT_MALLOC(sizeof(int) * (size_t)t->size), r, q;
@@ -2345,6 +2373,14 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
         dopt_comm_destroy(c);
         return dopt__tcp_config_error(cfg, "cannot allocate the host table");
     }
+    if (t->size == 1) {
+        dopt_comm_log(c, DOPT_LOG_INFO, "tcp rank 0 of 1: a world of one, no sockets");
+    } else {
+        char where[DOPT__TCP_ADDR_CHARS], hosts[160];
+        dopt__tcp_addr_str(t->peers[0].addr, t->peers[0].port, where, sizeof where);
+        dopt__tcp_hosts_str(t, hosts, sizeof hosts);
+        dopt_comm_log(c, DOPT_LOG_INFO, "tcp rank %d of %d: rendezvous at %s, %s", t->rank, t->size, where, hosts);
+    }
     if (cfg->progress_thread_us > 0 && (s = dopt_comm_set_progress_thread(c, cfg->progress_thread_us)) != DOPT_OK) {
         dopt_comm_destroy(c);
         return dopt__tcp_config_error(cfg, "cannot start the progress thread: %s", dopt_status_str(s));
@@ -2411,7 +2447,8 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
     env = *cfg;
     if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__tcp_env_error(cfg, "%s", why);
     if (dopt__tcp_env_int(cfg, "DOPT_TIMEOUT_MS", 1, INT_MAX, &env.timeout_ms) < 0 ||
-        dopt__tcp_env_int(cfg, "DOPT_RENDEZVOUS_TIMEOUT_MS", 1, INT_MAX, &env.rendezvous_timeout_ms) < 0)
+        dopt__tcp_env_int(cfg, "DOPT_RENDEZVOUS_TIMEOUT_MS", 1, INT_MAX, &env.rendezvous_timeout_ms) < 0 ||
+        dopt__tcp_env_int(cfg, "DOPT_PROGRESS_THREAD_US", 0, INT_MAX, &env.progress_thread_us) < 0)
         return DOPT_ERR_INVALID;
     if (info.rank < 0)
         return dopt__tcp_env_error(cfg, "DOPT_RANK is not set (every rank needs it; or start the job with a launcher "

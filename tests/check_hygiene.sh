@@ -41,7 +41,7 @@ for h in $headers; do
         grep -nE '(^|[^_a-zA-Z0-9.>])(exit|_Exit|abort|printf|fprintf|puts|fputs|perror|rand|srand)[ ]*\(' || true)
     # the one documented exception: launch.h's default logger, so that a one-call start that
     # fails without a log_fn still says why (its manual says so)
-    [ "$h" = launch.h ] && hits=$(printf '%s\n' "$hits" | grep -vE '^[0-9]+: +if \(level <= DOPT_LOG_WARN\) fprintf\(stderr, "", message\);$' || true)
+    [ "$h" = launch.h ] && hits=$(printf '%s\n' "$hits" | grep -vE '^[0-9]+: +if \(level <= upto\) fprintf\(stderr, "", message\);$' || true)
     # and the end of a failed job: dopt_comm_finish prints the communicator's detail once, so the
     # job's last words need no line of the host's (distopt.h's manual says so)
     [ "$h" = distopt.h ] && hits=$(printf '%s\n' "$hits" | grep -vE '^[0-9]+: +if \(status != 0 && c->detail\[0\] && c->log_fn == NULL\) fprintf\(stderr, "", c->detail\);$' || true)

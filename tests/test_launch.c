@@ -10,6 +10,7 @@
 #include "dtest.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
@@ -34,7 +35,8 @@ static void clear_launch_env(void) {
         "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE",
         "SLURM_TASKS_PER_NODE", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_LAUNCH_NODE_IPADDR",
         "SLURM_JOB_ID", "SLURM_STEP_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-        "MASTER_PORT", "TORCHELASTIC_RUN_ID"};
+        "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DOPT_LOG_LEVEL", "DOPT_SHM_ENGINE", "DOPT_PROGRESS_THREAD_US",
+        "DOPT_BIND_ADDR"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++) unsetenv(names[i]);
 }
@@ -310,6 +312,18 @@ DTEST(the_transport_follows_the_documented_rules) {
               "%s", why);
     cfg.transport = "tcp"; /* the program's choice wins over DOPT_TRANSPORT */
     DT_CHECK(!strcmp(choose(&cfg, why, sizeof why), "tcp"));
+    cfg.transport = NULL;
+    clear_launch_env(); /* rule 4 for torchrun: its workers all on this host, named by its address */
+    setenv("RANK", "1", 1);
+    setenv("WORLD_SIZE", "4", 1);
+    setenv("LOCAL_RANK", "1", 1);
+    setenv("LOCAL_WORLD_SIZE", "4", 1);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", "29500", 1);
+    DT_CHECK(!strcmp(choose(&cfg, why, sizeof why), "shm"));
+    setenv("LOCAL_WORLD_SIZE", "2", 1); /* on 2 hosts: TCP */
+    DT_CHECK(!strcmp(choose(&cfg, why, sizeof why), "tcp"));
+    cfg.transport = "tcp";
     clear_launch_env();
     setenv("DOPT_WORLD_SIZE", "2", 1); /* TCP cannot fork */
     DT_CHECK(choose(&cfg, why, sizeof why) == NULL);
@@ -417,6 +431,213 @@ DTEST(one_call_starts_from_slurm_variables) {
     s.size = 2;
     snprintf(s.job, sizeof s.job, "%d1", (int)getpid());
     DT_EQ_INT(dtest_spawn(2, rank_from_launcher, &s, 60), 0);
+}
+
+/* ------------------------------------------------------------------ what the start says, and its settings */
+
+/* stderr sent to a file while a part of a test runs, then read back. */
+typedef struct stderr_capture {
+    char path[64];
+    int saved;
+} stderr_capture;
+
+static void stderr_begin(stderr_capture *cap) {
+    int fd;
+    snprintf(cap->path, sizeof cap->path, "/tmp/dopt-test-launch-XXXXXX");
+    fd = mkstemp(cap->path);
+    DT_CHECK(fd >= 0);
+    fflush(stderr);
+    cap->saved = dup(2);
+    DT_CHECK(cap->saved >= 0 && dup2(fd, 2) == 2);
+    close(fd);
+}
+
+static void stderr_end(stderr_capture *cap, char *text, size_t size) {
+    FILE *f;
+    size_t n;
+    fflush(stderr);
+    dup2(cap->saved, 2);
+    close(cap->saved);
+    f = fopen(cap->path, "r");
+    DT_CHECK(f != NULL);
+    n = fread(text, 1, size - 1, f);
+    text[n] = 0;
+    fclose(f);
+    unlink(cap->path);
+}
+
+/* DOPT_LOG_LEVEL chooses which lines the default logger prints: unset is warn; each level shows
+   itself and the more severe; info shows launch.h's choice. */
+DTEST(log_level_from_the_environment) {
+    static const char *const names[4] = {"error", "warn", "info", "debug"};
+    int level, l;
+    for (level = -1; level < 4; level++) { /* -1: unset */
+        int upto = level < 0 ? DOPT_LOG_WARN : level;
+        char text[4096], line[64];
+        stderr_capture cap;
+        dopt_comm *c = NULL;
+        dopt_status st;
+        clear_launch_env();
+        if (level >= 0) setenv("DOPT_LOG_LEVEL", names[level], 1);
+        stderr_begin(&cap);
+        st = dopt_comm_create_from_env(&c);
+        for (l = 0; c && l < 4; l++) dopt_comm_log(c, (dopt_log_level)l, "a line at %s", names[l]);
+        stderr_end(&cap, text, sizeof text);
+        DT_OK(st);
+        DT_CHECKF(c->log_fn == dopt__launch_stderr[upto], "DOPT_LOG_LEVEL=%s: not the logger of its level",
+                  level < 0 ? "(unset)" : names[level]);
+        for (l = 0; l < 4; l++) {
+            snprintf(line, sizeof line, "distopt: a line at %s\n", names[l]);
+            DT_CHECKF((strstr(text, line) != NULL) == (l <= upto), "DOPT_LOG_LEVEL=%s, a line at %s: stderr has\n%s",
+                      level < 0 ? "(unset)" : names[level], names[l], text);
+        }
+        DT_CHECKF((strstr(text, "distopt: transport self; no launcher\n") != NULL) == (upto >= DOPT_LOG_INFO),
+                  "DOPT_LOG_LEVEL=%s: stderr has\n%s", level < 0 ? "(unset)" : names[level], text);
+        dopt_comm_destroy(c);
+    }
+}
+
+DTEST(a_bad_log_level_is_refused_naming_the_variable) {
+    dopt_comm *c = NULL;
+    captured_log log;
+    dopt_launch_config cfg;
+    stderr_capture cap;
+    char text[4096];
+    dopt_status st;
+    clear_launch_env();
+    memset(&log, 0, sizeof log);
+    memset(&cfg, 0, sizeof cfg);
+    cfg.log_fn = capture_log;
+    cfg.log_user = &log;
+    setenv("DOPT_LOG_LEVEL", "INFO", 1); /* the names are lower case, as every DOPT_* value */
+    DT_EQ_INT(dopt_launch_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECK(c == NULL);
+    DT_CHECKF(!strcmp(log.text, "E cannot start the job: DOPT_LOG_LEVEL=\"INFO\" is not one of error, warn, info, "
+                                "debug\n"),
+              "%s", log.text);
+    setenv("DOPT_LOG_LEVEL", "loud", 1); /* without a log_fn: on stderr */
+    stderr_begin(&cap);
+    st = dopt_comm_create_from_env(&c);
+    stderr_end(&cap, text, sizeof text);
+    DT_EQ_INT(st, DOPT_ERR_INVALID);
+    DT_CHECKF(!strcmp(text, "distopt: cannot start the job: DOPT_LOG_LEVEL=\"loud\" is not one of error, warn, info, "
+                            "debug\n"),
+              "%s", text);
+}
+
+/* DOPT_SHM_ENGINE sets shm's engine option, for forked ranks (launch.h) and joining ones
+   (dopt_shm_config_from_env); the engine's vtable runs no collective itself. */
+static void forked_world_on_the_engine(int engine) {
+    dopt_comm *c = NULL;
+    clear_launch_env();
+    setenv("DOPT_WORLD_SIZE", "2", 1);
+    setenv("DOPT_SHM_ENGINE", engine ? "1" : "0", 1);
+    DT_OK(dopt_comm_create_from_env(&c));
+    check_world(c, 2, "shm");
+    DT_CHECKF(c->vt->provides == (engine ? 0u : DOPT_PROVIDES_ALL), "DOPT_SHM_ENGINE=%d: provides %u", engine,
+              c->vt->provides);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
+}
+
+DTEST(shm_engine_from_the_environment) {
+    dopt_shm_config sc;
+    captured_log log;
+    dopt_launch_config cfg;
+    dopt_comm *c = NULL;
+    forked_world_on_the_engine(1);
+    forked_world_on_the_engine(0);
+    clear_launch_env();
+    memset(&log, 0, sizeof log);
+    memset(&cfg, 0, sizeof cfg);
+    cfg.log_fn = capture_log;
+    cfg.log_user = &log;
+    setenv("DOPT_WORLD_SIZE", "2", 1);
+    setenv("DOPT_SHM_ENGINE", "yes", 1);
+    DT_EQ_INT(dopt_launch_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "\nE cannot start the job: DOPT_SHM_ENGINE=\"yes\" is not 0 or 1\n") != NULL, "%s",
+              log.text); /* after the line saying shm was chosen */
+    setenv("DOPT_RANK", "1", 1); /* a joining rank: dopt_shm_config_from_env */
+    setenv("DOPT_SHM_NAME", "engine-from-env", 1);
+    memset(&sc, 0, sizeof sc);
+    memset(&log, 0, sizeof log);
+    sc.log_fn = capture_log;
+    sc.log_user = &log;
+    DT_EQ_INT(dopt_shm_config_from_env(&sc), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(log.text, "DOPT_SHM_ENGINE=\"yes\" is not 0 or 1") != NULL, "%s", log.text);
+    setenv("DOPT_SHM_ENGINE", "1", 1);
+    DT_OK(dopt_shm_config_from_env(&sc));
+    DT_EQ_INT(sc.engine, 1);
+    unsetenv("DOPT_SHM_ENGINE"); /* unset: the config's own */
+    DT_OK(dopt_shm_config_from_env(&sc));
+    DT_EQ_INT(sc.engine, 1);
+    setenv("DOPT_SHM_ENGINE", "0", 1);
+    DT_OK(dopt_shm_config_from_env(&sc));
+    DT_EQ_INT(sc.engine, 0);
+}
+
+DTEST(progress_thread_from_the_environment) {
+    dopt_tcp_config tc;
+    captured_log log;
+    clear_launch_env();
+    setenv("DOPT_RANK", "0", 1);
+    setenv("DOPT_WORLD_SIZE", "1", 1);
+    memset(&tc, 0, sizeof tc);
+    memset(&log, 0, sizeof log);
+    tc.log_fn = capture_log;
+    tc.log_user = &log;
+    tc.progress_thread_us = 7;
+    DT_OK(dopt_tcp_config_from_env(&tc)); /* unset: the config's own */
+    DT_EQ_INT(tc.progress_thread_us, 7);
+    setenv("DOPT_PROGRESS_THREAD_US", "250", 1);
+    DT_OK(dopt_tcp_config_from_env(&tc));
+    DT_EQ_INT(tc.progress_thread_us, 250);
+    setenv("DOPT_PROGRESS_THREAD_US", "-5", 1);
+    DT_EQ_INT(dopt_tcp_config_from_env(&tc), DOPT_ERR_INVALID);
+    DT_CHECKF(!strcmp(log.text, "E DOPT_PROGRESS_THREAD_US=-5 is below 0\n"), "%s", log.text);
+    DT_EQ_INT(tc.progress_thread_us, 250); /* a refused environment leaves cfg as it was */
+}
+
+/* With DOPT_LOG_LEVEL=info a TCP start says which transport from which variables, then each rank
+   where it met rank 0 and the hosts (here rank 0 listens on 127.0.0.1, ranks 1 and 2 on
+   127.0.0.2: two hosts as the addresses tell). DOPT_PROGRESS_THREAD_US gives the communicator
+   its thread (a second one is refused). */
+static void rank_says_how_it_started(int rank, void *arg) {
+    started *s = (started *)arg;
+    char r[16], p[16], want[160];
+    captured_log log;
+    dopt_launch_config cfg;
+    dopt_comm *c = NULL;
+    snprintf(r, sizeof r, "%d", rank);
+    snprintf(p, sizeof p, "%d", s->port);
+    clear_launch_env();
+    memset(&log, 0, sizeof log);
+    memset(&cfg, 0, sizeof cfg);
+    cfg.log_fn = capture_log;
+    cfg.log_user = &log;
+    setenv("DOPT_TRANSPORT", "tcp", 1);
+    setenv("DOPT_TIMEOUT_MS", "30000", 1);
+    setenv("DOPT_PROGRESS_THREAD_US", "200", 1);
+    setenv("DOPT_BIND_ADDR", rank == 0 ? "127.0.0.1" : "127.0.0.2", 1);
+    setenv("RANK", r, 1);
+    setenv("WORLD_SIZE", "3", 1);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", p, 1);
+    DT_OK(dopt_launch_create(&c, &cfg));
+    check_world(c, 3, "tcp");
+    DT_CHECKF(strstr(log.text, "I transport tcp; rank and size from RANK, WORLD_SIZE; meeting point from MASTER_ADDR, "
+                               "MASTER_PORT\n") != NULL,
+              "%s", log.text);
+    snprintf(want, sizeof want, "I tcp rank %d of 3: rendezvous at 127.0.0.1:%d, 2 hosts (ranks per host 1,2)\n", rank,
+             s->port);
+    DT_CHECKF(strstr(log.text, want) != NULL, "expected \"%s\" in\n%s", want, log.text);
+    DT_EQ_INT(dopt_comm_set_progress_thread(c, 0), DOPT_ERR_INVALID);
+    dopt_comm_destroy(c);
+}
+
+DTEST(info_lines_say_the_transport_the_rendezvous_and_the_hosts) {
+    started s = {"torchrun", "tcp", "tcp", 3, 0, ""};
+    s.port = free_port();
+    DT_EQ_INT(dtest_spawn(3, rank_says_how_it_started, &s, 60), 0);
 }
 
 /* A start that cannot work fails at once with one line naming the cause. */
