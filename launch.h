@@ -86,6 +86,12 @@
    |                         | CONFIGURATION), for forked ranks and joining ones   |                   |
    | DOPT_PROGRESS_THREAD_US | TCP's progress_thread_us (transport_tcp.h): a       | 0: no thread      |
    |                         | thread moves requests every this many µs            |                   |
+   | DOPT_STDOUT_RANKS       | all, or the ranks whose stdout is kept (0, or 0,2): | all: every rank's |
+   |                         | every other rank writes its stdout to /dev/null     | stdout            |
+   |                         | from a successful start on (stderr is untouched),   |                   |
+   |                         | as torchrun's --local-ranks-filter does. A loop     |                   |
+   |                         | that prints means over the ranks then needs no      |                   |
+   |                         | rank test. Anything else is refused before a start  |                   |
 
    A value outside these is refused before anything starts, with one line naming the variable
    and what it accepts ("cannot start the job: DOPT_LOG_LEVEL="loud" is not one of error,
@@ -342,25 +348,12 @@ static dopt_status dopt__launch_fail(dopt_log_fn log_fn, void *user, dopt_status
 
 DOPT_DEF dopt_status dopt_comm_create_from_env(dopt_comm **out) { return dopt_launch_create(out, NULL); }
 
-DOPT_DEF dopt_status dopt_launch_create(dopt_comm **out, const dopt_launch_config *cfg) {
-    dopt_launch_info info;
-    dopt_log_level level;
-    dopt_log_fn log_fn = cfg && cfg->log_fn ? cfg->log_fn : dopt__launch_stderr[DOPT_LOG_WARN];
-    void *user = cfg && cfg->log_fn ? cfg->log_user : NULL;
-    char why[DOPT_DETAIL_MAX];
-    const char *t;
-    dopt_status st = DOPT_ERR_INVALID;
-    if (out == NULL) return DOPT_ERR_INVALID;
-    *out = NULL;
-    if (dopt__launch_log_level(&level, why, sizeof why) < 0) return dopt__launch_fail(log_fn, user, st, why);
-    if (!(cfg && cfg->log_fn)) log_fn = dopt__launch_stderr[level];
-    if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__launch_fail(log_fn, user, st, why);
-    t = dopt_launch_choose(&info, cfg, why, sizeof why);
-    if (t == NULL) return dopt__launch_fail(log_fn, user, st, why);
-    snprintf(why, sizeof why, "transport %s; %s%.96s%s%.128s%s", t, info.rank_from[0] ? "rank and size from " : "no launcher",
-             info.rank_from, info.master_from[0] ? "; meeting point from " : "", info.master_from,
-             cfg && cfg->transport ? " (the program chose the transport)" : "");
-    log_fn(user, DOPT_LOG_INFO, why);
+/* The chosen transport's communicator, its logging set; why is scratch for a refusal. */
+static dopt_status dopt__launch_transport(dopt_comm **out, const char *t, const dopt_launch_info *li,
+                                          const dopt_launch_config *cfg, dopt_log_fn log_fn, void *user, char *why,
+                                          size_t cap) {
+    dopt_status st;
+    (void)li, (void)cfg, (void)why, (void)cap; /* a program with the MPI transport alone reads none */
     if (!strcmp(t, "self")) {
         st = dopt_comm_create_self(out);
         if (st == DOPT_OK) dopt_comm_set_log(*out, log_fn, user);
@@ -372,9 +365,10 @@ DOPT_DEF dopt_status dopt_launch_create(dopt_comm **out, const dopt_launch_confi
         memset(&sc, 0, sizeof sc);
         sc.log_fn = log_fn;
         sc.log_user = user;
-        if (info.rank < 0) {
-            if (dopt__launch_shm_engine(&sc.engine, why, sizeof why) < 0) return dopt__launch_fail(log_fn, user, st, why);
-            return dopt_shm_fork(out, dopt__launch_fork_size(&info, cfg), &sc);
+        if (li->rank < 0) {
+            if (dopt__launch_shm_engine(&sc.engine, why, cap) < 0)
+                return dopt__launch_fail(log_fn, user, DOPT_ERR_INVALID, why);
+            return dopt_shm_fork(out, dopt__launch_fork_size(li, cfg), &sc);
         }
         st = dopt_shm_config_from_env(&sc);
         return st == DOPT_OK ? dopt_shm_create(out, &sc) : st;
@@ -400,6 +394,65 @@ DOPT_DEF dopt_status dopt_launch_create(dopt_comm **out, const dopt_launch_confi
     }
 #endif
     return dopt__launch_fail(log_fn, user, DOPT_ERR_INVALID, "no transport"); /* not reached: choose checked */
+}
+
+/* DOPT_STDOUT_RANKS: "all", or the ranks whose stdout is kept, as "0" or "0,2,5". 1 with *keep
+   set for this rank, 0 when unset or empty (every rank keeps it), -1 with why filled. */
+static int dopt__launch_stdout_ranks(int rank, int *keep, char *why, size_t cap) {
+    const char *v = getenv("DOPT_STDOUT_RANKS"), *p;
+    *keep = 1;
+    if (v == NULL || *v == 0 || !strcmp(v, "all")) return 0;
+    *keep = 0;
+    for (p = v;;) {
+        char *end;
+        long r;
+        if (*p < '0' || *p > '9') break;
+        r = strtol(p, &end, 10);
+        if (r == rank) *keep = 1;
+        if (*end == 0) return 1;
+        if (*end != ',') break;
+        p = end + 1;
+    }
+    snprintf(why, cap, "DOPT_STDOUT_RANKS=\"%.40s\" is neither all nor a list of ranks such as 0 or 0,2", v);
+    return -1;
+}
+
+/* Every rank but those DOPT_STDOUT_RANKS names writes its stdout to /dev/null from here on. */
+static void dopt__launch_quiet_stdout(dopt_comm *c) {
+    char why[128];
+    int keep;
+    if (dopt__launch_stdout_ranks(c->rank, &keep, why, sizeof why) <= 0 || keep) return;
+    fflush(stdout);
+    if (freopen("/dev/null", "w", stdout) == NULL)
+        dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: DOPT_STDOUT_RANKS: cannot send stdout to /dev/null", c->rank);
+    else
+        dopt_comm_log(c, DOPT_LOG_INFO, "rank %d: stdout to /dev/null (DOPT_STDOUT_RANKS)", c->rank);
+}
+
+DOPT_DEF dopt_status dopt_launch_create(dopt_comm **out, const dopt_launch_config *cfg) {
+    dopt_launch_info info;
+    dopt_log_level level;
+    dopt_log_fn log_fn = cfg && cfg->log_fn ? cfg->log_fn : dopt__launch_stderr[DOPT_LOG_WARN];
+    void *user = cfg && cfg->log_fn ? cfg->log_user : NULL;
+    char why[DOPT_DETAIL_MAX];
+    const char *t;
+    dopt_status st = DOPT_ERR_INVALID;
+    int keep;
+    if (out == NULL) return DOPT_ERR_INVALID;
+    *out = NULL;
+    if (dopt__launch_log_level(&level, why, sizeof why) < 0) return dopt__launch_fail(log_fn, user, st, why);
+    if (!(cfg && cfg->log_fn)) log_fn = dopt__launch_stderr[level];
+    if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__launch_fail(log_fn, user, st, why);
+    t = dopt_launch_choose(&info, cfg, why, sizeof why);
+    if (t == NULL) return dopt__launch_fail(log_fn, user, st, why);
+    if (dopt__launch_stdout_ranks(0, &keep, why, sizeof why) < 0) return dopt__launch_fail(log_fn, user, st, why);
+    snprintf(why, sizeof why, "transport %s; %s%.96s%s%.128s%s", t, info.rank_from[0] ? "rank and size from " : "no launcher",
+             info.rank_from, info.master_from[0] ? "; meeting point from " : "", info.master_from,
+             cfg && cfg->transport ? " (the program chose the transport)" : "");
+    log_fn(user, DOPT_LOG_INFO, why);
+    st = dopt__launch_transport(out, t, &info, cfg, log_fn, user, why, sizeof why);
+    if (st == DOPT_OK) dopt__launch_quiet_stdout(*out);
+    return st;
 }
 
 #ifdef __cplusplus

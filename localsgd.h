@@ -25,8 +25,9 @@
        dopt_comm *comm; dopt_dp dp;
        if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;   (launch.h; says why)
        dopt_shard(nsamples, comm->rank, comm->size, &begin, &end);   (this rank's data)
-       dopt_dp_init(&dp, comm, n, NULL);                  (period 1: synchronous)
-       dopt_dp_broadcast(&dp, params);                    (rank 0's parameters everywhere)
+       dopt_dp_init(&dp, comm, n, &(dopt_dp_config){.params = params});
+                                                          (period 1: synchronous; rank 0's
+                                                           parameters to every rank)
        for (step = 0; step < steps; step++) {
            loss = forward_backward(params, grads);
            dopt_dp_after_backward(&dp, grads);            (the ranks' mean gradient)
@@ -138,6 +139,8 @@
    |  momentum    |                                                            |                   |
    | nonfinite    | what an average that is not finite does (NON-FINITE        | DOPT_NONFINITE_   |
    |              | AVERAGES below): DOPT_NONFINITE_FAIL or _SKIP              |  FAIL             |
+   | params       | the host's flat parameters (n floats): init broadcasts     | no broadcast at   |
+   |              | rank 0's to every rank, as dopt_dp_broadcast does          | init              |
 
    Policies of extra state buffers at every model average: DOPT_STATE_AVERAGE (averaged with the
    parameters, in the same allreduce), DOPT_STATE_KEEP (left local), DOPT_STATE_RESET (set to 0).
@@ -184,10 +187,14 @@
      estimator needs n elements and has another count, a compressor whose segments do not cover
      exactly n packed elements, a compressor with `weighted`, a grad_compressor that is the
      same object as compressor, outer_lr negative or not finite, outer_momentum
-     outside [0, 1)), DOPT_ERR_NOMEM. The object must not move after
+     outside [0, 1), nonfinite not a policy), DOPT_ERR_NOMEM. The object must not move after
      init. On failure nothing needs freeing, and the driver keeps the status and its reason: every
      later call returns that status at once, and dopt_dp_close returns it with the reason in
-     dopt_dp_detail (check once: a host need not test init's result). Not a collective.
+     dopt_dp_detail (check once: a host need not test init's result). Not a collective, unless
+     cfg->params is given: then, once the driver is made, init broadcasts rank 0's parameters
+     (dopt_dp_broadcast) and returns its status; a failed broadcast poisons the communicator as
+     any collective does, and the driver, made, is closed or freed as usual. A scatter list is
+     broadcast with dopt_dp_broadcast_buf after init.
 
    void dopt_dp_free(dopt_dp *ls)
      Releases what init allocated (not comm, not the batch controller). NULL or zeroed: accepted.
@@ -573,6 +580,7 @@ typedef struct dopt_dp_config {
     double outer_lr;
     double outer_momentum;
     dopt_nonfinite_policy nonfinite;
+    float *params;
 } dopt_dp_config;
 
 typedef struct dopt_dp {
@@ -1172,7 +1180,7 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n, const 
         if (ls->outer_v == NULL) goto nomem;
         memset(ls->outer_v, 0, (n ? n : 1) * sizeof(float));
     }
-    return DOPT_OK;
+    return c.params ? dopt_dp_broadcast(ls, c.params) : DOPT_OK;
 nomem:
     dopt_dp_free(ls);
     ls->status = DOPT_ERR_NOMEM;

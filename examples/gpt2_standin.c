@@ -5,15 +5,18 @@
    fcprojb, lnfw, lnfb) point into one flat params_memory of num_parameters floats, the same for
    grads_memory, AdamW moments allocated at the first gpt2_update, the layernorm, matmul,
    attention, GELU, residual, softmax and cross-entropy kernels with their backward passes
-   (OpenMP-parallel where llm.c's are), and llm.c's main loop: dataloader_next_batch,
+   (OpenMP-parallel where llm.c's are), and llm.c's main loop: every 10 steps the validation loss
+   over val_num_batches batches of its own loader, every 20 steps a sample of generated tokens
+   (sample_mult over the last position's probabilities), then dataloader_next_batch,
    gpt2_forward, gpt2_zero_grad, gpt2_backward, gpt2_update, a printf of the loss.
 
    What it leaves out: the checkpoint (the parameters start random from a fixed seed), the
-   tokenizer, validation and sampling, and the size: one layer of 32 channels and 4 heads over a
-   vocabulary of 64 and 32 positions, 4 sequences per step, 15840 parameters; 300 steps take about
-   a second on one core. The tokens come from a seeded Markov chain in which every token has 4
-   possible successors, of probabilities 0.5, 0.25, 0.15 and 0.1: no file is needed, the loss
-   starts at ln 64 = 4.16 and cannot fall below the chain's entropy, 1.21.
+   tokenizer (samples are printed as token numbers), the timing, and the size: one layer of 32
+   channels and 4 heads over a vocabulary of 64 and 32 positions, 4 sequences per step, 15840
+   parameters; 300 steps take about a second on one core. The tokens come from a seeded Markov
+   chain in which every token has 4 possible successors, of probabilities 0.5, 0.25, 0.15 and
+   0.1: no file is needed, the loss starts at ln 64 = 4.16 and cannot fall below the chain's
+   entropy, 1.21.
 
        cc -std=c11 -O2 -fopenmp -I. -o gpt2_standin examples/gpt2_standin.c -lm -lpthread -lrt
        ./gpt2_standin                                        one process
@@ -22,21 +25,26 @@
        ./gpt2_standin --gradcheck                            gpt2_backward against finite differences
    Flags: --steps N (default 300); --gradcheck; --desync: rank 1 changes one parameter before the
    end, so that the replica check fails (for tests); --nan-at K: the last rank's gradient holds a
-   NaN at step K, so that the driver stops and the job ends with status 1 (for tests). Give each rank one OpenMP thread per core it
-   may use: threads beyond the free cores spin at every parallel loop's barrier.
+   NaN at step K, so that the driver stops and the job ends with status 1 (for tests). Give each
+   rank one OpenMP thread per core it may use: threads beyond the free cores spin at every
+   parallel loop's barrier.
 
-   The lines marked distopt are all that distopt adds to the loop: synchronous data parallelism.
-   Each rank reads its own shard of the batches (rank r takes batches r, r + size, ...), rank 0's
-   parameters go to every rank at the start, the ranks' gradients are averaged after every
-   gpt2_backward (the replicas then stay bitwise identical: each rank applies the same AdamW update
-   to the same gradient), the printed loss is the mean over the ranks, and the end checks that the
-   replicas are identical. No status is checked inside the loop: a communicator that failed makes
-   every later call return at once, and dopt_dp_close returns its status, which dopt_comm_finish
-   prints and turns into the exit status; a NaN in one rank's gradient is such a failure (the driver
-   stops at that step on every rank). The unmarked lines (--nan-at, --desync, and the
-   "result:" line rank 0 prints when the whole job succeeded) are test harness; without them the
-   end is one line, return dopt_comm_finish(comm, dopt_dp_close(&dp, model.params_memory)).
-   scripts/count-lines.sh counts the marked lines; tests/check_gpt2_standin.sh runs all this. */
+   The lines marked distopt are all that distopt adds or changes: synchronous data parallelism,
+   ten core lines (scripts/count-lines.sh counts them; tests/check_gpt2_standin.sh runs all
+   this). The start (declarations, the communicator from the launcher's variables, the driver,
+   which broadcasts rank 0's parameters), each loader's shard (rank r takes batches r, r + size,
+   ...: the training and the validation loader), the gradient average after every gpt2_backward
+   (the replicas then stay bitwise identical: each rank applies the same AdamW update to the same
+   gradient), the printed losses as means over the ranks (the training loss and the validation
+   loss), the closing call, and the changed return. No print is guarded by a rank: every rank
+   prints the same lines (the losses are the same means, the samples come from identical models
+   and generators), and DOPT_STDOUT_RANKS=0 keeps rank 0's stdout alone (launch.h). No status is
+   checked inside the loop: a communicator that failed makes every later call return at once,
+   and dopt_dp_close returns its status, which dopt_comm_finish prints and turns into the exit
+   status; a NaN in one rank's gradient is such a failure (the driver stops at that step on every
+   rank). The unmarked lines --nan-at, --desync and the "result:" line are test harness; without
+   them the end would be return dopt_comm_finish(comm, dopt_dp_close(&dp, model.params_memory))
+   before the frees, which llm.c's order (frees, then return 0) makes two lines. */
 #define DISTOPT_IMPLEMENTATION /* distopt */
 #include "transport_shm.h"     /* distopt: DOPT_WORLD_SIZE=N forks N ranks over shared memory */
 #include "transport_tcp.h"     /* distopt: launchers across hosts */
@@ -763,12 +771,24 @@ static void dataloader_next_batch(DataLoader *loader) {
     if (loader->current_batch >= loader->num_batches) loader->current_batch = (size_t)loader->process_rank;
 }
 
+static void dataloader_reset(DataLoader *loader) { loader->current_batch = (size_t)loader->process_rank; }
+
 static void dataloader_free(DataLoader *loader) { free(loader->batch); }
+
+/* llm.c's sampler: the index at which the cumulative probability passes coin (in [0, 1)). */
+static int sample_mult(const float *probabilities, int n, float coin) {
+    float cdf = 0.0f;
+    for (int i = 0; i < n; i++) {
+        cdf += probabilities[i];
+        if (coin < cdf) return i;
+    }
+    return n - 1;
+}
 
 /* ----------------------------------------------------------------------------------------------
    The gradient check and main. */
 
-enum { B_BATCH = 4, T_SEQ = 32, NUM_TOKENS = 1 << 16 };
+enum { B_BATCH = 4, T_SEQ = 32, NUM_TOKENS = 1 << 16, NUM_VAL_TOKENS = 1 << 13, GEN_T = 16 };
 static const GPT2Config model_config = {.max_seq_len = T_SEQ, .vocab_size = 64, .num_layers = 1, .num_heads = 4,
                                         .channels = 32};
 
@@ -871,25 +891,49 @@ int main(int argc, char **argv) {
 
     GPT2 model;
     gpt2_build_from_random(&model, model_config, 1337 + (uint64_t)comm->rank); /* a test harness: other weights
-                                                                               on every rank, which the broadcast
-                                                                               must make equal */
-    dopt_dp_init(&dp, comm, model.num_parameters, NULL);                     /* distopt */
-    dopt_dp_broadcast(&dp, model.params_memory);                             /* distopt: rank 0's parameters */
+                                                                               on every rank, which the
+                                                                               broadcast must make equal */
+    dopt_dp_init(&dp, comm, model.num_parameters, &(dopt_dp_config){.params = model.params_memory}); /* distopt */
 
     int B = B_BATCH, T = T_SEQ;
     int *tokens = generate_tokens(NUM_TOKENS, model.config.vocab_size, 42);
-    DataLoader train_loader;
+    int *val_tokens = generate_tokens(NUM_VAL_TOKENS, model.config.vocab_size, 42); /* the same chain, a shorter run */
+    DataLoader train_loader, val_loader;
     dataloader_init(&train_loader, tokens, NUM_TOKENS, B, T, comm->rank, comm->size); /* distopt: the shard */
-    if (train_loader.process_rank == 0) {
-        printf("[GPT-2] vocab_size %d, max_seq_len %d, num_layers %d, num_heads %d, channels %d\n",
-               model.config.vocab_size, model.config.max_seq_len, model.config.num_layers, model.config.num_heads,
-               model.config.channels);
-        printf("num_parameters: %zu\n", model.num_parameters);
-        printf("train dataset num_batches: %zu, processes: %d, B %d, T %d\n", train_loader.num_batches,
-               train_loader.num_processes, B, T);
-    }
+    dataloader_init(&val_loader, val_tokens, NUM_VAL_TOKENS, B, T, comm->rank, comm->size); /* distopt: the shard */
+    int val_num_batches = 4;
+    printf("[GPT-2] vocab_size %d, max_seq_len %d, num_layers %d, num_heads %d, channels %d\n", model.config.vocab_size,
+           model.config.max_seq_len, model.config.num_layers, model.config.num_heads, model.config.channels);
+    printf("num_parameters: %zu\n", model.num_parameters);
+    printf("train dataset num_batches: %zu, processes: %d, B %d, T %d\n", train_loader.num_batches,
+           train_loader.num_processes, B, T);
 
+    uint64_t rng_state = 1337;
+    int *gen_tokens = calloc_or_die((size_t)B * T, sizeof(int));
     for (int step = 0; step < steps; step++) {
+        if (step % 10 == 0) { /* once in a while, the validation loss */
+            float val_loss = 0.0f;
+            dataloader_reset(&val_loader);
+            for (int i = 0; i < val_num_batches; i++) {
+                dataloader_next_batch(&val_loader);
+                gpt2_forward(&model, val_loader.inputs, val_loader.targets, B, T);
+                val_loss += model.mean_loss;
+            }
+            val_loss /= val_num_batches;
+            val_loss = (float)dopt_mean(comm, val_loss);                     /* distopt: the mean over the ranks */
+            printf("val loss %f\n", val_loss);
+        }
+        if (step > 0 && step % 20 == 0) { /* once in a while, text from the model */
+            for (int i = 0; i < B * T; i++) gen_tokens[i] = 0;
+            printf("generating:\n---\n");
+            for (int t = 1; t < GEN_T; t++) {
+                gpt2_forward(&model, gen_tokens, NULL, B, T);
+                float *probs = model.acts.probs + (size_t)(t - 1) * model.config.vocab_size;
+                gen_tokens[t] = sample_mult(probs, model.config.vocab_size, random_f32(&rng_state));
+                printf("%d ", gen_tokens[t]);
+            }
+            printf("\n---\n");
+        }
         dataloader_next_batch(&train_loader);
         gpt2_forward(&model, train_loader.inputs, train_loader.targets, B, T);
         gpt2_zero_grad(&model);
@@ -898,14 +942,17 @@ int main(int argc, char **argv) {
         dopt_dp_after_backward(&dp, model.grads_memory);                     /* distopt: the ranks' mean gradient */
         gpt2_update(&model, 3e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, step + 1);
         model.mean_loss = (float)dopt_mean(comm, model.mean_loss);           /* distopt: the mean over the ranks */
-        if (comm->rank == 0) printf("step %d: train loss %f\n", step, model.mean_loss); /* distopt: rank 0 prints */
+        printf("step %d: train loss %f\n", step, model.mean_loss);
     }
 
     if (desync && train_loader.process_rank == 1) model.params_memory[0] += 1e-3f;
     int status = dopt_comm_finish(comm, dopt_dp_close(&dp, model.params_memory)); /* distopt: ranks > 0 exit here */
-    if (status == 0 && train_loader.process_rank == 0) printf("result: loss %f replicas identical\n", model.mean_loss);
+    if (status == 0) printf("result: loss %f replicas identical\n", model.mean_loss);
     dataloader_free(&train_loader);
+    dataloader_free(&val_loader);
     gpt2_free(&model);
     free(tokens);
-    return status;
+    free(val_tokens);
+    free(gen_tokens);
+    return status;                                                           /* distopt: the job's status */
 }

@@ -59,9 +59,11 @@ else
     cat "$tmp/gradcheck.out"
 fi
 
-# A training run of $2 ranks: every step's loss line, in order, falling; the result line.
+# A training run of $2 ranks, rank 0's stdout alone (DOPT_STDOUT_RANKS=0): every step's loss line,
+# in order, falling; a validation loss every 10 steps and a sample every 20, once each; the result
+# line.
 train() { # $1: log name, $2: ranks
-    run "$1" env DOPT_WORLD_SIZE="$2" "$bin" --steps $STEPS
+    run "$1" env DOPT_WORLD_SIZE="$2" DOPT_STDOUT_RANKS=0 "$bin" --steps $STEPS
     status=$?
     out=$tmp/$1.out
     lines=$(grep -c '^step [0-9]*: train loss [0-9]*\.[0-9]*$' "$out")
@@ -72,10 +74,14 @@ train() { # $1: log name, $2: ranks
     result=$(grep -c "^result: loss $last replicas identical\$" "$out")
     procs=$(grep -c "^train dataset num_batches: [0-9]*, processes: $2, B 4, T 32\$" "$out")
     falls=$(awk -v a="${first:-0}" -v b="${last:-9}" 'BEGIN { print (a > 3 && b <= 0.6 * a) ? "yes" : "no" }')
+    vals=$(grep -c '^val loss [0-9]*\.[0-9]*$' "$out")
+    samples=$(grep -c '^generating:$' "$out")
     if [ $status -ne 0 ]; then
         fail "$2 rank(s): exit status $status"
     elif [ "$lines" -ne $STEPS ] || [ "$in_order" != yes ] || [ "$procs" -ne 1 ]; then
         fail "$2 rank(s): $lines of $STEPS loss lines (in order: $in_order), $procs process-count lines"
+    elif [ "$vals" -ne $((STEPS / 10)) ] || [ "$samples" -ne $(((STEPS - 1) / 20)) ]; then
+        fail "$2 rank(s): $vals validation lines (expected $((STEPS / 10))), $samples samples (expected $(((STEPS - 1) / 20)))"
     elif [ "$falls" != yes ]; then
         fail "$2 rank(s): the loss went from ${first:-?} to ${last:-?} (expected at most 60% of the first)"
     elif [ "$result" -ne 1 ]; then
@@ -90,6 +96,18 @@ train() { # $1: log name, $2: ranks
 }
 train one 1
 train two 2
+
+# Without DOPT_STDOUT_RANKS every rank prints, and prints the same lines: each loss line twice.
+run both env DOPT_WORLD_SIZE=2 "$bin" --steps 20
+status=$?
+twice=$(grep '^step \|^val loss ' "$tmp/both.out" | sort | uniq -c | awk '$1 != 2 { bad++ } END { print bad + 0 }')
+count=$(grep -c '^step ' "$tmp/both.out")
+if [ $status -eq 0 ] && [ "$count" -eq 40 ] && [ "$twice" -eq 0 ]; then
+    echo "ok   both ranks' stdout: every loss line printed once by each rank, the same"
+else
+    fail "both ranks' stdout: exit $status, $count step lines (expected 40), $twice lines not printed exactly twice"
+    show both
+fi
 
 # The check can fail: rank 1's replica differs at the end.
 run desync env DOPT_WORLD_SIZE=2 "$bin" --steps 20 --desync

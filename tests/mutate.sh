@@ -125,7 +125,7 @@ mutate nonfinite-average-unchecked localsgd.h \
     '    if (s == DOPT_OK && dopt__ls_unpack_finite(grads, ls->work)) {' \
     '    if (s == DOPT_OK && (dopt__ls_unpack_finite(grads, ls->work) || 1)) {' test_nonfinite:gradient_average
 mutate nonfinite-gradients-not-zeroed localsgd.h \
-    '    dopt__ls_zero(grads);' '' test_nonfinite:gradient_average
+    '    dopt__ls_zero(grads);' '    if (0) dopt__ls_zero(grads);' test_nonfinite:gradient_average
 mutate nonfinite-fail-not-sticky localsgd.h \
     '    if (ls->status != DOPT_OK) return ls->status; /* a non-finite average under DOPT_NONFINITE_FAIL */' '' \
     test_nonfinite:gradient_average
@@ -133,7 +133,7 @@ mutate nonfinite-model-average-unchecked localsgd.h \
     '    if (s == DOPT_OK && !dopt_all_finite(ls->work, ls->work_count)) s = DOPT_ERR_NONFINITE;' '' \
     test_nonfinite:model_average
 mutate nonfinite-rank-not-named localsgd.h \
-    '    mine[0] = mine_finite ? 0 : 1;' '    mine[0] = 0;' test_nonfinite:gradient_average
+    '    mine[0] = mine_finite ? 0 : 1;' '    mine[0] = mine_finite ? 0 : 0;' test_nonfinite:gradient_average
 mutate steps-not-counted-without-after-step localsgd.h \
     '    if (ls->grads_step != ls->step + 1) return;' '    return;' test_nonfinite:gradient_average
 mutate replica-steps-not-compared localsgd.h \

@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 typedef struct captured_log {
     char text[8192];
@@ -36,7 +37,7 @@ static void clear_launch_env(void) {
         "SLURM_TASKS_PER_NODE", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_LAUNCH_NODE_IPADDR",
         "SLURM_JOB_ID", "SLURM_STEP_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
         "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DOPT_LOG_LEVEL", "DOPT_SHM_ENGINE", "DOPT_PROGRESS_THREAD_US",
-        "DOPT_BIND_ADDR"};
+        "DOPT_BIND_ADDR", "DOPT_STDOUT_RANKS"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++) unsetenv(names[i]);
 }
@@ -357,6 +358,39 @@ DTEST(one_call_forks_a_shared_memory_world) {
     DT_OK(dopt_launch_create(&c, &cfg));
     check_world(c, 3, "shm");
     if (c->rank == 0) DT_CHECKF(strstr(log.text, "I transport shm; no launcher") != NULL, "%s", log.text);
+    DT_EQ_INT(dopt_comm_finish(c, 0), 0);
+}
+
+/* 1 when this process's stdout is /dev/null. */
+static int stdout_is_dev_null(void) {
+    struct stat out, null;
+    return fstat(1, &out) == 0 && stat("/dev/null", &null) == 0 && out.st_rdev == null.st_rdev &&
+           S_ISCHR(out.st_mode);
+}
+
+/* DOPT_STDOUT_RANKS keeps the stdout of the ranks it names and sends the others' to /dev/null;
+   a value that is neither all nor a list of ranks is refused before the start, naming it. */
+DTEST(stdout_of_the_ranks_not_named_goes_to_dev_null) {
+    static const char *const bad[] = {"x", "0,", ",1", "-1", "0;1", "1 2", "rank0"};
+    dopt_comm *c = NULL;
+    captured_log log;
+    dopt_launch_config cfg;
+    size_t i;
+    clear_launch_env();
+    memset(&cfg, 0, sizeof cfg);
+    cfg.log_fn = capture_log;
+    cfg.log_user = &log;
+    for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        memset(&log, 0, sizeof log);
+        setenv("DOPT_STDOUT_RANKS", bad[i], 1);
+        DT_EQ_INT(dopt_launch_create(&c, &cfg), DOPT_ERR_INVALID);
+        DT_CHECKF(c == NULL && strstr(log.text, "DOPT_STDOUT_RANKS=") != NULL, "%s: %s", bad[i], log.text);
+    }
+    setenv("DOPT_STDOUT_RANKS", "0,2", 1);
+    setenv("DOPT_WORLD_SIZE", "3", 1);
+    DT_OK(dopt_launch_create(&c, &cfg));
+    DT_CHECKF(stdout_is_dev_null() == (c->rank == 1), "rank %d: stdout %s /dev/null", c->rank,
+              stdout_is_dev_null() ? "is" : "is not");
     DT_EQ_INT(dopt_comm_finish(c, 0), 0);
 }
 
