@@ -1629,27 +1629,43 @@ DOPT_DEF void dopt_mean_var(const float *x, size_t n, double *mean, double *var)
     *var = d2 - d1 * d1 > 0.0 ? d2 - d1 * d1 : 0.0;
 }
 
-/* An exponent of all ones is NaN or Inf; integer tests vectorize and never trap. With dst, the
-   same loop copies: the check costs nothing beside the copy's memory traffic. */
+/* An exponent of all ones is NaN or Inf; integer tests vectorize and never trap. Each lane keeps
+   the largest exponent field it saw: one and and one max per vector, over four blocks at once so
+   that the check keeps up with a copy at cache speed (measured: as fast as memcpy from 256 KiB to
+   16 MiB). With COPY, the same loop copies. */
+#define DOPT__FINITE_BLOCK(COPY, dst, x, i, acc)                                                    \
+    do {                                                                                            \
+        uint32_t v_[DOPT__LANES];                                                                   \
+        int j_;                                                                                     \
+        memcpy(v_, &(x)[i], sizeof v_);                                                             \
+        if (COPY) memcpy(&(dst)[i], v_, sizeof v_);                                                 \
+        for (j_ = 0; j_ < DOPT__LANES; j_++) {                                                      \
+            uint32_t e_ = v_[j_] & 0x7F800000u;                                                     \
+            (acc)[j_] = (acc)[j_] > e_ ? (acc)[j_] : e_;                                            \
+        }                                                                                           \
+    } while (0)
+
 #define DOPT__FINITE_SCAN(COPY, dst, x, n, any)                                                     \
     do {                                                                                            \
-        uint32_t bad_[DOPT__LANES] = {0};                                                           \
-        size_t i_, n_main_ = (n) - (n) % DOPT__LANES;                                               \
+        uint32_t m0_[DOPT__LANES] = {0}, m1_[DOPT__LANES] = {0}, m2_[DOPT__LANES] = {0};           \
+        uint32_t m3_[DOPT__LANES] = {0};                                                            \
+        size_t i_, n_main_ = (n) - (n) % (4 * DOPT__LANES);                                         \
         int j_;                                                                                     \
-        for (i_ = 0; i_ < n_main_; i_ += DOPT__LANES)                                               \
-            for (j_ = 0; j_ < DOPT__LANES; j_++) {                                                  \
-                uint32_t u_;                                                                        \
-                memcpy(&u_, &(x)[i_ + j_], sizeof u_);                                              \
-                bad_[j_] |= (uint32_t)((u_ & 0x7F800000u) == 0x7F800000u);                          \
-                if (COPY) memcpy(&(dst)[i_ + j_], &u_, sizeof u_);                                  \
-            }                                                                                       \
+        for (i_ = 0; i_ < n_main_; i_ += 4 * DOPT__LANES) {                                         \
+            DOPT__FINITE_BLOCK(COPY, dst, x, i_, m0_);                                              \
+            DOPT__FINITE_BLOCK(COPY, dst, x, i_ + DOPT__LANES, m1_);                                \
+            DOPT__FINITE_BLOCK(COPY, dst, x, i_ + 2 * DOPT__LANES, m2_);                            \
+            DOPT__FINITE_BLOCK(COPY, dst, x, i_ + 3 * DOPT__LANES, m3_);                            \
+        }                                                                                           \
         for (i_ = n_main_; i_ < (n); i_++) {                                                        \
             uint32_t u_;                                                                            \
             memcpy(&u_, &(x)[i_], sizeof u_);                                                       \
             (any) |= (uint32_t)((u_ & 0x7F800000u) == 0x7F800000u);                                 \
             if (COPY) memcpy(&(dst)[i_], &u_, sizeof u_);                                           \
         }                                                                                           \
-        for (j_ = 0; j_ < DOPT__LANES; j_++) (any) |= bad_[j_];                                     \
+        for (j_ = 0; j_ < DOPT__LANES; j_++)                                                        \
+            (any) |= (uint32_t)(m0_[j_] == 0x7F800000u) | (uint32_t)(m1_[j_] == 0x7F800000u) |       \
+                     (uint32_t)(m2_[j_] == 0x7F800000u) | (uint32_t)(m3_[j_] == 0x7F800000u);       \
     } while (0)
 
 DOPT_DEF int dopt_all_finite(const float *x, size_t n) {

@@ -325,9 +325,11 @@
      synchronous steps (after_backward, celgc_step with sync_grads) and the models of local SGD
      (after_step, sync, close) — has one verdict: finite or not, taken from bits every rank holds
      identically (the averaged result, or the compressor's flags), so every rank reaches the same
-     verdict in the same call, and it tests bits, so it holds under -Ofast and -ffast-math. For
-     the gradients it rides on the copies the driver makes anyway (dopt_copy_finite; its cost beside
-     the fp32 allreduce is measured in the distopt repository's docs/reliability.md). One allgather, only then,
+     verdict in the same call, and it tests bits, so it holds under -Ofast and -ffast-math. It
+     rides on the copies the driver makes anyway (dopt_copy_finite), and a model average carries
+     every rank's flag in one float more of its allreduce, so the verdict is known before
+     anything is written; its cost beside the fp32 allreduce is measured in the distopt
+     repository's docs/reliability.md. One allgather, only then,
      names the first non-finite element (segment by name, from the descriptor's table or the
      compressor's) and the ranks whose input held NaN or infinity, or says that every input was
      finite and the sum overflowed. dopt_dp_detail then reads, for example:
@@ -339,7 +341,10 @@
        one DOPT_LOG_ERROR line says the detail, and every later call returns DOPT_ERR_NONFINITE
        at once; dopt_dp_close returns it and puts the detail in the communicator's, which
        dopt_comm_finish prints before the rank exits 1. A loop that checks nothing ends loudly.
-       A model average that is not finite leaves every rank's parameters as they were.
+       A model average that is not finite leaves every rank's parameters as they were — but for
+       an average of finite models that overflows the float range, which is found as it is
+       written: the parameters then hold it (the same on every rank), and the driver stops
+       under either policy.
      - DOPT_NONFINITE_SKIP: the step is skipped on every rank and the driver goes on. The call
        returns DOPT_ERR_NONFINITE; grads holds zeros; dp.skipped counts such averages; a
        DOPT_LOG_WARN line says the detail (each of the first 8, then the 16th, 32nd, 64th, ...).
@@ -591,7 +596,7 @@ typedef struct dopt_dp {
     dopt_state_desc *states; /* copied table */
     size_t nstates;
     size_t work_count;       /* n + Σ AVERAGE states */
-    float *work;             /* averaging workspace */
+    float *work;             /* averaging workspace: work_count floats and a flag's slot */
     float *anchor;           /* the model at the last average, or NULL */
     dopt_batch *batch;       /* borrowed, or NULL */
     dopt_compressor *compressor; /* borrowed, or NULL: model deltas go through it */
@@ -1167,7 +1172,7 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n, const 
         if (ls->states == NULL) goto nomem;
         memcpy(ls->states, c.states, c.nstates * sizeof(dopt_state_desc));
     }
-    ls->work = (float *)DOPT_MALLOC((work ? work : 1) * sizeof(float));
+    ls->work = (float *)DOPT_MALLOC((work + 1) * sizeof(float)); /* + the non-finite flag's slot */
     ls->replica_words = (uint64_t *)DOPT_MALLOC(2 * (size_t)comm->size * sizeof(uint64_t));
     if (ls->work == NULL || ls->replica_words == NULL) goto nomem;
     if (anchor) {
@@ -1267,7 +1272,8 @@ static int dopt__ls_unpack_finite(const dopt_buf *b, const float *src) {
     return finite;
 }
 
-/* params, then the AVERAGE states, into the workspace (1 when all of it is finite); and back. */
+/* params, then the AVERAGE states, into the workspace (1 when all of it is finite); and back (1
+   when all of the average is finite). */
 static int dopt__ls_pack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     size_t i, off = ls->n;
     int finite = dopt__ls_pack_finite(params, ls->work);
@@ -1279,12 +1285,12 @@ static int dopt__ls_pack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *st
     return finite;
 }
 
-static void dopt__ls_unpack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
+static int dopt__ls_unpack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     size_t i, j, k, off = ls->n;
-    dopt_buf_unpack(params, ls->work);
+    int finite = dopt__ls_unpack_finite(params, ls->work);
     for (i = 0; i < ls->nstates; i++) {
         if (ls->states[i].policy == DOPT_STATE_AVERAGE) {
-            dopt_buf_unpack(&states[i], ls->work + off);
+            finite &= dopt__ls_unpack_finite(&states[i], ls->work + off);
             off += ls->states[i].count;
         } else if (ls->states[i].policy == DOPT_STATE_RESET) {
             k = dopt_buf_nsegs(&states[i]);
@@ -1294,6 +1300,7 @@ static void dopt__ls_unpack(dopt_dp *ls, const dopt_buf *params, const dopt_buf 
             }
         }
     }
+    return finite;
 }
 
 /* Samples this rank processes in one step: the batch controller's size, or 1. */
@@ -1482,14 +1489,15 @@ static dopt_status dopt__ls_average_compressed(dopt_dp *ls) {
     s = dopt_compress_allreduce(ls->compressor, ls->comm, ls->work, ls->n);
     if (s != DOPT_OK) return s;
     for (i = 0; i < ls->n; i++) ls->work[i] += ls->anchor[i];
-    if (ls->work_count == ls->n) return DOPT_OK; /* no AVERAGE states: nothing more to send */
-    return dopt_allreduce(ls->comm, ls->work + ls->n, ls->work_count - ls->n, DOPT_F32, DOPT_MEAN);
+    if (ls->work_count == ls->n) return DOPT_OK; /* no AVERAGE states: the compressor's verdict is all */
+    /* the states and the non-finite flag's slot in fp32 */
+    return dopt_allreduce(ls->comm, ls->work + ls->n, ls->work_count - ls->n + 1, DOPT_F32, DOPT_MEAN);
 }
 
 /* DiLoCo's outer step (Douillard et al. 2023) on the average in the workspace: the
    pseudo-gradient Δ = anchor − mean, v ← μ·v + Δ, new model = anchor − lr·(Δ + μ·v) (Nesterov).
-   The same bits on every rank: its inputs (anchor, mean, v) are. 1 when the new model is finite. */
-static int dopt__ls_outer_step(dopt_dp *ls) {
+   The same bits on every rank: its inputs (anchor, mean, v) are. */
+static void dopt__ls_outer_step(dopt_dp *ls) {
     double lr = ls->outer_lr, mu = ls->outer_momentum;
     size_t i;
     for (i = 0; i < ls->n; i++) {
@@ -1500,7 +1508,6 @@ static int dopt__ls_outer_step(dopt_dp *ls) {
         }
         ls->work[i] = (float)((double)ls->anchor[i] - lr * d);
     }
-    return dopt_all_finite(ls->work, ls->n);
 }
 
 /* DOPT_NONFINITE_SKIP's round whose average is not finite: the plain mean, in fp32, of the ranks
@@ -1508,7 +1515,7 @@ static int dopt__ls_outer_step(dopt_dp *ls) {
    the outer step or the across-worker statistics. Every rank then continues from the same finite
    model. No finite rank, or a mean that is still not finite: the driver stops, as under FAIL. */
 static dopt_status dopt__ls_rescue_average(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states, int mine_finite,
-                                           int finite_ranks) {
+                                           int finite_ranks, int written) {
     dopt_status s;
     const char *prev;
     if (finite_ranks > 0) {
@@ -1524,54 +1531,63 @@ static dopt_status dopt__ls_rescue_average(dopt_dp *ls, const dopt_buf *params, 
     }
     ls->status = DOPT_ERR_NONFINITE;
     snprintf(ls->detail + strlen(ls->detail), sizeof ls->detail - strlen(ls->detail),
-             "; %s: the driver stopped", finite_ranks ? "the mean of the finite ranks is not finite either"
-                                                      : "no rank holds finite parameters");
+             "; %s: the driver stopped", written        ? "the parameters hold it already"
+                                         : finite_ranks ? "the mean of the finite ranks is not finite either"
+                                                        : "no rank holds finite parameters");
     dopt_comm_log(ls->comm, DOPT_LOG_ERROR, "rank %d: %s", ls->comm->rank, ls->detail);
     ls->logged = 1;
     return DOPT_ERR_NONFINITE;
 }
 
-/* A round whose average (or outer step) is not finite: named, then FAIL stops the driver with the
-   parameters as they were, and SKIP puts the mean of the finite ranks in their place. */
+/* A round whose average is not finite: named, then FAIL stops the driver with the parameters as
+   they were, and SKIP puts the mean of the finite ranks in their place. `written`: the average
+   was finite in every input and overflowed, found as it went into params (the same bits on every
+   rank): nothing finite is left to continue from, so the driver stops whatever the policy. */
 static dopt_status dopt__ls_models_not_finite(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states,
-                                              int mine_finite, int from_input) {
+                                              int mine_finite, int from_input, int written) {
     int finite_ranks = 0;
     dopt_status s = dopt__ls_nonfinite(ls, params, ls->compressor, from_input, mine_finite, &finite_ranks);
     if (s == DOPT_ERR_NONFINITE && ls->nonfinite == DOPT_NONFINITE_SKIP)
-        s = dopt__ls_rescue_average(ls, params, states, mine_finite, finite_ranks);
+        s = dopt__ls_rescue_average(ls, params, states, mine_finite, written ? 0 : finite_ranks, written);
     if (s == DOPT_ERR_NONFINITE && ls->status == DOPT_OK) {
-        dopt__ls_unpack(ls, params, states);
+        (void)dopt__ls_unpack(ls, params, states); /* the rescue checked it */
         if (ls->anchor && ls->n) memcpy(ls->anchor, ls->work, ls->n * sizeof(float));
     }
     return s;
 }
 
-/* The round's average into params and states. The verdict on it is one pass over the workspace
-   before anything is written (SKIP's mean of the finite ranks needs every rank's parameters as
-   they were), and the outer step's own loop. */
+/* The round's average into params and states. The verdict costs no pass of its own: a slot after
+   the workspace carries this rank's flag (from the copy in) through the same allreduce, so every
+   rank knows before anything is written whether some input held NaN or infinity (SKIP's mean of
+   the finite ranks needs every rank's parameters as they were); an average of finite inputs that
+   overflows is found on the copy out. */
 static dopt_status dopt__ls_average_models(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
     int across = ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_ACROSS, mine_finite, averaged;
+    size_t slot = ls->work_count;
     double local_d2 = 0.0;
     dopt_batch_stats st;
     dopt_status s;
     mine_finite = dopt__ls_pack(ls, params, states);
+    ls->work[slot] = mine_finite ? 0.0f : 1.0f;
     if (across) local_d2 = dopt__ls_sqdist(ls->work, ls->anchor, ls->n);
     if (ls->compressor)
         s = dopt__ls_average_compressed(ls);
     else if (ls->weighted)
-        s = dopt_allreduce_weighted_mean(ls->comm, ls->work, ls->work_count, DOPT_F32, ls->round_samples);
+        s = dopt_allreduce_weighted_mean(ls->comm, ls->work, slot + 1, DOPT_F32, ls->round_samples);
     else
-        s = dopt_allreduce(ls->comm, ls->work, ls->work_count, DOPT_F32, DOPT_MEAN);
+        s = dopt_allreduce(ls->comm, ls->work, slot + 1, DOPT_F32, DOPT_MEAN);
     averaged = s == DOPT_OK; /* else the compressor refused before writing: the input names the place */
-    if (s == DOPT_OK && !dopt_all_finite(ls->work, ls->work_count)) s = DOPT_ERR_NONFINITE;
-    if (s == DOPT_OK && across) {
-        s = dopt__ls_across_stats(ls, params, local_d2, &st);
-        if (s == DOPT_OK) dopt__batch_apply(ls->batch, &st, ls->comm);
-    }
-    if (s == DOPT_OK && ls->outer && !dopt__ls_outer_step(ls)) s = DOPT_ERR_NONFINITE;
-    if (s == DOPT_ERR_NONFINITE) return dopt__ls_models_not_finite(ls, params, states, mine_finite, !averaged);
+    if (s == DOPT_OK && ls->work[slot] != 0.0f) s = DOPT_ERR_NONFINITE;
+    if (s == DOPT_ERR_NONFINITE) return dopt__ls_models_not_finite(ls, params, states, mine_finite, !averaged, 0);
     if (s != DOPT_OK) return s;
-    dopt__ls_unpack(ls, params, states);
+    if (across) {
+        s = dopt__ls_across_stats(ls, params, local_d2, &st);
+        if (s != DOPT_OK) return s;
+        dopt__batch_apply(ls->batch, &st, ls->comm);
+    }
+    if (ls->outer) dopt__ls_outer_step(ls);
+    if (!dopt__ls_unpack(ls, params, states))
+        return dopt__ls_models_not_finite(ls, params, states, mine_finite, 0, 1);
     if (ls->anchor && ls->n) memcpy(ls->anchor, ls->work, ls->n * sizeof(float));
     return DOPT_OK;
 }

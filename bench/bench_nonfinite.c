@@ -3,7 +3,8 @@
 
    dopt_dp_after_backward on a synchronous step copies the gradient into its workspace, averages
    it, and copies it back; the verdict rides on those copies (dopt_copy_finite: this rank's input
-   on the way in, the average on the way out). For 1, 16 and 64 MiB of f32, each rank at once:
+   on the way in, the average on the way out). A local-SGD model average makes the same two
+   copies, and one float more in its allreduce (every rank's flag). For 1, 16 and 64 MiB of f32, each rank at once:
    - allreduce: dopt_allreduce of the buffer, f32 MEAN (what the step must pay anyway);
    - copies: the two plain copies (memcpy in, memcpy out), the driver's copies without a verdict;
    - checked: the same two copies through dopt_copy_finite.

@@ -121,6 +121,12 @@ mutate drift-counted-as-noise localsgd.h \
     test_localsgd:within_variance
 mutate outer-momentum-not-nesterov localsgd.h \
     'd += mu * (double)ls->outer_v[i];' '' test_localsgd:outer
+mutate finite-scan-keeps-the-smallest distopt.h \
+    '            (acc)[j_] = (acc)[j_] > e_ ? (acc)[j_] : e_;' '            (acc)[j_] = (acc)[j_] < e_ ? (acc)[j_] : e_;' \
+    test_core:finite
+mutate finite-scan-ors-the-blocks distopt.h \
+    '(any) |= (uint32_t)(m0_[j_] == 0x7F800000u) | (uint32_t)(m1_[j_] == 0x7F800000u) |' \
+    '(any) |= (uint32_t)((m0_[j_] | m1_[j_]) == 0x7F800000u) | (uint32_t)(m1_[j_] == 0x7F800000u) |' test_core:finite
 mutate nonfinite-average-unchecked localsgd.h \
     '    if (s == DOPT_OK && dopt__ls_unpack_finite(grads, ls->work)) {' \
     '    if (s == DOPT_OK && (dopt__ls_unpack_finite(grads, ls->work) || 1)) {' test_nonfinite:gradient_average
@@ -129,9 +135,12 @@ mutate nonfinite-gradients-not-zeroed localsgd.h \
 mutate nonfinite-fail-not-sticky localsgd.h \
     '    if (ls->status != DOPT_OK) return ls->status; /* a non-finite average under DOPT_NONFINITE_FAIL */' '' \
     test_nonfinite:gradient_average
-mutate nonfinite-model-average-unchecked localsgd.h \
-    '    if (s == DOPT_OK && !dopt_all_finite(ls->work, ls->work_count)) s = DOPT_ERR_NONFINITE;' '' \
+mutate nonfinite-model-flag-ignored localsgd.h \
+    '    if (s == DOPT_OK && ls->work[slot] != 0.0f) s = DOPT_ERR_NONFINITE;' '    (void)slot;' \
     test_nonfinite:model_average
+mutate nonfinite-model-overflow-unchecked localsgd.h \
+    '    if (!dopt__ls_unpack(ls, params, states))' '    if (!dopt__ls_unpack(ls, params, states) && 0)' \
+    test_nonfinite:overflow
 mutate nonfinite-rank-not-named localsgd.h \
     '    mine[0] = mine_finite ? 0 : 1;' '    mine[0] = mine_finite ? 0 : 0;' test_nonfinite:gradient_average
 mutate steps-not-counted-without-after-step localsgd.h \

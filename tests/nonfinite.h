@@ -17,7 +17,8 @@
    - Model averages (local SGD, rank size-1's parameters made non-finite before a sync): FAIL
      stops the driver; SKIP continues every rank from the mean of the finite ranks (at 2 ranks:
      rank 0's parameters, bit for bit).
-   - Finite inputs whose sum overflows: named as an overflow, no rank blamed. */
+   - Finite inputs whose sum overflows: named as an overflow, no rank blamed; a model average that
+     overflows stops the driver under either policy (the parameters hold it already). */
 #ifndef DOPT_TEST_NONFINITE_H
 #define DOPT_TEST_NONFINITE_H
 
@@ -36,7 +37,8 @@ typedef enum nf_mode {
     NF_GRADS_AND_STEP,  /* after_backward and after_step */
     NF_CELGC,           /* dopt_dp_celgc_step with sync_grads at period 1 */
     NF_MODELS,          /* local SGD, period 4: the non-finite value in a model */
-    NF_OVERFLOW         /* finite gradients whose sum overflows */
+    NF_OVERFLOW,        /* finite gradients whose sum overflows */
+    NF_MODELS_OVERFLOW  /* local SGD: finite models whose sum overflows */
 } nf_mode;
 
 typedef struct nf_case {
@@ -87,7 +89,7 @@ static void nf_check_named(const nf_case *k, dopt_dp *dp, int size, const char *
     char rank[64];
     snprintf(rank, sizeof rank, "the input of rank %d held", size - 1);
     NF_CHECK(strstr(d, when) != NULL, "the detail does not name '%s': %s", when, d);
-    if (k->mode == NF_OVERFLOW) {
+    if (k->mode == NF_OVERFLOW || k->mode == NF_MODELS_OVERFLOW) {
         NF_CHECK(strstr(d, "overflowed") != NULL && strstr(d, "input of rank") == NULL, "overflow not named: %s", d);
         return;
     }
@@ -194,7 +196,8 @@ static void nf_run_models(dopt_comm *c, const nf_case *k) {
     for (t = 0; t < NF_STEPS; t++) {
         nf_grads(g, c->rank, t);
         for (i = 0; i < NF_N; i++) x[i] -= 0.01f * g[i];
-        if (t == 5 && c->rank == c->size - 1) x[NF_BAD] = nf_bad_value(k);
+        if (t == 5 && k->mode == NF_MODELS_OVERFLOW) x[NF_BAD] = FLT_MAX;
+        else if (t == 5 && c->rank == c->size - 1) x[NF_BAD] = nf_bad_value(k);
         if (t == 7) memcpy(ref, x, NF_N * sizeof(float));
         if (t == 7) dopt_broadcast(c, ref, NF_N * sizeof(float), 0); /* rank 0's model before the sync */
         st = dopt_dp_after_step_buf(&dp, &xb, NULL);
@@ -202,7 +205,12 @@ static void nf_run_models(dopt_comm *c, const nf_case *k) {
     }
     NF_CHECK(st == DOPT_ERR_NONFINITE, "the sync after step 7: %s", dopt_status_str(st));
     nf_check_named(k, &dp, c->size, "after step 7");
-    if (k->policy == DOPT_NONFINITE_SKIP) {
+    if (k->mode == NF_MODELS_OVERFLOW) {
+        NF_CHECK(strstr(dopt_dp_detail(&dp), "the driver stopped") != NULL, "not stopped: %s", dopt_dp_detail(&dp));
+        NF_CHECK(dopt_dp_after_step_buf(&dp, &xb, NULL) == DOPT_ERR_NONFINITE, "a call after the stop");
+        NF_CHECK(nf_same_everywhere(c, x, NF_N * sizeof(float)), "the overflowed models differ");
+        NF_CHECK(dopt_dp_close_buf(&dp, &xb, NULL) == DOPT_ERR_NONFINITE, "close after the stop");
+    } else if (k->policy == DOPT_NONFINITE_SKIP) {
         NF_CHECK(dp.skipped == 1, "skipped %llu", (unsigned long long)dp.skipped);
         NF_CHECK(dopt_all_finite(x, NF_N) && nf_same_everywhere(c, x, NF_N * sizeof(float)),
                  "the models after a skipped average are not identical and finite");
@@ -220,7 +228,7 @@ static void nf_run_models(dopt_comm *c, const nf_case *k) {
 }
 
 static void nf_run(dopt_comm *c, const nf_case *k) {
-    if (k->mode == NF_MODELS)
+    if (k->mode == NF_MODELS || k->mode == NF_MODELS_OVERFLOW)
         nf_run_models(c, k);
     else
         nf_run_grads(c, k);

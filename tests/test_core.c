@@ -416,6 +416,36 @@ DTEST(all_finite_finds_every_nan_and_inf) {
     x[1] = -FLT_MAX;
     x[2] = FLT_MIN / 2; /* subnormal */
     DT_CHECK(dopt_all_finite(x, 67));
+    /* lanes keep the largest exponent field: exponents whose bits together make all ones, in one
+       lane of different blocks, are still finite */
+    x[3] = 1.7e38f;    /* exponent field 0x7F000000 */
+    x[3 + 16] = 1.2e-38f; /* 0x00800000 */
+    x[3 + 32] = 2.0f;
+    DT_CHECK(dopt_all_finite(x, 67));
+}
+
+/* dopt_copy_finite copies every element bit for bit and gives dopt_all_finite's verdict, at every
+   length to 200 from unaligned pointers, a NaN or an infinity at every place. */
+DTEST(copy_finite_copies_and_finds_every_nan_and_inf) {
+    float src[202], dst[202];
+    unsigned char past[sizeof(float)];
+    size_t n, pos;
+    memset(src, 0, sizeof src);
+    memset(past, 0xAB, sizeof past);
+    for (n = 0; n <= 200; n++) {
+        for (pos = 0; pos < n; pos++) src[1 + pos] = (float)pos * 0.37f - 20.0f;
+        memset(dst, 0xAB, sizeof dst);
+        DT_CHECK(dopt_copy_finite(dst + 1, src + 1, n) == 1);
+        DT_CHECKF(memcmp(dst + 1, src + 1, n * sizeof(float)) == 0 && memcmp(dst + 1 + n, past, sizeof past) == 0,
+                  "length %zu: not copied, or written past the end", n);
+        for (pos = 0; pos < n; pos += 1 + pos / 8) {
+            float keep = src[1 + pos];
+            src[1 + pos] = pos % 2 ? NAN : -INFINITY;
+            DT_CHECKF(dopt_copy_finite(dst + 1, src + 1, n) == 0, "length %zu: non-finite at %zu not found", n, pos);
+            DT_CHECK(memcmp(dst + 1, src + 1, n * sizeof(float)) == 0);
+            src[1 + pos] = keep;
+        }
+    }
 }
 
 DTEST(reduce_every_dtype_and_op) {

@@ -80,6 +80,9 @@ DTEST_WORLDS_EACH(a_non_finite_model_average_stops_or_continues_from_the_finite_
 static const nf_case overflow_cases[] = {
     {NF_OVERFLOW, -1, DOPT_AGG_AUTO, FAIL_, 0, 0, 0},
     {NF_OVERFLOW, -1, DOPT_AGG_AUTO, SKIP_, 0, 0, 0},
+    {NF_MODELS_OVERFLOW, -1, DOPT_AGG_AUTO, FAIL_, 0, 0, 0},
+    {NF_MODELS_OVERFLOW, -1, DOPT_AGG_AUTO, SKIP_, 0, 0, 0},
+    {NF_MODELS_OVERFLOW, -1, DOPT_AGG_AUTO, SKIP_, 0, 1, 1},
 };
 DTEST_WORLDS_EACH(an_average_that_overflows_is_named_as_an_overflow, body_case, overflow_cases, 2, 3);
 
