@@ -3156,7 +3156,9 @@ static int dopt__eng_blame_due(const dopt__engine *e, int polled_since) {
 }
 
 /* One pass: sends whatever is ready, then asks the links what may move (waiting up to wait_ms)
-   and receives what has arrived. *progress is set when bytes moved. */
+   and receives what has arrived. *progress is set when bytes moved. The wait never outlasts a
+   blame deadline: a send of this very pass may have found a link ended and set one after the
+   caller computed wait_ms, and the links left may give no reason to wake (parked, or none). */
 static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, int *progress, int *polled) {
     int p, np = 0, n, i, err = 0;
     dopt_status s;
@@ -3187,6 +3189,8 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
         e->polls[np].events = ev;
         e->polls[np++].revents = 0;
     }
+    if (e->blame_deadline > 0 && wait_ms > dopt__ms_left(e->blame_deadline))
+        wait_ms = dopt__ms_left(e->blame_deadline); /* a link ended in this pass: its verdict is due */
     *polled = 1;
     n = e->root->vt->link_wait(e->root, e->polls, np, wait_ms, &err);
     if (n < 0)

@@ -173,6 +173,10 @@ mutate tcp-abort-culprit-ignored distopt.h \
 mutate tcp-closed-connection-misnamed distopt.h \
     '"rank %d closed the connection%s", culprit, also);' '"rank %d closed the connection%s", (culprit + 1) % e->size, also);' \
     test_faults:tcp
+mutate engine-sleeps-past-the-blame-deadline distopt.h \
+    'if (e->blame_deadline > 0 && wait_ms > dopt__ms_left(e->blame_deadline))' \
+    'if (0 && e->blame_deadline > 0 && wait_ms > dopt__ms_left(e->blame_deadline))' \
+    test_tcp:survivor_whose_other_link_is_parked
 mutate engine-timeout-restarts-every-poll distopt.h \
     '    if (e->last_progress == 0) e->last_progress = entry;' '    e->last_progress = entry;' \
     test_engine:dopt_test_reaches
