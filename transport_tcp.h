@@ -1009,12 +1009,20 @@ static void dopt__tcp_link_close(dopt_comm *c, int peer) {
 static int dopt__tcp_lobby_add(dopt__tcp *t, int np);
 static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, int lo, int hi);
 
+/* A link the engine does not read is still watched for its end: the peer's FIN (Linux's
+   POLLRDHUP, seen while unread bytes wait before it) or a reset (POLLERR, POLLHUP, always on). */
+#ifdef POLLRDHUP
+#define DOPT__TCP_POLL_END POLLRDHUP
+#else
+#define DOPT__TCP_POLL_END 0
+#endif
+
 static int dopt__tcp_link_wait(dopt_comm *c, dopt_link_poll *polls, int npolls, int timeout_ms, int *err) {
     dopt__tcp *t = (dopt__tcp *)c->impl;
     int i, np, n, ready = 0;
     for (i = 0; i < npolls; i++) {
         t->pfd[i].fd = t->peers[polls[i].peer].fd;
-        t->pfd[i].events = (short)(((polls[i].events & DOPT_LINK_IN) ? POLLIN : 0) |
+        t->pfd[i].events = (short)(((polls[i].events & DOPT_LINK_IN) ? POLLIN : DOPT__TCP_POLL_END) |
                                    ((polls[i].events & DOPT_LINK_OUT) ? POLLOUT : 0));
         t->pfd[i].revents = 0;
         t->pfd_peer[i] = polls[i].peer;
@@ -1031,7 +1039,7 @@ static int dopt__tcp_link_wait(dopt_comm *c, dopt_link_poll *polls, int npolls, 
     if (n == 0 && timeout_ms == 0) sched_yield();
     for (i = 0; i < npolls; i++) {
         short re = t->pfd[i].revents;
-        polls[i].revents = (short)(((re & (POLLIN | POLLHUP | POLLERR)) ? DOPT_LINK_IN : 0) |
+        polls[i].revents = (short)(((re & (POLLIN | POLLHUP | POLLERR | DOPT__TCP_POLL_END)) ? DOPT_LINK_IN : 0) |
                                    ((re & (POLLOUT | POLLHUP | POLLERR)) ? DOPT_LINK_OUT : 0));
         ready += polls[i].revents != 0;
     }

@@ -2153,6 +2153,68 @@ DTEST(survivor_whose_other_link_is_parked_learns_of_a_death_at_once) {
     DT_EQ_INT(reports, 2);
 }
 
+/* Rank 1 was a collective ahead of rank 0 and failed there: its frame of allreduce #2 (256 KiB,
+   more than rank 0 reads before it parks the frame) lies before its abort, which names rank 2.
+   Rank 0, in #1, still has frames for rank 1 (which no longer reads) and waits for rank 2 (which
+   sends nothing). Rank 1 then ends its stream (shutdown, its process alive) or closes with rank
+   0's bytes unread (a reset). Either way rank 0 reads past the parked frame to the abort and
+   reports its words, at once: not its timeout, nor "rank 1 closed the connection". */
+/* Rank 1's side: its bytes, then the end of its stream (a shutdown), or a close once rank 0's
+   bytes wait unread (a reset). */
+typedef struct parked_abort_peer {
+    int fd, reset;
+    const unsigned char *bytes;
+    size_t len;
+} parked_abort_peer;
+
+static void *parked_abort_peer_run(void *arg) {
+    parked_abort_peer *pp = (parked_abort_peer *)arg;
+    DT_CHECK(write(pp->fd, pp->bytes, pp->len) == (ssize_t)pp->len);
+    if (!pp->reset) {
+        shutdown(pp->fd, SHUT_WR);
+        return NULL;
+    }
+    while (unread_bytes(pp->fd) == 0) usleep(1000);
+    close(pp->fd);
+    return NULL;
+}
+
+static void parked_abort_case(int reset) {
+    size_t count = (size_t)3 << 20, frame = (size_t)256 << 10;
+    static const char why[] = "rank 2 closed the connection";
+    unsigned char *bytes = (unsigned char *)calloc(2 * DOPT_FRAME_BYTES + frame + sizeof why, 1);
+    float *x = (float *)calloc(count, sizeof(float));
+    dopt_coll_desc next = allreduce_desc(2, count);
+    size_t len = 0;
+    parked_abort_peer pp;
+    pthread_t th;
+    int fds[3];
+    dopt_comm *c = trio_comm(fds, 10000);
+    DT_CHECK(bytes != NULL && x != NULL);
+    dopt__frame_encode(bytes, DOPT__FRAME_DATA, &next, 1, 0, frame);
+    len = DOPT_FRAME_BYTES + frame;
+    dopt__abort_encode(bytes + len, &next, 1, DOPT_ERR_PEER_LOST, 2, 1, sizeof why - 1);
+    memcpy(bytes + len + DOPT_FRAME_BYTES, why, sizeof why - 1);
+    len += DOPT_FRAME_BYTES + sizeof why - 1;
+    pp.fd = fds[1];
+    pp.reset = reset;
+    pp.bytes = bytes;
+    pp.len = len;
+    DT_CHECK(pthread_create(&th, NULL, parked_abort_peer_run, &pp) == 0);
+    DT_EQ_INT(dopt_allreduce(c, x, count, DOPT_F32, DOPT_SUM), DOPT_ERR_PEER_LOST);
+    DT_CHECK(pthread_join(th, NULL) == 0);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "(f32 sum, 3145728 elems): rank 2 closed the connection (reported by rank 1)"),
+              "%s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
+    if (!reset) close(fds[1]);
+    close(fds[2]);
+    free(bytes);
+    free(x);
+}
+
+DTEST(abort_behind_a_parked_frame_is_read_when_the_peer_ends_its_stream) { parked_abort_case(0); }
+DTEST(abort_behind_a_parked_frame_is_read_when_the_link_resets) { parked_abort_case(1); }
+
 DTEST(peer_closing_mid_payload_is_peer_lost) {
     unsigned char hdr[DOPT_FRAME_BYTES + 8];
     float x[4] = {1, 2, 3, 4};
