@@ -581,8 +581,12 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#ifdef __linux__
+#include <linux/sockios.h>
+#endif
 #include <time.h>
 #include <unistd.h>
 
@@ -601,6 +605,7 @@ extern "C" {
 #define DOPT__TCP_ADDR_CHARS 64           /* "[ffff:...:255.255.255.255]:65535" and its NUL */
 #define DOPT__TCP_HOST_MAX 256            /* the host part of master_addr or bind_addr, NUL included */
 #define DOPT__TCP_MAX_PENDING 32          /* unauthenticated connections held at once */
+#define DOPT__TCP_LINGER_MS 2000          /* destroy waits at most this long for peers to take its bytes */
 #define DOPT__TCP_RENDEZVOUS_DEFAULT_MS 600000 /* see the manual's configuration table */
 #define DOPT__TCP_REPORT_DEFAULT_MS 5000
 #define DOPT__TCP_VERDICT_MS 2000         /* a rank whose peer connection failed in setup waits for rank 0's word */
@@ -1063,21 +1068,66 @@ static void dopt__tcp_free(dopt__tcp *t) {
     DOPT_FREE(t);
 }
 
+/* Bytes written to a TCP connection that its peer has not acknowledged yet (the FIN counts as
+   one). 0 where that cannot be asked (not Linux), and for other sockets: a socketpair's bytes
+   wait in the peer's queue, which nothing this end does can drop. */
+static int dopt__tcp_unacked(int fd) {
+#if defined(__linux__) && defined(SIOCOUTQ)
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    int n = 0;
+    if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0 || (ss.ss_family != AF_INET && ss.ss_family != AF_INET6))
+        return 0;
+    return ioctl(fd, SIOCOUTQ, &n) == 0 ? n : 0;
+#else
+    (void)fd;
+    return 0;
+#endif
+}
+
+/* Reads and drops what peer p sends now; 1 while p may send more and has not yet taken all this
+   rank wrote to it. */
+static int dopt__tcp_linger_peer(dopt__tcp_peer *P) {
+    unsigned char sink[16384];
+    ssize_t n;
+    while ((n = recv(P->fd, sink, sizeof sink, MSG_DONTWAIT)) > 0) continue;
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return 0;
+    return dopt__tcp_unacked(P->fd) > 0;
+}
+
+/* Ends this rank's writing on every link and reads what peers still send, dropping it, until
+   each peer has taken all that was written to it or ended its own stream, for at most wait_ms.
+   A close() with unread bytes resets the connection, and the reset throws away what is still
+   queued here: the abort a peer parked behind a frame has not read yet, so that it blamed this
+   rank for a connection that ended mid-frame (1 report in 144 named the wrong rank). A count of
+   reads cannot bound this: the peer may be that far behind. */
+static void dopt__tcp_linger(dopt__tcp *t, int wait_ms) {
+    double deadline = dopt__now_ms() + wait_ms;
+    int p;
+    for (p = 0; p < t->size; p++)
+        if (p != t->rank && t->peers[p].fd >= 0) shutdown(t->peers[p].fd, SHUT_WR);
+    for (;;) {
+        int np = 0, left = dopt__ms_left(deadline);
+        for (p = 0; p < t->size; p++) {
+            if (p == t->rank || t->peers[p].fd < 0 || !dopt__tcp_linger_peer(&t->peers[p])) continue;
+            t->pfd[np].fd = t->peers[p].fd;
+            t->pfd[np].events = POLLIN;
+            t->pfd[np++].revents = 0;
+        }
+        if (np == 0 || left == 0) return;
+        poll(t->pfd, (nfds_t)np, left < 10 ? left : 10); /* acknowledgements wake nothing: look again */
+    }
+}
+
 /* Says goodbye to every peer (so that a peer still finishing the last collective knows this rank
-   left on purpose), drains what the peer sent so close() does not reset the connection, and
-   frees everything. */
+   left on purpose), lingers until the peers have what was written to them, and frees
+   everything. */
 static void dopt__tcp_destroy(dopt_comm *c) {
     dopt__tcp *t = (dopt__tcp *)c->impl;
-    unsigned char sink[4096];
-    int p, i;
+    int wait_ms = c->timeout_ms < DOPT__TCP_LINGER_MS ? c->timeout_ms : DOPT__TCP_LINGER_MS;
     if (t == NULL) return;
     if (t->ready) dopt_links_goodbye(c, c->timeout_ms < 5000 ? c->timeout_ms : 5000);
-    for (p = 0; p < t->size; p++) {
-        dopt__tcp_peer *P = &t->peers[p];
-        if (p == t->rank || P->fd < 0) continue;
-        shutdown(P->fd, SHUT_WR);
-        for (i = 0; i < 64 && recv(P->fd, sink, sizeof sink, MSG_DONTWAIT) > 0; i++) continue;
-    }
+    if (t->peers) dopt__tcp_linger(t, wait_ms);
     dopt__tcp_free(t);
     c->impl = NULL;
 }

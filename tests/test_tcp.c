@@ -2215,6 +2215,73 @@ static void parked_abort_case(int reset) {
 DTEST(abort_behind_a_parked_frame_is_read_when_the_peer_ends_its_stream) { parked_abort_case(0); }
 DTEST(abort_behind_a_parked_frame_is_read_when_the_link_resets) { parked_abort_case(1); }
 
+/* A TCP connection on loopback: ends[0] and ends[1]. */
+static void loopback_pair(int ends[2]) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    int l = socket(AF_INET, SOCK_STREAM, 0);
+    DT_CHECK(l >= 0);
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    DT_CHECK(bind(l, (struct sockaddr *)&a, sizeof a) == 0 && listen(l, 1) == 0);
+    DT_CHECK(getsockname(l, (struct sockaddr *)&a, &len) == 0);
+    DT_CHECK((ends[0] = socket(AF_INET, SOCK_STREAM, 0)) >= 0);
+    DT_CHECK(connect(ends[0], (struct sockaddr *)&a, sizeof a) == 0);
+    DT_CHECK((ends[1] = accept(l, NULL, NULL)) >= 0);
+    close(l);
+}
+
+/* Rank 1's side: a header announcing another count than rank 0's, then 2 MiB that rank 0 never
+   takes as data, then the end of its stream. */
+static void *mismatching_sender(void *arg) {
+    static unsigned char junk[1 << 16];
+    unsigned char hdr[DOPT_FRAME_BYTES];
+    dopt_coll_desc d = allreduce_desc(1, (size_t)1 << 17);
+    int fd = *(int *)arg, k;
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 1, 0, (size_t)1 << 21);
+    if (send(fd, hdr, sizeof hdr, MSG_NOSIGNAL) == (ssize_t)sizeof hdr)
+        for (k = 0; k < 32 && send(fd, junk, sizeof junk, MSG_NOSIGNAL) == (ssize_t)sizeof junk; k++) continue;
+    shutdown(fd, SHUT_WR);
+    return NULL;
+}
+
+/* Rank 0 fails at rank 1's header (another count) with its own frame to rank 1 partly still
+   queued (rank 1 reads nothing yet), sends its abort behind it, and is destroyed while rank 1
+   keeps sending. A close() with rank 1's bytes unread would reset the connection and drop what
+   rank 0 still held for rank 1, the abort included; rank 0 reads rank 1's stream to its end
+   first, so rank 1, reading only afterwards, gets the whole frame and the abort. */
+DTEST(destroy_after_an_abort_drops_nothing_the_peer_has_not_read) {
+    size_t count = ((size_t)1 << 17) + 4; /* 2 ranks: a ring of two 256 KiB frames */
+    float *x = (float *)calloc(count, sizeof(float));
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    frame_reader fr;
+    pthread_t th;
+    int ends[2], fds[2];
+    DT_CHECK(x != NULL);
+    loopback_pair(ends);
+    fds[0] = -1;
+    fds[1] = ends[0];
+    memset(&cfg, 0, sizeof cfg);
+    cfg.world_size = 2;
+    cfg.timeout_ms = 10000;
+    DT_OK(dopt_tcp_create_from_sockets(&c, fds, &cfg));
+    DT_CHECK(pthread_create(&th, NULL, mismatching_sender, &ends[1]) == 0);
+    DT_EQ_INT(dopt_allreduce(c, x, count, DOPT_F32, DOPT_SUM), DOPT_ERR_MISMATCH);
+    dopt_comm_destroy(c);
+    DT_CHECK(pthread_join(th, NULL) == 0);
+    memset(&fr, 0, sizeof fr);
+    fr.fd = ends[1];
+    read_frames(&fr);
+    DT_CHECKF(fr.got_abort, "no abort after %llu frames (%llu payload bytes)", (unsigned long long)fr.data_frames,
+              (unsigned long long)fr.data_bytes);
+    DT_EQ_INT(fr.abort.status, DOPT_ERR_MISMATCH);
+    DT_EQ_INT(fr.data_bytes, count / 2 * sizeof(float));
+    close(ends[1]);
+    free(x);
+}
+
 DTEST(peer_closing_mid_payload_is_peer_lost) {
     unsigned char hdr[DOPT_FRAME_BYTES + 8];
     float x[4] = {1, 2, 3, 4};
