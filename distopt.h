@@ -2927,18 +2927,22 @@ static dopt_status dopt__eng_read_past(dopt_comm *c, dopt__engine *e, int p, int
         size_t take = P->hi - P->lo < P->skip ? P->hi - P->lo : (size_t)P->skip;
         dopt_link_poll w;
         dopt__frame f;
+        const char *why;
         long n;
+        int wait_err = 0;
         P->lo += take;
         P->skip -= take;
         if (P->skip == 0 && P->hi - P->lo >= DOPT_FRAME_BYTES) {
-            if (dopt__frame_decode(P->stage + P->lo, &f) != NULL)
-                return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a malformed frame header", p);
+            if ((why = dopt__frame_decode(P->stage + P->lo, &f)) != NULL)
+                return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a malformed frame header: %s", p, why);
             if (f.type == DOPT__FRAME_ABORT) {
                 dopt_status s = dopt__eng_take_abort(c, e, p, d, &f);
                 if (s != DOPT_OK) return s;
             } else {
-                P->gone |= f.type == DOPT__FRAME_GOODBYE;
-                if (f.type == DOPT__FRAME_GOODBYE) P->goodbye_seq = f.desc.seq;
+                if (f.type == DOPT__FRAME_GOODBYE) {
+                    P->gone = 1;
+                    P->goodbye_seq = f.desc.seq;
+                }
                 P->lo += DOPT_FRAME_BYTES;
                 P->skip = f.bytes;
                 continue;
@@ -2948,15 +2952,15 @@ static dopt_status dopt__eng_read_past(dopt_comm *c, dopt__engine *e, int p, int
         P->hi -= P->lo;
         P->lo = 0;
         n = e->root->vt->link_recv(e->root, p, P->stage + P->hi, DOPT__STAGE_BYTES - P->hi, err);
-        if (n > 0) P->hi += (size_t)n;
-        if (n != 0) {
-            if (n < 0) return DOPT_OK;
+        if (n < 0) return DOPT_OK;
+        if (n > 0) {
+            P->hi += (size_t)n;
             continue;
         }
         w.peer = p;
         w.events = DOPT_LINK_IN;
         w.revents = 0;
-        if (dopt__now_ms() >= until || e->root->vt->link_wait(e->root, &w, 1, dopt__ms_left(until), err) < 0)
+        if (dopt__now_ms() >= until || e->root->vt->link_wait(e->root, &w, 1, dopt__ms_left(until), &wait_err) < 0)
             return DOPT_OK;
     }
 }
