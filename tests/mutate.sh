@@ -184,7 +184,7 @@ mutate tcp-parked-link-end-unwatched transport_tcp.h \
     '#define DOPT__TCP_POLL_END POLLRDHUP' '#define DOPT__TCP_POLL_END 0' \
     test_tcp:abort_behind_a_parked_frame_is_read_when_the_peer_ends
 mutate tcp-destroy-closes-before-the-peer-has-its-bytes transport_tcp.h \
-    '    return dopt__tcp_unacked(P->fd) > 0;' '    return 0;' test_tcp:destroy_after_an_abort
+    '    return dopt__tcp_unacked(P->fd) > 0;' '    return dopt__tcp_unacked(P->fd) < 0;' test_tcp:destroy_after_an_abort
 mutate engine-timeout-restarts-every-poll distopt.h \
     '    if (e->last_progress == 0) e->last_progress = entry;' '    e->last_progress = entry;' \
     test_engine:dopt_test_reaches

@@ -2233,7 +2233,8 @@ static void loopback_pair(int ends[2]) {
 }
 
 /* Rank 1's side: a header announcing another count than rank 0's, then 2 MiB that rank 0 never
-   takes as data, then the end of its stream. */
+   takes as data, 64 KiB every 5 ms (still coming while rank 0 is destroyed), then the end of its
+   stream. */
 static void *mismatching_sender(void *arg) {
     static unsigned char junk[1 << 16];
     unsigned char hdr[DOPT_FRAME_BYTES];
@@ -2241,7 +2242,7 @@ static void *mismatching_sender(void *arg) {
     int fd = *(int *)arg, k;
     dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 1, 0, (size_t)1 << 21);
     if (send(fd, hdr, sizeof hdr, MSG_NOSIGNAL) == (ssize_t)sizeof hdr)
-        for (k = 0; k < 32 && send(fd, junk, sizeof junk, MSG_NOSIGNAL) == (ssize_t)sizeof junk; k++) continue;
+        for (k = 0; k < 32 && send(fd, junk, sizeof junk, MSG_NOSIGNAL) == (ssize_t)sizeof junk; k++) usleep(5000);
     shutdown(fd, SHUT_WR);
     return NULL;
 }
