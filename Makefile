@@ -11,6 +11,7 @@
 #                 across them, srun on a local Slurm (tests/check_cluster*.sh, check_slurm.sh)
 #   make fuzz     run every fuzz target for FUZZ_SECONDS (default 60) each
 #   make mutate   one-line mutations of the headers, each of which the tests must catch
+#   make faults-soak  test_faults with FAULT_SOAK (default 10) times its kill trials
 #   make demo     two workers on Fashion-MNIST: fp32 against TernGrad + local SGD (README)
 #   make hosts    FANN and darknet from Debian with distopt in their loops (examples/hosts)
 #   make experiments  the measurements of docs/RESULTS.md and its tables and figures (4-11 min)
@@ -76,7 +77,7 @@ FUZZ_SRC := $(wildcard fuzz/fuzz_*.c)
 FUZZERS  := $(patsubst fuzz/%.c,$(BUILD)/%,$(FUZZ_SRC))
 FUZZ_SECONDS ?= 60
 
-.PHONY: all deps test asan bench fuzz demo experiments examples install uninstall clean mutate cluster-test
+.PHONY: all deps test asan bench fuzz demo experiments examples install uninstall clean mutate cluster-test faults-soak
 
 all: $(TESTS) $(FAST_MATH_TESTS) $(MPI_TESTS) $(CHECKS) $(BENCHES) $(BUILD)/bench_allreduce $(EXAMPLES) $(OMP_EXAMPLES)
 
@@ -93,6 +94,11 @@ experiments: deps $(BUILD)/fmnist_mlp $(BUILD)/perf_model
 	@experiments/run.sh $(BUILD) docs
 
 examples: $(EXAMPLES) $(OMP_EXAMPLES)
+
+# test_faults' kills, FAULT_SOAK times as many (a rare wrong or late survivor shows); not part of make test.
+FAULT_SOAK ?= 10
+faults-soak: $(BUILD)/test_faults
+	@FAULT_SOAK=$(FAULT_SOAK) DTEST_TIMEOUT_S=86400 $(BUILD)/test_faults
 
 # One-line bugs the tests must catch (tests/mutate.sh lists them); slow, not part of make test.
 mutate: deps

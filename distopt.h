@@ -535,7 +535,7 @@ typedef struct dopt_iov {
 /* One peer's link in a link_wait call: what the engine waits for, and what happened. */
 typedef struct dopt_link_poll {
     int peer;
-    short events;  /* DOPT_LINK_IN | DOPT_LINK_OUT */
+    short events;  /* DOPT_LINK_IN | DOPT_LINK_OUT, either or neither (see link_wait) */
     short revents; /* set by link_wait: the same bits, or DOPT_LINK_IN when the link ended or failed */
 } dopt_link_poll;
 
@@ -572,7 +572,10 @@ typedef struct dopt_comm_vtable {
        (*err = 0: the peer closed it in order; else the reason).
        link_wait sleeps until one of polls[0..npolls) may move or timeout_ms passes (0: look
        without sleeping; it may yield the processor), sets revents and returns how many are
-       ready, 0 on timeout, -1 with *err on a failure.
+       ready, 0 on timeout, -1 with *err on a failure. An entry without DOPT_LINK_IN (events 0
+       included) is a link the engine does not read now; a backend that can tell reports
+       DOPT_LINK_IN on it when the peer ended its stream or the link failed, even with bytes
+       unread before the end (TCP: a FIN or a reset), and one that cannot reports nothing.
        link_close ends this rank's writing to peer: the peer reads what was written, then the end
        of the stream (TCP: shutdown(SHUT_WR)); reading goes on. Called after an abort. */
     long (*link_send)(dopt_comm *c, int peer, const dopt_iov *parts, int nparts, int *err);
@@ -2257,6 +2260,8 @@ typedef struct dopt__peer {
     int closed_mid;             /* ... in the middle of a frame to this rank */
     int close_err;              /* ... with this errno (0: an orderly end of stream) */
     int close_sending;          /* ... seen by a send */
+    uint64_t skip;              /* payload bytes still to come of a frame dropped while reading past
+                                   the end of a link (dopt__eng_link_ended) */
     size_t abort_sent;          /* bytes of this rank's ABORT frame written to it */
 } dopt__peer;
 
@@ -2636,7 +2641,7 @@ static dopt_status dopt__eng_peer_aborted(dopt_comm *c, const dopt_coll_desc *d,
 static int dopt__eng_mid_frame(const dopt__engine *e, int p) {
     const dopt__peer *P = &e->peers[p];
     const dopt__op *o = P->rx_cur >= 0 ? &e->ops[P->rx_cur] : NULL;
-    return P->hi > P->lo || (o && o->hdr_done && o->done < o->bytes);
+    return P->hi > P->lo || P->skip > 0 || (o && o->hdr_done && o->done < o->bytes);
 }
 
 /* Peer p's link ended (err: 0 for an end of stream, else the reason) without an abort while a
@@ -2819,6 +2824,18 @@ static dopt_status dopt__eng_unexpected(dopt_comm *c, dopt__engine *e, int p, co
     return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a frame this rank did not expect", p);
 }
 
+/* An ABORT frame at the head of p's stage: DOPT_OK while its words have not all arrived, else
+   the failure it carries (a protocol error when it names ranks outside the world). */
+static dopt_status dopt__eng_take_abort(dopt_comm *c, dopt__engine *e, int p, const dopt_coll_desc *d,
+                                        const dopt__frame *f) {
+    const dopt__peer *P = &e->peers[p];
+    if (f->culprit >= e->size || f->reporter >= e->size)
+        return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent an abort naming ranks %d and %d in a world of %d",
+                              p, f->culprit, f->reporter, e->size);
+    if (P->hi - P->lo < DOPT_FRAME_BYTES + f->bytes) return DOPT_OK;
+    return dopt__eng_peer_aborted(c, d, f, P->stage + P->lo + DOPT_FRAME_BYTES);
+}
+
 /* Consumes what peer p's stage holds: frame headers (validated before anything of the payload is
    used), payload copied or combined into place, aborts and goodbyes. */
 static dopt_status dopt__eng_consume(dopt_comm *c, dopt__engine *e, int p) {
@@ -2838,14 +2855,7 @@ static dopt_status dopt__eng_consume(dopt_comm *c, dopt__engine *e, int p) {
                 P->parked = 1; /* a later collective's frame, an abort included: this one may still finish */
                 return DOPT_OK;
             }
-            if (f.type == DOPT__FRAME_ABORT) {
-                if (f.culprit >= e->size || f.reporter >= e->size)
-                    return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p,
-                                          "rank %d sent an abort naming ranks %d and %d in a world of %d", p, f.culprit,
-                                          f.reporter, e->size);
-                if (avail < DOPT_FRAME_BYTES + f.bytes) return DOPT_OK;
-                return dopt__eng_peer_aborted(c, d, &f, P->stage + P->lo + DOPT_FRAME_BYTES);
-            }
+            if (f.type == DOPT__FRAME_ABORT) return dopt__eng_take_abort(c, e, p, d, &f);
             if (f.type == DOPT__FRAME_GOODBYE) {
                 P->lo += DOPT_FRAME_BYTES;
                 P->gone = 1;
@@ -2882,6 +2892,15 @@ static dopt_status dopt__eng_consume(dopt_comm *c, dopt__engine *e, int p) {
         if (o->done < o->bytes) return DOPT_OK;
         dopt__eng_rx_next(P, o);
     }
+}
+
+/* Peer p said goodbye (destroyed its communicator) and then ended its link: fails the collective
+   that needed it. */
+static dopt_status dopt__eng_peer_left(dopt_comm *c, dopt__engine *e, int p) {
+    const dopt__peer *P = &e->peers[p];
+    return dopt__eng_fail(c, &dopt__eng_req(e, P->rx_cur >= 0 ? e->ops[P->rx_cur].req : e->retired)->desc,
+                          DOPT_ERR_PEER_LOST, p, "rank %d destroyed its communicator after its collective #%llu", p,
+                          (unsigned long long)P->goodbye_seq);
 }
 
 static dopt_status dopt__eng_pump_rx(dopt_comm *c, dopt__engine *e, int p, int *progress) {
@@ -2935,26 +2954,89 @@ static dopt_status dopt__eng_pump_rx(dopt_comm *c, dopt__engine *e, int p, int *
             P->parked = 1;
             return DOPT_OK;
         }
-        if (P->gone)
-            return dopt__eng_fail(c, &dopt__eng_req(e, o ? o->req : e->retired)->desc, DOPT_ERR_PEER_LOST, p,
-                                  "rank %d destroyed its communicator after its collective #%llu", p,
-                                  (unsigned long long)P->goodbye_seq);
+        if (P->gone) return dopt__eng_peer_left(c, e, p);
         dopt__eng_mark_closed(c, e, p, err, 0);
         return DOPT_OK;
     }
 }
 
+/* What is left of an ended link's stream, read and dropped: the rest of a frame in progress and
+   every frame after it (a later collective's, parked), up to the stream's end. An abort there says
+   who failed first: a peer that was a collective ahead sent it behind its next frame, which may
+   be tens of MiB that this rank would never read otherwise. Waits for what has not arrived up to
+   DOPT__BLAME_MS. Returns the abort's failure, else DOPT_OK (*err: how the stream ended). Only
+   for a link a collective in flight needs and cannot have: what is dropped is never used. */
+static dopt_status dopt__eng_read_past(dopt_comm *c, dopt__engine *e, int p, int *err) {
+    dopt__peer *P = &e->peers[p];
+    const dopt__op *o = P->rx_cur >= 0 ? &e->ops[P->rx_cur] : NULL;
+    const dopt_coll_desc *d = dopt__eng_current(e);
+    double until = dopt__now_ms() + DOPT__BLAME_MS;
+    if (o && o->hdr_done) P->skip = o->bytes - o->done;
+    for (;;) {
+        size_t take = P->hi - P->lo < P->skip ? P->hi - P->lo : (size_t)P->skip;
+        dopt_link_poll w;
+        dopt__frame f;
+        const char *why;
+        long n;
+        int wait_err = 0;
+        P->lo += take;
+        P->skip -= take;
+        if (P->skip == 0 && P->hi - P->lo >= DOPT_FRAME_BYTES) {
+            if ((why = dopt__frame_decode(P->stage + P->lo, &f)) != NULL)
+                return dopt__eng_fail(c, d, DOPT_ERR_PROTOCOL, p, "rank %d sent a malformed frame header: %s", p, why);
+            if (f.type == DOPT__FRAME_ABORT) {
+                dopt_status s = dopt__eng_take_abort(c, e, p, d, &f);
+                if (s != DOPT_OK) return s;
+            } else {
+                if (f.type == DOPT__FRAME_GOODBYE) {
+                    P->gone = 1;
+                    P->goodbye_seq = f.desc.seq;
+                }
+                P->lo += DOPT_FRAME_BYTES;
+                P->skip = f.bytes;
+                continue;
+            }
+        }
+        memmove(P->stage, P->stage + P->lo, P->hi - P->lo);
+        P->hi -= P->lo;
+        P->lo = 0;
+        n = e->root->vt->link_recv(e->root, p, P->stage + P->hi, DOPT__STAGE_BYTES - P->hi, err);
+        if (n < 0) return DOPT_OK;
+        if (n > 0) {
+            P->hi += (size_t)n;
+            continue;
+        }
+        w.peer = p;
+        w.events = DOPT_LINK_IN;
+        w.revents = 0;
+        if (dopt__now_ms() >= until || e->root->vt->link_wait(e->root, &w, 1, dopt__ms_left(until), &wait_err) < 0)
+            return DOPT_OK;
+    }
+}
+
+/* Peer p's link ended (err: why, 0 for an end of stream) while a collective in flight needs it: a
+   send to p failed, or p ended its stream while this rank still has frames for it (a peer that
+   ended its writing reads no more: it aborted, left or died). Reads past what is left of the
+   stream, then records the end for dopt__eng_blame. */
+static dopt_status dopt__eng_link_ended(dopt_comm *c, dopt__engine *e, int p, int err, int sending) {
+    int end_err = 0;
+    dopt_status s = dopt__eng_read_past(c, e, p, &end_err);
+    if (s != DOPT_OK) return s;
+    if (e->peers[p].gone) return dopt__eng_peer_left(c, e, p);
+    dopt__eng_mark_closed(c, e, p, err ? err : end_err, sending);
+    return DOPT_OK;
+}
+
 /* ===================================================================== ENGINE: SENDING */
 
 /* A peer that failed sends an abort and may close at once; our send then meets a reset before
-   the abort was read. What the peer said explains more than "broken pipe", so read it first;
-   without one, the link has ended (dopt__eng_mark_closed). */
+   the abort was read. What the peer said explains more than "broken pipe", so read it first, past
+   any frame parked before it; without one, the link has ended (dopt__eng_link_ended). */
 static dopt_status dopt__eng_send_failed(dopt_comm *c, dopt__engine *e, int p, int err) {
     int progress = 0;
     dopt_status s = dopt__eng_pump_rx(c, e, p, &progress);
-    if (s != DOPT_OK) return s;
-    dopt__eng_mark_closed(c, e, p, err, 1);
-    return DOPT_OK;
+    if (s != DOPT_OK || e->peers[p].closed) return s;
+    return dopt__eng_link_ended(c, e, p, err, 1);
 }
 
 /* Sends what is ready to peer p, at most DOPT__TX_PASS_BYTES in one pass: a rank with many
@@ -3205,7 +3287,9 @@ static int dopt__eng_blame_due(const dopt__engine *e, int polled_since) {
 }
 
 /* One pass: sends whatever is ready, then asks the links what may move (waiting up to wait_ms)
-   and receives what has arrived. *progress is set when bytes moved. */
+   and receives what has arrived. *progress is set when bytes moved. The wait never outlasts a
+   blame deadline: a send of this very pass may have found a link ended and set one after the
+   caller computed wait_ms, and the links left may give no reason to wake (parked, or none). */
 static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, int *progress, int *polled) {
     int p, np = 0, n, i, err = 0;
     dopt_status s;
@@ -3231,11 +3315,13 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
         if (p == e->rank || P->closed) continue;
         if (!P->parked && !(P->rx_cur >= 0 && dopt__eng_gated(e, &e->ops[P->rx_cur]))) ev |= DOPT_LINK_IN;
         if (P->tx_cur >= 0 && P->tx_blocked) ev |= DOPT_LINK_OUT;
-        if (!ev) continue;
+        if (!ev && !(P->parked && P->tx_cur >= 0)) continue; /* else watched for its end alone */
         e->polls[np].peer = p;
         e->polls[np].events = ev;
         e->polls[np++].revents = 0;
     }
+    if (e->blame_deadline > 0 && wait_ms > dopt__ms_left(e->blame_deadline))
+        wait_ms = dopt__ms_left(e->blame_deadline); /* a link ended in this pass: its verdict is due */
     *polled = 1;
     n = e->root->vt->link_wait(e->root, e->polls, np, wait_ms, &err);
     if (n < 0)
@@ -3243,6 +3329,11 @@ static dopt_status dopt__eng_pass(dopt_comm *c, dopt__engine *e, int wait_ms, in
     for (i = 0; i < np && n > 0; i++) {
         short re = e->polls[i].revents;
         p = e->polls[i].peer;
+        if ((re & DOPT_LINK_IN) && !(e->polls[i].events & DOPT_LINK_IN)) { /* ended; its reads wait */
+            s = dopt__eng_link_ended(c, e, p, 0, 1);
+            if (s != DOPT_OK) return s;
+            continue;
+        }
         if (re & DOPT_LINK_OUT) e->peers[p].tx_blocked = 0;
         if (re & DOPT_LINK_IN) {
             e->peers[p].tx_blocked = 0; /* a failed link: the send says why */

@@ -4,7 +4,8 @@
    DTEST_WORLDS: one line registering a multi-rank test once per transport). Each test runs in
    its own forked process (its own process group), so a crash, an abort or a hang fails that test
    alone; a test that runs longer than its budget (DTEST_TIMEOUT_S, default 120 s, or
-   dtest_set_timeout) is killed with its children. Checks print the file, the line and what failed
+   dtest_set_timeout; DTEST_TIMEOUT_S=N in the environment gives every test N s, for a soak) is
+   killed with its children. Checks print the file, the line and what failed
    and end the process with status 1, which works the same in a test and in the ranks it forks.
 
    Usage: ./test_x [substring]   runs the tests whose name contains substring (all without it).
@@ -259,8 +260,9 @@ __attribute__((unused)) static int dtest_run_one(const dtest_entry *t) {
 __attribute__((unused)) static int dtest_main(int argc, char **argv) {
     int i, passed = 0, failed = 0, skipped = 0;
     const char *filter = argc > 1 ? argv[1] : NULL;
-    const char *base = strrchr(argv[0], '/');
+    const char *base = strrchr(argv[0], '/'), *budget = getenv("DTEST_TIMEOUT_S");
     base = base ? base + 1 : argv[0];
+    for (i = 0; budget && atoi(budget) > 0 && i < dtest_count; i++) dtest_list[i].timeout_s = atoi(budget);
     setvbuf(stdout, NULL, _IOLBF, 0);
     signal(SIGPIPE, SIG_IGN);
     if (dtest_dropped) { /* a test nobody would run must not pass unseen */

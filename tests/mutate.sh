@@ -197,6 +197,18 @@ mutate tcp-abort-culprit-ignored distopt.h \
 mutate tcp-closed-connection-misnamed distopt.h \
     '"rank %d closed the connection%s", culprit, also);' '"rank %d closed the connection%s", (culprit + 1) % e->size, also);' \
     test_faults:tcp
+mutate engine-sleeps-past-the-blame-deadline distopt.h \
+    'if (e->blame_deadline > 0 && wait_ms > dopt__ms_left(e->blame_deadline))' \
+    'if (0 && e->blame_deadline > 0 && wait_ms > dopt__ms_left(e->blame_deadline))' \
+    test_tcp:survivor_whose_other_link_is_parked
+mutate engine-abort-behind-a-parked-frame-ignored distopt.h \
+    '                dopt_status s = dopt__eng_take_abort(c, e, p, d, &f);' '                dopt_status s = DOPT_OK;' \
+    test_tcp:abort_behind_a_parked_frame
+mutate tcp-parked-link-end-unwatched transport_tcp.h \
+    '#define DOPT__TCP_POLL_END POLLRDHUP' '#define DOPT__TCP_POLL_END 0' \
+    test_tcp:abort_behind_a_parked_frame_is_read_when_the_peer_ends
+mutate tcp-destroy-closes-before-the-peer-has-its-bytes transport_tcp.h \
+    '    return dopt__tcp_unacked(P->fd) > 0;' '    return dopt__tcp_unacked(P->fd) < 0;' test_tcp:destroy_after_an_abort
 mutate engine-timeout-restarts-every-poll distopt.h \
     '    if (e->last_progress == 0) e->last_progress = entry;' '    e->last_progress = entry;' \
     test_engine:dopt_test_reaches

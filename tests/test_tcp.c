@@ -19,6 +19,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 
 /* ------------------------------------------------------------------ worlds over loopback */
@@ -2017,6 +2018,269 @@ DTEST(aborting_rank_finishes_its_half_sent_frame_then_sends_its_abort) {
     close(fds[1]);
     free(x);
     free(from2);
+}
+
+/* Ranks 0 and 1 in processes of their own, rank 2 played by the test, over socketpairs: the
+   ring of a large allreduce runs 0 -> 1 -> 2 -> 0. */
+typedef struct deaf_trio {
+    int link01[2], link02[2], link12[2]; /* [0]: the lower rank's end */
+    int report_pipe[2];                  /* each survivor: one deaf_report */
+    int done_pipe[2];                    /* rank 0: 1 once its allreduce #1 returned */
+} deaf_trio;
+
+typedef struct deaf_report {
+    int rank, status;
+    char detail[DOPT_DETAIL_MAX];
+} deaf_report;
+
+#define DEAF_BLOCK ((size_t)1 << 20) /* f32 elements of a ring block: frames of 4 MiB */
+#define DEAF_TIMEOUT_MS 30000
+#define DEAF_WAIT_S 10               /* a survivor not back by then waits for its timeout */
+
+static void deaf_survivor(deaf_trio *t, int rank) {
+    int fds[3], all[6], i;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    float *buf = (float *)calloc(3 * DEAF_BLOCK, sizeof(float));
+    deaf_report rep;
+    dopt_status s;
+    DT_CHECK(buf != NULL);
+    fds[0] = rank == 0 ? -1 : t->link01[1];
+    fds[1] = rank == 0 ? t->link01[0] : -1;
+    fds[2] = rank == 0 ? t->link02[0] : t->link12[0];
+    memcpy(all, t->link01, sizeof t->link01);
+    memcpy(all + 2, t->link02, sizeof t->link02);
+    memcpy(all + 4, t->link12, sizeof t->link12);
+    for (i = 0; i < 6; i++) /* every end but this rank's: rank 2's must end when the test closes them */
+        if (all[i] != fds[0] && all[i] != fds[1] && all[i] != fds[2]) close(all[i]);
+    memset(&cfg, 0, sizeof cfg);
+    cfg.rank = rank;
+    cfg.world_size = 3;
+    cfg.timeout_ms = DEAF_TIMEOUT_MS;
+    DT_OK(dopt_tcp_create_from_sockets(&c, fds, &cfg));
+    while ((s = dopt_allreduce(c, buf, 3 * DEAF_BLOCK, DOPT_F32, DOPT_SUM)) == DOPT_OK)
+        if (rank == 0 && c->seq == 1) dtest_write_int(t->done_pipe[1], 1);
+    memset(&rep, 0, sizeof rep);
+    rep.rank = rank;
+    rep.status = (int)s;
+    snprintf(rep.detail, sizeof rep.detail, "%s", dopt_comm_detail(c));
+    DT_CHECK(write(t->report_pipe[1], &rep, sizeof rep) == (ssize_t)sizeof rep);
+    dopt_comm_destroy(c);
+    free(buf);
+}
+
+/* The rank a detail names first after its "rank R: <collective>: " prefix, or -1. */
+static int named_rank(const char *detail) {
+    const char *p = strstr(detail, "elems): ");
+    int r;
+    if (p == NULL || (p = strstr(p, "rank ")) == NULL || sscanf(p, "rank %d", &r) != 1) return -1;
+    return r;
+}
+
+/* Bytes waiting to be read at fd. */
+static int unread_bytes(int fd) {
+    int n = 0;
+    DT_CHECK(ioctl(fd, FIONREAD, &n) == 0);
+    return n;
+}
+
+/* Rank 2 sends rank 0 its four frames of allreduce #1, so rank 0 finishes #1 and starts #2,
+   whose first frame rank 1 parks (rank 1 is still in #1: rank 2 reads only the first 64 KiB of
+   rank 1's frames, so rank 1's sends to it wait). Once rank 1 holds that frame unread, rank 2
+   exits. Rank 1 then learns of it from a send that fails in the same pass that would sleep on
+   its links: the parked one, and none else. It must not sleep past the verdict (it slept until
+   its timeout), and rank 0, whose frame to rank 1 is stuck half-sent, must name rank 2 too. */
+DTEST(survivor_whose_other_link_is_parked_learns_of_a_death_at_once) {
+    static unsigned char zeros[1 << 16];
+    unsigned char hdr[DOPT_FRAME_BYTES];
+    dopt_coll_desc d = allreduce_desc(1, 3 * DEAF_BLOCK);
+    deaf_trio t;
+    deaf_report rep;
+    pid_t pids[2];
+    size_t sent;
+    double deadline;
+    int r, k, reports = 0, stable = 0, status;
+    DT_CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, t.link01) == 0 && socketpair(AF_UNIX, SOCK_STREAM, 0, t.link02) == 0 &&
+             socketpair(AF_UNIX, SOCK_STREAM, 0, t.link12) == 0 && pipe(t.report_pipe) == 0 && pipe(t.done_pipe) == 0);
+    fflush(stdout);
+    for (r = 0; r < 2; r++) {
+        DT_CHECK((pids[r] = fork()) >= 0);
+        if (pids[r] == 0) {
+            deaf_survivor(&t, r);
+            _exit(0);
+        }
+    }
+    close(t.link01[0]); /* the parent keeps rank 1's end of 0 -> 1 to watch it, until rank 2 exits */
+    close(t.link02[0]);
+    close(t.link12[0]);
+    for (k = 0; k < 4; k++) { /* rank 2's frames to rank 0 in allreduce #1 (zeros: only headers are checked) */
+        dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 2, 0, DEAF_BLOCK * sizeof(float));
+        DT_CHECK(write(t.link02[1], hdr, sizeof hdr) == (ssize_t)sizeof hdr);
+        for (sent = 0; sent < DEAF_BLOCK * sizeof(float); sent += sizeof zeros)
+            DT_CHECK(write(t.link02[1], zeros, sizeof zeros) == (ssize_t)sizeof zeros);
+    }
+    for (sent = 0; sent < sizeof zeros;) { /* the first 64 KiB of rank 1's */
+        ssize_t n = read(t.link12[1], zeros, sizeof zeros - sent);
+        DT_CHECK(n > 0);
+        sent += (size_t)n;
+    }
+    dtest_read_int(t.done_pipe[0], "rank 0's allreduce #1");
+    for (deadline = dtest_now_ms() + 20000; stable < 10; usleep(10000)) { /* rank 1 no longer reads rank 0 */
+        DT_CHECKF(dtest_now_ms() < deadline, "rank 1 never left rank 0's frame unread");
+        stable = unread_bytes(t.link01[1]) > 0 ? stable + 1 : 0;
+    }
+    close(t.link01[1]);
+    close(t.link02[1]);
+    close(t.link12[1]);
+    deadline = dtest_now_ms() + DEAF_WAIT_S * 1e3;
+    for (r = 0; r < 2;) {
+        pid_t p = waitpid(-1, &status, WNOHANG);
+        if (p > 0) {
+            DT_CHECKF(WIFEXITED(status) && WEXITSTATUS(status) == 0, "a survivor failed");
+            r++;
+            continue;
+        }
+        DT_CHECKF(dtest_now_ms() < deadline, "a survivor is still waiting %d s after rank 2 left (its timeout is %d s)",
+                  DEAF_WAIT_S, DEAF_TIMEOUT_MS / 1000);
+        usleep(1000);
+    }
+    while (read(t.report_pipe[0], &rep, sizeof rep) == (ssize_t)sizeof rep) {
+        reports++;
+        DT_CHECKF(rep.status == DOPT_ERR_PEER_LOST && named_rank(rep.detail) == 2, "rank %d: %d %s", rep.rank,
+                  rep.status, rep.detail);
+        if (reports == 2) break;
+    }
+    DT_EQ_INT(reports, 2);
+}
+
+/* Rank 1 was a collective ahead of rank 0 and failed there: its frame of allreduce #2 (256 KiB,
+   more than rank 0 reads before it parks the frame) lies before its abort, which names rank 2.
+   Rank 0, in #1, still has frames for rank 1 (which no longer reads) and waits for rank 2 (which
+   sends nothing). Rank 1 then ends its stream (shutdown, its process alive) or closes with rank
+   0's bytes unread (a reset). Either way rank 0 reads past the parked frame to the abort and
+   reports its words, at once: not its timeout, nor "rank 1 closed the connection". */
+/* Rank 1's side: its bytes, then the end of its stream (a shutdown), or a close once rank 0's
+   bytes wait unread (a reset). */
+typedef struct parked_abort_peer {
+    int fd, reset;
+    const unsigned char *bytes;
+    size_t len;
+} parked_abort_peer;
+
+static void *parked_abort_peer_run(void *arg) {
+    parked_abort_peer *pp = (parked_abort_peer *)arg;
+    DT_CHECK(write(pp->fd, pp->bytes, pp->len) == (ssize_t)pp->len);
+    if (!pp->reset) {
+        shutdown(pp->fd, SHUT_WR);
+        return NULL;
+    }
+    while (unread_bytes(pp->fd) == 0) usleep(1000);
+    close(pp->fd);
+    return NULL;
+}
+
+static void parked_abort_case(int reset) {
+    size_t count = (size_t)3 << 20, frame = (size_t)256 << 10;
+    static const char why[] = "rank 2 closed the connection";
+    unsigned char *bytes = (unsigned char *)calloc(2 * DOPT_FRAME_BYTES + frame + sizeof why, 1);
+    float *x = (float *)calloc(count, sizeof(float));
+    dopt_coll_desc next = allreduce_desc(2, count);
+    size_t len = 0;
+    parked_abort_peer pp;
+    pthread_t th;
+    int fds[3];
+    dopt_comm *c = trio_comm(fds, 10000);
+    DT_CHECK(bytes != NULL && x != NULL);
+    dopt__frame_encode(bytes, DOPT__FRAME_DATA, &next, 1, 0, frame);
+    len = DOPT_FRAME_BYTES + frame;
+    dopt__abort_encode(bytes + len, &next, 1, DOPT_ERR_PEER_LOST, 2, 1, sizeof why - 1);
+    memcpy(bytes + len + DOPT_FRAME_BYTES, why, sizeof why - 1);
+    len += DOPT_FRAME_BYTES + sizeof why - 1;
+    pp.fd = fds[1];
+    pp.reset = reset;
+    pp.bytes = bytes;
+    pp.len = len;
+    DT_CHECK(pthread_create(&th, NULL, parked_abort_peer_run, &pp) == 0);
+    DT_EQ_INT(dopt_allreduce(c, x, count, DOPT_F32, DOPT_SUM), DOPT_ERR_PEER_LOST);
+    DT_CHECK(pthread_join(th, NULL) == 0);
+    DT_CHECKF(strstr(dopt_comm_detail(c), "(f32 sum, 3145728 elems): rank 2 closed the connection (reported by rank 1)"),
+              "%s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
+    if (!reset) close(fds[1]);
+    close(fds[2]);
+    free(bytes);
+    free(x);
+}
+
+DTEST(abort_behind_a_parked_frame_is_read_when_the_peer_ends_its_stream) { parked_abort_case(0); }
+DTEST(abort_behind_a_parked_frame_is_read_when_the_link_resets) { parked_abort_case(1); }
+
+/* A TCP connection on loopback: ends[0] and ends[1]. */
+static void loopback_pair(int ends[2]) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    int l = socket(AF_INET, SOCK_STREAM, 0);
+    DT_CHECK(l >= 0);
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    DT_CHECK(bind(l, (struct sockaddr *)&a, sizeof a) == 0 && listen(l, 1) == 0);
+    DT_CHECK(getsockname(l, (struct sockaddr *)&a, &len) == 0);
+    DT_CHECK((ends[0] = socket(AF_INET, SOCK_STREAM, 0)) >= 0);
+    DT_CHECK(connect(ends[0], (struct sockaddr *)&a, sizeof a) == 0);
+    DT_CHECK((ends[1] = accept(l, NULL, NULL)) >= 0);
+    close(l);
+}
+
+/* Rank 1's side: a header announcing another count than rank 0's, then 2 MiB that rank 0 never
+   takes as data, 64 KiB every 5 ms (still coming while rank 0 is destroyed), then the end of its
+   stream. */
+static void *mismatching_sender(void *arg) {
+    static unsigned char junk[1 << 16];
+    unsigned char hdr[DOPT_FRAME_BYTES];
+    dopt_coll_desc d = allreduce_desc(1, (size_t)1 << 17);
+    int fd = *(int *)arg, k;
+    dopt__frame_encode(hdr, DOPT__FRAME_DATA, &d, 1, 0, (size_t)1 << 21);
+    if (send(fd, hdr, sizeof hdr, MSG_NOSIGNAL) == (ssize_t)sizeof hdr)
+        for (k = 0; k < 32 && send(fd, junk, sizeof junk, MSG_NOSIGNAL) == (ssize_t)sizeof junk; k++) usleep(5000);
+    shutdown(fd, SHUT_WR);
+    return NULL;
+}
+
+/* Rank 0 fails at rank 1's header (another count) with its own frame to rank 1 partly still
+   queued (rank 1 reads nothing yet), sends its abort behind it, and is destroyed while rank 1
+   keeps sending. A close() with rank 1's bytes unread would reset the connection and drop what
+   rank 0 still held for rank 1, the abort included; rank 0 reads rank 1's stream to its end
+   first, so rank 1, reading only afterwards, gets the whole frame and the abort. */
+DTEST(destroy_after_an_abort_drops_nothing_the_peer_has_not_read) {
+    size_t count = ((size_t)1 << 17) + 4; /* 2 ranks: a ring of two 256 KiB frames */
+    float *x = (float *)calloc(count, sizeof(float));
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    frame_reader fr;
+    pthread_t th;
+    int ends[2], fds[2];
+    DT_CHECK(x != NULL);
+    loopback_pair(ends);
+    fds[0] = -1;
+    fds[1] = ends[0];
+    memset(&cfg, 0, sizeof cfg);
+    cfg.world_size = 2;
+    cfg.timeout_ms = 10000;
+    DT_OK(dopt_tcp_create_from_sockets(&c, fds, &cfg));
+    DT_CHECK(pthread_create(&th, NULL, mismatching_sender, &ends[1]) == 0);
+    DT_EQ_INT(dopt_allreduce(c, x, count, DOPT_F32, DOPT_SUM), DOPT_ERR_MISMATCH);
+    dopt_comm_destroy(c);
+    DT_CHECK(pthread_join(th, NULL) == 0);
+    memset(&fr, 0, sizeof fr);
+    fr.fd = ends[1];
+    read_frames(&fr);
+    DT_CHECKF(fr.got_abort, "no abort after %llu frames (%llu payload bytes)", (unsigned long long)fr.data_frames,
+              (unsigned long long)fr.data_bytes);
+    DT_EQ_INT(fr.abort.status, DOPT_ERR_MISMATCH);
+    DT_EQ_INT(fr.data_bytes, count / 2 * sizeof(float));
+    close(ends[1]);
+    free(x);
 }
 
 DTEST(peer_closing_mid_payload_is_peer_lost) {

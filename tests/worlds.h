@@ -26,6 +26,7 @@
    DTEST_WORLDS_RUN(name, run, lo, hi)          run(via, n) per transport and size n = lo..hi, for
                                                 a test that starts its worlds itself (test_faults.c
                                                 kills ranks in them).
+   DTEST_WORLDS_RUN_ON(name, run, lo, hi, mask) the same on the transports of mask only.
    arg (args) is an expression valid at file scope: NULL, or the address of a file-scope object.
 
    The lower layer:
@@ -214,6 +215,7 @@ __attribute__((unused)) static void world_register(world_test *tests, const char
 #define DTEST_WORLDS_EACH_ON(name, body, args, lo, hi, mask)                                       \
     DTEST_WORLDS__(name, NULL, body, args, sizeof((args)[0]), sizeof(args) / sizeof((args)[0]), lo, hi, mask)
 #define DTEST_WORLDS_EACH(name, body, args, lo, hi) DTEST_WORLDS_EACH_ON(name, body, args, lo, hi, WORLD_MASK_ALL)
-#define DTEST_WORLDS_RUN(name, run, lo, hi) DTEST_WORLDS__(name, run, NULL, NULL, 0, 1, lo, hi, WORLD_MASK_ALL)
+#define DTEST_WORLDS_RUN_ON(name, run, lo, hi, mask) DTEST_WORLDS__(name, run, NULL, NULL, 0, 1, lo, hi, mask)
+#define DTEST_WORLDS_RUN(name, run, lo, hi) DTEST_WORLDS_RUN_ON(name, run, lo, hi, WORLD_MASK_ALL)
 
 #endif
