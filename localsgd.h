@@ -63,12 +63,12 @@
        memset(&cfg, 0, sizeof cfg);                     (zero: the defaults)
        cfg.period = 8;
        cfg.warmup_steps = 100;
-       dopt_dp_init(&ls, comm, n, &cfg);
-       dopt_dp_broadcast(&ls, params);
+       dopt_dp_init(&dp, comm, n, &cfg);
+       dopt_dp_broadcast(&dp, params);
        for (step = 0; step < steps; step++) {
            forward_backward(params, grads);
            sgd_update(params, grads);                   (the host's own optimizer)
-           dopt_dp_after_step(&ls, params);       (averages after steps 0..99, then
+           dopt_dp_after_step(&dp, params);       (averages after steps 0..99, then
        }                                                 after 107, 115, ...)
 
       Setting cfg.compressor = &topk (a compressor with error feedback) sends each average's
@@ -89,8 +89,8 @@
        bcfg.max_units = 16;
        dopt_batch_init(&bc, n, &bcfg);
        cfg.period = 8; cfg.batch = &bc;
-       dopt_dp_init(&ls, comm, n, &cfg);
-       dopt_dp_broadcast(&ls, params);
+       dopt_dp_init(&dp, comm, n, &cfg);
+       dopt_dp_broadcast(&dp, params);
        for (step = 0; step < steps; step++) {
            memset(grads, 0, n * sizeof(float));
            for (u = 0; u < dopt_batch_units(&bc); u++) {
@@ -98,7 +98,7 @@
                dopt_batch_observe(&bc, &(dopt_buf){.data = micro, .n = n}, 1.0f);
                dopt_axpy(grads, 1.0f / dopt_batch_units(&bc), micro, n);
            }
-           dopt_dp_celgc_step(&ls, &(dopt_buf){.data = params, .n = n}, &(dopt_buf){.data = grads, .n = n},
+           dopt_dp_celgc_step(&dp, &(dopt_buf){.data = params, .n = n}, &(dopt_buf){.data = grads, .n = n},
                               &(dopt_celgc){.eta = eta, .gamma = gamma});
        }                                    (the step's end for the batch controller too)
 
@@ -111,7 +111,7 @@
      dopt_dp_broadcast (replicas start identical, so their mean is that same model up to
      the rounding of a mean of N equal floats). Averaging at the end of a step means the models
      are identical whenever dopt_dp_after_step returns from a sync — the moment a host
-     evaluates or checkpoints. dopt_dp_should_sync(ls, t) tells what happens when.
+     evaluates or checkpoints. dopt_dp_should_sync(dp, t) tells what happens when.
 
    CONFIGURATION (dopt_dp_config; all zero means the defaults; NULL means all zero)
 
@@ -177,13 +177,13 @@
 
    FUNCTIONS (driver)
 
-   dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n,
+   dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n,
                                   const dopt_dp_config *cfg)
      Sizes a driver for parameters of n elements (flat or a scatter list of n in all). Allocates
      the averaging workspace (n + the AVERAGE states' elements) and the anchor when kept; copies
      the state table. comm is borrowed (it must outlive the driver); cfg->batch is borrowed too.
      cfg->compressor and cfg->grad_compressor are borrowed as well (they must be two different
-     objects). Errors: DOPT_ERR_INVALID (NULL ls or comm, a bad policy, a batch controller whose
+     objects). Errors: DOPT_ERR_INVALID (NULL dp or comm, a bad policy, a batch controller whose
      estimator needs n elements and has another count, a compressor whose segments do not cover
      exactly n packed elements, a compressor with `weighted`, a grad_compressor that is the
      same object as compressor, outer_lr negative or not finite, outer_momentum
@@ -196,25 +196,25 @@
      any collective does, and the driver, made, is closed or freed as usual. A scatter list is
      broadcast with dopt_dp_broadcast_buf after init.
 
-   void dopt_dp_free(dopt_dp *ls)
+   void dopt_dp_free(dopt_dp *dp)
      Releases what init allocated (not comm, not the batch controller). NULL or zeroed: accepted.
 
-   int dopt_dp_should_sync(const dopt_dp *ls, uint64_t step)
-   int dopt_dp_is_synchronous(const dopt_dp *ls, uint64_t step)
+   int dopt_dp_should_sync(const dopt_dp *dp, uint64_t step)
+   int dopt_dp_is_synchronous(const dopt_dp *dp, uint64_t step)
      should_sync: 1 when dopt_dp_after_step at the end of `step` averages (see WHEN THE
      AVERAGE HAPPENS). is_synchronous: 1 during the warm-up, and always when the period is 1.
      Pure.
 
-   dopt_status dopt_dp_broadcast(dopt_dp *ls, float *params)
-   dopt_status dopt_dp_broadcast_buf(dopt_dp *ls, const dopt_buf *params,
+   dopt_status dopt_dp_broadcast(dopt_dp *dp, float *params)
+   dopt_status dopt_dp_broadcast_buf(dopt_dp *dp, const dopt_buf *params,
                                            const dopt_buf *states)
      Collective: rank 0's parameters (and every extra state buffer) to every rank; records the
      anchor. Call once before the first step (and after loading the host's checkpoint if ranks
      loaded different files). states is an array of nstates descriptors (NULL when nstates = 0);
      the flat form needs nstates = 0.
 
-   dopt_status dopt_dp_after_backward(dopt_dp *ls, float *grads)
-   dopt_status dopt_dp_after_backward_buf(dopt_dp *ls, const dopt_buf *grads)
+   dopt_status dopt_dp_after_backward(dopt_dp *dp, float *grads)
+   dopt_status dopt_dp_after_backward_buf(dopt_dp *dp, const dopt_buf *grads)
      On a synchronous step (every step at period 1, the warm-up otherwise): averages the
      gradients in place (through grad_compressor when set; weighted by the step's samples when
      `weighted`), and the after_step of that step then averages nothing: the models stay
@@ -227,8 +227,8 @@
      A host that never calls after_step has its steps counted here: a second after_backward with
      no after_step between ends the step before it (STEPS below).
 
-   dopt_status dopt_dp_after_step(dopt_dp *ls, float *params)
-   dopt_status dopt_dp_after_step_buf(dopt_dp *ls, const dopt_buf *params,
+   dopt_status dopt_dp_after_step(dopt_dp *dp, float *params)
+   dopt_status dopt_dp_after_step_buf(dopt_dp *dp, const dopt_buf *params,
                                             const dopt_buf *states)
      Counts the step and, when it is a sync, averages parameters and AVERAGE states in one
      allreduce, zeroes the RESET states, runs the batch decision, and moves the anchor. A
@@ -237,7 +237,7 @@
      communication, and the step is not counted), and the transport's errors (the communicator's
      detail names them; the parameters are then unchanged).
 
-   dopt_status dopt_dp_sync(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states)
+   dopt_status dopt_dp_sync(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states)
      Averages now, whatever the schedule: before the host evaluates or saves mid-round (darknet syncs its nets
      before it saves weights). Ends the round as a scheduled average does (AVERAGE and RESET
      states, the anchor, the batch decision) but is not a step: the schedule does not move. A
@@ -245,7 +245,7 @@
      without communication: every rank counts steps alike, so every rank skips alike. Collective
      otherwise; errors as dopt_dp_after_step.
 
-   dopt_status dopt_dp_celgc_step(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
+   dopt_status dopt_dp_celgc_step(dopt_dp *dp, const dopt_buf *params, const dopt_buf *grads,
                                   const dopt_celgc *rule)
      CELGC (Liu et al. 2022), one step: after_backward (gradient average on synchronous steps
      with sync_grads), x ← x − min(η, γ/‖g‖)·(scale·g + wd·x) with clip.h's dopt_celgc_step on
@@ -262,29 +262,29 @@
      average has NON-FINITE AVERAGES' rule (under SKIP every rank skips its update and the step
      is counted). grads is averaged in place on synchronous steps with sync_grads.
 
-   dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
+   dopt_status dopt_dp_check_replicas(dopt_dp *dp, const dopt_buf *params, int *identical,
                                       double *max_diff)
      Collective: *identical = 1 when every rank's parameters are bitwise identical (one
      allgather of a 64-bit FNV-1a checksum and the step); otherwise one elementwise MAX allreduce in the
      workspace and one scalar one give *max_diff, the largest |x_r,i − x_q,i| over elements and
      ranks (0 when identical). Either output may be NULL. Same answer on every rank.
 
-   dopt_status dopt_dp_close(dopt_dp *ls, float *params)
-   dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params,
+   dopt_status dopt_dp_close(dopt_dp *dp, float *params)
+   dopt_status dopt_dp_close_buf(dopt_dp *dp, const dopt_buf *params,
                                  const dopt_buf *states)
      The closing call, once at the end of training, on every rank: averages a last round
      shorter than the period (as dopt_dp_sync), checks that the replicas are bitwise identical
      and at the same step, and releases the driver (dopt_dp_free after it is harmless; every
      other call then returns DOPT_ERR_CLOSED). Returns DOPT_OK, the communicator's status when
-     it was poisoned, or DOPT_ERR_MISMATCH when the replicas differ; dopt_dp_detail(ls) then
+     it was poisoned, or DOPT_ERR_MISMATCH when the replicas differ; dopt_dp_detail(dp) then
      says which ranks hold other parameters than rank 0 and the largest difference, or that
      the ranks are at different steps, and the same words go to the communicator's detail
      (without poisoning it), which dopt_comm_finish prints. The host's end of a job is then
 
          return dopt_comm_finish(comm, dopt_dp_close(&dp, params));
 
-   dopt_status dopt_dp_save(dopt_dp *ls, const char *path)
-   dopt_status dopt_dp_load(dopt_dp *ls, const char *path)
+   dopt_status dopt_dp_save(dopt_dp *dp, const char *path)
+   dopt_status dopt_dp_load(dopt_dp *dp, const char *path)
      This rank's library state — step, syncs, the round's sample count, the anchor, the layout
      and policies, and the batch controller (size, accumulators, direction) — to a file: header
      "DOPTLSGD", format version (2; files of version 1 are refused), world size, rank, layout,
@@ -295,18 +295,18 @@
      DOPT_ERR_IO (cannot open or read), DOPT_ERR_PROTOCOL (not such a file, another format
      version, a bad checksum, truncated), DOPT_ERR_INVALID (another world size, rank, element
      count, period, warm-up, state table, batch or outer-optimizer configuration).
-     dopt_dp_detail(ls) then says which, in words. Save refuses (DOPT_ERR_INVALID) in the
+     dopt_dp_detail(dp) then says which, in words. Save refuses (DOPT_ERR_INVALID) in the
      middle of a step with an EXACT-projection controller: the step's micro-batch gradients are
      not saved; save between steps. Save and load allocate a buffer the size of the file (they are
      not steady-state calls). Not collectives: each rank saves and loads its own file.
 
-   dopt_status dopt_dp_set_step_samples(dopt_dp *ls, double samples)
+   dopt_status dopt_dp_set_step_samples(dopt_dp *dp, double samples)
      The samples this rank processes per step from now on (unequal local batches: the last shard
      smaller, heterogeneous workers); 0 returns to the default, the batch controller's
      units · unit_samples, or 1 without one. They weigh this rank in `weighted` averages and in
      the ACROSS estimator. Saved with the state. DOPT_ERR_INVALID: negative or not finite.
 
-   const char *dopt_dp_detail(const dopt_dp *ls)
+   const char *dopt_dp_detail(const dopt_dp *dp)
      The driver's last error in words, which names the communicator's detail too; when the
      driver has none, the communicator's own detail (an error in a collective the host called
      itself); "" when neither failed. Owned by the driver or the communicator.
@@ -619,27 +619,27 @@ typedef struct dopt_dp {
     char detail[DOPT_DP_DETAIL_MAX];
 } dopt_dp;
 
-DOPT_DEF dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n, const dopt_dp_config *cfg);
-DOPT_DEF void dopt_dp_free(dopt_dp *ls);
-DOPT_DEF int dopt_dp_should_sync(const dopt_dp *ls, uint64_t step);
-DOPT_DEF int dopt_dp_is_synchronous(const dopt_dp *ls, uint64_t step);
-DOPT_DEF dopt_status dopt_dp_broadcast(dopt_dp *ls, float *params);
-DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
-DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *ls, float *grads);
-DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *ls, const dopt_buf *grads);
-DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *ls, float *params);
-DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
-DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
-DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
+DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const dopt_dp_config *cfg);
+DOPT_DEF void dopt_dp_free(dopt_dp *dp);
+DOPT_DEF int dopt_dp_should_sync(const dopt_dp *dp, uint64_t step);
+DOPT_DEF int dopt_dp_is_synchronous(const dopt_dp *dp, uint64_t step);
+DOPT_DEF dopt_status dopt_dp_broadcast(dopt_dp *dp, float *params);
+DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states);
+DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *dp, float *grads);
+DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *dp, const dopt_buf *grads);
+DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *dp, float *params);
+DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states);
+DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states);
+DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *dp, const dopt_buf *params, const dopt_buf *grads,
                                         const dopt_celgc *rule);
-DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
+DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *dp, const dopt_buf *params, int *identical,
                                             double *max_diff);
-DOPT_DEF dopt_status dopt_dp_close(dopt_dp *ls, float *params);
-DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states);
-DOPT_DEF dopt_status dopt_dp_set_step_samples(dopt_dp *ls, double samples);
-DOPT_DEF dopt_status dopt_dp_save(dopt_dp *ls, const char *path);
-DOPT_DEF dopt_status dopt_dp_load(dopt_dp *ls, const char *path);
-DOPT_DEF const char *dopt_dp_detail(const dopt_dp *ls);
+DOPT_DEF dopt_status dopt_dp_close(dopt_dp *dp, float *params);
+DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states);
+DOPT_DEF dopt_status dopt_dp_set_step_samples(dopt_dp *dp, double samples);
+DOPT_DEF dopt_status dopt_dp_save(dopt_dp *dp, const char *path);
+DOPT_DEF dopt_status dopt_dp_load(dopt_dp *dp, const char *path);
+DOPT_DEF const char *dopt_dp_detail(const dopt_dp *dp);
 
 /* ===================================================================== HELPERS */
 
@@ -769,33 +769,33 @@ extern "C" {
 
 /* ===================================================================== SMALL HELPERS */
 
-static void dopt__ls_fail_detail(dopt_dp *ls, const char *fmt, ...) DOPT_PRINTF(2, 3);
-static void dopt__ls_fail_detail(dopt_dp *ls, const char *fmt, ...) {
+static void dopt__dp_fail_detail(dopt_dp *dp, const char *fmt, ...) DOPT_PRINTF(2, 3);
+static void dopt__dp_fail_detail(dopt_dp *dp, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(ls->detail, sizeof ls->detail, fmt, ap);
+    vsnprintf(dp->detail, sizeof dp->detail, fmt, ap);
     va_end(ap);
 }
 
 /* Names the driver's call in the communicator's details; returns the previous label, which the
    caller puts back with dopt_comm_set_api. */
-static const char *dopt__ls_label(dopt_dp *ls, const char *fmt, ...) DOPT_PRINTF(2, 3);
-static const char *dopt__ls_label(dopt_dp *ls, const char *fmt, ...) {
+static const char *dopt__dp_label(dopt_dp *dp, const char *fmt, ...) DOPT_PRINTF(2, 3);
+static const char *dopt__dp_label(dopt_dp *dp, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(ls->api, sizeof ls->api, fmt, ap);
+    vsnprintf(dp->api, sizeof dp->api, fmt, ap);
     va_end(ap);
-    return dopt_comm_set_api(ls->comm, ls->api);
+    return dopt_comm_set_api(dp->comm, dp->api);
 }
 
-static dopt_status dopt__ls_check_buf(const dopt_buf *b, size_t n) {
+static dopt_status dopt__dp_check_buf(const dopt_buf *b, size_t n) {
     if (b == NULL || dopt_buf_validate(b) != DOPT_OK || dopt_buf_count(b) != n) return DOPT_ERR_INVALID;
     return DOPT_OK;
 }
 
 /* Σ (x_i − a_i)(m_i − a_i): x a descriptor, m and a packed vectors (a rank's delta against the
    average delta). */
-static double dopt__ls_delta_dot_buf(const dopt_buf *b, const float *mean, const float *anchor) {
+static double dopt__dp_delta_dot_buf(const dopt_buf *b, const float *mean, const float *anchor) {
     size_t i, j, k = dopt_buf_nsegs(b);
     double s = 0.0;
     for (i = 0; i < k; i++) {
@@ -808,7 +808,7 @@ static double dopt__ls_delta_dot_buf(const dopt_buf *b, const float *mean, const
     return s;
 }
 
-static double dopt__ls_sqdist(const float *x, const float *y, size_t n) {
+static double dopt__dp_sqdist(const float *x, const float *y, size_t n) {
     size_t i;
     double s = 0.0;
     for (i = 0; i < n; i++) {
@@ -953,7 +953,7 @@ DOPT_DEF dopt_status dopt_batch_observe(dopt_batch *bc, const dopt_buf *grad, fl
     size_t i, j, k, off = 0;
     double sq = 0.0, proj = 0.0, sc = (double)scale;
     float *keep;
-    if (bc == NULL || bc->cfg.estimator != DOPT_BATCH_WITHIN || dopt__ls_check_buf(grad, bc->n) != DOPT_OK ||
+    if (bc == NULL || bc->cfg.estimator != DOPT_BATCH_WITHIN || dopt__dp_check_buf(grad, bc->n) != DOPT_OK ||
         !dopt__is_finite(sc) || sc == 0.0)
         return DOPT_ERR_INVALID;
     if (bc->micro && bc->observed >= bc->cfg.max_units) return DOPT_ERR_INVALID; /* no room to keep it */
@@ -1106,143 +1106,143 @@ DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm) {
 
 /* A refused init: the driver keeps the status and the reason, every later call returns the status
    (check once), and dopt_dp_close reports the reason. */
-static dopt_status dopt__ls_init_fail(dopt_dp *ls, const char *why) {
-    ls->status = DOPT_ERR_INVALID;
-    snprintf(ls->detail, sizeof ls->detail, "dopt_dp_init: %s", why);
+static dopt_status dopt__dp_init_fail(dopt_dp *dp, const char *why) {
+    dp->status = DOPT_ERR_INVALID;
+    snprintf(dp->detail, sizeof dp->detail, "dopt_dp_init: %s", why);
     return DOPT_ERR_INVALID;
 }
 
-DOPT_DEF dopt_status dopt_dp_init(dopt_dp *ls, dopt_comm *comm, size_t n, const dopt_dp_config *cfg) {
+DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const dopt_dp_config *cfg) {
     dopt_dp_config c;
     size_t i, work = n;
     int anchor;
-    if (ls == NULL) return DOPT_ERR_INVALID;
-    memset(ls, 0, sizeof *ls);
-    ls->comm = comm;
-    if (comm == NULL) return dopt__ls_init_fail(ls, "no communicator");
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    memset(dp, 0, sizeof *dp);
+    dp->comm = comm;
+    if (comm == NULL) return dopt__dp_init_fail(dp, "no communicator");
     if (cfg) c = *cfg; else memset(&c, 0, sizeof c);
-    if (c.nstates > 0 && c.states == NULL) return dopt__ls_init_fail(ls, "nstates > 0 and no state table");
+    if (c.nstates > 0 && c.states == NULL) return dopt__dp_init_fail(dp, "nstates > 0 and no state table");
     for (i = 0; i < c.nstates; i++) {
         if ((unsigned)c.states[i].policy > (unsigned)DOPT_STATE_RESET)
-            return dopt__ls_init_fail(ls, "a state's policy is unknown");
+            return dopt__dp_init_fail(dp, "a state's policy is unknown");
         if (c.states[i].policy == DOPT_STATE_AVERAGE) {
             if (c.states[i].count > SIZE_MAX / sizeof(float) - work)
-                return dopt__ls_init_fail(ls, "the states are too large");
+                return dopt__dp_init_fail(dp, "the states are too large");
             work += c.states[i].count;
         }
     }
     if (c.batch && c.batch->cfg.estimator == DOPT_BATCH_WITHIN && c.batch->n != 0 && c.batch->n != n)
-        return dopt__ls_init_fail(ls, "the batch controller was sized for another element count");
+        return dopt__dp_init_fail(dp, "the batch controller was sized for another element count");
     /* the compressor's layout is over the packed parameters, without gaps; its mean is plain */
     if (c.compressor && (c.compressor->segs == NULL || c.compressor->count != n || c.compressor->flat_end != n ||
                          c.weighted))
-        return dopt__ls_init_fail(ls, "compressor: not initialised, not covering the n packed elements, or with "
+        return dopt__dp_init_fail(dp, "compressor: not initialised, not covering the n packed elements, or with "
                                       "`weighted`");
     if (c.grad_compressor &&
         (c.grad_compressor->segs == NULL || c.grad_compressor->count != n || c.grad_compressor->flat_end != n ||
          c.weighted || c.grad_compressor == c.compressor))
-        return dopt__ls_init_fail(ls, "grad_compressor: not initialised, not covering the n packed elements, with "
+        return dopt__dp_init_fail(dp, "grad_compressor: not initialised, not covering the n packed elements, with "
                                       "`weighted`, or the same object as compressor");
     if ((unsigned)c.nonfinite > (unsigned)DOPT_NONFINITE_SKIP)
-        return dopt__ls_init_fail(ls, "nonfinite is neither DOPT_NONFINITE_FAIL nor DOPT_NONFINITE_SKIP");
+        return dopt__dp_init_fail(dp, "nonfinite is neither DOPT_NONFINITE_FAIL nor DOPT_NONFINITE_SKIP");
     /* NaN first, by its bits: under GCC's -ffast-math NaN == 0.0 holds and would take the default */
     if (!dopt__is_finite(c.outer_lr) || !dopt__is_finite(c.outer_momentum))
-        return dopt__ls_init_fail(ls, "outer_lr or outer_momentum is not finite");
+        return dopt__dp_init_fail(dp, "outer_lr or outer_momentum is not finite");
     if (c.outer_lr == 0.0) c.outer_lr = 1.0;
     if (c.outer_lr < 0.0 || !(c.outer_momentum >= 0.0 && c.outer_momentum < 1.0))
-        return dopt__ls_init_fail(ls, "outer_lr is negative or outer_momentum is outside [0, 1)");
-    ls->outer = c.outer_lr != 1.0 || c.outer_momentum != 0.0;
-    anchor = c.keep_anchor || c.compressor || ls->outer || (c.batch && c.batch->cfg.estimator == DOPT_BATCH_ACROSS);
-    ls->comm = comm;
-    ls->n = n;
-    ls->period = c.period ? c.period : 1;
-    ls->warmup = c.warmup_steps;
-    ls->sync_grads = c.sync_grads != 0;
-    ls->weighted = c.weighted != 0;
-    ls->batch = c.batch;
-    ls->compressor = c.compressor;
-    ls->grad_compressor = c.grad_compressor;
-    ls->outer_lr = c.outer_lr;
-    ls->outer_momentum = c.outer_momentum;
-    ls->nonfinite = c.nonfinite;
-    ls->nstates = c.nstates;
-    ls->work_count = work;
+        return dopt__dp_init_fail(dp, "outer_lr is negative or outer_momentum is outside [0, 1)");
+    dp->outer = c.outer_lr != 1.0 || c.outer_momentum != 0.0;
+    anchor = c.keep_anchor || c.compressor || dp->outer || (c.batch && c.batch->cfg.estimator == DOPT_BATCH_ACROSS);
+    dp->comm = comm;
+    dp->n = n;
+    dp->period = c.period ? c.period : 1;
+    dp->warmup = c.warmup_steps;
+    dp->sync_grads = c.sync_grads != 0;
+    dp->weighted = c.weighted != 0;
+    dp->batch = c.batch;
+    dp->compressor = c.compressor;
+    dp->grad_compressor = c.grad_compressor;
+    dp->outer_lr = c.outer_lr;
+    dp->outer_momentum = c.outer_momentum;
+    dp->nonfinite = c.nonfinite;
+    dp->nstates = c.nstates;
+    dp->work_count = work;
     if (c.nstates) {
-        ls->states = (dopt_state_desc *)DOPT_MALLOC(c.nstates * sizeof(dopt_state_desc));
-        if (ls->states == NULL) goto nomem;
-        memcpy(ls->states, c.states, c.nstates * sizeof(dopt_state_desc));
+        dp->states = (dopt_state_desc *)DOPT_MALLOC(c.nstates * sizeof(dopt_state_desc));
+        if (dp->states == NULL) goto nomem;
+        memcpy(dp->states, c.states, c.nstates * sizeof(dopt_state_desc));
     }
-    ls->work = (float *)DOPT_MALLOC((work + 1) * sizeof(float)); /* + the non-finite flag's slot */
-    ls->replica_words = (uint64_t *)DOPT_MALLOC(2 * (size_t)comm->size * sizeof(uint64_t));
-    if (ls->work == NULL || ls->replica_words == NULL) goto nomem;
+    dp->work = (float *)DOPT_MALLOC((work + 1) * sizeof(float)); /* + the non-finite flag's slot */
+    dp->replica_words = (uint64_t *)DOPT_MALLOC(2 * (size_t)comm->size * sizeof(uint64_t));
+    if (dp->work == NULL || dp->replica_words == NULL) goto nomem;
     if (anchor) {
-        ls->anchor = (float *)DOPT_MALLOC((n ? n : 1) * sizeof(float));
-        if (ls->anchor == NULL) goto nomem;
-        memset(ls->anchor, 0, (n ? n : 1) * sizeof(float));
+        dp->anchor = (float *)DOPT_MALLOC((n ? n : 1) * sizeof(float));
+        if (dp->anchor == NULL) goto nomem;
+        memset(dp->anchor, 0, (n ? n : 1) * sizeof(float));
     }
     if (c.outer_momentum > 0.0) {
-        ls->outer_v = (float *)DOPT_MALLOC((n ? n : 1) * sizeof(float));
-        if (ls->outer_v == NULL) goto nomem;
-        memset(ls->outer_v, 0, (n ? n : 1) * sizeof(float));
+        dp->outer_v = (float *)DOPT_MALLOC((n ? n : 1) * sizeof(float));
+        if (dp->outer_v == NULL) goto nomem;
+        memset(dp->outer_v, 0, (n ? n : 1) * sizeof(float));
     }
-    return c.params ? dopt_dp_broadcast(ls, c.params) : DOPT_OK;
+    return c.params ? dopt_dp_broadcast(dp, c.params) : DOPT_OK;
 nomem:
-    dopt_dp_free(ls);
-    ls->status = DOPT_ERR_NOMEM;
-    snprintf(ls->detail, sizeof ls->detail, "dopt_dp_init: out of memory");
+    dopt_dp_free(dp);
+    dp->status = DOPT_ERR_NOMEM;
+    snprintf(dp->detail, sizeof dp->detail, "dopt_dp_init: out of memory");
     return DOPT_ERR_NOMEM;
 }
 
-DOPT_DEF void dopt_dp_free(dopt_dp *ls) {
-    if (ls == NULL) return;
-    if (ls->states) DOPT_FREE(ls->states);
-    if (ls->work) DOPT_FREE(ls->work);
-    if (ls->anchor) DOPT_FREE(ls->anchor);
-    if (ls->outer_v) DOPT_FREE(ls->outer_v);
-    if (ls->replica_words) DOPT_FREE(ls->replica_words);
-    ls->replica_words = NULL;
-    ls->states = NULL;
-    ls->work = NULL;
-    ls->anchor = NULL;
-    ls->outer_v = NULL;
+DOPT_DEF void dopt_dp_free(dopt_dp *dp) {
+    if (dp == NULL) return;
+    if (dp->states) DOPT_FREE(dp->states);
+    if (dp->work) DOPT_FREE(dp->work);
+    if (dp->anchor) DOPT_FREE(dp->anchor);
+    if (dp->outer_v) DOPT_FREE(dp->outer_v);
+    if (dp->replica_words) DOPT_FREE(dp->replica_words);
+    dp->replica_words = NULL;
+    dp->states = NULL;
+    dp->work = NULL;
+    dp->anchor = NULL;
+    dp->outer_v = NULL;
 }
 
-DOPT_DEF int dopt_dp_is_synchronous(const dopt_dp *ls, uint64_t step) {
-    return step < (uint64_t)ls->warmup || ls->period == 1;
+DOPT_DEF int dopt_dp_is_synchronous(const dopt_dp *dp, uint64_t step) {
+    return step < (uint64_t)dp->warmup || dp->period == 1;
 }
 
-DOPT_DEF int dopt_dp_should_sync(const dopt_dp *ls, uint64_t step) {
-    if (dopt_dp_is_synchronous(ls, step)) return 1;
-    return (step + 1 - (uint64_t)ls->warmup) % (uint64_t)ls->period == 0;
+DOPT_DEF int dopt_dp_should_sync(const dopt_dp *dp, uint64_t step) {
+    if (dopt_dp_is_synchronous(dp, step)) return 1;
+    return (step + 1 - (uint64_t)dp->warmup) % (uint64_t)dp->period == 0;
 }
 
-DOPT_DEF dopt_status dopt_dp_set_step_samples(dopt_dp *ls, double samples) {
-    if (ls == NULL || !dopt__is_finite(samples) || samples < 0.0) return DOPT_ERR_INVALID;
-    ls->step_samples = samples;
+DOPT_DEF dopt_status dopt_dp_set_step_samples(dopt_dp *dp, double samples) {
+    if (dp == NULL || !dopt__is_finite(samples) || samples < 0.0) return DOPT_ERR_INVALID;
+    dp->step_samples = samples;
     return DOPT_OK;
 }
 
-DOPT_DEF const char *dopt_dp_detail(const dopt_dp *ls) {
-    if (ls == NULL) return "no driver";
-    return ls->detail[0] || ls->comm == NULL ? ls->detail : dopt_comm_detail(ls->comm);
+DOPT_DEF const char *dopt_dp_detail(const dopt_dp *dp) {
+    if (dp == NULL) return "no driver";
+    return dp->detail[0] || dp->comm == NULL ? dp->detail : dopt_comm_detail(dp->comm);
 }
 
 /* ===================================================================== LOCAL SGD: LAYOUT CHECKS AND PACKING */
 
-static dopt_status dopt__ls_check_layout(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
+static dopt_status dopt__dp_check_layout(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
     size_t i;
-    if (dopt__ls_check_buf(params, ls->n) != DOPT_OK) {
-        dopt__ls_fail_detail(ls, "parameters: not a valid descriptor of %zu elements", ls->n);
+    if (dopt__dp_check_buf(params, dp->n) != DOPT_OK) {
+        dopt__dp_fail_detail(dp, "parameters: not a valid descriptor of %zu elements", dp->n);
         return DOPT_ERR_INVALID;
     }
-    if (ls->nstates > 0 && states == NULL) {
-        dopt__ls_fail_detail(ls, "%zu state buffers registered, none passed", ls->nstates);
+    if (dp->nstates > 0 && states == NULL) {
+        dopt__dp_fail_detail(dp, "%zu state buffers registered, none passed", dp->nstates);
         return DOPT_ERR_INVALID;
     }
-    for (i = 0; i < ls->nstates; i++)
-        if (dopt__ls_check_buf(&states[i], ls->states[i].count) != DOPT_OK) {
-            dopt__ls_fail_detail(ls, "state %zu (%s): not a valid descriptor of %zu elements", i,
-                                 ls->states[i].name ? ls->states[i].name : "unnamed", ls->states[i].count);
+    for (i = 0; i < dp->nstates; i++)
+        if (dopt__dp_check_buf(&states[i], dp->states[i].count) != DOPT_OK) {
+            dopt__dp_fail_detail(dp, "state %zu (%s): not a valid descriptor of %zu elements", i,
+                                 dp->states[i].name ? dp->states[i].name : "unnamed", dp->states[i].count);
             return DOPT_ERR_INVALID;
         }
     return DOPT_OK;
@@ -1250,7 +1250,7 @@ static dopt_status dopt__ls_check_layout(dopt_dp *ls, const dopt_buf *params, co
 
 /* A descriptor's segments into a contiguous dst, and back; 1 when every element copied is finite
    (the check rides on the copy: dopt_copy_finite). */
-static int dopt__ls_pack_finite(const dopt_buf *b, float *dst) {
+static int dopt__dp_pack_finite(const dopt_buf *b, float *dst) {
     size_t i, k = dopt_buf_nsegs(b);
     int finite = 1;
     for (i = 0; i < k; i++) {
@@ -1261,7 +1261,7 @@ static int dopt__ls_pack_finite(const dopt_buf *b, float *dst) {
     return finite;
 }
 
-static int dopt__ls_unpack_finite(const dopt_buf *b, const float *src) {
+static int dopt__dp_unpack_finite(const dopt_buf *b, const float *src) {
     size_t i, k = dopt_buf_nsegs(b);
     int finite = 1;
     for (i = 0; i < k; i++) {
@@ -1274,25 +1274,25 @@ static int dopt__ls_unpack_finite(const dopt_buf *b, const float *src) {
 
 /* params, then the AVERAGE states, into the workspace (1 when all of it is finite); and back (1
    when all of the average is finite). */
-static int dopt__ls_pack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
-    size_t i, off = ls->n;
-    int finite = dopt__ls_pack_finite(params, ls->work);
-    for (i = 0; i < ls->nstates; i++)
-        if (ls->states[i].policy == DOPT_STATE_AVERAGE) {
-            finite &= dopt__ls_pack_finite(&states[i], ls->work + off);
-            off += ls->states[i].count;
+static int dopt__dp_pack(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
+    size_t i, off = dp->n;
+    int finite = dopt__dp_pack_finite(params, dp->work);
+    for (i = 0; i < dp->nstates; i++)
+        if (dp->states[i].policy == DOPT_STATE_AVERAGE) {
+            finite &= dopt__dp_pack_finite(&states[i], dp->work + off);
+            off += dp->states[i].count;
         }
     return finite;
 }
 
-static int dopt__ls_unpack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
-    size_t i, j, k, off = ls->n;
-    int finite = dopt__ls_unpack_finite(params, ls->work);
-    for (i = 0; i < ls->nstates; i++) {
-        if (ls->states[i].policy == DOPT_STATE_AVERAGE) {
-            finite &= dopt__ls_unpack_finite(&states[i], ls->work + off);
-            off += ls->states[i].count;
-        } else if (ls->states[i].policy == DOPT_STATE_RESET) {
+static int dopt__dp_unpack(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
+    size_t i, j, k, off = dp->n;
+    int finite = dopt__dp_unpack_finite(params, dp->work);
+    for (i = 0; i < dp->nstates; i++) {
+        if (dp->states[i].policy == DOPT_STATE_AVERAGE) {
+            finite &= dopt__dp_unpack_finite(&states[i], dp->work + off);
+            off += dp->states[i].count;
+        } else if (dp->states[i].policy == DOPT_STATE_RESET) {
             k = dopt_buf_nsegs(&states[i]);
             for (j = 0; j < k; j++) {
                 dopt_span sp = dopt_buf_segment(&states[i], j);
@@ -1304,16 +1304,16 @@ static int dopt__ls_unpack(dopt_dp *ls, const dopt_buf *params, const dopt_buf *
 }
 
 /* Samples this rank processes in one step: the batch controller's size, or 1. */
-static double dopt__ls_step_samples(const dopt_dp *ls) {
-    if (ls->step_samples > 0.0) return ls->step_samples;
-    return ls->batch ? (double)ls->batch->units * (double)ls->batch->cfg.unit_samples : 1.0;
+static double dopt__dp_step_samples(const dopt_dp *dp) {
+    if (dp->step_samples > 0.0) return dp->step_samples;
+    return dp->batch ? (double)dp->batch->units * (double)dp->batch->cfg.unit_samples : 1.0;
 }
 
 /* ===================================================================== NON-FINITE AVERAGES */
 
 /* The first element of x[0..n) that is NaN or ±Inf, by its bits; n when there is none (the rare
    path only: the steady state's verdict rides on the copies). */
-static size_t dopt__ls_first_nonfinite(const float *x, size_t n) {
+static size_t dopt__dp_first_nonfinite(const float *x, size_t n) {
     size_t i;
     for (i = 0; i < n; i++)
         if (!dopt_all_finite(x + i, 1)) return i;
@@ -1321,11 +1321,11 @@ static size_t dopt__ls_first_nonfinite(const float *x, size_t n) {
 }
 
 /* The same over a descriptor, as a packed index; dopt_buf_count(b) when there is none. */
-static size_t dopt__ls_first_nonfinite_buf(const dopt_buf *b) {
+static size_t dopt__dp_first_nonfinite_buf(const dopt_buf *b) {
     size_t i, k = dopt_buf_nsegs(b), off = 0;
     for (i = 0; i < k; i++) {
         dopt_span sp = dopt_buf_segment(b, i);
-        size_t j = dopt__ls_first_nonfinite(sp.ptr, sp.count);
+        size_t j = dopt__dp_first_nonfinite(sp.ptr, sp.count);
         if (j < sp.count) return off + j;
         off += sp.count;
     }
@@ -1334,17 +1334,17 @@ static size_t dopt__ls_first_nonfinite_buf(const dopt_buf *b) {
 
 /* Packed element i in words: its segment, by name where a table names it (the descriptor's, else
    the compressor's), and its place there; past n, an AVERAGE state's. */
-static void dopt__ls_where(const dopt_dp *ls, const dopt_buf *b, const dopt_compressor *cz, size_t i, char *out,
+static void dopt__dp_where(const dopt_dp *dp, const dopt_buf *b, const dopt_compressor *cz, size_t i, char *out,
                            size_t cap) {
     size_t k, off = 0, nseg = dopt_buf_nsegs(b);
-    if (i >= ls->n) {
-        for (i -= ls->n, k = 0; k < ls->nstates; k++) {
-            if (ls->states[k].policy != DOPT_STATE_AVERAGE) continue;
-            if (i < ls->states[k].count) break;
-            i -= ls->states[k].count;
+    if (i >= dp->n) {
+        for (i -= dp->n, k = 0; k < dp->nstates; k++) {
+            if (dp->states[k].policy != DOPT_STATE_AVERAGE) continue;
+            if (i < dp->states[k].count) break;
+            i -= dp->states[k].count;
         }
-        snprintf(out, cap, "state %zu (%s), element %zu", k, k < ls->nstates && ls->states[k].name ?
-                 ls->states[k].name : "unnamed", i);
+        snprintf(out, cap, "state %zu (%s), element %zu", k, k < dp->nstates && dp->states[k].name ?
+                 dp->states[k].name : "unnamed", i);
         return;
     }
     if (cz && b->data && b->segs == NULL) /* a flat buffer without a table: the compressor's names it */
@@ -1363,14 +1363,14 @@ static void dopt__ls_where(const dopt_dp *ls, const dopt_buf *b, const dopt_comp
 }
 
 /* Which ranks' inputs were not finite, as "rank 1" or "ranks 1, 3"; the count in *bad. */
-static void dopt__ls_bad_ranks(const dopt_dp *ls, char *out, size_t cap, int *bad) {
+static void dopt__dp_bad_ranks(const dopt_dp *dp, char *out, size_t cap, int *bad) {
     size_t used = 0;
     int r;
     *bad = 0;
     out[0] = 0;
-    for (r = 0; r < ls->comm->size; r++) {
+    for (r = 0; r < dp->comm->size; r++) {
         int k;
-        if (ls->replica_words[2 * r] == 0) continue;
+        if (dp->replica_words[2 * r] == 0) continue;
         if (++*bad > 8) continue;
         k = snprintf(out + used, cap - used, "%s%d", *bad > 1 ? ", " : "", r);
         if (k > 0 && (size_t)k < cap - used) used += (size_t)k;
@@ -1384,51 +1384,51 @@ static void dopt__ls_bad_ranks(const dopt_dp *ls, char *out, size_t cap, int *ba
    the policy decides: FAIL stops the driver, SKIP counts and warns (the first 8, then the 16th,
    32nd, ...). The first non-finite element is looked for in the average when the workspace holds
    it (from_input 0), else in this rank's input `layout`, whose segments (or cz's) name it; the
-   average is the one ls->api names.
+   average is the one dp->api names.
    *finite_ranks: ranks whose input was finite. Returns DOPT_ERR_NONFINITE, or the allgather's
    failure. */
-static dopt_status dopt__ls_nonfinite(dopt_dp *ls, const dopt_buf *layout, const dopt_compressor *cz, int from_input,
+static dopt_status dopt__dp_nonfinite(dopt_dp *dp, const dopt_buf *layout, const dopt_compressor *cz, int from_input,
                                       int mine_finite, int *finite_ranks) {
     uint64_t mine[2], first = UINT64_MAX;
     char where[128] = "an element no rank found again", ranks[64], whose[160];
-    const char *prev = dopt_comm_set_api(ls->comm, ls->api);
-    size_t total = from_input ? dopt_buf_count(layout) : ls->work_count;
-    size_t at = from_input ? dopt__ls_first_nonfinite_buf(layout) : dopt__ls_first_nonfinite(ls->work, total);
+    const char *prev = dopt_comm_set_api(dp->comm, dp->api);
+    size_t total = from_input ? dopt_buf_count(layout) : dp->work_count;
+    size_t at = from_input ? dopt__dp_first_nonfinite_buf(layout) : dopt__dp_first_nonfinite(dp->work, total);
     int r, bad;
     dopt_status s;
     mine[0] = mine_finite ? 0 : 1;
     mine[1] = at < total ? (uint64_t)at : UINT64_MAX;
-    s = dopt_allgather(ls->comm, mine, ls->replica_words, sizeof mine);
-    dopt_comm_set_api(ls->comm, prev);
+    s = dopt_allgather(dp->comm, mine, dp->replica_words, sizeof mine);
+    dopt_comm_set_api(dp->comm, prev);
     if (s != DOPT_OK) return s;
-    for (r = 0; r < ls->comm->size; r++)
-        if (ls->replica_words[2 * r + 1] < first) first = ls->replica_words[2 * r + 1];
-    dopt__ls_bad_ranks(ls, ranks, sizeof ranks, &bad);
-    *finite_ranks = ls->comm->size - bad;
-    if (first != UINT64_MAX) dopt__ls_where(ls, layout, cz, (size_t)first, where, sizeof where);
+    for (r = 0; r < dp->comm->size; r++)
+        if (dp->replica_words[2 * r + 1] < first) first = dp->replica_words[2 * r + 1];
+    dopt__dp_bad_ranks(dp, ranks, sizeof ranks, &bad);
+    *finite_ranks = dp->comm->size - bad;
+    if (first != UINT64_MAX) dopt__dp_where(dp, layout, cz, (size_t)first, where, sizeof where);
     if (bad)
         snprintf(whose, sizeof whose, "the input of rank%s %s held NaN or infinity", bad > 1 ? "s" : "", ranks);
     else
         snprintf(whose, sizeof whose, "every rank's input was finite: the sum overflowed the float range");
-    if (ls->nonfinite == DOPT_NONFINITE_FAIL) {
-        dopt__ls_fail_detail(ls, "%s is not finite (first at %s): %s; the driver stopped (DOPT_NONFINITE_FAIL: every "
+    if (dp->nonfinite == DOPT_NONFINITE_FAIL) {
+        dopt__dp_fail_detail(dp, "%s is not finite (first at %s): %s; the driver stopped (DOPT_NONFINITE_FAIL: every "
                                  "later call returns this; .nonfinite = DOPT_NONFINITE_SKIP skips such steps instead)",
-                             ls->api, where, whose);
-        ls->status = DOPT_ERR_NONFINITE;
-        ls->logged = 1;
-        dopt_comm_log(ls->comm, DOPT_LOG_ERROR, "rank %d: %s", ls->comm->rank, ls->detail);
+                             dp->api, where, whose);
+        dp->status = DOPT_ERR_NONFINITE;
+        dp->logged = 1;
+        dopt_comm_log(dp->comm, DOPT_LOG_ERROR, "rank %d: %s", dp->comm->rank, dp->detail);
         return DOPT_ERR_NONFINITE;
     }
-    ls->skipped++;
-    dopt__ls_fail_detail(ls, "%s is not finite (first at %s): %s; skipped on every rank (%llu so far)", ls->api, where,
-                         whose, (unsigned long long)ls->skipped);
-    if (ls->skipped <= 8 || (ls->skipped & (ls->skipped - 1)) == 0)
-        dopt_comm_log(ls->comm, DOPT_LOG_WARN, "rank %d: %s", ls->comm->rank, ls->detail);
+    dp->skipped++;
+    dopt__dp_fail_detail(dp, "%s is not finite (first at %s): %s; skipped on every rank (%llu so far)", dp->api, where,
+                         whose, (unsigned long long)dp->skipped);
+    if (dp->skipped <= 8 || (dp->skipped & (dp->skipped - 1)) == 0)
+        dopt_comm_log(dp->comm, DOPT_LOG_WARN, "rank %d: %s", dp->comm->rank, dp->detail);
     return DOPT_ERR_NONFINITE;
 }
 
 /* Zeros in every element of a descriptor. */
-static void dopt__ls_zero(const dopt_buf *b) {
+static void dopt__dp_zero(const dopt_buf *b) {
     size_t i, k = dopt_buf_nsegs(b);
     for (i = 0; i < k; i++) {
         dopt_span sp = dopt_buf_segment(b, i);
@@ -1444,24 +1444,24 @@ static void dopt__ls_zero(const dopt_buf *b) {
    test is a ratio, so the scale cancels): E Σ_m B_m‖d_m − d̄‖² = (N − 1)σ² for the weighted
    mean (and for equal B_m), and E‖d̄‖² = ‖∇F‖² + σ²·c with c = 1/W (weighted) or
    Σ_m(1/B_m)/N² (plain), the bias taken off grad_norm2. */
-static dopt_status dopt__ls_across_stats(dopt_dp *ls, const dopt_buf *params, double local_d2,
+static dopt_status dopt__dp_across_stats(dopt_dp *dp, const dopt_buf *params, double local_d2,
                                          dopt_batch_stats *st) {
-    double sums[3], mean2, dot, proj2, w = ls->round_samples, N = (double)ls->comm->size, W, bias;
+    double sums[3], mean2, dot, proj2, w = dp->round_samples, N = (double)dp->comm->size, W, bias;
     dopt_status s;
     sums[0] = w * local_d2;
     sums[1] = w;
     sums[2] = w > 0.0 ? 1.0 / w : 0.0;
-    s = dopt_allreduce(ls->comm, sums, 3, DOPT_F64, DOPT_SUM);
+    s = dopt_allreduce(dp->comm, sums, 3, DOPT_F64, DOPT_SUM);
     if (s != DOPT_OK) return s;
     W = sums[1];
-    mean2 = dopt__ls_sqdist(ls->work, ls->anchor, ls->n);
-    dot = dopt__ls_delta_dot_buf(params, ls->work, ls->anchor);
+    mean2 = dopt__dp_sqdist(dp->work, dp->anchor, dp->n);
+    dot = dopt__dp_delta_dot_buf(params, dp->work, dp->anchor);
     proj2 = mean2 > 0.0 ? w * dot * dot / mean2 : 0.0;
-    s = dopt_allreduce(ls->comm, &proj2, 1, DOPT_F64, DOPT_SUM);
+    s = dopt_allreduce(dp->comm, &proj2, 1, DOPT_F64, DOPT_SUM);
     if (s != DOPT_OK) return s;
     /* the mean samples per step over ranks: the same number everywhere */
-    st->samples = W / (N * (double)(ls->round_steps ? ls->round_steps : 1));
-    if (ls->comm->size < 2) {
+    st->samples = W / (N * (double)(dp->round_steps ? dp->round_steps : 1));
+    if (dp->comm->size < 2) {
         st->grad_norm2 = mean2;
         st->var = st->ip_var = st->orth_var = NAN;
         return DOPT_OK;
@@ -1472,7 +1472,7 @@ static dopt_status dopt__ls_across_stats(dopt_dp *ls, const dopt_buf *params, do
     if (st->ip_var < 0.0) st->ip_var = 0.0;
     if (st->ip_var > st->var) st->ip_var = st->var;
     st->orth_var = st->var - st->ip_var;
-    bias = ls->weighted ? 1.0 / W : sums[2] / (N * N);
+    bias = dp->weighted ? 1.0 / W : sums[2] / (N * N);
     st->grad_norm2 = mean2 - st->var * bias;
     /* A delta averages B_m samples, so the per-sample variance above is compared with the b of
        one step, as the tests define it. */
@@ -1482,31 +1482,31 @@ static dopt_status dopt__ls_across_stats(dopt_dp *ls, const dopt_buf *params, do
 /* The model delta since the last average through the compressor (error feedback is the
    compressor's), added back to the anchor: the new model is the same bytes on every rank because
    the anchor and the decoded mean are. AVERAGE states go in fp32 after. */
-static dopt_status dopt__ls_average_compressed(dopt_dp *ls) {
+static dopt_status dopt__dp_average_compressed(dopt_dp *dp) {
     size_t i;
     dopt_status s;
-    for (i = 0; i < ls->n; i++) ls->work[i] -= ls->anchor[i];
-    s = dopt_compress_allreduce(ls->compressor, ls->comm, ls->work, ls->n);
+    for (i = 0; i < dp->n; i++) dp->work[i] -= dp->anchor[i];
+    s = dopt_compress_allreduce(dp->compressor, dp->comm, dp->work, dp->n);
     if (s != DOPT_OK) return s;
-    for (i = 0; i < ls->n; i++) ls->work[i] += ls->anchor[i];
-    if (ls->work_count == ls->n) return DOPT_OK; /* no AVERAGE states: the compressor's verdict is all */
+    for (i = 0; i < dp->n; i++) dp->work[i] += dp->anchor[i];
+    if (dp->work_count == dp->n) return DOPT_OK; /* no AVERAGE states: the compressor's verdict is all */
     /* the states and the non-finite flag's slot in fp32 */
-    return dopt_allreduce(ls->comm, ls->work + ls->n, ls->work_count - ls->n + 1, DOPT_F32, DOPT_MEAN);
+    return dopt_allreduce(dp->comm, dp->work + dp->n, dp->work_count - dp->n + 1, DOPT_F32, DOPT_MEAN);
 }
 
 /* DiLoCo's outer step (Douillard et al. 2023) on the average in the workspace: the
    pseudo-gradient Δ = anchor − mean, v ← μ·v + Δ, new model = anchor − lr·(Δ + μ·v) (Nesterov).
    The same bits on every rank: its inputs (anchor, mean, v) are. */
-static void dopt__ls_outer_step(dopt_dp *ls) {
-    double lr = ls->outer_lr, mu = ls->outer_momentum;
+static void dopt__dp_outer_step(dopt_dp *dp) {
+    double lr = dp->outer_lr, mu = dp->outer_momentum;
     size_t i;
-    for (i = 0; i < ls->n; i++) {
-        double d = (double)ls->anchor[i] - (double)ls->work[i];
-        if (ls->outer_v) {
-            ls->outer_v[i] = (float)(mu * (double)ls->outer_v[i] + d);
-            d += mu * (double)ls->outer_v[i];
+    for (i = 0; i < dp->n; i++) {
+        double d = (double)dp->anchor[i] - (double)dp->work[i];
+        if (dp->outer_v) {
+            dp->outer_v[i] = (float)(mu * (double)dp->outer_v[i] + d);
+            d += mu * (double)dp->outer_v[i];
         }
-        ls->work[i] = (float)((double)ls->anchor[i] - lr * d);
+        dp->work[i] = (float)((double)dp->anchor[i] - lr * d);
     }
 }
 
@@ -1514,28 +1514,28 @@ static void dopt__ls_outer_step(dopt_dp *ls) {
    whose parameters and AVERAGE states are finite (the others send zeros with weight 0), without
    the outer step or the across-worker statistics. Every rank then continues from the same finite
    model. No finite rank, or a mean that is still not finite: the driver stops, as under FAIL. */
-static dopt_status dopt__ls_rescue_average(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states, int mine_finite,
+static dopt_status dopt__dp_rescue_average(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states, int mine_finite,
                                            int finite_ranks, int written) {
     dopt_status s;
     const char *prev;
     if (finite_ranks > 0) {
         if (mine_finite)
-            dopt__ls_pack(ls, params, states);
+            dopt__dp_pack(dp, params, states);
         else
-            memset(ls->work, 0, ls->work_count * sizeof(float));
-        prev = dopt_comm_set_api(ls->comm, ls->api);
-        s = dopt_allreduce_weighted_mean(ls->comm, ls->work, ls->work_count, DOPT_F32, mine_finite ? 1.0 : 0.0);
-        dopt_comm_set_api(ls->comm, prev);
+            memset(dp->work, 0, dp->work_count * sizeof(float));
+        prev = dopt_comm_set_api(dp->comm, dp->api);
+        s = dopt_allreduce_weighted_mean(dp->comm, dp->work, dp->work_count, DOPT_F32, mine_finite ? 1.0 : 0.0);
+        dopt_comm_set_api(dp->comm, prev);
         if (s != DOPT_OK) return s;
-        if (dopt_all_finite(ls->work, ls->work_count)) return DOPT_ERR_NONFINITE; /* skipped, and mended */
+        if (dopt_all_finite(dp->work, dp->work_count)) return DOPT_ERR_NONFINITE; /* skipped, and mended */
     }
-    ls->status = DOPT_ERR_NONFINITE;
-    snprintf(ls->detail + strlen(ls->detail), sizeof ls->detail - strlen(ls->detail),
+    dp->status = DOPT_ERR_NONFINITE;
+    snprintf(dp->detail + strlen(dp->detail), sizeof dp->detail - strlen(dp->detail),
              "; %s: the driver stopped", written        ? "the parameters hold it already"
                                          : finite_ranks ? "the mean of the finite ranks is not finite either"
                                                         : "no rank holds finite parameters");
-    dopt_comm_log(ls->comm, DOPT_LOG_ERROR, "rank %d: %s", ls->comm->rank, ls->detail);
-    ls->logged = 1;
+    dopt_comm_log(dp->comm, DOPT_LOG_ERROR, "rank %d: %s", dp->comm->rank, dp->detail);
+    dp->logged = 1;
     return DOPT_ERR_NONFINITE;
 }
 
@@ -1543,15 +1543,15 @@ static dopt_status dopt__ls_rescue_average(dopt_dp *ls, const dopt_buf *params, 
    they were, and SKIP puts the mean of the finite ranks in their place. `written`: the average
    was finite in every input and overflowed, found as it went into params (the same bits on every
    rank): nothing finite is left to continue from, so the driver stops whatever the policy. */
-static dopt_status dopt__ls_models_not_finite(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states,
+static dopt_status dopt__dp_models_not_finite(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states,
                                               int mine_finite, int from_input, int written) {
     int finite_ranks = 0;
-    dopt_status s = dopt__ls_nonfinite(ls, params, ls->compressor, from_input, mine_finite, &finite_ranks);
-    if (s == DOPT_ERR_NONFINITE && ls->nonfinite == DOPT_NONFINITE_SKIP)
-        s = dopt__ls_rescue_average(ls, params, states, mine_finite, written ? 0 : finite_ranks, written);
-    if (s == DOPT_ERR_NONFINITE && ls->status == DOPT_OK) {
-        (void)dopt__ls_unpack(ls, params, states); /* the rescue checked it */
-        if (ls->anchor && ls->n) memcpy(ls->anchor, ls->work, ls->n * sizeof(float));
+    dopt_status s = dopt__dp_nonfinite(dp, params, dp->compressor, from_input, mine_finite, &finite_ranks);
+    if (s == DOPT_ERR_NONFINITE && dp->nonfinite == DOPT_NONFINITE_SKIP)
+        s = dopt__dp_rescue_average(dp, params, states, mine_finite, written ? 0 : finite_ranks, written);
+    if (s == DOPT_ERR_NONFINITE && dp->status == DOPT_OK) {
+        (void)dopt__dp_unpack(dp, params, states); /* the rescue checked it */
+        if (dp->anchor && dp->n) memcpy(dp->anchor, dp->work, dp->n * sizeof(float));
     }
     return s;
 }
@@ -1561,53 +1561,53 @@ static dopt_status dopt__ls_models_not_finite(dopt_dp *ls, const dopt_buf *param
    rank knows before anything is written whether some input held NaN or infinity (SKIP's mean of
    the finite ranks needs every rank's parameters as they were); an average of finite inputs that
    overflows is found on the copy out. */
-static dopt_status dopt__ls_average_models(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
-    int across = ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_ACROSS, mine_finite, averaged;
-    size_t slot = ls->work_count;
+static dopt_status dopt__dp_average_models(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
+    int across = dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_ACROSS, mine_finite, averaged;
+    size_t slot = dp->work_count;
     double local_d2 = 0.0;
     dopt_batch_stats st;
     dopt_status s;
-    mine_finite = dopt__ls_pack(ls, params, states);
-    ls->work[slot] = mine_finite ? 0.0f : 1.0f;
-    if (across) local_d2 = dopt__ls_sqdist(ls->work, ls->anchor, ls->n);
-    if (ls->compressor)
-        s = dopt__ls_average_compressed(ls);
-    else if (ls->weighted)
-        s = dopt_allreduce_weighted_mean(ls->comm, ls->work, slot + 1, DOPT_F32, ls->round_samples);
+    mine_finite = dopt__dp_pack(dp, params, states);
+    dp->work[slot] = mine_finite ? 0.0f : 1.0f;
+    if (across) local_d2 = dopt__dp_sqdist(dp->work, dp->anchor, dp->n);
+    if (dp->compressor)
+        s = dopt__dp_average_compressed(dp);
+    else if (dp->weighted)
+        s = dopt_allreduce_weighted_mean(dp->comm, dp->work, slot + 1, DOPT_F32, dp->round_samples);
     else
-        s = dopt_allreduce(ls->comm, ls->work, slot + 1, DOPT_F32, DOPT_MEAN);
+        s = dopt_allreduce(dp->comm, dp->work, slot + 1, DOPT_F32, DOPT_MEAN);
     averaged = s == DOPT_OK; /* else the compressor refused before writing: the input names the place */
-    if (s == DOPT_OK && ls->work[slot] != 0.0f) s = DOPT_ERR_NONFINITE;
-    if (s == DOPT_ERR_NONFINITE) return dopt__ls_models_not_finite(ls, params, states, mine_finite, !averaged, 0);
+    if (s == DOPT_OK && dp->work[slot] != 0.0f) s = DOPT_ERR_NONFINITE;
+    if (s == DOPT_ERR_NONFINITE) return dopt__dp_models_not_finite(dp, params, states, mine_finite, !averaged, 0);
     if (s != DOPT_OK) return s;
     if (across) {
-        s = dopt__ls_across_stats(ls, params, local_d2, &st);
+        s = dopt__dp_across_stats(dp, params, local_d2, &st);
         if (s != DOPT_OK) return s;
-        dopt__batch_apply(ls->batch, &st, ls->comm);
+        dopt__batch_apply(dp->batch, &st, dp->comm);
     }
-    if (ls->outer) dopt__ls_outer_step(ls);
-    if (!dopt__ls_unpack(ls, params, states))
-        return dopt__ls_models_not_finite(ls, params, states, mine_finite, 0, 1);
-    if (ls->anchor && ls->n) memcpy(ls->anchor, ls->work, ls->n * sizeof(float));
+    if (dp->outer) dopt__dp_outer_step(dp);
+    if (!dopt__dp_unpack(dp, params, states))
+        return dopt__dp_models_not_finite(dp, params, states, mine_finite, 0, 1);
+    if (dp->anchor && dp->n) memcpy(dp->anchor, dp->work, dp->n * sizeof(float));
     return DOPT_OK;
 }
 
 /* Check once: on a poisoned communicator every call of the driver fails at once with its status,
    a step that would not communicate included. */
-static dopt_status dopt__ls_poisoned(dopt_dp *ls) {
-    if (ls->work == NULL) return ls->status != DOPT_OK ? ls->status : DOPT_ERR_CLOSED; /* refused, or closed */
-    if (ls->status != DOPT_OK) return ls->status; /* a non-finite average under DOPT_NONFINITE_FAIL */
-    return dopt__family_error(ls->comm);
+static dopt_status dopt__dp_poisoned(dopt_dp *dp) {
+    if (dp->work == NULL) return dp->status != DOPT_OK ? dp->status : DOPT_ERR_CLOSED; /* refused, or closed */
+    if (dp->status != DOPT_OK) return dp->status; /* a non-finite average under DOPT_NONFINITE_FAIL */
+    return dopt__family_error(dp->comm);
 }
 
 /* A host that never calls after_step: the gradients of step `step` were averaged and no after_step
    followed, so its next after_backward (or the close, or a save) finds that step over. */
-static uint64_t dopt__ls_steps_done(const dopt_dp *ls) { return ls->step + (ls->grads_step == ls->step + 1); }
+static uint64_t dopt__dp_steps_done(const dopt_dp *dp) { return dp->step + (dp->grads_step == dp->step + 1); }
 
-static void dopt__ls_count_pending_step(dopt_dp *ls) {
-    if (ls->grads_step != ls->step + 1) return;
-    ls->step++;
-    ls->syncs++;
+static void dopt__dp_count_pending_step(dopt_dp *dp) {
+    if (dp->grads_step != dp->step + 1) return;
+    dp->step++;
+    dp->syncs++;
 }
 
 /* The gradient mean of a synchronous step; the step's model average is then skipped. */
@@ -1615,117 +1615,117 @@ static void dopt__ls_count_pending_step(dopt_dp *ls) {
    on it rides on the copy back into grads (the same bits on every rank); this rank's own verdict,
    on the copy in, names it when the average is not finite. Then every rank's grads hold zeros,
    whatever the policy: replicas stay identical even where the host applies them. */
-static dopt_status dopt__ls_average_grads(dopt_dp *ls, const dopt_buf *grads, const char *api) {
+static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, const char *api) {
     const char *prev;
     int mine_finite, finite_ranks;
     dopt_status s;
-    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
-    if (dopt__ls_check_buf(grads, ls->n) != DOPT_OK) {
-        dopt__ls_fail_detail(ls, "gradients: not a valid descriptor of %zu elements", ls->n);
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    if (dopt__dp_check_buf(grads, dp->n) != DOPT_OK) {
+        dopt__dp_fail_detail(dp, "gradients: not a valid descriptor of %zu elements", dp->n);
         return DOPT_ERR_INVALID;
     }
-    dopt__ls_count_pending_step(ls);
-    if (!dopt_dp_is_synchronous(ls, ls->step)) return DOPT_OK;
-    prev = dopt__ls_label(ls, "%s: the gradient average of step %llu", api, (unsigned long long)ls->step);
-    mine_finite = dopt__ls_pack_finite(grads, ls->work);
-    if (ls->grad_compressor) /* over the packed gradients, the compressor's own segments */
-        s = dopt_compress_allreduce(ls->grad_compressor, ls->comm, ls->work, ls->n);
-    else if (ls->weighted)
-        s = dopt_allreduce_weighted_mean(ls->comm, ls->work, ls->n, DOPT_F32, dopt__ls_step_samples(ls));
+    dopt__dp_count_pending_step(dp);
+    if (!dopt_dp_is_synchronous(dp, dp->step)) return DOPT_OK;
+    prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
+    mine_finite = dopt__dp_pack_finite(grads, dp->work);
+    if (dp->grad_compressor) /* over the packed gradients, the compressor's own segments */
+        s = dopt_compress_allreduce(dp->grad_compressor, dp->comm, dp->work, dp->n);
+    else if (dp->weighted)
+        s = dopt_allreduce_weighted_mean(dp->comm, dp->work, dp->n, DOPT_F32, dopt__dp_step_samples(dp));
     else
-        s = dopt_allreduce(ls->comm, ls->work, ls->n, DOPT_F32, DOPT_MEAN);
-    dopt_comm_set_api(ls->comm, prev);
-    if (s == DOPT_OK && dopt__ls_unpack_finite(grads, ls->work)) {
-        ls->grads_step = ls->step + 1;
+        s = dopt_allreduce(dp->comm, dp->work, dp->n, DOPT_F32, DOPT_MEAN);
+    dopt_comm_set_api(dp->comm, prev);
+    if (s == DOPT_OK && dopt__dp_unpack_finite(grads, dp->work)) {
+        dp->grads_step = dp->step + 1;
         return DOPT_OK;
     }
     if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s;
     /* not finite: named from the average when grads received it, else (the compressor refused
        before writing) from this rank's input */
-    s = dopt__ls_nonfinite(ls, grads, ls->grad_compressor, s == DOPT_ERR_NONFINITE, mine_finite, &finite_ranks);
+    s = dopt__dp_nonfinite(dp, grads, dp->grad_compressor, s == DOPT_ERR_NONFINITE, mine_finite, &finite_ranks);
     if (s != DOPT_ERR_NONFINITE) return s;
-    dopt__ls_zero(grads);
-    if (ls->status == DOPT_OK) ls->grads_step = ls->step + 1; /* SKIP: zeros are the step's average */
+    dopt__dp_zero(grads);
+    if (dp->status == DOPT_OK) dp->grads_step = dp->step + 1; /* SKIP: zeros are the step's average */
     return s;
 }
 
-DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *ls, const dopt_buf *grads) {
-    if (ls == NULL) return DOPT_ERR_INVALID;
-    return dopt__ls_average_grads(ls, grads, "dopt_dp_after_backward");
+DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *dp, const dopt_buf *grads) {
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    return dopt__dp_average_grads(dp, grads, "dopt_dp_after_backward");
 }
 
-DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *ls, float *grads) {
-    dopt_buf b = dopt_buf_flat(grads, ls ? ls->n : 0, NULL, 0);
-    return dopt_dp_after_backward_buf(ls, &b);
+DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *dp, float *grads) {
+    dopt_buf b = dopt_buf_flat(grads, dp ? dp->n : 0, NULL, 0);
+    return dopt_dp_after_backward_buf(dp, &b);
 }
 
 /* Ends a round: the model average (or, when the gradients were averaged, only the anchor), the
    batch decision, the counters. On failure the detail names the step (`how` after it). */
-static dopt_status dopt__ls_end_round(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states, int average,
+static dopt_status dopt__dp_end_round(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states, int average,
                                       uint64_t t, const char *how) {
     dopt_status s = DOPT_OK;
     int skipped;
-    const char *prev = dopt__ls_label(ls, "%s: the average after step %llu",
+    const char *prev = dopt__dp_label(dp, "%s: the average after step %llu",
                                       *how ? "dopt_dp_sync" : "dopt_dp_after_step", (unsigned long long)t);
     if (average)
-        s = dopt__ls_average_models(ls, params, states);
-    else if (ls->anchor && ls->n)
-        dopt_buf_pack(params, ls->anchor);
+        s = dopt__dp_average_models(dp, params, states);
+    else if (dp->anchor && dp->n)
+        dopt_buf_pack(params, dp->anchor);
     /* SKIP: a non-finite average was replaced by the finite ranks' mean; the round ends as usual */
-    skipped = s == DOPT_ERR_NONFINITE && ls->status == DOPT_OK;
+    skipped = s == DOPT_ERR_NONFINITE && dp->status == DOPT_OK;
     if (skipped) s = DOPT_OK;
-    if (s == DOPT_OK && ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN)
-        s = dopt__batch_decide(ls->batch, ls->comm);
-    dopt_comm_set_api(ls->comm, prev);
+    if (s == DOPT_OK && dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN)
+        s = dopt__batch_decide(dp->batch, dp->comm);
+    dopt_comm_set_api(dp->comm, prev);
     if (s == DOPT_ERR_NONFINITE) return s; /* FAIL: the detail is said */
     if (s != DOPT_OK) {
-        dopt__ls_fail_detail(ls, "average after step %llu%s: %s (%s)", (unsigned long long)t, how, dopt_status_str(s),
-                             dopt_comm_detail(ls->comm));
+        dopt__dp_fail_detail(dp, "average after step %llu%s: %s (%s)", (unsigned long long)t, how, dopt_status_str(s),
+                             dopt_comm_detail(dp->comm));
         return s;
     }
-    ls->syncs++;
-    ls->round_steps = 0;
-    ls->round_samples = 0.0;
+    dp->syncs++;
+    dp->round_steps = 0;
+    dp->round_samples = 0.0;
     return skipped ? DOPT_ERR_NONFINITE : DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
+DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
     uint64_t t;
     dopt_status s = DOPT_OK;
-    if (ls == NULL) return DOPT_ERR_INVALID;
-    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
-    s = dopt__ls_check_layout(ls, params, states);
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
-    if (ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt_batch_end_step(ls->batch);
-    t = ls->step;
-    ls->round_samples += dopt__ls_step_samples(ls);
-    ls->round_steps++;
-    ls->step++;
-    if (!dopt_dp_should_sync(ls, t)) return DOPT_OK;
+    if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt_batch_end_step(dp->batch);
+    t = dp->step;
+    dp->round_samples += dopt__dp_step_samples(dp);
+    dp->round_steps++;
+    dp->step++;
+    if (!dopt_dp_should_sync(dp, t)) return DOPT_OK;
     /* after averaged gradients the models are identical already */
-    return dopt__ls_end_round(ls, params, states, ls->grads_step != t + 1, t, "");
+    return dopt__dp_end_round(dp, params, states, dp->grads_step != t + 1, t, "");
 }
 
-DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *ls, float *params) {
-    dopt_buf b = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
-    return dopt_dp_after_step_buf(ls, &b, NULL);
+DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *dp, float *params) {
+    dopt_buf b = dopt_buf_flat(params, dp ? dp->n : 0, NULL, 0);
+    return dopt_dp_after_step_buf(dp, &b, NULL);
 }
 
-DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
+DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
     dopt_status s;
-    if (ls == NULL) return DOPT_ERR_INVALID;
-    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
-    s = dopt__ls_check_layout(ls, params, states);
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
-    if (ls->round_steps == 0) return DOPT_OK; /* the replicas are identical already */
-    return dopt__ls_end_round(ls, params, states, 1, ls->step, " (sync)");
+    if (dp->round_steps == 0) return DOPT_OK; /* the replicas are identical already */
+    return dopt__dp_end_round(dp, params, states, 1, dp->step, " (sync)");
 }
 
 /* Broadcasts a buffer from rank 0 in the packed order, through the workspace, in pieces of the
    workspace's size: ranks that describe the same elements differently (flat here, a scatter list
    there) make the same sequence of broadcasts. */
-static dopt_status dopt__ls_broadcast_packed(dopt_dp *ls, const dopt_buf *b) {
-    size_t cap = ls->work_count ? ls->work_count : 1, total = dopt_buf_count(b), done = 0;
+static dopt_status dopt__dp_broadcast_packed(dopt_dp *dp, const dopt_buf *b) {
+    size_t cap = dp->work_count ? dp->work_count : 1, total = dopt_buf_count(b), done = 0;
     size_t seg = 0, in_seg = 0; /* the read position: segment and element in it */
     while (done < total) {
         size_t chunk = total - done < cap ? total - done : cap, filled, s2 = seg, i2 = in_seg;
@@ -1733,7 +1733,7 @@ static dopt_status dopt__ls_broadcast_packed(dopt_dp *ls, const dopt_buf *b) {
         for (filled = 0; filled < chunk;) { /* gather */
             dopt_span sp = dopt_buf_segment(b, s2);
             size_t take = sp.count - i2 < chunk - filled ? sp.count - i2 : chunk - filled;
-            if (take) memcpy(ls->work + filled, sp.ptr + i2, take * sizeof(float));
+            if (take) memcpy(dp->work + filled, sp.ptr + i2, take * sizeof(float));
             filled += take;
             i2 += take;
             if (i2 == sp.count) {
@@ -1741,12 +1741,12 @@ static dopt_status dopt__ls_broadcast_packed(dopt_dp *ls, const dopt_buf *b) {
                 i2 = 0;
             }
         }
-        s = dopt_broadcast(ls->comm, ls->work, chunk * sizeof(float), 0);
+        s = dopt_broadcast(dp->comm, dp->work, chunk * sizeof(float), 0);
         if (s != DOPT_OK) return s;
         for (filled = 0; filled < chunk;) { /* and back, from the same position */
             dopt_span sp = dopt_buf_segment(b, seg);
             size_t take = sp.count - in_seg < chunk - filled ? sp.count - in_seg : chunk - filled;
-            if (take) memcpy(sp.ptr + in_seg, ls->work + filled, take * sizeof(float));
+            if (take) memcpy(sp.ptr + in_seg, dp->work + filled, take * sizeof(float));
             filled += take;
             in_seg += take;
             if (in_seg == sp.count) {
@@ -1759,74 +1759,74 @@ static dopt_status dopt__ls_broadcast_packed(dopt_dp *ls, const dopt_buf *b) {
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
+DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
     size_t i;
     dopt_status s;
     const char *prev;
-    if (ls == NULL) return DOPT_ERR_INVALID;
-    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
-    s = dopt__ls_check_layout(ls, params, states);
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
-    prev = dopt__ls_label(ls, "dopt_dp_broadcast");
-    s = dopt__ls_broadcast_packed(ls, params);
-    for (i = 0; s == DOPT_OK && i < ls->nstates; i++) s = dopt__ls_broadcast_packed(ls, &states[i]);
-    dopt_comm_set_api(ls->comm, prev);
+    prev = dopt__dp_label(dp, "dopt_dp_broadcast");
+    s = dopt__dp_broadcast_packed(dp, params);
+    for (i = 0; s == DOPT_OK && i < dp->nstates; i++) s = dopt__dp_broadcast_packed(dp, &states[i]);
+    dopt_comm_set_api(dp->comm, prev);
     if (s != DOPT_OK) {
-        dopt__ls_fail_detail(ls, "broadcast: %s (%s)", dopt_status_str(s), dopt_comm_detail(ls->comm));
+        dopt__dp_fail_detail(dp, "broadcast: %s (%s)", dopt_status_str(s), dopt_comm_detail(dp->comm));
         return s;
     }
-    if (ls->anchor && ls->n) dopt_buf_pack(params, ls->anchor);
+    if (dp->anchor && dp->n) dopt_buf_pack(params, dp->anchor);
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_dp_broadcast(dopt_dp *ls, float *params) {
-    dopt_buf b = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
-    return dopt_dp_broadcast_buf(ls, &b, NULL);
+DOPT_DEF dopt_status dopt_dp_broadcast(dopt_dp *dp, float *params) {
+    dopt_buf b = dopt_buf_flat(params, dp ? dp->n : 0, NULL, 0);
+    return dopt_dp_broadcast_buf(dp, &b, NULL);
 }
 
 /* ===================================================================== CELGC COMPOSITION */
 
-static int dopt__ls_celgc_args_ok(const dopt_celgc *r) { /* a zero scale means 1: finite */
+static int dopt__dp_celgc_args_ok(const dopt_celgc *r) { /* a zero scale means 1: finite */
     return dopt__is_finite(r->scale) && dopt__is_finite(r->eta) && r->eta > 0.0f && !dopt__is_nan(r->gamma) &&
            r->gamma > 0.0f && dopt__is_finite(r->weight_decay) && r->weight_decay >= 0.0f;
 }
 
-DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, const dopt_buf *params, const dopt_buf *grads,
+DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *dp, const dopt_buf *params, const dopt_buf *grads,
                                         const dopt_celgc *rule) {
     dopt_status s, step_status;
-    if (ls == NULL) return DOPT_ERR_INVALID;
-    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     if (rule == NULL) {
-        dopt__ls_fail_detail(ls, "celgc step: no rule (NULL)");
+        dopt__dp_fail_detail(dp, "celgc step: no rule (NULL)");
         return DOPT_ERR_INVALID;
     }
-    s = dopt__ls_check_layout(ls, params, rule->states);
+    s = dopt__dp_check_layout(dp, params, rule->states);
     if (s != DOPT_OK) return s;
-    if (dopt__ls_check_buf(grads, ls->n) != DOPT_OK || dopt_buf_nsegs(grads) != dopt_buf_nsegs(params) ||
-        !dopt__ls_celgc_args_ok(rule)) {
-        dopt__ls_fail_detail(ls, "celgc step: gradients of another layout, or a bad scale, eta, gamma or decay");
+    if (dopt__dp_check_buf(grads, dp->n) != DOPT_OK || dopt_buf_nsegs(grads) != dopt_buf_nsegs(params) ||
+        !dopt__dp_celgc_args_ok(rule)) {
+        dopt__dp_fail_detail(dp, "celgc step: gradients of another layout, or a bad scale, eta, gamma or decay");
         return DOPT_ERR_INVALID;
     }
-    if (ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_ACROSS) {
-        dopt__ls_fail_detail(ls, "celgc step: the across-worker batch estimator reads model deltas as gradient sums, "
+    if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_ACROSS) {
+        dopt__dp_fail_detail(dp, "celgc step: the across-worker batch estimator reads model deltas as gradient sums, "
                                  "and clipped steps are not; use DOPT_BATCH_WITHIN");
         return DOPT_ERR_INVALID;
     }
-    if (ls->sync_grads) { /* else CELGC's own: each worker clips its gradient, the models are averaged */
-        s = dopt__ls_average_grads(ls, grads, "dopt_dp_celgc_step");
-        if (s == DOPT_ERR_NONFINITE && ls->status == DOPT_OK) { /* SKIP: no update, the step still counts */
-            s = dopt_dp_after_step_buf(ls, params, rule->states);
+    if (dp->sync_grads) { /* else CELGC's own: each worker clips its gradient, the models are averaged */
+        s = dopt__dp_average_grads(dp, grads, "dopt_dp_celgc_step");
+        if (s == DOPT_ERR_NONFINITE && dp->status == DOPT_OK) { /* SKIP: no update, the step still counts */
+            s = dopt_dp_after_step_buf(dp, params, rule->states);
             return s != DOPT_OK ? s : DOPT_ERR_NONFINITE;
         }
         if (s != DOPT_OK) return s;
     }
     step_status = dopt_celgc_step(params, grads, rule);
     if (step_status != DOPT_OK && step_status != DOPT_ERR_NONFINITE) {
-        dopt__ls_fail_detail(ls, "celgc step: %s (segment sizes of parameters and gradients differ?)",
+        dopt__dp_fail_detail(dp, "celgc step: %s (segment sizes of parameters and gradients differ?)",
                              dopt_status_str(step_status));
         return step_status;
     }
-    s = dopt_dp_after_step_buf(ls, params, rule->states);
+    s = dopt_dp_after_step_buf(dp, params, rule->states);
     return s != DOPT_OK ? s : step_status;
 }
 
@@ -1834,13 +1834,13 @@ DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *ls, const dopt_buf *params, con
 
 /* max_i (max_r x_ri − min_r x_ri) = max_r max_i (M_i − x_ri), M the elementwise maximum: one
    elementwise MAX allreduce in the workspace and one scalar. */
-static dopt_status dopt__ls_replica_spread(dopt_dp *ls, const dopt_buf *params, double *spread) {
+static dopt_status dopt__dp_replica_spread(dopt_dp *dp, const dopt_buf *params, double *spread) {
     size_t i, j, k = dopt_buf_nsegs(params);
-    const float *m = ls->work;
+    const float *m = dp->work;
     dopt_status s;
     *spread = 0.0;
-    dopt_buf_pack(params, ls->work);
-    s = dopt_allreduce(ls->comm, ls->work, ls->n, DOPT_F32, DOPT_MAX);
+    dopt_buf_pack(params, dp->work);
+    s = dopt_allreduce(dp->comm, dp->work, dp->n, DOPT_F32, DOPT_MAX);
     if (s != DOPT_OK) return s;
     for (i = 0; i < k; i++) {
         dopt_span sp = dopt_buf_segment(params, i);
@@ -1850,55 +1850,55 @@ static dopt_status dopt__ls_replica_spread(dopt_dp *ls, const dopt_buf *params, 
         }
         m += sp.count;
     }
-    return dopt_allreduce(ls->comm, spread, 1, DOPT_F64, DOPT_MAX);
+    return dopt_allreduce(dp->comm, spread, 1, DOPT_F64, DOPT_MAX);
 }
 
 /* Every rank's checksum and step in one allgather: ranks at different steps are no replicas. */
-static dopt_status dopt__ls_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
+static dopt_status dopt__dp_check_replicas(dopt_dp *dp, const dopt_buf *params, int *identical,
                                            double *max_diff) {
-    uint64_t mine[2], *all = ls->replica_words;
+    uint64_t mine[2], *all = dp->replica_words;
     size_t i, k = dopt_buf_nsegs(params);
     int r, same = 1;
     dopt_status s;
     mine[0] = DOPT__FNV_OFFSET;
-    mine[1] = dopt__ls_steps_done(ls);
+    mine[1] = dopt__dp_steps_done(dp);
     for (i = 0; i < k; i++) {
         dopt_span sp = dopt_buf_segment(params, i);
         mine[0] = dopt__fnv1a(mine[0], sp.ptr, sp.count * sizeof(float));
     }
-    s = dopt_allgather(ls->comm, mine, all, sizeof mine);
+    s = dopt_allgather(dp->comm, mine, all, sizeof mine);
     if (s != DOPT_OK) return s;
-    for (r = 1; r < ls->comm->size; r++)
+    for (r = 1; r < dp->comm->size; r++)
         if (all[2 * r + 1] != all[1]) {
-            dopt__ls_fail_detail(ls, "dopt_dp_check_replicas: ranks are at different steps: rank 0 at %llu, "
+            dopt__dp_fail_detail(dp, "dopt_dp_check_replicas: ranks are at different steps: rank 0 at %llu, "
                                      "rank %d at %llu",
                                  (unsigned long long)all[1], r, (unsigned long long)all[2 * r + 1]);
             return DOPT_ERR_MISMATCH;
         }
-    for (r = 1; r < ls->comm->size; r++) same &= all[2 * r] == all[0];
+    for (r = 1; r < dp->comm->size; r++) same &= all[2 * r] == all[0];
     if (same) {
         if (identical) *identical = 1;
         if (max_diff) *max_diff = 0.0;
         return DOPT_OK;
     }
-    return max_diff ? dopt__ls_replica_spread(ls, params, max_diff) : DOPT_OK;
+    return max_diff ? dopt__dp_replica_spread(dp, params, max_diff) : DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params, int *identical,
+DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *dp, const dopt_buf *params, int *identical,
                                           double *max_diff) {
     const char *prev;
     dopt_status s;
     if (identical) *identical = 0;
     if (max_diff) *max_diff = NAN;
-    if (ls == NULL) return DOPT_ERR_INVALID;
-    if ((s = dopt__ls_poisoned(ls)) != DOPT_OK) return s;
-    if (dopt__ls_check_buf(params, ls->n) != DOPT_OK) {
-        dopt__ls_fail_detail(ls, "replica check: parameters are not a valid descriptor of %zu elements", ls->n);
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    if (dopt__dp_check_buf(params, dp->n) != DOPT_OK) {
+        dopt__dp_fail_detail(dp, "replica check: parameters are not a valid descriptor of %zu elements", dp->n);
         return DOPT_ERR_INVALID;
     }
-    prev = dopt_comm_set_api(ls->comm, "dopt_dp_check_replicas");
-    s = dopt__ls_check_replicas(ls, params, identical, max_diff);
-    dopt_comm_set_api(ls->comm, prev);
+    prev = dopt_comm_set_api(dp->comm, "dopt_dp_check_replicas");
+    s = dopt__dp_check_replicas(dp, params, identical, max_diff);
+    dopt_comm_set_api(dp->comm, prev);
     return s;
 }
 
@@ -1907,22 +1907,22 @@ DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *ls, const dopt_buf *params,
 /* The closing call's verdict in the communicator's detail (and its log), where
    dopt_comm_finish finds it, unless the communicator holds its own failure (the first is the one
    users need, and it was logged when it happened); the communicator is not poisoned. */
-static void dopt__ls_note(dopt_dp *ls) {
-    if (ls->comm == NULL || ls->comm->error != DOPT_OK) return;
-    snprintf(ls->comm->detail, sizeof ls->comm->detail, "rank %d: %s", ls->comm->rank, ls->detail);
-    if (!ls->logged) dopt_comm_log(ls->comm, DOPT_LOG_ERROR, "%s", ls->comm->detail);
+static void dopt__dp_note(dopt_dp *dp) {
+    if (dp->comm == NULL || dp->comm->error != DOPT_OK) return;
+    snprintf(dp->comm->detail, sizeof dp->comm->detail, "rank %d: %s", dp->comm->rank, dp->detail);
+    if (!dp->logged) dopt_comm_log(dp->comm, DOPT_LOG_ERROR, "%s", dp->comm->detail);
 }
 
 /* The closing call's verdict when the replicas differ, in the driver's detail: which ranks hold
    other parameters than rank 0, and by how much at most (dopt_dp_close_buf passes it on to the
-   communicator through dopt__ls_note). */
-static dopt_status dopt__ls_close_mismatch(dopt_dp *ls, const dopt_buf *params) {
+   communicator through dopt__dp_note). */
+static dopt_status dopt__dp_close_mismatch(dopt_dp *dp, const dopt_buf *params) {
     char ranks[96] = "", when[48] = "";
     size_t used = 0;
     double spread = NAN;
     int r, listed = 0, differ = 0;
-    const uint64_t *all = ls->replica_words;
-    for (r = 1; r < ls->comm->size; r++) {
+    const uint64_t *all = dp->replica_words;
+    for (r = 1; r < dp->comm->size; r++) {
         if (all[2 * r] == all[0]) continue;
         differ++;
         if (listed < 8 && used < sizeof ranks) {
@@ -1931,75 +1931,75 @@ static dopt_status dopt__ls_close_mismatch(dopt_dp *ls, const dopt_buf *params) 
             listed++;
         }
     }
-    if (dopt__ls_replica_spread(ls, params, &spread) != DOPT_OK) return dopt__ls_poisoned(ls);
+    if (dopt__dp_replica_spread(dp, params, &spread) != DOPT_OK) return dopt__dp_poisoned(dp);
     /* a host of after_backward alone has its steps counted there (and its last one by the close) */
-    if (ls->step > 0) snprintf(when, sizeof when, " after step %llu", (unsigned long long)ls->step);
-    dopt__ls_fail_detail(ls, "dopt_dp_close: the replicas differ%s: %d rank%s (%s%s) hold%s other "
+    if (dp->step > 0) snprintf(when, sizeof when, " after step %llu", (unsigned long long)dp->step);
+    dopt__dp_fail_detail(dp, "dopt_dp_close: the replicas differ%s: %d rank%s (%s%s) hold%s other "
                              "parameters than rank 0, by at most %.9g",
                          when, differ, differ == 1 ? "" : "s", ranks,
                          differ > listed ? ", ..." : "", differ == 1 ? "s" : "", spread);
     return DOPT_ERR_MISMATCH;
 }
 
-DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *ls, const dopt_buf *params, const dopt_buf *states) {
+DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
     int same = 0;
     const char *prev;
     dopt_status s;
-    if (ls == NULL) return DOPT_ERR_INVALID;
-    if (ls->status != DOPT_OK) { /* init refused, or a non-finite average stopped it: its reason stands */
-        dopt__ls_note(ls);
-        dopt_dp_free(ls);
-        return ls->status;
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    if (dp->status != DOPT_OK) { /* init refused, or a non-finite average stopped it: its reason stands */
+        dopt__dp_note(dp);
+        dopt_dp_free(dp);
+        return dp->status;
     }
-    ls->detail[0] = 0; /* what follows is the verdict of this call */
-    if (ls->work == NULL) { /* closed already */
-        dopt__ls_fail_detail(ls, "dopt_dp_close: the driver is not open");
+    dp->detail[0] = 0; /* what follows is the verdict of this call */
+    if (dp->work == NULL) { /* closed already */
+        dopt__dp_fail_detail(dp, "dopt_dp_close: the driver is not open");
         return DOPT_ERR_INVALID;
     }
-    s = dopt__ls_poisoned(ls);
-    if (s == DOPT_OK) s = dopt__ls_check_layout(ls, params, states);
-    dopt__ls_count_pending_step(ls);
-    if (s == DOPT_OK && ls->round_steps > 0) s = dopt__ls_end_round(ls, params, states, 1, ls->step, " (close)");
+    s = dopt__dp_poisoned(dp);
+    if (s == DOPT_OK) s = dopt__dp_check_layout(dp, params, states);
+    dopt__dp_count_pending_step(dp);
+    if (s == DOPT_OK && dp->round_steps > 0) s = dopt__dp_end_round(dp, params, states, 1, dp->step, " (close)");
     if (s == DOPT_OK) {
-        prev = dopt_comm_set_api(ls->comm, "dopt_dp_close");
-        s = dopt__ls_check_replicas(ls, params, &same, NULL);
-        if (s == DOPT_OK && !same) s = dopt__ls_close_mismatch(ls, params);
-        dopt_comm_set_api(ls->comm, prev);
+        prev = dopt_comm_set_api(dp->comm, "dopt_dp_close");
+        s = dopt__dp_check_replicas(dp, params, &same, NULL);
+        if (s == DOPT_OK && !same) s = dopt__dp_close_mismatch(dp, params);
+        dopt_comm_set_api(dp->comm, prev);
     }
-    if (s != DOPT_OK && ls->detail[0] == 0) /* the communicator's own failure */
-        dopt__ls_fail_detail(ls, "%s", dopt_comm_detail(ls->comm));
-    if (s != DOPT_OK) dopt__ls_note(ls);
-    dopt_dp_free(ls);
+    if (s != DOPT_OK && dp->detail[0] == 0) /* the communicator's own failure */
+        dopt__dp_fail_detail(dp, "%s", dopt_comm_detail(dp->comm));
+    if (s != DOPT_OK) dopt__dp_note(dp);
+    dopt_dp_free(dp);
     return s;
 }
 
-DOPT_DEF dopt_status dopt_dp_close(dopt_dp *ls, float *params) {
-    dopt_buf b = dopt_buf_flat(params, ls ? ls->n : 0, NULL, 0);
-    return dopt_dp_close_buf(ls, &b, NULL);
+DOPT_DEF dopt_status dopt_dp_close(dopt_dp *dp, float *params) {
+    dopt_buf b = dopt_buf_flat(params, dp ? dp->n : 0, NULL, 0);
+    return dopt_dp_close_buf(dp, &b, NULL);
 }
 
 /* ===================================================================== STATE FILE: ENCODING */
 
 /* A byte writer over a buffer (or, with buf NULL, a counter for the size). */
-typedef struct dopt__ls_writer {
+typedef struct dopt__dp_writer {
     unsigned char *buf;
     size_t pos;
-} dopt__ls_writer;
+} dopt__dp_writer;
 
-static void dopt__ls_put(dopt__ls_writer *w, const void *p, size_t bytes) {
+static void dopt__dp_put(dopt__dp_writer *w, const void *p, size_t bytes) {
     if (w->buf && bytes) memcpy(w->buf + w->pos, p, bytes);
     w->pos += bytes;
 }
-static void dopt__ls_put_u64(dopt__ls_writer *w, uint64_t v) { dopt__ls_put(w, &v, 8); }
-static void dopt__ls_put_f64(dopt__ls_writer *w, double v) { dopt__ls_put(w, &v, 8); }
+static void dopt__dp_put_u64(dopt__dp_writer *w, uint64_t v) { dopt__dp_put(w, &v, 8); }
+static void dopt__dp_put_f64(dopt__dp_writer *w, double v) { dopt__dp_put(w, &v, 8); }
 
-typedef struct dopt__ls_reader {
+typedef struct dopt__dp_reader {
     const unsigned char *buf;
     size_t pos, len;
     int short_read;
-} dopt__ls_reader;
+} dopt__dp_reader;
 
-static void dopt__ls_get(dopt__ls_reader *r, void *p, size_t bytes) {
+static void dopt__dp_get(dopt__dp_reader *r, void *p, size_t bytes) {
     if (r->short_read || bytes > r->len - r->pos) {
         r->short_read = 1;
         memset(p, 0, bytes);
@@ -2008,96 +2008,96 @@ static void dopt__ls_get(dopt__ls_reader *r, void *p, size_t bytes) {
     memcpy(p, r->buf + r->pos, bytes);
     r->pos += bytes;
 }
-static uint64_t dopt__ls_get_u64(dopt__ls_reader *r) {
+static uint64_t dopt__dp_get_u64(dopt__dp_reader *r) {
     uint64_t v;
-    dopt__ls_get(r, &v, 8);
+    dopt__dp_get(r, &v, 8);
     return v;
 }
-static double dopt__ls_get_f64(dopt__ls_reader *r) {
+static double dopt__dp_get_f64(dopt__dp_reader *r) {
     double v;
-    dopt__ls_get(r, &v, 8);
+    dopt__dp_get(r, &v, 8);
     return v;
 }
 
 /* The layout: everything a loaded file must agree with. */
-static void dopt__ls_put_layout(dopt__ls_writer *w, const dopt_dp *ls) {
+static void dopt__dp_put_layout(dopt__dp_writer *w, const dopt_dp *dp) {
     size_t i;
-    dopt__ls_put_u64(w, (uint64_t)ls->comm->size);
-    dopt__ls_put_u64(w, (uint64_t)ls->comm->rank);
-    dopt__ls_put_u64(w, ls->n);
-    dopt__ls_put_u64(w, ls->period);
-    dopt__ls_put_u64(w, ls->warmup);
-    dopt__ls_put_u64(w, (uint64_t)ls->sync_grads | (uint64_t)ls->weighted << 1 | (uint64_t)(ls->anchor != NULL) << 2 |
-                            (uint64_t)(ls->batch != NULL) << 3 | (uint64_t)(ls->compressor != NULL) << 4 |
-                            (uint64_t)(ls->grad_compressor != NULL) << 5 | (uint64_t)ls->outer << 6);
-    dopt__ls_put_u64(w, ls->nstates);
-    for (i = 0; i < ls->nstates; i++) {
-        dopt__ls_put_u64(w, ls->states[i].count);
-        dopt__ls_put_u64(w, (uint64_t)ls->states[i].policy);
+    dopt__dp_put_u64(w, (uint64_t)dp->comm->size);
+    dopt__dp_put_u64(w, (uint64_t)dp->comm->rank);
+    dopt__dp_put_u64(w, dp->n);
+    dopt__dp_put_u64(w, dp->period);
+    dopt__dp_put_u64(w, dp->warmup);
+    dopt__dp_put_u64(w, (uint64_t)dp->sync_grads | (uint64_t)dp->weighted << 1 | (uint64_t)(dp->anchor != NULL) << 2 |
+                            (uint64_t)(dp->batch != NULL) << 3 | (uint64_t)(dp->compressor != NULL) << 4 |
+                            (uint64_t)(dp->grad_compressor != NULL) << 5 | (uint64_t)dp->outer << 6);
+    dopt__dp_put_u64(w, dp->nstates);
+    for (i = 0; i < dp->nstates; i++) {
+        dopt__dp_put_u64(w, dp->states[i].count);
+        dopt__dp_put_u64(w, (uint64_t)dp->states[i].policy);
     }
-    if (ls->batch) {
-        const dopt_batch_config *c = &ls->batch->cfg;
-        dopt__ls_put_u64(w, (uint64_t)c->test);
-        dopt__ls_put_u64(w, (uint64_t)c->estimator);
-        dopt__ls_put_f64(w, c->eta);
-        dopt__ls_put_f64(w, c->theta);
-        dopt__ls_put_f64(w, c->nu);
-        dopt__ls_put_u64(w, c->unit_samples);
-        dopt__ls_put_u64(w, c->initial_units);
-        dopt__ls_put_u64(w, c->max_units);
-        dopt__ls_put_u64(w, c->multiple);
-        dopt__ls_put_u64(w, (uint64_t)c->projection);
-        dopt__ls_put_f64(w, c->history);
-        dopt__ls_put_u64(w, ls->batch->n);
+    if (dp->batch) {
+        const dopt_batch_config *c = &dp->batch->cfg;
+        dopt__dp_put_u64(w, (uint64_t)c->test);
+        dopt__dp_put_u64(w, (uint64_t)c->estimator);
+        dopt__dp_put_f64(w, c->eta);
+        dopt__dp_put_f64(w, c->theta);
+        dopt__dp_put_f64(w, c->nu);
+        dopt__dp_put_u64(w, c->unit_samples);
+        dopt__dp_put_u64(w, c->initial_units);
+        dopt__dp_put_u64(w, c->max_units);
+        dopt__dp_put_u64(w, c->multiple);
+        dopt__dp_put_u64(w, (uint64_t)c->projection);
+        dopt__dp_put_f64(w, c->history);
+        dopt__dp_put_u64(w, dp->batch->n);
     }
-    if (ls->outer) {
-        dopt__ls_put_f64(w, ls->outer_lr);
-        dopt__ls_put_f64(w, ls->outer_momentum);
+    if (dp->outer) {
+        dopt__dp_put_f64(w, dp->outer_lr);
+        dopt__dp_put_f64(w, dp->outer_momentum);
     }
-    if (ls->compressor) {
-        dopt__ls_put_u64(w, (uint64_t)ls->compressor->cfg.codec);
-        dopt__ls_put_u64(w, dopt_compress_state_bytes(ls->compressor));
+    if (dp->compressor) {
+        dopt__dp_put_u64(w, (uint64_t)dp->compressor->cfg.codec);
+        dopt__dp_put_u64(w, dopt_compress_state_bytes(dp->compressor));
     }
-    if (ls->grad_compressor) {
-        dopt__ls_put_u64(w, (uint64_t)ls->grad_compressor->cfg.codec);
-        dopt__ls_put_u64(w, dopt_compress_state_bytes(ls->grad_compressor));
+    if (dp->grad_compressor) {
+        dopt__dp_put_u64(w, (uint64_t)dp->grad_compressor->cfg.codec);
+        dopt__dp_put_u64(w, dopt_compress_state_bytes(dp->grad_compressor));
     }
 }
 
-static void dopt__ls_put_state(dopt__ls_writer *w, const dopt_dp *ls) {
-    dopt__ls_put_u64(w, dopt__ls_steps_done(ls));
-    dopt__ls_put_u64(w, ls->syncs);
-    dopt__ls_put_u64(w, ls->round_steps);
-    dopt__ls_put_f64(w, ls->round_samples);
-    dopt__ls_put_f64(w, ls->step_samples);
-    if (ls->anchor) dopt__ls_put(w, ls->anchor, ls->n * sizeof(float));
-    if (ls->outer_v) dopt__ls_put(w, ls->outer_v, ls->n * sizeof(float));
-    if (ls->batch) {
-        const dopt_batch *b = ls->batch;
-        dopt__ls_put_u64(w, b->units);
-        dopt__ls_put_u64(w, b->observed);
-        dopt__ls_put_u64(w, b->decisions);
-        dopt__ls_put_u64(w, b->undecided);
-        dopt__ls_put_f64(w, b->dir_norm);
-        dopt__ls_put_f64(w, b->sumsq);
-        dopt__ls_put_f64(w, b->proj_sum);
-        dopt__ls_put_f64(w, b->proj_sumsq);
-        dopt__ls_put(w, &b->round, sizeof b->round);
-        dopt__ls_put(w, &b->pooled, sizeof b->pooled);
-        dopt__ls_put(w, &b->last, sizeof b->last);
-        if (b->sum) dopt__ls_put(w, b->sum, b->n * sizeof(double));
-        if (b->dir) dopt__ls_put(w, b->dir, b->n * sizeof(float));
+static void dopt__dp_put_state(dopt__dp_writer *w, const dopt_dp *dp) {
+    dopt__dp_put_u64(w, dopt__dp_steps_done(dp));
+    dopt__dp_put_u64(w, dp->syncs);
+    dopt__dp_put_u64(w, dp->round_steps);
+    dopt__dp_put_f64(w, dp->round_samples);
+    dopt__dp_put_f64(w, dp->step_samples);
+    if (dp->anchor) dopt__dp_put(w, dp->anchor, dp->n * sizeof(float));
+    if (dp->outer_v) dopt__dp_put(w, dp->outer_v, dp->n * sizeof(float));
+    if (dp->batch) {
+        const dopt_batch *b = dp->batch;
+        dopt__dp_put_u64(w, b->units);
+        dopt__dp_put_u64(w, b->observed);
+        dopt__dp_put_u64(w, b->decisions);
+        dopt__dp_put_u64(w, b->undecided);
+        dopt__dp_put_f64(w, b->dir_norm);
+        dopt__dp_put_f64(w, b->sumsq);
+        dopt__dp_put_f64(w, b->proj_sum);
+        dopt__dp_put_f64(w, b->proj_sumsq);
+        dopt__dp_put(w, &b->round, sizeof b->round);
+        dopt__dp_put(w, &b->pooled, sizeof b->pooled);
+        dopt__dp_put(w, &b->last, sizeof b->last);
+        if (b->sum) dopt__dp_put(w, b->sum, b->n * sizeof(double));
+        if (b->dir) dopt__dp_put(w, b->dir, b->n * sizeof(float));
     }
     /* last, the compressors' states (gradient compressor, then delta compressor): load hands
        these bytes to the compressors before anything else */
-    if (ls->grad_compressor) {
-        size_t bytes = dopt_compress_state_bytes(ls->grad_compressor);
-        if (w->buf) dopt_compress_state_save(ls->grad_compressor, w->buf + w->pos, bytes);
+    if (dp->grad_compressor) {
+        size_t bytes = dopt_compress_state_bytes(dp->grad_compressor);
+        if (w->buf) dopt_compress_state_save(dp->grad_compressor, w->buf + w->pos, bytes);
         w->pos += bytes;
     }
-    if (ls->compressor) {
-        size_t bytes = dopt_compress_state_bytes(ls->compressor);
-        if (w->buf) dopt_compress_state_save(ls->compressor, w->buf + w->pos, bytes);
+    if (dp->compressor) {
+        size_t bytes = dopt_compress_state_bytes(dp->compressor);
+        if (w->buf) dopt_compress_state_save(dp->compressor, w->buf + w->pos, bytes);
         w->pos += bytes;
     }
 }
@@ -2105,27 +2105,27 @@ static void dopt__ls_put_state(dopt__ls_writer *w, const dopt_dp *ls) {
 #define DOPT__LS_MAGIC "DOPTLSGD"
 
 /* Header, layout, state, checksum; returns the size (buf NULL: only counts). */
-static size_t dopt__ls_encode(const dopt_dp *ls, unsigned char *buf) {
-    dopt__ls_writer w;
+static size_t dopt__dp_encode(const dopt_dp *dp, unsigned char *buf) {
+    dopt__dp_writer w;
     uint64_t layout_bytes, h;
-    dopt__ls_writer count = {NULL, 0};
+    dopt__dp_writer count = {NULL, 0};
     w.buf = buf;
     w.pos = 0;
-    dopt__ls_put_layout(&count, ls);
+    dopt__dp_put_layout(&count, dp);
     layout_bytes = count.pos;
-    dopt__ls_put(&w, DOPT__LS_MAGIC, 8);
-    dopt__ls_put_u64(&w, DOPT_DP_FILE_VERSION);
-    dopt__ls_put_u64(&w, layout_bytes);
-    dopt__ls_put_layout(&w, ls);
-    dopt__ls_put_state(&w, ls);
+    dopt__dp_put(&w, DOPT__LS_MAGIC, 8);
+    dopt__dp_put_u64(&w, DOPT_DP_FILE_VERSION);
+    dopt__dp_put_u64(&w, layout_bytes);
+    dopt__dp_put_layout(&w, dp);
+    dopt__dp_put_state(&w, dp);
     h = buf ? dopt__fnv1a(DOPT__FNV_OFFSET, buf, w.pos) : 0;
-    dopt__ls_put_u64(&w, h);
+    dopt__dp_put_u64(&w, h);
     return w.pos;
 }
 
 /* ===================================================================== STATE FILE: ATOMIC WRITE */
 
-static dopt_status dopt__ls_write_all(int fd, const unsigned char *p, size_t len) {
+static dopt_status dopt__dp_write_all(int fd, const unsigned char *p, size_t len) {
     while (len > 0) {
         ssize_t k = write(fd, p, len);
         if (k < 0) {
@@ -2139,7 +2139,7 @@ static dopt_status dopt__ls_write_all(int fd, const unsigned char *p, size_t len
 }
 
 /* fsync of the directory holding path, so that the rename itself is durable. */
-static dopt_status dopt__ls_sync_dir(const char *path, char *scratch, size_t cap) {
+static dopt_status dopt__dp_sync_dir(const char *path, char *scratch, size_t cap) {
     const char *slash = strrchr(path, '/');
     int fd;
     if (slash == NULL) {
@@ -2164,46 +2164,46 @@ static dopt_status dopt__ls_sync_dir(const char *path, char *scratch, size_t cap
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_dp_save(dopt_dp *ls, const char *path) {
+DOPT_DEF dopt_status dopt_dp_save(dopt_dp *dp, const char *path) {
     size_t size, plen;
     unsigned char *buf;
     char *tmp;
     int fd;
     dopt_status s;
-    if (ls == NULL || path == NULL) return DOPT_ERR_INVALID;
-    if (ls->batch && ls->batch->micro && ls->batch->observed > 0) {
-        dopt__ls_fail_detail(ls, "save: mid-step (%llu micro-batches observed): the exact projection keeps them in "
+    if (dp == NULL || path == NULL) return DOPT_ERR_INVALID;
+    if (dp->batch && dp->batch->micro && dp->batch->observed > 0) {
+        dopt__dp_fail_detail(dp, "save: mid-step (%llu micro-batches observed): the exact projection keeps them in "
                                  "memory only; save between steps",
-                             (unsigned long long)ls->batch->observed);
+                             (unsigned long long)dp->batch->observed);
         return DOPT_ERR_INVALID;
     }
-    size = dopt__ls_encode(ls, NULL);
+    size = dopt__dp_encode(dp, NULL);
     plen = strlen(path);
     buf = (unsigned char *)DOPT_MALLOC(size);
     tmp = (char *)DOPT_MALLOC(plen + 32);
     if (buf == NULL || tmp == NULL) {
         if (buf) DOPT_FREE(buf);
         if (tmp) DOPT_FREE(tmp);
-        dopt__ls_fail_detail(ls, "save: out of memory for %zu bytes", size);
+        dopt__dp_fail_detail(dp, "save: out of memory for %zu bytes", size);
         return DOPT_ERR_NOMEM;
     }
-    dopt__ls_encode(ls, buf);
+    dopt__dp_encode(dp, buf);
     snprintf(tmp, plen + 32, "%s.tmp.%ld", path, (long)getpid());
     fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd < 0) {
-        dopt__ls_fail_detail(ls, "save: cannot create %s: %s", tmp, strerror(errno));
+        dopt__dp_fail_detail(dp, "save: cannot create %s: %s", tmp, strerror(errno));
         s = DOPT_ERR_IO;
     } else {
-        s = dopt__ls_write_all(fd, buf, size);
+        s = dopt__dp_write_all(fd, buf, size);
         if (s == DOPT_OK && fsync(fd) != 0) s = DOPT_ERR_IO;
         if (close(fd) != 0) s = DOPT_ERR_IO;
         if (s == DOPT_OK && rename(tmp, path) != 0) s = DOPT_ERR_IO;
         if (s != DOPT_OK) {
-            dopt__ls_fail_detail(ls, "save: writing %s failed: %s", path, strerror(errno));
+            dopt__dp_fail_detail(dp, "save: writing %s failed: %s", path, strerror(errno));
             unlink(tmp);
         } else {
-            s = dopt__ls_sync_dir(path, tmp, plen + 32);
-            if (s != DOPT_OK) dopt__ls_fail_detail(ls, "save: cannot fsync the directory of %s", path);
+            s = dopt__dp_sync_dir(path, tmp, plen + 32);
+            if (s != DOPT_OK) dopt__dp_fail_detail(dp, "save: cannot fsync the directory of %s", path);
         }
     }
     DOPT_FREE(buf);
@@ -2213,18 +2213,18 @@ DOPT_DEF dopt_status dopt_dp_save(dopt_dp *ls, const char *path) {
 
 /* ===================================================================== STATE FILE: LOAD */
 
-static dopt_status dopt__ls_read_file(dopt_dp *ls, const char *path, unsigned char **out, size_t *len) {
+static dopt_status dopt__dp_read_file(dopt_dp *dp, const char *path, unsigned char **out, size_t *len) {
     struct stat sb;
     int fd = open(path, O_RDONLY);
     size_t got = 0;
     unsigned char *buf;
     if (fd < 0) {
-        dopt__ls_fail_detail(ls, "load: cannot open %s: %s", path, strerror(errno));
+        dopt__dp_fail_detail(dp, "load: cannot open %s: %s", path, strerror(errno));
         return DOPT_ERR_IO;
     }
     if (fstat(fd, &sb) != 0 || sb.st_size < 0) {
         close(fd);
-        dopt__ls_fail_detail(ls, "load: cannot stat %s", path);
+        dopt__dp_fail_detail(dp, "load: cannot stat %s", path);
         return DOPT_ERR_IO;
     }
     buf = (unsigned char *)DOPT_MALLOC((size_t)sb.st_size + 1);
@@ -2245,99 +2245,99 @@ static dopt_status dopt__ls_read_file(dopt_dp *ls, const char *path, unsigned ch
 }
 
 /* Compares the file's layout with this driver's, naming the first difference. */
-static dopt_status dopt__ls_check_file_layout(dopt_dp *ls, const unsigned char *file_layout, size_t bytes,
+static dopt_status dopt__dp_check_file_layout(dopt_dp *dp, const unsigned char *file_layout, size_t bytes,
                                               unsigned char *mine) {
     static const char *const names[] = {"world size", "rank", "element count", "period", "warm-up steps",
                                         "flags (sync_grads, weighted, anchor, batch controller, compressor, gradient compressor, outer optimizer)", "number of states"};
-    dopt__ls_writer w;
+    dopt__dp_writer w;
     size_t i;
     w.buf = mine;
     w.pos = 0;
-    dopt__ls_put_layout(&w, ls);
+    dopt__dp_put_layout(&w, dp);
     if (w.pos == bytes && memcmp(mine, file_layout, bytes) == 0) return DOPT_OK;
     for (i = 0; i < 7 && (i + 1) * 8 <= bytes && (i + 1) * 8 <= w.pos; i++) {
         uint64_t a, b;
         memcpy(&a, file_layout + i * 8, 8);
         memcpy(&b, mine + i * 8, 8);
         if (a != b) {
-            dopt__ls_fail_detail(ls, "load: the file was saved with %s %llu, this driver has %llu", names[i],
+            dopt__dp_fail_detail(dp, "load: the file was saved with %s %llu, this driver has %llu", names[i],
                                  (unsigned long long)a, (unsigned long long)b);
             return DOPT_ERR_INVALID;
         }
     }
-    dopt__ls_fail_detail(ls, "load: the file's state buffers (sizes, policies) or batch configuration differ");
+    dopt__dp_fail_detail(dp, "load: the file's state buffers (sizes, policies) or batch configuration differ");
     return DOPT_ERR_INVALID;
 }
 
-static void dopt__ls_get_state(dopt__ls_reader *r, dopt_dp *ls) {
-    ls->step = dopt__ls_get_u64(r);
-    ls->syncs = dopt__ls_get_u64(r);
-    ls->round_steps = dopt__ls_get_u64(r);
-    ls->round_samples = dopt__ls_get_f64(r);
-    ls->step_samples = dopt__ls_get_f64(r);
-    if (ls->anchor) dopt__ls_get(r, ls->anchor, ls->n * sizeof(float));
-    if (ls->outer_v) dopt__ls_get(r, ls->outer_v, ls->n * sizeof(float));
-    if (ls->batch) {
-        dopt_batch *b = ls->batch;
-        b->units = (size_t)dopt__ls_get_u64(r);
-        b->observed = dopt__ls_get_u64(r);
-        b->decisions = dopt__ls_get_u64(r);
-        b->undecided = dopt__ls_get_u64(r);
-        b->dir_norm = dopt__ls_get_f64(r);
-        b->sumsq = dopt__ls_get_f64(r);
-        b->proj_sum = dopt__ls_get_f64(r);
-        b->proj_sumsq = dopt__ls_get_f64(r);
-        dopt__ls_get(r, &b->round, sizeof b->round);
-        dopt__ls_get(r, &b->pooled, sizeof b->pooled);
-        dopt__ls_get(r, &b->last, sizeof b->last);
-        if (b->sum) dopt__ls_get(r, b->sum, b->n * sizeof(double));
-        if (b->dir) dopt__ls_get(r, b->dir, b->n * sizeof(float));
+static void dopt__dp_get_state(dopt__dp_reader *r, dopt_dp *dp) {
+    dp->step = dopt__dp_get_u64(r);
+    dp->syncs = dopt__dp_get_u64(r);
+    dp->round_steps = dopt__dp_get_u64(r);
+    dp->round_samples = dopt__dp_get_f64(r);
+    dp->step_samples = dopt__dp_get_f64(r);
+    if (dp->anchor) dopt__dp_get(r, dp->anchor, dp->n * sizeof(float));
+    if (dp->outer_v) dopt__dp_get(r, dp->outer_v, dp->n * sizeof(float));
+    if (dp->batch) {
+        dopt_batch *b = dp->batch;
+        b->units = (size_t)dopt__dp_get_u64(r);
+        b->observed = dopt__dp_get_u64(r);
+        b->decisions = dopt__dp_get_u64(r);
+        b->undecided = dopt__dp_get_u64(r);
+        b->dir_norm = dopt__dp_get_f64(r);
+        b->sumsq = dopt__dp_get_f64(r);
+        b->proj_sum = dopt__dp_get_f64(r);
+        b->proj_sumsq = dopt__dp_get_f64(r);
+        dopt__dp_get(r, &b->round, sizeof b->round);
+        dopt__dp_get(r, &b->pooled, sizeof b->pooled);
+        dopt__dp_get(r, &b->last, sizeof b->last);
+        if (b->sum) dopt__dp_get(r, b->sum, b->n * sizeof(double));
+        if (b->dir) dopt__dp_get(r, b->dir, b->n * sizeof(float));
     }
 }
 
-DOPT_DEF dopt_status dopt_dp_load(dopt_dp *ls, const char *path) {
+DOPT_DEF dopt_status dopt_dp_load(dopt_dp *dp, const char *path) {
     unsigned char *buf = NULL, *mine = NULL;
     size_t len = 0, expect;
     uint64_t version, layout_bytes, h_file, h;
-    dopt__ls_reader r;
+    dopt__dp_reader r;
     dopt_status s;
-    if (ls == NULL || path == NULL) return DOPT_ERR_INVALID;
-    ls->detail[0] = 0;
-    s = dopt__ls_read_file(ls, path, &buf, &len);
+    if (dp == NULL || path == NULL) return DOPT_ERR_INVALID;
+    dp->detail[0] = 0;
+    s = dopt__dp_read_file(dp, path, &buf, &len);
     if (s != DOPT_OK) return s;
     s = DOPT_ERR_PROTOCOL;
     if (len < 32 || memcmp(buf, DOPT__LS_MAGIC, 8) != 0) {
-        dopt__ls_fail_detail(ls, "load: %s is not a distopt local-SGD state file", path);
+        dopt__dp_fail_detail(dp, "load: %s is not a distopt local-SGD state file", path);
         goto done;
     }
     memcpy(&version, buf + 8, 8);
     memcpy(&layout_bytes, buf + 16, 8);
     if (version != DOPT_DP_FILE_VERSION) {
-        dopt__ls_fail_detail(ls, "load: %s has format version %llu, this build reads version %u", path,
+        dopt__dp_fail_detail(dp, "load: %s has format version %llu, this build reads version %u", path,
                              (unsigned long long)version, DOPT_DP_FILE_VERSION);
         goto done;
     }
     memcpy(&h_file, buf + len - 8, 8);
     h = dopt__fnv1a(DOPT__FNV_OFFSET, buf, len - 8);
     if (h != h_file) {
-        dopt__ls_fail_detail(ls, "load: %s is corrupt (checksum %016llx, expected %016llx)", path,
+        dopt__dp_fail_detail(dp, "load: %s is corrupt (checksum %016llx, expected %016llx)", path,
                              (unsigned long long)h, (unsigned long long)h_file);
         goto done;
     }
     if (layout_bytes > len - 32) {
-        dopt__ls_fail_detail(ls, "load: %s is truncated", path);
+        dopt__dp_fail_detail(dp, "load: %s is truncated", path);
         goto done;
     }
-    mine = (unsigned char *)DOPT_MALLOC(dopt__ls_encode(ls, NULL));
+    mine = (unsigned char *)DOPT_MALLOC(dopt__dp_encode(dp, NULL));
     if (mine == NULL) {
         s = DOPT_ERR_NOMEM;
         goto done;
     }
-    s = dopt__ls_check_file_layout(ls, buf + 24, (size_t)layout_bytes, mine);
+    s = dopt__dp_check_file_layout(dp, buf + 24, (size_t)layout_bytes, mine);
     if (s != DOPT_OK) goto done;
-    expect = dopt__ls_encode(ls, NULL);
+    expect = dopt__dp_encode(dp, NULL);
     if (expect != len) {
-        dopt__ls_fail_detail(ls, "load: %s holds %zu bytes, its layout needs %zu", path, len, expect);
+        dopt__dp_fail_detail(dp, "load: %s holds %zu bytes, its layout needs %zu", path, len, expect);
         s = DOPT_ERR_PROTOCOL;
         goto done;
     }
@@ -2345,20 +2345,20 @@ DOPT_DEF dopt_status dopt_dp_load(dopt_dp *ls, const char *path) {
         /* Validated by the compressors, which change nothing on failure; when the delta
            compressor refuses after the gradient compressor took its bytes, the gradient
            compressor gets its previous state back, so a refused file changes nothing. */
-        size_t cbytes = ls->compressor ? dopt_compress_state_bytes(ls->compressor) : 0;
-        size_t gbytes = ls->grad_compressor ? dopt_compress_state_bytes(ls->grad_compressor) : 0;
+        size_t cbytes = dp->compressor ? dopt_compress_state_bytes(dp->compressor) : 0;
+        size_t gbytes = dp->grad_compressor ? dopt_compress_state_bytes(dp->grad_compressor) : 0;
         const unsigned char *cstate = buf + len - 8 - cbytes, *gstate = cstate - gbytes;
-        if (ls->grad_compressor) {
-            dopt_compress_state_save(ls->grad_compressor, mine, gbytes); /* mine holds ≥ gbytes */
-            if (dopt_compress_state_load(ls->grad_compressor, gstate, gbytes) != DOPT_OK) {
-                dopt__ls_fail_detail(ls, "load: %s: the gradient compressor refuses its saved state", path);
+        if (dp->grad_compressor) {
+            dopt_compress_state_save(dp->grad_compressor, mine, gbytes); /* mine holds ≥ gbytes */
+            if (dopt_compress_state_load(dp->grad_compressor, gstate, gbytes) != DOPT_OK) {
+                dopt__dp_fail_detail(dp, "load: %s: the gradient compressor refuses its saved state", path);
                 s = DOPT_ERR_PROTOCOL;
                 goto done;
             }
         }
-        if (ls->compressor && dopt_compress_state_load(ls->compressor, cstate, cbytes) != DOPT_OK) {
-            if (ls->grad_compressor) dopt_compress_state_load(ls->grad_compressor, mine, gbytes);
-            dopt__ls_fail_detail(ls, "load: %s: the compressor refuses its saved state", path);
+        if (dp->compressor && dopt_compress_state_load(dp->compressor, cstate, cbytes) != DOPT_OK) {
+            if (dp->grad_compressor) dopt_compress_state_load(dp->grad_compressor, mine, gbytes);
+            dopt__dp_fail_detail(dp, "load: %s: the compressor refuses its saved state", path);
             s = DOPT_ERR_PROTOCOL;
             goto done;
         }
@@ -2367,7 +2367,7 @@ DOPT_DEF dopt_status dopt_dp_load(dopt_dp *ls, const char *path) {
     r.pos = 24 + (size_t)layout_bytes;
     r.len = len - 8;
     r.short_read = 0;
-    dopt__ls_get_state(&r, ls);
+    dopt__dp_get_state(&r, dp);
     s = DOPT_OK;
 done:
     if (buf) DOPT_FREE(buf);

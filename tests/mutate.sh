@@ -106,7 +106,7 @@ mutate agc-zero-eps-not-the-default clip.h \
     'float eps = opt == NULL || dopt__clip_is_zero(opt->eps) ? DOPT_AGC_EPS_DEFAULT : opt->eps;' \
     'float eps = opt == NULL ? DOPT_AGC_EPS_DEFAULT : opt->eps;' test_clip:agc_zero_eps
 mutate dp-celgc-states-dropped localsgd.h \
-    '    s = dopt_dp_after_step_buf(ls, params, rule->states);' '    s = dopt_dp_after_step_buf(ls, params, NULL);' \
+    '    s = dopt_dp_after_step_buf(dp, params, rule->states);' '    s = dopt_dp_after_step_buf(dp, params, NULL);' \
     test_localsgd:celgc_rule
 mutate augmented-nu-not-squared localsgd.h \
     'if (g2 > 0.0) return v / (tol * tol * g2);' 'if (g2 > 0.0) return v / (tol * g2);' test_localsgd:inner_product
@@ -117,10 +117,10 @@ mutate variance-bias-kept localsgd.h \
     'st.grad_norm2 = v[7] > 0.0 ? (v[5] - tau2 * v[6]) / v[7] : NAN;' 'st.grad_norm2 = v[7] > 0.0 ? v[5] / v[7] : NAN;' \
     test_localsgd:within
 mutate drift-counted-as-noise localsgd.h \
-    'if (ls->batch && ls->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt_batch_end_step(ls->batch);' '' \
+    'if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt_batch_end_step(dp->batch);' '' \
     test_localsgd:within_variance
 mutate outer-momentum-not-nesterov localsgd.h \
-    'd += mu * (double)ls->outer_v[i];' '' test_localsgd:outer
+    'd += mu * (double)dp->outer_v[i];' '' test_localsgd:outer
 mutate finite-scan-keeps-the-smallest distopt.h \
     '            (acc)[j_] = (acc)[j_] > e_ ? (acc)[j_] : e_;' '            (acc)[j_] = (acc)[j_] < e_ ? (acc)[j_] : e_;' \
     test_core:finite
@@ -128,23 +128,23 @@ mutate finite-scan-ors-the-blocks distopt.h \
     '(any) |= (uint32_t)(m0_[j_] == 0x7F800000u) | (uint32_t)(m1_[j_] == 0x7F800000u) |' \
     '(any) |= (uint32_t)((m0_[j_] | m1_[j_]) == 0x7F800000u) | (uint32_t)(m1_[j_] == 0x7F800000u) |' test_core:finite
 mutate nonfinite-average-unchecked localsgd.h \
-    '    if (s == DOPT_OK && dopt__ls_unpack_finite(grads, ls->work)) {' \
-    '    if (s == DOPT_OK && (dopt__ls_unpack_finite(grads, ls->work) || 1)) {' test_nonfinite:gradient_average
+    '    if (s == DOPT_OK && dopt__dp_unpack_finite(grads, dp->work)) {' \
+    '    if (s == DOPT_OK && (dopt__dp_unpack_finite(grads, dp->work) || 1)) {' test_nonfinite:gradient_average
 mutate nonfinite-gradients-not-zeroed localsgd.h \
-    '    dopt__ls_zero(grads);' '    if (0) dopt__ls_zero(grads);' test_nonfinite:gradient_average
+    '    dopt__dp_zero(grads);' '    if (0) dopt__dp_zero(grads);' test_nonfinite:gradient_average
 mutate nonfinite-fail-not-sticky localsgd.h \
-    '    if (ls->status != DOPT_OK) return ls->status; /* a non-finite average under DOPT_NONFINITE_FAIL */' '' \
+    '    if (dp->status != DOPT_OK) return dp->status; /* a non-finite average under DOPT_NONFINITE_FAIL */' '' \
     test_nonfinite:gradient_average
 mutate nonfinite-model-flag-ignored localsgd.h \
-    '    if (s == DOPT_OK && ls->work[slot] != 0.0f) s = DOPT_ERR_NONFINITE;' '    (void)slot;' \
+    '    if (s == DOPT_OK && dp->work[slot] != 0.0f) s = DOPT_ERR_NONFINITE;' '    (void)slot;' \
     test_nonfinite:model_average
 mutate nonfinite-model-overflow-unchecked localsgd.h \
-    '    if (!dopt__ls_unpack(ls, params, states))' '    if (!dopt__ls_unpack(ls, params, states) && 0)' \
+    '    if (!dopt__dp_unpack(dp, params, states))' '    if (!dopt__dp_unpack(dp, params, states) && 0)' \
     test_nonfinite:overflow
 mutate nonfinite-rank-not-named localsgd.h \
     '    mine[0] = mine_finite ? 0 : 1;' '    mine[0] = mine_finite ? 0 : 0;' test_nonfinite:gradient_average
 mutate steps-not-counted-without-after-step localsgd.h \
-    '    if (ls->grads_step != ls->step + 1) return;' '    return;' test_nonfinite:gradient_average
+    '    if (dp->grads_step != dp->step + 1) return;' '    return;' test_nonfinite:gradient_average
 mutate replica-steps-not-compared localsgd.h \
     'if (all[2 * r + 1] != all[1]) {' 'if (0) {' test_localsgd:replica
 mutate mpi-check-ignores-seq transport_mpi.h \
@@ -178,16 +178,16 @@ mutate mpi-link-rx-reposted-out-of-turn transport_mpi.h \
     'L->rx_cur = (L->rx_cur + 1) % DOPT__MPI_RX_SLOTS;' 'L->rx_cur = (L->rx_cur + 0) % DOPT__MPI_RX_SLOTS;' \
     test_mpi:engine_over
 mutate localsgd-local-step-ignores-poison localsgd.h \
-    '    return dopt__family_error(ls->comm);' \
+    '    return dopt__family_error(dp->comm);' \
     '    return DOPT_OK;' test_localsgd:poisoned
 mutate close-skips-the-short-round localsgd.h \
-    'if (s == DOPT_OK && ls->round_steps > 0) s = dopt__ls_end_round(' \
-    'if (s == DOPT_OK && ls->round_steps > 9) s = dopt__ls_end_round(' test_localsgd:close
+    'if (s == DOPT_OK && dp->round_steps > 0) s = dopt__dp_end_round(' \
+    'if (s == DOPT_OK && dp->round_steps > 9) s = dopt__dp_end_round(' test_localsgd:close
 mutate close-misses-differing-replicas localsgd.h \
-    'if (s == DOPT_OK && !same) s = dopt__ls_close_mismatch(ls, params);' 'if (s == DOPT_OK && same < 0) s = dopt__ls_close_mismatch(ls, params);' test_localsgd:close
+    'if (s == DOPT_OK && !same) s = dopt__dp_close_mismatch(dp, params);' 'if (s == DOPT_OK && same < 0) s = dopt__dp_close_mismatch(dp, params);' test_localsgd:close
 mutate period-one-averages-models-after-averaged-gradients localsgd.h \
-    'return dopt__ls_end_round(ls, params, states, ls->grads_step != t + 1, t, "");' \
-    'return dopt__ls_end_round(ls, params, states, 1, t, "");' test_localsgd:period_one
+    'return dopt__dp_end_round(dp, params, states, dp->grads_step != t + 1, t, "");' \
+    'return dopt__dp_end_round(dp, params, states, 1, t, "");' test_localsgd:period_one
 mutate mean-of-a-scalar-is-a-sum distopt.h \
     'dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_MEAN);' \
     'dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_SUM);' test_localsgd:close
