@@ -247,6 +247,44 @@ DOPT_DEF dopt_status dopt_celgc_step(const dopt_buf *params, const dopt_buf *gra
 
 #endif /* DISTOPT_CLIP_H */
 
+/* ==================== REFERENCE FOR CONTRIBUTORS ====================
+   Not needed to use clip.h: how the rules are computed, where they come from, what was measured.
+
+   One collective per call, carrying the verdict. Every rule that takes a communicator makes
+   exactly one allreduce (SUM of doubles), whatever happens on this rank, so that a rank with bad
+   arguments or a non-finite gradient fails together with its peers instead of leaving them
+   waiting. Each rank's verdict travels inside the sums: a sum of squares of finite floats is at
+   most n·FLT_MAX² ≈ 1.2e77·n, far from DBL_MAX even summed over every rank, so before the
+   reduction a non-finite local sum is made +inf and invalid arguments make every sum NaN; after
+   it, NaN anywhere (NaN absorbs +inf) is DOPT_ERR_INVALID on every rank, +inf anywhere is
+   DOPT_ERR_NONFINITE on every rank, and otherwise the sums are the exact totals. The elementwise
+   rules (value, c·σ, AGC) send one such flag with no numbers. Without a communicator the same
+   decoding gives the local verdict. NaN and infinity are told by their bits
+   (dopt__is_nan/dopt__is_finite, dopt_all_finite), so -ffast-math hosts keep the checks.
+
+   Norms. ‖scale·g‖² = scale²·Σ x², the sum in double by distopt.h's dopt_sumsq (relative error
+   about 1e-12 over 10^8 elements, no overflow for any finite float); scale² goes inside each
+   rank's sum so that ranks whose buffers hold different scales add like terms. The norm pass is
+   the non-finite check too (a separate check would halve its speed: docs/measurements.md,
+   Clipping). A factor f = min(1, τ/‖g‖) below FLT_MIN would lose its bits as a float (elements
+   near FLT_MAX clipped to a small norm), so such a factor is applied in double element by
+   element; every other goes through dopt_scale.
+
+   By value and TernGrad's c·σ (Wen et al. 2017): a clamp to ±bound, branch-free in blocks
+   of 16 so that it compiles to vector min/max. σ is the segment's population standard deviation
+   (dopt_mean_var, shifted sums in double); c = 2.5 is the paper's choice. A segment with σ = 0
+   or a bound beyond FLT_MAX is left as it is.
+
+   AGC (Brock, De, Smith, Simonyan 2021, "High-performance large-scale image recognition without
+   normalization"): for each unit u (a row of a weight matrix, the fan-in of one output),
+   g_u ← g_u · λ·max(‖w_u‖, ε)/‖g_u‖ when ‖g_u‖ > λ·max(‖w_u‖, ε); ε = 1e-3 as in the paper.
+   Vectors (biases, gains) are one unit each, as the reference code treats them.
+
+   CELGC (Liu, Zhuang, Lei, Liao 2022): step = min(η, γ/(‖g‖ + ε)) on the worker's
+   own gradient, ε = 1e-10 as the reference code adds it; x ← x − step·(scale·g + wd·x), written
+   as keep·x − a·g with keep = 1 − step·wd (exactly 1 without decay) and a = step·scale, the decay
+   added to the direction and not to the norm, as the reference code does. */
+
 /* =====================================================================================
    IMPLEMENTATION — stop reading here if you only want the API.
    ===================================================================================== */

@@ -82,7 +82,8 @@
    | seed            | key of the random rounding (ternary, QSGD); give every   | 0                  |
    |                 | rank the same seed (the rank is mixed in)                |                    |
    | rank            | rank in the RNG key for dopt_compress_encode (the        | 0                  |
-   |                 | allreduce uses comm->rank and stores it here)            |                    |
+   |                 | allreduce uses comm->rank and keeps it in cz->rank,      |                    |
+   |                 | which later encodes use; the config is never written)    |                    |
    | clip_c          | ternary: clip each segment to ±c·σ before scaling;       | 2.5                |
    |                 | DOPT_CLIP_OFF (any negative value) disables it           |                    |
    | no_scale_sharing| ternary allreduce: 1 = each rank keeps its own scale     | 0: shared (max)    |
@@ -379,6 +380,7 @@ typedef struct dopt_compressor {
     unsigned char *gather;      /* the allreduce's N messages */
     size_t gather_ranks;        /* messages the gather buffer holds */
     int gathered;               /* messages in it from the last allreduce */
+    int rank;                   /* the rank in the RNG key: cfg.rank, then each allreduce's comm->rank */
     dopt_agg_path path;         /* how the last allreduce combined the messages */
     int buckets;                /* ... on the ring: the buckets it pipelined (0: not the ring) */
     unsigned char *ring_buf;    /* the integer ring's planes: own, final, the host's, stage */
@@ -2239,7 +2241,7 @@ DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *g
     if (cz == NULL || cz->segs == NULL || grads == NULL || out == NULL || bytes == NULL) return DOPT_ERR_INVALID;
     if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return DOPT_ERR_UNSUPPORTED; /* two rounds, no message */
     if (capacity < cz->msg_bytes || !dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
-    s = dopt__encode_local(cz, grads, cz->cfg.rank, (unsigned char *)out, NULL, 1);
+    s = dopt__encode_local(cz, grads, cz->rank, (unsigned char *)out, NULL, 1);
     *bytes = cz->msg_bytes; /* the flagged message too: a peer that decodes it learns the verdict */
     if (s == DOPT_OK) dopt__commit(cz, (const unsigned char *)out);
     return s;
@@ -3122,7 +3124,7 @@ static void dopt__pipe_encode(dopt_compressor *cz, const dopt__ring_plan *pl, co
         dopt_span sp = dopt_buf_segment(p, w.seg);
         unsigned char *body = cz->msg + w.rec + DOPT_COMPRESS_RECORD_BYTES;
         dopt_rng rng;
-        dopt__seg_rng(cz, cz->cfg.rank, w.seg, &rng);
+        dopt__seg_rng(cz, cz->rank, w.seg, &rng);
         dopt__tern_encode_range(sp.ptr, sp.count, w.e0, w.e1, cz->bounds[w.seg], cz->scales[w.seg], &rng, body);
         dopt__ring_own(body + w.e0 / 4, w.e1 - w.e0, cz->ring_buf + w.lo * 16);
     }
@@ -3201,8 +3203,9 @@ static void *dopt__pipe_ring(void *arg) {
 
 /* The caller's side of a threaded pipeline: bucket k is encoded once step k - 1 has begun, one
    bucket ahead of the ring and no more (further ahead, the encoders of 8 ranks on 2 cores starved
-   the ring's thread: 178 ms a call against 163 at 4 hosts × 2, 8 buckets), and between two the
-   buckets the schedule has finished are decoded into grads. Returns the schedule's status. */
+   the ring's thread; the figures are in docs/measurements.md, compressed allreduce across
+   simulated hosts), and between two the buckets the schedule has finished are decoded into grads.
+   Returns the schedule's status. */
 static dopt_status dopt__pipe_caller(dopt__pipe *q, const dopt_buf *grads, float weight) {
     const dopt__ring_plan *pl = q->plan;
     dopt_status s = DOPT_OK;
@@ -3421,7 +3424,7 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     ring = dopt__ring_wanted(cz, comm, groups);
     s = dopt__gather_room(cz, ring ? comm->size + 1 : comm->size);
     if (s != DOPT_OK) return s;
-    cz->cfg.rank = comm->rank;
+    cz->rank = comm->rank;
     cz->buckets = 0;
     /* on the ring, ternary's codes are written by its pipeline (dopt__ring_pipeline) */
     s = dopt__encode_local(cz, grads, comm->rank, cz->msg, comm, !(ring && cz->cfg.codec == DOPT_CODEC_TERNARY));
@@ -3707,7 +3710,7 @@ static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, co
     const char *prev;
     dopt_status s;
     cz->gathered = 0;
-    cz->cfg.rank = comm->rank;
+    cz->rank = comm->rank;
     dopt__ef_prepare(cz, grads); /* M = g + e, every segment, into the work buffer */
     a[cz->psgd_np - 1] = dopt__psgd_first(cz, a) ? 0.0f : 1.0f;
     prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's P");
@@ -3917,6 +3920,7 @@ DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compre
     }
     if (count > SIZE_MAX / 8) return DOPT_ERR_INVALID;
     cz->cfg = c;
+    cz->rank = c.rank;
     cz->nsegs = nsegs;
     cz->count = count;
     cz->flat_end = end;

@@ -618,7 +618,7 @@ struct dopt_comm {
     dopt_status error;    /* DOPT_OK, or the first error (the communicator is poisoned) */
     dopt_log_fn log_fn;
     void *log_user;
-    uint64_t *exchange;   /* 2·size words of scratch for allgatherv's size exchange */
+    uint64_t *gatherv_sizes; /* allgatherv: every rank's block size and capacity (2·size words) */
     size_t *block_bytes;  /* size entries of scratch for equal-block allgather */
     dopt_traffic traffic; /* what this rank's collectives carried; see COMMUNICATORS */
     const char *api;      /* the distopt call whose collectives run now, named in details; NULL: the caller's */
@@ -628,7 +628,7 @@ struct dopt_comm {
     int *members;         /* a group: the root's rank of each of its ranks; else NULL */
     uint32_t group;       /* 0, or the number dopt_comm_split gave this group (in every frame's header) */
     uint64_t started_seq; /* the sequence number of its newest collective the engine has queued */
-    int doomed;           /* a root destroyed while its groups live on: freed with the last of them */
+    int destroyed;        /* a root dopt_comm_destroy ended while its groups live on: freed with the last of them */
     char detail[DOPT_DETAIL_MAX];
 };
 
@@ -1726,7 +1726,7 @@ DOPT_DEF void dopt_reduce(void *dst, const void *src, size_t count, dopt_dtype d
     }
 }
 
-/* ===================================================================== COMMUNICATOR CORE */
+/* ===================================================================== LAUNCH VARIABLES */
 
 /* For transports reading their launch variables: 1 and *out when var holds a whole number in
    [min, max]; 0 when it is unset or empty; -1 when it holds anything else, and why names the
@@ -1758,8 +1758,6 @@ DOPT__MAYBE_UNUSED static int dopt__env_long(const char *var, long min, long max
     *out = x;
     return 1;
 }
-
-/* ===================================================================== LAUNCH VARIABLES */
 
 /* One launcher's names for rank, world size, local rank and local size (NULL: it has none). */
 typedef struct dopt__launcher {
@@ -2007,6 +2005,8 @@ DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t 
     }
     return DOPT_OK;
 }
+
+/* ===================================================================== COMMUNICATOR: LOGGING AND FAILURE */
 
 static void dopt__vlog(dopt_comm *c, dopt_log_level level, const char *fmt, va_list ap) {
     char msg[DOPT_DETAIL_MAX];
@@ -3720,6 +3720,8 @@ DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms) {
     }
 }
 
+/* ===================================================================== COMMUNICATOR: LIFECYCLE AND SETTINGS */
+
 DOPT_DEF dopt_status dopt_comm_new(dopt_comm **out, int rank, int size, const dopt_comm_vtable *vt,
                                    void *impl) {
     dopt_comm *c;
@@ -3728,10 +3730,10 @@ DOPT_DEF dopt_status dopt_comm_new(dopt_comm **out, int rank, int size, const do
     c = (dopt_comm *)DOPT_MALLOC(sizeof *c);
     if (c == NULL) return DOPT_ERR_NOMEM;
     memset(c, 0, sizeof *c);
-    c->exchange = (uint64_t *)DOPT_MALLOC(2 * (size_t)size * sizeof(uint64_t));
+    c->gatherv_sizes = (uint64_t *)DOPT_MALLOC(2 * (size_t)size * sizeof(uint64_t));
     c->block_bytes = (size_t *)DOPT_MALLOC((size_t)size * sizeof(size_t));
-    if (c->exchange == NULL || c->block_bytes == NULL) {
-        DOPT_FREE(c->exchange);
+    if (c->gatherv_sizes == NULL || c->block_bytes == NULL) {
+        DOPT_FREE(c->gatherv_sizes);
         DOPT_FREE(c->block_bytes);
         DOPT_FREE(c);
         return DOPT_ERR_NOMEM;
@@ -3751,7 +3753,7 @@ DOPT_DEF dopt_status dopt_comm_new(dopt_comm **out, int rank, int size, const do
 
 static void dopt__comm_free(dopt_comm *c) {
     DOPT_FREE(c->members);
-    DOPT_FREE(c->exchange);
+    DOPT_FREE(c->gatherv_sizes);
     DOPT_FREE(c->block_bytes);
     DOPT_FREE(c);
 }
@@ -3770,8 +3772,8 @@ DOPT_DEF void dopt_comm_destroy(dopt_comm *c) {
         if (i < e->nfamily) e->family[i] = e->family[--e->nfamily];
         for (k = e->retired; c->root != NULL && k < e->started; k++) /* or, after a failure, never will */
             if (dopt__eng_req(e, k)->comm == c) dopt__eng_req(e, k)->comm = NULL;
-        if (c->root == NULL) c->doomed = 1;
-        last = e->nfamily == 0 && e->root->doomed;
+        if (c->root == NULL) c->destroyed = 1;
+        last = e->nfamily == 0 && e->root->destroyed;
         dopt__eng_unlock(e, DOPT_OK);
         if (c->root != NULL) dopt__comm_free(c);
         if (!last) return;
@@ -3834,6 +3836,8 @@ DOPT_DEF void dopt_comm_set_log(dopt_comm *c, dopt_log_fn fn, void *user) {
 DOPT_DEF void dopt_comm_set_timeout(dopt_comm *c, int timeout_ms) {
     c->timeout_ms = timeout_ms > 0 ? timeout_ms : DOPT_DEFAULT_TIMEOUT_MS;
 }
+
+/* ===================================================================== COMMUNICATOR: A COLLECTIVE'S BOOKKEEPING */
 
 /* Every collective starts here: a poisoned communicator fails fast, otherwise the call gets the
    next sequence number. */
@@ -4049,15 +4053,15 @@ DOPT_DEF dopt_status dopt_allgatherv(dopt_comm *c, const void *send, size_t send
        tell whether all can take the total and fail together instead of leaving a peer waiting. */
     mine[0] = (send == NULL && send_bytes > 0) ? UINT64_MAX : (uint64_t)send_bytes;
     mine[1] = recv == NULL ? 0 : (uint64_t)recv_capacity;
-    s = dopt_allgather(c, mine, c->exchange, sizeof mine);
+    s = dopt_allgather(c, mine, c->gatherv_sizes, sizeof mine);
     if (s != DOPT_OK) return s;
     for (r = 0; r < c->size; r++) {
-        uint64_t b = c->exchange[2 * r];
+        uint64_t b = c->gatherv_sizes[2 * r];
         if (b == UINT64_MAX && null_rank < 0) null_rank = r;
         total = (b > UINT64_MAX - total) ? UINT64_MAX : total + b;
     }
     for (r = 0; r < c->size; r++)
-        if (c->exchange[2 * r + 1] < total && short_rank < 0) short_rank = r;
+        if (c->gatherv_sizes[2 * r + 1] < total && short_rank < 0) short_rank = r;
     s = dopt__begin(c, &d, DOPT_COLL_ALLGATHERV, total);
     if (s != DOPT_OK) return s;
     if (null_rank >= 0)
@@ -4067,8 +4071,8 @@ DOPT_DEF dopt_status dopt_allgatherv(dopt_comm *c, const void *send, size_t send
     if (short_rank >= 0)
         return dopt_comm_fail(c, &d, DOPT_ERR_INVALID, "blocks total %llu bytes but rank %d can receive %llu",
                               (unsigned long long)total, short_rank,
-                              (unsigned long long)c->exchange[2 * short_rank + 1]);
-    for (r = 0; r < c->size; r++) recv_bytes[r] = (size_t)c->exchange[2 * r];
+                              (unsigned long long)c->gatherv_sizes[2 * short_rank + 1]);
+    for (r = 0; r < c->size; r++) recv_bytes[r] = (size_t)c->gatherv_sizes[2 * r];
     s = dopt__gather_start(c, &d, send, recv, recv_bytes, &req);
     return s != DOPT_OK ? s : dopt_wait(&req);
 }
