@@ -26,16 +26,18 @@ replace_once() { # $1 file, $2 old, $3 new
         s/\Q$o\E/$n/; print' "$1"
 }
 
-# Runs one built test binary with a filter; MPI tests under mpirun at 2 and 3 ranks.
+# Runs one built test binary with a filter; MPI tests under mpirun at 2 and 3 ranks. A mutant
+# that hangs fails fast: every dtest test gets 60 s (DTEST_TIMEOUT_S; the slowest test of make test
+# takes under 30 s), the binary 300 s in all, each MPI run 120 s.
 run_test() { # $1 binary name, $2 filter
     exe=$scratch/build/$1
     case $1 in
     test_mpi*)
         for np in 2 3; do
-            timeout 300 mpirun --allow-run-as-root --oversubscribe --mca btl_vader_single_copy_mechanism none \
+            timeout 120 mpirun --allow-run-as-root --oversubscribe --mca btl_vader_single_copy_mechanism none \
                 -np "$np" "$exe" "$2" >>"$scratch/out" 2>&1 || return 1
         done ;;
-    *) timeout 600 "$exe" "$2" >>"$scratch/out" 2>&1 || return 1 ;;
+    *) DTEST_TIMEOUT_S=60 timeout 300 "$exe" "$2" >>"$scratch/out" 2>&1 || return 1 ;;
     esac
     return 0
 }

@@ -9,6 +9,8 @@
 #include "../distopt.h"
 #include "../transport_shm.h"
 #include "dtest.h"
+
+#include <errno.h>
 #include "conformance.h"
 #include "groups.h"
 #include "links.h"
@@ -190,9 +192,33 @@ static void links_failure_reaches_direct(dopt_comm *c) {
     dopt_comm_destroy(g);
 }
 
+/* A link that ends reads the segment first: rank 1 times out on the engine, records its failure
+   in the segment, sends its abort and ends its link to rank 0, and stays alive; rank 0 reads that
+   link through the link contract itself (no engine in between to look at the segment first):
+   after the abort's bytes, the end must come as the failure rank 1 recorded (ECONNABORTED, and
+   rank 0's detail "reported by rank 1"), not as a bare end of stream. */
+static void link_end_reads_the_recorded_failure(dopt_comm *c) {
+    float x[4] = {0};
+    if (c->rank == 1) {
+        c->timeout_ms = 300;
+        DT_EQ_INT(dopt_broadcast(c, x, sizeof x, 0), DOPT_ERR_TIMEOUT);
+        usleep(1500 * 1000); /* alive while rank 0 reads the ended link */
+    } else {
+        unsigned char buf[4096];
+        long n;
+        int err = 0, reads = 0;
+        usleep(800 * 1000);
+        do n = c->vt->link_recv(c, 1, buf, sizeof buf, &err);
+        while (n > 0 && ++reads < 100);
+        DT_CHECKF(n == -1 && err == ECONNABORTED, "link_recv gave %ld, err %d", n, err);
+        DT_CHECKF(strstr(dopt_comm_detail(c), "(reported by rank 1)") != NULL, "%s", dopt_comm_detail(c));
+    }
+}
+
 DTEST(a_failure_crosses_between_direct_collectives_and_links) {
     run_body(3, 0, direct_mismatch_reaches_the_links);
     run_body(3, 0, links_failure_reaches_direct);
+    run_body(2, 1, link_end_reads_the_recorded_failure);
 }
 
 /* Rank 1 writes the header and half the payload of a broadcast into its link to rank 0, then is
