@@ -4373,6 +4373,58 @@ DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out) {
     return dopt_comm_new(out, 0, 1, &dopt__self_vtable, NULL);
 }
 
+/* ===================================================================== FOR MODULES
+
+   The private names of this file that the other headers (transports, clip.h, compress.h,
+   localsgd.h) may use, each declared once more here with what it guarantees: a reader lists every
+   crossing from this block alone, and tests/check_hygiene.sh fails when a header uses a dopt__ or
+   DOPT__ name of this file that is not here. Anything else private may change without notice.
+
+   Macros: DOPT__MAYBE_UNUSED (marks a static function a build may leave unused);
+   DOPT__THREADS (1 where POSIX threads are built in, else undefined); DOPT__BLAS (1 where the
+   kernels call OpenBLAS); DOPT__FNV_OFFSET (the 64-bit FNV-1a basis dopt__fnv1a starts from).
+   Types: dopt__engine, dopt__peer, dopt__frame (the engine's state, one peer's link, a frame's
+   header decoded): read by a transport's links, never written. */
+
+/* NaN and infinity by their bits: the answers hold under -ffast-math and -Ofast. */
+DOPT__MAYBE_UNUSED static int dopt__is_nan(double v);
+DOPT__MAYBE_UNUSED static int dopt__is_finite(double v);
+/* Little-endian fields of wire and state formats, whatever the host's byte order. */
+DOPT__MAYBE_UNUSED static void dopt__put_le16(unsigned char *p, uint32_t v);
+DOPT__MAYBE_UNUSED static void dopt__put_le32(unsigned char *p, uint32_t v);
+DOPT__MAYBE_UNUSED static void dopt__put_le64(unsigned char *p, uint64_t v);
+DOPT__MAYBE_UNUSED static uint32_t dopt__get_le16(const unsigned char *p);
+DOPT__MAYBE_UNUSED static uint32_t dopt__get_le32(const unsigned char *p);
+DOPT__MAYBE_UNUSED static uint64_t dopt__get_le64(const unsigned char *p);
+/* 64-bit FNV-1a of bytes, continued from h (start from DOPT__FNV_OFFSET): checksums of state. */
+DOPT__MAYBE_UNUSED static uint64_t dopt__fnv1a(uint64_t h, const void *data, size_t bytes);
+#if defined(DOPT__AVX512_PHILOX)
+/* Philox-4x32-10's rounds on groups of sixteen counters, bit for bit dopt_philox4x32's. */
+static void dopt__philox16_rounds(__m512i c[][4], int groups, uint32_t key0, uint32_t key1);
+#endif
+/* a mod n in [0, n) for any sign of a (ring positions). */
+static int dopt__mod(long long a, int n);
+/* The ring's cut of count elements into n segments: segment i is [*first, *first + *len), the
+   engine's and every module's ring agree on it. */
+static void dopt__ring_segment(uint64_t count, int n, int i, uint64_t *first, uint64_t *len);
+/* Milliseconds on a clock that does not jump; whole milliseconds left until deadline (0 when
+   past, rounded up). */
+static double dopt__now_ms(void);
+static int dopt__ms_left(double deadline);
+/* A whole-number launch variable in [min, max]: 1 with *out, 0 unset or empty, -1 with why. */
+DOPT__MAYBE_UNUSED static int dopt__env_long(const char *var, long min, long max, long *out, char *why, size_t cap);
+/* 1 when var is set and not empty. */
+static int dopt__env_set(const char *var);
+/* The failure of c's family (the root and its groups share links): poisons c with it and returns
+   it, DOPT_OK while none failed. */
+static dopt_status dopt__family_error(dopt_comm *c);
+/* Forgets a failure that starting over made moot, on the communicator and on its engine. */
+DOPT__MAYBE_UNUSED static void dopt__comm_forget_failure(dopt_comm *c);
+/* The collective the engine is running now (its descriptor names details), or NULL. */
+static const dopt_coll_desc *dopt__eng_current(const dopt__engine *e);
+/* A frame's header from its DOPT_FRAME_BYTES bytes: NULL when valid, else why it is not. */
+static const char *dopt__frame_decode(const unsigned char *in, dopt__frame *f);
+
 #ifdef __cplusplus
 }
 #endif

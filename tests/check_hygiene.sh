@@ -4,7 +4,9 @@
 #   llm.c export generic names; ours must never collide with theirs);
 # - no exit(), abort(), printing to stdout/stderr, rand()/srand() in library code (but for
 #   launch.h's default logger, which its manual documents);
-# - no mutable file-scope state (static or global variables) in the implementation.
+# - no mutable file-scope state (static or global variables) in the implementation;
+# - every private name (dopt__*, DOPT__*) a header takes from a header it includes is declared in
+#   that header's FOR MODULES / FOR BACKENDS section (self-tested on two small headers first).
 # Usage: tests/check_hygiene.sh BUILD_DIR
 set -eu
 BUILD=${1:-build}
@@ -49,4 +51,43 @@ for h in $headers; do
         echo "$h: forbidden call (exit/abort/printing/rand):"; echo "$hits"; status=1
     fi
 done
+# Private names across headers: H uses G's dopt__x (G defines it, H includes G and does not
+# define it itself) only when G's FOR MODULES / FOR BACKENDS section names it.
+crossings() { # header files
+    perl - "$@" <<'PERL'
+use strict; use warnings;
+my (%defs, %uses, %allowed, %inc);
+for my $h (@ARGV) {
+    open my $f, '<', $h or die "$h: $!"; local $/; my $t = <$f>; close $f;
+    if ($t =~ /={5,} FOR (?:MODULES|BACKENDS)\b(.*?)(?:\n\/\* ={5,} |\n#ifdef __cplusplus\n\}|\z)/s) { $allowed{$h}{$_} = 1 for $1 =~ /\b((?:dopt|DOPT)__\w+)/g; }
+    my $code = $t; $code =~ s{/\*.*?\*/}{}gs; $code =~ s{//[^\n]*}{}g;
+    $inc{$h}{$1} = 1 while $code =~ /^\s*#\s*include\s+"(?:\.\.\/)?([\w.]+)"/mg;
+    $code =~ s/"(\\.|[^"\\])*"/""/g;
+    $defs{$h}{$1} = 1 while $code =~ /^(?:DOPT__MAYBE_UNUSED\s+)?static\s+[\w\s\*]*?\b(dopt__\w+)\s*\(/mg;
+    $defs{$h}{$1} = 1 while $code =~ /^\s*#\s*define\s+(DOPT__\w+)/mg;
+    $defs{$h}{$1} = 1 while $code =~ /\}\s*(dopt__\w+)\s*;/g;
+    $uses{$h}{$1} = 1 while $code =~ /\b((?:dopt|DOPT)__\w+)/g;
+}
+my $bad = 0;
+for my $h (@ARGV) { for my $g (@ARGV) { next if $g eq $h || !$inc{$h}{$g}; # names of the headers h includes
+    for my $n (sort keys %{$uses{$h}}) {
+        next unless $defs{$g}{$n} && !$defs{$h}{$n};
+        next if $allowed{$g}{$n};
+        print "$h uses $g\'s $n, which $g does not declare in its FOR MODULES / FOR BACKENDS section\n"; $bad++;
+    } } }
+exit($bad ? 1 : 0);
+PERL
+}
+t=$(mktemp -d)
+printf 'static int dopt__x(void) { return 1; }\n/* ===== FOR MODULES\n   %s */\n' "" >"$t/a.h"
+printf '#include "a.h"\nstatic int dopt__y(void) { return dopt__x(); }\n' >"$t/b.h"
+if (cd "$t" && crossings a.h b.h >/dev/null); then
+    echo "check_hygiene self-test: an undeclared crossing was not found"; status=1
+fi
+printf 'static int dopt__x(void) { return 1; }\n/* ===== FOR MODULES\n   dopt__x: one */\n' >"$t/a.h"
+if ! (cd "$t" && crossings a.h b.h >/dev/null); then
+    echo "check_hygiene self-test: a declared crossing was refused"; status=1
+fi
+rm -rf "$t"
+crossings $headers || status=1
 exit $status
