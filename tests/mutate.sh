@@ -108,8 +108,9 @@ mutate agc-zero-eps-not-the-default clip.h \
     'float eps = opt == NULL || dopt__clip_is_zero(opt->eps) ? DOPT_AGC_EPS_DEFAULT : opt->eps;' \
     'float eps = opt == NULL ? DOPT_AGC_EPS_DEFAULT : opt->eps;' test_clip:agc_zero_eps
 mutate dp-celgc-states-dropped localsgd.h \
-    '    s = dopt_dp_after_step_buf(dp, params, rule->states);' '    s = dopt_dp_after_step_buf(dp, params, NULL);' \
-    test_localsgd:celgc_rule
+    '    s = dopt_dp_after_step_buf(dp, params, rule->states);
+    return s != DOPT_OK ? s : step_status;' '    s = dopt_dp_after_step_buf(dp, params, NULL);
+    return s != DOPT_OK ? s : step_status;' test_localsgd:celgc_rule
 mutate augmented-nu-not-squared localsgd.h \
     'if (g2 > 0.0) return v / (tol * tol * g2);' 'if (g2 > 0.0) return v / (tol * g2);' test_localsgd:inner_product
 mutate batch-rounds-down localsgd.h \
