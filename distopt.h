@@ -1863,30 +1863,34 @@ static dopt_status dopt__launch_agree(const char *dopt_var, const char *other_va
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t cap) {
-    const dopt__launcher *L = NULL;
-    const char *t, *addr, *port_var = NULL;
-    const char *local_size_var = "", *rank_var = "DOPT_RANK", *size_var = "DOPT_WORLD_SIZE";
-    size_t i;
-    if (info == NULL || why == NULL || cap == 0) return DOPT_ERR_INVALID;
-    why[0] = '\0';
-    memset(info, 0, sizeof *info);
-    info->rank = info->world_size = info->local_rank = info->local_size = -1;
-    info->launcher = "";
-    t = getenv("DOPT_TRANSPORT");
-    if (t && *t) {
-        if (strcmp(t, "shm") && strcmp(t, "tcp") && strcmp(t, "mpi") && strcmp(t, "self")) {
-            snprintf(why, cap, "DOPT_TRANSPORT=\"%.40s\" is not one of shm, tcp, mpi, self", t);
-            return DOPT_ERR_INVALID;
-        }
-        snprintf(info->transport, sizeof info->transport, "%s", t);
+/* Where dopt_launch_read found rank and size: the launcher (NULL: DOPT_* alone) and the variables
+   that hold rank, size and local size, for the messages that name them. */
+typedef struct dopt__launch_from {
+    const dopt__launcher *launcher;
+    const char *rank, *size, *local_size; /* local_size "": no variable gives it */
+} dopt__launch_from;
+
+/* DOPT_TRANSPORT, when set, names a transport distopt has. */
+static dopt_status dopt__launch_read_transport(dopt_launch_info *info, char *why, size_t cap) {
+    const char *t = getenv("DOPT_TRANSPORT");
+    if (t == NULL || *t == '\0') return DOPT_OK;
+    if (strcmp(t, "shm") && strcmp(t, "tcp") && strcmp(t, "mpi") && strcmp(t, "self")) {
+        snprintf(why, cap, "DOPT_TRANSPORT=\"%.40s\" is not one of shm, tcp, mpi, self", t);
+        return DOPT_ERR_INVALID;
     }
-    /* The first launcher that sets both rank and size; one that sets only one of them before it
-       is an error (a later one is another program's leftover and is ignored). */
-    for (i = 0; i < 4 && L == NULL; i++) {
-        /* torchrun's workers read torchrun's first: it always runs inside whatever started it */
-        static const int plain[4] = {0, 1, 2, 3}, torchrun_first[4] = {3, 0, 1, 2};
-        const dopt__launcher *c = &dopt__launchers[(dopt__env_set("TORCHELASTIC_RUN_ID") ? torchrun_first : plain)[i]];
+    snprintf(info->transport, sizeof info->transport, "%s", t);
+    return DOPT_OK;
+}
+
+/* The first launcher that sets both rank and size; one that sets only one of them before it is
+   an error (a later one is another program's leftover and is ignored). */
+static dopt_status dopt__launch_find(dopt_launch_info *info, dopt__launch_from *from, char *why, size_t cap) {
+    /* torchrun's workers read torchrun's first: it always runs inside whatever started it */
+    static const int plain[4] = {0, 1, 2, 3}, torchrun_first[4] = {3, 0, 1, 2};
+    const int *order = dopt__env_set("TORCHELASTIC_RUN_ID") ? torchrun_first : plain;
+    int i;
+    for (i = 0; i < 4; i++) {
+        const dopt__launcher *c = &dopt__launchers[order[i]];
         int has_rank = dopt__env_set(c->rank), has_size = dopt__env_set(c->size);
         if (has_rank != has_size) {
             snprintf(why, cap, "%s is set but %s is not (%s's launcher sets both; unset the stray one)",
@@ -1899,27 +1903,38 @@ DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t 
             dopt__launch_int(c->local_rank, 0, &info->local_rank, why, cap) < 0 ||
             dopt__launch_int(c->local_size, 1, &info->local_size, why, cap) < 0)
             return DOPT_ERR_INVALID;
-        L = c;
-        rank_var = c->rank;
-        size_var = c->size;
-        if (c->local_size) local_size_var = c->local_size;
+        from->launcher = c;
+        from->rank = c->rank;
+        from->size = c->size;
+        if (c->local_size) from->local_size = c->local_size;
+        return DOPT_OK;
     }
-    if (L && !strcmp(L->name, "Slurm")) { /* the tasks on this node, from the step's layout */
-        const char *list = getenv("SLURM_STEP_TASKS_PER_NODE");
-        long node = 0;
-        if (list == NULL || *list == '\0') list = getenv("SLURM_TASKS_PER_NODE");
-        if (list && *list && dopt__env_long("SLURM_NODEID", 0, INT_MAX, &node, why, cap) >= 0) {
-            info->local_size = dopt__slurm_tasks_on(list, node);
-            local_size_var = "SLURM_STEP_TASKS_PER_NODE";
-        }
-        why[0] = '\0';
+    return DOPT_OK;
+}
+
+/* Slurm's tasks on this node, from the step's layout (Slurm has no local-size variable). */
+static void dopt__launch_slurm_local(dopt_launch_info *info, dopt__launch_from *from, char *why, size_t cap) {
+    const char *list = getenv("SLURM_STEP_TASKS_PER_NODE");
+    long node = 0;
+    if (list == NULL || *list == '\0') list = getenv("SLURM_TASKS_PER_NODE");
+    if (list && *list && dopt__env_long("SLURM_NODEID", 0, INT_MAX, &node, why, cap) >= 0) {
+        info->local_size = dopt__slurm_tasks_on(list, node);
+        from->local_size = "SLURM_STEP_TASKS_PER_NODE";
     }
-    /* DOPT_* may restate what the launcher says, or say what it does not */
-    if (dopt__launch_agree("DOPT_WORLD_SIZE", size_var, &info->world_size, 1, why, cap) != DOPT_OK ||
-        dopt__launch_agree("DOPT_RANK", rank_var, &info->rank, 0, why, cap) != DOPT_OK ||
+    why[0] = '\0';
+}
+
+/* DOPT_* may restate what the launcher says, or say what it does not; then rank, size, local rank
+   and local size must make one job. */
+static dopt_status dopt__launch_check(dopt_launch_info *info, const dopt__launch_from *from, char *why,
+                                      size_t cap) {
+    const dopt__launcher *L = from->launcher;
+    const char *local_size_var = from->local_size[0] ? from->local_size : "DOPT_LOCAL_SIZE";
+    if (dopt__launch_agree("DOPT_WORLD_SIZE", from->size, &info->world_size, 1, why, cap) != DOPT_OK ||
+        dopt__launch_agree("DOPT_RANK", from->rank, &info->rank, 0, why, cap) != DOPT_OK ||
         dopt__launch_agree("DOPT_LOCAL_RANK", L && L->local_rank ? L->local_rank : "the launcher's local rank",
                            &info->local_rank, 0, why, cap) != DOPT_OK ||
-        dopt__launch_agree("DOPT_LOCAL_SIZE", local_size_var[0] ? local_size_var : "the launcher's local size",
+        dopt__launch_agree("DOPT_LOCAL_SIZE", from->local_size[0] ? from->local_size : "the launcher's local size",
                            &info->local_size, 1, why, cap) != DOPT_OK)
         return DOPT_ERR_INVALID;
     if (info->rank >= 0 && info->world_size < 0) {
@@ -1927,13 +1942,13 @@ DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t 
         return DOPT_ERR_INVALID;
     }
     if (info->rank >= info->world_size && info->rank >= 0) {
-        snprintf(why, cap, "%s=%d is not below %s=%d", L && !dopt__env_set("DOPT_RANK") ? rank_var : "DOPT_RANK",
-                 info->rank, L && !dopt__env_set("DOPT_WORLD_SIZE") ? size_var : "DOPT_WORLD_SIZE", info->world_size);
+        snprintf(why, cap, "%s=%d is not below %s=%d", L && !dopt__env_set("DOPT_RANK") ? from->rank : "DOPT_RANK",
+                 info->rank, L && !dopt__env_set("DOPT_WORLD_SIZE") ? from->size : "DOPT_WORLD_SIZE",
+                 info->world_size);
         return DOPT_ERR_INVALID;
     }
     if (info->local_size > info->world_size && info->world_size > 0) {
-        snprintf(why, cap, "%s=%d is above the world size %d", local_size_var[0] ? local_size_var : "DOPT_LOCAL_SIZE",
-                 info->local_size, info->world_size);
+        snprintf(why, cap, "%s=%d is above the world size %d", local_size_var, info->local_size, info->world_size);
         return DOPT_ERR_INVALID;
     }
     if (info->local_rank >= 0 && info->local_size > 0 && info->local_rank >= info->local_size) {
@@ -1941,24 +1956,22 @@ DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t 
                  info->local_size, L ? L->name : "DOPT_LOCAL_RANK, DOPT_LOCAL_SIZE");
         return DOPT_ERR_INVALID;
     }
-    if (L) {
-        info->launcher = L->name;
-        snprintf(info->rank_from, sizeof info->rank_from, "%s, %s", rank_var, size_var);
-        dopt__launch_job(info, L->name);
-    } else if (info->rank >= 0) {
-        info->launcher = "DOPT";
-        snprintf(info->rank_from, sizeof info->rank_from, "DOPT_RANK, DOPT_WORLD_SIZE");
-    }
-    /* The meeting point: DOPT_MASTER_*, else MASTER_* (torchrun's, or a job script's), else
-       this host when every rank is on it, else Slurm's first node of the step. */
+    return DOPT_OK;
+}
+
+/* The meeting point's address: DOPT_MASTER_ADDR, else MASTER_ADDR (torchrun's, or a job
+   script's), else this host when every rank is on it, else Slurm's first node of the step. */
+static dopt_status dopt__launch_meeting_addr(dopt_launch_info *info, const dopt__launch_from *from, char *why,
+                                             size_t cap) {
+    const char *addr;
     if ((addr = getenv("DOPT_MASTER_ADDR")) && *addr) {
         snprintf(info->master_from, sizeof info->master_from, "DOPT_MASTER_ADDR");
     } else if ((addr = getenv("MASTER_ADDR")) && *addr) {
         snprintf(info->master_from, sizeof info->master_from, "MASTER_ADDR");
     } else if (info->local_size > 0 && info->local_size == info->world_size) {
         addr = "127.0.0.1";
-        snprintf(info->master_from, sizeof info->master_from, "every rank on this host (%s)", local_size_var);
-    } else if (L && !strcmp(L->name, "Slurm")) {
+        snprintf(info->master_from, sizeof info->master_from, "every rank on this host (%s)", from->local_size);
+    } else if (from->launcher && !strcmp(from->launcher->name, "Slurm")) {
         const char *list = getenv("SLURM_STEP_NODELIST");
         const char *which = "SLURM_STEP_NODELIST";
         if (list == NULL || *list == '\0') list = getenv("SLURM_JOB_NODELIST"), which = "SLURM_JOB_NODELIST";
@@ -1978,16 +1991,24 @@ DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t 
         }
         snprintf(info->master_addr, sizeof info->master_addr, "%s", addr);
     }
+    return DOPT_OK;
+}
+
+/* The meeting point's port: DOPT_MASTER_PORT, else MASTER_PORT (one above it under torchrun,
+   whose store holds MASTER_PORT), else one derived from the job's name. */
+static dopt_status dopt__launch_meeting_port(dopt_launch_info *info, char *why, size_t cap) {
+    const char *port_var = NULL;
+    size_t used = strlen(info->master_from), room = sizeof info->master_from - used;
     if (dopt__env_set("DOPT_MASTER_PORT")) port_var = "DOPT_MASTER_PORT";
     else if (dopt__env_set("MASTER_PORT")) port_var = "MASTER_PORT";
     if (port_var) {
+        int torchrun_store = !strcmp(port_var, "MASTER_PORT") && dopt__env_set("TORCHELASTIC_RUN_ID");
         if (dopt__launch_int(port_var, 1, &info->master_port, why, cap) < 0) return DOPT_ERR_INVALID;
         if (info->master_port > 65535) {
             snprintf(why, cap, "%s=%d is above 65535", port_var, info->master_port);
             return DOPT_ERR_INVALID;
         }
-        /* under torchrun itself its own store holds MASTER_PORT on rank 0's host */
-        if (!strcmp(port_var, "MASTER_PORT") && dopt__env_set("TORCHELASTIC_RUN_ID")) {
+        if (torchrun_store) {
             if (info->master_port == 65535) {
                 snprintf(why, cap, "MASTER_PORT=65535 leaves no port above it for distopt (torchrun's store holds "
                                    "MASTER_PORT); set DOPT_MASTER_PORT");
@@ -1995,15 +2016,38 @@ DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t 
             }
             info->master_port++;
         }
-        snprintf(info->master_from + strlen(info->master_from), sizeof info->master_from - strlen(info->master_from),
-                 "%s%s%s", info->master_from[0] ? ", " : "", port_var,
-                 !strcmp(port_var, "MASTER_PORT") && dopt__env_set("TORCHELASTIC_RUN_ID") ? " + 1" : "");
+        snprintf(info->master_from + used, room, "%s%s%s", used ? ", " : "", port_var, torchrun_store ? " + 1" : "");
     } else if (info->job[0]) { /* the same on every rank; outside the kernel's ephemeral range */
         info->master_port = 20000 + (int)(dopt__fnv1a(DOPT__FNV_OFFSET, info->job, strlen(info->job)) % 12000u);
-        snprintf(info->master_from + strlen(info->master_from), sizeof info->master_from - strlen(info->master_from),
-                 "%sport derived from the job name %.60s", info->master_from[0] ? ", " : "", info->job);
+        snprintf(info->master_from + used, room, "%sport derived from the job name %.60s", used ? ", " : "",
+                 info->job);
     }
     return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_launch_read(dopt_launch_info *info, char *why, size_t cap) {
+    dopt__launch_from from = {NULL, "DOPT_RANK", "DOPT_WORLD_SIZE", ""};
+    dopt_status s;
+    if (info == NULL || why == NULL || cap == 0) return DOPT_ERR_INVALID;
+    why[0] = '\0';
+    memset(info, 0, sizeof *info);
+    info->rank = info->world_size = info->local_rank = info->local_size = -1;
+    info->launcher = "";
+    if ((s = dopt__launch_read_transport(info, why, cap)) != DOPT_OK ||
+        (s = dopt__launch_find(info, &from, why, cap)) != DOPT_OK)
+        return s;
+    if (from.launcher && !strcmp(from.launcher->name, "Slurm")) dopt__launch_slurm_local(info, &from, why, cap);
+    if ((s = dopt__launch_check(info, &from, why, cap)) != DOPT_OK) return s;
+    if (from.launcher) {
+        info->launcher = from.launcher->name;
+        snprintf(info->rank_from, sizeof info->rank_from, "%s, %s", from.rank, from.size);
+        dopt__launch_job(info, from.launcher->name);
+    } else if (info->rank >= 0) {
+        info->launcher = "DOPT";
+        snprintf(info->rank_from, sizeof info->rank_from, "DOPT_RANK, DOPT_WORLD_SIZE");
+    }
+    if ((s = dopt__launch_meeting_addr(info, &from, why, cap)) != DOPT_OK) return s;
+    return dopt__launch_meeting_port(info, why, cap);
 }
 
 /* ===================================================================== COMMUNICATOR: LOGGING AND FAILURE */
