@@ -35,7 +35,7 @@ BLAS_CFLAGS += -DDOPT_USE_BLAS
 ALL_CFLAGS  := $(CSTD) $(WARN) $(OPT) $(DEFS) $(BLAS_CFLAGS) $(CFLAGS)
 LIBS        := $(BLAS_LIBS) -lm -lpthread -lrt
 
-HEADERS  := $(wildcard distopt.h transport_*.h clip.h compress.h localsgd.h launch.h)
+HEADERS  := $(wildcard distopt.h engine.h transport_*.h clip.h compress.h localsgd.h launch.h)
 TEST_SRC := $(filter-out tests/test_mpi%.c tests/test_openmp.c,$(wildcard tests/test_*.c))
 MPI_TEST_SRC := $(wildcard tests/test_mpi*.c)
 TESTS    := $(patsubst tests/%.c,$(BUILD)/%,$(TEST_SRC))

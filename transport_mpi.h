@@ -186,6 +186,7 @@
 
 #define DOPT__WANT_POSIX 1 /* see the top of distopt.h: nanosleep, for the links' waits */
 #include "distopt.h"
+#include "engine.h"
 /* The MPI-2 C++ bindings (removed in MPI-3) do not compile cleanly under -Wextra; distopt uses
    the C API only. A program that wants them includes <mpi.h> before this header. */
 #if defined(__cplusplus) && !defined(MPI_VERSION)
@@ -239,7 +240,7 @@ DOPT_DEF dopt_status dopt_mpi_config_from_env(dopt_mpi_config *cfg);
      distopt's MPI backend measures 0.98-1.03 at every size.
 
    THE ENGINE'S LINKS
-     The engine is distopt.h's (REFERENCE FOR CONTRIBUTORS there: WRITING A BACKEND). Its links
+     The engine is engine.h's (its manual is the link contract). Its links
      here are messages of up to 64 KiB sent from buffers of the backend's own (4 in flight per
      peer) and received into 2 receives posted per peer (384 KiB per peer in all); an empty
      message ends a stream, and destroy reads every peer's stream to its end before freeing the
@@ -855,12 +856,14 @@ static const dopt_comm_vtable dopt__mpi_vtable = {"mpi",
                                                   NULL,
                                                   NULL,
                                                   dopt__mpi_split,
+                                                  NULL,
                                                   NULL};
 
 /* engine = 1: links only; the engine runs every collective and makes groups over the links. */
 static const dopt_comm_vtable dopt__mpi_engine_vtable = {
     "mpi", NULL, NULL, NULL, NULL, dopt__mpi_destroy, sizeof(dopt_comm_vtable), 0u,
-    dopt__mpi_link_send, dopt__mpi_link_recv, dopt__mpi_link_wait, dopt__mpi_link_close, NULL, NULL};
+    dopt__mpi_link_send, dopt__mpi_link_recv, dopt__mpi_link_wait, dopt__mpi_link_close, NULL, NULL,
+    dopt_engine_provider};
 
 /* The check setting this rank asks for: the config's, else the environment's. */
 static int dopt__mpi_check_wanted(const dopt_mpi_config *cfg) { return cfg->check > 0; }

@@ -185,6 +185,7 @@
 
 #define DOPT__WANT_POSIX 1 /* see the top of distopt.h */
 #include "distopt.h"
+#include "engine.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -232,7 +233,7 @@ DOPT_DEF int dopt_shm_fork_finish(dopt_comm *comm, int status);
 
    LINKS AND THE ENGINE
      Each link is a ring that one rank writes and the other reads without a lock. They are the links
-     of distopt.h's engine (distopt.h's REFERENCE FOR CONTRIBUTORS: WRITING A BACKEND). Waiting on
+     of engine.h's engine (its manual is the link contract). Waiting on
      links spins while the engine polls, then sleeps on a futex word of its own that a peer rings
      after moving a link. Failures cross between the two paths: a rank waiting in a direct
      collective for a peer that sends it frames of a group's collective fails with MISMATCH naming
@@ -1304,13 +1305,14 @@ static int dopt__shm_finish(dopt_comm *comm, int status);
 static const dopt_comm_vtable dopt__shm_vtable = {
     "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
     sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait,
-    dopt__shm_link_close, NULL, dopt__shm_finish};
+    dopt__shm_link_close, NULL, dopt__shm_finish, dopt_engine_provider};
 static const dopt_comm_vtable dopt__shm_engine_vtable = {
     "shm", NULL, NULL, NULL, NULL, dopt__shm_destroy, sizeof(dopt_comm_vtable), 0u,
-    dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait, dopt__shm_link_close, NULL, dopt__shm_finish};
+    dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait, dopt__shm_link_close, NULL, dopt__shm_finish,
+    dopt_engine_provider};
 static const dopt_comm_vtable dopt__shm_unlinked_vtable = {
     "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
-    sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, NULL, dopt__shm_finish};
+    sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, NULL, dopt__shm_finish, NULL};
 
 /* ===================================================================== CONFIGURATION */
 

@@ -395,6 +395,7 @@
 
 #define DOPT__WANT_POSIX 1 /* see the top of distopt.h */
 #include "distopt.h"
+#include "engine.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -481,7 +482,7 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
    a loopback connection.
 
    ALGORITHMS
-   The engine is distopt.h's (REFERENCE FOR CONTRIBUTORS there: WRITING A BACKEND). What it does
+   The engine is engine.h's (its manual is the link contract). What it does
    on this transport's connections:
 
    - allreduce: up to small_bytes/(size-1) bytes (or fewer elements than ranks), every rank
@@ -1153,7 +1154,7 @@ static void dopt__tcp_destroy(dopt_comm *c) {
 /* Links only: every collective is the engine's. */
 static const dopt_comm_vtable dopt__tcp_vtable = {
     "tcp", NULL, NULL, NULL, NULL, dopt__tcp_destroy, sizeof(dopt_comm_vtable), 0u,
-    dopt__tcp_link_send, dopt__tcp_link_recv, dopt__tcp_link_wait, dopt__tcp_link_close, NULL, NULL};
+    dopt__tcp_link_send, dopt__tcp_link_recv, dopt__tcp_link_wait, dopt__tcp_link_close, NULL, NULL, dopt_engine_provider};
 
 /* ===================================================================== SOCKETS */
 

@@ -12,7 +12,7 @@ set -eu
 BUILD=${1:-build}
 cd "$(dirname "$0")/.."
 status=0
-headers=$(ls distopt.h transport_*.h clip.h compress.h localsgd.h launch.h 2>/dev/null | grep -v transport_mpi.h || true)
+headers=$(ls distopt.h engine.h transport_*.h clip.h compress.h localsgd.h launch.h 2>/dev/null | grep -v transport_mpi.h || true)
 
 src="$BUILD/hygiene_all.c"
 obj="$BUILD/hygiene_all.o"

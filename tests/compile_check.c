@@ -8,6 +8,7 @@
 #endif
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
+#include "../engine.h"
 #include "../transport_shm.h"
 #include "../clip.h"
 #include "../compress.h"

@@ -1,5 +1,6 @@
 /* The second translation unit of the link check: declarations only, no implementation macro. */
 #include "../distopt.h"
+#include "../engine.h"
 #include "../transport_shm.h"
 #include "../clip.h"
 #include "../compress.h"

@@ -194,17 +194,17 @@ mutate period-one-averages-models-after-averaged-gradients localsgd.h \
 mutate mean-of-a-scalar-is-a-sum distopt.h \
     'dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_MEAN);' \
     'dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_SUM);' test_localsgd:close
-mutate tcp-abort-culprit-ignored distopt.h \
+mutate tcp-abort-culprit-ignored engine.h \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "%s (reported by rank %d)", why, f->reporter);' \
     'dopt_comm_fail(c, d, (dopt_status)f->status, "rank %d closed the connection", f->reporter);' test_faults:tcp
-mutate tcp-closed-connection-misnamed distopt.h \
+mutate tcp-closed-connection-misnamed engine.h \
     '"rank %d closed the connection%s", culprit, also);' '"rank %d closed the connection%s", (culprit + 1) % e->size, also);' \
     test_faults:tcp
-mutate engine-sleeps-past-the-blame-deadline distopt.h \
+mutate engine-sleeps-past-the-blame-deadline engine.h \
     'if (e->blame_deadline > 0 && wait_ms > dopt__ms_left(e->blame_deadline))' \
     'if (0 && e->blame_deadline > 0 && wait_ms > dopt__ms_left(e->blame_deadline))' \
     test_tcp:survivor_whose_other_link_is_parked
-mutate engine-abort-behind-a-parked-frame-ignored distopt.h \
+mutate engine-abort-behind-a-parked-frame-ignored engine.h \
     '                dopt_status s = dopt__eng_take_abort(c, e, p, d, &f);' '                dopt_status s = DOPT_OK;' \
     test_tcp:abort_behind_a_parked_frame
 mutate tcp-parked-link-end-unwatched transport_tcp.h \
@@ -212,36 +212,36 @@ mutate tcp-parked-link-end-unwatched transport_tcp.h \
     test_tcp:abort_behind_a_parked_frame_is_read_when_the_peer_ends
 mutate tcp-destroy-closes-before-the-peer-has-its-bytes transport_tcp.h \
     '    return dopt__tcp_unacked(P->fd) > 0;' '    return dopt__tcp_unacked(P->fd) < 0;' test_tcp:destroy_after_an_abort
-mutate engine-timeout-restarts-every-poll distopt.h \
+mutate engine-timeout-restarts-every-poll engine.h \
     '    if (e->last_progress == 0) e->last_progress = entry;' '    e->last_progress = entry;' \
     test_engine:dopt_test_reaches
-mutate engine-abort-keeps-links-open distopt.h \
+mutate engine-abort-keeps-links-open engine.h \
     '        if (p != e->rank) e->root->vt->link_close(e->root, p);' '' test_engine:dopt_test_reaches
-mutate two-level-combines-before-the-host-sum distopt.h \
+mutate two-level-combines-before-the-host-sum engine.h \
     '    e->ops[rs + 1].dep = host_sum;' '' test_engine:two_level
-mutate two-level-sends-from-the-chunk-start distopt.h \
+mutate two-level-sends-from-the-chunk-start engine.h \
     '    e->ops[rs].dep_off = e->blk_off[hp] - chunk_off;' '' test_engine:two_level
-mutate two-level-spreads-too-early distopt.h \
+mutate two-level-spreads-too-early engine.h \
     'int b = dopt__mod((long long)hp + 1 - t, H), done = t == 0 ? rs + 2 * (H - 2) + 1 : ag + 2 * (t - 1) + 1;' \
     'int b = dopt__mod((long long)hp + 1 - t, H), done = t == 0 ? rs + 2 * (H - 2) + 1 : ag + 2 * (t - 1) - 1;' \
     test_engine:two_level
-mutate two-level-uneven-hosts-accepted distopt.h \
+mutate two-level-uneven-hosts-accepted engine.h \
     '        if (ranks != count) { /* uneven hosts: flat schedules only */' '        if (0) {' \
     test_engine:uneven
-mutate group-ignores-key distopt.h \
+mutate group-ignores-key engine.h \
     'for (i = m; i > 0 && all[3 * members[i - 1] + 1] > all[3 * r + 1]; i--) members[i] = members[i - 1];' \
     'for (i = m; i > 0 && 0; i--) members[i] = members[i - 1];' test_engine:groups_pass
 mutate group-number-not-agreed distopt.h \
     '        if ((uint64_t)all[3 * r + 2] > number) number = (uint32_t)all[3 * r + 2];' \
     '        if (r == c->rank) number = (uint32_t)all[3 * r + 2];' test_engine:group
 mutate group-failure-poisons-only-itself distopt.h \
-    'if (c->error == DOPT_OK && e != NULL && e->failure != DOPT_OK) {' 'if (0) {' \
+    'if (c->error == DOPT_OK && f->family_status != DOPT_OK) {' 'if (0) {' \
     test_engine:mismatch_between_parent
-mutate engine-dry-queue-not-restarted distopt.h \
+mutate engine-dry-queue-not-restarted engine.h \
     '    if (*cur < 0) *cur = i; /* the queue was empty, or ran dry before this request started */' \
     '    if (*cur < 0 && *tail == i) *cur = i;' test_engine:dry
-mutate progress-thread-idle distopt.h \
-    '        if (e->retired < e->started && e->failure == DOPT_OK) dopt__eng_run(e->root, e, e->started - 1, 0);' \
+mutate progress-thread-idle engine.h \
+    '        if (e->retired < e->started && e->root->family_status == DOPT_OK) dopt__eng_run(e->root, e, e->started - 1, 0);' \
     '' test_engine:progress_thread
 mutate tcp-loopback-table-unchecked transport_tcp.h \
     'if (s == DOPT_OK) s = dopt__tcp_loopback_check(c, t, how);' \
@@ -316,9 +316,9 @@ mutate half-ring-ignores-non-finite compress.h \
 mutate ring-buffer-allocated-every-call compress.h \
     'if (bytes <= cz->ring_bytes) return DOPT_OK;' 'if (bytes < cz->ring_bytes) return DOPT_OK;' \
     test_allocs:compress_allreduce
-mutate setup-failure-kept-by-the-engine distopt.h \
-    '        c->eng->failure = DOPT_OK;' '        (void)0;' test_tcp:forgotten
-mutate exchange-received-bytes distopt.h \
+mutate setup-failure-kept-by-the-family distopt.h \
+    '    f->family_status = DOPT_OK;' '    (void)0;' test_tcp:forgotten
+mutate exchange-received-bytes engine.h \
     'dopt__eng_req(e, e->started)->received += bytes;' 'dopt__eng_req(e, e->started)->received += bytes / 2;' \
     test_tcp:conformance_world_of_3
 
