@@ -11,6 +11,19 @@
 
    Other files include the two headers without the macro. compress.h needs distopt.h only.
 
+   CONTENTS
+     This comment, the manual: QUICK START, COMPRESSORS, CONFIGURATION, FUNCTIONS, BYTES AS THE
+     WORLD GROWS, NON-FINITE GRADIENTS, RANDOMNESS, ERROR FEEDBACK, POWERSGD, ERRORS, THREADING.
+     Then the declarations; REFERENCE FOR CONTRIBUTORS (how the allreduce exchanges and sums, the
+     rings, the wire and state formats); and the implementation in three parts, each under its
+     banner:
+       PART 1 OF 3 — WHAT THE BITS ARE     the codecs, the message layout, encode and decode,
+                                           error feedback, PowerSGD's factors, state, init, free
+       PART 2 OF 3 — HOW THEY TRAVEL       the integer and 16-bit rings: kernels, schedule,
+                                           pipeline, and the ring path of the allreduce
+       PART 3 OF 3 — THE COMPRESSED        the allgather path, the choice between it, the ring
+                     ALLREDUCE             and PowerSGD, and the public allreduce calls
+
    QUICK START (TernGrad over any communicator: every rank ends with the same averaged gradient)
 
        dopt_segment segs[2] = {{0, 4096, "w", 0}, {4096, 64, "b", 0}};   (the host's tensors)
@@ -632,6 +645,13 @@ static float dopt__bits_f32(uint32_t u) {
 }
 
 static size_t dopt__pad8(size_t bytes) { return (bytes + 7) & ~(size_t)7; }
+
+/* =====================================================================================
+   PART 1 OF 3 — WHAT THE BITS ARE: the codecs (bit packing, non-finite checks by bits, half
+   precision, the segment statistics, ternary, QSGD, top-k, sign and majority vote), the
+   message layout, encode and decode, error feedback, PowerSGD's factors, the state,
+   init and free. Nothing here sends a byte but PowerSGD's step (two plain allreduces).
+   ===================================================================================== */
 
 /* ===================================================================== BIT PACKING (1, 2, 4 BITS) */
 
@@ -1898,6 +1918,76 @@ static void dopt__sign_accum(float *y, size_t n, float v, const uint8_t *in) {
     }
 }
 
+/* ===================================================================== MAJORITY VOTE */
+
+/* Majority vote: the magnitude of a segment's result, 1, or with majority_l1 the mean of the
+   ranks' scales (‖g‖₁/d) summed in rank order, rank r's at scales + r·stride (f32 bits). */
+static float dopt__vote_magnitude(const dopt_compressor *cz, const unsigned char *scales, size_t stride, int N,
+                                  float weight) {
+    float v = 0.0f;
+    int r;
+    if (!cz->cfg.majority_l1) return 1.0f;
+    for (r = 0; r < N; r++) v += dopt__bits_f32(dopt__get_le32(scales + (size_t)r * stride));
+    return v * weight;
+}
+
+/* Rank r's votes on a block of m elements as a word with bit t for element t (1 = negative):
+   the 1-bit body at base + r·stride + at, whose full block's byte j holds elements j, j + 8, ...,
+   j + 56 (the transpose makes it the word). */
+static uint64_t dopt__vote_word(const unsigned char *base, size_t stride, int r, size_t at, size_t m) {
+    const unsigned char *p = base + (size_t)r * stride + at;
+    uint64_t word = 0;
+    size_t t;
+    if (m == DOPT__BLOCK) {
+        memcpy(&word, p, 8);
+        return dopt__transpose8x8(word);
+    } else {
+        uint8_t c[DOPT__BLOCK];
+        dopt__unpack_block(p, m, 1, c);
+        for (t = 0; t < m; t++) word |= (uint64_t)c[t] << t;
+    }
+    return word;
+}
+
+/* The vote of N ranks on a block of m elements into y: S = N - 2·(negative votes), y = ±v by
+   its sign, 0 on a tie (v >= 0, so sign(S)·v gives those bits). With AVX-512 and N <= 127, 64
+   byte counters at once (a mask's bytes are -1 where its bits are set) and the floats from
+   masks. */
+static void dopt__vote_block(const unsigned char *base, size_t stride, int N, size_t at, size_t m, float v,
+                             float *DOPT_RESTRICT y) {
+    int cnt[DOPT__BLOCK], r;
+    size_t t;
+#ifdef DOPT__COMPRESS_AVX512
+    if (N <= DOPT__TERN_SUM_MAX) {
+        const __m512 pos = _mm512_set1_ps(v), neg = _mm512_set1_ps(-v);
+        __m512i c = _mm512_setzero_si512(), d;
+        uint64_t gt, lt;
+        int q;
+        for (r = 0; r < N; r++) c = _mm512_sub_epi8(c, _mm512_movm_epi8(dopt__vote_word(base, stride, r, at, m)));
+        d = _mm512_sub_epi8(_mm512_set1_epi8((char)N), _mm512_add_epi8(c, c));
+        gt = _mm512_cmpgt_epi8_mask(d, _mm512_setzero_si512());
+        lt = _mm512_cmplt_epi8_mask(d, _mm512_setzero_si512());
+        for (q = 0; q < 4 && (size_t)(16 * q) < m; q++) {
+            __m512 f = _mm512_mask_mov_ps(_mm512_maskz_mov_ps((__mmask16)(gt >> 16 * q), pos), (__mmask16)(lt >> 16 * q), neg);
+            if ((size_t)(16 * q + 16) <= m)
+                _mm512_storeu_ps(y + 16 * q, f);
+            else
+                _mm512_mask_storeu_ps(y + 16 * q, (__mmask16)((1u << (m - 16 * (size_t)q)) - 1u), f);
+        }
+        return;
+    }
+#endif
+    for (t = 0; t < DOPT__BLOCK; t++) cnt[t] = 0;
+    for (r = 0; r < N; r++) {
+        uint64_t word = dopt__vote_word(base, stride, r, at, m);
+        for (t = 0; t < DOPT__BLOCK; t++) cnt[t] += (int)((word >> t) & 1u);
+    }
+    for (t = 0; t < m; t++) {
+        int d = N - 2 * cnt[t];
+        y[t] = (float)((d > 0) - (d < 0)) * v;
+    }
+}
+
 /* ===================================================================== MESSAGE LAYOUT */
 
 /* Bytes of a segment's body before padding. */
@@ -2230,9 +2320,6 @@ static void dopt__commit(dopt_compressor *cz, const unsigned char *own) {
     cz->step++;
 }
 
-/* PowerSGD's step (POWERSGD below): two allreduces instead of a message exchange. */
-static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads);
-
 DOPT_DEF size_t dopt_compress_bound(const dopt_compressor *cz) { return cz ? cz->msg_bytes : 0; }
 
 DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *grads, void *out, size_t capacity,
@@ -2247,74 +2334,510 @@ DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *g
     return s;
 }
 
-/* ===================================================================== COMPRESSED ALLREDUCE */
+/* ===================================================================== POWERSGD */
 
-static dopt_status dopt__gather_room(dopt_compressor *cz, int ranks) {
-    unsigned char *g;
-    if ((size_t)ranks <= cz->gather_ranks) return DOPT_OK;
-    if (cz->msg_bytes > SIZE_MAX / (size_t)ranks) return DOPT_ERR_NOMEM;
-    g = (unsigned char *)DOPT_MALLOC(cz->msg_bytes * (size_t)ranks);
-    if (g == NULL) return DOPT_ERR_NOMEM;
-    DOPT_FREE(cz->gather);
-    cz->gather = g;
-    cz->gather_ranks = (size_t)ranks;
-    return DOPT_OK;
+/* PowerSGD (Vogels, Karimireddy, Jaggi 2019; DESIGN §5.7), per compressed matrix M (rows × cols,
+   row-major) of a rank, with its residual E: M ← g + E; P = M·Q; P ← mean of P over the ranks;
+   P's columns made orthonormal; Q ← Mᵀ·P; Q ← mean of Q; output M̂ = P·Qᵀ; E ← M − M̂. Q stays
+   from one step to the next (the warm start: one step of subspace iteration per step). Two
+   allreduces (DOPT_MEAN of f32) per step, in cz->msg: the first carries [every P | the other
+   segments' values | a flag], psgd_np floats; the second [every Q | a flag], psgd_nq + 1. A flag
+   is 1 on a rank that cannot go on, so its mean is not 0 on every rank alike. Everything after
+   an allreduce is computed from the bytes every rank holds, by the same code in the same order:
+   every rank writes the same output. */
+
+#define DOPT__PSGD_MAX_RANK 64u
+/* |x| at or above 2^64 in M, P or Q — and NaN, ±inf — stops the step (NON-FINITE GRADIENTS):
+   below it every product the step makes stays far from overflowing (|P̂| <= 1, so |M̂| <=
+   r·2^64·(1 + ε) and |E| < 2^71). */
+#define DOPT__PSGD_LIMIT_BITS 0x5F800000u
+#define DOPT__PSGD_Q_STREAM ((uint64_t)1 << 63) /* Q's first draw: stream 2^63 + segment */
+
+/* Rows of segment i when PowerSGD compresses it, else 0: a matrix with r·(rows + cols) < count
+   (the factors are smaller than the matrix) and count >= powersgd_min. */
+static size_t dopt__psgd_rows(const dopt_compressor *cz, size_t i) {
+    size_t rows = cz->segs[i].rows, n = cz->segs[i].count;
+    if (cz->cfg.codec != DOPT_CODEC_POWERSGD || rows == 0 || n == 0 || n < cz->cfg.powersgd_min) return 0;
+    return rows + n / rows <= (n - 1) / cz->cfg.powersgd_rank ? rows : 0; /* r·(rows + cols) < n, no overflow */
 }
 
-/* The average of the N validated ternary messages in the gather buffer into grads. A segment
-   whose N scales are bitwise equal (scale sharing) is summed as integer counts: y = count · v,
-   v = weight · s. Others (fp32 segments, scales not shared) are zeroed and accumulate the
-   messages in rank order, y += (weight · s_r) · t_r. Either way every rank computes the same
-   bytes. */
-static void dopt__tern_average(dopt_compressor *cz, int nmsg, float weight, const dopt_buf *grads) {
-    const uint8_t *data[DOPT__TERN_SUM_MAX];
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
-    int r;
+/* n numbers uniform in [−1, 1) from words first.. of rng: 24 bits each, exact as floats. */
+static void dopt__psgd_uniform(const dopt_rng *rng, uint64_t first, float *out, size_t n) {
+    size_t i;
+    dopt_rng_uniform(rng, first, out, n);
+    for (i = 0; i < n; i++) out[i] = 2.0f * out[i] - 1.0f;
+}
+
+/* The products, row-major: P = M·Q (rows × r), Q = Mᵀ·P (cols × r), M̂ = P·Qᵀ (rows × cols).
+   OpenBLAS's sgemm with DOPT_USE_BLAS, plain loops otherwise; either way in float, the sums in
+   an order fixed by the sizes alone. */
+static void dopt__psgd_mq(const float *m, size_t rows, size_t cols, const float *q, size_t r, float *p) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)r, (int)cols, 1.0f, m, (int)cols, q,
+                (int)r, 0.0f, p, (int)r);
+#else
+    size_t i, j, k;
+    for (i = 0; i < rows; i++) {
+        const float *mi = m + i * cols;
+        float *pi = p + i * r;
+        for (k = 0; k < r; k++) pi[k] = 0.0f;
+        for (j = 0; j < cols; j++)
+            for (k = 0; k < r; k++) pi[k] += mi[j] * q[j * r + k];
+    }
+#endif
+}
+
+static void dopt__psgd_mtp(const float *m, size_t rows, size_t cols, const float *p, size_t r, float *q) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)cols, (int)r, (int)rows, 1.0f, m, (int)cols, p,
+                (int)r, 0.0f, q, (int)r);
+#else
+    size_t i, j, k;
+    for (j = 0; j < cols * r; j++) q[j] = 0.0f;
+    for (i = 0; i < rows; i++) {
+        const float *mi = m + i * cols, *pi = p + i * r;
+        for (j = 0; j < cols; j++)
+            for (k = 0; k < r; k++) q[j * r + k] += mi[j] * pi[k];
+    }
+#endif
+}
+
+static void dopt__psgd_pqt(const float *p, size_t rows, size_t cols, const float *q, size_t r, float *out) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)cols, (int)r, 1.0f, p, (int)r, q, (int)r,
+                0.0f, out, (int)cols);
+#else
+    size_t i, j, k;
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < cols; j++) {
+            float acc = 0.0f; /* not p·q alone for r = 1: E = M − M̂ must not fuse with it */
+            for (k = 0; k < r; k++) acc += p[i * r + k] * q[j * r + k];
+            out[i * cols + j] = acc;
+        }
+#endif
+}
+
+/* Modified Gram–Schmidt on column j of v (columns of `rows` doubles, one after another): made
+   orthogonal to columns 0 .. j−1, which are orthonormal, one at a time in that order, then
+   normalised. Returns 0, leaving it unnormalised, when its norm fell to 1e-10 of what it was (or
+   it was zero): it lay in their span, and normalising the rounding left would be noise. */
+static int dopt__psgd_gs_column(double *v, size_t rows, size_t j) {
+    double *x = v + j * rows, n0 = 0.0, n = 0.0, d;
+    size_t i, k;
+    for (k = 0; k < rows; k++) n0 += x[k] * x[k];
+    for (i = 0; i < j; i++) {
+        const double *u = v + i * rows;
+        for (d = 0.0, k = 0; k < rows; k++) d += u[k] * x[k];
+        for (k = 0; k < rows; k++) x[k] -= d * u[k];
+    }
+    for (k = 0; k < rows; k++) n += x[k] * x[k];
+    if (!(n > 1e-20 * n0)) return 0; /* norms squared: 1e-10 relative; n0 = 0 too */
+    n = sqrt(n);
+    for (k = 0; k < rows; k++) x[k] /= n;
+    return 1;
+}
+
+/* A column that Gram–Schmidt could not keep (zero, or in the span of those before it) becomes a
+   random one, orthonormalised the same way: the same on every rank (seed, step and segment
+   decide it), and never zero, so that Q = Mᵀ·P stays able to grow back and the warm start does
+   not stall on a zero column. Uniform (−1, 1) numbers keyed by (seed, rank 0), stream
+   step·2^32 + segment, words (attempt·r + j)·rows ..; the fourth failure leaves zeros (four
+   random vectors within the span of j < rows columns: never in practice). */
+static void dopt__psgd_replace_column(const dopt_compressor *cz, size_t seg, double *v, size_t rows, size_t j) {
+    float draw[DOPT__BLOCK];
+    double *x = v + j * rows;
+    dopt_rng rng;
+    uint64_t attempt, first;
+    size_t k, take, t;
+    dopt_rng_init(&rng, cz->cfg.seed, 0, (cz->step << 32) | (uint64_t)seg);
+    for (attempt = 0; attempt < 4; attempt++) {
+        first = (attempt * cz->cfg.powersgd_rank + j) * rows;
+        for (k = 0; k < rows; k += take) {
+            take = rows - k < DOPT__BLOCK ? rows - k : DOPT__BLOCK;
+            dopt__psgd_uniform(&rng, first + k, draw, take);
+            for (t = 0; t < take; t++) x[k + t] = (double)draw[t];
+        }
+        if (dopt__psgd_gs_column(v, rows, j)) return;
+    }
+    memset(x, 0, rows * sizeof(double));
+}
+
+/* P (rows × r, row-major, the mean every rank holds) gets orthonormal columns, computed in
+   double in plain C (no threaded library: the order of every sum is fixed), columns in the order
+   0, 1, ..., r−1. */
+static void dopt__psgd_orthonormalize(const dopt_compressor *cz, size_t seg, float *p, size_t rows) {
+    size_t r = cz->cfg.powersgd_rank, i, j;
+    double *v = cz->psgd_gs;
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < r; j++) v[j * rows + i] = (double)p[i * r + j];
+    for (j = 0; j < r; j++)
+        if (!dopt__psgd_gs_column(v, rows, j)) dopt__psgd_replace_column(cz, seg, v, rows, j);
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < r; j++) p[i * r + j] = (float)v[j * rows + i];
+}
+
+/* The first allreduce's buffer: every compressed matrix's P = M·Q and the other segments' M, in
+   segment order, M = g + e in the work buffer. 0 when a rank cannot go on (NaN or ±inf
+   anywhere, |x| >= 2^64 in a compressed matrix or its P): the buffer is then zeros. */
+static int dopt__psgd_first(dopt_compressor *cz, float *a) {
+    const float *m = cz->work, *q = cz->psgd_q;
+    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
+    float *out = a;
+    for (i = 0; i < cz->nsegs; i++, m += n) {
+        n = cz->segs[i].count;
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            if (dopt__absbits_max(m, n) > DOPT__F32_MAX_BITS) break;
+            if (n) memcpy(out, m, n * sizeof(float));
+            out += n;
+            continue;
+        }
+        cols = n / rows;
+        if (dopt__absbits_max(m, n) >= DOPT__PSGD_LIMIT_BITS) break;
+        dopt__psgd_mq(m, rows, cols, q, r, out);
+        if (dopt__absbits_max(out, rows * r) >= DOPT__PSGD_LIMIT_BITS) break;
+        out += rows * r;
+        q += cols * r;
+    }
+    if (i == cz->nsegs) return 1;
+    memset(a, 0, cz->psgd_np * sizeof(float));
+    return 0;
+}
+
+/* After the first allreduce: each mean P (in a) orthonormalised in place, and the second
+   allreduce's buffer b: every compressed matrix's Q = Mᵀ·P. 0 when a Q holds |x| >= 2^64 (or
+   NaN, ±inf): b is then zeros. */
+static int dopt__psgd_second(dopt_compressor *cz, float *a, float *b) {
+    const float *m = cz->work;
+    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
+    float *q = b;
+    for (i = 0; i < cz->nsegs; i++, m += n) {
+        n = cz->segs[i].count;
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            a += n;
+            continue;
+        }
+        cols = n / rows;
+        dopt__psgd_orthonormalize(cz, i, a, rows);
+        dopt__psgd_mtp(m, rows, cols, a, r, q);
+        if (dopt__absbits_max(q, cols * r) >= DOPT__PSGD_LIMIT_BITS) {
+            memset(b, 0, cz->psgd_nq * sizeof(float));
+            return 0;
+        }
+        a += rows * r;
+        q += cols * r;
+    }
+    return 1;
+}
+
+/* The step is done on every rank: grads gets M̂ = P·Qᵀ (compressed matrices) or the mean (the
+   others), E = M − M̂ (0 for the others, sent exactly), Q is kept for the next step. */
+static void dopt__psgd_commit(dopt_compressor *cz, const float *a, const float *b, const dopt_buf *grads) {
+    size_t r = cz->cfg.powersgd_rank, i, k, rows, cols, off = 0;
+    float *q = cz->psgd_q;
     for (i = 0; i < cz->nsegs; i++) {
         dopt_span sp = dopt_buf_segment(grads, i);
-        size_t n = sp.count, body = dopt__body_bytes(&cz->cfg, n);
-        const unsigned char *rec0 = cz->gather + off;
-        int shared = n >= cz->cfg.fp32_below;
-        for (r = 0; r < nmsg; r++) {
-            const unsigned char *rec = cz->gather + (size_t)r * cz->msg_bytes + off;
-            data[r] = rec + DOPT_COMPRESS_RECORD_BYTES;
-            shared = shared && dopt__get_le32(rec + 12) == dopt__get_le32(rec0 + 12);
+        float *e = cz->residual + off;
+        const float *m = cz->work + off;
+        rows = dopt__psgd_rows(cz, i);
+        off += sp.count;
+        if (rows == 0) {
+            if (sp.count) memcpy(sp.ptr, a, sp.count * sizeof(float));
+            if (sp.count) memset(e, 0, sp.count * sizeof(float));
+            a += sp.count;
+            continue;
         }
-        if (shared) {
-            dopt__tern_sum(sp.ptr, n, weight * dopt__bits_f32(dopt__get_le32(rec0 + 12)), data, nmsg);
-        } else if (n) {
-            memset(sp.ptr, 0, n * sizeof(float));
-            for (r = 0; r < nmsg; r++) {
-                float b = dopt__bits_f32(dopt__get_le32(data[r] - 4));
-                if (n < cz->cfg.fp32_below) {
-                    dopt__f32_accum(sp.ptr, weight, data[r], n);
-                } else {
-                    dopt__tern_accum(sp.ptr, n, weight * b, data[r]);
-                }
-            }
-        }
-        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(body);
+        cols = sp.count / rows;
+        dopt__psgd_pqt(a, rows, cols, b, r, sp.ptr);
+        for (k = 0; k < sp.count; k++) e[k] = m[k] - sp.ptr[k];
+        memcpy(q, b, cols * r * sizeof(float));
+        a += rows * r;
+        b += cols * r;
+        q += cols * r;
     }
+    cz->step++;
 }
 
-/* The verdict on the N gathered messages, the same on every rank since every rank holds the same
-   bytes: DOPT_ERR_PROTOCOL for a header that does not follow the format (or names another rank),
-   then DOPT_ERR_NONFINITE when a message is flagged (no body is read), then DOPT_ERR_PROTOCOL for
-   a body that does not follow it. */
-static dopt_status dopt__gathered_verdict(const dopt_compressor *cz, int nmsg) {
-    int r, nonfinite = 0;
-    for (r = 0; r < nmsg; r++) {
-        const unsigned char *m = cz->gather + (size_t)r * cz->msg_bytes;
-        if (dopt__check_header(cz, m, cz->msg_bytes) != (long)r) return DOPT_ERR_PROTOCOL;
-        nonfinite |= dopt__flagged_nonfinite(m);
-    }
-    if (nonfinite) return DOPT_ERR_NONFINITE;
-    for (r = 0; r < nmsg; r++)
-        if (!dopt__check_body(cz, cz->gather + (size_t)r * cz->msg_bytes)) return DOPT_ERR_PROTOCOL;
+static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
+    float *a = (float *)(void *)cz->msg, *b = a + cz->psgd_np;
+    const char *prev;
+    dopt_status s;
+    cz->gathered = 0;
+    cz->rank = comm->rank;
+    dopt__ef_prepare(cz, grads); /* M = g + e, every segment, into the work buffer */
+    a[cz->psgd_np - 1] = dopt__psgd_first(cz, a) ? 0.0f : 1.0f;
+    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's P");
+    s = dopt_allreduce(comm, a, cz->psgd_np, DOPT_F32, DOPT_MEAN);
+    dopt_comm_set_api(comm, prev);
+    if (s != DOPT_OK) return s;
+    if (a[cz->psgd_np - 1] != 0.0f) return DOPT_ERR_NONFINITE;
+    b[cz->psgd_nq] = dopt__psgd_second(cz, a, b) ? 0.0f : 1.0f;
+    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's Q");
+    s = dopt_allreduce(comm, b, cz->psgd_nq + 1, DOPT_F32, DOPT_MEAN);
+    dopt_comm_set_api(comm, prev);
+    if (s != DOPT_OK) return s;
+    if (b[cz->psgd_nq] != 0.0f) return DOPT_ERR_NONFINITE;
+    dopt__psgd_commit(cz, a, b, grads);
     return DOPT_OK;
 }
 
-/* ===================================================================== INTEGER RING (TERNARY SUMS)
+/* At init: the sizes of the two allreduces, the Gram–Schmidt workspace, and every compressed
+   matrix's first Q, uniform in (−1, 1) from (seed, rank 0): the same on every rank. A
+   compressed matrix must have rows and cols below 2^31 (sgemm takes int). */
+static dopt_status dopt__psgd_init(dopt_compressor *cz) {
+    size_t r = cz->cfg.powersgd_rank, i, rows, cols, tallest = 0, nq = 0;
+    float *q;
+    dopt_rng rng;
+    cz->psgd_np = 1;
+    for (i = 0; i < cz->nsegs; i++) {
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            cz->psgd_np += cz->segs[i].count;
+            continue;
+        }
+        cols = cz->segs[i].count / rows;
+        if (rows > INT_MAX || cols > INT_MAX) return DOPT_ERR_INVALID;
+        cz->psgd_np += rows * r;
+        nq += cols * r;
+        tallest = rows > tallest ? rows : tallest;
+        cz->psgd_nmat++;
+    }
+    cz->psgd_nq = nq;
+    cz->psgd_q = (float *)DOPT_MALLOC((nq ? nq : 1) * sizeof(float));
+    cz->psgd_gs = (double *)DOPT_MALLOC((tallest ? tallest * r : 1) * sizeof(double));
+    if (cz->psgd_q == NULL || cz->psgd_gs == NULL) return DOPT_ERR_NOMEM;
+    for (q = cz->psgd_q, i = 0; i < cz->nsegs; i++) {
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        cols = cz->segs[i].count / rows;
+        dopt_rng_init(&rng, cz->cfg.seed, 0, DOPT__PSGD_Q_STREAM | (uint64_t)i);
+        dopt__psgd_uniform(&rng, 0, q, cols * r);
+        q += cols * r;
+    }
+    return DOPT_OK;
+}
+
+/* PowerSGD's part of the state, after the residual: u32 r, u32 compressed matrices, a 16-byte
+   record per matrix (u32 segment, u32 0, u64 rows), then every Q (cols × r f32). */
+static size_t dopt__psgd_state_bytes(const dopt_compressor *cz) {
+    return cz->cfg.codec == DOPT_CODEC_POWERSGD ? 8 + 16 * cz->psgd_nmat + 4 * cz->psgd_nq : 0;
+}
+
+static void dopt__psgd_state_save(const dopt_compressor *cz, unsigned char *o) {
+    size_t i;
+    dopt__put_le32(o, (uint32_t)cz->cfg.powersgd_rank);
+    dopt__put_le32(o + 4, (uint32_t)cz->psgd_nmat);
+    o += 8;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        dopt__put_le32(o, (uint32_t)i);
+        dopt__put_le32(o + 4, 0);
+        dopt__put_le64(o + 8, (uint64_t)rows);
+        o += 16;
+    }
+    if (cz->psgd_nq) memcpy(o, cz->psgd_q, 4 * cz->psgd_nq);
+}
+
+/* 1 when p holds this compressor's PowerSGD part: its r, its compressed matrices, finite Q's. */
+static int dopt__psgd_state_ok(const dopt_compressor *cz, const unsigned char *p) {
+    size_t i;
+    if (dopt__get_le32(p) != (uint32_t)cz->cfg.powersgd_rank || dopt__get_le32(p + 4) != (uint32_t)cz->psgd_nmat)
+        return 0;
+    p += 8;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        if (dopt__get_le32(p) != (uint32_t)i || dopt__get_le32(p + 4) != 0 || dopt__get_le64(p + 8) != (uint64_t)rows)
+            return 0;
+        p += 16;
+    }
+    return dopt__f32_bytes_finite(p, cz->psgd_nq);
+}
+
+static void dopt__psgd_state_load(dopt_compressor *cz, const unsigned char *p) {
+    if (cz->psgd_nq) memcpy(cz->psgd_q, p + 8 + 16 * cz->psgd_nmat, 4 * cz->psgd_nq);
+}
+
+/* ===================================================================== STATE SAVE / LOAD */
+
+#define DOPT__STATE_MAGIC 0x53504F44u /* "DOPS" */
+#define DOPT__STATE_VERSION 1 /* its own number: the state's format did not change with the wire's */
+#define DOPT__STATE_HEADER 32
+
+DOPT_DEF size_t dopt_compress_state_bytes(const dopt_compressor *cz) {
+    if (cz == NULL) return 0;
+    return DOPT__STATE_HEADER + (cz->ef ? 4 * cz->count : 0) + dopt__psgd_state_bytes(cz);
+}
+
+DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity) {
+    unsigned char *o = (unsigned char *)out;
+    if (cz == NULL || out == NULL || capacity < dopt_compress_state_bytes(cz)) return DOPT_ERR_INVALID;
+    memset(o, 0, DOPT__STATE_HEADER);
+    dopt__put_le32(o, DOPT__STATE_MAGIC);
+    o[4] = DOPT__STATE_VERSION;
+    o[5] = (unsigned char)cz->cfg.codec;
+    o[6] = (unsigned char)cz->ef;
+    dopt__put_le64(o + 8, (uint64_t)cz->count);
+    dopt__put_le64(o + 16, cz->step);
+    if (cz->ef && cz->count) memcpy(o + DOPT__STATE_HEADER, cz->residual, 4 * cz->count);
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_save(cz, o + DOPT__STATE_HEADER + 4 * cz->count);
+    return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *in, size_t bytes) {
+    const unsigned char *p = (const unsigned char *)in;
+    if (cz == NULL || (in == NULL && bytes > 0)) return DOPT_ERR_INVALID;
+    if (bytes != dopt_compress_state_bytes(cz) || dopt__get_le32(p) != DOPT__STATE_MAGIC ||
+        p[4] != DOPT__STATE_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
+        p[7] != 0 || dopt__get_le64(p + 8) != (uint64_t)cz->count || !dopt__zero_bytes(p + 24, 8))
+        return DOPT_ERR_PROTOCOL;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD && !dopt__psgd_state_ok(cz, p + DOPT__STATE_HEADER + 4 * cz->count))
+        return DOPT_ERR_PROTOCOL;
+    if (cz->ef && cz->count) {
+        if (!dopt__f32_bytes_finite(p + DOPT__STATE_HEADER, cz->count)) return DOPT_ERR_PROTOCOL;
+        memcpy(cz->residual, p + DOPT__STATE_HEADER, 4 * cz->count);
+    }
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_load(cz, p + DOPT__STATE_HEADER + 4 * cz->count);
+    cz->step = dopt__get_le64(p + 16);
+    return DOPT_OK;
+}
+
+/* ===================================================================== INIT AND FREE */
+
+DOPT_DEF const char *dopt_codec_name(dopt_codec codec) {
+    switch (codec) {
+    case DOPT_CODEC_TERNARY: return "ternary";
+    case DOPT_CODEC_QSGD: return "qsgd";
+    case DOPT_CODEC_TOPK: return "topk";
+    case DOPT_CODEC_SIGN: return "sign";
+    case DOPT_CODEC_FP16: return "fp16";
+    case DOPT_CODEC_BF16: return "bf16";
+    case DOPT_CODEC_FP32: return "fp32";
+    case DOPT_CODEC_MAJORITY: return "majority";
+    case DOPT_CODEC_POWERSGD: return "powersgd";
+    }
+    return "?";
+}
+
+#define DOPT__RING_MAX_BUCKETS 64 /* ring_buckets, at most (the ring's pipeline) */
+
+static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
+    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_POWERSGD || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF ||
+        (unsigned)c->aggregate > (unsigned)DOPT_AGG_RING || (unsigned)c->majority_l1 > 1u)
+        return DOPT_ERR_INVALID;
+    /* NaN first, by its bits: under -ffast-math GCC compiles x == 0 so that it holds for NaN, which
+       would then take the default */
+    if (dopt__is_nan(c->clip_c) || dopt__is_nan(c->topk_ratio)) return DOPT_ERR_INVALID;
+    if (c->clip_c == 0.0f) c->clip_c = 2.5f;
+    if (!dopt__is_finite(c->clip_c) && c->clip_c > 0.0f) return DOPT_ERR_INVALID;
+    if (c->clip_c < 0.0f) c->clip_c = DOPT_CLIP_OFF;
+    if (c->qsgd_levels == 0) c->qsgd_levels = 7;
+    if (c->qsgd_levels > 127) return DOPT_ERR_INVALID;
+    if (c->qsgd_bucket == 0) c->qsgd_bucket = 512;
+    if (c->qsgd_bucket > UINT32_MAX) return DOPT_ERR_INVALID;
+    if (c->topk_ratio == 0.0) c->topk_ratio = 0.01;
+    if (!(c->topk_ratio > 0.0 && c->topk_ratio <= 1.0)) return DOPT_ERR_INVALID;
+    if (c->rank < 0) return DOPT_ERR_INVALID;
+    if (c->powersgd_rank == 0) c->powersgd_rank = 2;
+    if (c->powersgd_rank > DOPT__PSGD_MAX_RANK) return DOPT_ERR_INVALID;
+    if (c->powersgd_min == 0) c->powersgd_min = 4096;
+    if (c->ring_buckets < 0 || c->ring_buckets > DOPT__RING_MAX_BUCKETS) return DOPT_ERR_INVALID;
+    /* PowerSGD without its error feedback does not converge well (Vogels et al. 2019, §4.1) */
+    if (c->codec == DOPT_CODEC_POWERSGD && c->error_feedback == DOPT_EF_OFF) return DOPT_ERR_INVALID;
+    return DOPT_OK;
+}
+
+static int dopt__ef_default(dopt_codec codec) {
+    return codec == DOPT_CODEC_TOPK || codec == DOPT_CODEC_SIGN || codec == DOPT_CODEC_POWERSGD;
+}
+
+DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
+                                          const dopt_segment *segs, size_t nsegs) {
+    dopt_compressor_config c;
+    size_t i, max_seg = 0, count = 0, end = 0, table;
+    if (cz == NULL) return DOPT_ERR_INVALID;
+    memset(cz, 0, sizeof *cz);
+    if (segs == NULL || nsegs == 0 || nsegs > UINT32_MAX) return DOPT_ERR_INVALID;
+    if (cfg)
+        c = *cfg;
+    else
+        memset(&c, 0, sizeof c);
+    if (dopt__config_resolve(&c) != DOPT_OK) return DOPT_ERR_INVALID;
+    for (i = 0; i < nsegs; i++) { /* increasing, non-overlapping, no overflow */
+        if (segs[i].offset < end || segs[i].count > SIZE_MAX - segs[i].offset) return DOPT_ERR_INVALID;
+        end = segs[i].offset + segs[i].count;
+        count += segs[i].count;
+        max_seg = segs[i].count > max_seg ? segs[i].count : max_seg;
+        if (c.codec == DOPT_CODEC_TOPK && segs[i].count > UINT32_MAX) return DOPT_ERR_INVALID;
+        if (c.codec == DOPT_CODEC_POWERSGD && segs[i].rows != 0 && segs[i].count % segs[i].rows != 0)
+            return DOPT_ERR_INVALID; /* not rows × cols (other codecs never read rows) */
+    }
+    if (count > SIZE_MAX / 8) return DOPT_ERR_INVALID;
+    cz->cfg = c;
+    cz->rank = c.rank;
+    cz->nsegs = nsegs;
+    cz->count = count;
+    cz->flat_end = end;
+    cz->ef = c.error_feedback == DOPT_EF_ON || (c.error_feedback == DOPT_EF_AUTO && dopt__ef_default(c.codec));
+    /* the segment table and, after it, the spans of the EF work buffer */
+    table = nsegs * (sizeof(dopt_segment) + sizeof(dopt_span));
+    cz->segs = (dopt_segment *)DOPT_MALLOC(table);
+    if (cz->segs == NULL) return DOPT_ERR_NOMEM;
+    memcpy(cz->segs, segs, nsegs * sizeof(dopt_segment));
+    if (c.codec == DOPT_CODEC_POWERSGD) {
+        dopt_status s = dopt__psgd_init(cz);
+        if (s != DOPT_OK) {
+            dopt_compressor_free(cz);
+            return s;
+        }
+    }
+    cz->msg_bytes = dopt__message_bytes(cz);
+    cz->msg = (unsigned char *)DOPT_MALLOC(cz->msg_bytes);
+    cz->scales = (float *)DOPT_MALLOC((2 * nsegs + 1) * sizeof(float));
+    if (cz->msg == NULL || cz->scales == NULL) goto nomem;
+    cz->bounds = cz->scales + nsegs + 1;
+    for (i = 0; i < nsegs; i++) cz->bounds[i] = FLT_MAX;
+    if (c.codec == DOPT_CODEC_TOPK) {
+        cz->select = (float *)DOPT_MALLOC((max_seg ? max_seg : 1) * sizeof(float));
+        if (cz->select == NULL) goto nomem;
+    }
+    if (cz->ef) {
+        cz->residual = (float *)DOPT_MALLOC((count ? count : 1) * sizeof(float));
+        cz->work = (float *)DOPT_MALLOC((count ? count : 1) * sizeof(float));
+        if (cz->residual == NULL || cz->work == NULL) goto nomem;
+        if (count) memset(cz->residual, 0, count * sizeof(float));
+    }
+    return DOPT_OK;
+nomem:
+    dopt_compressor_free(cz);
+    return DOPT_ERR_NOMEM;
+}
+
+DOPT_DEF void dopt_compressor_free(dopt_compressor *cz) {
+    if (cz == NULL) return;
+    DOPT_FREE(cz->segs);
+    DOPT_FREE(cz->msg);
+    DOPT_FREE(cz->scales);
+    DOPT_FREE(cz->select);
+    DOPT_FREE(cz->residual);
+    DOPT_FREE(cz->work);
+    DOPT_FREE(cz->gather);
+    DOPT_FREE(cz->ring_buf);
+    DOPT_FREE(cz->ring_ranks);
+    DOPT_FREE(cz->psgd_q);
+    DOPT_FREE(cz->psgd_gs);
+    memset(cz, 0, sizeof *cz);
+}
+
+/* =====================================================================================
+   PART 2 OF 3 — HOW THEY TRAVEL: the integer and 16-bit rings (their kernels, the schedule of
+   exchanges, the pipeline that encodes ternary's codes while the ring sums the buckets before
+   them) and the ring path of the allreduce from one rank's message to the result.
+   ===================================================================================== */
+
+/* ===================================================================== THE RINGS: INTEGER SUMS, 16-BIT MEANS
 
    With one shared scale per segment, the sum of the N ranks' ternary codes is an integer in
    [-N, N]. The ring reduces it exactly: a chunk that carries the sums of k codes goes in
@@ -2782,7 +3305,6 @@ static dopt_status dopt__ring_run(const dopt__ring_pass *const *ps, int np) {
     return s;
 }
 
-/* This rank's codes of every ternary segment as planes of sums of one, group after group. */
 /* The ring's format for this compressor's codec. */
 static int dopt__ring_fmt(const dopt_compressor *cz) {
     return cz->cfg.codec == DOPT_CODEC_FP16 ? DOPT__RING_F16 : cz->cfg.codec == DOPT_CODEC_BF16 ? DOPT__RING_BF16 : DOPT__RING_INT;
@@ -2825,89 +3347,6 @@ static void dopt__ring_fill_own(const dopt_compressor *cz, unsigned char *own) {
             memset(own + 2 * n, 0, groups * per - 2 * n);
         }
         own += groups * per;
-        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
-    }
-}
-
-/* Majority vote: the magnitude of a segment's result, 1, or with majority_l1 the mean of the
-   ranks' scales (‖g‖₁/d) summed in rank order, rank r's at scales + r·stride (f32 bits). */
-static float dopt__vote_magnitude(const dopt_compressor *cz, const unsigned char *scales, size_t stride, int N,
-                                  float weight) {
-    float v = 0.0f;
-    int r;
-    if (!cz->cfg.majority_l1) return 1.0f;
-    for (r = 0; r < N; r++) v += dopt__bits_f32(dopt__get_le32(scales + (size_t)r * stride));
-    return v * weight;
-}
-
-/* Rank r's votes on a block of m elements as a word with bit t for element t (1 = negative):
-   the 1-bit body at base + r·stride + at, whose full block's byte j holds elements j, j + 8, ...,
-   j + 56 (the transpose makes it the word). */
-static uint64_t dopt__vote_word(const unsigned char *base, size_t stride, int r, size_t at, size_t m) {
-    const unsigned char *p = base + (size_t)r * stride + at;
-    uint64_t word = 0;
-    size_t t;
-    if (m == DOPT__BLOCK) {
-        memcpy(&word, p, 8);
-        return dopt__transpose8x8(word);
-    } else {
-        uint8_t c[DOPT__BLOCK];
-        dopt__unpack_block(p, m, 1, c);
-        for (t = 0; t < m; t++) word |= (uint64_t)c[t] << t;
-    }
-    return word;
-}
-
-/* The vote of N ranks on a block of m elements into y: S = N - 2·(negative votes), y = ±v by
-   its sign, 0 on a tie (v >= 0, so sign(S)·v gives those bits). With AVX-512 and N <= 127, 64
-   byte counters at once (a mask's bytes are -1 where its bits are set) and the floats from
-   masks. */
-static void dopt__vote_block(const unsigned char *base, size_t stride, int N, size_t at, size_t m, float v,
-                             float *DOPT_RESTRICT y) {
-    int cnt[DOPT__BLOCK], r;
-    size_t t;
-#ifdef DOPT__COMPRESS_AVX512
-    if (N <= DOPT__TERN_SUM_MAX) {
-        const __m512 pos = _mm512_set1_ps(v), neg = _mm512_set1_ps(-v);
-        __m512i c = _mm512_setzero_si512(), d;
-        uint64_t gt, lt;
-        int q;
-        for (r = 0; r < N; r++) c = _mm512_sub_epi8(c, _mm512_movm_epi8(dopt__vote_word(base, stride, r, at, m)));
-        d = _mm512_sub_epi8(_mm512_set1_epi8((char)N), _mm512_add_epi8(c, c));
-        gt = _mm512_cmpgt_epi8_mask(d, _mm512_setzero_si512());
-        lt = _mm512_cmplt_epi8_mask(d, _mm512_setzero_si512());
-        for (q = 0; q < 4 && (size_t)(16 * q) < m; q++) {
-            __m512 f = _mm512_mask_mov_ps(_mm512_maskz_mov_ps((__mmask16)(gt >> 16 * q), pos), (__mmask16)(lt >> 16 * q), neg);
-            if ((size_t)(16 * q + 16) <= m)
-                _mm512_storeu_ps(y + 16 * q, f);
-            else
-                _mm512_mask_storeu_ps(y + 16 * q, (__mmask16)((1u << (m - 16 * (size_t)q)) - 1u), f);
-        }
-        return;
-    }
-#endif
-    for (t = 0; t < DOPT__BLOCK; t++) cnt[t] = 0;
-    for (r = 0; r < N; r++) {
-        uint64_t word = dopt__vote_word(base, stride, r, at, m);
-        for (t = 0; t < DOPT__BLOCK; t++) cnt[t] += (int)((word >> t) & 1u);
-    }
-    for (t = 0; t < m; t++) {
-        int d = N - 2 * cnt[t];
-        y[t] = (float)((d > 0) - (d < 0)) * v;
-    }
-}
-
-/* The allgather path of majority vote: S = N - 2·(negative votes) per element from the N
-   validated messages, y = ±v by its sign (0 on a tie), as the ring path computes it. */
-static void dopt__vote_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, b;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(grads, i);
-        size_t n = sp.count;
-        float v = dopt__vote_magnitude(cz, cz->gather + off + 12, cz->msg_bytes, N, weight);
-        const unsigned char *bodies = cz->gather + off + DOPT_COMPRESS_RECORD_BYTES;
-        for (b = 0; b < n; b += DOPT__BLOCK)
-            dopt__vote_block(bodies, cz->msg_bytes, N, b / 8, n - b < DOPT__BLOCK ? n - b : DOPT__BLOCK, v, sp.ptr + b);
         off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
     }
 }
@@ -3096,7 +3535,6 @@ static void dopt__ring_decode_groups(dopt_compressor *cz, int N, float weight, c
 
 #define DOPT__RING_BUCKET_GROUPS 16384 /* the least an automatic bucket holds: 1 Mi elements */
 #define DOPT__RING_AUTO_BUCKETS 16     /* automatic buckets, at most */
-#define DOPT__RING_MAX_BUCKETS 64      /* ring_buckets, at most */
 
 /* Buckets of this call: near-equal runs of groups (dopt__ring_segment's cut). Ternary only (its
    codes come out of the encoder group by group, and its non-finite verdict is known before any
@@ -3270,65 +3708,7 @@ static dopt_status dopt__ring_pipeline(dopt_compressor *cz, const dopt__ring_pla
     return s;
 }
 
-/* ----- choosing the path */
-
-/* Pieces of a chunk of `groups` groups (as dopt__ring_pieces cuts them). */
-static double dopt__ring_predict_pieces(double groups) { return dopt__ring_pieces_of((size_t)ceil(groups)); }
-
-/* Σ_{k = lo}^{hi} w(k·mult): the widths of the steps of a reduce-scatter. */
-static double dopt__ring_width_sum(int fmt, int lo, int hi, int mult) {
-    double total = 0;
-    int k;
-    for (k = lo; k <= hi; k++) total += dopt__ring_bits(fmt, k * mult);
-    return total;
-}
-
-/* What each path costs a rank, predicted: DOPT__AGG_ALPHA seconds per exchange (a ring step,
-   or a piece of one), the bytes it receives at DOPT__AGG_BETA bytes per second, and the
-   elements it processes at costs measured on one core of an AVX-512 machine (REFERENCE FOR
-   CONTRIBUTORS: THE INTEGER RING). groups: 64-element groups of ternary codes; L ranks on each
-   of H hosts (L = 1: a flat ring of H = N); msg_bytes: a message, for the allgather. */
-#define DOPT__AGG_ALPHA 30e-6
-#define DOPT__AGG_BETA 1.25e9
-#define DOPT__AGG_SUM_NS 0.03 /* the allgather path: one message's code added to a sum */
-#define DOPT__AGG_HOP_NS 0.25 /* the ring: one element unpacked, added and packed at one step */
-#define DOPT__AGG_OUT_NS 0.25 /* either: one element of the result written */
-
-static double dopt__ring_predict(int fmt, size_t groups, int N, int L, int H, int ring, double msg_bytes) {
-    double G = (double)groups, T = G * DOPT__BLOCK, wfin = dopt__ring_bits(fmt, N), bytes, hops, steps;
-    if (!ring)
-        return (N - 1) * (DOPT__AGG_ALPHA + msg_bytes / DOPT__AGG_BETA) + T * (N * DOPT__AGG_SUM_NS + DOPT__AGG_OUT_NS) * 1e-9;
-    if (L > 1 && H > 1) {
-        double chunk = G / L, sub = chunk / H;
-        bytes = 8 * (chunk * dopt__ring_width_sum(fmt, 1, L - 1, 1) + sub * dopt__ring_width_sum(fmt, 1, H - 1, L) +
-                     (H - 1) * sub * wfin + (L - 1) * chunk * wfin);
-        hops = DOPT__BLOCK * ((L - 1) * chunk + (H - 1) * sub);
-        steps = 2.0 * (L - 1) * dopt__ring_predict_pieces(chunk) + 2.0 * (H - 1) * dopt__ring_predict_pieces(sub);
-    } else {
-        double chunk = G / N;
-        bytes = 8 * chunk * (dopt__ring_width_sum(fmt, 1, N - 1, 1) + (N - 1) * wfin);
-        hops = DOPT__BLOCK * (N - 1) * chunk;
-        steps = 2.0 * (N - 1) * dopt__ring_predict_pieces(chunk);
-    }
-    return steps * DOPT__AGG_ALPHA + bytes / DOPT__AGG_BETA + (hops * DOPT__AGG_HOP_NS + T * DOPT__AGG_OUT_NS) * 1e-9;
-}
-
-/* 1 when this allreduce goes along the ring: ternary with shared scales, majority, fp16 or
-   bf16, on a communicator with exchanges, and (AUTO) at a lower predicted cost than the
-   allgather's. */
-static int dopt__ring_wanted(const dopt_compressor *cz, const dopt_comm *comm, size_t groups) {
-    dopt_host_layout lay;
-    dopt_codec c = cz->cfg.codec;
-    int N = comm->size, L = 1, H = N, fmt = dopt__ring_fmt(cz);
-    int codec_ok = dopt__shares_scales(cz) || c == DOPT_CODEC_MAJORITY || c == DOPT_CODEC_FP16 || c == DOPT_CODEC_BF16;
-    if (cz->cfg.aggregate == DOPT_AGG_ALLGATHER || !codec_ok || N < 2 || comm->eng == NULL || groups == 0 ||
-        N > (fmt == DOPT__RING_INT ? DOPT__RING_MAX_RANKS : DOPT__RING_MAX_HALF_RANKS))
-        return 0;
-    if (cz->cfg.aggregate == DOPT_AGG_RING) return 1;
-    dopt_comm_host_layout(comm, &lay);
-    if (lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF) L = lay.local, H = lay.hosts;
-    return dopt__ring_predict(fmt, groups, N, L, H, 1, 0) < dopt__ring_predict(fmt, groups, N, L, H, 0, (double)cz->msg_bytes);
-}
+/* ----- the ring path of the allreduce: the non-finite verdict, the exchange, ternary's fp32 segments */
 
 /* Before the ring: every rank learns whether any rank's gradient was not finite (ternary knows
    it from the scale sharing). Majority vote allgathers each rank's scales and flag (its rows,
@@ -3409,6 +3789,155 @@ static void dopt__ring_decode_small(dopt_compressor *cz, int N, float weight, co
     }
 }
 
+/* =====================================================================================
+   PART 3 OF 3 — THE COMPRESSED ALLREDUCE: the allgather path, the choice between it, the ring
+   and PowerSGD's two allreduces, and the public calls.
+   ===================================================================================== */
+
+/* ===================================================================== THE ALLGATHER PATH */
+
+static dopt_status dopt__gather_room(dopt_compressor *cz, int ranks) {
+    unsigned char *g;
+    if ((size_t)ranks <= cz->gather_ranks) return DOPT_OK;
+    if (cz->msg_bytes > SIZE_MAX / (size_t)ranks) return DOPT_ERR_NOMEM;
+    g = (unsigned char *)DOPT_MALLOC(cz->msg_bytes * (size_t)ranks);
+    if (g == NULL) return DOPT_ERR_NOMEM;
+    DOPT_FREE(cz->gather);
+    cz->gather = g;
+    cz->gather_ranks = (size_t)ranks;
+    return DOPT_OK;
+}
+
+/* The average of the N validated ternary messages in the gather buffer into grads. A segment
+   whose N scales are bitwise equal (scale sharing) is summed as integer counts: y = count · v,
+   v = weight · s. Others (fp32 segments, scales not shared) are zeroed and accumulate the
+   messages in rank order, y += (weight · s_r) · t_r. Either way every rank computes the same
+   bytes. */
+static void dopt__tern_average(dopt_compressor *cz, int nmsg, float weight, const dopt_buf *grads) {
+    const uint8_t *data[DOPT__TERN_SUM_MAX];
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
+    int r;
+    for (i = 0; i < cz->nsegs; i++) {
+        dopt_span sp = dopt_buf_segment(grads, i);
+        size_t n = sp.count, body = dopt__body_bytes(&cz->cfg, n);
+        const unsigned char *rec0 = cz->gather + off;
+        int shared = n >= cz->cfg.fp32_below;
+        for (r = 0; r < nmsg; r++) {
+            const unsigned char *rec = cz->gather + (size_t)r * cz->msg_bytes + off;
+            data[r] = rec + DOPT_COMPRESS_RECORD_BYTES;
+            shared = shared && dopt__get_le32(rec + 12) == dopt__get_le32(rec0 + 12);
+        }
+        if (shared) {
+            dopt__tern_sum(sp.ptr, n, weight * dopt__bits_f32(dopt__get_le32(rec0 + 12)), data, nmsg);
+        } else if (n) {
+            memset(sp.ptr, 0, n * sizeof(float));
+            for (r = 0; r < nmsg; r++) {
+                float b = dopt__bits_f32(dopt__get_le32(data[r] - 4));
+                if (n < cz->cfg.fp32_below) {
+                    dopt__f32_accum(sp.ptr, weight, data[r], n);
+                } else {
+                    dopt__tern_accum(sp.ptr, n, weight * b, data[r]);
+                }
+            }
+        }
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(body);
+    }
+}
+
+/* The verdict on the N gathered messages, the same on every rank since every rank holds the same
+   bytes: DOPT_ERR_PROTOCOL for a header that does not follow the format (or names another rank),
+   then DOPT_ERR_NONFINITE when a message is flagged (no body is read), then DOPT_ERR_PROTOCOL for
+   a body that does not follow it. */
+static dopt_status dopt__gathered_verdict(const dopt_compressor *cz, int nmsg) {
+    int r, nonfinite = 0;
+    for (r = 0; r < nmsg; r++) {
+        const unsigned char *m = cz->gather + (size_t)r * cz->msg_bytes;
+        if (dopt__check_header(cz, m, cz->msg_bytes) != (long)r) return DOPT_ERR_PROTOCOL;
+        nonfinite |= dopt__flagged_nonfinite(m);
+    }
+    if (nonfinite) return DOPT_ERR_NONFINITE;
+    for (r = 0; r < nmsg; r++)
+        if (!dopt__check_body(cz, cz->gather + (size_t)r * cz->msg_bytes)) return DOPT_ERR_PROTOCOL;
+    return DOPT_OK;
+}
+
+/* The allgather path of majority vote: S = N - 2·(negative votes) per element from the N
+   validated messages, y = ±v by its sign (0 on a tie), as the ring path computes it. */
+static void dopt__vote_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, b;
+    for (i = 0; i < cz->nsegs; i++) {
+        dopt_span sp = dopt_buf_segment(grads, i);
+        size_t n = sp.count;
+        float v = dopt__vote_magnitude(cz, cz->gather + off + 12, cz->msg_bytes, N, weight);
+        const unsigned char *bodies = cz->gather + off + DOPT_COMPRESS_RECORD_BYTES;
+        for (b = 0; b < n; b += DOPT__BLOCK)
+            dopt__vote_block(bodies, cz->msg_bytes, N, b / 8, n - b < DOPT__BLOCK ? n - b : DOPT__BLOCK, v, sp.ptr + b);
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
+    }
+}
+
+/* ===================================================================== CHOOSING THE PATH */
+
+/* Pieces of a chunk of `groups` groups (as dopt__ring_pieces cuts them). */
+static double dopt__ring_predict_pieces(double groups) { return dopt__ring_pieces_of((size_t)ceil(groups)); }
+
+/* Σ_{k = lo}^{hi} w(k·mult): the widths of the steps of a reduce-scatter. */
+static double dopt__ring_width_sum(int fmt, int lo, int hi, int mult) {
+    double total = 0;
+    int k;
+    for (k = lo; k <= hi; k++) total += dopt__ring_bits(fmt, k * mult);
+    return total;
+}
+
+/* What each path costs a rank, predicted: DOPT__AGG_ALPHA seconds per exchange (a ring step,
+   or a piece of one), the bytes it receives at DOPT__AGG_BETA bytes per second, and the
+   elements it processes at costs measured on one core of an AVX-512 machine (REFERENCE FOR
+   CONTRIBUTORS: THE INTEGER RING). groups: 64-element groups of ternary codes; L ranks on each
+   of H hosts (L = 1: a flat ring of H = N); msg_bytes: a message, for the allgather. */
+#define DOPT__AGG_ALPHA 30e-6
+#define DOPT__AGG_BETA 1.25e9
+#define DOPT__AGG_SUM_NS 0.03 /* the allgather path: one message's code added to a sum */
+#define DOPT__AGG_HOP_NS 0.25 /* the ring: one element unpacked, added and packed at one step */
+#define DOPT__AGG_OUT_NS 0.25 /* either: one element of the result written */
+
+static double dopt__ring_predict(int fmt, size_t groups, int N, int L, int H, int ring, double msg_bytes) {
+    double G = (double)groups, T = G * DOPT__BLOCK, wfin = dopt__ring_bits(fmt, N), bytes, hops, steps;
+    if (!ring)
+        return (N - 1) * (DOPT__AGG_ALPHA + msg_bytes / DOPT__AGG_BETA) + T * (N * DOPT__AGG_SUM_NS + DOPT__AGG_OUT_NS) * 1e-9;
+    if (L > 1 && H > 1) {
+        double chunk = G / L, sub = chunk / H;
+        bytes = 8 * (chunk * dopt__ring_width_sum(fmt, 1, L - 1, 1) + sub * dopt__ring_width_sum(fmt, 1, H - 1, L) +
+                     (H - 1) * sub * wfin + (L - 1) * chunk * wfin);
+        hops = DOPT__BLOCK * ((L - 1) * chunk + (H - 1) * sub);
+        steps = 2.0 * (L - 1) * dopt__ring_predict_pieces(chunk) + 2.0 * (H - 1) * dopt__ring_predict_pieces(sub);
+    } else {
+        double chunk = G / N;
+        bytes = 8 * chunk * (dopt__ring_width_sum(fmt, 1, N - 1, 1) + (N - 1) * wfin);
+        hops = DOPT__BLOCK * (N - 1) * chunk;
+        steps = 2.0 * (N - 1) * dopt__ring_predict_pieces(chunk);
+    }
+    return steps * DOPT__AGG_ALPHA + bytes / DOPT__AGG_BETA + (hops * DOPT__AGG_HOP_NS + T * DOPT__AGG_OUT_NS) * 1e-9;
+}
+
+/* 1 when this allreduce goes along the ring: ternary with shared scales, majority, fp16 or
+   bf16, on a communicator with exchanges, and (AUTO) at a lower predicted cost than the
+   allgather's. */
+static int dopt__ring_wanted(const dopt_compressor *cz, const dopt_comm *comm, size_t groups) {
+    dopt_host_layout lay;
+    dopt_codec c = cz->cfg.codec;
+    int N = comm->size, L = 1, H = N, fmt = dopt__ring_fmt(cz);
+    int codec_ok = dopt__shares_scales(cz) || c == DOPT_CODEC_MAJORITY || c == DOPT_CODEC_FP16 || c == DOPT_CODEC_BF16;
+    if (cz->cfg.aggregate == DOPT_AGG_ALLGATHER || !codec_ok || N < 2 || comm->eng == NULL || groups == 0 ||
+        N > (fmt == DOPT__RING_INT ? DOPT__RING_MAX_RANKS : DOPT__RING_MAX_HALF_RANKS))
+        return 0;
+    if (cz->cfg.aggregate == DOPT_AGG_RING) return 1;
+    dopt_comm_host_layout(comm, &lay);
+    if (lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF) L = lay.local, H = lay.hosts;
+    return dopt__ring_predict(fmt, groups, N, L, H, 1, 0) < dopt__ring_predict(fmt, groups, N, L, H, 0, (double)cz->msg_bytes);
+}
+
+/* ===================================================================== PUBLIC ALLREDUCE */
+
 DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
     const char *prev;
     dopt_status s;
@@ -3478,501 +4007,6 @@ DOPT_DEF const void *dopt_compress_message(const dopt_compressor *cz, int rank, 
     if (cz == NULL || rank < 0 || rank >= cz->gathered) return NULL;
     if (bytes) *bytes = cz->msg_bytes;
     return cz->gather + (size_t)rank * cz->msg_bytes;
-}
-
-/* ===================================================================== POWERSGD */
-
-/* PowerSGD (Vogels, Karimireddy, Jaggi 2019; DESIGN §5.7), per compressed matrix M (rows × cols,
-   row-major) of a rank, with its residual E: M ← g + E; P = M·Q; P ← mean of P over the ranks;
-   P's columns made orthonormal; Q ← Mᵀ·P; Q ← mean of Q; output M̂ = P·Qᵀ; E ← M − M̂. Q stays
-   from one step to the next (the warm start: one step of subspace iteration per step). Two
-   allreduces (DOPT_MEAN of f32) per step, in cz->msg: the first carries [every P | the other
-   segments' values | a flag], psgd_np floats; the second [every Q | a flag], psgd_nq + 1. A flag
-   is 1 on a rank that cannot go on, so its mean is not 0 on every rank alike. Everything after
-   an allreduce is computed from the bytes every rank holds, by the same code in the same order:
-   every rank writes the same output. */
-
-#define DOPT__PSGD_MAX_RANK 64u
-/* |x| at or above 2^64 in M, P or Q — and NaN, ±inf — stops the step (NON-FINITE GRADIENTS):
-   below it every product the step makes stays far from overflowing (|P̂| <= 1, so |M̂| <=
-   r·2^64·(1 + ε) and |E| < 2^71). */
-#define DOPT__PSGD_LIMIT_BITS 0x5F800000u
-#define DOPT__PSGD_Q_STREAM ((uint64_t)1 << 63) /* Q's first draw: stream 2^63 + segment */
-
-/* Rows of segment i when PowerSGD compresses it, else 0: a matrix with r·(rows + cols) < count
-   (the factors are smaller than the matrix) and count >= powersgd_min. */
-static size_t dopt__psgd_rows(const dopt_compressor *cz, size_t i) {
-    size_t rows = cz->segs[i].rows, n = cz->segs[i].count;
-    if (cz->cfg.codec != DOPT_CODEC_POWERSGD || rows == 0 || n == 0 || n < cz->cfg.powersgd_min) return 0;
-    return rows + n / rows <= (n - 1) / cz->cfg.powersgd_rank ? rows : 0; /* r·(rows + cols) < n, no overflow */
-}
-
-/* n numbers uniform in [−1, 1) from words first.. of rng: 24 bits each, exact as floats. */
-static void dopt__psgd_uniform(const dopt_rng *rng, uint64_t first, float *out, size_t n) {
-    size_t i;
-    dopt_rng_uniform(rng, first, out, n);
-    for (i = 0; i < n; i++) out[i] = 2.0f * out[i] - 1.0f;
-}
-
-/* The products, row-major: P = M·Q (rows × r), Q = Mᵀ·P (cols × r), M̂ = P·Qᵀ (rows × cols).
-   OpenBLAS's sgemm with DOPT_USE_BLAS, plain loops otherwise; either way in float, the sums in
-   an order fixed by the sizes alone. */
-static void dopt__psgd_mq(const float *m, size_t rows, size_t cols, const float *q, size_t r, float *p) {
-#ifdef DOPT__BLAS
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)r, (int)cols, 1.0f, m, (int)cols, q,
-                (int)r, 0.0f, p, (int)r);
-#else
-    size_t i, j, k;
-    for (i = 0; i < rows; i++) {
-        const float *mi = m + i * cols;
-        float *pi = p + i * r;
-        for (k = 0; k < r; k++) pi[k] = 0.0f;
-        for (j = 0; j < cols; j++)
-            for (k = 0; k < r; k++) pi[k] += mi[j] * q[j * r + k];
-    }
-#endif
-}
-
-static void dopt__psgd_mtp(const float *m, size_t rows, size_t cols, const float *p, size_t r, float *q) {
-#ifdef DOPT__BLAS
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)cols, (int)r, (int)rows, 1.0f, m, (int)cols, p,
-                (int)r, 0.0f, q, (int)r);
-#else
-    size_t i, j, k;
-    for (j = 0; j < cols * r; j++) q[j] = 0.0f;
-    for (i = 0; i < rows; i++) {
-        const float *mi = m + i * cols, *pi = p + i * r;
-        for (j = 0; j < cols; j++)
-            for (k = 0; k < r; k++) q[j * r + k] += mi[j] * pi[k];
-    }
-#endif
-}
-
-static void dopt__psgd_pqt(const float *p, size_t rows, size_t cols, const float *q, size_t r, float *out) {
-#ifdef DOPT__BLAS
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)cols, (int)r, 1.0f, p, (int)r, q, (int)r,
-                0.0f, out, (int)cols);
-#else
-    size_t i, j, k;
-    for (i = 0; i < rows; i++)
-        for (j = 0; j < cols; j++) {
-            float acc = 0.0f; /* not p·q alone for r = 1: E = M − M̂ must not fuse with it */
-            for (k = 0; k < r; k++) acc += p[i * r + k] * q[j * r + k];
-            out[i * cols + j] = acc;
-        }
-#endif
-}
-
-/* Modified Gram–Schmidt on column j of v (columns of `rows` doubles, one after another): made
-   orthogonal to columns 0 .. j−1, which are orthonormal, one at a time in that order, then
-   normalised. Returns 0, leaving it unnormalised, when its norm fell to 1e-10 of what it was (or
-   it was zero): it lay in their span, and normalising the rounding left would be noise. */
-static int dopt__psgd_gs_column(double *v, size_t rows, size_t j) {
-    double *x = v + j * rows, n0 = 0.0, n = 0.0, d;
-    size_t i, k;
-    for (k = 0; k < rows; k++) n0 += x[k] * x[k];
-    for (i = 0; i < j; i++) {
-        const double *u = v + i * rows;
-        for (d = 0.0, k = 0; k < rows; k++) d += u[k] * x[k];
-        for (k = 0; k < rows; k++) x[k] -= d * u[k];
-    }
-    for (k = 0; k < rows; k++) n += x[k] * x[k];
-    if (!(n > 1e-20 * n0)) return 0; /* norms squared: 1e-10 relative; n0 = 0 too */
-    n = sqrt(n);
-    for (k = 0; k < rows; k++) x[k] /= n;
-    return 1;
-}
-
-/* A column that Gram–Schmidt could not keep (zero, or in the span of those before it) becomes a
-   random one, orthonormalised the same way: the same on every rank (seed, step and segment
-   decide it), and never zero, so that Q = Mᵀ·P stays able to grow back and the warm start does
-   not stall on a zero column. Uniform (−1, 1) numbers keyed by (seed, rank 0), stream
-   step·2^32 + segment, words (attempt·r + j)·rows ..; the fourth failure leaves zeros (four
-   random vectors within the span of j < rows columns: never in practice). */
-static void dopt__psgd_replace_column(const dopt_compressor *cz, size_t seg, double *v, size_t rows, size_t j) {
-    float draw[DOPT__BLOCK];
-    double *x = v + j * rows;
-    dopt_rng rng;
-    uint64_t attempt, first;
-    size_t k, take, t;
-    dopt_rng_init(&rng, cz->cfg.seed, 0, (cz->step << 32) | (uint64_t)seg);
-    for (attempt = 0; attempt < 4; attempt++) {
-        first = (attempt * cz->cfg.powersgd_rank + j) * rows;
-        for (k = 0; k < rows; k += take) {
-            take = rows - k < DOPT__BLOCK ? rows - k : DOPT__BLOCK;
-            dopt__psgd_uniform(&rng, first + k, draw, take);
-            for (t = 0; t < take; t++) x[k + t] = (double)draw[t];
-        }
-        if (dopt__psgd_gs_column(v, rows, j)) return;
-    }
-    memset(x, 0, rows * sizeof(double));
-}
-
-/* P (rows × r, row-major, the mean every rank holds) gets orthonormal columns, computed in
-   double in plain C (no threaded library: the order of every sum is fixed), columns in the order
-   0, 1, ..., r−1. */
-static void dopt__psgd_orthonormalize(const dopt_compressor *cz, size_t seg, float *p, size_t rows) {
-    size_t r = cz->cfg.powersgd_rank, i, j;
-    double *v = cz->psgd_gs;
-    for (i = 0; i < rows; i++)
-        for (j = 0; j < r; j++) v[j * rows + i] = (double)p[i * r + j];
-    for (j = 0; j < r; j++)
-        if (!dopt__psgd_gs_column(v, rows, j)) dopt__psgd_replace_column(cz, seg, v, rows, j);
-    for (i = 0; i < rows; i++)
-        for (j = 0; j < r; j++) p[i * r + j] = (float)v[j * rows + i];
-}
-
-/* The first allreduce's buffer: every compressed matrix's P = M·Q and the other segments' M, in
-   segment order, M = g + e in the work buffer. 0 when a rank cannot go on (NaN or ±inf
-   anywhere, |x| >= 2^64 in a compressed matrix or its P): the buffer is then zeros. */
-static int dopt__psgd_first(dopt_compressor *cz, float *a) {
-    const float *m = cz->work, *q = cz->psgd_q;
-    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
-    float *out = a;
-    for (i = 0; i < cz->nsegs; i++, m += n) {
-        n = cz->segs[i].count;
-        rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) {
-            if (dopt__absbits_max(m, n) > DOPT__F32_MAX_BITS) break;
-            if (n) memcpy(out, m, n * sizeof(float));
-            out += n;
-            continue;
-        }
-        cols = n / rows;
-        if (dopt__absbits_max(m, n) >= DOPT__PSGD_LIMIT_BITS) break;
-        dopt__psgd_mq(m, rows, cols, q, r, out);
-        if (dopt__absbits_max(out, rows * r) >= DOPT__PSGD_LIMIT_BITS) break;
-        out += rows * r;
-        q += cols * r;
-    }
-    if (i == cz->nsegs) return 1;
-    memset(a, 0, cz->psgd_np * sizeof(float));
-    return 0;
-}
-
-/* After the first allreduce: each mean P (in a) orthonormalised in place, and the second
-   allreduce's buffer b: every compressed matrix's Q = Mᵀ·P. 0 when a Q holds |x| >= 2^64 (or
-   NaN, ±inf): b is then zeros. */
-static int dopt__psgd_second(dopt_compressor *cz, float *a, float *b) {
-    const float *m = cz->work;
-    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
-    float *q = b;
-    for (i = 0; i < cz->nsegs; i++, m += n) {
-        n = cz->segs[i].count;
-        rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) {
-            a += n;
-            continue;
-        }
-        cols = n / rows;
-        dopt__psgd_orthonormalize(cz, i, a, rows);
-        dopt__psgd_mtp(m, rows, cols, a, r, q);
-        if (dopt__absbits_max(q, cols * r) >= DOPT__PSGD_LIMIT_BITS) {
-            memset(b, 0, cz->psgd_nq * sizeof(float));
-            return 0;
-        }
-        a += rows * r;
-        q += cols * r;
-    }
-    return 1;
-}
-
-/* The step is done on every rank: grads gets M̂ = P·Qᵀ (compressed matrices) or the mean (the
-   others), E = M − M̂ (0 for the others, sent exactly), Q is kept for the next step. */
-static void dopt__psgd_commit(dopt_compressor *cz, const float *a, const float *b, const dopt_buf *grads) {
-    size_t r = cz->cfg.powersgd_rank, i, k, rows, cols, off = 0;
-    float *q = cz->psgd_q;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(grads, i);
-        float *e = cz->residual + off;
-        const float *m = cz->work + off;
-        rows = dopt__psgd_rows(cz, i);
-        off += sp.count;
-        if (rows == 0) {
-            if (sp.count) memcpy(sp.ptr, a, sp.count * sizeof(float));
-            if (sp.count) memset(e, 0, sp.count * sizeof(float));
-            a += sp.count;
-            continue;
-        }
-        cols = sp.count / rows;
-        dopt__psgd_pqt(a, rows, cols, b, r, sp.ptr);
-        for (k = 0; k < sp.count; k++) e[k] = m[k] - sp.ptr[k];
-        memcpy(q, b, cols * r * sizeof(float));
-        a += rows * r;
-        b += cols * r;
-        q += cols * r;
-    }
-    cz->step++;
-}
-
-static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
-    float *a = (float *)(void *)cz->msg, *b = a + cz->psgd_np;
-    const char *prev;
-    dopt_status s;
-    cz->gathered = 0;
-    cz->rank = comm->rank;
-    dopt__ef_prepare(cz, grads); /* M = g + e, every segment, into the work buffer */
-    a[cz->psgd_np - 1] = dopt__psgd_first(cz, a) ? 0.0f : 1.0f;
-    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's P");
-    s = dopt_allreduce(comm, a, cz->psgd_np, DOPT_F32, DOPT_MEAN);
-    dopt_comm_set_api(comm, prev);
-    if (s != DOPT_OK) return s;
-    if (a[cz->psgd_np - 1] != 0.0f) return DOPT_ERR_NONFINITE;
-    b[cz->psgd_nq] = dopt__psgd_second(cz, a, b) ? 0.0f : 1.0f;
-    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's Q");
-    s = dopt_allreduce(comm, b, cz->psgd_nq + 1, DOPT_F32, DOPT_MEAN);
-    dopt_comm_set_api(comm, prev);
-    if (s != DOPT_OK) return s;
-    if (b[cz->psgd_nq] != 0.0f) return DOPT_ERR_NONFINITE;
-    dopt__psgd_commit(cz, a, b, grads);
-    return DOPT_OK;
-}
-
-/* At init: the sizes of the two allreduces, the Gram–Schmidt workspace, and every compressed
-   matrix's first Q, uniform in (−1, 1) from (seed, rank 0): the same on every rank. A
-   compressed matrix must have rows and cols below 2^31 (sgemm takes int). */
-static dopt_status dopt__psgd_init(dopt_compressor *cz) {
-    size_t r = cz->cfg.powersgd_rank, i, rows, cols, tallest = 0, nq = 0;
-    float *q;
-    dopt_rng rng;
-    cz->psgd_np = 1;
-    for (i = 0; i < cz->nsegs; i++) {
-        rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) {
-            cz->psgd_np += cz->segs[i].count;
-            continue;
-        }
-        cols = cz->segs[i].count / rows;
-        if (rows > INT_MAX || cols > INT_MAX) return DOPT_ERR_INVALID;
-        cz->psgd_np += rows * r;
-        nq += cols * r;
-        tallest = rows > tallest ? rows : tallest;
-        cz->psgd_nmat++;
-    }
-    cz->psgd_nq = nq;
-    cz->psgd_q = (float *)DOPT_MALLOC((nq ? nq : 1) * sizeof(float));
-    cz->psgd_gs = (double *)DOPT_MALLOC((tallest ? tallest * r : 1) * sizeof(double));
-    if (cz->psgd_q == NULL || cz->psgd_gs == NULL) return DOPT_ERR_NOMEM;
-    for (q = cz->psgd_q, i = 0; i < cz->nsegs; i++) {
-        rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) continue;
-        cols = cz->segs[i].count / rows;
-        dopt_rng_init(&rng, cz->cfg.seed, 0, DOPT__PSGD_Q_STREAM | (uint64_t)i);
-        dopt__psgd_uniform(&rng, 0, q, cols * r);
-        q += cols * r;
-    }
-    return DOPT_OK;
-}
-
-/* PowerSGD's part of the state, after the residual: u32 r, u32 compressed matrices, a 16-byte
-   record per matrix (u32 segment, u32 0, u64 rows), then every Q (cols × r f32). */
-static size_t dopt__psgd_state_bytes(const dopt_compressor *cz) {
-    return cz->cfg.codec == DOPT_CODEC_POWERSGD ? 8 + 16 * cz->psgd_nmat + 4 * cz->psgd_nq : 0;
-}
-
-static void dopt__psgd_state_save(const dopt_compressor *cz, unsigned char *o) {
-    size_t i;
-    dopt__put_le32(o, (uint32_t)cz->cfg.powersgd_rank);
-    dopt__put_le32(o + 4, (uint32_t)cz->psgd_nmat);
-    o += 8;
-    for (i = 0; i < cz->nsegs; i++) {
-        size_t rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) continue;
-        dopt__put_le32(o, (uint32_t)i);
-        dopt__put_le32(o + 4, 0);
-        dopt__put_le64(o + 8, (uint64_t)rows);
-        o += 16;
-    }
-    if (cz->psgd_nq) memcpy(o, cz->psgd_q, 4 * cz->psgd_nq);
-}
-
-/* 1 when p holds this compressor's PowerSGD part: its r, its compressed matrices, finite Q's. */
-static int dopt__psgd_state_ok(const dopt_compressor *cz, const unsigned char *p) {
-    size_t i;
-    if (dopt__get_le32(p) != (uint32_t)cz->cfg.powersgd_rank || dopt__get_le32(p + 4) != (uint32_t)cz->psgd_nmat)
-        return 0;
-    p += 8;
-    for (i = 0; i < cz->nsegs; i++) {
-        size_t rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) continue;
-        if (dopt__get_le32(p) != (uint32_t)i || dopt__get_le32(p + 4) != 0 || dopt__get_le64(p + 8) != (uint64_t)rows)
-            return 0;
-        p += 16;
-    }
-    return dopt__f32_bytes_finite(p, cz->psgd_nq);
-}
-
-static void dopt__psgd_state_load(dopt_compressor *cz, const unsigned char *p) {
-    if (cz->psgd_nq) memcpy(cz->psgd_q, p + 8 + 16 * cz->psgd_nmat, 4 * cz->psgd_nq);
-}
-
-/* ===================================================================== STATE SAVE / LOAD */
-
-#define DOPT__STATE_MAGIC 0x53504F44u /* "DOPS" */
-#define DOPT__STATE_VERSION 1 /* its own number: the state's format did not change with the wire's */
-#define DOPT__STATE_HEADER 32
-
-DOPT_DEF size_t dopt_compress_state_bytes(const dopt_compressor *cz) {
-    if (cz == NULL) return 0;
-    return DOPT__STATE_HEADER + (cz->ef ? 4 * cz->count : 0) + dopt__psgd_state_bytes(cz);
-}
-
-DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity) {
-    unsigned char *o = (unsigned char *)out;
-    if (cz == NULL || out == NULL || capacity < dopt_compress_state_bytes(cz)) return DOPT_ERR_INVALID;
-    memset(o, 0, DOPT__STATE_HEADER);
-    dopt__put_le32(o, DOPT__STATE_MAGIC);
-    o[4] = DOPT__STATE_VERSION;
-    o[5] = (unsigned char)cz->cfg.codec;
-    o[6] = (unsigned char)cz->ef;
-    dopt__put_le64(o + 8, (uint64_t)cz->count);
-    dopt__put_le64(o + 16, cz->step);
-    if (cz->ef && cz->count) memcpy(o + DOPT__STATE_HEADER, cz->residual, 4 * cz->count);
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_save(cz, o + DOPT__STATE_HEADER + 4 * cz->count);
-    return DOPT_OK;
-}
-
-DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *in, size_t bytes) {
-    const unsigned char *p = (const unsigned char *)in;
-    if (cz == NULL || (in == NULL && bytes > 0)) return DOPT_ERR_INVALID;
-    if (bytes != dopt_compress_state_bytes(cz) || dopt__get_le32(p) != DOPT__STATE_MAGIC ||
-        p[4] != DOPT__STATE_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
-        p[7] != 0 || dopt__get_le64(p + 8) != (uint64_t)cz->count || !dopt__zero_bytes(p + 24, 8))
-        return DOPT_ERR_PROTOCOL;
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD && !dopt__psgd_state_ok(cz, p + DOPT__STATE_HEADER + 4 * cz->count))
-        return DOPT_ERR_PROTOCOL;
-    if (cz->ef && cz->count) {
-        if (!dopt__f32_bytes_finite(p + DOPT__STATE_HEADER, cz->count)) return DOPT_ERR_PROTOCOL;
-        memcpy(cz->residual, p + DOPT__STATE_HEADER, 4 * cz->count);
-    }
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_load(cz, p + DOPT__STATE_HEADER + 4 * cz->count);
-    cz->step = dopt__get_le64(p + 16);
-    return DOPT_OK;
-}
-
-/* ===================================================================== INIT AND FREE */
-
-DOPT_DEF const char *dopt_codec_name(dopt_codec codec) {
-    switch (codec) {
-    case DOPT_CODEC_TERNARY: return "ternary";
-    case DOPT_CODEC_QSGD: return "qsgd";
-    case DOPT_CODEC_TOPK: return "topk";
-    case DOPT_CODEC_SIGN: return "sign";
-    case DOPT_CODEC_FP16: return "fp16";
-    case DOPT_CODEC_BF16: return "bf16";
-    case DOPT_CODEC_FP32: return "fp32";
-    case DOPT_CODEC_MAJORITY: return "majority";
-    case DOPT_CODEC_POWERSGD: return "powersgd";
-    }
-    return "?";
-}
-
-static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
-    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_POWERSGD || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF ||
-        (unsigned)c->aggregate > (unsigned)DOPT_AGG_RING || (unsigned)c->majority_l1 > 1u)
-        return DOPT_ERR_INVALID;
-    /* NaN first, by its bits: under -ffast-math GCC compiles x == 0 so that it holds for NaN, which
-       would then take the default */
-    if (dopt__is_nan(c->clip_c) || dopt__is_nan(c->topk_ratio)) return DOPT_ERR_INVALID;
-    if (c->clip_c == 0.0f) c->clip_c = 2.5f;
-    if (!dopt__is_finite(c->clip_c) && c->clip_c > 0.0f) return DOPT_ERR_INVALID;
-    if (c->clip_c < 0.0f) c->clip_c = DOPT_CLIP_OFF;
-    if (c->qsgd_levels == 0) c->qsgd_levels = 7;
-    if (c->qsgd_levels > 127) return DOPT_ERR_INVALID;
-    if (c->qsgd_bucket == 0) c->qsgd_bucket = 512;
-    if (c->qsgd_bucket > UINT32_MAX) return DOPT_ERR_INVALID;
-    if (c->topk_ratio == 0.0) c->topk_ratio = 0.01;
-    if (!(c->topk_ratio > 0.0 && c->topk_ratio <= 1.0)) return DOPT_ERR_INVALID;
-    if (c->rank < 0) return DOPT_ERR_INVALID;
-    if (c->powersgd_rank == 0) c->powersgd_rank = 2;
-    if (c->powersgd_rank > DOPT__PSGD_MAX_RANK) return DOPT_ERR_INVALID;
-    if (c->powersgd_min == 0) c->powersgd_min = 4096;
-    if (c->ring_buckets < 0 || c->ring_buckets > DOPT__RING_MAX_BUCKETS) return DOPT_ERR_INVALID;
-    /* PowerSGD without its error feedback does not converge well (Vogels et al. 2019, §4.1) */
-    if (c->codec == DOPT_CODEC_POWERSGD && c->error_feedback == DOPT_EF_OFF) return DOPT_ERR_INVALID;
-    return DOPT_OK;
-}
-
-static int dopt__ef_default(dopt_codec codec) {
-    return codec == DOPT_CODEC_TOPK || codec == DOPT_CODEC_SIGN || codec == DOPT_CODEC_POWERSGD;
-}
-
-DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
-                                          const dopt_segment *segs, size_t nsegs) {
-    dopt_compressor_config c;
-    size_t i, max_seg = 0, count = 0, end = 0, table;
-    if (cz == NULL) return DOPT_ERR_INVALID;
-    memset(cz, 0, sizeof *cz);
-    if (segs == NULL || nsegs == 0 || nsegs > UINT32_MAX) return DOPT_ERR_INVALID;
-    if (cfg)
-        c = *cfg;
-    else
-        memset(&c, 0, sizeof c);
-    if (dopt__config_resolve(&c) != DOPT_OK) return DOPT_ERR_INVALID;
-    for (i = 0; i < nsegs; i++) { /* increasing, non-overlapping, no overflow */
-        if (segs[i].offset < end || segs[i].count > SIZE_MAX - segs[i].offset) return DOPT_ERR_INVALID;
-        end = segs[i].offset + segs[i].count;
-        count += segs[i].count;
-        max_seg = segs[i].count > max_seg ? segs[i].count : max_seg;
-        if (c.codec == DOPT_CODEC_TOPK && segs[i].count > UINT32_MAX) return DOPT_ERR_INVALID;
-        if (c.codec == DOPT_CODEC_POWERSGD && segs[i].rows != 0 && segs[i].count % segs[i].rows != 0)
-            return DOPT_ERR_INVALID; /* not rows × cols (other codecs never read rows) */
-    }
-    if (count > SIZE_MAX / 8) return DOPT_ERR_INVALID;
-    cz->cfg = c;
-    cz->rank = c.rank;
-    cz->nsegs = nsegs;
-    cz->count = count;
-    cz->flat_end = end;
-    cz->ef = c.error_feedback == DOPT_EF_ON || (c.error_feedback == DOPT_EF_AUTO && dopt__ef_default(c.codec));
-    /* the segment table and, after it, the spans of the EF work buffer */
-    table = nsegs * (sizeof(dopt_segment) + sizeof(dopt_span));
-    cz->segs = (dopt_segment *)DOPT_MALLOC(table);
-    if (cz->segs == NULL) return DOPT_ERR_NOMEM;
-    memcpy(cz->segs, segs, nsegs * sizeof(dopt_segment));
-    if (c.codec == DOPT_CODEC_POWERSGD) {
-        dopt_status s = dopt__psgd_init(cz);
-        if (s != DOPT_OK) {
-            dopt_compressor_free(cz);
-            return s;
-        }
-    }
-    cz->msg_bytes = dopt__message_bytes(cz);
-    cz->msg = (unsigned char *)DOPT_MALLOC(cz->msg_bytes);
-    cz->scales = (float *)DOPT_MALLOC((2 * nsegs + 1) * sizeof(float));
-    if (cz->msg == NULL || cz->scales == NULL) goto nomem;
-    cz->bounds = cz->scales + nsegs + 1;
-    for (i = 0; i < nsegs; i++) cz->bounds[i] = FLT_MAX;
-    if (c.codec == DOPT_CODEC_TOPK) {
-        cz->select = (float *)DOPT_MALLOC((max_seg ? max_seg : 1) * sizeof(float));
-        if (cz->select == NULL) goto nomem;
-    }
-    if (cz->ef) {
-        cz->residual = (float *)DOPT_MALLOC((count ? count : 1) * sizeof(float));
-        cz->work = (float *)DOPT_MALLOC((count ? count : 1) * sizeof(float));
-        if (cz->residual == NULL || cz->work == NULL) goto nomem;
-        if (count) memset(cz->residual, 0, count * sizeof(float));
-    }
-    return DOPT_OK;
-nomem:
-    dopt_compressor_free(cz);
-    return DOPT_ERR_NOMEM;
-}
-
-DOPT_DEF void dopt_compressor_free(dopt_compressor *cz) {
-    if (cz == NULL) return;
-    DOPT_FREE(cz->segs);
-    DOPT_FREE(cz->msg);
-    DOPT_FREE(cz->scales);
-    DOPT_FREE(cz->select);
-    DOPT_FREE(cz->residual);
-    DOPT_FREE(cz->work);
-    DOPT_FREE(cz->gather);
-    DOPT_FREE(cz->ring_buf);
-    DOPT_FREE(cz->ring_ranks);
-    DOPT_FREE(cz->psgd_q);
-    DOPT_FREE(cz->psgd_gs);
-    memset(cz, 0, sizeof *cz);
 }
 
 #ifdef __cplusplus
