@@ -17,8 +17,9 @@
      Then the declarations; REFERENCE FOR CONTRIBUTORS (how the allreduce exchanges and sums, the
      rings, the wire and state formats); and the implementation in three parts, each under its
      banner:
-       PART 1 OF 3 — WHAT THE BITS ARE     the codecs, the message layout, encode and decode,
-                                           error feedback, PowerSGD's factors, state, init, free
+       PART 1 OF 3 — WHAT THE BITS ARE     the codecs and THE CODEC TABLE, the message layout,
+                                           encode and decode, error feedback, PowerSGD's
+                                           factors, the state, init and free
        PART 2 OF 3 — HOW THEY TRAVEL       the integer and 16-bit rings: kernels, schedule,
                                            pipeline, and the ring path of the allreduce
        PART 3 OF 3 — THE COMPRESSED        the allgather path, the choice between it, the ring
@@ -648,8 +649,8 @@ static size_t dopt__pad8(size_t bytes) { return (bytes + 7) & ~(size_t)7; }
 
 /* =====================================================================================
    PART 1 OF 3 — WHAT THE BITS ARE: the codecs (bit packing, non-finite checks by bits, half
-   precision, the segment statistics, ternary, QSGD, top-k, sign and majority vote), the
-   message layout, encode and decode, error feedback, PowerSGD's factors, the state,
+   precision, the segment statistics, ternary, QSGD, top-k, sign and majority vote), the codec
+   table, the message layout, encode and decode, error feedback, PowerSGD's factors, the state,
    init and free. Nothing here sends a byte but PowerSGD's step (two plain allreduces).
    ===================================================================================== */
 
@@ -1988,24 +1989,250 @@ static void dopt__vote_block(const unsigned char *base, size_t stride, int N, si
     }
 }
 
+/* ===================================================================== THE CODEC TABLE
+
+   Every codec's part of a message in one row: how many bytes a segment's body takes, how it is
+   written, checked and added into a sum, and the facts the rest of the file asks of a codec.
+   Indexed by dopt_codec (dopt__config_resolve refuses any other value). The functions take a
+   segment at a time (a function pointer per segment, never per element). */
+
+/* What the ring carries for a codec: integer sums in planes (ternary, majority), running means
+   in fp16 or bf16 (64 values of 16 bits per group, little-endian), or nothing (the allgather
+   only). */
+enum { DOPT__RING_NONE = -1, DOPT__RING_INT = 0, DOPT__RING_F16 = 1, DOPT__RING_BF16 = 2 };
+
+/* Error feedback under DOPT_EF_AUTO, and whether DOPT_EF_OFF is allowed. */
+enum { DOPT__EF_DEFAULT_OFF = 0, DOPT__EF_DEFAULT_ON = 1, DOPT__EF_REQUIRED = 2 };
+
+/* Segment i being encoded: the codec writes its body (zero padding is written around it) and
+   sets a and b, its record's fields (WIRE FORMAT). */
+typedef struct dopt__seg_out {
+    size_t i, n;
+    const float *x;      /* its n values (p with error feedback) */
+    dopt_rng rng;        /* (seed, rank, step, segment) */
+    unsigned char *body;
+    uint32_t a, b;
+    int codes;           /* ternary: 0 leaves its codes to the ring's pipeline (dopt__pipe_encode) */
+} dopt__seg_out;
+
+/* A segment of a message whose record header said n elements, a and b. */
+typedef struct dopt__seg_in {
+    size_t n;
+    uint32_t a, b;
+    const unsigned char *body;
+} dopt__seg_in;
+
+typedef struct dopt__codec_ops {
+    const char *name; /* dopt_codec_name */
+    /* bytes of a segment's body of n elements, before padding */
+    size_t (*body_bytes)(const dopt_compressor_config *cfg, size_t n);
+    /* the body and the record's fields; 0 when the values hold a NaN, ±inf or a value the codec
+       cannot carry (the body is then partly written). NULL: the codec sends no messages */
+    int (*encode)(const dopt_compressor *cz, dopt__seg_out *s);
+    /* 1 when the record's fields and the body follow the format (every value finite) */
+    int (*check)(const dopt_compressor_config *cfg, const dopt__seg_in *s);
+    /* y[0..n) += weight · the values of a checked body */
+    void (*accum)(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y);
+    int ef;           /* DOPT__EF_*: error feedback by default, or always */
+    int ring;         /* DOPT__RING_*: what the ring carries of its messages */
+    /* TernGrad's scales: found (with the clip bounds) in a pass before any code is written and
+       shared by one allreduce MAX unless no_scale_sharing, which carries the non-finite verdict
+       too, so that the ring's pipeline may write the codes bucket by bucket; segments below
+       fp32_below go as fp32 (and off the ring) */
+    int shared_scale;
+    int vote;         /* the result is the sign of the ranks' sum times a magnitude, not their mean */
+    int u32_index;    /* indices on the wire are u32 (segments below 2^32 elements), chosen through
+                         a selection buffer as large as the largest segment */
+} dopt__codec_ops;
+
+static size_t dopt__tern_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    return n < cfg->fp32_below ? 4 * n : dopt__packed_bytes(n, 2);
+}
+
+/* Ternary: the scales and bounds are cz's (dopt__tern_scales found them finite). */
+static int dopt__tern_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    if (s->n < cz->cfg.fp32_below) {
+        s->a = 1;
+        if (s->n) memcpy(s->body, s->x, 4 * s->n);
+        return 1;
+    }
+    s->b = dopt__f32_bits(cz->scales[s->i]);
+    if (s->codes) dopt__tern_encode_segment(s->x, s->n, cz->bounds[s->i], cz->scales[s->i], &s->rng, s->body);
+    return 1;
+}
+
+static int dopt__tern_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    if (s->n < cfg->fp32_below) return s->a == 1 && s->b == 0 && dopt__f32_bytes_finite(s->body, s->n);
+    return s->a == 0 && dopt__scale_ok(s->b) && dopt__tern_check(s->body, s->n) == 0;
+}
+
+static void dopt__tern_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    float b = dopt__bits_f32(s->b);
+    if (s->n < cfg->fp32_below)
+        dopt__f32_accum(y, weight, s->body, s->n);
+    else
+        dopt__tern_accum(y, s->n, weight * b, s->body);
+}
+
+static size_t dopt__qsgd_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    return 4 * dopt__qsgd_nbuckets(n, cfg->qsgd_bucket) +
+           (dopt__qsgd_width(cfg->qsgd_levels) == 4 ? dopt__packed_bytes(n, 4) : n);
+}
+
+static int dopt__qsgd_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    s->a = (uint32_t)cz->cfg.qsgd_bucket;
+    s->b = cz->cfg.qsgd_levels;
+    return dopt__qsgd_encode_segment(s->x, s->n, cz->cfg.qsgd_bucket, cz->cfg.qsgd_levels, &s->rng, s->body);
+}
+
+static int dopt__qsgd_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    return s->a == (uint32_t)cfg->qsgd_bucket && s->b == cfg->qsgd_levels &&
+           dopt__qsgd_check(s->body, s->n, cfg->qsgd_bucket, cfg->qsgd_levels);
+}
+
+static void dopt__qsgd_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    dopt__qsgd_accum(y, s->n, cfg->qsgd_bucket, cfg->qsgd_levels, weight, s->body);
+}
+
+static size_t dopt__topk_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    return 8 * dopt__topk_k(n, cfg->topk_ratio);
+}
+
+static int dopt__topk_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    s->a = (uint32_t)dopt__topk_k(s->n, cz->cfg.topk_ratio);
+    return dopt__topk_encode_segment(s->x, s->n, s->a, cz->select, s->body);
+}
+
+static int dopt__topk_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    return s->a == (uint32_t)dopt__topk_k(s->n, cfg->topk_ratio) && s->b == 0 && dopt__topk_check(s->body, s->n, s->a);
+}
+
+static void dopt__topk_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    dopt__topk_accum(y, dopt__topk_k(s->n, cfg->topk_ratio), weight, s->body);
+}
+
+/* Sign and majority vote: the same message. */
+static size_t dopt__sign_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    (void)cfg;
+    return dopt__packed_bytes(n, 1);
+}
+
+static int dopt__sign_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    float scale;
+    int finite = dopt__sign_scale(s->x, s->n, &scale);
+    (void)cz;
+    s->b = dopt__f32_bits(scale);
+    if (finite) dopt__sign_encode_segment(s->x, s->n, s->body);
+    return finite;
+}
+
+/* Full blocks use every bit: only the tail can be malformed. */
+static int dopt__sign_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    uint8_t c[DOPT__BLOCK];
+    size_t full = s->n - s->n % DOPT__BLOCK;
+    (void)cfg;
+    if (!(s->a == 0 && dopt__scale_ok(s->b))) return 0;
+    return s->n == full || dopt__unpack_block(s->body + full / 8, s->n - full, 1, c) == 0;
+}
+
+static void dopt__sign_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    float b = dopt__bits_f32(s->b);
+    (void)cfg;
+    dopt__sign_accum(y, s->n, weight * b, s->body);
+}
+
+/* fp16, bf16 and fp32: the values, a and b 0. */
+static size_t dopt__half_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    (void)cfg;
+    return 2 * n;
+}
+
+static size_t dopt__f32_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    (void)cfg;
+    return 4 * n;
+}
+
+static int dopt__f16_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    (void)cz;
+    return dopt__f16_encode(s->x, s->body, s->n);
+}
+
+static int dopt__bf16_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    (void)cz;
+    return dopt__bf16_encode(s->x, s->body, s->n);
+}
+
+static int dopt__f32_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    (void)cz;
+    return dopt__f32_encode(s->x, s->body, s->n);
+}
+
+static int dopt__f16_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    (void)cfg;
+    return s->a == 0 && s->b == 0 && dopt__u16_bytes_finite(s->body, s->n, DOPT__F16_INF);
+}
+
+static int dopt__bf16_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    (void)cfg;
+    return s->a == 0 && s->b == 0 && dopt__u16_bytes_finite(s->body, s->n, DOPT__BF16_INF);
+}
+
+static int dopt__f32_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    (void)cfg;
+    return s->a == 0 && s->b == 0 && dopt__f32_bytes_finite(s->body, s->n);
+}
+
+static void dopt__f16_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    (void)cfg;
+    dopt__f16_accum(y, weight, s->body, s->n);
+}
+
+static void dopt__bf16_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    (void)cfg;
+    dopt__bf16_accum(y, weight, s->body, s->n);
+}
+
+static void dopt__f32_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    (void)cfg;
+    dopt__f32_accum(y, weight, s->body, s->n);
+}
+
+/* PowerSGD sends no messages (POWERSGD below): no body, no encoder. */
+static size_t dopt__no_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    (void)cfg, (void)n;
+    return 0;
+}
+
+static const dopt__codec_ops dopt__codecs[] = {
+    /* name        body bytes              encode                  check                  accumulate
+       error feedback         ring             shared_scale vote u32_index */
+    {"ternary", dopt__tern_body_bytes, dopt__tern_encode_seg, dopt__tern_check_seg, dopt__tern_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_INT, 1, 0, 0},
+    {"qsgd", dopt__qsgd_body_bytes, dopt__qsgd_encode_seg, dopt__qsgd_check_seg, dopt__qsgd_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_NONE, 0, 0, 0},
+    {"topk", dopt__topk_body_bytes, dopt__topk_encode_seg, dopt__topk_check_seg, dopt__topk_accum_seg,
+     DOPT__EF_DEFAULT_ON, DOPT__RING_NONE, 0, 0, 1},
+    {"sign", dopt__sign_body_bytes, dopt__sign_encode_seg, dopt__sign_check_seg, dopt__sign_accum_seg,
+     DOPT__EF_DEFAULT_ON, DOPT__RING_NONE, 0, 0, 0},
+    {"fp16", dopt__half_body_bytes, dopt__f16_encode_seg, dopt__f16_check_seg, dopt__f16_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_F16, 0, 0, 0},
+    {"bf16", dopt__half_body_bytes, dopt__bf16_encode_seg, dopt__bf16_check_seg, dopt__bf16_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_BF16, 0, 0, 0},
+    {"fp32", dopt__f32_body_bytes, dopt__f32_encode_seg, dopt__f32_check_seg, dopt__f32_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_NONE, 0, 0, 0},
+    {"majority", dopt__sign_body_bytes, dopt__sign_encode_seg, dopt__sign_check_seg, dopt__sign_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_INT, 0, 1, 0},
+    {"powersgd", dopt__no_body_bytes, NULL, NULL, NULL, DOPT__EF_REQUIRED, DOPT__RING_NONE, 0, 0, 0},
+};
+
+/* The row of a codec that dopt__config_resolve accepted. */
+static const dopt__codec_ops *dopt__codec(const dopt_compressor_config *cfg) { return &dopt__codecs[cfg->codec]; }
+
 /* ===================================================================== MESSAGE LAYOUT */
 
 /* Bytes of a segment's body before padding. */
 static size_t dopt__body_bytes(const dopt_compressor_config *cfg, size_t n) {
-    switch (cfg->codec) {
-    case DOPT_CODEC_TERNARY: return n < cfg->fp32_below ? 4 * n : dopt__packed_bytes(n, 2);
-    case DOPT_CODEC_QSGD:
-        return 4 * dopt__qsgd_nbuckets(n, cfg->qsgd_bucket) +
-               (dopt__qsgd_width(cfg->qsgd_levels) == 4 ? dopt__packed_bytes(n, 4) : n);
-    case DOPT_CODEC_TOPK: return 8 * dopt__topk_k(n, cfg->topk_ratio);
-    case DOPT_CODEC_SIGN:
-    case DOPT_CODEC_MAJORITY: return dopt__packed_bytes(n, 1);
-    case DOPT_CODEC_FP16:
-    case DOPT_CODEC_BF16: return 2 * n;
-    case DOPT_CODEC_FP32: return 4 * n;
-    case DOPT_CODEC_POWERSGD: break; /* no messages: POWERSGD below */
-    }
-    return 0;
+    return dopt__codec(cfg)->body_bytes(cfg, n);
 }
 
 static size_t dopt__message_bytes(const dopt_compressor *cz) {
@@ -2066,55 +2293,23 @@ static void dopt__tern_scales(dopt_compressor *cz, const dopt_buf *g) {
    dopt__tern_scales found finite; without tern_bodies its codes are left for the ring's pipeline
    to write (dopt__pipe_encode), the rest of the message written all the same. */
 static int dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank, unsigned char *out, int tern_bodies) {
+    const dopt__codec_ops *ops = dopt__codec(&cz->cfg);
     size_t i;
     unsigned char *p = out + DOPT_COMPRESS_HEADER_BYTES;
     dopt__write_header(cz, rank, out);
     for (i = 0; i < cz->nsegs; i++) {
         dopt_span sp = dopt_buf_segment(g, i);
-        size_t n = sp.count, body = dopt__body_bytes(&cz->cfg, n);
-        unsigned char *rec = p, *data = p + DOPT_COMPRESS_RECORD_BYTES;
-        uint32_t a = 0, b = 0;
-        int finite = 1;
-        dopt_rng rng;
-        dopt__seg_rng(cz, rank, i, &rng);
-        memset(data + body, 0, dopt__pad8(body) - body);
-        switch (cz->cfg.codec) {
-        case DOPT_CODEC_TERNARY:
-            if (n < cz->cfg.fp32_below) {
-                a = 1;
-                if (n) memcpy(data, sp.ptr, 4 * n);
-            } else {
-                b = dopt__f32_bits(cz->scales[i]);
-                if (tern_bodies) dopt__tern_encode_segment(sp.ptr, n, cz->bounds[i], cz->scales[i], &rng, data);
-            }
-            break;
-        case DOPT_CODEC_QSGD:
-            a = (uint32_t)cz->cfg.qsgd_bucket;
-            b = cz->cfg.qsgd_levels;
-            finite = dopt__qsgd_encode_segment(sp.ptr, n, cz->cfg.qsgd_bucket, cz->cfg.qsgd_levels, &rng, data);
-            break;
-        case DOPT_CODEC_TOPK:
-            a = (uint32_t)dopt__topk_k(n, cz->cfg.topk_ratio);
-            finite = dopt__topk_encode_segment(sp.ptr, n, a, cz->select, data);
-            break;
-        case DOPT_CODEC_SIGN:
-        case DOPT_CODEC_MAJORITY: {
-            float scale;
-            finite = dopt__sign_scale(sp.ptr, n, &scale);
-            b = dopt__f32_bits(scale);
-            if (finite) dopt__sign_encode_segment(sp.ptr, n, data);
-            break;
-        }
-        case DOPT_CODEC_FP16: finite = dopt__f16_encode(sp.ptr, data, n); break;
-        case DOPT_CODEC_BF16: finite = dopt__bf16_encode(sp.ptr, data, n); break;
-        case DOPT_CODEC_FP32: finite = dopt__f32_encode(sp.ptr, data, n); break;
-        case DOPT_CODEC_POWERSGD: break; /* no messages */
-        }
-        if (!finite) return 0;
-        dopt__put_le64(rec, (uint64_t)n);
-        dopt__put_le32(rec + 8, a);
-        dopt__put_le32(rec + 12, b);
-        p = data + dopt__pad8(body);
+        size_t body = dopt__body_bytes(&cz->cfg, sp.count);
+        dopt__seg_out so;
+        so.i = i, so.n = sp.count, so.x = sp.ptr, so.a = so.b = 0, so.codes = tern_bodies;
+        so.body = p + DOPT_COMPRESS_RECORD_BYTES;
+        dopt__seg_rng(cz, rank, i, &so.rng);
+        memset(so.body + body, 0, dopt__pad8(body) - body);
+        if (!ops->encode(cz, &so)) return 0;
+        dopt__put_le64(p, (uint64_t)so.n);
+        dopt__put_le32(p + 8, so.a);
+        dopt__put_le32(p + 12, so.b);
+        p = so.body + dopt__pad8(body);
     }
     return 1;
 }
@@ -2147,85 +2342,50 @@ static int dopt__flagged_nonfinite(const unsigned char *m) { return (m[6] & DOPT
 /* Checks every segment of a message whose header passed and that carries values; 1 when all
    follow the format. Every value must be finite: a rank's own NaN or infinity never reaches the
    wire (its message is flagged instead), so a non-finite value is malformed. */
+/* Segment i of a message, at p: its record's fields and its body. */
+static dopt__seg_in dopt__seg_at(const dopt_compressor *cz, size_t i, const unsigned char *p) {
+    dopt__seg_in si;
+    si.n = cz->segs[i].count;
+    si.a = dopt__get_le32(p + 8);
+    si.b = dopt__get_le32(p + 12);
+    si.body = p + DOPT_COMPRESS_RECORD_BYTES;
+    return si;
+}
+
 static int dopt__check_body(const dopt_compressor *cz, const unsigned char *m) {
     const dopt_compressor_config *cfg = &cz->cfg;
+    const dopt__codec_ops *ops = dopt__codec(cfg);
     const unsigned char *p = m + DOPT_COMPRESS_HEADER_BYTES;
     size_t i;
     /* The layout fixes every record's size, and the header checked the message's size, so every
        read below stays inside the message. */
     for (i = 0; i < cz->nsegs; i++) {
-        size_t n = cz->segs[i].count, body = dopt__body_bytes(cfg, n);
-        const unsigned char *data = p + DOPT_COMPRESS_RECORD_BYTES;
-        uint32_t a = dopt__get_le32(p + 8), b = dopt__get_le32(p + 12);
-        int ok = dopt__get_le64(p) == (uint64_t)n && dopt__zero_bytes(data + body, dopt__pad8(body) - body);
-        switch (cfg->codec) {
-        case DOPT_CODEC_TERNARY:
-            if (n < cfg->fp32_below)
-                ok = ok && a == 1 && b == 0 && dopt__f32_bytes_finite(data, n);
-            else
-                ok = ok && a == 0 && dopt__scale_ok(b) && dopt__tern_check(data, n) == 0;
-            break;
-        case DOPT_CODEC_QSGD:
-            ok = ok && a == (uint32_t)cfg->qsgd_bucket && b == cfg->qsgd_levels &&
-                 dopt__qsgd_check(data, n, cfg->qsgd_bucket, cfg->qsgd_levels);
-            break;
-        case DOPT_CODEC_TOPK:
-            ok = ok && a == (uint32_t)dopt__topk_k(n, cfg->topk_ratio) && b == 0 && dopt__topk_check(data, n, a);
-            break;
-        case DOPT_CODEC_SIGN:
-        case DOPT_CODEC_MAJORITY: {
-            uint8_t c[DOPT__BLOCK];
-            size_t j;
-            ok = ok && a == 0 && dopt__scale_ok(b);
-            j = n - n % DOPT__BLOCK; /* full blocks use every bit: only the tail can be malformed */
-            if (ok && n > j) ok = dopt__unpack_block(data + j / 8, n - j, 1, c) == 0;
-            break;
-        }
-        case DOPT_CODEC_FP16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__F16_INF); break;
-        case DOPT_CODEC_BF16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__BF16_INF); break;
-        case DOPT_CODEC_FP32: ok = ok && a == 0 && b == 0 && dopt__f32_bytes_finite(data, n); break;
-        case DOPT_CODEC_POWERSGD: ok = 0; break; /* no messages */
-        }
-        if (!ok) return 0;
-        p = data + dopt__pad8(body);
+        dopt__seg_in si = dopt__seg_at(cz, i, p);
+        size_t body = dopt__body_bytes(cfg, si.n);
+        if (!(dopt__get_le64(p) == (uint64_t)si.n && dopt__zero_bytes(si.body + body, dopt__pad8(body) - body) &&
+              ops->check(cfg, &si)))
+            return 0;
+        p = si.body + dopt__pad8(body);
     }
     return 1;
 }
 
 /* Adds weight · C(g) of a validated message into accum. */
 static void dopt__accumulate(const dopt_compressor *cz, const unsigned char *m, float weight, const dopt_buf *accum) {
-    const dopt_compressor_config *cfg = &cz->cfg;
+    const dopt__codec_ops *ops = dopt__codec(&cz->cfg);
     const unsigned char *p = m + DOPT_COMPRESS_HEADER_BYTES;
     size_t i;
     for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(accum, i);
-        size_t n = sp.count, body = dopt__body_bytes(cfg, n);
-        const unsigned char *data = p + DOPT_COMPRESS_RECORD_BYTES;
-        float b = dopt__bits_f32(dopt__get_le32(p + 12));
-        switch (cfg->codec) {
-        case DOPT_CODEC_TERNARY:
-            if (n < cfg->fp32_below)
-                dopt__f32_accum(sp.ptr, weight, data, n);
-            else
-                dopt__tern_accum(sp.ptr, n, weight * b, data);
-            break;
-        case DOPT_CODEC_QSGD: dopt__qsgd_accum(sp.ptr, n, cfg->qsgd_bucket, cfg->qsgd_levels, weight, data); break;
-        case DOPT_CODEC_TOPK: dopt__topk_accum(sp.ptr, body / 8, weight, data); break;
-        case DOPT_CODEC_SIGN:
-        case DOPT_CODEC_MAJORITY: dopt__sign_accum(sp.ptr, n, weight * b, data); break;
-        case DOPT_CODEC_FP16: dopt__f16_accum(sp.ptr, weight, data, n); break;
-        case DOPT_CODEC_BF16: dopt__bf16_accum(sp.ptr, weight, data, n); break;
-        case DOPT_CODEC_FP32: dopt__f32_accum(sp.ptr, weight, data, n); break;
-        case DOPT_CODEC_POWERSGD: break; /* no messages */
-        }
-        p = data + dopt__pad8(body);
+        dopt__seg_in si = dopt__seg_at(cz, i, p);
+        ops->accum(&cz->cfg, &si, weight, dopt_buf_segment(accum, i).ptr);
+        p = si.body + dopt__pad8(dopt__body_bytes(&cz->cfg, si.n));
     }
 }
 
 DOPT_DEF dopt_status dopt_compress_decode(const dopt_compressor *cz, const void *msg, size_t bytes, float weight,
                                           const dopt_buf *accum) {
     if (cz == NULL || cz->segs == NULL || accum == NULL || (msg == NULL && bytes > 0)) return DOPT_ERR_INVALID;
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return DOPT_ERR_UNSUPPORTED; /* two rounds, no message */
+    if (dopt__codec(&cz->cfg)->encode == NULL) return DOPT_ERR_UNSUPPORTED; /* PowerSGD: two rounds, no message */
     if (!dopt__segment_matches(cz, accum)) return DOPT_ERR_INVALID;
     if (msg == NULL || dopt__check_header(cz, (const unsigned char *)msg, bytes) < 0) return DOPT_ERR_PROTOCOL;
     if (dopt__flagged_nonfinite((const unsigned char *)msg)) return DOPT_ERR_NONFINITE;
@@ -2281,7 +2441,7 @@ static const char *dopt__compress_label(dopt_comm *comm, const char *api) {
 }
 
 static int dopt__shares_scales(const dopt_compressor *cz) {
-    return cz->cfg.codec == DOPT_CODEC_TERNARY && !cz->cfg.no_scale_sharing;
+    return dopt__codec(&cz->cfg)->shared_scale && !cz->cfg.no_scale_sharing;
 }
 
 /* This rank's message of grads into out: p = g + e with error feedback (in the work buffer),
@@ -2293,7 +2453,7 @@ static dopt_status dopt__encode_local(dopt_compressor *cz, const dopt_buf *grads
                                       dopt_comm *share, int tern_bodies) {
     dopt_buf p = *grads;
     if (cz->ef) p = dopt__ef_prepare(cz, grads);
-    if (cz->cfg.codec == DOPT_CODEC_TERNARY) {
+    if (dopt__codec(&cz->cfg)->shared_scale) {
         dopt__tern_scales(cz, &p);
         /* Step 3, scale sharing: one allreduce MAX of the scales and the non-finite flag. */
         if (share != NULL && dopt__shares_scales(cz)) {
@@ -2326,7 +2486,7 @@ DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *g
                                           size_t *bytes) {
     dopt_status s;
     if (cz == NULL || cz->segs == NULL || grads == NULL || out == NULL || bytes == NULL) return DOPT_ERR_INVALID;
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return DOPT_ERR_UNSUPPORTED; /* two rounds, no message */
+    if (dopt__codec(&cz->cfg)->encode == NULL) return DOPT_ERR_UNSUPPORTED; /* PowerSGD: two rounds, no message */
     if (capacity < cz->msg_bytes || !dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
     s = dopt__encode_local(cz, grads, cz->rank, (unsigned char *)out, NULL, 1);
     *bytes = cz->msg_bytes; /* the flagged message too: a peer that decodes it learns the verdict */
@@ -2707,18 +2867,7 @@ DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *i
 /* ===================================================================== INIT AND FREE */
 
 DOPT_DEF const char *dopt_codec_name(dopt_codec codec) {
-    switch (codec) {
-    case DOPT_CODEC_TERNARY: return "ternary";
-    case DOPT_CODEC_QSGD: return "qsgd";
-    case DOPT_CODEC_TOPK: return "topk";
-    case DOPT_CODEC_SIGN: return "sign";
-    case DOPT_CODEC_FP16: return "fp16";
-    case DOPT_CODEC_BF16: return "bf16";
-    case DOPT_CODEC_FP32: return "fp32";
-    case DOPT_CODEC_MAJORITY: return "majority";
-    case DOPT_CODEC_POWERSGD: return "powersgd";
-    }
-    return "?";
+    return (unsigned)codec < sizeof dopt__codecs / sizeof dopt__codecs[0] ? dopt__codecs[codec].name : "?";
 }
 
 #define DOPT__RING_MAX_BUCKETS 64 /* ring_buckets, at most (the ring's pipeline) */
@@ -2745,12 +2894,8 @@ static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
     if (c->powersgd_min == 0) c->powersgd_min = 4096;
     if (c->ring_buckets < 0 || c->ring_buckets > DOPT__RING_MAX_BUCKETS) return DOPT_ERR_INVALID;
     /* PowerSGD without its error feedback does not converge well (Vogels et al. 2019, §4.1) */
-    if (c->codec == DOPT_CODEC_POWERSGD && c->error_feedback == DOPT_EF_OFF) return DOPT_ERR_INVALID;
+    if (dopt__codec(c)->ef == DOPT__EF_REQUIRED && c->error_feedback == DOPT_EF_OFF) return DOPT_ERR_INVALID;
     return DOPT_OK;
-}
-
-static int dopt__ef_default(dopt_codec codec) {
-    return codec == DOPT_CODEC_TOPK || codec == DOPT_CODEC_SIGN || codec == DOPT_CODEC_POWERSGD;
 }
 
 DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
@@ -2770,7 +2915,7 @@ DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compre
         end = segs[i].offset + segs[i].count;
         count += segs[i].count;
         max_seg = segs[i].count > max_seg ? segs[i].count : max_seg;
-        if (c.codec == DOPT_CODEC_TOPK && segs[i].count > UINT32_MAX) return DOPT_ERR_INVALID;
+        if (dopt__codec(&c)->u32_index && segs[i].count > UINT32_MAX) return DOPT_ERR_INVALID;
         if (c.codec == DOPT_CODEC_POWERSGD && segs[i].rows != 0 && segs[i].count % segs[i].rows != 0)
             return DOPT_ERR_INVALID; /* not rows × cols (other codecs never read rows) */
     }
@@ -2780,7 +2925,7 @@ DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compre
     cz->nsegs = nsegs;
     cz->count = count;
     cz->flat_end = end;
-    cz->ef = c.error_feedback == DOPT_EF_ON || (c.error_feedback == DOPT_EF_AUTO && dopt__ef_default(c.codec));
+    cz->ef = c.error_feedback == DOPT_EF_ON || (c.error_feedback == DOPT_EF_AUTO && dopt__codec(&c)->ef != DOPT__EF_DEFAULT_OFF);
     /* the segment table and, after it, the spans of the EF work buffer */
     table = nsegs * (sizeof(dopt_segment) + sizeof(dopt_span));
     cz->segs = (dopt_segment *)DOPT_MALLOC(table);
@@ -2799,7 +2944,7 @@ DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compre
     if (cz->msg == NULL || cz->scales == NULL) goto nomem;
     cz->bounds = cz->scales + nsegs + 1;
     for (i = 0; i < nsegs; i++) cz->bounds[i] = FLT_MAX;
-    if (c.codec == DOPT_CODEC_TOPK) {
+    if (dopt__codec(&c)->u32_index) {
         cz->select = (float *)DOPT_MALLOC((max_seg ? max_seg : 1) * sizeof(float));
         if (cz->select == NULL) goto nomem;
     }
@@ -2867,12 +3012,8 @@ static size_t dopt__ring_groups(size_t n) { return (n + DOPT__BLOCK - 1) / DOPT_
 
 /* Segment i goes through the ring (all but ternary's segments sent as fp32). */
 static int dopt__ring_carries(const dopt_compressor *cz, size_t i) {
-    return cz->cfg.codec != DOPT_CODEC_TERNARY || cz->segs[i].count >= cz->cfg.fp32_below;
+    return !dopt__codec(&cz->cfg)->shared_scale || cz->segs[i].count >= cz->cfg.fp32_below;
 }
-
-/* What the ring carries: integer sums in planes (ternary, majority), or running means in fp16
-   or bf16 (64 values of 16 bits per group, little-endian). */
-enum { DOPT__RING_INT = 0, DOPT__RING_F16 = 1, DOPT__RING_BF16 = 2 };
 
 /* Groups [g0, ...) at p: integer sums biased by K in w planes, or (fmt F16, BF16; w = 16) the
    means of K contributions. */
@@ -3305,10 +3446,8 @@ static dopt_status dopt__ring_run(const dopt__ring_pass *const *ps, int np) {
     return s;
 }
 
-/* The ring's format for this compressor's codec. */
-static int dopt__ring_fmt(const dopt_compressor *cz) {
-    return cz->cfg.codec == DOPT_CODEC_FP16 ? DOPT__RING_F16 : cz->cfg.codec == DOPT_CODEC_BF16 ? DOPT__RING_BF16 : DOPT__RING_INT;
-}
+/* The ring's format for this compressor's codec (the codec table's). */
+static int dopt__ring_fmt(const dopt_compressor *cz) { return dopt__codec(&cz->cfg)->ring; }
 
 /* This rank's signs (a majority message body of n elements, 1 bit each, 1 = negative) as planes
    of sums of one: v = t + 1 is 0 or 2, so plane 0 is empty and plane 1 holds the positive
@@ -3340,7 +3479,7 @@ static void dopt__ring_fill_own(const dopt_compressor *cz, unsigned char *own) {
     for (i = 0; i < cz->nsegs; i++) {
         size_t n = cz->segs[i].count, per = fmt == DOPT__RING_INT ? 16 : 128, groups = dopt__ring_groups(n);
         const unsigned char *body = cz->msg + off + DOPT_COMPRESS_RECORD_BYTES;
-        if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
+        if (dopt__codec(&cz->cfg)->vote) {
             dopt__ring_own_signs(body, n, own);
         } else if (n > 0) {
             memcpy(own, body, 2 * n);
@@ -3522,7 +3661,7 @@ static void dopt__ring_decode_groups(dopt_compressor *cz, int N, float weight, c
         const unsigned char *fin = cz->ring_fin + w.lo * 8 * wfin;
         if (fmt != DOPT__RING_INT)
             dopt__ring_decode_half(y, w.e1 - w.e0, fmt, fin);
-        else if (cz->cfg.codec == DOPT_CODEC_MAJORITY)
+        else if (dopt__codec(&cz->cfg)->vote)
             dopt__ring_decode(y, w.e1 - w.e0, N, wfin,
                               dopt__vote_magnitude(cz, cz->gather + 4 * w.seg, 4 * (cz->nsegs + 1), N, weight), 1, fin);
         else
@@ -3541,7 +3680,7 @@ static void dopt__ring_decode_groups(dopt_compressor *cz, int N, float weight, c
    code is); 1 for the other codecs. */
 static int dopt__ring_nbuckets(const dopt_compressor *cz, size_t groups) {
     size_t nb = 1;
-    if (cz->cfg.codec != DOPT_CODEC_TERNARY || groups == 0) return 1;
+    if (!dopt__codec(&cz->cfg)->shared_scale || groups == 0) return 1;
     if (cz->cfg.ring_buckets > 0)
         nb = (size_t)cz->cfg.ring_buckets;
     else
@@ -3719,8 +3858,8 @@ static dopt_status dopt__ring_agree(dopt_compressor *cz, dopt_comm *comm, dopt_s
     float flag = mine == DOPT_ERR_NONFINITE ? 1.0f : 0.0f;
     dopt_status s;
     int r;
-    if (cz->cfg.codec == DOPT_CODEC_TERNARY) return mine;
-    if (cz->cfg.codec != DOPT_CODEC_MAJORITY) {
+    if (dopt__codec(&cz->cfg)->shared_scale) return mine;
+    if (!dopt__codec(&cz->cfg)->vote) {
         s = dopt_allreduce(comm, &flag, 1, DOPT_F32, DOPT_MAX);
         return s != DOPT_OK ? s : flag != 0.0f ? DOPT_ERR_NONFINITE : DOPT_OK;
     }
@@ -3755,8 +3894,8 @@ static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, con
         cz->ring_nranks = (size_t)comm->size;
     }
     if ((s = dopt__ring_plan_init(cz, comm, groups, nb, &plan)) != DOPT_OK) return s;
-    if (cz->cfg.codec != DOPT_CODEC_TERNARY) dopt__ring_fill_own(cz, cz->ring_buf);
-    s = dopt__ring_pipeline(cz, &plan, cz->cfg.codec == DOPT_CODEC_TERNARY ? p : NULL, grads, 1.0f / (float)comm->size);
+    if (!dopt__codec(&cz->cfg)->shared_scale) dopt__ring_fill_own(cz, cz->ring_buf);
+    s = dopt__ring_pipeline(cz, &plan, dopt__codec(&cz->cfg)->shared_scale ? p : NULL, grads, 1.0f / (float)comm->size);
     if (s != DOPT_OK) return s;
     cz->path = plan.two ? DOPT_PATH_RING_TWO_LEVEL : DOPT_PATH_RING;
     cz->buckets = nb;
@@ -3924,9 +4063,9 @@ static double dopt__ring_predict(int fmt, size_t groups, int N, int L, int H, in
    allgather's. */
 static int dopt__ring_wanted(const dopt_compressor *cz, const dopt_comm *comm, size_t groups) {
     dopt_host_layout lay;
-    dopt_codec c = cz->cfg.codec;
+    const dopt__codec_ops *ops = dopt__codec(&cz->cfg);
     int N = comm->size, L = 1, H = N, fmt = dopt__ring_fmt(cz);
-    int codec_ok = dopt__shares_scales(cz) || c == DOPT_CODEC_MAJORITY || c == DOPT_CODEC_FP16 || c == DOPT_CODEC_BF16;
+    int codec_ok = ops->ring != DOPT__RING_NONE && (!ops->shared_scale || dopt__shares_scales(cz));
     if (cz->cfg.aggregate == DOPT_AGG_ALLGATHER || !codec_ok || N < 2 || comm->eng == NULL || groups == 0 ||
         N > (fmt == DOPT__RING_INT ? DOPT__RING_MAX_RANKS : DOPT__RING_MAX_HALF_RANKS))
         return 0;
@@ -3956,7 +4095,7 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     cz->rank = comm->rank;
     cz->buckets = 0;
     /* on the ring, ternary's codes are written by its pipeline (dopt__ring_pipeline) */
-    s = dopt__encode_local(cz, grads, comm->rank, cz->msg, comm, !(ring && cz->cfg.codec == DOPT_CODEC_TERNARY));
+    s = dopt__encode_local(cz, grads, comm->rank, cz->msg, comm, !(ring && dopt__codec(&cz->cfg)->shared_scale));
     /* A non-finite gradient goes out as a flagged message, unless scale sharing has already told
        every rank. */
     if (s != DOPT_OK && (s != DOPT_ERR_NONFINITE || dopt__shares_scales(cz))) return s;
@@ -3984,7 +4123,7 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
         dopt__tern_average(cz, comm->size, weight, grads);
         return DOPT_OK;
     }
-    if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
+    if (dopt__codec(&cz->cfg)->vote) {
         dopt__vote_average(cz, comm->size, weight, grads);
         return DOPT_OK;
     }
