@@ -504,6 +504,17 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      and decoding at the end: the same exchanges, the same bytes. A call that fails on the ring
      may have written some buckets' results into grads; the step and the residual are then
      unchanged, as on every failure.
+     Why the pipeline starts a thread of its own, apart from the engine's progress thread
+     (dopt_comm_set_progress_thread): the ring is not only bytes in flight. Each step of a
+     reduce-scatter folds what it received into the planes that the next exchange sends on
+     (dopt__ring_job_fold, before dopt__ring_job_start), so the schedule is computation
+     interleaved with exchanges, and only a thread that runs compress.h's code can do it. The
+     progress thread moves the bytes of requests already started and runs no module's code; it
+     is off unless the caller starts it. With it and no thread of our own, the caller's thread would still encode, fold and
+     decode in turn. So the call starts one thread for the schedule (a pthread_create and a join
+     per call, against a call of tens of milliseconds at the sizes that pipeline) and keeps the
+     encoder and decoder on the caller's. The same pipeline on one thread (DOPT_NO_THREADS)
+     against the threaded one: docs/measurements.md, "The ring's pipeline thread".
      The choice (DOPT_AGG_AUTO) compares predicted times: the allgather's N - 1 steps of one
      message each plus N codes summed per element, against the ring's exchanges, the bytes its
      widths give, and the folds, at 30 µs per exchange, 1.25 GB/s (10 Gbit/s) and per-element
@@ -1324,8 +1335,8 @@ static float dopt__tern_k(float s) { return s > DOPT__TINY_SCALE ? (float)(16777
    its packed body `out`, the bytes of those blocks alone. The runs go front to back, each block
    prefetching the elements 8 KiB further on, so that the generator's work overlaps the misses.
    (Order does not change the result: every element's words are fixed by its index. Back to
-   front, to start where the statistics pass left the cache, was slower: the whole encoder ran
-   at 1.27-1.33 Gelem/s on a 64 MiB gradient against 1.35-1.40 front to back.) */
+   front, to start where the statistics pass left the cache, measured slower: docs/measurements.md,
+   Compression.) */
 static void dopt__tern_encode_range(const float *x, size_t n, size_t e0, size_t e1, float bound, float s,
                                     const dopt_rng *rng, uint8_t *out) {
     uint32_t r[DOPT__TERN_RUN / 4];
