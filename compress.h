@@ -2002,8 +2002,9 @@ static void dopt__vote_block(const unsigned char *base, size_t stride, int N, si
 
 /* ===================================================================== THE CODEC TABLE
 
-   Every codec's part of a message in one row: how many bytes a segment's body takes, how it is
-   written, checked and added into a sum, and the facts the rest of the file asks of a codec.
+   Every codec's part of a message in one row: how a segment's body is written, checked and
+   added into a sum, and the facts the rest of the file asks of a codec (the body's size is
+   dopt__body_bytes, from the functions beside the table).
    Indexed by dopt_codec (dopt__config_resolve refuses any other value). The functions take a
    segment at a time (a function pointer per segment, never per element). */
 
@@ -2035,8 +2036,6 @@ typedef struct dopt__seg_in {
 
 typedef struct dopt__codec_ops {
     const char *name; /* dopt_codec_name */
-    /* bytes of a segment's body of n elements, before padding */
-    size_t (*body_bytes)(const dopt_compressor_config *cfg, size_t n);
     /* the body and the record's fields; 0 when the values hold a NaN, ±inf or a value the codec
        cannot carry (the body is then partly written). NULL: the codec sends no messages */
     int (*encode)(const dopt_compressor *cz, dopt__seg_out *s);
@@ -2208,32 +2207,27 @@ static void dopt__f32_accum_seg(const dopt_compressor_config *cfg, const dopt__s
     dopt__f32_accum(y, weight, s->body, s->n);
 }
 
-/* PowerSGD sends no messages (POWERSGD below): no body, no encoder. */
-static size_t dopt__no_body_bytes(const dopt_compressor_config *cfg, size_t n) {
-    (void)cfg, (void)n;
-    return 0;
-}
-
 static const dopt__codec_ops dopt__codecs[] = {
-    /* name        body bytes              encode                  check                  accumulate
-       error feedback         ring             shared_scale vote u32_index */
-    {"ternary", dopt__tern_body_bytes, dopt__tern_encode_seg, dopt__tern_check_seg, dopt__tern_accum_seg,
+    /* name, encode, check, accumulate,
+       error feedback, ring, shared_scale, vote, u32_index */
+    {"ternary", dopt__tern_encode_seg, dopt__tern_check_seg, dopt__tern_accum_seg,
      DOPT__EF_DEFAULT_OFF, DOPT__RING_INT, 1, 0, 0},
-    {"qsgd", dopt__qsgd_body_bytes, dopt__qsgd_encode_seg, dopt__qsgd_check_seg, dopt__qsgd_accum_seg,
+    {"qsgd", dopt__qsgd_encode_seg, dopt__qsgd_check_seg, dopt__qsgd_accum_seg,
      DOPT__EF_DEFAULT_OFF, DOPT__RING_NONE, 0, 0, 0},
-    {"topk", dopt__topk_body_bytes, dopt__topk_encode_seg, dopt__topk_check_seg, dopt__topk_accum_seg,
+    {"topk", dopt__topk_encode_seg, dopt__topk_check_seg, dopt__topk_accum_seg,
      DOPT__EF_DEFAULT_ON, DOPT__RING_NONE, 0, 0, 1},
-    {"sign", dopt__sign_body_bytes, dopt__sign_encode_seg, dopt__sign_check_seg, dopt__sign_accum_seg,
+    {"sign", dopt__sign_encode_seg, dopt__sign_check_seg, dopt__sign_accum_seg,
      DOPT__EF_DEFAULT_ON, DOPT__RING_NONE, 0, 0, 0},
-    {"fp16", dopt__half_body_bytes, dopt__f16_encode_seg, dopt__f16_check_seg, dopt__f16_accum_seg,
+    {"fp16", dopt__f16_encode_seg, dopt__f16_check_seg, dopt__f16_accum_seg,
      DOPT__EF_DEFAULT_OFF, DOPT__RING_F16, 0, 0, 0},
-    {"bf16", dopt__half_body_bytes, dopt__bf16_encode_seg, dopt__bf16_check_seg, dopt__bf16_accum_seg,
+    {"bf16", dopt__bf16_encode_seg, dopt__bf16_check_seg, dopt__bf16_accum_seg,
      DOPT__EF_DEFAULT_OFF, DOPT__RING_BF16, 0, 0, 0},
-    {"fp32", dopt__f32_body_bytes, dopt__f32_encode_seg, dopt__f32_check_seg, dopt__f32_accum_seg,
+    {"fp32", dopt__f32_encode_seg, dopt__f32_check_seg, dopt__f32_accum_seg,
      DOPT__EF_DEFAULT_OFF, DOPT__RING_NONE, 0, 0, 0},
-    {"majority", dopt__sign_body_bytes, dopt__sign_encode_seg, dopt__sign_check_seg, dopt__sign_accum_seg,
+    {"majority", dopt__sign_encode_seg, dopt__sign_check_seg, dopt__sign_accum_seg,
      DOPT__EF_DEFAULT_OFF, DOPT__RING_INT, 0, 1, 0},
-    {"powersgd", dopt__no_body_bytes, NULL, NULL, NULL, DOPT__EF_REQUIRED, DOPT__RING_NONE, 0, 0, 0},
+    /* PowerSGD sends no messages (POWERSGD below): no encoder, checker or accumulator */
+    {"powersgd", NULL, NULL, NULL, DOPT__EF_REQUIRED, DOPT__RING_NONE, 0, 0, 0},
 };
 
 /* The row of a codec that dopt__config_resolve accepted. */
@@ -2241,9 +2235,22 @@ static const dopt__codec_ops *dopt__codec(const dopt_compressor_config *cfg) { r
 
 /* ===================================================================== MESSAGE LAYOUT */
 
-/* Bytes of a segment's body before padding. */
+/* Bytes of a segment's body before padding. A switch rather than the table: the loops over
+   segments that ask it (the ring's walk, the averages, every record) should see it inline, and
+   a call through a pointer stays a call. */
 static size_t dopt__body_bytes(const dopt_compressor_config *cfg, size_t n) {
-    return dopt__codec(cfg)->body_bytes(cfg, n);
+    switch (cfg->codec) {
+    case DOPT_CODEC_TERNARY: return dopt__tern_body_bytes(cfg, n);
+    case DOPT_CODEC_QSGD: return dopt__qsgd_body_bytes(cfg, n);
+    case DOPT_CODEC_TOPK: return dopt__topk_body_bytes(cfg, n);
+    case DOPT_CODEC_SIGN:
+    case DOPT_CODEC_MAJORITY: return dopt__sign_body_bytes(cfg, n);
+    case DOPT_CODEC_FP16:
+    case DOPT_CODEC_BF16: return dopt__half_body_bytes(cfg, n);
+    case DOPT_CODEC_FP32: return dopt__f32_body_bytes(cfg, n);
+    case DOPT_CODEC_POWERSGD: break; /* no messages: POWERSGD below */
+    }
+    return 0;
 }
 
 static size_t dopt__message_bytes(const dopt_compressor *cz) {
