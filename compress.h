@@ -11,6 +11,20 @@
 
    Other files include the two headers without the macro. compress.h needs distopt.h only.
 
+   CONTENTS
+     This comment, the manual: QUICK START, COMPRESSORS, CONFIGURATION, FUNCTIONS, BYTES AS THE
+     WORLD GROWS, NON-FINITE GRADIENTS, RANDOMNESS, ERROR FEEDBACK, POWERSGD, ERRORS, THREADING.
+     Then the declarations; REFERENCE FOR CONTRIBUTORS (how the allreduce exchanges and sums, the
+     rings, the wire and state formats); and the implementation in three parts, each under its
+     banner:
+       PART 1 OF 3 — WHAT THE BITS ARE     the codecs and THE CODEC TABLE, the message layout,
+                                           encode and decode, error feedback, PowerSGD's
+                                           factors, the state, init and free
+       PART 2 OF 3 — HOW THEY TRAVEL       the integer and 16-bit rings: kernels, schedule,
+                                           pipeline, and the ring path of the allreduce
+       PART 3 OF 3 — THE COMPRESSED        the allgather path, the choice between it, the ring
+                     ALLREDUCE             and PowerSGD, and the public allreduce calls
+
    QUICK START (TernGrad over any communicator: every rank ends with the same averaged gradient)
 
        dopt_segment segs[2] = {{0, 4096, "w", 0}, {4096, 64, "b", 0}};   (the host's tensors)
@@ -490,6 +504,17 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      and decoding at the end: the same exchanges, the same bytes. A call that fails on the ring
      may have written some buckets' results into grads; the step and the residual are then
      unchanged, as on every failure.
+     Why the pipeline starts a thread of its own, apart from the engine's progress thread
+     (dopt_comm_set_progress_thread): the ring is not only bytes in flight. Each step of a
+     reduce-scatter folds what it received into the planes that the next exchange sends on
+     (dopt__ring_job_fold, before dopt__ring_job_start), so the schedule is computation
+     interleaved with exchanges, and only a thread that runs compress.h's code can do it. The
+     progress thread moves the bytes of requests already started and runs no module's code; it
+     is off unless the caller starts it. With it and no thread of our own, the caller's thread would still encode, fold and
+     decode in turn. So the call starts one thread for the schedule (a pthread_create and a join
+     per call, against a call of tens of milliseconds at the sizes that pipeline) and keeps the
+     encoder and decoder on the caller's. The same pipeline on one thread (DOPT_NO_THREADS)
+     against the threaded one: docs/measurements.md, "The ring's pipeline thread".
      The choice (DOPT_AGG_AUTO) compares predicted times: the allgather's N - 1 steps of one
      message each plus N codes summed per element, against the ring's exchanges, the bytes its
      widths give, and the folds, at 30 µs per exchange, 1.25 GB/s (10 Gbit/s) and per-element
@@ -632,6 +657,13 @@ static float dopt__bits_f32(uint32_t u) {
 }
 
 static size_t dopt__pad8(size_t bytes) { return (bytes + 7) & ~(size_t)7; }
+
+/* =====================================================================================
+   PART 1 OF 3 — WHAT THE BITS ARE: the codecs (bit packing, non-finite checks by bits, half
+   precision, the segment statistics, ternary, QSGD, top-k, sign and majority vote), the codec
+   table, the message layout, encode and decode, error feedback, PowerSGD's factors, the state,
+   init and free. Nothing here sends a byte but PowerSGD's step (two plain allreduces).
+   ===================================================================================== */
 
 /* ===================================================================== BIT PACKING (1, 2, 4 BITS) */
 
@@ -1303,8 +1335,8 @@ static float dopt__tern_k(float s) { return s > DOPT__TINY_SCALE ? (float)(16777
    its packed body `out`, the bytes of those blocks alone. The runs go front to back, each block
    prefetching the elements 8 KiB further on, so that the generator's work overlaps the misses.
    (Order does not change the result: every element's words are fixed by its index. Back to
-   front, to start where the statistics pass left the cache, was slower: the whole encoder ran
-   at 1.27-1.33 Gelem/s on a 64 MiB gradient against 1.35-1.40 front to back.) */
+   front, to start where the statistics pass left the cache, measured slower: docs/measurements.md,
+   Compression.) */
 static void dopt__tern_encode_range(const float *x, size_t n, size_t e0, size_t e1, float bound, float s,
                                     const dopt_rng *rng, uint8_t *out) {
     uint32_t r[DOPT__TERN_RUN / 4];
@@ -1898,21 +1930,324 @@ static void dopt__sign_accum(float *y, size_t n, float v, const uint8_t *in) {
     }
 }
 
+/* ===================================================================== MAJORITY VOTE */
+
+/* Majority vote: the magnitude of a segment's result, 1, or with majority_l1 the mean of the
+   ranks' scales (‖g‖₁/d) summed in rank order, rank r's at scales + r·stride (f32 bits). */
+static float dopt__vote_magnitude(const dopt_compressor *cz, const unsigned char *scales, size_t stride, int N,
+                                  float weight) {
+    float v = 0.0f;
+    int r;
+    if (!cz->cfg.majority_l1) return 1.0f;
+    for (r = 0; r < N; r++) v += dopt__bits_f32(dopt__get_le32(scales + (size_t)r * stride));
+    return v * weight;
+}
+
+/* Rank r's votes on a block of m elements as a word with bit t for element t (1 = negative):
+   the 1-bit body at base + r·stride + at, whose full block's byte j holds elements j, j + 8, ...,
+   j + 56 (the transpose makes it the word). */
+static uint64_t dopt__vote_word(const unsigned char *base, size_t stride, int r, size_t at, size_t m) {
+    const unsigned char *p = base + (size_t)r * stride + at;
+    uint64_t word = 0;
+    size_t t;
+    if (m == DOPT__BLOCK) {
+        memcpy(&word, p, 8);
+        return dopt__transpose8x8(word);
+    } else {
+        uint8_t c[DOPT__BLOCK];
+        dopt__unpack_block(p, m, 1, c);
+        for (t = 0; t < m; t++) word |= (uint64_t)c[t] << t;
+    }
+    return word;
+}
+
+/* The vote of N ranks on a block of m elements into y: S = N - 2·(negative votes), y = ±v by
+   its sign, 0 on a tie (v >= 0, so sign(S)·v gives those bits). With AVX-512 and N <= 127, 64
+   byte counters at once (a mask's bytes are -1 where its bits are set) and the floats from
+   masks. */
+static void dopt__vote_block(const unsigned char *base, size_t stride, int N, size_t at, size_t m, float v,
+                             float *DOPT_RESTRICT y) {
+    int cnt[DOPT__BLOCK], r;
+    size_t t;
+#ifdef DOPT__COMPRESS_AVX512
+    if (N <= DOPT__TERN_SUM_MAX) {
+        const __m512 pos = _mm512_set1_ps(v), neg = _mm512_set1_ps(-v);
+        __m512i c = _mm512_setzero_si512(), d;
+        uint64_t gt, lt;
+        int q;
+        for (r = 0; r < N; r++) c = _mm512_sub_epi8(c, _mm512_movm_epi8(dopt__vote_word(base, stride, r, at, m)));
+        d = _mm512_sub_epi8(_mm512_set1_epi8((char)N), _mm512_add_epi8(c, c));
+        gt = _mm512_cmpgt_epi8_mask(d, _mm512_setzero_si512());
+        lt = _mm512_cmplt_epi8_mask(d, _mm512_setzero_si512());
+        for (q = 0; q < 4 && (size_t)(16 * q) < m; q++) {
+            __m512 f = _mm512_mask_mov_ps(_mm512_maskz_mov_ps((__mmask16)(gt >> 16 * q), pos), (__mmask16)(lt >> 16 * q), neg);
+            if ((size_t)(16 * q + 16) <= m)
+                _mm512_storeu_ps(y + 16 * q, f);
+            else
+                _mm512_mask_storeu_ps(y + 16 * q, (__mmask16)((1u << (m - 16 * (size_t)q)) - 1u), f);
+        }
+        return;
+    }
+#endif
+    for (t = 0; t < DOPT__BLOCK; t++) cnt[t] = 0;
+    for (r = 0; r < N; r++) {
+        uint64_t word = dopt__vote_word(base, stride, r, at, m);
+        for (t = 0; t < DOPT__BLOCK; t++) cnt[t] += (int)((word >> t) & 1u);
+    }
+    for (t = 0; t < m; t++) {
+        int d = N - 2 * cnt[t];
+        y[t] = (float)((d > 0) - (d < 0)) * v;
+    }
+}
+
+/* ===================================================================== THE CODEC TABLE
+
+   Every codec's part of a message in one row: how a segment's body is written, checked and
+   added into a sum, and the facts the rest of the file asks of a codec (the body's size is
+   dopt__body_bytes, from the functions beside the table).
+   Indexed by dopt_codec (dopt__config_resolve refuses any other value). The functions take a
+   segment at a time (a function pointer per segment, never per element). */
+
+/* What the ring carries for a codec: integer sums in planes (ternary, majority), running means
+   in fp16 or bf16 (64 values of 16 bits per group, little-endian), or nothing (the allgather
+   only). */
+enum { DOPT__RING_NONE = -1, DOPT__RING_INT = 0, DOPT__RING_F16 = 1, DOPT__RING_BF16 = 2 };
+
+/* Error feedback under DOPT_EF_AUTO, and whether DOPT_EF_OFF is allowed. */
+enum { DOPT__EF_DEFAULT_OFF = 0, DOPT__EF_DEFAULT_ON = 1, DOPT__EF_REQUIRED = 2 };
+
+/* Segment i being encoded: the codec writes its body (zero padding is written around it) and
+   sets a and b, its record's fields (WIRE FORMAT). */
+typedef struct dopt__seg_out {
+    size_t i, n;
+    const float *x;      /* its n values (p with error feedback) */
+    dopt_rng rng;        /* (seed, rank, step, segment) */
+    unsigned char *body;
+    uint32_t a, b;
+    int codes;           /* ternary: 0 leaves its codes to the ring's pipeline (dopt__pipe_encode) */
+} dopt__seg_out;
+
+/* A segment of a message whose record header said n elements, a and b. */
+typedef struct dopt__seg_in {
+    size_t n;
+    uint32_t a, b;
+    const unsigned char *body;
+} dopt__seg_in;
+
+typedef struct dopt__codec_ops {
+    const char *name; /* dopt_codec_name */
+    /* the body and the record's fields; 0 when the values hold a NaN, ±inf or a value the codec
+       cannot carry (the body is then partly written). NULL: the codec sends no messages */
+    int (*encode)(const dopt_compressor *cz, dopt__seg_out *s);
+    /* 1 when the record's fields and the body follow the format (every value finite) */
+    int (*check)(const dopt_compressor_config *cfg, const dopt__seg_in *s);
+    /* y[0..n) += weight · the values of a checked body */
+    void (*accum)(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y);
+    int ef;           /* DOPT__EF_*: error feedback by default, or always */
+    int ring;         /* DOPT__RING_*: what the ring carries of its messages */
+    /* TernGrad's scales: found (with the clip bounds) in a pass before any code is written and
+       shared by one allreduce MAX unless no_scale_sharing, which carries the non-finite verdict
+       too, so that the ring's pipeline may write the codes bucket by bucket; segments below
+       fp32_below go as fp32 (and off the ring) */
+    int shared_scale;
+    int vote;         /* the result is the sign of the ranks' sum times a magnitude, not their mean */
+    int u32_index;    /* indices on the wire are u32 (segments below 2^32 elements), chosen through
+                         a selection buffer as large as the largest segment */
+} dopt__codec_ops;
+
+static size_t dopt__tern_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    return n < cfg->fp32_below ? 4 * n : dopt__packed_bytes(n, 2);
+}
+
+/* Ternary: the scales and bounds are cz's (dopt__tern_scales found them finite). */
+static int dopt__tern_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    if (s->n < cz->cfg.fp32_below) {
+        s->a = 1;
+        if (s->n) memcpy(s->body, s->x, 4 * s->n);
+        return 1;
+    }
+    s->b = dopt__f32_bits(cz->scales[s->i]);
+    if (s->codes) dopt__tern_encode_segment(s->x, s->n, cz->bounds[s->i], cz->scales[s->i], &s->rng, s->body);
+    return 1;
+}
+
+static int dopt__tern_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    if (s->n < cfg->fp32_below) return s->a == 1 && s->b == 0 && dopt__f32_bytes_finite(s->body, s->n);
+    return s->a == 0 && dopt__scale_ok(s->b) && dopt__tern_check(s->body, s->n) == 0;
+}
+
+static void dopt__tern_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    float b = dopt__bits_f32(s->b);
+    if (s->n < cfg->fp32_below)
+        dopt__f32_accum(y, weight, s->body, s->n);
+    else
+        dopt__tern_accum(y, s->n, weight * b, s->body);
+}
+
+static size_t dopt__qsgd_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    return 4 * dopt__qsgd_nbuckets(n, cfg->qsgd_bucket) +
+           (dopt__qsgd_width(cfg->qsgd_levels) == 4 ? dopt__packed_bytes(n, 4) : n);
+}
+
+static int dopt__qsgd_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    s->a = (uint32_t)cz->cfg.qsgd_bucket;
+    s->b = cz->cfg.qsgd_levels;
+    return dopt__qsgd_encode_segment(s->x, s->n, cz->cfg.qsgd_bucket, cz->cfg.qsgd_levels, &s->rng, s->body);
+}
+
+static int dopt__qsgd_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    return s->a == (uint32_t)cfg->qsgd_bucket && s->b == cfg->qsgd_levels &&
+           dopt__qsgd_check(s->body, s->n, cfg->qsgd_bucket, cfg->qsgd_levels);
+}
+
+static void dopt__qsgd_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    dopt__qsgd_accum(y, s->n, cfg->qsgd_bucket, cfg->qsgd_levels, weight, s->body);
+}
+
+static size_t dopt__topk_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    return 8 * dopt__topk_k(n, cfg->topk_ratio);
+}
+
+static int dopt__topk_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    s->a = (uint32_t)dopt__topk_k(s->n, cz->cfg.topk_ratio);
+    return dopt__topk_encode_segment(s->x, s->n, s->a, cz->select, s->body);
+}
+
+static int dopt__topk_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    return s->a == (uint32_t)dopt__topk_k(s->n, cfg->topk_ratio) && s->b == 0 && dopt__topk_check(s->body, s->n, s->a);
+}
+
+static void dopt__topk_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    dopt__topk_accum(y, dopt__topk_k(s->n, cfg->topk_ratio), weight, s->body);
+}
+
+/* Sign and majority vote: the same message. */
+static size_t dopt__sign_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    (void)cfg;
+    return dopt__packed_bytes(n, 1);
+}
+
+static int dopt__sign_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    float scale;
+    int finite = dopt__sign_scale(s->x, s->n, &scale);
+    (void)cz;
+    s->b = dopt__f32_bits(scale);
+    if (finite) dopt__sign_encode_segment(s->x, s->n, s->body);
+    return finite;
+}
+
+/* Full blocks use every bit: only the tail can be malformed. */
+static int dopt__sign_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    uint8_t c[DOPT__BLOCK];
+    size_t full = s->n - s->n % DOPT__BLOCK;
+    (void)cfg;
+    if (!(s->a == 0 && dopt__scale_ok(s->b))) return 0;
+    return s->n == full || dopt__unpack_block(s->body + full / 8, s->n - full, 1, c) == 0;
+}
+
+static void dopt__sign_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    float b = dopt__bits_f32(s->b);
+    (void)cfg;
+    dopt__sign_accum(y, s->n, weight * b, s->body);
+}
+
+/* fp16, bf16 and fp32: the values, a and b 0. */
+static size_t dopt__half_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    (void)cfg;
+    return 2 * n;
+}
+
+static size_t dopt__f32_body_bytes(const dopt_compressor_config *cfg, size_t n) {
+    (void)cfg;
+    return 4 * n;
+}
+
+static int dopt__f16_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    (void)cz;
+    return dopt__f16_encode(s->x, s->body, s->n);
+}
+
+static int dopt__bf16_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    (void)cz;
+    return dopt__bf16_encode(s->x, s->body, s->n);
+}
+
+static int dopt__f32_encode_seg(const dopt_compressor *cz, dopt__seg_out *s) {
+    (void)cz;
+    return dopt__f32_encode(s->x, s->body, s->n);
+}
+
+static int dopt__f16_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    (void)cfg;
+    return s->a == 0 && s->b == 0 && dopt__u16_bytes_finite(s->body, s->n, DOPT__F16_INF);
+}
+
+static int dopt__bf16_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    (void)cfg;
+    return s->a == 0 && s->b == 0 && dopt__u16_bytes_finite(s->body, s->n, DOPT__BF16_INF);
+}
+
+static int dopt__f32_check_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s) {
+    (void)cfg;
+    return s->a == 0 && s->b == 0 && dopt__f32_bytes_finite(s->body, s->n);
+}
+
+static void dopt__f16_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    (void)cfg;
+    dopt__f16_accum(y, weight, s->body, s->n);
+}
+
+static void dopt__bf16_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    (void)cfg;
+    dopt__bf16_accum(y, weight, s->body, s->n);
+}
+
+static void dopt__f32_accum_seg(const dopt_compressor_config *cfg, const dopt__seg_in *s, float weight, float *y) {
+    (void)cfg;
+    dopt__f32_accum(y, weight, s->body, s->n);
+}
+
+static const dopt__codec_ops dopt__codecs[] = {
+    /* name, encode, check, accumulate,
+       error feedback, ring, shared_scale, vote, u32_index */
+    {"ternary", dopt__tern_encode_seg, dopt__tern_check_seg, dopt__tern_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_INT, 1, 0, 0},
+    {"qsgd", dopt__qsgd_encode_seg, dopt__qsgd_check_seg, dopt__qsgd_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_NONE, 0, 0, 0},
+    {"topk", dopt__topk_encode_seg, dopt__topk_check_seg, dopt__topk_accum_seg,
+     DOPT__EF_DEFAULT_ON, DOPT__RING_NONE, 0, 0, 1},
+    {"sign", dopt__sign_encode_seg, dopt__sign_check_seg, dopt__sign_accum_seg,
+     DOPT__EF_DEFAULT_ON, DOPT__RING_NONE, 0, 0, 0},
+    {"fp16", dopt__f16_encode_seg, dopt__f16_check_seg, dopt__f16_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_F16, 0, 0, 0},
+    {"bf16", dopt__bf16_encode_seg, dopt__bf16_check_seg, dopt__bf16_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_BF16, 0, 0, 0},
+    {"fp32", dopt__f32_encode_seg, dopt__f32_check_seg, dopt__f32_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_NONE, 0, 0, 0},
+    {"majority", dopt__sign_encode_seg, dopt__sign_check_seg, dopt__sign_accum_seg,
+     DOPT__EF_DEFAULT_OFF, DOPT__RING_INT, 0, 1, 0},
+    /* PowerSGD sends no messages (POWERSGD below): no encoder, checker or accumulator */
+    {"powersgd", NULL, NULL, NULL, DOPT__EF_REQUIRED, DOPT__RING_NONE, 0, 0, 0},
+};
+
+/* The row of a codec that dopt__config_resolve accepted. */
+static const dopt__codec_ops *dopt__codec(const dopt_compressor_config *cfg) { return &dopt__codecs[cfg->codec]; }
+
 /* ===================================================================== MESSAGE LAYOUT */
 
-/* Bytes of a segment's body before padding. */
+/* Bytes of a segment's body before padding. A switch rather than the table: the loops over
+   segments that ask it (the ring's walk, the averages, every record) should see it inline, and
+   a call through a pointer stays a call. */
 static size_t dopt__body_bytes(const dopt_compressor_config *cfg, size_t n) {
     switch (cfg->codec) {
-    case DOPT_CODEC_TERNARY: return n < cfg->fp32_below ? 4 * n : dopt__packed_bytes(n, 2);
-    case DOPT_CODEC_QSGD:
-        return 4 * dopt__qsgd_nbuckets(n, cfg->qsgd_bucket) +
-               (dopt__qsgd_width(cfg->qsgd_levels) == 4 ? dopt__packed_bytes(n, 4) : n);
-    case DOPT_CODEC_TOPK: return 8 * dopt__topk_k(n, cfg->topk_ratio);
+    case DOPT_CODEC_TERNARY: return dopt__tern_body_bytes(cfg, n);
+    case DOPT_CODEC_QSGD: return dopt__qsgd_body_bytes(cfg, n);
+    case DOPT_CODEC_TOPK: return dopt__topk_body_bytes(cfg, n);
     case DOPT_CODEC_SIGN:
-    case DOPT_CODEC_MAJORITY: return dopt__packed_bytes(n, 1);
+    case DOPT_CODEC_MAJORITY: return dopt__sign_body_bytes(cfg, n);
     case DOPT_CODEC_FP16:
-    case DOPT_CODEC_BF16: return 2 * n;
-    case DOPT_CODEC_FP32: return 4 * n;
+    case DOPT_CODEC_BF16: return dopt__half_body_bytes(cfg, n);
+    case DOPT_CODEC_FP32: return dopt__f32_body_bytes(cfg, n);
     case DOPT_CODEC_POWERSGD: break; /* no messages: POWERSGD below */
     }
     return 0;
@@ -1976,55 +2311,23 @@ static void dopt__tern_scales(dopt_compressor *cz, const dopt_buf *g) {
    dopt__tern_scales found finite; without tern_bodies its codes are left for the ring's pipeline
    to write (dopt__pipe_encode), the rest of the message written all the same. */
 static int dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank, unsigned char *out, int tern_bodies) {
+    const dopt__codec_ops *ops = dopt__codec(&cz->cfg);
     size_t i;
     unsigned char *p = out + DOPT_COMPRESS_HEADER_BYTES;
     dopt__write_header(cz, rank, out);
     for (i = 0; i < cz->nsegs; i++) {
         dopt_span sp = dopt_buf_segment(g, i);
-        size_t n = sp.count, body = dopt__body_bytes(&cz->cfg, n);
-        unsigned char *rec = p, *data = p + DOPT_COMPRESS_RECORD_BYTES;
-        uint32_t a = 0, b = 0;
-        int finite = 1;
-        dopt_rng rng;
-        dopt__seg_rng(cz, rank, i, &rng);
-        memset(data + body, 0, dopt__pad8(body) - body);
-        switch (cz->cfg.codec) {
-        case DOPT_CODEC_TERNARY:
-            if (n < cz->cfg.fp32_below) {
-                a = 1;
-                if (n) memcpy(data, sp.ptr, 4 * n);
-            } else {
-                b = dopt__f32_bits(cz->scales[i]);
-                if (tern_bodies) dopt__tern_encode_segment(sp.ptr, n, cz->bounds[i], cz->scales[i], &rng, data);
-            }
-            break;
-        case DOPT_CODEC_QSGD:
-            a = (uint32_t)cz->cfg.qsgd_bucket;
-            b = cz->cfg.qsgd_levels;
-            finite = dopt__qsgd_encode_segment(sp.ptr, n, cz->cfg.qsgd_bucket, cz->cfg.qsgd_levels, &rng, data);
-            break;
-        case DOPT_CODEC_TOPK:
-            a = (uint32_t)dopt__topk_k(n, cz->cfg.topk_ratio);
-            finite = dopt__topk_encode_segment(sp.ptr, n, a, cz->select, data);
-            break;
-        case DOPT_CODEC_SIGN:
-        case DOPT_CODEC_MAJORITY: {
-            float scale;
-            finite = dopt__sign_scale(sp.ptr, n, &scale);
-            b = dopt__f32_bits(scale);
-            if (finite) dopt__sign_encode_segment(sp.ptr, n, data);
-            break;
-        }
-        case DOPT_CODEC_FP16: finite = dopt__f16_encode(sp.ptr, data, n); break;
-        case DOPT_CODEC_BF16: finite = dopt__bf16_encode(sp.ptr, data, n); break;
-        case DOPT_CODEC_FP32: finite = dopt__f32_encode(sp.ptr, data, n); break;
-        case DOPT_CODEC_POWERSGD: break; /* no messages */
-        }
-        if (!finite) return 0;
-        dopt__put_le64(rec, (uint64_t)n);
-        dopt__put_le32(rec + 8, a);
-        dopt__put_le32(rec + 12, b);
-        p = data + dopt__pad8(body);
+        size_t body = dopt__body_bytes(&cz->cfg, sp.count);
+        dopt__seg_out so;
+        so.i = i, so.n = sp.count, so.x = sp.ptr, so.a = so.b = 0, so.codes = tern_bodies;
+        so.body = p + DOPT_COMPRESS_RECORD_BYTES;
+        dopt__seg_rng(cz, rank, i, &so.rng);
+        memset(so.body + body, 0, dopt__pad8(body) - body);
+        if (!ops->encode(cz, &so)) return 0;
+        dopt__put_le64(p, (uint64_t)so.n);
+        dopt__put_le32(p + 8, so.a);
+        dopt__put_le32(p + 12, so.b);
+        p = so.body + dopt__pad8(body);
     }
     return 1;
 }
@@ -2057,85 +2360,50 @@ static int dopt__flagged_nonfinite(const unsigned char *m) { return (m[6] & DOPT
 /* Checks every segment of a message whose header passed and that carries values; 1 when all
    follow the format. Every value must be finite: a rank's own NaN or infinity never reaches the
    wire (its message is flagged instead), so a non-finite value is malformed. */
+/* Segment i of a message, at p: its record's fields and its body. */
+static dopt__seg_in dopt__seg_at(const dopt_compressor *cz, size_t i, const unsigned char *p) {
+    dopt__seg_in si;
+    si.n = cz->segs[i].count;
+    si.a = dopt__get_le32(p + 8);
+    si.b = dopt__get_le32(p + 12);
+    si.body = p + DOPT_COMPRESS_RECORD_BYTES;
+    return si;
+}
+
 static int dopt__check_body(const dopt_compressor *cz, const unsigned char *m) {
     const dopt_compressor_config *cfg = &cz->cfg;
+    const dopt__codec_ops *ops = dopt__codec(cfg);
     const unsigned char *p = m + DOPT_COMPRESS_HEADER_BYTES;
     size_t i;
     /* The layout fixes every record's size, and the header checked the message's size, so every
        read below stays inside the message. */
     for (i = 0; i < cz->nsegs; i++) {
-        size_t n = cz->segs[i].count, body = dopt__body_bytes(cfg, n);
-        const unsigned char *data = p + DOPT_COMPRESS_RECORD_BYTES;
-        uint32_t a = dopt__get_le32(p + 8), b = dopt__get_le32(p + 12);
-        int ok = dopt__get_le64(p) == (uint64_t)n && dopt__zero_bytes(data + body, dopt__pad8(body) - body);
-        switch (cfg->codec) {
-        case DOPT_CODEC_TERNARY:
-            if (n < cfg->fp32_below)
-                ok = ok && a == 1 && b == 0 && dopt__f32_bytes_finite(data, n);
-            else
-                ok = ok && a == 0 && dopt__scale_ok(b) && dopt__tern_check(data, n) == 0;
-            break;
-        case DOPT_CODEC_QSGD:
-            ok = ok && a == (uint32_t)cfg->qsgd_bucket && b == cfg->qsgd_levels &&
-                 dopt__qsgd_check(data, n, cfg->qsgd_bucket, cfg->qsgd_levels);
-            break;
-        case DOPT_CODEC_TOPK:
-            ok = ok && a == (uint32_t)dopt__topk_k(n, cfg->topk_ratio) && b == 0 && dopt__topk_check(data, n, a);
-            break;
-        case DOPT_CODEC_SIGN:
-        case DOPT_CODEC_MAJORITY: {
-            uint8_t c[DOPT__BLOCK];
-            size_t j;
-            ok = ok && a == 0 && dopt__scale_ok(b);
-            j = n - n % DOPT__BLOCK; /* full blocks use every bit: only the tail can be malformed */
-            if (ok && n > j) ok = dopt__unpack_block(data + j / 8, n - j, 1, c) == 0;
-            break;
-        }
-        case DOPT_CODEC_FP16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__F16_INF); break;
-        case DOPT_CODEC_BF16: ok = ok && a == 0 && b == 0 && dopt__u16_bytes_finite(data, n, DOPT__BF16_INF); break;
-        case DOPT_CODEC_FP32: ok = ok && a == 0 && b == 0 && dopt__f32_bytes_finite(data, n); break;
-        case DOPT_CODEC_POWERSGD: ok = 0; break; /* no messages */
-        }
-        if (!ok) return 0;
-        p = data + dopt__pad8(body);
+        dopt__seg_in si = dopt__seg_at(cz, i, p);
+        size_t body = dopt__body_bytes(cfg, si.n);
+        if (!(dopt__get_le64(p) == (uint64_t)si.n && dopt__zero_bytes(si.body + body, dopt__pad8(body) - body) &&
+              ops->check(cfg, &si)))
+            return 0;
+        p = si.body + dopt__pad8(body);
     }
     return 1;
 }
 
 /* Adds weight · C(g) of a validated message into accum. */
 static void dopt__accumulate(const dopt_compressor *cz, const unsigned char *m, float weight, const dopt_buf *accum) {
-    const dopt_compressor_config *cfg = &cz->cfg;
+    const dopt__codec_ops *ops = dopt__codec(&cz->cfg);
     const unsigned char *p = m + DOPT_COMPRESS_HEADER_BYTES;
     size_t i;
     for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(accum, i);
-        size_t n = sp.count, body = dopt__body_bytes(cfg, n);
-        const unsigned char *data = p + DOPT_COMPRESS_RECORD_BYTES;
-        float b = dopt__bits_f32(dopt__get_le32(p + 12));
-        switch (cfg->codec) {
-        case DOPT_CODEC_TERNARY:
-            if (n < cfg->fp32_below)
-                dopt__f32_accum(sp.ptr, weight, data, n);
-            else
-                dopt__tern_accum(sp.ptr, n, weight * b, data);
-            break;
-        case DOPT_CODEC_QSGD: dopt__qsgd_accum(sp.ptr, n, cfg->qsgd_bucket, cfg->qsgd_levels, weight, data); break;
-        case DOPT_CODEC_TOPK: dopt__topk_accum(sp.ptr, body / 8, weight, data); break;
-        case DOPT_CODEC_SIGN:
-        case DOPT_CODEC_MAJORITY: dopt__sign_accum(sp.ptr, n, weight * b, data); break;
-        case DOPT_CODEC_FP16: dopt__f16_accum(sp.ptr, weight, data, n); break;
-        case DOPT_CODEC_BF16: dopt__bf16_accum(sp.ptr, weight, data, n); break;
-        case DOPT_CODEC_FP32: dopt__f32_accum(sp.ptr, weight, data, n); break;
-        case DOPT_CODEC_POWERSGD: break; /* no messages */
-        }
-        p = data + dopt__pad8(body);
+        dopt__seg_in si = dopt__seg_at(cz, i, p);
+        ops->accum(&cz->cfg, &si, weight, dopt_buf_segment(accum, i).ptr);
+        p = si.body + dopt__pad8(dopt__body_bytes(&cz->cfg, si.n));
     }
 }
 
 DOPT_DEF dopt_status dopt_compress_decode(const dopt_compressor *cz, const void *msg, size_t bytes, float weight,
                                           const dopt_buf *accum) {
     if (cz == NULL || cz->segs == NULL || accum == NULL || (msg == NULL && bytes > 0)) return DOPT_ERR_INVALID;
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return DOPT_ERR_UNSUPPORTED; /* two rounds, no message */
+    if (dopt__codec(&cz->cfg)->encode == NULL) return DOPT_ERR_UNSUPPORTED; /* PowerSGD: two rounds, no message */
     if (!dopt__segment_matches(cz, accum)) return DOPT_ERR_INVALID;
     if (msg == NULL || dopt__check_header(cz, (const unsigned char *)msg, bytes) < 0) return DOPT_ERR_PROTOCOL;
     if (dopt__flagged_nonfinite((const unsigned char *)msg)) return DOPT_ERR_NONFINITE;
@@ -2191,7 +2459,7 @@ static const char *dopt__compress_label(dopt_comm *comm, const char *api) {
 }
 
 static int dopt__shares_scales(const dopt_compressor *cz) {
-    return cz->cfg.codec == DOPT_CODEC_TERNARY && !cz->cfg.no_scale_sharing;
+    return dopt__codec(&cz->cfg)->shared_scale && !cz->cfg.no_scale_sharing;
 }
 
 /* This rank's message of grads into out: p = g + e with error feedback (in the work buffer),
@@ -2203,7 +2471,7 @@ static dopt_status dopt__encode_local(dopt_compressor *cz, const dopt_buf *grads
                                       dopt_comm *share, int tern_bodies) {
     dopt_buf p = *grads;
     if (cz->ef) p = dopt__ef_prepare(cz, grads);
-    if (cz->cfg.codec == DOPT_CODEC_TERNARY) {
+    if (dopt__codec(&cz->cfg)->shared_scale) {
         dopt__tern_scales(cz, &p);
         /* Step 3, scale sharing: one allreduce MAX of the scales and the non-finite flag. */
         if (share != NULL && dopt__shares_scales(cz)) {
@@ -2230,16 +2498,13 @@ static void dopt__commit(dopt_compressor *cz, const unsigned char *own) {
     cz->step++;
 }
 
-/* PowerSGD's step (POWERSGD below): two allreduces instead of a message exchange. */
-static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads);
-
 DOPT_DEF size_t dopt_compress_bound(const dopt_compressor *cz) { return cz ? cz->msg_bytes : 0; }
 
 DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *grads, void *out, size_t capacity,
                                           size_t *bytes) {
     dopt_status s;
     if (cz == NULL || cz->segs == NULL || grads == NULL || out == NULL || bytes == NULL) return DOPT_ERR_INVALID;
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return DOPT_ERR_UNSUPPORTED; /* two rounds, no message */
+    if (dopt__codec(&cz->cfg)->encode == NULL) return DOPT_ERR_UNSUPPORTED; /* PowerSGD: two rounds, no message */
     if (capacity < cz->msg_bytes || !dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
     s = dopt__encode_local(cz, grads, cz->rank, (unsigned char *)out, NULL, 1);
     *bytes = cz->msg_bytes; /* the flagged message too: a peer that decodes it learns the verdict */
@@ -2247,74 +2512,495 @@ DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *g
     return s;
 }
 
-/* ===================================================================== COMPRESSED ALLREDUCE */
+/* ===================================================================== POWERSGD */
 
-static dopt_status dopt__gather_room(dopt_compressor *cz, int ranks) {
-    unsigned char *g;
-    if ((size_t)ranks <= cz->gather_ranks) return DOPT_OK;
-    if (cz->msg_bytes > SIZE_MAX / (size_t)ranks) return DOPT_ERR_NOMEM;
-    g = (unsigned char *)DOPT_MALLOC(cz->msg_bytes * (size_t)ranks);
-    if (g == NULL) return DOPT_ERR_NOMEM;
-    DOPT_FREE(cz->gather);
-    cz->gather = g;
-    cz->gather_ranks = (size_t)ranks;
-    return DOPT_OK;
+/* PowerSGD (Vogels, Karimireddy, Jaggi 2019; DESIGN §5.7), per compressed matrix M (rows × cols,
+   row-major) of a rank, with its residual E: M ← g + E; P = M·Q; P ← mean of P over the ranks;
+   P's columns made orthonormal; Q ← Mᵀ·P; Q ← mean of Q; output M̂ = P·Qᵀ; E ← M − M̂. Q stays
+   from one step to the next (the warm start: one step of subspace iteration per step). Two
+   allreduces (DOPT_MEAN of f32) per step, in cz->msg: the first carries [every P | the other
+   segments' values | a flag], psgd_np floats; the second [every Q | a flag], psgd_nq + 1. A flag
+   is 1 on a rank that cannot go on, so its mean is not 0 on every rank alike. Everything after
+   an allreduce is computed from the bytes every rank holds, by the same code in the same order:
+   every rank writes the same output. */
+
+#define DOPT__PSGD_MAX_RANK 64u
+/* |x| at or above 2^64 in M, P or Q — and NaN, ±inf — stops the step (NON-FINITE GRADIENTS):
+   below it every product the step makes stays far from overflowing (|P̂| <= 1, so |M̂| <=
+   r·2^64·(1 + ε) and |E| < 2^71). */
+#define DOPT__PSGD_LIMIT_BITS 0x5F800000u
+#define DOPT__PSGD_Q_STREAM ((uint64_t)1 << 63) /* Q's first draw: stream 2^63 + segment */
+
+/* Rows of segment i when PowerSGD compresses it, else 0: a matrix with r·(rows + cols) < count
+   (the factors are smaller than the matrix) and count >= powersgd_min. */
+static size_t dopt__psgd_rows(const dopt_compressor *cz, size_t i) {
+    size_t rows = cz->segs[i].rows, n = cz->segs[i].count;
+    if (cz->cfg.codec != DOPT_CODEC_POWERSGD || rows == 0 || n == 0 || n < cz->cfg.powersgd_min) return 0;
+    return rows + n / rows <= (n - 1) / cz->cfg.powersgd_rank ? rows : 0; /* r·(rows + cols) < n, no overflow */
 }
 
-/* The average of the N validated ternary messages in the gather buffer into grads. A segment
-   whose N scales are bitwise equal (scale sharing) is summed as integer counts: y = count · v,
-   v = weight · s. Others (fp32 segments, scales not shared) are zeroed and accumulate the
-   messages in rank order, y += (weight · s_r) · t_r. Either way every rank computes the same
-   bytes. */
-static void dopt__tern_average(dopt_compressor *cz, int nmsg, float weight, const dopt_buf *grads) {
-    const uint8_t *data[DOPT__TERN_SUM_MAX];
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
-    int r;
+/* n numbers uniform in [−1, 1) from words first.. of rng: 24 bits each, exact as floats. */
+static void dopt__psgd_uniform(const dopt_rng *rng, uint64_t first, float *out, size_t n) {
+    size_t i;
+    dopt_rng_uniform(rng, first, out, n);
+    for (i = 0; i < n; i++) out[i] = 2.0f * out[i] - 1.0f;
+}
+
+/* The products, row-major: P = M·Q (rows × r), Q = Mᵀ·P (cols × r), M̂ = P·Qᵀ (rows × cols).
+   OpenBLAS's sgemm with DOPT_USE_BLAS, plain loops otherwise; either way in float, the sums in
+   an order fixed by the sizes alone. */
+static void dopt__psgd_mq(const float *m, size_t rows, size_t cols, const float *q, size_t r, float *p) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)r, (int)cols, 1.0f, m, (int)cols, q,
+                (int)r, 0.0f, p, (int)r);
+#else
+    size_t i, j, k;
+    for (i = 0; i < rows; i++) {
+        const float *mi = m + i * cols;
+        float *pi = p + i * r;
+        for (k = 0; k < r; k++) pi[k] = 0.0f;
+        for (j = 0; j < cols; j++)
+            for (k = 0; k < r; k++) pi[k] += mi[j] * q[j * r + k];
+    }
+#endif
+}
+
+static void dopt__psgd_mtp(const float *m, size_t rows, size_t cols, const float *p, size_t r, float *q) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)cols, (int)r, (int)rows, 1.0f, m, (int)cols, p,
+                (int)r, 0.0f, q, (int)r);
+#else
+    size_t i, j, k;
+    for (j = 0; j < cols * r; j++) q[j] = 0.0f;
+    for (i = 0; i < rows; i++) {
+        const float *mi = m + i * cols, *pi = p + i * r;
+        for (j = 0; j < cols; j++)
+            for (k = 0; k < r; k++) q[j * r + k] += mi[j] * pi[k];
+    }
+#endif
+}
+
+static void dopt__psgd_pqt(const float *p, size_t rows, size_t cols, const float *q, size_t r, float *out) {
+#ifdef DOPT__BLAS
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)cols, (int)r, 1.0f, p, (int)r, q, (int)r,
+                0.0f, out, (int)cols);
+#else
+    size_t i, j, k;
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < cols; j++) {
+            float acc = 0.0f; /* not p·q alone for r = 1: E = M − M̂ must not fuse with it */
+            for (k = 0; k < r; k++) acc += p[i * r + k] * q[j * r + k];
+            out[i * cols + j] = acc;
+        }
+#endif
+}
+
+/* Modified Gram–Schmidt on column j of v (columns of `rows` doubles, one after another): made
+   orthogonal to columns 0 .. j−1, which are orthonormal, one at a time in that order, then
+   normalised. Returns 0, leaving it unnormalised, when its norm fell to 1e-10 of what it was (or
+   it was zero): it lay in their span, and normalising the rounding left would be noise. */
+static int dopt__psgd_gs_column(double *v, size_t rows, size_t j) {
+    double *x = v + j * rows, n0 = 0.0, n = 0.0, d;
+    size_t i, k;
+    for (k = 0; k < rows; k++) n0 += x[k] * x[k];
+    for (i = 0; i < j; i++) {
+        const double *u = v + i * rows;
+        for (d = 0.0, k = 0; k < rows; k++) d += u[k] * x[k];
+        for (k = 0; k < rows; k++) x[k] -= d * u[k];
+    }
+    for (k = 0; k < rows; k++) n += x[k] * x[k];
+    if (!(n > 1e-20 * n0)) return 0; /* norms squared: 1e-10 relative; n0 = 0 too */
+    n = sqrt(n);
+    for (k = 0; k < rows; k++) x[k] /= n;
+    return 1;
+}
+
+/* A column that Gram–Schmidt could not keep (zero, or in the span of those before it) becomes a
+   random one, orthonormalised the same way: the same on every rank (seed, step and segment
+   decide it), and never zero, so that Q = Mᵀ·P stays able to grow back and the warm start does
+   not stall on a zero column. Uniform (−1, 1) numbers keyed by (seed, rank 0), stream
+   step·2^32 + segment, words (attempt·r + j)·rows ..; the fourth failure leaves zeros (four
+   random vectors within the span of j < rows columns: never in practice). */
+static void dopt__psgd_replace_column(const dopt_compressor *cz, size_t seg, double *v, size_t rows, size_t j) {
+    float draw[DOPT__BLOCK];
+    double *x = v + j * rows;
+    dopt_rng rng;
+    uint64_t attempt, first;
+    size_t k, take, t;
+    dopt_rng_init(&rng, cz->cfg.seed, 0, (cz->step << 32) | (uint64_t)seg);
+    for (attempt = 0; attempt < 4; attempt++) {
+        first = (attempt * cz->cfg.powersgd_rank + j) * rows;
+        for (k = 0; k < rows; k += take) {
+            take = rows - k < DOPT__BLOCK ? rows - k : DOPT__BLOCK;
+            dopt__psgd_uniform(&rng, first + k, draw, take);
+            for (t = 0; t < take; t++) x[k + t] = (double)draw[t];
+        }
+        if (dopt__psgd_gs_column(v, rows, j)) return;
+    }
+    memset(x, 0, rows * sizeof(double));
+}
+
+/* P (rows × r, row-major, the mean every rank holds) gets orthonormal columns, computed in
+   double in plain C (no threaded library: the order of every sum is fixed), columns in the order
+   0, 1, ..., r−1. */
+static void dopt__psgd_orthonormalize(const dopt_compressor *cz, size_t seg, float *p, size_t rows) {
+    size_t r = cz->cfg.powersgd_rank, i, j;
+    double *v = cz->psgd_gs;
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < r; j++) v[j * rows + i] = (double)p[i * r + j];
+    for (j = 0; j < r; j++)
+        if (!dopt__psgd_gs_column(v, rows, j)) dopt__psgd_replace_column(cz, seg, v, rows, j);
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < r; j++) p[i * r + j] = (float)v[j * rows + i];
+}
+
+/* The first allreduce's buffer: every compressed matrix's P = M·Q and the other segments' M, in
+   segment order, M = g + e in the work buffer. 0 when a rank cannot go on (NaN or ±inf
+   anywhere, |x| >= 2^64 in a compressed matrix or its P): the buffer is then zeros. */
+static int dopt__psgd_first(dopt_compressor *cz, float *a) {
+    const float *m = cz->work, *q = cz->psgd_q;
+    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
+    float *out = a;
+    for (i = 0; i < cz->nsegs; i++, m += n) {
+        n = cz->segs[i].count;
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            if (dopt__absbits_max(m, n) > DOPT__F32_MAX_BITS) break;
+            if (n) memcpy(out, m, n * sizeof(float));
+            out += n;
+            continue;
+        }
+        cols = n / rows;
+        if (dopt__absbits_max(m, n) >= DOPT__PSGD_LIMIT_BITS) break;
+        dopt__psgd_mq(m, rows, cols, q, r, out);
+        if (dopt__absbits_max(out, rows * r) >= DOPT__PSGD_LIMIT_BITS) break;
+        out += rows * r;
+        q += cols * r;
+    }
+    if (i == cz->nsegs) return 1;
+    memset(a, 0, cz->psgd_np * sizeof(float));
+    return 0;
+}
+
+/* After the first allreduce: each mean P (in a) orthonormalised in place, and the second
+   allreduce's buffer b: every compressed matrix's Q = Mᵀ·P. 0 when a Q holds |x| >= 2^64 (or
+   NaN, ±inf): b is then zeros. */
+static int dopt__psgd_second(dopt_compressor *cz, float *a, float *b) {
+    const float *m = cz->work;
+    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
+    float *q = b;
+    for (i = 0; i < cz->nsegs; i++, m += n) {
+        n = cz->segs[i].count;
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            a += n;
+            continue;
+        }
+        cols = n / rows;
+        dopt__psgd_orthonormalize(cz, i, a, rows);
+        dopt__psgd_mtp(m, rows, cols, a, r, q);
+        if (dopt__absbits_max(q, cols * r) >= DOPT__PSGD_LIMIT_BITS) {
+            memset(b, 0, cz->psgd_nq * sizeof(float));
+            return 0;
+        }
+        a += rows * r;
+        q += cols * r;
+    }
+    return 1;
+}
+
+/* The step is done on every rank: grads gets M̂ = P·Qᵀ (compressed matrices) or the mean (the
+   others), E = M − M̂ (0 for the others, sent exactly), Q is kept for the next step. */
+static void dopt__psgd_commit(dopt_compressor *cz, const float *a, const float *b, const dopt_buf *grads) {
+    size_t r = cz->cfg.powersgd_rank, i, k, rows, cols, off = 0;
+    float *q = cz->psgd_q;
     for (i = 0; i < cz->nsegs; i++) {
         dopt_span sp = dopt_buf_segment(grads, i);
-        size_t n = sp.count, body = dopt__body_bytes(&cz->cfg, n);
-        const unsigned char *rec0 = cz->gather + off;
-        int shared = n >= cz->cfg.fp32_below;
-        for (r = 0; r < nmsg; r++) {
-            const unsigned char *rec = cz->gather + (size_t)r * cz->msg_bytes + off;
-            data[r] = rec + DOPT_COMPRESS_RECORD_BYTES;
-            shared = shared && dopt__get_le32(rec + 12) == dopt__get_le32(rec0 + 12);
+        float *e = cz->residual + off;
+        const float *m = cz->work + off;
+        rows = dopt__psgd_rows(cz, i);
+        off += sp.count;
+        if (rows == 0) {
+            if (sp.count) memcpy(sp.ptr, a, sp.count * sizeof(float));
+            if (sp.count) memset(e, 0, sp.count * sizeof(float));
+            a += sp.count;
+            continue;
         }
-        if (shared) {
-            dopt__tern_sum(sp.ptr, n, weight * dopt__bits_f32(dopt__get_le32(rec0 + 12)), data, nmsg);
-        } else if (n) {
-            memset(sp.ptr, 0, n * sizeof(float));
-            for (r = 0; r < nmsg; r++) {
-                float b = dopt__bits_f32(dopt__get_le32(data[r] - 4));
-                if (n < cz->cfg.fp32_below) {
-                    dopt__f32_accum(sp.ptr, weight, data[r], n);
-                } else {
-                    dopt__tern_accum(sp.ptr, n, weight * b, data[r]);
-                }
-            }
-        }
-        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(body);
+        cols = sp.count / rows;
+        dopt__psgd_pqt(a, rows, cols, b, r, sp.ptr);
+        for (k = 0; k < sp.count; k++) e[k] = m[k] - sp.ptr[k];
+        memcpy(q, b, cols * r * sizeof(float));
+        a += rows * r;
+        b += cols * r;
+        q += cols * r;
     }
+    cz->step++;
 }
 
-/* The verdict on the N gathered messages, the same on every rank since every rank holds the same
-   bytes: DOPT_ERR_PROTOCOL for a header that does not follow the format (or names another rank),
-   then DOPT_ERR_NONFINITE when a message is flagged (no body is read), then DOPT_ERR_PROTOCOL for
-   a body that does not follow it. */
-static dopt_status dopt__gathered_verdict(const dopt_compressor *cz, int nmsg) {
-    int r, nonfinite = 0;
-    for (r = 0; r < nmsg; r++) {
-        const unsigned char *m = cz->gather + (size_t)r * cz->msg_bytes;
-        if (dopt__check_header(cz, m, cz->msg_bytes) != (long)r) return DOPT_ERR_PROTOCOL;
-        nonfinite |= dopt__flagged_nonfinite(m);
-    }
-    if (nonfinite) return DOPT_ERR_NONFINITE;
-    for (r = 0; r < nmsg; r++)
-        if (!dopt__check_body(cz, cz->gather + (size_t)r * cz->msg_bytes)) return DOPT_ERR_PROTOCOL;
+static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
+    float *a = (float *)(void *)cz->msg, *b = a + cz->psgd_np;
+    const char *prev;
+    dopt_status s;
+    cz->gathered = 0;
+    cz->rank = comm->rank;
+    dopt__ef_prepare(cz, grads); /* M = g + e, every segment, into the work buffer */
+    a[cz->psgd_np - 1] = dopt__psgd_first(cz, a) ? 0.0f : 1.0f;
+    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's P");
+    s = dopt_allreduce(comm, a, cz->psgd_np, DOPT_F32, DOPT_MEAN);
+    dopt_comm_set_api(comm, prev);
+    if (s != DOPT_OK) return s;
+    if (a[cz->psgd_np - 1] != 0.0f) return DOPT_ERR_NONFINITE;
+    b[cz->psgd_nq] = dopt__psgd_second(cz, a, b) ? 0.0f : 1.0f;
+    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's Q");
+    s = dopt_allreduce(comm, b, cz->psgd_nq + 1, DOPT_F32, DOPT_MEAN);
+    dopt_comm_set_api(comm, prev);
+    if (s != DOPT_OK) return s;
+    if (b[cz->psgd_nq] != 0.0f) return DOPT_ERR_NONFINITE;
+    dopt__psgd_commit(cz, a, b, grads);
     return DOPT_OK;
 }
 
-/* ===================================================================== INTEGER RING (TERNARY SUMS)
+/* At init: the sizes of the two allreduces, the Gram–Schmidt workspace, and every compressed
+   matrix's first Q, uniform in (−1, 1) from (seed, rank 0): the same on every rank. A
+   compressed matrix must have rows and cols below 2^31 (sgemm takes int). */
+static dopt_status dopt__psgd_init(dopt_compressor *cz) {
+    size_t r = cz->cfg.powersgd_rank, i, rows, cols, tallest = 0, nq = 0;
+    float *q;
+    dopt_rng rng;
+    cz->psgd_np = 1;
+    for (i = 0; i < cz->nsegs; i++) {
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            cz->psgd_np += cz->segs[i].count;
+            continue;
+        }
+        cols = cz->segs[i].count / rows;
+        if (rows > INT_MAX || cols > INT_MAX) return DOPT_ERR_INVALID;
+        cz->psgd_np += rows * r;
+        nq += cols * r;
+        tallest = rows > tallest ? rows : tallest;
+        cz->psgd_nmat++;
+    }
+    cz->psgd_nq = nq;
+    cz->psgd_q = (float *)DOPT_MALLOC((nq ? nq : 1) * sizeof(float));
+    cz->psgd_gs = (double *)DOPT_MALLOC((tallest ? tallest * r : 1) * sizeof(double));
+    if (cz->psgd_q == NULL || cz->psgd_gs == NULL) return DOPT_ERR_NOMEM;
+    for (q = cz->psgd_q, i = 0; i < cz->nsegs; i++) {
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        cols = cz->segs[i].count / rows;
+        dopt_rng_init(&rng, cz->cfg.seed, 0, DOPT__PSGD_Q_STREAM | (uint64_t)i);
+        dopt__psgd_uniform(&rng, 0, q, cols * r);
+        q += cols * r;
+    }
+    return DOPT_OK;
+}
+
+/* PowerSGD's part of the state, after the residual: u32 r, u32 compressed matrices, a 16-byte
+   record per matrix (u32 segment, u32 0, u64 rows), then every Q (cols × r f32). */
+static size_t dopt__psgd_state_bytes(const dopt_compressor *cz) {
+    return cz->cfg.codec == DOPT_CODEC_POWERSGD ? 8 + 16 * cz->psgd_nmat + 4 * cz->psgd_nq : 0;
+}
+
+static void dopt__psgd_state_save(const dopt_compressor *cz, unsigned char *o) {
+    size_t i;
+    dopt__put_le32(o, (uint32_t)cz->cfg.powersgd_rank);
+    dopt__put_le32(o + 4, (uint32_t)cz->psgd_nmat);
+    o += 8;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        dopt__put_le32(o, (uint32_t)i);
+        dopt__put_le32(o + 4, 0);
+        dopt__put_le64(o + 8, (uint64_t)rows);
+        o += 16;
+    }
+    if (cz->psgd_nq) memcpy(o, cz->psgd_q, 4 * cz->psgd_nq);
+}
+
+/* 1 when p holds this compressor's PowerSGD part: its r, its compressed matrices, finite Q's. */
+static int dopt__psgd_state_ok(const dopt_compressor *cz, const unsigned char *p) {
+    size_t i;
+    if (dopt__get_le32(p) != (uint32_t)cz->cfg.powersgd_rank || dopt__get_le32(p + 4) != (uint32_t)cz->psgd_nmat)
+        return 0;
+    p += 8;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) continue;
+        if (dopt__get_le32(p) != (uint32_t)i || dopt__get_le32(p + 4) != 0 || dopt__get_le64(p + 8) != (uint64_t)rows)
+            return 0;
+        p += 16;
+    }
+    return dopt__f32_bytes_finite(p, cz->psgd_nq);
+}
+
+static void dopt__psgd_state_load(dopt_compressor *cz, const unsigned char *p) {
+    if (cz->psgd_nq) memcpy(cz->psgd_q, p + 8 + 16 * cz->psgd_nmat, 4 * cz->psgd_nq);
+}
+
+/* ===================================================================== STATE SAVE / LOAD */
+
+#define DOPT__STATE_MAGIC 0x53504F44u /* "DOPS" */
+#define DOPT__STATE_VERSION 1 /* its own number: the state's format did not change with the wire's */
+#define DOPT__STATE_HEADER 32
+
+DOPT_DEF size_t dopt_compress_state_bytes(const dopt_compressor *cz) {
+    if (cz == NULL) return 0;
+    return DOPT__STATE_HEADER + (cz->ef ? 4 * cz->count : 0) + dopt__psgd_state_bytes(cz);
+}
+
+DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity) {
+    unsigned char *o = (unsigned char *)out;
+    if (cz == NULL || out == NULL || capacity < dopt_compress_state_bytes(cz)) return DOPT_ERR_INVALID;
+    memset(o, 0, DOPT__STATE_HEADER);
+    dopt__put_le32(o, DOPT__STATE_MAGIC);
+    o[4] = DOPT__STATE_VERSION;
+    o[5] = (unsigned char)cz->cfg.codec;
+    o[6] = (unsigned char)cz->ef;
+    dopt__put_le64(o + 8, (uint64_t)cz->count);
+    dopt__put_le64(o + 16, cz->step);
+    if (cz->ef && cz->count) memcpy(o + DOPT__STATE_HEADER, cz->residual, 4 * cz->count);
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_save(cz, o + DOPT__STATE_HEADER + 4 * cz->count);
+    return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *in, size_t bytes) {
+    const unsigned char *p = (const unsigned char *)in;
+    if (cz == NULL || (in == NULL && bytes > 0)) return DOPT_ERR_INVALID;
+    if (bytes != dopt_compress_state_bytes(cz) || dopt__get_le32(p) != DOPT__STATE_MAGIC ||
+        p[4] != DOPT__STATE_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
+        p[7] != 0 || dopt__get_le64(p + 8) != (uint64_t)cz->count || !dopt__zero_bytes(p + 24, 8))
+        return DOPT_ERR_PROTOCOL;
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD && !dopt__psgd_state_ok(cz, p + DOPT__STATE_HEADER + 4 * cz->count))
+        return DOPT_ERR_PROTOCOL;
+    if (cz->ef && cz->count) {
+        if (!dopt__f32_bytes_finite(p + DOPT__STATE_HEADER, cz->count)) return DOPT_ERR_PROTOCOL;
+        memcpy(cz->residual, p + DOPT__STATE_HEADER, 4 * cz->count);
+    }
+    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_load(cz, p + DOPT__STATE_HEADER + 4 * cz->count);
+    cz->step = dopt__get_le64(p + 16);
+    return DOPT_OK;
+}
+
+/* ===================================================================== INIT AND FREE */
+
+DOPT_DEF const char *dopt_codec_name(dopt_codec codec) {
+    return (unsigned)codec < sizeof dopt__codecs / sizeof dopt__codecs[0] ? dopt__codecs[codec].name : "?";
+}
+
+#define DOPT__RING_MAX_BUCKETS 64 /* ring_buckets, at most (the ring's pipeline) */
+
+static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
+    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_POWERSGD || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF ||
+        (unsigned)c->aggregate > (unsigned)DOPT_AGG_RING || (unsigned)c->majority_l1 > 1u)
+        return DOPT_ERR_INVALID;
+    /* NaN first, by its bits: under -ffast-math GCC compiles x == 0 so that it holds for NaN, which
+       would then take the default */
+    if (dopt__is_nan(c->clip_c) || dopt__is_nan(c->topk_ratio)) return DOPT_ERR_INVALID;
+    if (c->clip_c == 0.0f) c->clip_c = 2.5f;
+    if (!dopt__is_finite(c->clip_c) && c->clip_c > 0.0f) return DOPT_ERR_INVALID;
+    if (c->clip_c < 0.0f) c->clip_c = DOPT_CLIP_OFF;
+    if (c->qsgd_levels == 0) c->qsgd_levels = 7;
+    if (c->qsgd_levels > 127) return DOPT_ERR_INVALID;
+    if (c->qsgd_bucket == 0) c->qsgd_bucket = 512;
+    if (c->qsgd_bucket > UINT32_MAX) return DOPT_ERR_INVALID;
+    if (c->topk_ratio == 0.0) c->topk_ratio = 0.01;
+    if (!(c->topk_ratio > 0.0 && c->topk_ratio <= 1.0)) return DOPT_ERR_INVALID;
+    if (c->rank < 0) return DOPT_ERR_INVALID;
+    if (c->powersgd_rank == 0) c->powersgd_rank = 2;
+    if (c->powersgd_rank > DOPT__PSGD_MAX_RANK) return DOPT_ERR_INVALID;
+    if (c->powersgd_min == 0) c->powersgd_min = 4096;
+    if (c->ring_buckets < 0 || c->ring_buckets > DOPT__RING_MAX_BUCKETS) return DOPT_ERR_INVALID;
+    /* PowerSGD without its error feedback does not converge well (Vogels et al. 2019, §4.1) */
+    if (dopt__codec(c)->ef == DOPT__EF_REQUIRED && c->error_feedback == DOPT_EF_OFF) return DOPT_ERR_INVALID;
+    return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
+                                          const dopt_segment *segs, size_t nsegs) {
+    dopt_compressor_config c;
+    size_t i, max_seg = 0, count = 0, end = 0, table;
+    if (cz == NULL) return DOPT_ERR_INVALID;
+    memset(cz, 0, sizeof *cz);
+    if (segs == NULL || nsegs == 0 || nsegs > UINT32_MAX) return DOPT_ERR_INVALID;
+    if (cfg)
+        c = *cfg;
+    else
+        memset(&c, 0, sizeof c);
+    if (dopt__config_resolve(&c) != DOPT_OK) return DOPT_ERR_INVALID;
+    for (i = 0; i < nsegs; i++) { /* increasing, non-overlapping, no overflow */
+        if (segs[i].offset < end || segs[i].count > SIZE_MAX - segs[i].offset) return DOPT_ERR_INVALID;
+        end = segs[i].offset + segs[i].count;
+        count += segs[i].count;
+        max_seg = segs[i].count > max_seg ? segs[i].count : max_seg;
+        if (dopt__codec(&c)->u32_index && segs[i].count > UINT32_MAX) return DOPT_ERR_INVALID;
+        if (c.codec == DOPT_CODEC_POWERSGD && segs[i].rows != 0 && segs[i].count % segs[i].rows != 0)
+            return DOPT_ERR_INVALID; /* not rows × cols (other codecs never read rows) */
+    }
+    if (count > SIZE_MAX / 8) return DOPT_ERR_INVALID;
+    cz->cfg = c;
+    cz->rank = c.rank;
+    cz->nsegs = nsegs;
+    cz->count = count;
+    cz->flat_end = end;
+    cz->ef = c.error_feedback == DOPT_EF_ON || (c.error_feedback == DOPT_EF_AUTO && dopt__codec(&c)->ef != DOPT__EF_DEFAULT_OFF);
+    /* the segment table and, after it, the spans of the EF work buffer */
+    table = nsegs * (sizeof(dopt_segment) + sizeof(dopt_span));
+    cz->segs = (dopt_segment *)DOPT_MALLOC(table);
+    if (cz->segs == NULL) return DOPT_ERR_NOMEM;
+    memcpy(cz->segs, segs, nsegs * sizeof(dopt_segment));
+    if (c.codec == DOPT_CODEC_POWERSGD) {
+        dopt_status s = dopt__psgd_init(cz);
+        if (s != DOPT_OK) {
+            dopt_compressor_free(cz);
+            return s;
+        }
+    }
+    cz->msg_bytes = dopt__message_bytes(cz);
+    cz->msg = (unsigned char *)DOPT_MALLOC(cz->msg_bytes);
+    cz->scales = (float *)DOPT_MALLOC((2 * nsegs + 1) * sizeof(float));
+    if (cz->msg == NULL || cz->scales == NULL) goto nomem;
+    cz->bounds = cz->scales + nsegs + 1;
+    for (i = 0; i < nsegs; i++) cz->bounds[i] = FLT_MAX;
+    if (dopt__codec(&c)->u32_index) {
+        cz->select = (float *)DOPT_MALLOC((max_seg ? max_seg : 1) * sizeof(float));
+        if (cz->select == NULL) goto nomem;
+    }
+    if (cz->ef) {
+        cz->residual = (float *)DOPT_MALLOC((count ? count : 1) * sizeof(float));
+        cz->work = (float *)DOPT_MALLOC((count ? count : 1) * sizeof(float));
+        if (cz->residual == NULL || cz->work == NULL) goto nomem;
+        if (count) memset(cz->residual, 0, count * sizeof(float));
+    }
+    return DOPT_OK;
+nomem:
+    dopt_compressor_free(cz);
+    return DOPT_ERR_NOMEM;
+}
+
+DOPT_DEF void dopt_compressor_free(dopt_compressor *cz) {
+    if (cz == NULL) return;
+    DOPT_FREE(cz->segs);
+    DOPT_FREE(cz->msg);
+    DOPT_FREE(cz->scales);
+    DOPT_FREE(cz->select);
+    DOPT_FREE(cz->residual);
+    DOPT_FREE(cz->work);
+    DOPT_FREE(cz->gather);
+    DOPT_FREE(cz->ring_buf);
+    DOPT_FREE(cz->ring_ranks);
+    DOPT_FREE(cz->psgd_q);
+    DOPT_FREE(cz->psgd_gs);
+    memset(cz, 0, sizeof *cz);
+}
+
+/* =====================================================================================
+   PART 2 OF 3 — HOW THEY TRAVEL: the integer and 16-bit rings (their kernels, the schedule of
+   exchanges, the pipeline that encodes ternary's codes while the ring sums the buckets before
+   them) and the ring path of the allreduce from one rank's message to the result.
+   ===================================================================================== */
+
+/* ===================================================================== THE RINGS: INTEGER SUMS, 16-BIT MEANS
 
    With one shared scale per segment, the sum of the N ranks' ternary codes is an integer in
    [-N, N]. The ring reduces it exactly: a chunk that carries the sums of k codes goes in
@@ -2344,12 +3030,8 @@ static size_t dopt__ring_groups(size_t n) { return (n + DOPT__BLOCK - 1) / DOPT_
 
 /* Segment i goes through the ring (all but ternary's segments sent as fp32). */
 static int dopt__ring_carries(const dopt_compressor *cz, size_t i) {
-    return cz->cfg.codec != DOPT_CODEC_TERNARY || cz->segs[i].count >= cz->cfg.fp32_below;
+    return !dopt__codec(&cz->cfg)->shared_scale || cz->segs[i].count >= cz->cfg.fp32_below;
 }
-
-/* What the ring carries: integer sums in planes (ternary, majority), or running means in fp16
-   or bf16 (64 values of 16 bits per group, little-endian). */
-enum { DOPT__RING_INT = 0, DOPT__RING_F16 = 1, DOPT__RING_BF16 = 2 };
 
 /* Groups [g0, ...) at p: integer sums biased by K in w planes, or (fmt F16, BF16; w = 16) the
    means of K contributions. */
@@ -2782,11 +3464,8 @@ static dopt_status dopt__ring_run(const dopt__ring_pass *const *ps, int np) {
     return s;
 }
 
-/* This rank's codes of every ternary segment as planes of sums of one, group after group. */
-/* The ring's format for this compressor's codec. */
-static int dopt__ring_fmt(const dopt_compressor *cz) {
-    return cz->cfg.codec == DOPT_CODEC_FP16 ? DOPT__RING_F16 : cz->cfg.codec == DOPT_CODEC_BF16 ? DOPT__RING_BF16 : DOPT__RING_INT;
-}
+/* The ring's format for this compressor's codec (the codec table's). */
+static int dopt__ring_fmt(const dopt_compressor *cz) { return dopt__codec(&cz->cfg)->ring; }
 
 /* This rank's signs (a majority message body of n elements, 1 bit each, 1 = negative) as planes
    of sums of one: v = t + 1 is 0 or 2, so plane 0 is empty and plane 1 holds the positive
@@ -2818,96 +3497,13 @@ static void dopt__ring_fill_own(const dopt_compressor *cz, unsigned char *own) {
     for (i = 0; i < cz->nsegs; i++) {
         size_t n = cz->segs[i].count, per = fmt == DOPT__RING_INT ? 16 : 128, groups = dopt__ring_groups(n);
         const unsigned char *body = cz->msg + off + DOPT_COMPRESS_RECORD_BYTES;
-        if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
+        if (dopt__codec(&cz->cfg)->vote) {
             dopt__ring_own_signs(body, n, own);
         } else if (n > 0) {
             memcpy(own, body, 2 * n);
             memset(own + 2 * n, 0, groups * per - 2 * n);
         }
         own += groups * per;
-        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
-    }
-}
-
-/* Majority vote: the magnitude of a segment's result, 1, or with majority_l1 the mean of the
-   ranks' scales (‖g‖₁/d) summed in rank order, rank r's at scales + r·stride (f32 bits). */
-static float dopt__vote_magnitude(const dopt_compressor *cz, const unsigned char *scales, size_t stride, int N,
-                                  float weight) {
-    float v = 0.0f;
-    int r;
-    if (!cz->cfg.majority_l1) return 1.0f;
-    for (r = 0; r < N; r++) v += dopt__bits_f32(dopt__get_le32(scales + (size_t)r * stride));
-    return v * weight;
-}
-
-/* Rank r's votes on a block of m elements as a word with bit t for element t (1 = negative):
-   the 1-bit body at base + r·stride + at, whose full block's byte j holds elements j, j + 8, ...,
-   j + 56 (the transpose makes it the word). */
-static uint64_t dopt__vote_word(const unsigned char *base, size_t stride, int r, size_t at, size_t m) {
-    const unsigned char *p = base + (size_t)r * stride + at;
-    uint64_t word = 0;
-    size_t t;
-    if (m == DOPT__BLOCK) {
-        memcpy(&word, p, 8);
-        return dopt__transpose8x8(word);
-    } else {
-        uint8_t c[DOPT__BLOCK];
-        dopt__unpack_block(p, m, 1, c);
-        for (t = 0; t < m; t++) word |= (uint64_t)c[t] << t;
-    }
-    return word;
-}
-
-/* The vote of N ranks on a block of m elements into y: S = N - 2·(negative votes), y = ±v by
-   its sign, 0 on a tie (v >= 0, so sign(S)·v gives those bits). With AVX-512 and N <= 127, 64
-   byte counters at once (a mask's bytes are -1 where its bits are set) and the floats from
-   masks. */
-static void dopt__vote_block(const unsigned char *base, size_t stride, int N, size_t at, size_t m, float v,
-                             float *DOPT_RESTRICT y) {
-    int cnt[DOPT__BLOCK], r;
-    size_t t;
-#ifdef DOPT__COMPRESS_AVX512
-    if (N <= DOPT__TERN_SUM_MAX) {
-        const __m512 pos = _mm512_set1_ps(v), neg = _mm512_set1_ps(-v);
-        __m512i c = _mm512_setzero_si512(), d;
-        uint64_t gt, lt;
-        int q;
-        for (r = 0; r < N; r++) c = _mm512_sub_epi8(c, _mm512_movm_epi8(dopt__vote_word(base, stride, r, at, m)));
-        d = _mm512_sub_epi8(_mm512_set1_epi8((char)N), _mm512_add_epi8(c, c));
-        gt = _mm512_cmpgt_epi8_mask(d, _mm512_setzero_si512());
-        lt = _mm512_cmplt_epi8_mask(d, _mm512_setzero_si512());
-        for (q = 0; q < 4 && (size_t)(16 * q) < m; q++) {
-            __m512 f = _mm512_mask_mov_ps(_mm512_maskz_mov_ps((__mmask16)(gt >> 16 * q), pos), (__mmask16)(lt >> 16 * q), neg);
-            if ((size_t)(16 * q + 16) <= m)
-                _mm512_storeu_ps(y + 16 * q, f);
-            else
-                _mm512_mask_storeu_ps(y + 16 * q, (__mmask16)((1u << (m - 16 * (size_t)q)) - 1u), f);
-        }
-        return;
-    }
-#endif
-    for (t = 0; t < DOPT__BLOCK; t++) cnt[t] = 0;
-    for (r = 0; r < N; r++) {
-        uint64_t word = dopt__vote_word(base, stride, r, at, m);
-        for (t = 0; t < DOPT__BLOCK; t++) cnt[t] += (int)((word >> t) & 1u);
-    }
-    for (t = 0; t < m; t++) {
-        int d = N - 2 * cnt[t];
-        y[t] = (float)((d > 0) - (d < 0)) * v;
-    }
-}
-
-/* The allgather path of majority vote: S = N - 2·(negative votes) per element from the N
-   validated messages, y = ±v by its sign (0 on a tie), as the ring path computes it. */
-static void dopt__vote_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, b;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(grads, i);
-        size_t n = sp.count;
-        float v = dopt__vote_magnitude(cz, cz->gather + off + 12, cz->msg_bytes, N, weight);
-        const unsigned char *bodies = cz->gather + off + DOPT_COMPRESS_RECORD_BYTES;
-        for (b = 0; b < n; b += DOPT__BLOCK)
-            dopt__vote_block(bodies, cz->msg_bytes, N, b / 8, n - b < DOPT__BLOCK ? n - b : DOPT__BLOCK, v, sp.ptr + b);
         off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
     }
 }
@@ -3083,7 +3679,7 @@ static void dopt__ring_decode_groups(dopt_compressor *cz, int N, float weight, c
         const unsigned char *fin = cz->ring_fin + w.lo * 8 * wfin;
         if (fmt != DOPT__RING_INT)
             dopt__ring_decode_half(y, w.e1 - w.e0, fmt, fin);
-        else if (cz->cfg.codec == DOPT_CODEC_MAJORITY)
+        else if (dopt__codec(&cz->cfg)->vote)
             dopt__ring_decode(y, w.e1 - w.e0, N, wfin,
                               dopt__vote_magnitude(cz, cz->gather + 4 * w.seg, 4 * (cz->nsegs + 1), N, weight), 1, fin);
         else
@@ -3096,14 +3692,13 @@ static void dopt__ring_decode_groups(dopt_compressor *cz, int N, float weight, c
 
 #define DOPT__RING_BUCKET_GROUPS 16384 /* the least an automatic bucket holds: 1 Mi elements */
 #define DOPT__RING_AUTO_BUCKETS 16     /* automatic buckets, at most */
-#define DOPT__RING_MAX_BUCKETS 64      /* ring_buckets, at most */
 
 /* Buckets of this call: near-equal runs of groups (dopt__ring_segment's cut). Ternary only (its
    codes come out of the encoder group by group, and its non-finite verdict is known before any
    code is); 1 for the other codecs. */
 static int dopt__ring_nbuckets(const dopt_compressor *cz, size_t groups) {
     size_t nb = 1;
-    if (cz->cfg.codec != DOPT_CODEC_TERNARY || groups == 0) return 1;
+    if (!dopt__codec(&cz->cfg)->shared_scale || groups == 0) return 1;
     if (cz->cfg.ring_buckets > 0)
         nb = (size_t)cz->cfg.ring_buckets;
     else
@@ -3270,7 +3865,175 @@ static dopt_status dopt__ring_pipeline(dopt_compressor *cz, const dopt__ring_pla
     return s;
 }
 
-/* ----- choosing the path */
+/* ----- the ring path of the allreduce: the non-finite verdict, the exchange, ternary's fp32 segments */
+
+/* Before the ring: every rank learns whether any rank's gradient was not finite (ternary knows
+   it from the scale sharing). Majority vote allgathers each rank's scales and flag (its rows,
+   nsegs + 1 floats, stay in the gather buffer for the result's magnitude); fp16 and bf16 reduce
+   one flag. `mine` is this rank's encode status. */
+static dopt_status dopt__ring_agree(dopt_compressor *cz, dopt_comm *comm, dopt_status mine) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
+    float flag = mine == DOPT_ERR_NONFINITE ? 1.0f : 0.0f;
+    dopt_status s;
+    int r;
+    if (dopt__codec(&cz->cfg)->shared_scale) return mine;
+    if (!dopt__codec(&cz->cfg)->vote) {
+        s = dopt_allreduce(comm, &flag, 1, DOPT_F32, DOPT_MAX);
+        return s != DOPT_OK ? s : flag != 0.0f ? DOPT_ERR_NONFINITE : DOPT_OK;
+    }
+    for (i = 0; i < cz->nsegs; i++) {
+        cz->scales[i] = mine == DOPT_OK ? dopt__bits_f32(dopt__get_le32(cz->msg + off + 12)) : 0.0f;
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, cz->segs[i].count));
+    }
+    cz->scales[cz->nsegs] = flag;
+    s = dopt_allgather(comm, cz->scales, cz->gather, (cz->nsegs + 1) * sizeof(float));
+    for (r = 0; s == DOPT_OK && r < comm->size; r++)
+        if (dopt__bits_f32(dopt__get_le32(cz->gather + ((size_t)r * (cz->nsegs + 1) + cz->nsegs) * 4)) != 0.0f)
+            s = DOPT_ERR_NONFINITE;
+    return s;
+}
+
+/* The ring path of the compressed allreduce, after this rank's message is in cz->msg (ternary:
+   all but the codes, which the pipeline writes from p, the gradient encoded): the sums of the
+   segments through the ring into grads (dopt__ring_pipeline), ternary's fp32 segments (those
+   below fp32_below) through one allgather of their values, left in the gather buffer for
+   dopt__ring_decode_small. Sets cz->path and cz->buckets. */
+static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *p, const dopt_buf *grads,
+                                       size_t groups) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, small = 0, i;
+    int nb = dopt__ring_nbuckets(cz, groups);
+    dopt__ring_plan plan;
+    dopt_status s;
+    for (i = 0; i < cz->nsegs; i++) small += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
+    if ((size_t)comm->size > cz->ring_nranks) {
+        DOPT_FREE(cz->ring_ranks);
+        cz->ring_nranks = 0;
+        if ((cz->ring_ranks = (int *)DOPT_MALLOC(sizeof(int) * (size_t)comm->size)) == NULL) return DOPT_ERR_NOMEM;
+        cz->ring_nranks = (size_t)comm->size;
+    }
+    if ((s = dopt__ring_plan_init(cz, comm, groups, nb, &plan)) != DOPT_OK) return s;
+    if (!dopt__codec(&cz->cfg)->shared_scale) dopt__ring_fill_own(cz, cz->ring_buf);
+    s = dopt__ring_pipeline(cz, &plan, dopt__codec(&cz->cfg)->shared_scale ? p : NULL, grads, 1.0f / (float)comm->size);
+    if (s != DOPT_OK) return s;
+    cz->path = plan.two ? DOPT_PATH_RING_TWO_LEVEL : DOPT_PATH_RING;
+    cz->buckets = nb;
+    if (small == 0) return DOPT_OK;
+    /* the fp32 segments' values, packed, then every rank's after them in the gather buffer */
+    small = 0;
+    for (i = 0; i < cz->nsegs; i++) {
+        size_t n = cz->segs[i].count, body = dopt__body_bytes(&cz->cfg, n);
+        if (!dopt__ring_carries(cz, i) && n > 0) {
+            memcpy(cz->gather + small * 4, cz->msg + off + DOPT_COMPRESS_RECORD_BYTES, 4 * n);
+            small += n;
+        }
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(body);
+    }
+    return dopt_allgather(comm, cz->gather, cz->gather + small * 4, small * 4);
+}
+
+/* ternary's fp32 segments after the ring: the ranks' values accumulated in rank order. */
+static void dopt__ring_decode_small(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
+    size_t small = 0, total = 0, i;
+    int r;
+    for (i = 0; i < cz->nsegs; i++) total += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
+    for (i = 0; i < cz->nsegs; i++) {
+        dopt_span sp = dopt_buf_segment(grads, i);
+        if (dopt__ring_carries(cz, i) || sp.count == 0) continue;
+        memset(sp.ptr, 0, sp.count * sizeof(float));
+        for (r = 0; r < N; r++)
+            dopt__f32_accum(sp.ptr, weight, cz->gather + ((size_t)(r + 1) * total + small) * 4, sp.count);
+        small += sp.count;
+    }
+}
+
+/* =====================================================================================
+   PART 3 OF 3 — THE COMPRESSED ALLREDUCE: the allgather path, the choice between it, the ring
+   and PowerSGD's two allreduces, and the public calls.
+   ===================================================================================== */
+
+/* ===================================================================== THE ALLGATHER PATH */
+
+static dopt_status dopt__gather_room(dopt_compressor *cz, int ranks) {
+    unsigned char *g;
+    if ((size_t)ranks <= cz->gather_ranks) return DOPT_OK;
+    if (cz->msg_bytes > SIZE_MAX / (size_t)ranks) return DOPT_ERR_NOMEM;
+    g = (unsigned char *)DOPT_MALLOC(cz->msg_bytes * (size_t)ranks);
+    if (g == NULL) return DOPT_ERR_NOMEM;
+    DOPT_FREE(cz->gather);
+    cz->gather = g;
+    cz->gather_ranks = (size_t)ranks;
+    return DOPT_OK;
+}
+
+/* The average of the N validated ternary messages in the gather buffer into grads. A segment
+   whose N scales are bitwise equal (scale sharing) is summed as integer counts: y = count · v,
+   v = weight · s. Others (fp32 segments, scales not shared) are zeroed and accumulate the
+   messages in rank order, y += (weight · s_r) · t_r. Either way every rank computes the same
+   bytes. */
+static void dopt__tern_average(dopt_compressor *cz, int nmsg, float weight, const dopt_buf *grads) {
+    const uint8_t *data[DOPT__TERN_SUM_MAX];
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
+    int r;
+    for (i = 0; i < cz->nsegs; i++) {
+        dopt_span sp = dopt_buf_segment(grads, i);
+        size_t n = sp.count, body = dopt__body_bytes(&cz->cfg, n);
+        const unsigned char *rec0 = cz->gather + off;
+        int shared = n >= cz->cfg.fp32_below;
+        for (r = 0; r < nmsg; r++) {
+            const unsigned char *rec = cz->gather + (size_t)r * cz->msg_bytes + off;
+            data[r] = rec + DOPT_COMPRESS_RECORD_BYTES;
+            shared = shared && dopt__get_le32(rec + 12) == dopt__get_le32(rec0 + 12);
+        }
+        if (shared) {
+            dopt__tern_sum(sp.ptr, n, weight * dopt__bits_f32(dopt__get_le32(rec0 + 12)), data, nmsg);
+        } else if (n) {
+            memset(sp.ptr, 0, n * sizeof(float));
+            for (r = 0; r < nmsg; r++) {
+                float b = dopt__bits_f32(dopt__get_le32(data[r] - 4));
+                if (n < cz->cfg.fp32_below) {
+                    dopt__f32_accum(sp.ptr, weight, data[r], n);
+                } else {
+                    dopt__tern_accum(sp.ptr, n, weight * b, data[r]);
+                }
+            }
+        }
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(body);
+    }
+}
+
+/* The verdict on the N gathered messages, the same on every rank since every rank holds the same
+   bytes: DOPT_ERR_PROTOCOL for a header that does not follow the format (or names another rank),
+   then DOPT_ERR_NONFINITE when a message is flagged (no body is read), then DOPT_ERR_PROTOCOL for
+   a body that does not follow it. */
+static dopt_status dopt__gathered_verdict(const dopt_compressor *cz, int nmsg) {
+    int r, nonfinite = 0;
+    for (r = 0; r < nmsg; r++) {
+        const unsigned char *m = cz->gather + (size_t)r * cz->msg_bytes;
+        if (dopt__check_header(cz, m, cz->msg_bytes) != (long)r) return DOPT_ERR_PROTOCOL;
+        nonfinite |= dopt__flagged_nonfinite(m);
+    }
+    if (nonfinite) return DOPT_ERR_NONFINITE;
+    for (r = 0; r < nmsg; r++)
+        if (!dopt__check_body(cz, cz->gather + (size_t)r * cz->msg_bytes)) return DOPT_ERR_PROTOCOL;
+    return DOPT_OK;
+}
+
+/* The allgather path of majority vote: S = N - 2·(negative votes) per element from the N
+   validated messages, y = ±v by its sign (0 on a tie), as the ring path computes it. */
+static void dopt__vote_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, b;
+    for (i = 0; i < cz->nsegs; i++) {
+        dopt_span sp = dopt_buf_segment(grads, i);
+        size_t n = sp.count;
+        float v = dopt__vote_magnitude(cz, cz->gather + off + 12, cz->msg_bytes, N, weight);
+        const unsigned char *bodies = cz->gather + off + DOPT_COMPRESS_RECORD_BYTES;
+        for (b = 0; b < n; b += DOPT__BLOCK)
+            dopt__vote_block(bodies, cz->msg_bytes, N, b / 8, n - b < DOPT__BLOCK ? n - b : DOPT__BLOCK, v, sp.ptr + b);
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
+    }
+}
+
+/* ===================================================================== CHOOSING THE PATH */
 
 /* Pieces of a chunk of `groups` groups (as dopt__ring_pieces cuts them). */
 static double dopt__ring_predict_pieces(double groups) { return dopt__ring_pieces_of((size_t)ceil(groups)); }
@@ -3318,9 +4081,9 @@ static double dopt__ring_predict(int fmt, size_t groups, int N, int L, int H, in
    allgather's. */
 static int dopt__ring_wanted(const dopt_compressor *cz, const dopt_comm *comm, size_t groups) {
     dopt_host_layout lay;
-    dopt_codec c = cz->cfg.codec;
+    const dopt__codec_ops *ops = dopt__codec(&cz->cfg);
     int N = comm->size, L = 1, H = N, fmt = dopt__ring_fmt(cz);
-    int codec_ok = dopt__shares_scales(cz) || c == DOPT_CODEC_MAJORITY || c == DOPT_CODEC_FP16 || c == DOPT_CODEC_BF16;
+    int codec_ok = ops->ring != DOPT__RING_NONE && (!ops->shared_scale || dopt__shares_scales(cz));
     if (cz->cfg.aggregate == DOPT_AGG_ALLGATHER || !codec_ok || N < 2 || comm->eng == NULL || groups == 0 ||
         N > (fmt == DOPT__RING_INT ? DOPT__RING_MAX_RANKS : DOPT__RING_MAX_HALF_RANKS))
         return 0;
@@ -3330,84 +4093,7 @@ static int dopt__ring_wanted(const dopt_compressor *cz, const dopt_comm *comm, s
     return dopt__ring_predict(fmt, groups, N, L, H, 1, 0) < dopt__ring_predict(fmt, groups, N, L, H, 0, (double)cz->msg_bytes);
 }
 
-/* Before the ring: every rank learns whether any rank's gradient was not finite (ternary knows
-   it from the scale sharing). Majority vote allgathers each rank's scales and flag (its rows,
-   nsegs + 1 floats, stay in the gather buffer for the result's magnitude); fp16 and bf16 reduce
-   one flag. `mine` is this rank's encode status. */
-static dopt_status dopt__ring_agree(dopt_compressor *cz, dopt_comm *comm, dopt_status mine) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
-    float flag = mine == DOPT_ERR_NONFINITE ? 1.0f : 0.0f;
-    dopt_status s;
-    int r;
-    if (cz->cfg.codec == DOPT_CODEC_TERNARY) return mine;
-    if (cz->cfg.codec != DOPT_CODEC_MAJORITY) {
-        s = dopt_allreduce(comm, &flag, 1, DOPT_F32, DOPT_MAX);
-        return s != DOPT_OK ? s : flag != 0.0f ? DOPT_ERR_NONFINITE : DOPT_OK;
-    }
-    for (i = 0; i < cz->nsegs; i++) {
-        cz->scales[i] = mine == DOPT_OK ? dopt__bits_f32(dopt__get_le32(cz->msg + off + 12)) : 0.0f;
-        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, cz->segs[i].count));
-    }
-    cz->scales[cz->nsegs] = flag;
-    s = dopt_allgather(comm, cz->scales, cz->gather, (cz->nsegs + 1) * sizeof(float));
-    for (r = 0; s == DOPT_OK && r < comm->size; r++)
-        if (dopt__bits_f32(dopt__get_le32(cz->gather + ((size_t)r * (cz->nsegs + 1) + cz->nsegs) * 4)) != 0.0f)
-            s = DOPT_ERR_NONFINITE;
-    return s;
-}
-
-/* The ring path of the compressed allreduce, after this rank's message is in cz->msg (ternary:
-   all but the codes, which the pipeline writes from p, the gradient encoded): the sums of the
-   segments through the ring into grads (dopt__ring_pipeline), ternary's fp32 segments (those
-   below fp32_below) through one allgather of their values, left in the gather buffer for
-   dopt__ring_decode_small. Sets cz->path and cz->buckets. */
-static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *p, const dopt_buf *grads,
-                                       size_t groups) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, small = 0, i;
-    int nb = dopt__ring_nbuckets(cz, groups);
-    dopt__ring_plan plan;
-    dopt_status s;
-    for (i = 0; i < cz->nsegs; i++) small += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
-    if ((size_t)comm->size > cz->ring_nranks) {
-        DOPT_FREE(cz->ring_ranks);
-        cz->ring_nranks = 0;
-        if ((cz->ring_ranks = (int *)DOPT_MALLOC(sizeof(int) * (size_t)comm->size)) == NULL) return DOPT_ERR_NOMEM;
-        cz->ring_nranks = (size_t)comm->size;
-    }
-    if ((s = dopt__ring_plan_init(cz, comm, groups, nb, &plan)) != DOPT_OK) return s;
-    if (cz->cfg.codec != DOPT_CODEC_TERNARY) dopt__ring_fill_own(cz, cz->ring_buf);
-    s = dopt__ring_pipeline(cz, &plan, cz->cfg.codec == DOPT_CODEC_TERNARY ? p : NULL, grads, 1.0f / (float)comm->size);
-    if (s != DOPT_OK) return s;
-    cz->path = plan.two ? DOPT_PATH_RING_TWO_LEVEL : DOPT_PATH_RING;
-    cz->buckets = nb;
-    if (small == 0) return DOPT_OK;
-    /* the fp32 segments' values, packed, then every rank's after them in the gather buffer */
-    small = 0;
-    for (i = 0; i < cz->nsegs; i++) {
-        size_t n = cz->segs[i].count, body = dopt__body_bytes(&cz->cfg, n);
-        if (!dopt__ring_carries(cz, i) && n > 0) {
-            memcpy(cz->gather + small * 4, cz->msg + off + DOPT_COMPRESS_RECORD_BYTES, 4 * n);
-            small += n;
-        }
-        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(body);
-    }
-    return dopt_allgather(comm, cz->gather, cz->gather + small * 4, small * 4);
-}
-
-/* ternary's fp32 segments after the ring: the ranks' values accumulated in rank order. */
-static void dopt__ring_decode_small(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
-    size_t small = 0, total = 0, i;
-    int r;
-    for (i = 0; i < cz->nsegs; i++) total += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(grads, i);
-        if (dopt__ring_carries(cz, i) || sp.count == 0) continue;
-        memset(sp.ptr, 0, sp.count * sizeof(float));
-        for (r = 0; r < N; r++)
-            dopt__f32_accum(sp.ptr, weight, cz->gather + ((size_t)(r + 1) * total + small) * 4, sp.count);
-        small += sp.count;
-    }
-}
+/* ===================================================================== PUBLIC ALLREDUCE */
 
 DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
     const char *prev;
@@ -3427,7 +4113,7 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
     cz->rank = comm->rank;
     cz->buckets = 0;
     /* on the ring, ternary's codes are written by its pipeline (dopt__ring_pipeline) */
-    s = dopt__encode_local(cz, grads, comm->rank, cz->msg, comm, !(ring && cz->cfg.codec == DOPT_CODEC_TERNARY));
+    s = dopt__encode_local(cz, grads, comm->rank, cz->msg, comm, !(ring && dopt__codec(&cz->cfg)->shared_scale));
     /* A non-finite gradient goes out as a flagged message, unless scale sharing has already told
        every rank. */
     if (s != DOPT_OK && (s != DOPT_ERR_NONFINITE || dopt__shares_scales(cz))) return s;
@@ -3455,7 +4141,7 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
         dopt__tern_average(cz, comm->size, weight, grads);
         return DOPT_OK;
     }
-    if (cz->cfg.codec == DOPT_CODEC_MAJORITY) {
+    if (dopt__codec(&cz->cfg)->vote) {
         dopt__vote_average(cz, comm->size, weight, grads);
         return DOPT_OK;
     }
@@ -3478,501 +4164,6 @@ DOPT_DEF const void *dopt_compress_message(const dopt_compressor *cz, int rank, 
     if (cz == NULL || rank < 0 || rank >= cz->gathered) return NULL;
     if (bytes) *bytes = cz->msg_bytes;
     return cz->gather + (size_t)rank * cz->msg_bytes;
-}
-
-/* ===================================================================== POWERSGD */
-
-/* PowerSGD (Vogels, Karimireddy, Jaggi 2019; DESIGN §5.7), per compressed matrix M (rows × cols,
-   row-major) of a rank, with its residual E: M ← g + E; P = M·Q; P ← mean of P over the ranks;
-   P's columns made orthonormal; Q ← Mᵀ·P; Q ← mean of Q; output M̂ = P·Qᵀ; E ← M − M̂. Q stays
-   from one step to the next (the warm start: one step of subspace iteration per step). Two
-   allreduces (DOPT_MEAN of f32) per step, in cz->msg: the first carries [every P | the other
-   segments' values | a flag], psgd_np floats; the second [every Q | a flag], psgd_nq + 1. A flag
-   is 1 on a rank that cannot go on, so its mean is not 0 on every rank alike. Everything after
-   an allreduce is computed from the bytes every rank holds, by the same code in the same order:
-   every rank writes the same output. */
-
-#define DOPT__PSGD_MAX_RANK 64u
-/* |x| at or above 2^64 in M, P or Q — and NaN, ±inf — stops the step (NON-FINITE GRADIENTS):
-   below it every product the step makes stays far from overflowing (|P̂| <= 1, so |M̂| <=
-   r·2^64·(1 + ε) and |E| < 2^71). */
-#define DOPT__PSGD_LIMIT_BITS 0x5F800000u
-#define DOPT__PSGD_Q_STREAM ((uint64_t)1 << 63) /* Q's first draw: stream 2^63 + segment */
-
-/* Rows of segment i when PowerSGD compresses it, else 0: a matrix with r·(rows + cols) < count
-   (the factors are smaller than the matrix) and count >= powersgd_min. */
-static size_t dopt__psgd_rows(const dopt_compressor *cz, size_t i) {
-    size_t rows = cz->segs[i].rows, n = cz->segs[i].count;
-    if (cz->cfg.codec != DOPT_CODEC_POWERSGD || rows == 0 || n == 0 || n < cz->cfg.powersgd_min) return 0;
-    return rows + n / rows <= (n - 1) / cz->cfg.powersgd_rank ? rows : 0; /* r·(rows + cols) < n, no overflow */
-}
-
-/* n numbers uniform in [−1, 1) from words first.. of rng: 24 bits each, exact as floats. */
-static void dopt__psgd_uniform(const dopt_rng *rng, uint64_t first, float *out, size_t n) {
-    size_t i;
-    dopt_rng_uniform(rng, first, out, n);
-    for (i = 0; i < n; i++) out[i] = 2.0f * out[i] - 1.0f;
-}
-
-/* The products, row-major: P = M·Q (rows × r), Q = Mᵀ·P (cols × r), M̂ = P·Qᵀ (rows × cols).
-   OpenBLAS's sgemm with DOPT_USE_BLAS, plain loops otherwise; either way in float, the sums in
-   an order fixed by the sizes alone. */
-static void dopt__psgd_mq(const float *m, size_t rows, size_t cols, const float *q, size_t r, float *p) {
-#ifdef DOPT__BLAS
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)r, (int)cols, 1.0f, m, (int)cols, q,
-                (int)r, 0.0f, p, (int)r);
-#else
-    size_t i, j, k;
-    for (i = 0; i < rows; i++) {
-        const float *mi = m + i * cols;
-        float *pi = p + i * r;
-        for (k = 0; k < r; k++) pi[k] = 0.0f;
-        for (j = 0; j < cols; j++)
-            for (k = 0; k < r; k++) pi[k] += mi[j] * q[j * r + k];
-    }
-#endif
-}
-
-static void dopt__psgd_mtp(const float *m, size_t rows, size_t cols, const float *p, size_t r, float *q) {
-#ifdef DOPT__BLAS
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)cols, (int)r, (int)rows, 1.0f, m, (int)cols, p,
-                (int)r, 0.0f, q, (int)r);
-#else
-    size_t i, j, k;
-    for (j = 0; j < cols * r; j++) q[j] = 0.0f;
-    for (i = 0; i < rows; i++) {
-        const float *mi = m + i * cols, *pi = p + i * r;
-        for (j = 0; j < cols; j++)
-            for (k = 0; k < r; k++) q[j * r + k] += mi[j] * pi[k];
-    }
-#endif
-}
-
-static void dopt__psgd_pqt(const float *p, size_t rows, size_t cols, const float *q, size_t r, float *out) {
-#ifdef DOPT__BLAS
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)cols, (int)r, 1.0f, p, (int)r, q, (int)r,
-                0.0f, out, (int)cols);
-#else
-    size_t i, j, k;
-    for (i = 0; i < rows; i++)
-        for (j = 0; j < cols; j++) {
-            float acc = 0.0f; /* not p·q alone for r = 1: E = M − M̂ must not fuse with it */
-            for (k = 0; k < r; k++) acc += p[i * r + k] * q[j * r + k];
-            out[i * cols + j] = acc;
-        }
-#endif
-}
-
-/* Modified Gram–Schmidt on column j of v (columns of `rows` doubles, one after another): made
-   orthogonal to columns 0 .. j−1, which are orthonormal, one at a time in that order, then
-   normalised. Returns 0, leaving it unnormalised, when its norm fell to 1e-10 of what it was (or
-   it was zero): it lay in their span, and normalising the rounding left would be noise. */
-static int dopt__psgd_gs_column(double *v, size_t rows, size_t j) {
-    double *x = v + j * rows, n0 = 0.0, n = 0.0, d;
-    size_t i, k;
-    for (k = 0; k < rows; k++) n0 += x[k] * x[k];
-    for (i = 0; i < j; i++) {
-        const double *u = v + i * rows;
-        for (d = 0.0, k = 0; k < rows; k++) d += u[k] * x[k];
-        for (k = 0; k < rows; k++) x[k] -= d * u[k];
-    }
-    for (k = 0; k < rows; k++) n += x[k] * x[k];
-    if (!(n > 1e-20 * n0)) return 0; /* norms squared: 1e-10 relative; n0 = 0 too */
-    n = sqrt(n);
-    for (k = 0; k < rows; k++) x[k] /= n;
-    return 1;
-}
-
-/* A column that Gram–Schmidt could not keep (zero, or in the span of those before it) becomes a
-   random one, orthonormalised the same way: the same on every rank (seed, step and segment
-   decide it), and never zero, so that Q = Mᵀ·P stays able to grow back and the warm start does
-   not stall on a zero column. Uniform (−1, 1) numbers keyed by (seed, rank 0), stream
-   step·2^32 + segment, words (attempt·r + j)·rows ..; the fourth failure leaves zeros (four
-   random vectors within the span of j < rows columns: never in practice). */
-static void dopt__psgd_replace_column(const dopt_compressor *cz, size_t seg, double *v, size_t rows, size_t j) {
-    float draw[DOPT__BLOCK];
-    double *x = v + j * rows;
-    dopt_rng rng;
-    uint64_t attempt, first;
-    size_t k, take, t;
-    dopt_rng_init(&rng, cz->cfg.seed, 0, (cz->step << 32) | (uint64_t)seg);
-    for (attempt = 0; attempt < 4; attempt++) {
-        first = (attempt * cz->cfg.powersgd_rank + j) * rows;
-        for (k = 0; k < rows; k += take) {
-            take = rows - k < DOPT__BLOCK ? rows - k : DOPT__BLOCK;
-            dopt__psgd_uniform(&rng, first + k, draw, take);
-            for (t = 0; t < take; t++) x[k + t] = (double)draw[t];
-        }
-        if (dopt__psgd_gs_column(v, rows, j)) return;
-    }
-    memset(x, 0, rows * sizeof(double));
-}
-
-/* P (rows × r, row-major, the mean every rank holds) gets orthonormal columns, computed in
-   double in plain C (no threaded library: the order of every sum is fixed), columns in the order
-   0, 1, ..., r−1. */
-static void dopt__psgd_orthonormalize(const dopt_compressor *cz, size_t seg, float *p, size_t rows) {
-    size_t r = cz->cfg.powersgd_rank, i, j;
-    double *v = cz->psgd_gs;
-    for (i = 0; i < rows; i++)
-        for (j = 0; j < r; j++) v[j * rows + i] = (double)p[i * r + j];
-    for (j = 0; j < r; j++)
-        if (!dopt__psgd_gs_column(v, rows, j)) dopt__psgd_replace_column(cz, seg, v, rows, j);
-    for (i = 0; i < rows; i++)
-        for (j = 0; j < r; j++) p[i * r + j] = (float)v[j * rows + i];
-}
-
-/* The first allreduce's buffer: every compressed matrix's P = M·Q and the other segments' M, in
-   segment order, M = g + e in the work buffer. 0 when a rank cannot go on (NaN or ±inf
-   anywhere, |x| >= 2^64 in a compressed matrix or its P): the buffer is then zeros. */
-static int dopt__psgd_first(dopt_compressor *cz, float *a) {
-    const float *m = cz->work, *q = cz->psgd_q;
-    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
-    float *out = a;
-    for (i = 0; i < cz->nsegs; i++, m += n) {
-        n = cz->segs[i].count;
-        rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) {
-            if (dopt__absbits_max(m, n) > DOPT__F32_MAX_BITS) break;
-            if (n) memcpy(out, m, n * sizeof(float));
-            out += n;
-            continue;
-        }
-        cols = n / rows;
-        if (dopt__absbits_max(m, n) >= DOPT__PSGD_LIMIT_BITS) break;
-        dopt__psgd_mq(m, rows, cols, q, r, out);
-        if (dopt__absbits_max(out, rows * r) >= DOPT__PSGD_LIMIT_BITS) break;
-        out += rows * r;
-        q += cols * r;
-    }
-    if (i == cz->nsegs) return 1;
-    memset(a, 0, cz->psgd_np * sizeof(float));
-    return 0;
-}
-
-/* After the first allreduce: each mean P (in a) orthonormalised in place, and the second
-   allreduce's buffer b: every compressed matrix's Q = Mᵀ·P. 0 when a Q holds |x| >= 2^64 (or
-   NaN, ±inf): b is then zeros. */
-static int dopt__psgd_second(dopt_compressor *cz, float *a, float *b) {
-    const float *m = cz->work;
-    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
-    float *q = b;
-    for (i = 0; i < cz->nsegs; i++, m += n) {
-        n = cz->segs[i].count;
-        rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) {
-            a += n;
-            continue;
-        }
-        cols = n / rows;
-        dopt__psgd_orthonormalize(cz, i, a, rows);
-        dopt__psgd_mtp(m, rows, cols, a, r, q);
-        if (dopt__absbits_max(q, cols * r) >= DOPT__PSGD_LIMIT_BITS) {
-            memset(b, 0, cz->psgd_nq * sizeof(float));
-            return 0;
-        }
-        a += rows * r;
-        q += cols * r;
-    }
-    return 1;
-}
-
-/* The step is done on every rank: grads gets M̂ = P·Qᵀ (compressed matrices) or the mean (the
-   others), E = M − M̂ (0 for the others, sent exactly), Q is kept for the next step. */
-static void dopt__psgd_commit(dopt_compressor *cz, const float *a, const float *b, const dopt_buf *grads) {
-    size_t r = cz->cfg.powersgd_rank, i, k, rows, cols, off = 0;
-    float *q = cz->psgd_q;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(grads, i);
-        float *e = cz->residual + off;
-        const float *m = cz->work + off;
-        rows = dopt__psgd_rows(cz, i);
-        off += sp.count;
-        if (rows == 0) {
-            if (sp.count) memcpy(sp.ptr, a, sp.count * sizeof(float));
-            if (sp.count) memset(e, 0, sp.count * sizeof(float));
-            a += sp.count;
-            continue;
-        }
-        cols = sp.count / rows;
-        dopt__psgd_pqt(a, rows, cols, b, r, sp.ptr);
-        for (k = 0; k < sp.count; k++) e[k] = m[k] - sp.ptr[k];
-        memcpy(q, b, cols * r * sizeof(float));
-        a += rows * r;
-        b += cols * r;
-        q += cols * r;
-    }
-    cz->step++;
-}
-
-static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
-    float *a = (float *)(void *)cz->msg, *b = a + cz->psgd_np;
-    const char *prev;
-    dopt_status s;
-    cz->gathered = 0;
-    cz->rank = comm->rank;
-    dopt__ef_prepare(cz, grads); /* M = g + e, every segment, into the work buffer */
-    a[cz->psgd_np - 1] = dopt__psgd_first(cz, a) ? 0.0f : 1.0f;
-    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's P");
-    s = dopt_allreduce(comm, a, cz->psgd_np, DOPT_F32, DOPT_MEAN);
-    dopt_comm_set_api(comm, prev);
-    if (s != DOPT_OK) return s;
-    if (a[cz->psgd_np - 1] != 0.0f) return DOPT_ERR_NONFINITE;
-    b[cz->psgd_nq] = dopt__psgd_second(cz, a, b) ? 0.0f : 1.0f;
-    prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's Q");
-    s = dopt_allreduce(comm, b, cz->psgd_nq + 1, DOPT_F32, DOPT_MEAN);
-    dopt_comm_set_api(comm, prev);
-    if (s != DOPT_OK) return s;
-    if (b[cz->psgd_nq] != 0.0f) return DOPT_ERR_NONFINITE;
-    dopt__psgd_commit(cz, a, b, grads);
-    return DOPT_OK;
-}
-
-/* At init: the sizes of the two allreduces, the Gram–Schmidt workspace, and every compressed
-   matrix's first Q, uniform in (−1, 1) from (seed, rank 0): the same on every rank. A
-   compressed matrix must have rows and cols below 2^31 (sgemm takes int). */
-static dopt_status dopt__psgd_init(dopt_compressor *cz) {
-    size_t r = cz->cfg.powersgd_rank, i, rows, cols, tallest = 0, nq = 0;
-    float *q;
-    dopt_rng rng;
-    cz->psgd_np = 1;
-    for (i = 0; i < cz->nsegs; i++) {
-        rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) {
-            cz->psgd_np += cz->segs[i].count;
-            continue;
-        }
-        cols = cz->segs[i].count / rows;
-        if (rows > INT_MAX || cols > INT_MAX) return DOPT_ERR_INVALID;
-        cz->psgd_np += rows * r;
-        nq += cols * r;
-        tallest = rows > tallest ? rows : tallest;
-        cz->psgd_nmat++;
-    }
-    cz->psgd_nq = nq;
-    cz->psgd_q = (float *)DOPT_MALLOC((nq ? nq : 1) * sizeof(float));
-    cz->psgd_gs = (double *)DOPT_MALLOC((tallest ? tallest * r : 1) * sizeof(double));
-    if (cz->psgd_q == NULL || cz->psgd_gs == NULL) return DOPT_ERR_NOMEM;
-    for (q = cz->psgd_q, i = 0; i < cz->nsegs; i++) {
-        rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) continue;
-        cols = cz->segs[i].count / rows;
-        dopt_rng_init(&rng, cz->cfg.seed, 0, DOPT__PSGD_Q_STREAM | (uint64_t)i);
-        dopt__psgd_uniform(&rng, 0, q, cols * r);
-        q += cols * r;
-    }
-    return DOPT_OK;
-}
-
-/* PowerSGD's part of the state, after the residual: u32 r, u32 compressed matrices, a 16-byte
-   record per matrix (u32 segment, u32 0, u64 rows), then every Q (cols × r f32). */
-static size_t dopt__psgd_state_bytes(const dopt_compressor *cz) {
-    return cz->cfg.codec == DOPT_CODEC_POWERSGD ? 8 + 16 * cz->psgd_nmat + 4 * cz->psgd_nq : 0;
-}
-
-static void dopt__psgd_state_save(const dopt_compressor *cz, unsigned char *o) {
-    size_t i;
-    dopt__put_le32(o, (uint32_t)cz->cfg.powersgd_rank);
-    dopt__put_le32(o + 4, (uint32_t)cz->psgd_nmat);
-    o += 8;
-    for (i = 0; i < cz->nsegs; i++) {
-        size_t rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) continue;
-        dopt__put_le32(o, (uint32_t)i);
-        dopt__put_le32(o + 4, 0);
-        dopt__put_le64(o + 8, (uint64_t)rows);
-        o += 16;
-    }
-    if (cz->psgd_nq) memcpy(o, cz->psgd_q, 4 * cz->psgd_nq);
-}
-
-/* 1 when p holds this compressor's PowerSGD part: its r, its compressed matrices, finite Q's. */
-static int dopt__psgd_state_ok(const dopt_compressor *cz, const unsigned char *p) {
-    size_t i;
-    if (dopt__get_le32(p) != (uint32_t)cz->cfg.powersgd_rank || dopt__get_le32(p + 4) != (uint32_t)cz->psgd_nmat)
-        return 0;
-    p += 8;
-    for (i = 0; i < cz->nsegs; i++) {
-        size_t rows = dopt__psgd_rows(cz, i);
-        if (rows == 0) continue;
-        if (dopt__get_le32(p) != (uint32_t)i || dopt__get_le32(p + 4) != 0 || dopt__get_le64(p + 8) != (uint64_t)rows)
-            return 0;
-        p += 16;
-    }
-    return dopt__f32_bytes_finite(p, cz->psgd_nq);
-}
-
-static void dopt__psgd_state_load(dopt_compressor *cz, const unsigned char *p) {
-    if (cz->psgd_nq) memcpy(cz->psgd_q, p + 8 + 16 * cz->psgd_nmat, 4 * cz->psgd_nq);
-}
-
-/* ===================================================================== STATE SAVE / LOAD */
-
-#define DOPT__STATE_MAGIC 0x53504F44u /* "DOPS" */
-#define DOPT__STATE_VERSION 1 /* its own number: the state's format did not change with the wire's */
-#define DOPT__STATE_HEADER 32
-
-DOPT_DEF size_t dopt_compress_state_bytes(const dopt_compressor *cz) {
-    if (cz == NULL) return 0;
-    return DOPT__STATE_HEADER + (cz->ef ? 4 * cz->count : 0) + dopt__psgd_state_bytes(cz);
-}
-
-DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity) {
-    unsigned char *o = (unsigned char *)out;
-    if (cz == NULL || out == NULL || capacity < dopt_compress_state_bytes(cz)) return DOPT_ERR_INVALID;
-    memset(o, 0, DOPT__STATE_HEADER);
-    dopt__put_le32(o, DOPT__STATE_MAGIC);
-    o[4] = DOPT__STATE_VERSION;
-    o[5] = (unsigned char)cz->cfg.codec;
-    o[6] = (unsigned char)cz->ef;
-    dopt__put_le64(o + 8, (uint64_t)cz->count);
-    dopt__put_le64(o + 16, cz->step);
-    if (cz->ef && cz->count) memcpy(o + DOPT__STATE_HEADER, cz->residual, 4 * cz->count);
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_save(cz, o + DOPT__STATE_HEADER + 4 * cz->count);
-    return DOPT_OK;
-}
-
-DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *in, size_t bytes) {
-    const unsigned char *p = (const unsigned char *)in;
-    if (cz == NULL || (in == NULL && bytes > 0)) return DOPT_ERR_INVALID;
-    if (bytes != dopt_compress_state_bytes(cz) || dopt__get_le32(p) != DOPT__STATE_MAGIC ||
-        p[4] != DOPT__STATE_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
-        p[7] != 0 || dopt__get_le64(p + 8) != (uint64_t)cz->count || !dopt__zero_bytes(p + 24, 8))
-        return DOPT_ERR_PROTOCOL;
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD && !dopt__psgd_state_ok(cz, p + DOPT__STATE_HEADER + 4 * cz->count))
-        return DOPT_ERR_PROTOCOL;
-    if (cz->ef && cz->count) {
-        if (!dopt__f32_bytes_finite(p + DOPT__STATE_HEADER, cz->count)) return DOPT_ERR_PROTOCOL;
-        memcpy(cz->residual, p + DOPT__STATE_HEADER, 4 * cz->count);
-    }
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) dopt__psgd_state_load(cz, p + DOPT__STATE_HEADER + 4 * cz->count);
-    cz->step = dopt__get_le64(p + 16);
-    return DOPT_OK;
-}
-
-/* ===================================================================== INIT AND FREE */
-
-DOPT_DEF const char *dopt_codec_name(dopt_codec codec) {
-    switch (codec) {
-    case DOPT_CODEC_TERNARY: return "ternary";
-    case DOPT_CODEC_QSGD: return "qsgd";
-    case DOPT_CODEC_TOPK: return "topk";
-    case DOPT_CODEC_SIGN: return "sign";
-    case DOPT_CODEC_FP16: return "fp16";
-    case DOPT_CODEC_BF16: return "bf16";
-    case DOPT_CODEC_FP32: return "fp32";
-    case DOPT_CODEC_MAJORITY: return "majority";
-    case DOPT_CODEC_POWERSGD: return "powersgd";
-    }
-    return "?";
-}
-
-static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
-    if ((unsigned)c->codec > (unsigned)DOPT_CODEC_POWERSGD || (unsigned)c->error_feedback > (unsigned)DOPT_EF_OFF ||
-        (unsigned)c->aggregate > (unsigned)DOPT_AGG_RING || (unsigned)c->majority_l1 > 1u)
-        return DOPT_ERR_INVALID;
-    /* NaN first, by its bits: under -ffast-math GCC compiles x == 0 so that it holds for NaN, which
-       would then take the default */
-    if (dopt__is_nan(c->clip_c) || dopt__is_nan(c->topk_ratio)) return DOPT_ERR_INVALID;
-    if (c->clip_c == 0.0f) c->clip_c = 2.5f;
-    if (!dopt__is_finite(c->clip_c) && c->clip_c > 0.0f) return DOPT_ERR_INVALID;
-    if (c->clip_c < 0.0f) c->clip_c = DOPT_CLIP_OFF;
-    if (c->qsgd_levels == 0) c->qsgd_levels = 7;
-    if (c->qsgd_levels > 127) return DOPT_ERR_INVALID;
-    if (c->qsgd_bucket == 0) c->qsgd_bucket = 512;
-    if (c->qsgd_bucket > UINT32_MAX) return DOPT_ERR_INVALID;
-    if (c->topk_ratio == 0.0) c->topk_ratio = 0.01;
-    if (!(c->topk_ratio > 0.0 && c->topk_ratio <= 1.0)) return DOPT_ERR_INVALID;
-    if (c->rank < 0) return DOPT_ERR_INVALID;
-    if (c->powersgd_rank == 0) c->powersgd_rank = 2;
-    if (c->powersgd_rank > DOPT__PSGD_MAX_RANK) return DOPT_ERR_INVALID;
-    if (c->powersgd_min == 0) c->powersgd_min = 4096;
-    if (c->ring_buckets < 0 || c->ring_buckets > DOPT__RING_MAX_BUCKETS) return DOPT_ERR_INVALID;
-    /* PowerSGD without its error feedback does not converge well (Vogels et al. 2019, §4.1) */
-    if (c->codec == DOPT_CODEC_POWERSGD && c->error_feedback == DOPT_EF_OFF) return DOPT_ERR_INVALID;
-    return DOPT_OK;
-}
-
-static int dopt__ef_default(dopt_codec codec) {
-    return codec == DOPT_CODEC_TOPK || codec == DOPT_CODEC_SIGN || codec == DOPT_CODEC_POWERSGD;
-}
-
-DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
-                                          const dopt_segment *segs, size_t nsegs) {
-    dopt_compressor_config c;
-    size_t i, max_seg = 0, count = 0, end = 0, table;
-    if (cz == NULL) return DOPT_ERR_INVALID;
-    memset(cz, 0, sizeof *cz);
-    if (segs == NULL || nsegs == 0 || nsegs > UINT32_MAX) return DOPT_ERR_INVALID;
-    if (cfg)
-        c = *cfg;
-    else
-        memset(&c, 0, sizeof c);
-    if (dopt__config_resolve(&c) != DOPT_OK) return DOPT_ERR_INVALID;
-    for (i = 0; i < nsegs; i++) { /* increasing, non-overlapping, no overflow */
-        if (segs[i].offset < end || segs[i].count > SIZE_MAX - segs[i].offset) return DOPT_ERR_INVALID;
-        end = segs[i].offset + segs[i].count;
-        count += segs[i].count;
-        max_seg = segs[i].count > max_seg ? segs[i].count : max_seg;
-        if (c.codec == DOPT_CODEC_TOPK && segs[i].count > UINT32_MAX) return DOPT_ERR_INVALID;
-        if (c.codec == DOPT_CODEC_POWERSGD && segs[i].rows != 0 && segs[i].count % segs[i].rows != 0)
-            return DOPT_ERR_INVALID; /* not rows × cols (other codecs never read rows) */
-    }
-    if (count > SIZE_MAX / 8) return DOPT_ERR_INVALID;
-    cz->cfg = c;
-    cz->rank = c.rank;
-    cz->nsegs = nsegs;
-    cz->count = count;
-    cz->flat_end = end;
-    cz->ef = c.error_feedback == DOPT_EF_ON || (c.error_feedback == DOPT_EF_AUTO && dopt__ef_default(c.codec));
-    /* the segment table and, after it, the spans of the EF work buffer */
-    table = nsegs * (sizeof(dopt_segment) + sizeof(dopt_span));
-    cz->segs = (dopt_segment *)DOPT_MALLOC(table);
-    if (cz->segs == NULL) return DOPT_ERR_NOMEM;
-    memcpy(cz->segs, segs, nsegs * sizeof(dopt_segment));
-    if (c.codec == DOPT_CODEC_POWERSGD) {
-        dopt_status s = dopt__psgd_init(cz);
-        if (s != DOPT_OK) {
-            dopt_compressor_free(cz);
-            return s;
-        }
-    }
-    cz->msg_bytes = dopt__message_bytes(cz);
-    cz->msg = (unsigned char *)DOPT_MALLOC(cz->msg_bytes);
-    cz->scales = (float *)DOPT_MALLOC((2 * nsegs + 1) * sizeof(float));
-    if (cz->msg == NULL || cz->scales == NULL) goto nomem;
-    cz->bounds = cz->scales + nsegs + 1;
-    for (i = 0; i < nsegs; i++) cz->bounds[i] = FLT_MAX;
-    if (c.codec == DOPT_CODEC_TOPK) {
-        cz->select = (float *)DOPT_MALLOC((max_seg ? max_seg : 1) * sizeof(float));
-        if (cz->select == NULL) goto nomem;
-    }
-    if (cz->ef) {
-        cz->residual = (float *)DOPT_MALLOC((count ? count : 1) * sizeof(float));
-        cz->work = (float *)DOPT_MALLOC((count ? count : 1) * sizeof(float));
-        if (cz->residual == NULL || cz->work == NULL) goto nomem;
-        if (count) memset(cz->residual, 0, count * sizeof(float));
-    }
-    return DOPT_OK;
-nomem:
-    dopt_compressor_free(cz);
-    return DOPT_ERR_NOMEM;
-}
-
-DOPT_DEF void dopt_compressor_free(dopt_compressor *cz) {
-    if (cz == NULL) return;
-    DOPT_FREE(cz->segs);
-    DOPT_FREE(cz->msg);
-    DOPT_FREE(cz->scales);
-    DOPT_FREE(cz->select);
-    DOPT_FREE(cz->residual);
-    DOPT_FREE(cz->work);
-    DOPT_FREE(cz->gather);
-    DOPT_FREE(cz->ring_buf);
-    DOPT_FREE(cz->ring_ranks);
-    DOPT_FREE(cz->psgd_q);
-    DOPT_FREE(cz->psgd_gs);
-    memset(cz, 0, sizeof *cz);
 }
 
 #ifdef __cplusplus
