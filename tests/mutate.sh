@@ -131,8 +131,8 @@ mutate finite-scan-ors-the-blocks distopt.h \
     '(any) |= (uint32_t)(m0_[j_] == 0x7F800000u) | (uint32_t)(m1_[j_] == 0x7F800000u) |' \
     '(any) |= (uint32_t)((m0_[j_] | m1_[j_]) == 0x7F800000u) | (uint32_t)(m1_[j_] == 0x7F800000u) |' test_core:finite
 mutate nonfinite-average-unchecked localsgd.h \
-    '    if (s == DOPT_OK && dopt__dp_unpack_finite(grads, dp->work)) {' \
-    '    if (s == DOPT_OK && (dopt__dp_unpack_finite(grads, dp->work) || 1)) {' test_nonfinite:gradient_average
+    '    *finite = s == DOPT_OK && dopt_all_finite(g, dp->n);' \
+    '    *finite = s == DOPT_OK && (dopt_all_finite(g, dp->n) || 1);' test_nonfinite:gradient_average
 mutate nonfinite-gradients-not-zeroed localsgd.h \
     '    dopt__dp_zero(grads);' '    if (0) dopt__dp_zero(grads);' test_nonfinite:gradient_average
 mutate nonfinite-fail-not-sticky localsgd.h \
