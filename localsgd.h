@@ -218,8 +218,12 @@
      On a synchronous step (every step at period 1, the warm-up otherwise): averages the
      gradients in place (through grad_compressor when set; weighted by the step's samples when
      `weighted`), and the after_step of that step then averages nothing: the models stay
-     identical because every rank applies the same update. On a local step: DOPT_OK at once,
-     without communication. Call it between backward and the optimizer's update. A host that
+     identical because every rank applies the same update. A flat buffer (with or without a
+     segment table, no gaps) is averaged where it lies, without a copy; a scatter list, or a
+     table with gaps, is packed into the driver's workspace and back (the same bits either way).
+     On a local step: DOPT_OK at once, without communication. Call it between backward and the
+     optimizer's update. After a transport's error a flat buffer may hold part of an average
+     (the communicator is poisoned: the step is lost either way). A host that
      never calls it has its models averaged by after_step instead (exact for SGD, not for
      optimizers with state: call it). An average that is not finite (a NaN or an infinity in any
      rank's gradient, or a sum beyond the float range) returns DOPT_ERR_NONFINITE on every rank
@@ -325,11 +329,14 @@
      synchronous steps (after_backward, celgc_step with sync_grads) and the models of local SGD
      (after_step, sync, close) — has one verdict: finite or not, taken from bits every rank holds
      identically (the averaged result, or the compressor's flags), so every rank reaches the same
-     verdict in the same call, and it tests bits, so it holds under -Ofast and -ffast-math. It
-     rides on the copies the driver makes anyway (dopt_copy_finite), and a model average carries
-     every rank's flag in one float more of its allreduce, so the verdict is known before
-     anything is written; its cost beside the fp32 allreduce is measured in the distopt
-     repository's docs/reliability.md. One allgather, only then,
+     verdict in the same call, and it tests bits, so it holds under -Ofast and -ffast-math. A
+     flat gradient buffer, averaged in place, is scanned (dopt_all_finite): the average after,
+     and in fp32 this rank's input before the average overwrites it (a compressor refuses a
+     non-finite input on every rank itself). Elsewhere the verdict rides on the copies the
+     driver makes anyway (dopt_copy_finite), and a model average carries every rank's flag in
+     one float more of its allreduce, so the verdict is known before anything is written; the
+     cost of both beside the fp32 allreduce is measured in the distopt repository's
+     docs/reliability.md. One allgather, only then,
      names the first non-finite element (segment by name, from the descriptor's table or the
      compressor's) and the ranks whose input held NaN or infinity, or says that every input was
      finite and the sum overflowed. dopt_dp_detail then reads, for example:
@@ -453,9 +460,10 @@
      With cfg.grad_compressor (same requirements as cfg.compressor, a different object),
      dopt_dp_after_backward — and dopt_dp_celgc_step with sync_grads — averages the
      gradients of synchronous steps through dopt_compress_allreduce: (1/N) Σ_m C(g_m), the same
-     bytes on every rank, packed into the workspace first so that any descriptor works. Its state
-     (error-feedback residual, step) is saved with the driver's. Both compressors may be set:
-     compressed gradients during the warm-up, compressed deltas after it.
+     bytes on every rank, in the gradient buffer itself when it is flat, else packed into the
+     workspace first (any descriptor works). Its state (error-feedback residual, step) is saved
+     with the driver's. Both compressors may be set: compressed gradients during the warm-up,
+     compressed deltas after it.
 */
 #ifndef DISTOPT_LOCALSGD_H
 #define DISTOPT_LOCALSGD_H
