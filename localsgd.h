@@ -218,8 +218,12 @@
      On a synchronous step (every step at period 1, the warm-up otherwise): averages the
      gradients in place (through grad_compressor when set; weighted by the step's samples when
      `weighted`), and the after_step of that step then averages nothing: the models stay
-     identical because every rank applies the same update. On a local step: DOPT_OK at once,
-     without communication. Call it between backward and the optimizer's update. A host that
+     identical because every rank applies the same update. A flat buffer (with or without a
+     segment table, no gaps) is averaged where it lies, without a copy; a scatter list, or a
+     table with gaps, is packed into the driver's workspace and back (the same bits either way).
+     On a local step: DOPT_OK at once, without communication. Call it between backward and the
+     optimizer's update. After a transport's error a flat buffer may hold part of an average
+     (the communicator is poisoned: the step is lost either way). A host that
      never calls it has its models averaged by after_step instead (exact for SGD, not for
      optimizers with state: call it). An average that is not finite (a NaN or an infinity in any
      rank's gradient, or a sum beyond the float range) returns DOPT_ERR_NONFINITE on every rank
@@ -325,11 +329,14 @@
      synchronous steps (after_backward, celgc_step with sync_grads) and the models of local SGD
      (after_step, sync, close) — has one verdict: finite or not, taken from bits every rank holds
      identically (the averaged result, or the compressor's flags), so every rank reaches the same
-     verdict in the same call, and it tests bits, so it holds under -Ofast and -ffast-math. It
-     rides on the copies the driver makes anyway (dopt_copy_finite), and a model average carries
-     every rank's flag in one float more of its allreduce, so the verdict is known before
-     anything is written; its cost beside the fp32 allreduce is measured in the distopt
-     repository's docs/reliability.md. One allgather, only then,
+     verdict in the same call, and it tests bits, so it holds under -Ofast and -ffast-math. A
+     flat gradient buffer, averaged in place, is scanned (dopt_all_finite): the average after,
+     and in fp32 this rank's input before the average overwrites it (a compressor refuses a
+     non-finite input on every rank itself). Elsewhere the verdict rides on the copies the
+     driver makes anyway (dopt_copy_finite), and a model average carries every rank's flag in
+     one float more of its allreduce, so the verdict is known before anything is written; the
+     cost of both beside the fp32 allreduce is measured in the distopt repository's
+     docs/reliability.md. One allgather, only then,
      names the first non-finite element (segment by name, from the descriptor's table or the
      compressor's) and the ranks whose input held NaN or infinity, or says that every input was
      finite and the sum overflowed. dopt_dp_detail then reads, for example:
@@ -453,9 +460,10 @@
      With cfg.grad_compressor (same requirements as cfg.compressor, a different object),
      dopt_dp_after_backward — and dopt_dp_celgc_step with sync_grads — averages the
      gradients of synchronous steps through dopt_compress_allreduce: (1/N) Σ_m C(g_m), the same
-     bytes on every rank, packed into the workspace first so that any descriptor works. Its state
-     (error-feedback residual, step) is saved with the driver's. Both compressors may be set:
-     compressed gradients during the warm-up, compressed deltas after it.
+     bytes on every rank, in the gradient buffer itself when it is flat, else packed into the
+     workspace first (any descriptor works). Its state (error-feedback residual, step) is saved
+     with the driver's. Both compressors may be set: compressed gradients during the warm-up,
+     compressed deltas after it.
 */
 #ifndef DISTOPT_LOCALSGD_H
 #define DISTOPT_LOCALSGD_H
@@ -1312,7 +1320,7 @@ static double dopt__dp_step_samples(const dopt_dp *dp) {
 /* ===================================================================== NON-FINITE AVERAGES */
 
 /* The first element of x[0..n) that is NaN or ±Inf, by its bits; n when there is none (the rare
-   path only: the steady state's verdict rides on the copies). */
+   path only: the steady state's verdict is a scan or rides on the copies). */
 static size_t dopt__dp_first_nonfinite(const float *x, size_t n) {
     size_t i;
     for (i = 0; i < n; i++)
@@ -1382,18 +1390,18 @@ static void dopt__dp_bad_ranks(const dopt_dp *dp, char *out, size_t cap, int *ba
    the averaged result, or the compressor's flags). One allgather says whose input held NaN or
    infinity and where the first one is; the detail names the step, the segment and the ranks;
    the policy decides: FAIL stops the driver, SKIP counts and warns (the first 8, then the 16th,
-   32nd, ...). The first non-finite element is looked for in the average when the workspace holds
-   it (from_input 0), else in this rank's input `layout`, whose segments (or cz's) name it; the
-   average is the one dp->api names.
+   32nd, ...). The first non-finite element is looked for in `layout` (in_layout 1: this rank's
+   input, or gradients that hold the average), whose segments (or cz's) name it, else in the
+   average in the workspace; the average is the one dp->api names.
    *finite_ranks: ranks whose input was finite. Returns DOPT_ERR_NONFINITE, or the allgather's
    failure. */
-static dopt_status dopt__dp_nonfinite(dopt_dp *dp, const dopt_buf *layout, const dopt_compressor *cz, int from_input,
+static dopt_status dopt__dp_nonfinite(dopt_dp *dp, const dopt_buf *layout, const dopt_compressor *cz, int in_layout,
                                       int mine_finite, int *finite_ranks) {
     uint64_t mine[2], first = UINT64_MAX;
     char where[128] = "an element no rank found again", ranks[64], whose[160];
     const char *prev = dopt_comm_set_api(dp->comm, dp->api);
-    size_t total = from_input ? dopt_buf_count(layout) : dp->work_count;
-    size_t at = from_input ? dopt__dp_first_nonfinite_buf(layout) : dopt__dp_first_nonfinite(dp->work, total);
+    size_t total = in_layout ? dopt_buf_count(layout) : dp->work_count;
+    size_t at = in_layout ? dopt__dp_first_nonfinite_buf(layout) : dopt__dp_first_nonfinite(dp->work, total);
     int r, bad;
     dopt_status s;
     mine[0] = mine_finite ? 0 : 1;
@@ -1610,14 +1618,50 @@ static void dopt__dp_count_pending_step(dopt_dp *dp) {
     dp->syncs++;
 }
 
-/* The gradient mean of a synchronous step; the step's model average is then skipped. */
-/* The gradient mean of a synchronous step; the step's model average is then skipped. The verdict
-   on it rides on the copy back into grads (the same bits on every rank); this rank's own verdict,
-   on the copy in, names it when the average is not finite. Then every rank's grads hold zeros,
-   whatever the policy: replicas stay identical even where the host applies them. */
+/* A flat descriptor of n elements whose segments, if it has a table, tile it without gaps: its
+   buffer is the packed layout itself, so the gradient mean is made there, without the copies. */
+static int dopt__dp_in_place(const dopt_buf *b, size_t n) { return b->data != NULL && b->n == n; }
+
+/* The gradient mean of n packed floats at x: through the gradient compressor (its own segments),
+   weighted by the step's samples, or plain. */
+static dopt_status dopt__dp_grad_mean(dopt_dp *dp, float *x) {
+    if (dp->grad_compressor) return dopt_compress_allreduce(dp->grad_compressor, dp->comm, x, dp->n);
+    if (dp->weighted) return dopt_allreduce_weighted_mean(dp->comm, x, dp->n, DOPT_F32, dopt__dp_step_samples(dp));
+    return dopt_allreduce(dp->comm, x, dp->n, DOPT_F32, DOPT_MEAN);
+}
+
+/* The mean in the gradients' own buffer. The average overwrites this rank's input, so the verdict
+   on the input (*mine) is a read-only scan taken before; a compressor needs none: it accepts only
+   inputs that are finite on every rank, and when it refuses it leaves grads as they were. The
+   verdict on the average (*finite) is a scan of it, the same bits on every rank. */
+static dopt_status dopt__dp_grads_in_place(dopt_dp *dp, float *g, int *mine, int *finite) {
+    dopt_status s;
+    *mine = dp->grad_compressor != NULL || dopt_all_finite(g, dp->n);
+    s = dopt__dp_grad_mean(dp, g);
+    if (s == DOPT_ERR_NONFINITE && dp->grad_compressor) *mine = dopt_all_finite(g, dp->n);
+    *finite = s == DOPT_OK && dopt_all_finite(g, dp->n);
+    return s;
+}
+
+/* The mean of any other descriptor (a scatter list, a table with gaps): packed into the workspace
+   and back, the verdicts riding on the copies (this rank's input on the way in, the average on
+   the way out). */
+static dopt_status dopt__dp_grads_packed(dopt_dp *dp, const dopt_buf *grads, int *mine, int *finite) {
+    dopt_status s;
+    *mine = dopt__dp_pack_finite(grads, dp->work);
+    s = dopt__dp_grad_mean(dp, dp->work);
+    *finite = s == DOPT_OK && dopt__dp_unpack_finite(grads, dp->work);
+    return s;
+}
+
+/* The gradient mean of a synchronous step; the step's model average is then skipped. A flat
+   buffer is averaged in place, any other descriptor through the workspace; either way grads then
+   holds the average, or this rank's input where the compressor refused it, and the verdict comes
+   from the average's bits, alike on every rank. When it is not finite, every rank's grads hold
+   zeros, whatever the policy: replicas stay identical even where the host applies them. */
 static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, const char *api) {
     const char *prev;
-    int mine_finite, finite_ranks;
+    int mine_finite, finite, finite_ranks;
     dopt_status s;
     if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     if (dopt__dp_check_buf(grads, dp->n) != DOPT_OK) {
@@ -1627,22 +1671,15 @@ static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, co
     dopt__dp_count_pending_step(dp);
     if (!dopt_dp_is_synchronous(dp, dp->step)) return DOPT_OK;
     prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
-    mine_finite = dopt__dp_pack_finite(grads, dp->work);
-    if (dp->grad_compressor) /* over the packed gradients, the compressor's own segments */
-        s = dopt_compress_allreduce(dp->grad_compressor, dp->comm, dp->work, dp->n);
-    else if (dp->weighted)
-        s = dopt_allreduce_weighted_mean(dp->comm, dp->work, dp->n, DOPT_F32, dopt__dp_step_samples(dp));
-    else
-        s = dopt_allreduce(dp->comm, dp->work, dp->n, DOPT_F32, DOPT_MEAN);
+    s = dopt__dp_in_place(grads, dp->n) ? dopt__dp_grads_in_place(dp, grads->data, &mine_finite, &finite)
+                                        : dopt__dp_grads_packed(dp, grads, &mine_finite, &finite);
     dopt_comm_set_api(dp->comm, prev);
-    if (s == DOPT_OK && dopt__dp_unpack_finite(grads, dp->work)) {
+    if (finite) {
         dp->grads_step = dp->step + 1;
         return DOPT_OK;
     }
     if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s;
-    /* not finite: named from the average when grads received it, else (the compressor refused
-       before writing) from this rank's input */
-    s = dopt__dp_nonfinite(dp, grads, dp->grad_compressor, s == DOPT_ERR_NONFINITE, mine_finite, &finite_ranks);
+    s = dopt__dp_nonfinite(dp, grads, dp->grad_compressor, 1, mine_finite, &finite_ranks);
     if (s != DOPT_ERR_NONFINITE) return s;
     dopt__dp_zero(grads);
     if (dp->status == DOPT_OK) dp->grads_step = dp->step + 1; /* SKIP: zeros are the step's average */

@@ -131,8 +131,8 @@ mutate finite-scan-ors-the-blocks distopt.h \
     '(any) |= (uint32_t)(m0_[j_] == 0x7F800000u) | (uint32_t)(m1_[j_] == 0x7F800000u) |' \
     '(any) |= (uint32_t)((m0_[j_] | m1_[j_]) == 0x7F800000u) | (uint32_t)(m1_[j_] == 0x7F800000u) |' test_core:finite
 mutate nonfinite-average-unchecked localsgd.h \
-    '    if (s == DOPT_OK && dopt__dp_unpack_finite(grads, dp->work)) {' \
-    '    if (s == DOPT_OK && (dopt__dp_unpack_finite(grads, dp->work) || 1)) {' test_nonfinite:gradient_average
+    '    *finite = s == DOPT_OK && dopt_all_finite(g, dp->n);' \
+    '    *finite = s == DOPT_OK && (dopt_all_finite(g, dp->n) || 1);' test_nonfinite:gradient_average
 mutate nonfinite-gradients-not-zeroed localsgd.h \
     '    dopt__dp_zero(grads);' '    if (0) dopt__dp_zero(grads);' test_nonfinite:gradient_average
 mutate nonfinite-fail-not-sticky localsgd.h \
@@ -146,6 +146,19 @@ mutate nonfinite-model-overflow-unchecked localsgd.h \
     test_nonfinite:overflow
 mutate nonfinite-rank-not-named localsgd.h \
     '    mine[0] = mine_finite ? 0 : 1;' '    mine[0] = mine_finite ? 0 : 0;' test_nonfinite:gradient_average
+mutate nonfinite-input-not-scanned-in-place localsgd.h \
+    '    *mine = dp->grad_compressor != NULL || dopt_all_finite(g, dp->n);' '    *mine = 1;' \
+    test_nonfinite:gradient_average
+mutate nonfinite-refused-input-not-scanned localsgd.h \
+    '    if (s == DOPT_ERR_NONFINITE && dp->grad_compressor) *mine = dopt_all_finite(g, dp->n);' '' \
+    test_nonfinite:gradient_average
+mutate nonfinite-packed-average-unchecked localsgd.h \
+    '    *finite = s == DOPT_OK && dopt__dp_unpack_finite(grads, dp->work);' \
+    '    *finite = s == DOPT_OK && (dopt__dp_unpack_finite(grads, dp->work) || 1);' test_nonfinite:scatter
+mutate flat-gradients-copied localsgd.h \
+    '{ return b->data != NULL && b->n == n; }' '{ return b->data != NULL && b->n == n && 0; }' test_localsgd:in_place
+mutate gapped-gradients-averaged-in-place localsgd.h \
+    '{ return b->data != NULL && b->n == n; }' '{ return b->data != NULL && b->n >= n; }' test_localsgd:in_place
 mutate steps-not-counted-without-after-step localsgd.h \
     '    if (dp->grads_step != dp->step + 1) return;' '    return;' test_nonfinite:gradient_average
 mutate replica-steps-not-compared localsgd.h \

@@ -18,7 +18,10 @@
      stops the driver; SKIP continues every rank from the mean of the finite ranks (at 2 ranks:
      rank 0's parameters, bit for bit).
    - Finite inputs whose sum overflows: named as an overflow, no rank blamed; a model average that
-     overflows stops the driver under either policy (the parameters hold it already). */
+     overflows stops the driver under either policy (the parameters hold it already).
+   Gradients are a flat buffer with a segment table (averaged in place), or with `scatter` the same
+   three tensors as a scatter list (packed into the driver's workspace): the rule is the same, and
+   the place is named by span instead of by name. */
 #ifndef DOPT_TEST_NONFINITE_H
 #define DOPT_TEST_NONFINITE_H
 
@@ -48,6 +51,7 @@ typedef struct nf_case {
     dopt_nonfinite_policy policy;
     int inf;                     /* 1: +infinity instead of NaN */
     int weighted, outer;         /* NF_MODELS: weighted averages; DiLoCo's outer step */
+    int scatter;                 /* gradients as a scatter list of the three tensors, not flat */
 } nf_case;
 
 static const dopt_segment nf_segs[3] = {
@@ -94,7 +98,9 @@ static void nf_check_named(const nf_case *k, dopt_dp *dp, int size, const char *
         return;
     }
     NF_CHECK(strstr(d, rank) != NULL, "the detail does not name %s: %s", rank, d);
-    NF_CHECK(strstr(d, k->mode == NF_MODELS ? "element 17" : "(layer1), element 17") != NULL,
+    NF_CHECK(strstr(d, k->mode == NF_MODELS ? "element 17"
+                       : k->scatter          ? "span 1 (unnamed), element 17"
+                                             : "(layer1), element 17") != NULL,
              "the detail does not name the first place: %s", d);
 }
 
@@ -112,12 +118,18 @@ static void nf_init_compressor(dopt_compressor *cz, const nf_case *k, dopt_comm 
 /* Synchronous steps: the gradient average. */
 static void nf_run_grads(dopt_comm *c, const nf_case *k) {
     float *x = (float *)calloc(NF_N, sizeof(float)), *g = (float *)malloc(NF_N * sizeof(float));
+    dopt_span spans[3];
     dopt_buf xb = dopt_buf_flat(x, NF_N, nf_segs, 3), gb = dopt_buf_flat(g, NF_N, nf_segs, 3);
     dopt_compressor cz;
     dopt_dp dp;
     dopt_dp_config cfg;
     dopt_status st, close_st;
     int t, bad_rank = c->size - 1;
+    for (t = 0; t < 3; t++) {
+        spans[t].ptr = g + nf_segs[t].offset;
+        spans[t].count = nf_segs[t].count;
+    }
+    if (k->scatter) gb = dopt_buf_scatter(spans, 3);
     memset(&cfg, 0, sizeof cfg);
     cfg.nonfinite = k->policy;
     cfg.sync_grads = k->mode == NF_CELGC;

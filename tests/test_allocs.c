@@ -4,9 +4,9 @@
    and large, allgather, allgatherv, broadcast, barrier, the _start forms with several requests
    in flight); the compressed allreduce with every codec of compress.h, gathered and on the
    rings; and the steps of the local SGD driver (period 1 averaging the gradients, fp32 or
-   through TernGrad; period 4 averaging the models, plain, weighted, through DiLoCo's outer step,
-   through top-k, with extra state buffers); and clip.h's calls with a communicator, and CELGC's
-   step through the driver.
+   through TernGrad, a flat buffer in place or a scatter list packed; period 4 averaging the
+   models, plain, weighted, through DiLoCo's outer step, through top-k, with extra state
+   buffers); and clip.h's calls with a communicator, and CELGC's step through the driver.
 
    The allocator is counted (DOPT_MALLOC / DOPT_FREE, defined before the headers). Each shape
    runs one round to warm up (buffers are sized at first use), then three more rounds of the
@@ -282,12 +282,16 @@ typedef struct ls_case {
     ls_codec models_via; /* compressor of the model deltas */
     double outer_lr, outer_momentum;
     int with_states; /* momentum averaged, a buffer reset: the _buf forms */
+    int scatter_grads; /* the gradients as a scatter list (packed), not flat (averaged in place) */
 } ls_case;
 
 static const ls_case ls_cases[] = {
     {"period 1, gradients averaged", 1, 1, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0},
     {"period 1, gradients averaged, weighted", 1, 1, 1, LS_FP32, LS_FP32, 0.0, 0.0, 0},
     {"period 1, gradients averaged through TernGrad", 1, 1, 0, LS_TERNARY, LS_FP32, 0.0, 0.0, 0},
+    {"period 1, gradients of a scatter list averaged", 1, 1, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0, 1},
+    {"period 1, gradients of a scatter list averaged, weighted", 1, 1, 1, LS_FP32, LS_FP32, 0.0, 0.0, 0, 1},
+    {"period 1, gradients of a scatter list averaged through TernGrad", 1, 1, 0, LS_TERNARY, LS_FP32, 0.0, 0.0, 0, 1},
     {"period 1, models averaged", 1, 0, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0},
     {"period 4, models averaged", 4, 0, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0},
     {"period 4, models averaged, weighted", 4, 0, 1, LS_FP32, LS_FP32, 0.0, 0.0, 0},
@@ -301,6 +305,7 @@ typedef struct ls_run {
     dopt_dp ls;
     float params[LS_N], grads[LS_N], momentum[LS_N], accum[LS_N];
     dopt_buf states[2];
+    dopt_span grad_spans[2]; /* the gradients as two spans, for scatter_grads */
 } ls_run;
 
 /* A compressor over the packed parameters, or NULL for fp32. */
@@ -321,7 +326,12 @@ static void ls_round(steady *w, void *arg) {
     int k;
     for (k = 0; k < LS_STEPS_PER_ROUND; k++) {
         fill_floats(run->grads, LS_N, round_seed(w) * 16 + (uint64_t)k);
-        STEADY_OK(w, dopt_dp_after_backward(&run->ls, run->grads));
+        if (run->lc->scatter_grads) {
+            dopt_buf g = dopt_buf_scatter(run->grad_spans, 2);
+            STEADY_OK(w, dopt_dp_after_backward_buf(&run->ls, &g));
+        } else {
+            STEADY_OK(w, dopt_dp_after_backward(&run->ls, run->grads));
+        }
         if (run->lc->with_states) {
             dopt_buf p = dopt_buf_flat(run->params, LS_N, NULL, 0);
             dopt_scale(run->momentum, 0.9f, LS_N);
@@ -363,6 +373,10 @@ static void localsgd_steady(dopt_comm *c, void *arg) {
         run->lc = lc;
         run->states[0] = dopt_buf_flat(run->momentum, LS_N, NULL, 0);
         run->states[1] = dopt_buf_flat(run->accum, LS_N, NULL, 0);
+        run->grad_spans[0].ptr = run->grads;
+        run->grad_spans[0].count = LS_N / 2;
+        run->grad_spans[1].ptr = run->grads + LS_N / 2;
+        run->grad_spans[1].count = LS_N - LS_N / 2;
         fill_floats(run->params, LS_N, (uint64_t)c->rank + 99);
         memset(run->momentum, 0, sizeof run->momentum);
         memset(run->accum, 0, sizeof run->accum);

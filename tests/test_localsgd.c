@@ -7,9 +7,10 @@
    pseudo-gradients; the batch-size tests against values computed by hand, the within-worker
    variance at one iterate (zero without noise under drift, known noise within a confidence
    interval, ‖∇F‖² unbiased), both projections against a double-precision reference, history,
-   both variance estimators, the decision identical on every rank; the replica check; a run saved
-   at step k and resumed, bitwise equal to the uninterrupted run; corrupt and mismatched state
-   files refused. */
+   both variance estimators, the decision identical on every rank; the replica check; gradient
+   averages of a flat buffer (in place, the workspace untouched) bitwise equal to those of a
+   scatter list (packed); a run saved at step k and resumed, bitwise equal to the uninterrupted
+   run; corrupt and mismatched state files refused. */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_shm.h"
@@ -826,6 +827,128 @@ static void body_grad_compressed(dopt_comm *c, void *arg) {
 }
 
 DTEST_WORLDS(compressed_gradients_through_the_driver_equal_the_compressed_allreduce, body_grad_compressed, NULL, 2, 4);
+
+/* ------------------------------------------------------------------ gradient shapes */
+
+/* Three tensors of 1000 elements, and the same three with gaps between them (in 1006). */
+#define SH_N 1000
+#define SH_GAPPED_N 1006
+#define SH_SHAPES 4 /* flat, flat with a table (both in place), a table with gaps, a scatter list */
+static const dopt_segment sh_segs[3] = {{0, 200, "w1", 0}, {200, 700, "w2", 0}, {900, 100, "b", 0}};
+static const dopt_segment sh_gapped[3] = {{1, 200, "w1", 0}, {203, 700, "w2", 0}, {906, 100, "b", 0}};
+
+typedef enum sh_via { SH_FP32, SH_WEIGHTED, SH_TERNARY } sh_via;
+static const sh_via sh_vias[] = {SH_FP32, SH_WEIGHTED, SH_TERNARY};
+
+typedef struct sh_run {
+    sh_via via;
+    dopt_dp dp[SH_SHAPES];
+    dopt_compressor cz[SH_SHAPES + 1]; /* the last: the twin beside the driver */
+    float flat[SH_N], tabled[SH_N], gapped[SH_GAPPED_N], twin[SH_N], src[SH_N], sentinel[SH_N];
+    float *spans_mem[3];
+    dopt_span spans[3];
+    dopt_buf shape[SH_SHAPES];
+} sh_run;
+
+static void sh_setup(dopt_comm *c, sh_run *r) {
+    dopt_compressor_config ccfg;
+    dopt_dp_config cfg;
+    int k;
+    for (k = 0; k < 3; k++) {
+        r->spans_mem[k] = (float *)malloc(sh_segs[k].count * sizeof(float));
+        r->spans[k].ptr = r->spans_mem[k];
+        r->spans[k].count = sh_segs[k].count;
+    }
+    r->shape[0] = dopt_buf_flat(r->flat, SH_N, NULL, 0);
+    r->shape[1] = dopt_buf_flat(r->tabled, SH_N, sh_segs, 3);
+    r->shape[2] = dopt_buf_flat(r->gapped, SH_GAPPED_N, sh_gapped, 3);
+    r->shape[3] = dopt_buf_scatter(r->spans, 3);
+    memset(&ccfg, 0, sizeof ccfg);
+    ccfg.codec = DOPT_CODEC_TERNARY;
+    ccfg.seed = 11;
+    memset(r->sentinel, 0x5A, sizeof r->sentinel); /* 1.5e16: no average of these gradients */
+    for (k = 0; k < SH_SHAPES; k++) {
+        memset(&cfg, 0, sizeof cfg);
+        cfg.weighted = r->via == SH_WEIGHTED;
+        if (r->via == SH_TERNARY) {
+            DT_OK(dopt_compressor_init(&r->cz[k], &ccfg, sh_segs, 3));
+            cfg.grad_compressor = &r->cz[k];
+        }
+        DT_OK(dopt_dp_init(&r->dp[k], c, SH_N, &cfg));
+        if (r->via == SH_WEIGHTED) DT_OK(dopt_dp_set_step_samples(&r->dp[k], 3.0 + c->rank));
+        memcpy(r->dp[k].work, r->sentinel, sizeof r->sentinel);
+    }
+    if (r->via == SH_TERNARY) DT_OK(dopt_compressor_init(&r->cz[SH_SHAPES], &ccfg, sh_segs, 3));
+}
+
+/* This rank's gradients of step t into every shape (the gapped buffer's gaps hold -7). */
+static void sh_fill(dopt_comm *c, sh_run *r, int t) {
+    int i, k;
+    for (i = 0; i < SH_N; i++) r->src[i] = (float)((i * 37 + c->rank * 101 + t * 13) % 199 - 99) * 0.01f;
+    memcpy(r->flat, r->src, sizeof r->src);
+    memcpy(r->tabled, r->src, sizeof r->src);
+    memcpy(r->twin, r->src, sizeof r->src);
+    for (i = 0; i < SH_GAPPED_N; i++) r->gapped[i] = -7.0f;
+    for (k = 0; k < 3; k++) {
+        memcpy(r->gapped + sh_gapped[k].offset, r->src + sh_segs[k].offset, sh_segs[k].count * sizeof(float));
+        memcpy(r->spans_mem[k], r->src + sh_segs[k].offset, sh_segs[k].count * sizeof(float));
+    }
+}
+
+/* What the driver did before it averaged in place: the mean of a packed copy. */
+static void sh_twin_mean(dopt_comm *c, sh_run *r) {
+    if (r->via == SH_TERNARY)
+        DT_OK(dopt_compress_allreduce(&r->cz[SH_SHAPES], c, r->twin, SH_N));
+    else if (r->via == SH_WEIGHTED)
+        DT_OK(dopt_allreduce_weighted_mean(c, r->twin, SH_N, DOPT_F32, 3.0 + c->rank));
+    else
+        DT_OK(dopt_allreduce(c, r->twin, SH_N, DOPT_F32, DOPT_MEAN));
+}
+
+/* Every shape's average equals the twin's, bit for bit; the gaps are not written; the in-place
+   shapes leave the workspace as filled, the packed ones leave the average there. */
+static void sh_check(dopt_comm *c, sh_run *r, int t) {
+    int i, k;
+    DT_CHECKF(memcmp(r->flat, r->twin, sizeof r->twin) == 0, "rank %d step %d: flat", c->rank, t);
+    DT_CHECKF(memcmp(r->tabled, r->twin, sizeof r->twin) == 0, "rank %d step %d: flat with a table", c->rank, t);
+    for (k = 0; k < 3; k++) {
+        DT_CHECKF(memcmp(r->gapped + sh_gapped[k].offset, r->twin + sh_segs[k].offset,
+                         sh_segs[k].count * sizeof(float)) == 0, "rank %d step %d: gapped, segment %d", c->rank, t, k);
+        DT_CHECKF(memcmp(r->spans_mem[k], r->twin + sh_segs[k].offset, sh_segs[k].count * sizeof(float)) == 0,
+                  "rank %d step %d: scatter, span %d", c->rank, t, k);
+    }
+    for (i = 0; i < SH_GAPPED_N; i++)
+        DT_CHECKF(!(i == 0 || i == 201 || i == 202 || (i >= 903 && i < 906)) || r->gapped[i] == -7.0f,
+                  "rank %d step %d: the gap element %d was written", c->rank, t, i);
+    for (k = 0; k < SH_SHAPES; k++)
+        DT_CHECKF(memcmp(r->dp[k].work, k < 2 ? r->sentinel : r->twin, sizeof r->twin) == 0,
+                  "rank %d step %d, shape %d: the workspace %s", c->rank, t, k,
+                  k < 2 ? "was written: the flat gradients were copied" : "does not hold the packed average");
+}
+
+/* A flat gradient buffer (with or without a segment table) is averaged in place, without a copy
+   into the driver's workspace; a table with gaps and a scatter list go through the workspace.
+   All four give bitwise what the mean of a packed copy gives (fp32, weighted, TernGrad). */
+static void body_shapes(dopt_comm *c, void *arg) {
+    sh_run *r = (sh_run *)calloc(1, sizeof *r);
+    int t, k;
+    DT_CHECK(r != NULL);
+    r->via = *(const sh_via *)arg;
+    sh_setup(c, r);
+    for (t = 0; t < 5; t++) {
+        sh_fill(c, r, t);
+        for (k = 0; k < SH_SHAPES; k++) DT_OK(dopt_dp_after_backward_buf(&r->dp[k], &r->shape[k]));
+        sh_twin_mean(c, r);
+        sh_check(c, r, t);
+    }
+    for (k = 0; k < SH_SHAPES; k++) dopt_dp_free(&r->dp[k]);
+    if (r->via == SH_TERNARY)
+        for (k = 0; k <= SH_SHAPES; k++) dopt_compressor_free(&r->cz[k]);
+    for (k = 0; k < 3; k++) free(r->spans_mem[k]);
+    free(r);
+}
+
+DTEST_WORLDS_EACH(a_flat_gradient_is_averaged_in_place_bitwise_as_a_packed_one, body_shapes, sh_vias, 2, 3);
 
 /* ------------------------------------------------------------------ CELGC */
 

@@ -2,9 +2,10 @@
    transport of worlds.h at 2 and 3 ranks: a NaN or an infinity in one rank's gradient at step 3
    of a loop that checks no status, through fp32 and every codec, under DOPT_NONFINITE_FAIL and
    _SKIP; a model gone non-finite before a local-SGD average (plain, weighted, compressed deltas,
-   DiLoCo's outer step); finite gradients whose sum overflows. The bodies are tests/nonfinite.h's,
-   shared with test_mpi.c. The Makefile builds this file again with -Ofast and with clang's
-   -ffast-math: the verdict tests bits. */
+   DiLoCo's outer step); finite gradients whose sum overflows; gradients flat (averaged in place)
+   and as a scatter list (packed). The bodies are tests/nonfinite.h's, shared with test_mpi.c.
+   The Makefile builds this file again with -Ofast and with clang's -ffast-math: the verdict
+   tests bits. */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_shm.h"
@@ -62,6 +63,24 @@ static const nf_case step_cases[] = {
     {NF_CELGC, DOPT_CODEC_TERNARY, DOPT_AGG_AUTO, SKIP_, 1, 0, 0},
 };
 DTEST_WORLDS_EACH(after_step_and_celgc_follow_the_same_non_finite_rule, body_case, step_cases, 2, 3);
+
+/* Gradients as a scatter list: packed into the driver's workspace, where the cases above average
+   a flat buffer in place; the verdicts ride on the copies instead of scans, the rule is the same. */
+static const nf_case scatter_cases[] = {
+    {NF_GRADS, -1, DOPT_AGG_AUTO, FAIL_, 0, 0, 0, 1},
+    {NF_GRADS, -1, DOPT_AGG_AUTO, SKIP_, 1, 0, 0, 1},
+    {NF_GRADS, -1, DOPT_AGG_AUTO, FAIL_, 1, 0, 0, 1},
+    {NF_GRADS, -1, DOPT_AGG_AUTO, SKIP_, 0, 0, 0, 1},
+    {NF_GRADS, DOPT_CODEC_TERNARY, DOPT_AGG_ALLGATHER, FAIL_, 1, 0, 0, 1},
+    {NF_GRADS, DOPT_CODEC_TERNARY, DOPT_AGG_RING, SKIP_, 0, 0, 0, 1},
+    {NF_GRADS, DOPT_CODEC_FP16, DOPT_AGG_AUTO, SKIP_, 1, 0, 0, 1},
+    {NF_GRADS, DOPT_CODEC_POWERSGD, DOPT_AGG_AUTO, FAIL_, 0, 0, 0, 1},
+    {NF_GRADS_AND_STEP, -1, DOPT_AGG_AUTO, SKIP_, 0, 0, 0, 1},
+    {NF_CELGC, -1, DOPT_AGG_AUTO, FAIL_, 0, 0, 0, 1},
+    {NF_OVERFLOW, -1, DOPT_AGG_AUTO, FAIL_, 0, 0, 0, 1},
+    {NF_OVERFLOW, -1, DOPT_AGG_AUTO, SKIP_, 0, 0, 0, 1},
+};
+DTEST_WORLDS_EACH(a_scatter_list_of_gradients_follows_the_same_non_finite_rule, body_case, scatter_cases, 2, 3);
 
 /* Local SGD: plain, weighted, compressed deltas with error feedback, DiLoCo's outer step. */
 static const nf_case model_cases[] = {
