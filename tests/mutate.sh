@@ -114,14 +114,25 @@ mutate dp-celgc-states-dropped localsgd.h \
 mutate augmented-nu-not-squared localsgd.h \
     'if (g2 > 0.0) return v / (tol * tol * g2);' 'if (g2 > 0.0) return v / (tol * g2);' test_localsgd:inner_product
 mutate batch-rounds-down localsgd.h \
-    'units_d = ceil(need / (double)c.unit_samples);' 'units_d = floor(need / (double)c.unit_samples);' \
+    'units_d = ceil(need / workers / (double)c.unit_samples);' 'units_d = floor(need / workers / (double)c.unit_samples);' \
     test_localsgd:norm_test
 mutate variance-bias-kept localsgd.h \
-    'st.grad_norm2 = v[7] > 0.0 ? (v[5] - tau2 * v[6]) / v[7] : NAN;' 'st.grad_norm2 = v[7] > 0.0 ? v[5] / v[7] : NAN;' \
-    test_localsgd:within
+    'st.grad_norm2 = v[7] > 0.0 ? (v[5] - (v[6] > 0.0 ? tau2 * v[6] : 0.0)) / v[7] : NAN;' \
+    'st.grad_norm2 = v[7] > 0.0 ? v[5] / v[7] : NAN;' test_localsgd:within
+mutate sync-step-compares-the-worker-batch localsgd.h \
+    'if (dp->grads_step == dp->step + 1) dopt_batch_averaged(dp->batch, dp->comm->size);' '' \
+    test_localsgd:batch_compares_the_global
+mutate sync-batch-not-divided localsgd.h \
+    'workers = st && dopt__is_finite(st->workers) && st->workers >= 1.0 ? st->workers : 1.0;' 'workers = 1.0;' \
+    test_localsgd:within_worker
+mutate growth-unbounded localsgd.h 'if (c.max_growth >= 1.0) {' 'if (0) {' test_localsgd:max_growth
+mutate anchor-unguarded localsgd.h 'if (dp->anchor == NULL || dp->anchor_set) return NULL;' 'return NULL;' \
+    test_localsgd:a_step_that_needs_the_anchor
 mutate drift-counted-as-noise localsgd.h \
-    'if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt_batch_end_step(dp->batch);' '' \
-    test_localsgd:within_variance
+    '        dopt_batch_end_step(dp->batch);
+    }
+    t = dp->step;' '    }
+    t = dp->step;' test_localsgd:within_variance
 mutate outer-momentum-not-nesterov localsgd.h \
     'd += mu * (double)dp->outer_v[i];' '' test_localsgd:outer
 mutate finite-scan-keeps-the-smallest distopt.h \

@@ -1868,6 +1868,65 @@ static const growth_args growth_cases[8] = {
     {DOPT_BATCH_AUGMENTED, DOPT_BATCH_ACROSS, DOPT_BATCH_PROJECT_PREVIOUS},
 };
 DTEST_WORLDS_EACH(batch_decisions_identical_on_every_rank_monotone_capped_rounded, body_growth, growth_cases, 2, 4);
+/* The driver tells the controller which steps averaged the gradients: a warm-up step's round
+   compares the global batch (workers = N, the plain ‖∇F‖² less (1 − 1/N)·τ²/k), a local round
+   each worker's own (workers = 1, plain ‖v̄‖²). */
+static void body_sync_rounds(dopt_comm *c, void *arg) {
+    static lsq p;
+    float x[LS_D], g[LS_D], micro[LS_D];
+    dopt_batch bc;
+    dopt_batch_config bcfg;
+    dopt_dp ls;
+    dopt_dp_config cfg;
+    int t, j, u;
+    (void)arg;
+    lsq_make(&p);
+    memset(&bcfg, 0, sizeof bcfg);
+    bcfg.initial_units = 2;
+    bcfg.unit_samples = 2;
+    bcfg.max_units = 4;
+    DT_OK(dopt_batch_init(&bc, LS_D, &bcfg));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.period = 3;
+    cfg.warmup_steps = 2;
+    cfg.batch = &bc;
+    DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
+    for (j = 0; j < LS_D; j++) x[j] = 0.0f;
+    DT_OK(dopt_dp_broadcast(&ls, x));
+    for (t = 0; t < 5; t++) {
+        double m2 = 0.0, ss = 0.0, want, v[2];
+        float mean[LS_D] = {0};
+        memset(g, 0, sizeof g);
+        for (u = 0; u < 2; u++) {
+            lsq_grad(&p, x, micro, c->rank, c->size, (uint64_t)t * 16 + (uint64_t)u, 2);
+            DT_OK(observe_flat(&bc, micro, LS_D));
+            dopt_axpy(mean, 0.5f, micro, LS_D);
+            dopt_axpy(g, 0.5f, micro, LS_D);
+            for (j = 0; j < LS_D; j++) ss += (double)micro[j] * micro[j];
+        }
+        for (j = 0; j < LS_D; j++) m2 += (double)mean[j] * mean[j];
+        DT_OK(dopt_dp_after_backward(&ls, g)); /* averaged on the warm-up steps 0 and 1 */
+        dopt_axpy(x, -0.05f, g, LS_D);
+        DT_OK(dopt_dp_after_step(&ls, x));
+        if (t >= 2) continue;
+        /* step t closed its own round: the plain estimate over ranks by hand (k = 2) */
+        v[0] = m2;
+        v[1] = ss - 2.0 * m2; /* Σ‖v_j − v̄‖² */
+        DT_OK(dopt_allreduce(c, v, 2, DOPT_F64, DOPT_SUM));
+        /* τ² = Σss/Σ(k − 1) = v[1]/N; each of the N ranks' steps takes (1 − 1/N)·τ²/2 off */
+        want = (v[0] - (1.0 - 1.0 / c->size) * v[1] / 2.0) / c->size;
+        DT_NEAR(bc.last.workers, (double)c->size, 0.0);
+        DT_NEAR(bc.last.grad_norm2, want, 1e-4 * fabs(want));
+    }
+    DT_NEAR(bc.last.workers, 1.0, 0.0); /* steps 2..4: one local round */
+    DT_EQ_INT(bc.decisions, 3);
+    dopt_dp_free(&ls);
+    dopt_batch_free(&bc);
+}
+
+DTEST_WORLDS(batch_compares_the_global_batch_on_synchronous_steps_and_the_worker_batch_on_local_ones,
+             body_sync_rounds, NULL, 2, 4);
+
 
 /* ------------------------------------------------------------------ save, load, resume */
 
