@@ -1362,6 +1362,47 @@ DTEST(max_growth_bounds_a_decision_and_a_nonpositive_estimate_warns) {
     }
 }
 
+/* AUTO: EXACT for the inner-product tests when its (max_units + 1)·n floats fit
+   DOPT_BATCH_EXACT_BYTES, PREVIOUS beyond (one WARN at the first decision saying why and how to
+   force EXACT); the norm test projects nothing and takes PREVIOUS's n floats, silently. */
+static int projection_warnings;
+static void count_projection_warning(void *user, dopt_log_level level, const char *msg) {
+    (void)user;
+    if (level == DOPT_LOG_WARN && strstr(msg, "DOPT_BATCH_PROJECT_PREVIOUS") && strstr(msg, "DOPT_BATCH_EXACT_BYTES"))
+        projection_warnings++;
+}
+
+DTEST(auto_projection_is_exact_where_it_fits_and_says_when_it_is_not) {
+    enum { N = 1000 };
+    static float v[N];
+    dopt_batch_config c;
+    dopt_batch bc;
+    dopt_comm *comm;
+    int k, t;
+    DT_OK(dopt_comm_create_self(&comm));
+    dopt_comm_set_log(comm, count_projection_warning, NULL);
+    for (k = 0; k < 3; k++) {
+        memset(&c, 0, sizeof c);
+        c.test = k == 2 ? DOPT_BATCH_NORM : DOPT_BATCH_INNER_PRODUCT;
+        c.initial_units = 2;
+        /* k = 1: (max_units + 1)·N floats one float beyond the limit */
+        c.max_units = k == 0 ? 64 : DOPT_BATCH_EXACT_BYTES / sizeof(float) / N;
+        projection_warnings = 0;
+        DT_OK(dopt_batch_init(&bc, N, &c));
+        DT_EQ_INT(bc.cfg.projection, k == 0 ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS);
+        DT_CHECK((bc.micro != NULL) == (k == 0));
+        for (t = 0; t < 2; t++) {
+            v[0] = (float)t + 1.0f;
+            DT_OK(observe_flat(&bc, v, N));
+            DT_OK(observe_flat(&bc, v, N));
+            DT_OK(dopt_batch_decide(&bc, comm));
+        }
+        DT_EQ_INT(projection_warnings, k == 1 ? 1 : 0); /* once, not at every decision */
+        dopt_batch_free(&bc);
+    }
+    dopt_comm_destroy(comm);
+}
+
 DTEST(inner_product_and_augmented_tests_match_hand_values) {
     dopt_batch_config c;
     dopt_batch_stats s = stats(4, 4, 100, 10, 80);
