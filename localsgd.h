@@ -160,7 +160,7 @@
    | max_units     | cap                                                        | 64·initial_units  |
    | multiple      | units are rounded up to a multiple of this                 | 1                 |
    | projection    | WITHIN, inner-product tests: the direction ĝ. AUTO: EXACT  | PROJECT_AUTO      |
-   |               | (the step's own mean, max_units·n floats kept) when that   |                   |
+   |               | (the step's gradient, (max_units + 1)·n floats) when that  |                   |
    |               | fits DOPT_BATCH_EXACT_BYTES (256 MiB), else PREVIOUS (the  |                   |
    |               | previous step's mean, n floats; a WARN says so)            |                   |
    | history       | WITHIN: weight h in [0, 1) of earlier rounds' statistics   | 0: the round's    |
@@ -406,7 +406,7 @@
    dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_config *cfg)
    void dopt_batch_free(dopt_batch *bc)
      n: elements of the gradients dopt_batch_observe will see (WITHIN; 0 is fine for ACROSS).
-     Allocates n doubles and n floats (WITHIN), or n doubles and max_units·n floats (WITHIN with
+     Allocates n doubles and n floats (WITHIN), or n doubles and (max_units + 1)·n floats (WITHIN with
      DOPT_BATCH_PROJECT_EXACT, which AUTO chooses for the inner-product tests when it fits
      DOPT_BATCH_EXACT_BYTES; bc->cfg.projection says which). DOPT_ERR_INVALID for a bad test,
      estimator or projection, a negative/NaN threshold, history outside [0, 1), max_growth
@@ -529,11 +529,11 @@ typedef enum dopt_batch_estimator {
 
 typedef enum dopt_batch_projection {
     DOPT_BATCH_PROJECT_AUTO = 0,    /* EXACT for the inner-product tests when it fits DOPT_BATCH_EXACT_BYTES */
-    DOPT_BATCH_PROJECT_EXACT = 1,   /* onto the step's own mean (the papers'): keeps max_units·n floats */
+    DOPT_BATCH_PROJECT_EXACT = 1,   /* onto the step's gradient (the papers'): keeps (max_units + 1)·n floats */
     DOPT_BATCH_PROJECT_PREVIOUS = 2 /* onto the previous local step's mean: n floats, an approximation */
 } dopt_batch_projection;
 
-/* AUTO's memory limit for EXACT's kept micro-batch gradients (max_units·n floats). */
+/* AUTO's memory limit for EXACT's kept micro-batch gradients ((max_units + 1)·n floats). */
 #ifndef DOPT_BATCH_EXACT_BYTES
 #define DOPT_BATCH_EXACT_BYTES ((size_t)256 << 20)
 #endif
@@ -585,7 +585,8 @@ typedef struct dopt_batch {
     int projection_fallback; /* 1: AUTO chose PREVIOUS for lack of memory (said at the first decision) */
     double *sum;           /* WITHIN: Σ v_j of the current step, n doubles */
     float *dir;            /* PREVIOUS: the previous step's mean v̄ (direction ĝ), n floats */
-    float *micro;          /* EXACT: the current step's v_j, max_units·n floats */
+    float *micro;          /* EXACT: the current step's v_j, max_units·n floats, then n for the global mean */
+    int global_dir;        /* EXACT: the driver put the step's averaged gradient after the v_j */
     double dir_norm;       /* ‖dir‖, 0 while there is none */
     double sumsq;          /* Σ ‖v_j‖² of the current step */
     double proj_sum;       /* PREVIOUS: Σ ⟨v_j, ĝ⟩ of the current step */
@@ -795,13 +796,13 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
        no plain estimate on a local step can be: one noisy round then sends the size to the cap.
    Memory: n doubles for the step's sum, plus, for the inner-product tests:
      DOPT_BATCH_PROJECT_EXACT (the papers' direction; AUTO's choice when it fits
-       DOPT_BATCH_EXACT_BYTES): max_units·n floats that keep the step's micro-batch gradients
-       until its end, then project them on the step's own mean, this rank's: one more pass over
+       DOPT_BATCH_EXACT_BYTES): (max_units + 1)·n floats that keep the step's micro-batch
+       gradients until its end, then project them on the step's gradient: one more pass over
        k·n floats per step and a copy at each observation. A step of more than max_units
-       micro-batches is refused (DOPT_ERR_INVALID). On a synchronous step the reference projects
-       on the global mean; here each rank projects on its own step mean (the global one would
-       need the vector average before the step closes), a direction that differs from the
-       global one by the noise of W − 1 other batches.
+       micro-batches is refused (DOPT_ERR_INVALID). On a synchronous step the driver hands the
+       averaged gradient over (the last n floats) and the projections are on its direction, as
+       the reference's distributed tests project on the global mean; on a local step, or
+       without the driver, on this rank's own step mean.
      DOPT_BATCH_PROJECT_PREVIOUS (the library's variant; AUTO's choice when EXACT does not fit,
        said once by a WARN): n floats. ĝ is the previous step's mean (the round's first step
        uses the previous round's last; the first step of all has none and adds nothing to the
@@ -1021,7 +1022,7 @@ DOPT_DEF dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_
     dopt__batch_defaults(&c);
     if (c.max_units < c.initial_units) return DOPT_ERR_INVALID;
     if (c.projection == DOPT_BATCH_PROJECT_AUTO) { /* EXACT where the inner-product tests need it and it fits */
-        int fits = n > 0 && c.max_units <= DOPT_BATCH_EXACT_BYTES / sizeof(float) / n;
+        int fits = n > 0 && c.max_units < DOPT_BATCH_EXACT_BYTES / sizeof(float) / n;
         c.projection = c.test != DOPT_BATCH_NORM && fits ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS;
         bc->projection_fallback = c.test != DOPT_BATCH_NORM && !fits && c.estimator == DOPT_BATCH_WITHIN;
     }
@@ -1035,11 +1036,11 @@ DOPT_DEF dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_
     if (n > SIZE_MAX / sizeof(double)) return DOPT_ERR_INVALID;
     bc->sum = (double *)DOPT_MALLOC(n * sizeof(double));
     if (c.projection == DOPT_BATCH_PROJECT_EXACT) {
-        if (c.max_units > SIZE_MAX / sizeof(float) / n) {
+        if (c.max_units >= SIZE_MAX / sizeof(float) / n) {
             dopt_batch_free(bc);
             return DOPT_ERR_INVALID;
         }
-        bc->micro = (float *)DOPT_MALLOC(c.max_units * n * sizeof(float));
+        bc->micro = (float *)DOPT_MALLOC((c.max_units + 1) * n * sizeof(float));
     } else {
         bc->dir = (float *)DOPT_MALLOC(n * sizeof(float));
     }
@@ -1103,19 +1104,37 @@ DOPT_DEF dopt_status dopt_batch_observe(dopt_batch *bc, const dopt_buf *grad, fl
     return DOPT_OK;
 }
 
-/* EXACT: Σ_j (p_j − p̄)² with p_j = ⟨v_j, v̄⟩/‖v̄‖, over the kept micro-batch gradients. */
+/* EXACT: Σ_j (p_j − p̄)² with p_j = ⟨v_j, ĝ⟩, over the kept micro-batch gradients; ĝ the
+   direction of the step's gradient averaged over the workers when the driver gave it (a
+   synchronous step, as the reference code's distributed tests), else of this rank's mean v̄. */
 static double dopt__batch_exact_proj_ss(const dopt_batch *bc, double k, double mean_norm) {
-    double p_sum = 0.0, p_sumsq = 0.0;
+    double p_sum = 0.0, p_sumsq = 0.0, gn = 0.0;
     size_t j, i, n = bc->n;
+    const float *g = bc->global_dir ? bc->micro + bc->cfg.max_units * n : NULL;
+    for (i = 0; g && i < n; i++) gn += (double)g[i] * (double)g[i];
+    if (g && !(gn > 0.0 && dopt__is_finite(gn))) g = NULL; /* zeros (a skipped step): the own mean */
     for (j = 0; j < (size_t)bc->observed; j++) {
         const float *v = bc->micro + j * n;
         double p = 0.0;
-        for (i = 0; i < n; i++) p += (double)v[i] * bc->sum[i];
-        p /= k * mean_norm;
+        if (g) {
+            for (i = 0; i < n; i++) p += (double)v[i] * (double)g[i];
+            p /= sqrt(gn);
+        } else {
+            for (i = 0; i < n; i++) p += (double)v[i] * bc->sum[i];
+            p /= k * mean_norm;
+        }
         p_sum += p;
         p_sumsq += p * p;
     }
     return p_sumsq - p_sum * p_sum / k;
+}
+
+/* The driver, after a synchronous step's gradient average: its direction for EXACT's projections
+   (the scale and sign of the host's gradient do not matter to a projected variance). */
+static void dopt__batch_global_direction(dopt_batch *bc, const dopt_buf *avg) {
+    if (bc->micro == NULL || bc->n == 0) return;
+    dopt_buf_pack(avg, bc->micro + bc->cfg.max_units * bc->n);
+    bc->global_dir = 1;
 }
 
 DOPT_DEF void dopt_batch_averaged(dopt_batch *bc, int workers) {
@@ -1133,7 +1152,10 @@ DOPT_DEF void dopt_batch_end_step(dopt_batch *bc) {
     if (bc == NULL) return;
     w = (double)bc->step_workers;
     bc->step_workers = 1;
-    if (bc->cfg.estimator != DOPT_BATCH_WITHIN || bc->observed == 0) return;
+    if (bc->cfg.estimator != DOPT_BATCH_WITHIN || bc->observed == 0) {
+        bc->global_dir = 0;
+        return;
+    }
     r = &bc->round;
     k = (double)bc->observed;
     for (i = 0; i < bc->n; i++) mean2 += bc->sum[i] * bc->sum[i];
@@ -1166,6 +1188,7 @@ DOPT_DEF void dopt_batch_end_step(dopt_batch *bc) {
     if (bc->n) memset(bc->sum, 0, bc->n * sizeof(double));
     bc->sumsq = bc->proj_sum = bc->proj_sumsq = 0.0;
     bc->observed = 0;
+    bc->global_dir = 0;
 }
 
 /* Why the statistics cannot decide, or NULL when they can. */
@@ -1218,10 +1241,10 @@ static dopt_status dopt__batch_decide(dopt_batch *bc, dopt_comm *comm) {
     if (bc->projection_fallback == 1 && comm) {
         dopt_comm_log(comm, DOPT_LOG_WARN,
                       "adaptive batch: the inner-product test projects on the previous step's mean "
-                      "(DOPT_BATCH_PROJECT_PREVIOUS, an approximation): the step's own mean needs max_units x n "
+                      "(DOPT_BATCH_PROJECT_PREVIOUS, an approximation): the step's gradient needs (max_units + 1) x n "
                       "floats = %zu MiB, beyond DOPT_BATCH_EXACT_BYTES (%zu MiB); ask for DOPT_BATCH_PROJECT_EXACT "
                       "to have it anyway",
-                      (size_t)((double)bc->cfg.max_units * (double)bc->n * sizeof(float) / 1048576.0),
+                      (size_t)((double)(bc->cfg.max_units + 1) * (double)bc->n * sizeof(float) / 1048576.0),
                       (size_t)(DOPT_BATCH_EXACT_BYTES >> 20));
         bc->projection_fallback = 2;
     }
@@ -1841,6 +1864,7 @@ static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, co
     dopt_comm_set_api(dp->comm, prev);
     if (finite) {
         dp->grads_step = dp->step + 1;
+        if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt__batch_global_direction(dp->batch, grads);
         return DOPT_OK;
     }
     if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s;

@@ -125,6 +125,9 @@ mutate sync-step-compares-the-worker-batch localsgd.h \
 mutate sync-batch-not-divided localsgd.h \
     'workers = st && dopt__is_finite(st->workers) && st->workers >= 1.0 ? st->workers : 1.0;' 'workers = 1.0;' \
     test_localsgd:within_worker
+mutate exact-ignores-the-global-direction localsgd.h \
+    'const float *g = bc->global_dir ? bc->micro + bc->cfg.max_units * n : NULL;' 'const float *g = NULL;' \
+    test_localsgd:batch_compares_the_global
 mutate growth-unbounded localsgd.h 'if (c.max_growth >= 1.0) {' 'if (0) {' test_localsgd:max_growth
 mutate anchor-unguarded localsgd.h 'if (dp->anchor == NULL || dp->anchor_set) return NULL;' 'return NULL;' \
     test_localsgd:a_step_that_needs_the_anchor

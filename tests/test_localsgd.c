@@ -1362,6 +1362,47 @@ DTEST(max_growth_bounds_a_decision_and_a_nonpositive_estimate_warns) {
     }
 }
 
+/* AUTO: EXACT for the inner-product tests when its (max_units + 1)·n floats fit
+   DOPT_BATCH_EXACT_BYTES, PREVIOUS beyond (one WARN at the first decision saying why and how to
+   force EXACT); the norm test projects nothing and takes PREVIOUS's n floats, silently. */
+static int projection_warnings;
+static void count_projection_warning(void *user, dopt_log_level level, const char *msg) {
+    (void)user;
+    if (level == DOPT_LOG_WARN && strstr(msg, "DOPT_BATCH_PROJECT_PREVIOUS") && strstr(msg, "DOPT_BATCH_EXACT_BYTES"))
+        projection_warnings++;
+}
+
+DTEST(auto_projection_is_exact_where_it_fits_and_says_when_it_is_not) {
+    enum { N = 1000 };
+    static float v[N];
+    dopt_batch_config c;
+    dopt_batch bc;
+    dopt_comm *comm;
+    int k, t;
+    DT_OK(dopt_comm_create_self(&comm));
+    dopt_comm_set_log(comm, count_projection_warning, NULL);
+    for (k = 0; k < 3; k++) {
+        memset(&c, 0, sizeof c);
+        c.test = k == 2 ? DOPT_BATCH_NORM : DOPT_BATCH_INNER_PRODUCT;
+        c.initial_units = 2;
+        /* k = 1: (max_units + 1)·N floats one float beyond the limit */
+        c.max_units = k == 0 ? 64 : DOPT_BATCH_EXACT_BYTES / sizeof(float) / N;
+        projection_warnings = 0;
+        DT_OK(dopt_batch_init(&bc, N, &c));
+        DT_EQ_INT(bc.cfg.projection, k == 0 ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS);
+        DT_CHECK((bc.micro != NULL) == (k == 0));
+        for (t = 0; t < 2; t++) {
+            v[0] = (float)t + 1.0f;
+            DT_OK(observe_flat(&bc, v, N));
+            DT_OK(observe_flat(&bc, v, N));
+            DT_OK(dopt_batch_decide(&bc, comm));
+        }
+        DT_EQ_INT(projection_warnings, k == 1 ? 1 : 0); /* once, not at every decision */
+        dopt_batch_free(&bc);
+    }
+    dopt_comm_destroy(comm);
+}
+
 DTEST(inner_product_and_augmented_tests_match_hand_values) {
     dopt_batch_config c;
     dopt_batch_stats s = stats(4, 4, 100, 10, 80);
@@ -1869,11 +1910,12 @@ static const growth_args growth_cases[8] = {
 };
 DTEST_WORLDS_EACH(batch_decisions_identical_on_every_rank_monotone_capped_rounded, body_growth, growth_cases, 2, 4);
 /* The driver tells the controller which steps averaged the gradients: a warm-up step's round
-   compares the global batch (workers = N, the plain ‖∇F‖² less (1 − 1/N)·τ²/k), a local round
+   compares the global batch (workers = N, the plain ‖∇F‖² less (1 − 1/N)·τ²/k) and projects on
+   the averaged gradient's direction (EXACT, as the reference's distributed tests), a local round
    each worker's own (workers = 1, plain ‖v̄‖²). */
 static void body_sync_rounds(dopt_comm *c, void *arg) {
     static lsq p;
-    float x[LS_D], g[LS_D], micro[LS_D];
+    float x[LS_D], g[LS_D], micro[2][LS_D];
     dopt_batch bc;
     dopt_batch_config bcfg;
     dopt_dp ls;
@@ -1882,10 +1924,12 @@ static void body_sync_rounds(dopt_comm *c, void *arg) {
     (void)arg;
     lsq_make(&p);
     memset(&bcfg, 0, sizeof bcfg);
+    bcfg.test = DOPT_BATCH_AUGMENTED;
     bcfg.initial_units = 2;
     bcfg.unit_samples = 2;
     bcfg.max_units = 4;
     DT_OK(dopt_batch_init(&bc, LS_D, &bcfg));
+    DT_EQ_INT(bc.cfg.projection, DOPT_BATCH_PROJECT_EXACT); /* AUTO: it fits */
     memset(&cfg, 0, sizeof cfg);
     cfg.period = 3;
     cfg.warmup_steps = 2;
@@ -1894,25 +1938,32 @@ static void body_sync_rounds(dopt_comm *c, void *arg) {
     for (j = 0; j < LS_D; j++) x[j] = 0.0f;
     DT_OK(dopt_dp_broadcast(&ls, x));
     for (t = 0; t < 5; t++) {
-        double m2 = 0.0, ss = 0.0, want, v[2];
+        double m2 = 0.0, ss = 0.0, want, v[3], pj[2] = {0, 0}, gn = 0.0;
         float mean[LS_D] = {0};
         memset(g, 0, sizeof g);
         for (u = 0; u < 2; u++) {
-            lsq_grad(&p, x, micro, c->rank, c->size, (uint64_t)t * 16 + (uint64_t)u, 2);
-            DT_OK(observe_flat(&bc, micro, LS_D));
-            dopt_axpy(mean, 0.5f, micro, LS_D);
-            dopt_axpy(g, 0.5f, micro, LS_D);
-            for (j = 0; j < LS_D; j++) ss += (double)micro[j] * micro[j];
+            lsq_grad(&p, x, micro[u], c->rank, c->size, (uint64_t)t * 16 + (uint64_t)u, 2);
+            DT_OK(observe_flat(&bc, micro[u], LS_D));
+            dopt_axpy(mean, 0.5f, micro[u], LS_D);
+            dopt_axpy(g, 0.5f, micro[u], LS_D);
+            for (j = 0; j < LS_D; j++) ss += (double)micro[u][j] * micro[u][j];
         }
         for (j = 0; j < LS_D; j++) m2 += (double)mean[j] * mean[j];
         DT_OK(dopt_dp_after_backward(&ls, g)); /* averaged on the warm-up steps 0 and 1 */
+        for (j = 0; j < LS_D; j++) { /* projections on the averaged gradient (warm-up steps) */
+            gn += (double)g[j] * g[j];
+            pj[0] += (double)micro[0][j] * g[j];
+            pj[1] += (double)micro[1][j] * g[j];
+        }
         dopt_axpy(x, -0.05f, g, LS_D);
         DT_OK(dopt_dp_after_step(&ls, x));
         if (t >= 2) continue;
         /* step t closed its own round: the plain estimate over ranks by hand (k = 2) */
         v[0] = m2;
         v[1] = ss - 2.0 * m2; /* Σ‖v_j − v̄‖² */
-        DT_OK(dopt_allreduce(c, v, 2, DOPT_F64, DOPT_SUM));
+        v[2] = (pj[0] - pj[1]) * (pj[0] - pj[1]) / (2.0 * gn); /* Σ_j (p_j − p̄)², p on ĝ */
+        DT_OK(dopt_allreduce(c, v, 3, DOPT_F64, DOPT_SUM));
+        DT_NEAR(bc.last.ip_var, 2.0 * v[2] / c->size, 1e-4 * bc.last.var); /* unit 2, N dof */
         /* τ² = Σss/Σ(k − 1) = v[1]/N; each of the N ranks' steps takes (1 − 1/N)·τ²/2 off */
         want = (v[0] - (1.0 - 1.0 / c->size) * v[1] / 2.0) / c->size;
         DT_NEAR(bc.last.workers, (double)c->size, 0.0);
