@@ -128,6 +128,8 @@ mutate sync-batch-not-divided localsgd.h \
 mutate exact-ignores-the-global-direction localsgd.h \
     'const float *g = bc->global_dir ? bc->micro + bc->cfg.max_units * n : NULL;' 'const float *g = NULL;' \
     test_localsgd:batch_compares_the_global
+mutate sync-norm-from-the-ranks-means localsgd.h '    if (bc->step_gproj) { /* the global' \
+    '    if (0) { /* the global' test_localsgd:batch_compares_the_global test_batch_ref:controller_agrees
 mutate growth-unbounded localsgd.h 'if (c.max_growth >= 1.0) {' 'if (0) {' test_localsgd:max_growth
 mutate anchor-unguarded localsgd.h 'if (dp->anchor == NULL || dp->anchor_set) return NULL;' 'return NULL;' \
     test_localsgd:a_step_that_needs_the_anchor

@@ -1910,9 +1910,10 @@ static const growth_args growth_cases[8] = {
 };
 DTEST_WORLDS_EACH(batch_decisions_identical_on_every_rank_monotone_capped_rounded, body_growth, growth_cases, 2, 4);
 /* The driver tells the controller which steps averaged the gradients: a warm-up step's round
-   compares the global batch (workers = N, the plain ‖∇F‖² less (1 − 1/N)·τ²/k) and projects on
-   the averaged gradient's direction (EXACT, as the reference's distributed tests), a local round
-   each worker's own (workers = 1, plain ‖v̄‖²). */
+   compares the global batch (workers = N; the plain ‖∇F‖² is ‖global mean‖², the averaged
+   gradient's own, not the mean of the ranks' ‖v̄‖²) and projects on the averaged gradient's
+   direction (EXACT, as the reference's distributed tests); a local round each worker's own
+   (workers = 1, plain ‖v̄‖²). The bias-corrected variant there: ‖global mean‖² − τ²/(N·k). */
 static void body_sync_rounds(dopt_comm *c, void *arg) {
     static lsq p;
     float x[LS_D], g[LS_D], micro[2][LS_D];
@@ -1958,14 +1959,15 @@ static void body_sync_rounds(dopt_comm *c, void *arg) {
         dopt_axpy(x, -0.05f, g, LS_D);
         DT_OK(dopt_dp_after_step(&ls, x));
         if (t >= 2) continue;
-        /* step t closed its own round: the plain estimate over ranks by hand (k = 2) */
+        /* step t closed its own round: by hand over ranks (k = 2) */
         v[0] = m2;
         v[1] = ss - 2.0 * m2; /* Σ‖v_j − v̄‖² */
         v[2] = (pj[0] - pj[1]) * (pj[0] - pj[1]) / (2.0 * gn); /* Σ_j (p_j − p̄)², p on ĝ */
         DT_OK(dopt_allreduce(c, v, 3, DOPT_F64, DOPT_SUM));
         DT_NEAR(bc.last.ip_var, 2.0 * v[2] / c->size, 1e-4 * bc.last.var); /* unit 2, N dof */
-        /* τ² = Σss/Σ(k − 1) = v[1]/N; each of the N ranks' steps takes (1 − 1/N)·τ²/2 off */
-        want = (v[0] - (1.0 - 1.0 / c->size) * v[1] / 2.0) / c->size;
+        DT_NEAR(bc.last.var, 2.0 * v[1] / c->size, 1e-4 * bc.last.var);   /* τ² = v[1]/N */
+        want = gn; /* ‖global mean‖²: g holds the average, each rank's the mean of its 2 */
+        DT_CHECK(fabs(want - v[0] / c->size) > 1e-3 * want); /* not the ranks' mean ‖v̄‖² */
         DT_NEAR(bc.last.workers, (double)c->size, 0.0);
         DT_NEAR(bc.last.grad_norm2, want, 1e-4 * fabs(want));
     }
