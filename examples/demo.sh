@@ -42,7 +42,7 @@ row() { # $1: name, $2: label
 }
 row fp32 "fp32 synchronous SGD"
 row terngrad "TernGrad deltas, local SGD I=4, clip 2"
-row terngrad_adaptive "  + adaptive batch (norm test eta 1.5, 64 to 512)"
+row terngrad_adaptive "  + adaptive batch (library variant, eta 1.5, 64-512)"
 
 if command -v gnuplot >/dev/null 2>&1; then
     gnuplot <<EOF
