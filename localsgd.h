@@ -159,20 +159,38 @@
    | initial_units | units per step at the start                                | 1                 |
    | max_units     | cap                                                        | 64·initial_units  |
    | multiple      | units are rounded up to a multiple of this                 | 1                 |
-   | projection    | WITHIN, inner-product tests: the direction ĝ (below)       | PROJECT_PREVIOUS  |
+   | projection    | WITHIN, inner-product tests: the direction ĝ. AUTO: EXACT  | PROJECT_AUTO      |
+   |               | (the step's own mean, max_units·n floats kept) when that   |                   |
+   |               | fits DOPT_BATCH_EXACT_BYTES (256 MiB), else PREVIOUS (the  |                   |
+   |               | previous step's mean, n floats; a WARN says so)            |                   |
    | history       | WITHIN: weight h in [0, 1) of earlier rounds' statistics   | 0: the round's    |
-   |               | (a round k rounds back counts h^k)                         | own alone         |
+   |               | (a round k rounds back counts h^k): the library's variant  | own alone         |
+   | bias_corrected| 1: ‖∇F‖² without the batch mean's upward bias (the         | 0: the plain      |
+   |               | library's variant); 0: the plain estimate, as the paper's  | estimate          |
+   | max_growth    | G ≥ 1: one decision multiplies the units by G at most      | 0: unbounded      |
+
+   The defaults are the paper's test (Lau, Li, Xu, Liu, Kolar 2024, as its first author's
+   reference code computes it): the plain estimate of ‖∇F‖² from the batch that moved the
+   parameters, the batch compared being the one the update averaged — N·b on a synchronous step
+   (gradients averaged over N workers: the warm-up, period 1), the worker's own b on a local step
+   — and the current direction for the inner-product tests. bias_corrected, history and
+   DOPT_BATCH_PROJECT_PREVIOUS are this library's variants, each a departure documented in
+   REFERENCE FOR CONTRIBUTORS below with what it changes.
 
    What a user needs of the tests: every rank reaches the same decision (its inputs are results
-   of scalar allreduces), the size is monotone, rounded up to `multiple` and capped at
-   max_units; a round that cannot decide keeps the size, counts in bc->undecided and says why in
-   the communicator's log. WITHIN needs two micro-batches per step at least (initial_units ≥ 2).
-   Choose η from the batch you can afford: run once, read dopt_batch_stats (bc->last) and take
-   η ≈ √(Var/(b_max·‖∇F‖²)) for the b_max you want reached when the gradient is that small; a
-   strict η asks for a batch far beyond any cap at the first decision (the test's honest answer).
-   history smooths the noisy estimate of ‖∇F‖² of a round with few micro-batches, at the price of
-   a lag of about 1/(1 − h) rounds. ACROSS reads model deltas as gradient sums: plain SGD only (not
-   momentum, adaptive optimizers or CELGC, which refuses it). The tests' formulas, the estimators'
+   of scalar allreduces), the size is monotone, rounded up to `multiple`, capped at max_units and,
+   with max_growth, at ×G per decision; a round that cannot decide keeps the size, counts in
+   bc->undecided and says why in the communicator's log. An estimate of ‖∇F‖² at or below 0
+   (possible bias-corrected, or plain on a synchronous step: the round's noise accounts for all of
+   the observed gradient) passes no batch: the size goes to the cap (or ×G), bc->nonpositive
+   counts it and a WARN names the decision and the estimate. WITHIN needs two micro-batches per
+   step at least (initial_units ≥ 2). Choose η from the batch you can afford: run once, read
+   dopt_batch_stats (bc->last) and take η ≈ √(Var/(b_max·‖∇F‖²)) for the b_max (samples of the
+   update's gradient) you want reached when the gradient is that small; a strict η asks for a
+   batch far beyond any cap at the first decision (the test's honest answer). history smooths
+   the noisy estimate of ‖∇F‖² of a round with few micro-batches, at the price of a lag of about
+   1/(1 − h) rounds. ACROSS reads model deltas as gradient sums: plain SGD only (not momentum,
+   adaptive optimizers or CELGC, which refuses it). The tests' formulas, the estimators'
    derivations and measured behaviour are in REFERENCE FOR CONTRIBUTORS below.
 
    FUNCTIONS (driver)
@@ -211,7 +229,13 @@
      Collective: rank 0's parameters (and every extra state buffer) to every rank; records the
      anchor. Call once before the first step (and after loading the host's checkpoint if ranks
      loaded different files). states is an array of nstates descriptors (NULL when nstates = 0);
-     the flat form needs nstates = 0.
+     the flat form needs nstates = 0. Where something averages from the anchor — a delta
+     compressor, the outer optimizer, an ACROSS batch controller — a step before the anchor was
+     set (by this call, cfg.params or dopt_dp_load) is refused: after_backward, after_step,
+     celgc_step and sync return DOPT_ERR_INVALID, count nothing, and the detail names the reader
+     and this call. (Taking the anchor from the parameters at the first driver call would take it
+     after the first step moved them; an average against the zeros it holds until then would be
+     wrong: DiLoCo's first outer step at lr 0.7, μ 0.9 would set x to 1.33× the mean.)
 
    dopt_status dopt_dp_after_backward(dopt_dp *dp, float *grads)
    dopt_status dopt_dp_after_backward_buf(dopt_dp *dp, const dopt_buf *grads)
@@ -383,9 +407,10 @@
    void dopt_batch_free(dopt_batch *bc)
      n: elements of the gradients dopt_batch_observe will see (WITHIN; 0 is fine for ACROSS).
      Allocates n doubles and n floats (WITHIN), or n doubles and max_units·n floats (WITHIN with
-     DOPT_BATCH_PROJECT_EXACT). DOPT_ERR_INVALID for a bad test, estimator or projection, a
-     negative/NaN threshold, history outside [0, 1), max_units < initial_units;
-     DOPT_ERR_NOMEM.
+     DOPT_BATCH_PROJECT_EXACT, which AUTO chooses for the inner-product tests when it fits
+     DOPT_BATCH_EXACT_BYTES; bc->cfg.projection says which). DOPT_ERR_INVALID for a bad test,
+     estimator or projection, a negative/NaN threshold, history outside [0, 1), max_growth
+     neither 0 nor ≥ 1, max_units < initial_units; DOPT_ERR_NOMEM.
 
    size_t dopt_batch_units(const dopt_batch *bc)
      The units (micro-batches) per step the host should run now.
@@ -395,6 +420,13 @@
      current step's parameters. O(n) (EXACT: O(n) more, a copy), no allocation, no
      communication. DOPT_ERR_INVALID: another element count; EXACT, more than max_units
      micro-batches in one step.
+
+   void dopt_batch_averaged(dopt_batch *bc, int workers)
+     The current step's update uses the gradient averaged over `workers` ranks (a synchronous
+     step): the test then compares the global batch, workers·b, and the plain ‖∇F‖² is that of
+     the global mean (SYNCHRONOUS STEPS in the reference below). Call it between the step's
+     observations and dopt_batch_end_step; the driver calls it on every step whose gradients it
+     averaged. A step without it is a local step (workers = 1). O(1).
 
    void dopt_batch_end_step(dopt_batch *bc)
      WITHIN: the current step's micro-batches are all observed (the parameters move next). Its
@@ -412,8 +444,10 @@
    size_t dopt_batch_next_units(const dopt_batch_config *cfg, size_t current_units,
                                 const dopt_batch_stats *st, double *needed_samples)
      The decision rule alone, pure: the units for the next round given statistics (defaults
-     applied to zero fields of cfg). *needed_samples (may be NULL) receives b_needed, or NaN
-     when the statistics cannot decide. bc->last holds the statistics of the last decision.
+     applied to zero fields of cfg). *needed_samples (may be NULL) receives b_needed, the samples
+     the update's gradient needs (st->workers·b of them on a synchronous round; +∞ when the
+     estimate of ‖∇F‖² is ≤ 0 under noise), or NaN when the statistics cannot decide; each
+     worker's share is b_needed/st->workers. bc->last holds the statistics of the last decision.
 
    FUNCTIONS (helpers)
 
@@ -477,7 +511,7 @@
 extern "C" {
 #endif
 
-#define DOPT_DP_FILE_VERSION 2u
+#define DOPT_DP_FILE_VERSION 3u
 #define DOPT_DP_DETAIL_MAX 256
 
 /* ===================================================================== ADAPTIVE BATCH */
@@ -494,9 +528,15 @@ typedef enum dopt_batch_estimator {
 } dopt_batch_estimator;
 
 typedef enum dopt_batch_projection {
-    DOPT_BATCH_PROJECT_PREVIOUS = 0, /* onto the previous local step's mean: O(n) memory */
-    DOPT_BATCH_PROJECT_EXACT = 1     /* onto the step's own mean: keeps max_units·n floats */
+    DOPT_BATCH_PROJECT_AUTO = 0,    /* EXACT for the inner-product tests when it fits DOPT_BATCH_EXACT_BYTES */
+    DOPT_BATCH_PROJECT_EXACT = 1,   /* onto the step's own mean (the papers'): keeps max_units·n floats */
+    DOPT_BATCH_PROJECT_PREVIOUS = 2 /* onto the previous local step's mean: n floats, an approximation */
 } dopt_batch_projection;
+
+/* AUTO's memory limit for EXACT's kept micro-batch gradients (max_units·n floats). */
+#ifndef DOPT_BATCH_EXACT_BYTES
+#define DOPT_BATCH_EXACT_BYTES ((size_t)256 << 20)
+#endif
 
 typedef struct dopt_batch_config {
     dopt_batch_test test;
@@ -508,28 +548,32 @@ typedef struct dopt_batch_config {
     size_t multiple;
     dopt_batch_projection projection;
     double history;
+    int bias_corrected; /* 1: ‖∇F‖² without the batch mean's upward bias (the library's variant) */
+    double max_growth;  /* G ≥ 1: a decision multiplies the units by G at most; 0: unbounded */
 } dopt_batch_config;
 
 /* What a decision was made from; NaN where unknown. */
 typedef struct dopt_batch_stats {
-    double samples;    /* b: samples per step when the statistics were taken */
-    double grad_norm2; /* ‖∇F‖², without the variance's upward bias (≤ 0: noise hides the gradient) */
+    double samples;    /* b: samples per step and worker when the statistics were taken */
+    double grad_norm2; /* ‖∇F‖²: plain (the paper's), or bias-corrected (≤ 0: noise hides the gradient) */
     double var;        /* per-sample variance, summed over coordinates */
     double ip_var;     /* per-sample variance of ⟨∇f_i, ĝ⟩ */
     double orth_var;   /* per-sample variance of ∇f_i − ⟨∇f_i, ĝ⟩ĝ, summed over coordinates */
+    double workers;    /* the workers each step's update averaged: N on synchronous steps, 1 on local */
 } dopt_batch_stats;
 
 /* The WITHIN sums of one round on one rank, pooled over ranks at the decision. A step t of k_t
    micro-batch gradients v_j, all taken at the same parameters, with mean v̄_t, adds: */
-typedef struct dopt_batch_round { /* eight doubles, in this order: pooled as an array */
+typedef struct dopt_batch_round { /* nine doubles, in this order: pooled as an array */
     double dof;        /* k_t − 1 */
     double ss;         /* Σ_j ‖v_j − v̄_t‖² */
     double proj_dof;   /* k_t − 1, when the step had a projection direction */
     double proj_ss;    /* Σ_j (p_j − p̄_t)², p_j = ⟨v_j, ĝ⟩, on those steps */
     double proj_total; /* Σ_j ‖v_j − v̄_t‖² on those steps */
     double mean_norm2; /* ‖v̄_t‖² */
-    double inv_k;      /* 1/k_t */
+    double noise_k;    /* c_t/k_t: the part of τ² taken off ‖v̄_t‖² (c_t = 1 − 1/W_t, or 1 bias-corrected) */
     double steps;      /* 1 */
+    double workers;    /* W_t: the workers the step's update averaged */
 } dopt_batch_round;
 
 typedef struct dopt_batch {
@@ -537,6 +581,8 @@ typedef struct dopt_batch {
     size_t n;
     size_t units;          /* current size */
     uint64_t observed;     /* micro-batches of the current step */
+    int step_workers;      /* the workers the current step's update averages (dopt_batch_averaged), or 1 */
+    int projection_fallback; /* 1: AUTO chose PREVIOUS for lack of memory (said at the first decision) */
     double *sum;           /* WITHIN: Σ v_j of the current step, n doubles */
     float *dir;            /* PREVIOUS: the previous step's mean v̄ (direction ĝ), n floats */
     float *micro;          /* EXACT: the current step's v_j, max_units·n floats */
@@ -548,6 +594,7 @@ typedef struct dopt_batch {
     dopt_batch_round pooled; /* the rounds so far, each weighted history^age (after the allreduce) */
     uint64_t decisions;    /* rounds decided or not */
     uint64_t undecided;    /* rounds whose statistics could not decide (the size stayed) */
+    uint64_t nonpositive;  /* rounds whose estimate of ‖∇F‖² was ≤ 0 under noise: no batch passed */
     dopt_batch_stats last;
 } dopt_batch;
 
@@ -555,6 +602,7 @@ DOPT_DEF dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_
 DOPT_DEF void dopt_batch_free(dopt_batch *bc);
 DOPT_DEF size_t dopt_batch_units(const dopt_batch *bc);
 DOPT_DEF dopt_status dopt_batch_observe(dopt_batch *bc, const dopt_buf *grad, float scale);
+DOPT_DEF void dopt_batch_averaged(dopt_batch *bc, int workers);
 DOPT_DEF void dopt_batch_end_step(dopt_batch *bc);
 DOPT_DEF dopt_status dopt_batch_decide(dopt_batch *bc, dopt_comm *comm);
 DOPT_DEF size_t dopt_batch_next_units(const dopt_batch_config *cfg, size_t current_units, const dopt_batch_stats *st,
@@ -606,6 +654,7 @@ typedef struct dopt_dp {
     size_t work_count;       /* n + Σ AVERAGE states */
     float *work;             /* averaging workspace: work_count floats and a flag's slot */
     float *anchor;           /* the model at the last average, or NULL */
+    int anchor_set;          /* 1 once a broadcast, a load or an average wrote the anchor */
     dopt_batch *batch;       /* borrowed, or NULL */
     dopt_compressor *compressor; /* borrowed, or NULL: model deltas go through it */
     dopt_compressor *grad_compressor; /* borrowed, or NULL: synchronous gradient means go through it */
@@ -664,8 +713,9 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
    Not needed to use the header: the adaptive batch-size tests' formulas, the estimators'
    derivations, where the defaults come from and what was measured with them.
 
-   The tests, with b the samples per local step, ĝ = g_B/‖g_B‖ the direction of the step's batch
-   gradient, and Var a per-sample variance summed over coordinates:
+   The tests, with b the samples of the batch gradient g_B that moves the parameters (SYNCHRONOUS
+   AND LOCAL STEPS below), ĝ = g_B/‖g_B‖ its direction, and Var a per-sample variance summed over
+   coordinates:
      norm (Byrd et al. 2012):           b_needed = Var / (η²‖∇F‖²)
      inner product (Bollapragada et al. 2018):
                                         b_needed = Var(⟨∇f_i, ĝ⟩) / (θ²‖∇F‖²)
@@ -680,15 +730,29 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
    (the orthogonality statistic; the last equality is Pythagoras', ĝ being a unit vector:
    ‖u‖² = ⟨u,ĝ⟩² + ‖u − ⟨u,ĝ⟩ĝ‖²). The estimators below compute it so: the spread less the
    spread along ĝ, the latter first held within [0, the spread], so orth_var ≥ 0.
-   When b_needed > b the next size is ⌈b_needed / unit_samples⌉ units, rounded up to a multiple
-   of `multiple`, never below the current size (monotone) and never above max_units. When the
-   estimate of ‖∇F‖² is zero or below while there is noise (the noise accounts for all of the
-   observed gradient), no batch passes and the size goes to the cap. When the statistics are
+   When b_needed > W·b (W the workers the update averaged) the next size is
+   ⌈b_needed / (W·unit_samples)⌉ units, rounded up to a multiple of `multiple`, never below the
+   current size (monotone), never above max_units, nor above ⌈G·units⌉ with max_growth G (one
+   unit more at least). When the estimate of ‖∇F‖² is zero or below while there is noise (the
+   noise accounts for all of the observed gradient), no batch passes: the size goes to the cap
+   (or ×G) with a WARN naming the decision and the estimate. When the statistics are
    missing (no step of the round with 2 micro-batches, no direction yet, one worker for ACROSS,
    a zero gradient without noise, NaN) the size stays, bc->undecided counts the round, and the
    communicator's log says why (a warning the first time, information after). Every input of the
    decision is the result of a scalar allreduce, so every rank computes the same bits and reaches
    the same size.
+
+   SYNCHRONOUS AND LOCAL STEPS. The test asks that the noise of the gradient that moves the
+   parameters be small against ‖∇F‖. On a synchronous step (the warm-up, period 1: gradients
+   averaged over N workers) that gradient is the mean of N·b samples, and the reference code's
+   distributed tests compare the global batch N·b with the statistics of the global batch
+   (per-sample variance over all N·b samples, ‖g_B‖² of the global mean); so does this library
+   after dopt_batch_averaged (the driver calls it), and each worker's share of b_needed is
+   b_needed/N. On a local step each worker moves its own model with its own b samples: the
+   paper's test for local methods takes the per-worker batch, the per-sample variance pooled over
+   the workers and ‖g_B‖² of each worker's batch gradient; so does this library, and b_needed is
+   each worker's. (Comparing the per-worker b on a synchronous step, as this library did before,
+   asks for N times the paper's batch.)
 
    Defaults and what to expect. η = θ = ν = 0.1 are the defaults of the reference code of
    AdAdaGrad (Lau, Liu, Kolar 2024), by the first author of the paper on adaptive batches for
@@ -700,8 +764,9 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
    the batch you can afford: run once, read dopt_batch_stats (bc->last) and take
    η ≈ √(Var/(b_max·‖∇F‖²)) for the b_max you want reached when the gradient is that small. The
    Fashion-MNIST MLP in the distopt repository's examples/ (2 workers, period 4, 2 micro-batches
-   of 32 per step) asks at η = 0.1 for 3400 samples at its first decision, far beyond its range
-   of 64–512; with η = 1.5 and history 0.9 (below) it grows from 64 to 256 over 10 epochs.
+   of 32 per step, the library's variant: bias-corrected, history 0.9) asked at η = 0.1 for 3400
+   samples at its first decision, far beyond its range of 64–512; at η = 1.5 it grew from 64 to
+   256 over 10 epochs. docs/RESULTS.md has the paper's configuration on the same model.
 
    The WITHIN estimator. The host reports each micro-batch's mean gradient v_j
    (dopt_batch_observe), and marks the end of each local step (dopt_batch_end_step; the driver's
@@ -710,17 +775,41 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
    over the round's steps and over ranks, and Var = unit_samples·τ². Steps differ in parameters;
    their difference is drift, not noise, and does not enter. A step of one micro-batch adds no
    degree of freedom: at initial_units = 1 nothing is ever decided, so start at 2 units or more.
-   ‖∇F‖² is estimated without the upward bias of a batch mean (E‖v̄_t‖² = ‖∇F(x_t)‖² + τ²/k_t):
-   the mean over the round's steps and ranks of ‖v̄_t‖² − τ²/k_t, the variance of each step's mean
-   subtracted. Memory: n doubles for the step's sum, plus, for the inner-product tests:
-     DOPT_BATCH_PROJECT_PREVIOUS: n floats. ĝ is the previous step's mean (the round's first step
+   The reference code takes the per-sample variance of the b samples, b − 1 degrees of freedom
+   per step; micro-batch means give k − 1 (8 per round for the Fashion-MNIST MLP at period 4 and
+   2 micro-batches per step on 2 workers, against ~126 per-sample ones at b = 64): the same
+   expectation, a noisier estimate (relative spread √(2/dof) for Gaussian noise), bought because a
+   C loop has micro-batch gradients and per-sample ones are costly. tests/test_batch_ref.c
+   measures what that does to the decisions against per-sample statistics.
+   ‖∇F‖², with W_t the workers step t's update averaged (E‖v̄_t‖² = ‖∇F(x_t)‖² + τ²/k_t):
+     plain (the default, the paper's): the mean over the round's steps and ranks of
+       ‖v̄_t‖² − (1 − 1/W_t)·τ²/k_t. On a local step (W = 1) that is ‖v̄_t‖², the reference's
+       ‖g_B‖² at the worker's batch. On a synchronous step its expectation is ‖∇F‖² + τ²/(W·k_t),
+       that of the reference's ‖g_B‖² at the global batch; it is formed from the scalars the
+       decision allreduces (the global mean vector is not gathered for it), so it matches the
+       reference in expectation, not sample by sample.
+     bias_corrected (the library's variant): the mean of ‖v̄_t‖² − τ²/k_t, the variance of each
+       step's mean subtracted: unbiased for ‖∇F‖². What it changes: the plain estimate is
+       larger by about Var/(W·b), so it asks for a smaller batch, most where the noise dominates
+       (b_needed = Var/(η²‖∇F‖²) against Var/(η²(‖∇F‖² + Var/(W·b)))); and it can be ≤ 0, which
+       no plain estimate on a local step can be: one noisy round then sends the size to the cap.
+   Memory: n doubles for the step's sum, plus, for the inner-product tests:
+     DOPT_BATCH_PROJECT_EXACT (the papers' direction; AUTO's choice when it fits
+       DOPT_BATCH_EXACT_BYTES): max_units·n floats that keep the step's micro-batch gradients
+       until its end, then project them on the step's own mean, this rank's: one more pass over
+       k·n floats per step and a copy at each observation. A step of more than max_units
+       micro-batches is refused (DOPT_ERR_INVALID). On a synchronous step the reference projects
+       on the global mean; here each rank projects on its own step mean (the global one would
+       need the vector average before the step closes), a direction that differs from the
+       global one by the noise of W − 1 other batches.
+     DOPT_BATCH_PROJECT_PREVIOUS (the library's variant; AUTO's choice when EXACT does not fit,
+       said once by a WARN): n floats. ĝ is the previous step's mean (the round's first step
        uses the previous round's last; the first step of all has none and adds nothing to the
        projected statistics). An approximation: it lags one local step, and it is exact when the
        direction does not move; where the direction turns within a step's distance it misplaces
-       spread between ip_var and orth_var (a 90-degree turn swaps them).
-     DOPT_BATCH_PROJECT_EXACT: max_units·n floats that keep the step's micro-batch gradients
-       until its end, then project them on the step's own mean: the tests' definition. A step of
-       more than max_units micro-batches is refused (DOPT_ERR_INVALID).
+       spread between ip_var and orth_var (a 90-degree turn swaps them). For GPT-2 small (124M
+       parameters) at max_units 16 EXACT would keep 7.9 GB of micro-batch gradients; PREVIOUS
+       keeps 0.5 GB (both beside the 1 GB of the step's sum in doubles).
    The projected statistics, with p_j = ⟨v_j, ĝ⟩ and p̄_t its mean over step t, summed over the
    steps that have a direction (S) and over ranks:
      ip_var   = unit_samples · Σ_{t∈S} Σ_j (p_j − p̄_t)² / Σ_{t∈S} (k_t − 1)
@@ -729,12 +818,15 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
 
    history (this library's addition, not the papers'). One round's estimate of ‖∇F‖² is noisy
    when a round holds few micro-batches: the Fashion-MNIST MLP (2 workers, period 4, 2 micro-
-   batches of 32 per step) saw it between 0.17 and 6.9 in its first 30 rounds, and because the
-   size never shrinks, one low estimate sends it to the cap for good (η = 4: the cap of 512
-   samples within the first two epochs, while most rounds asked for 2 to 9 samples). With
-   history = 0.9 (the statistics of about the last 10 rounds) the same run stayed at 64 samples
-   at η = 4 and grew from 64 to 256 over 10 epochs at η = 1.5. The price is lag: a change of
-   the gradient's scale shows within about 1/(1 − h) rounds.
+   batches of 32 per step, bias-corrected) saw it between 0.17 and 6.9 in its first 30 rounds,
+   and because the size never shrinks, one low estimate sends it to the cap for good (η = 4:
+   the cap of 512 samples within the first two epochs, while most rounds asked for 2 to 9
+   samples). With history = 0.9 (the statistics of about the last 10 rounds) the same run
+   stayed at 64 samples at η = 4 and grew from 64 to 256 over 10 epochs at η = 1.5. The price is
+   lag: a change of the gradient's scale shows within about 1/(1 − h) rounds. What it changes
+   against the paper: a decision reads ~1/(1 − h) rounds of statistics (more degrees of freedom,
+   older parameters) instead of its own round's. max_growth is the other guard against one
+   noisy round; it bounds a decision without averaging old rounds in.
 
    The ACROSS estimator. At each model average, with d_m = x_m − x_anchor rank m's model delta over
    the round and B_m the samples it processed (B = Σ_m B_m), d̄ the (weighted) average:
@@ -889,18 +981,25 @@ static double dopt__batch_needed(const dopt_batch_config *c, const dopt_batch_st
 DOPT_DEF size_t dopt_batch_next_units(const dopt_batch_config *cfg, size_t current_units, const dopt_batch_stats *st,
                                       double *needed_samples) {
     dopt_batch_config c;
-    double need, units_d;
-    size_t units;
+    double need, units_d, workers;
+    size_t units, cap;
     if (cfg) c = *cfg; else memset(&c, 0, sizeof c);
     dopt__batch_defaults(&c);
     need = st ? dopt__batch_needed(&c, st) : NAN;
     if (needed_samples) *needed_samples = need;
-    if (dopt__is_nan(need) || !(need > (double)current_units * (double)c.unit_samples)) return current_units;
-    units_d = ceil(need / (double)c.unit_samples);
-    if (!(units_d < (double)c.max_units)) return c.max_units > current_units ? c.max_units : current_units;
+    /* the update's gradient averaged `workers` workers' batches: each worker needs its share */
+    workers = st && dopt__is_finite(st->workers) && st->workers >= 1.0 ? st->workers : 1.0;
+    if (dopt__is_nan(need) || !(need / workers > (double)current_units * (double)c.unit_samples)) return current_units;
+    units_d = ceil(need / workers / (double)c.unit_samples);
+    cap = c.max_units;
+    if (c.max_growth >= 1.0) { /* at most ×G per decision, and at least one unit more */
+        double g = ceil((double)current_units * c.max_growth);
+        if (g < (double)cap) cap = g > (double)current_units ? (size_t)g : current_units + 1;
+    }
+    if (!(units_d < (double)cap)) return cap > current_units ? cap : current_units;
     units = (size_t)units_d;
     if (units % c.multiple) units += c.multiple - units % c.multiple;
-    if (units > c.max_units) units = c.max_units;
+    if (units > cap) units = cap;
     return units > current_units ? units : current_units;
 }
 
@@ -912,18 +1011,26 @@ DOPT_DEF dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_
     memset(bc, 0, sizeof *bc);
     if (cfg) c = *cfg; else memset(&c, 0, sizeof c);
     if ((unsigned)c.test > (unsigned)DOPT_BATCH_AUGMENTED || (unsigned)c.estimator > (unsigned)DOPT_BATCH_ACROSS ||
-        (unsigned)c.projection > (unsigned)DOPT_BATCH_PROJECT_EXACT)
+        (unsigned)c.projection > (unsigned)DOPT_BATCH_PROJECT_PREVIOUS)
         return DOPT_ERR_INVALID;
     if (!(c.eta >= 0.0) || !(c.theta >= 0.0) || !(c.nu >= 0.0) || !dopt__is_finite(c.eta) ||
         !dopt__is_finite(c.theta) || !dopt__is_finite(c.nu) || !dopt__is_finite(c.history) ||
-        !(c.history >= 0.0 && c.history < 1.0))
+        !(c.history >= 0.0 && c.history < 1.0) || !dopt__is_finite(c.max_growth) ||
+        !(c.max_growth == 0.0 || c.max_growth >= 1.0))
         return DOPT_ERR_INVALID;
     dopt__batch_defaults(&c);
     if (c.max_units < c.initial_units) return DOPT_ERR_INVALID;
+    if (c.projection == DOPT_BATCH_PROJECT_AUTO) { /* EXACT where the inner-product tests need it and it fits */
+        int fits = n > 0 && c.max_units <= DOPT_BATCH_EXACT_BYTES / sizeof(float) / n;
+        c.projection = c.test != DOPT_BATCH_NORM && fits ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS;
+        bc->projection_fallback = c.test != DOPT_BATCH_NORM && !fits && c.estimator == DOPT_BATCH_WITHIN;
+    }
     bc->cfg = c;
     bc->n = n;
     bc->units = c.initial_units;
+    bc->step_workers = 1;
     bc->last.samples = bc->last.grad_norm2 = bc->last.var = bc->last.ip_var = bc->last.orth_var = NAN;
+    bc->last.workers = NAN;
     if (c.estimator != DOPT_BATCH_WITHIN || n == 0) return DOPT_OK;
     if (n > SIZE_MAX / sizeof(double)) return DOPT_ERR_INVALID;
     bc->sum = (double *)DOPT_MALLOC(n * sizeof(double));
@@ -1011,13 +1118,22 @@ static double dopt__batch_exact_proj_ss(const dopt_batch *bc, double k, double m
     return p_sumsq - p_sum * p_sum / k;
 }
 
+DOPT_DEF void dopt_batch_averaged(dopt_batch *bc, int workers) {
+    if (bc && workers >= 1) bc->step_workers = workers;
+}
+
 /* Closes the current step: its spread around its own mean goes into the round (all its
-   micro-batches were taken at the same parameters); its mean becomes the next direction. */
+   micro-batches were taken at the same parameters); its mean becomes the next direction. The
+   plain estimate of ‖∇F‖² keeps the bias of the batch that moved the parameters: τ²/(W·k) of
+   E‖v̄_t‖²'s τ²/k stays, so c_t = 1 − 1/W_t of it is taken off (bias-corrected: all of it). */
 DOPT_DEF void dopt_batch_end_step(dopt_batch *bc) {
-    double k, mean2 = 0.0, ss, pss = NAN;
+    double k, mean2 = 0.0, ss, pss = NAN, w;
     dopt_batch_round *r;
     size_t i;
-    if (bc == NULL || bc->cfg.estimator != DOPT_BATCH_WITHIN || bc->observed == 0) return;
+    if (bc == NULL) return;
+    w = (double)bc->step_workers;
+    bc->step_workers = 1;
+    if (bc->cfg.estimator != DOPT_BATCH_WITHIN || bc->observed == 0) return;
     r = &bc->round;
     k = (double)bc->observed;
     for (i = 0; i < bc->n; i++) mean2 += bc->sum[i] * bc->sum[i];
@@ -1036,8 +1152,9 @@ DOPT_DEF void dopt_batch_end_step(dopt_batch *bc) {
     r->dof += k - 1.0;
     r->ss += ss;
     r->mean_norm2 += mean2;
-    r->inv_k += 1.0 / k;
+    r->noise_k += (bc->cfg.bias_corrected ? 1.0 : 1.0 - 1.0 / w) / k;
     r->steps += 1.0;
+    r->workers += w;
     if (bc->dir) {
         double nrm2 = 0.0;
         for (i = 0; i < bc->n; i++) {
@@ -1063,9 +1180,22 @@ static const char *dopt__batch_undecided_why(const dopt_batch_config *c, const d
 /* Applies the rule to pooled statistics and records them; says when they could not decide. */
 static void dopt__batch_apply(dopt_batch *bc, const dopt_batch_stats *st, dopt_comm *comm) {
     const char *why = dopt__batch_undecided_why(&bc->cfg, st);
+    size_t before = bc->units;
+    double need;
     bc->last = *st;
-    bc->units = dopt_batch_next_units(&bc->cfg, bc->units, st, NULL);
+    bc->units = dopt_batch_next_units(&bc->cfg, bc->units, st, &need);
     bc->decisions++;
+    if (need == INFINITY) { /* not a finding of the test: the estimate could not see the gradient */
+        bc->nonpositive++;
+        if (comm)
+            dopt_comm_log(comm, bc->units != before ? DOPT_LOG_WARN : DOPT_LOG_INFO,
+                          "adaptive batch: decision %llu: the estimate of |grad F|^2 is %.3g (<= 0: the round's noise "
+                          "accounts for all of the observed gradient), so no batch passes the test; the size goes "
+                          "from %zu to %zu units (%s)",
+                          (unsigned long long)bc->decisions, st->grad_norm2, before, bc->units,
+                          bc->units == bc->cfg.max_units ? "the cap, max_units: set max_growth to bound one decision"
+                                                          : "bounded by max_growth");
+    }
     if (why == NULL) return;
     if (comm)
         dopt_comm_log(comm, bc->undecided == 0 ? DOPT_LOG_WARN : DOPT_LOG_INFO,
@@ -1079,25 +1209,37 @@ static void dopt__batch_apply(dopt_batch *bc, const dopt_batch_stats *st, dopt_c
    micro-batch gradient; E‖v̄_t‖² = ‖∇F(x_t)‖² + τ²/k_t, so the mean of ‖v̄_t‖² − τ²/k_t over
    the round's steps estimates ‖∇F‖² without that bias. */
 static dopt_status dopt__batch_decide(dopt_batch *bc, dopt_comm *comm) {
-    double v[8], tau2, s_unit, *pool = &bc->pooled.dof;
+    double v[9], tau2, s_unit, *pool = &bc->pooled.dof;
     dopt_batch_stats st;
     dopt_status s;
     int i;
     if (bc == NULL || bc->cfg.estimator != DOPT_BATCH_WITHIN) return DOPT_ERR_INVALID;
     dopt_batch_end_step(bc);
+    if (bc->projection_fallback == 1 && comm) {
+        dopt_comm_log(comm, DOPT_LOG_WARN,
+                      "adaptive batch: the inner-product test projects on the previous step's mean "
+                      "(DOPT_BATCH_PROJECT_PREVIOUS, an approximation): the step's own mean needs max_units x n "
+                      "floats = %zu MiB, beyond DOPT_BATCH_EXACT_BYTES (%zu MiB); ask for DOPT_BATCH_PROJECT_EXACT "
+                      "to have it anyway",
+                      (size_t)((double)bc->cfg.max_units * (double)bc->n * sizeof(float) / 1048576.0),
+                      (size_t)(DOPT_BATCH_EXACT_BYTES >> 20));
+        bc->projection_fallback = 2;
+    }
     memcpy(v, &bc->round, sizeof v);
     if (comm != NULL) {
-        s = dopt_allreduce(comm, v, 8, DOPT_F64, DOPT_SUM);
+        s = dopt_allreduce(comm, v, 9, DOPT_F64, DOPT_SUM);
         if (s != DOPT_OK) return s;
     }
-    for (i = 0; i < 8; i++) v[i] = pool[i] = bc->cfg.history * pool[i] + v[i];
+    for (i = 0; i < 9; i++) v[i] = pool[i] = bc->cfg.history * pool[i] + v[i];
     s_unit = (double)bc->cfg.unit_samples;
     tau2 = v[0] > 0.0 ? v[1] / v[0] : NAN;
     st.samples = (double)bc->units * s_unit;
     st.var = s_unit * tau2;
-    st.grad_norm2 = v[7] > 0.0 ? (v[5] - tau2 * v[6]) / v[7] : NAN;
+    /* plain on local steps takes nothing off (noise_k = 0): known even without a variance */
+    st.grad_norm2 = v[7] > 0.0 ? (v[5] - (v[6] > 0.0 ? tau2 * v[6] : 0.0)) / v[7] : NAN;
     st.ip_var = v[2] > 0.0 ? s_unit * v[3] / v[2] : NAN;
     st.orth_var = v[2] > 0.0 ? s_unit * (v[4] - v[3]) / v[2] : NAN;
+    st.workers = v[7] > 0.0 ? v[8] / v[7] : NAN;
     dopt__batch_apply(bc, &st, comm);
     memset(&bc->round, 0, sizeof bc->round);
     return DOPT_OK;
@@ -1469,6 +1611,7 @@ static dopt_status dopt__dp_across_stats(dopt_dp *dp, const dopt_buf *params, do
     if (s != DOPT_OK) return s;
     /* the mean samples per step over ranks: the same number everywhere */
     st->samples = W / (N * (double)(dp->round_steps ? dp->round_steps : 1));
+    st->workers = 1.0; /* a round of local steps: each worker's own batch moved its model */
     if (dp->comm->size < 2) {
         st->grad_norm2 = mean2;
         st->var = st->ip_var = st->orth_var = NAN;
@@ -1608,6 +1751,27 @@ static dopt_status dopt__dp_poisoned(dopt_dp *dp) {
     return dopt__family_error(dp->comm);
 }
 
+/* What reads the anchor before anything wrote it: an average from it would be taken against zeros
+   (DiLoCo's first outer step at lr 0.7, μ 0.9 would set the model to 1.33× the mean). Refused on
+   every rank alike (the configuration and the collective calls that set it are the same
+   everywhere); NULL when nothing needs it or it is set. */
+static const char *dopt__dp_anchor_missing(const dopt_dp *dp) {
+    if (dp->anchor == NULL || dp->anchor_set) return NULL;
+    if (dp->compressor) return "the compressed model deltas (x - anchor)";
+    if (dp->outer) return "the outer optimizer's step (anchor - mean)";
+    if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_ACROSS) return "the across-worker batch estimator";
+    return NULL; /* keep_anchor alone: the host reads it, nothing averages from it */
+}
+
+static dopt_status dopt__dp_check_anchor(dopt_dp *dp, const char *api) {
+    const char *who = dopt__dp_anchor_missing(dp);
+    if (who == NULL) return DOPT_OK;
+    dopt__dp_fail_detail(dp, "%s: the anchor (the model every rank starts a round from) was never set, and %s reads "
+                             "it; call dopt_dp_broadcast (or give dopt_dp_config.params, or dopt_dp_load) before the "
+                             "first step", api, who);
+    return DOPT_ERR_INVALID;
+}
+
 /* A host that never calls after_step: the gradients of step `step` were averaged and no after_step
    followed, so its next after_backward (or the close, or a save) finds that step over. */
 static uint64_t dopt__dp_steps_done(const dopt_dp *dp) { return dp->step + (dp->grads_step == dp->step + 1); }
@@ -1664,6 +1828,7 @@ static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, co
     int mine_finite, finite, finite_ranks;
     dopt_status s;
     if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    if ((s = dopt__dp_check_anchor(dp, api)) != DOPT_OK) return s;
     if (dopt__dp_check_buf(grads, dp->n) != DOPT_OK) {
         dopt__dp_fail_detail(dp, "gradients: not a valid descriptor of %zu elements", dp->n);
         return DOPT_ERR_INVALID;
@@ -1723,6 +1888,7 @@ static dopt_status dopt__dp_end_round(dopt_dp *dp, const dopt_buf *params, const
     dp->syncs++;
     dp->round_steps = 0;
     dp->round_samples = 0.0;
+    dp->anchor_set = 1;
     return skipped ? DOPT_ERR_NONFINITE : DOPT_OK;
 }
 
@@ -1733,7 +1899,12 @@ DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *dp, const dopt_buf *params,
     if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
-    if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt_batch_end_step(dp->batch);
+    if ((s = dopt__dp_check_anchor(dp, "dopt_dp_after_step")) != DOPT_OK) return s;
+    if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN) {
+        /* a step whose gradients were averaged moved every replica with the global batch */
+        if (dp->grads_step == dp->step + 1) dopt_batch_averaged(dp->batch, dp->comm->size);
+        dopt_batch_end_step(dp->batch);
+    }
     t = dp->step;
     dp->round_samples += dopt__dp_step_samples(dp);
     dp->round_steps++;
@@ -1755,6 +1926,7 @@ DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *dp, const dopt_buf *params, const dop
     s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
     if (dp->round_steps == 0) return DOPT_OK; /* the replicas are identical already */
+    if ((s = dopt__dp_check_anchor(dp, "dopt_dp_sync")) != DOPT_OK) return s;
     return dopt__dp_end_round(dp, params, states, 1, dp->step, " (sync)");
 }
 
@@ -1813,6 +1985,7 @@ DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *dp, const dopt_buf *params, 
         return s;
     }
     if (dp->anchor && dp->n) dopt_buf_pack(params, dp->anchor);
+    dp->anchor_set = 1;
     return DOPT_OK;
 }
 
@@ -2107,7 +2280,10 @@ static void dopt__dp_put_state(dopt__dp_writer *w, const dopt_dp *dp) {
     dopt__dp_put_u64(w, dp->round_steps);
     dopt__dp_put_f64(w, dp->round_samples);
     dopt__dp_put_f64(w, dp->step_samples);
-    if (dp->anchor) dopt__dp_put(w, dp->anchor, dp->n * sizeof(float));
+    if (dp->anchor) {
+        dopt__dp_put_u64(w, (uint64_t)dp->anchor_set);
+        dopt__dp_put(w, dp->anchor, dp->n * sizeof(float));
+    }
     if (dp->outer_v) dopt__dp_put(w, dp->outer_v, dp->n * sizeof(float));
     if (dp->batch) {
         const dopt_batch *b = dp->batch;
@@ -2312,7 +2488,10 @@ static void dopt__dp_get_state(dopt__dp_reader *r, dopt_dp *dp) {
     dp->round_steps = dopt__dp_get_u64(r);
     dp->round_samples = dopt__dp_get_f64(r);
     dp->step_samples = dopt__dp_get_f64(r);
-    if (dp->anchor) dopt__dp_get(r, dp->anchor, dp->n * sizeof(float));
+    if (dp->anchor) {
+        dp->anchor_set = dopt__dp_get_u64(r) != 0;
+        dopt__dp_get(r, dp->anchor, dp->n * sizeof(float));
+    }
     if (dp->outer_v) dopt__dp_get(r, dp->outer_v, dp->n * sizeof(float));
     if (dp->batch) {
         dopt_batch *b = dp->batch;

@@ -432,7 +432,7 @@ static void print_row(FILE *f, const char *fmt, int epoch, double loss, double v
 }
 
 int main(int argc, char **argv) {
-    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0};
+    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, NULL, NULL, 0};
     lstm_options lo = {128, 32, 0, 0};
     lstm m;
     lstm_work work;

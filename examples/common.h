@@ -46,6 +46,9 @@ typedef struct options {
     double outer_lr;         /* DiLoCo's outer step size on each model average, 0: 1 (plain average) */
     double outer_momentum;   /* its Nesterov momentum, 0: none */
     unsigned powersgd_rank;  /* --compress powersgd: the factors' rank r, 0: the library's default (2) */
+    const char *grad_norm;   /* adaptive batch: plain (the paper's, default) or bias-corrected */
+    const char *projection;  /* adaptive batch: auto (default), exact or previous */
+    double max_growth;       /* adaptive batch: at most ×G per decision, 0: unbounded */
 } options;
 
 /* --transport and --workers are shorthands for the environment launch.h reads (DOPT_TRANSPORT,
@@ -121,6 +124,8 @@ static inline void usage(const char *prog, const char *own) {
            "          [--celgc eta,gamma] [--period I] [--average grads|models] [--clip C] [--seed S]\n"
            "          [--steps N] [--epochs N] [--batch B] [--lr LR] [--adaptive-batch off|norm|ip|aip]\n"
            "          [--batch-eta X] [--max-batch-units U] [--batch-nu X] [--batch-history H]\n"
+           "          [--batch-grad-norm plain|bias-corrected] [--batch-projection auto|exact|previous]\n"
+           "          [--batch-max-growth G]\n"
            "          [--outer-lr X] [--outer-momentum M] [--csv FILE] [--train-limit N]\n"
            "          %s\n"
            "--average: at --period 1 with --celgc, grads (the default) averages the gradients before each step,\n"
@@ -136,6 +141,8 @@ static const char *const transport_names[] = {"shm", "tcp", "mpi", "self", NULL}
 static const char *const codec_names[] = {"none", "ternary", "qsgd", "topk", "sign", "fp16", "bf16", "majority", "powersgd", NULL};
 static const char *const adaptive_names[] = {"off", "norm", "ip", "aip", NULL};
 static const char *const average_names[] = {"grads", "models", NULL};
+static const char *const grad_norm_names[] = {"plain", "bias-corrected", NULL};
+static const char *const projection_names[] = {"auto", "exact", "previous", NULL};
 
 /* One of the shared flags with its value v; 0 when f is not one of them. */
 static inline int common_flag(options *o, const char *f, const char *v) {
@@ -169,6 +176,12 @@ static inline int common_flag(options *o, const char *f, const char *v) {
     else if (!strcmp(f, "--max-batch-units")) o->max_units = (size_t)flag_long(f, v, 2, 1 << 20);
     else if (!strcmp(f, "--batch-nu")) o->nu = flag_double(f, v, 0, 1e30, 0);
     else if (!strcmp(f, "--batch-history")) o->history = flag_double(f, v, 0, 1, 1);
+    else if (!strcmp(f, "--batch-grad-norm")) o->grad_norm = flag_choice(f, v, grad_norm_names);
+    else if (!strcmp(f, "--batch-projection")) o->projection = flag_choice(f, v, projection_names);
+    else if (!strcmp(f, "--batch-max-growth")) {
+        o->max_growth = flag_double(f, v, 0, 1e30, 0);
+        if (o->max_growth < 1.0) flag_error("--batch-max-growth must be at least 1 (got %g)", o->max_growth);
+    }
     else if (!strcmp(f, "--outer-lr")) o->outer_lr = flag_double(f, v, 0, 1e30, 0);
     else if (!strcmp(f, "--outer-momentum")) o->outer_momentum = flag_double(f, v, 0, 1, 1);
     else return 0;
@@ -225,6 +238,11 @@ static inline int batch_config_from_options(const options *o, dopt_batch_config 
     bcfg->initial_units = 2;
     bcfg->max_units = o->max_units ? o->max_units : 8;
     bcfg->history = o->history;
+    bcfg->bias_corrected = o->grad_norm && !strcmp(o->grad_norm, "bias-corrected");
+    bcfg->projection = !o->projection || !strcmp(o->projection, "auto") ? DOPT_BATCH_PROJECT_AUTO
+                       : !strcmp(o->projection, "exact")                 ? DOPT_BATCH_PROJECT_EXACT
+                                                                         : DOPT_BATCH_PROJECT_PREVIOUS;
+    bcfg->max_growth = o->max_growth;
     return 1;
 }
 

@@ -28,9 +28,10 @@ echo "Fashion-MNIST, MLP 784-256-128-10, 2 workers over shared memory, full trai
 echo "batch 64 per worker, lr 0.1, seed $SEED."
 run fp32 --compress none --period 1
 run terngrad --compress ternary --period 4 --clip 2
-# adaptive: micro-batches of 32, two per step to start (the variance is their spread), up to 16
+# adaptive: micro-batches of 32, two per step to start (the variance is their spread), up to 16; the
+# library's variant of the norm test (bias-corrected |grad F|^2 pooled over ~10 rounds: localsgd.h)
 run terngrad_adaptive --compress ternary --period 4 --clip 2 --adaptive-batch norm --batch-eta 1.5 --batch-history 0.9 \
-    --batch 32 --max-batch-units 16
+    --batch-grad-norm bias-corrected --batch 32 --max-batch-units 16
 
 echo
 echo "Comparison after $EPOCHS epochs (bytes: gradient/model messages each worker sent):"

@@ -25,7 +25,7 @@
    Flags of this example beyond those of common.h:
      --tern-clip C        TernGrad's per-layer clipping to ±C·σ before ternarizing (the library's
                           default is 2.5); "off" disables it
-     --batch-nu X         adaptive batch, aip: the orthogonality test's ν (library default 2)
+     --batch-nu X         adaptive batch, aip: the orthogonality test's ν (library default 0.1)
      --evals-per-epoch E  evaluate E times per epoch (at the first step past each 1/E), default 1
      --target-acc A       report the first evaluation whose test accuracy reaches A percent: its
                           epoch, step, rounds, bytes and training time ("target ... reached") */
@@ -223,7 +223,7 @@ static dopt_status evaluate(const evaluation *ev, const float *params, progress 
 }
 
 int main(int argc, char **argv) {
-    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0};
+    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, NULL, NULL, 0};
     size_t ntrain, ntest, nlabels, begin, end, per_rank, i, units;
     unsigned char *train_px, *test_px, *train_y, *test_y, *batch_y;
     float *train_x, *test_x, *params, *grads, *micro, *eval, *batch_x;

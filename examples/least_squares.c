@@ -41,7 +41,7 @@ static void gradient(const float *A, const float *b, const float *x, size_t begi
 }
 
 int main(int argc, char **argv) {
-    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 3000, 0, 0, 0.05f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0};
+    options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 3000, 0, 0, 0.05f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, NULL, NULL, 0};
     static float A[ROWS * DIM], b[ROWS];
     float xstar[DIM], x[DIM] = {0}, g[DIM];
     uint64_t data_rng, rng;

@@ -1197,7 +1197,63 @@ static void body_quartic(dopt_comm *c, void *arg) {
 
 DTEST_WORLDS(celgc_converges_on_a_quartic_where_fixed_step_sgd_diverges, body_quartic, NULL, 2, 4);
 
+/* ------------------------------------------------------------------ the anchor before it is set */
+
+/* Each reader of the anchor — compressed model deltas, the outer step, the across-worker batch
+   estimator — refuses a step before a broadcast (or a load) set it, naming itself and the call
+   that sets it; a broadcast lets the same step through. keep_anchor alone reads nothing. */
+DTEST(a_step_that_needs_the_anchor_before_a_broadcast_is_refused_and_says_which_reader) {
+    static const char *const who[4] = {"compressed model deltas", "outer optimizer", "across-worker", NULL};
+    dopt_comm *c;
+    dopt_compressor cz;
+    dopt_compressor_config ccfg;
+    dopt_segment seg = {0, 4, "x"};
+    dopt_batch bc;
+    dopt_batch_config bcfg;
+    float x[4] = {1, 2, 3, 4};
+    int k;
+    DT_OK(dopt_comm_create_self(&c));
+    memset(&ccfg, 0, sizeof ccfg);
+    ccfg.codec = DOPT_CODEC_TOPK;
+    ccfg.topk_ratio = 0.5;
+    DT_OK(dopt_compressor_init(&cz, &ccfg, &seg, 1));
+    memset(&bcfg, 0, sizeof bcfg);
+    bcfg.estimator = DOPT_BATCH_ACROSS;
+    DT_OK(dopt_batch_init(&bc, 0, &bcfg));
+    for (k = 0; k < 4; k++) {
+        dopt_dp dp;
+        dopt_dp_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.period = 2;
+        cfg.compressor = k == 0 ? &cz : NULL;
+        cfg.outer_lr = k == 1 ? 0.7 : 0.0;
+        cfg.batch = k == 2 ? &bc : NULL;
+        cfg.keep_anchor = k == 3;
+        DT_OK(dopt_dp_init(&dp, c, 4, &cfg));
+        if (who[k]) {
+            DT_EQ_INT(dopt_dp_after_step(&dp, x), DOPT_ERR_INVALID);
+            DT_CHECKF(strstr(dopt_dp_detail(&dp), who[k]) && strstr(dopt_dp_detail(&dp), "dopt_dp_broadcast") &&
+                          strstr(dopt_dp_detail(&dp), "dopt_dp_after_step"),
+                      "detail: %s", dopt_dp_detail(&dp));
+            DT_EQ_INT(dopt_dp_after_backward(&dp, x), DOPT_ERR_INVALID);
+            DT_EQ_INT(dp.step, 0); /* nothing counted */
+            DT_OK(dopt_dp_broadcast(&dp, x));
+        }
+        DT_OK(dopt_dp_after_step(&dp, x));
+        DT_OK(dopt_dp_after_step(&dp, x)); /* the round's average */
+        DT_EQ_INT(dp.syncs, 1);
+        DT_CHECK(x[0] == 1 && x[3] == 4); /* one rank, no movement: the average is the model itself */
+        dopt_dp_free(&dp);
+    }
+    dopt_batch_free(&bc);
+    dopt_compressor_free(&cz);
+    dopt_comm_destroy(c);
+}
+
 /* ------------------------------------------------------------------ batch-size tests: the rule */
+
+/* The two projections, in the order the tests below index them. */
+static const dopt_batch_projection proj_modes[2] = {DOPT_BATCH_PROJECT_EXACT, DOPT_BATCH_PROJECT_PREVIOUS};
 
 static dopt_batch_stats stats(double samples, double g2, double var, double ip, double orth) {
     dopt_batch_stats s;
@@ -1206,6 +1262,7 @@ static dopt_batch_stats stats(double samples, double g2, double var, double ip, 
     s.var = var;
     s.ip_var = ip;
     s.orth_var = orth;
+    s.workers = 1.0;
     return s;
 }
 
@@ -1250,6 +1307,61 @@ DTEST(norm_test_matches_hand_values_rounded_capped_and_monotone) {
     DT_EQ_INT(dopt_batch_next_units(&c, 3, &s, NULL), 3);
 }
 
+/* max_growth bounds one decision (×G, rounded up, at least one unit more); a non-positive
+   estimate of ‖∇F‖² (bias-corrected, noise larger than the gradient) goes to the cap, or ×G, and
+   says so with a warning naming the decision and the estimate. */
+static int growth_warnings;
+static void count_growth_warning(void *user, dopt_log_level level, const char *msg) {
+    (void)user;
+    if (level == DOPT_LOG_WARN && strstr(msg, "decision 1:") && strstr(msg, "is -1 ") && strstr(msg, "from 2 to"))
+        growth_warnings++;
+}
+
+DTEST(max_growth_bounds_a_decision_and_a_nonpositive_estimate_warns) {
+    dopt_batch_config c;
+    dopt_batch_stats s;
+    dopt_comm *comm;
+    dopt_batch bc;
+    static const float v[2][1] = {{1}, {-1}}; /* mean 0, spread 2: bias-corrected ‖∇F‖² = 0 − 2/2 = −1 */
+    double need;
+    int i;
+    memset(&c, 0, sizeof c);
+    c.unit_samples = 1;
+    c.max_units = 1000;
+    c.eta = 1.0;
+    s = stats(2, 1, 100, NAN, NAN); /* 100 samples needed */
+    DT_EQ_INT(dopt_batch_next_units(&c, 2, &s, &need), 100);
+    c.max_growth = 4.0;
+    DT_EQ_INT(dopt_batch_next_units(&c, 2, &s, &need), 8);
+    DT_NEAR(need, 100.0, 1e-12); /* the answer is still the test's */
+    c.max_growth = 1.0; /* at least one unit more when the test asks for more */
+    DT_EQ_INT(dopt_batch_next_units(&c, 2, &s, NULL), 3);
+    c.max_growth = 4.0;
+    s.workers = 10.0; /* a synchronous round of 10 workers: 10 samples each */
+    DT_EQ_INT(dopt_batch_next_units(&c, 2, &s, NULL), 8);
+    DT_EQ_INT(dopt_batch_next_units(&c, 4, &s, NULL), 10);
+    c.max_growth = 0.5; /* below 1: refused by init */
+    DT_EQ_INT(dopt_batch_init(&bc, 1, &c), DOPT_ERR_INVALID);
+    for (i = 0; i < 2; i++) {
+        DT_OK(dopt_comm_create_self(&comm));
+        dopt_comm_set_log(comm, count_growth_warning, NULL);
+        growth_warnings = 0;
+        c.max_growth = i == 0 ? 0.0 : 4.0;
+        c.bias_corrected = 1;
+        c.initial_units = 2;
+        DT_OK(dopt_batch_init(&bc, 1, &c));
+        DT_OK(observe_flat(&bc, v[0], 1));
+        DT_OK(observe_flat(&bc, v[1], 1));
+        DT_OK(dopt_batch_decide(&bc, comm));
+        DT_NEAR(bc.last.grad_norm2, -1.0, 1e-12);
+        DT_EQ_INT(dopt_batch_units(&bc), i == 0 ? 1000 : 8);
+        DT_EQ_INT(bc.nonpositive, 1);
+        DT_EQ_INT(growth_warnings, 1);
+        dopt_batch_free(&bc);
+        dopt_comm_destroy(comm);
+    }
+}
+
 DTEST(inner_product_and_augmented_tests_match_hand_values) {
     dopt_batch_config c;
     dopt_batch_stats s = stats(4, 4, 100, 10, 80);
@@ -1275,9 +1387,12 @@ DTEST(inner_product_and_augmented_tests_match_hand_values) {
 
 /* One step of three micro-batch gradients of 2 samples each, by hand: v = (1,0), (3,2), (2,1);
    mean (2,1), ‖mean‖² = 5; Σ‖v − mean‖² = 2 + 2 + 0 = 4, k − 1 = 2: τ² = 2 per micro-batch, so
-   Var = 2·2 = 4 per sample and ‖∇F‖² ≈ 5 − τ²/3 = 13/3. Projections on the step's own direction
-   (2,1)/√5: 2/√5, 8/√5, 5/√5 → Σ(p − p̄)² = 18/5: ip_var = 2·(18/5)/2 = 3.6, orth_var = 0.4.
-   Norm test with η = 0.5: b_needed = 4/(0.25·13/3) = 3.69 > 2 → 2 units. */
+   Var = 2·2 = 4 per sample. ‖∇F‖²: plain (a local step) 5; bias-corrected 5 − τ²/3 = 13/3; plain
+   on a synchronous step of 4 workers 5 − (1 − 1/4)·τ²/3 = 4.5. Projections on the step's own
+   direction (2,1)/√5: 2/√5, 8/√5, 5/√5 → Σ(p − p̄)² = 18/5: ip_var = 2·(18/5)/2 = 3.6, orth_var
+   = 0.4. Norm test with η = 0.5: local, b_needed = 4/(0.25·5) = 3.2 > 2 → 2 units; bias-corrected
+   4/(0.25·13/3) = 3.69 → 2 units; synchronous over 4 workers 4/(0.25·4.5) = 3.56 samples of the
+   averaged gradient, 0.89 per worker ≤ 2: the size stays. */
 DTEST(within_worker_estimator_matches_hand_computation) {
     dopt_batch bc;
     dopt_batch_config c;
@@ -1300,14 +1415,28 @@ DTEST(within_worker_estimator_matches_hand_computation) {
         DT_OK(dopt_batch_observe(&bc, &sb, -2.0f));
     }
     DT_OK(dopt_batch_decide(&bc, NULL)); /* closes the open step */
-    DT_NEAR(bc.last.grad_norm2, 13.0 / 3.0, 1e-12);
+    DT_NEAR(bc.last.grad_norm2, 5.0, 1e-12);
     DT_NEAR(bc.last.var, 4.0, 1e-12);
     DT_NEAR(bc.last.ip_var, 3.6, 1e-6);
     DT_NEAR(bc.last.orth_var, 0.4, 1e-6);
     DT_NEAR(bc.last.samples, 2.0, 0.0);
+    DT_NEAR(bc.last.workers, 1.0, 0.0);
     DT_EQ_INT(dopt_batch_units(&bc), 2);
     DT_EQ_INT(observe_flat(&bc, r1[0], 3), DOPT_ERR_INVALID); /* another element count */
     dopt_batch_free(&bc);
+    for (i = 0; i < 2; i++) { /* bias-corrected; then plain on a synchronous step of 4 workers */
+        c.bias_corrected = i == 0;
+        DT_OK(dopt_batch_init(&bc, 2, &c));
+        DT_OK(dopt_batch_observe(&bc, &(dopt_buf){.data = (float *)r1[0], .n = 2}, 1.0f));
+        DT_OK(dopt_batch_observe(&bc, &(dopt_buf){.data = (float *)r1[1], .n = 2}, 1.0f));
+        DT_OK(dopt_batch_observe(&bc, &(dopt_buf){.data = (float *)r1[2], .n = 2}, 1.0f));
+        if (i == 1) dopt_batch_averaged(&bc, 4);
+        DT_OK(dopt_batch_decide(&bc, NULL));
+        DT_NEAR(bc.last.grad_norm2, i == 0 ? 13.0 / 3.0 : 4.5, 1e-12);
+        DT_NEAR(bc.last.workers, i == 0 ? 1.0 : 4.0, 0.0);
+        DT_EQ_INT(dopt_batch_units(&bc), i == 0 ? 2 : 1);
+        dopt_batch_free(&bc);
+    }
 }
 
 /* No sampling noise at all (every micro-batch of a step is the same gradient) but the gradient
@@ -1326,7 +1455,7 @@ DTEST(within_variance_is_zero_without_noise_when_the_iterates_move) {
         memset(&bcfg, 0, sizeof bcfg);
         bcfg.test = DOPT_BATCH_AUGMENTED;
         bcfg.initial_units = 2;
-        bcfg.projection = (dopt_batch_projection)proj;
+        bcfg.projection = proj_modes[proj];
         DT_OK(dopt_batch_init(&bc, 2, &bcfg));
         memset(&cfg, 0, sizeof cfg);
         cfg.period = 2;
@@ -1364,7 +1493,8 @@ static void gauss(dopt_rng *rng, uint64_t ctr, float *out, size_t n) {
    coordinates) with the mean μ_t moving far between the T steps of a round. Over R rounds the
    variance estimates average to D·τ² per micro-batch and the bias-corrected ‖∇F‖² to the mean of
    ‖μ_t‖², each within 5 standard errors of the R estimates (fixed seed); the uncorrected mean of
-   ‖v̄_t‖² is off by D·τ²/k, more than 10 standard errors. */
+   ‖v̄_t‖² is off by D·τ²/k, more than 10 standard errors, and it is what the plain estimate (the
+   default) reports on these local steps, to rounding. */
 #define NZ_D 8
 #define NZ_K 4
 #define NZ_T 4
@@ -1377,8 +1507,12 @@ DTEST(within_variance_under_drift_estimates_known_noise_and_unbiased_gradient_no
     double tau = 2.0, sum_var = 0, sumsq_var = 0, sum_g = 0, sumsq_g = 0, true_g = 0, naive = 0;
     double var_mean, var_se, g_mean, g_se, want_var = NZ_D * tau * tau;
     int r, t, k, i;
+    dopt_batch plain;
+    double sum_plain = 0;
     memset(&bcfg, 0, sizeof bcfg);
     bcfg.initial_units = NZ_K;
+    DT_OK(dopt_batch_init(&plain, NZ_D, &bcfg));
+    bcfg.bias_corrected = 1;
     DT_OK(dopt_batch_init(&bc, NZ_D, &bcfg));
     dopt_rng_init(&rng, 77, 0, 3);
     for (t = 0; t < NZ_T; t++)
@@ -1393,12 +1527,16 @@ DTEST(within_variance_under_drift_estimates_known_noise_and_unbiased_gradient_no
                     mean[i] += (double)v[i] / NZ_K;
                 }
                 DT_OK(observe_flat(&bc, v, NZ_D));
+                DT_OK(observe_flat(&plain, v, NZ_D));
             }
             for (i = 0; i < NZ_D; i++) m2 += mean[i] * mean[i];
             naive += m2 / NZ_T / NZ_R;
             dopt_batch_end_step(&bc);
+            dopt_batch_end_step(&plain);
         }
         DT_OK(dopt_batch_decide(&bc, NULL));
+        DT_OK(dopt_batch_decide(&plain, NULL));
+        sum_plain += plain.last.grad_norm2 / NZ_R;
         sum_var += bc.last.var;
         sumsq_var += bc.last.var * bc.last.var;
         sum_g += bc.last.grad_norm2;
@@ -1411,8 +1549,10 @@ DTEST(within_variance_under_drift_estimates_known_noise_and_unbiased_gradient_no
     DT_CHECKF(fabs(var_mean - want_var) < 5 * var_se, "Var %g ± %g, noise %g", var_mean, var_se, want_var);
     DT_CHECKF(fabs(g_mean - true_g) < 5 * g_se, "|grad F|^2 %g ± %g, true %g", g_mean, g_se, true_g);
     DT_CHECKF(fabs(naive - true_g) > 10 * g_se, "the uncorrected %g should be off by %g", naive, want_var / NZ_K);
+    DT_NEAR(sum_plain, naive, 1e-9 * naive);
     DT_CHECK(bc.undecided == 0);
     dopt_batch_free(&bc);
+    dopt_batch_free(&plain);
 }
 
 /* ------------------------------------------------------------------ projections: exact and previous */
@@ -1483,12 +1623,13 @@ DTEST(current_direction_statistics_equal_the_reference_in_both_modes) {
     for (mode = 0; mode < 2; mode++) {
         dopt_batch bc;
         dopt_batch_config c;
-        proj_ref want = proj_reference(v, ks, STEPS, D, mode, 3.0, NULL);
+        proj_ref want = proj_reference(v, ks, STEPS, D, mode == 0, 3.0, NULL);
         memset(&c, 0, sizeof c);
         c.test = DOPT_BATCH_AUGMENTED;
         c.unit_samples = 3;
         c.max_units = 5;
-        c.projection = (dopt_batch_projection)mode;
+        c.bias_corrected = 1; /* the reference's ‖∇F‖² */
+        c.projection = proj_modes[mode];
         DT_OK(dopt_batch_init(&bc, D, &c));
         for (t = 0, off = 0; t < STEPS; off += ks[t], t++) {
             for (j = 0; j < ks[t]; j++) DT_OK(observe_flat(&bc, v + (off + j) * D, D));
@@ -1499,7 +1640,7 @@ DTEST(current_direction_statistics_equal_the_reference_in_both_modes) {
         DT_NEAR(bc.last.grad_norm2, want.grad_norm2, 1e-9 * fabs(want.grad_norm2));
         DT_NEAR(bc.last.ip_var, want.ip_var, 1e-5 * want.var);
         DT_NEAR(bc.last.orth_var, want.orth_var, 1e-5 * want.var);
-        if (mode == DOPT_BATCH_PROJECT_EXACT) /* a sixth micro-batch in one step has no room */
+        if (proj_modes[mode] == DOPT_BATCH_PROJECT_EXACT) /* a sixth micro-batch in one step has no room */
             for (j = 0; j <= 5; j++)
                 DT_EQ_INT(observe_flat(&bc, v, D), j < 5 ? DOPT_OK : DOPT_ERR_INVALID);
         dopt_batch_free(&bc);
@@ -1521,7 +1662,7 @@ DTEST(exact_and_previous_projections_differ_when_the_direction_turns_and_agree_w
     c.test = DOPT_BATCH_INNER_PRODUCT;
     c.unit_samples = 2;
     for (mode = 0; mode < 2; mode++) {
-        c.projection = (dopt_batch_projection)mode;
+        c.projection = proj_modes[mode];
         DT_OK(dopt_batch_init(&b[mode], 2, &c));
         for (t = 0; t < 2; t++) {
             for (j = 0; j < 2; j++) DT_OK(observe_flat(&b[mode], turn[2 * t + j], 2));
@@ -1529,10 +1670,10 @@ DTEST(exact_and_previous_projections_differ_when_the_direction_turns_and_agree_w
         }
         DT_OK(dopt_batch_decide(&b[mode], NULL));
     }
-    DT_NEAR(b[DOPT_BATCH_PROJECT_EXACT].last.ip_var, 4.0, 1e-12);
-    DT_NEAR(b[DOPT_BATCH_PROJECT_EXACT].last.orth_var, 0.0, 1e-12);
-    DT_NEAR(b[DOPT_BATCH_PROJECT_PREVIOUS].last.ip_var, 0.0, 1e-12);
-    DT_NEAR(b[DOPT_BATCH_PROJECT_PREVIOUS].last.orth_var, 4.0, 1e-12);
+    DT_NEAR(b[0].last.ip_var, 4.0, 1e-12); /* exact */
+    DT_NEAR(b[0].last.orth_var, 0.0, 1e-12);
+    DT_NEAR(b[1].last.ip_var, 0.0, 1e-12); /* previous */
+    DT_NEAR(b[1].last.orth_var, 4.0, 1e-12);
     /* a round on a fixed direction: both have a direction from the previous round now */
     for (t = 0; t < 5; t++) {
         float scale = 1.0f + 0.5f * (float)t, noise = 0.25f * (float)(t + 1);
@@ -1554,7 +1695,7 @@ DTEST(exact_and_previous_projections_differ_when_the_direction_turns_and_agree_w
 /* history h: the second decision pools the first round's sums weighted h with its own. Round 1
    is the hand example above (ss 4, 2 dof, ‖v̄‖² 5, 1/k = 1/3); round 2 one step of (0,0),
    (2,0): ss 2, 1 dof, ‖v̄‖² 1, 1/k = 1/2. With h = 0.5: dof 2, ss 4, so τ² = 2 and Var = 4;
-   ‖∇F‖² = (2.5 + 1 − 2·(1/6 + 1/2)) / 1.5 = 13/9. */
+   ‖∇F‖² = (2.5 + 1)/1.5 = 7/3 plain, (2.5 + 1 − 2·(1/6 + 1/2)) / 1.5 = 13/9 bias-corrected. */
 DTEST(history_pools_earlier_rounds_with_geometric_weights) {
     dopt_batch bc;
     dopt_batch_config c;
@@ -1563,15 +1704,17 @@ DTEST(history_pools_earlier_rounds_with_geometric_weights) {
     memset(&c, 0, sizeof c);
     c.unit_samples = 2;
     c.history = 0.5;
-    DT_OK(dopt_batch_init(&bc, 2, &c));
-    for (i = 0; i < 3; i++) DT_OK(observe_flat(&bc, r1[i], 2));
-    DT_OK(dopt_batch_decide(&bc, NULL));
-    DT_NEAR(bc.last.var, 4.0, 1e-12); /* nothing earlier: the round alone */
-    for (i = 0; i < 2; i++) DT_OK(observe_flat(&bc, r2[i], 2));
-    DT_OK(dopt_batch_decide(&bc, NULL));
-    DT_NEAR(bc.last.var, 4.0, 1e-12);
-    DT_NEAR(bc.last.grad_norm2, 13.0 / 9.0, 1e-12);
-    dopt_batch_free(&bc);
+    for (c.bias_corrected = 0; c.bias_corrected < 2; c.bias_corrected++) {
+        DT_OK(dopt_batch_init(&bc, 2, &c));
+        for (i = 0; i < 3; i++) DT_OK(observe_flat(&bc, r1[i], 2));
+        DT_OK(dopt_batch_decide(&bc, NULL));
+        DT_NEAR(bc.last.var, 4.0, 1e-12); /* nothing earlier: the round alone */
+        for (i = 0; i < 2; i++) DT_OK(observe_flat(&bc, r2[i], 2));
+        DT_OK(dopt_batch_decide(&bc, NULL));
+        DT_NEAR(bc.last.var, 4.0, 1e-12);
+        DT_NEAR(bc.last.grad_norm2, c.bias_corrected ? 13.0 / 9.0 : 7.0 / 3.0, 1e-12);
+        dopt_batch_free(&bc);
+    }
     c.history = 1.0; /* would never forget */
     DT_EQ_INT(dopt_batch_init(&bc, 2, &c), DOPT_ERR_INVALID);
 }
@@ -1780,6 +1923,12 @@ static void resume_setup(dopt_comm *c, const resume_args *a, dopt_batch *bc, dop
     DT_OK(dopt_dp_init(ls, c, LS_D, &cfg));
 }
 
+/* The start every rank shares (zeros here): the anchor the deltas and the outer step read. */
+static void resume_broadcast(dopt_dp *ls, host_state *h) {
+    dopt_buf xb = dopt_buf_flat(h->x, LS_D, NULL, 0), mb = dopt_buf_flat(h->mom, LS_D, NULL, 0);
+    DT_OK(dopt_dp_broadcast_buf(ls, &xb, &mb));
+}
+
 /* Runs steps [from, to) of noisy momentum local SGD with adaptive batches. */
 static void resume_steps(dopt_comm *c, const lsq *p, host_state *h, dopt_batch *bc, dopt_dp *ls, int from, int to) {
     float g[LS_D], micro[LS_D];
@@ -1822,6 +1971,7 @@ static void body_resume(dopt_comm *c, void *arg) {
     /* the uninterrupted run */
     resume_setup(c, a, &bc, &ls, sd, &cz, &gz);
     for (j = 0; j < LS_D; j++) h.x[j] = h.mom[j] = 0.0f;
+    resume_broadcast(&ls, &h);
     resume_steps(c, &p, &h, &bc, &ls, 0, RS_STEPS);
     straight = h;
     dopt_dp_free(&ls);
@@ -1831,6 +1981,7 @@ static void body_resume(dopt_comm *c, void *arg) {
     /* stopped at step k: the library's state and the host's own, both to files, everything freed */
     resume_setup(c, a, &bc, &ls, sd, &cz, &gz);
     for (j = 0; j < LS_D; j++) h.x[j] = h.mom[j] = 0.0f;
+    resume_broadcast(&ls, &h);
     resume_steps(c, &p, &h, &bc, &ls, 0, a->stop_at);
     DT_OK(dopt_dp_save(&ls, path));
     f = fopen(hpath, "wb");
