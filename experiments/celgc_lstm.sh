@@ -190,7 +190,7 @@ done
 
 md="$OUT/$P.md"
 {
-    echo "## CELGC on a character-level LSTM (2 and 4 workers, TCP), gamma = $GAMMA"
+    echo "### CELGC on a character-level LSTM (2 and 4 workers, TCP), gamma = $GAMMA"
     echo
     {
         echo "\`experiments/celgc_lstm.sh\` ($run_date, the code of commit $commit): examples/char_lstm.c, one LSTM layer"
@@ -221,7 +221,7 @@ md="$OUT/$P.md"
         echo "of the training text): $(sed -n 's/.*unigram baseline \([0-9.]*\) nats.*/\1/p' "$LOGS/${P}_w2_sync_s$SEED.log" | head -n 1) nats/char; uniform guess: $uniform nats/char."
     } | paragraph
     echo
-    echo "### What the figures say"
+    echo "#### What the figures say"
     echo
     # The verdicts are computed from the table; the thresholds are stated with them.
     awk -v workers="$WORKERS" -v periods="$PERIODS" -v seeds="$SEEDS" -v eta="$ETA" -v gamma="$GAMMA" -v clipped="$CLIPPED" \
@@ -350,7 +350,7 @@ md="$OUT/$P.md"
             }
             printf ";\n  it diverged (non-finite, or worse than a uniform guess: %s) in %d of %d runs.\n", uniform, ndiv, nw * ns
             }
-            printf "\n### What it means\n\n"
+            printf "\n#### What it means\n\n"
             fails = ""
             for (w = 1; w <= nw; w++) for (p = 1; p <= np; p++) {
                 m = "celgc_I" P[p]

@@ -71,16 +71,16 @@ for r in $PSGD_RANKS; do
     done
 done
 
-# The norm test of AdaScale's successor for local methods (the adaptive batch), in two settings:
+# The norm test of adaptive batch sizes for local gradient methods (Lau et al. 2024), in two settings:
 # the paper's (the library's defaults: the plain estimate of |grad F|^2, the round's own statistics,
 # no bound on the growth) at a paper value of eta and at an eta calibrated here, and the library's
 # variant (bias-corrected |grad F|^2, statistics pooled over about 10 rounds, the previous step's
 # mean as the projection) at the eta of the earlier runs. Micro-batches of 32, from 2 (64 samples,
 # the fixed-64 batch) up to 16 (512, the fixed-512 batch).
-BATCH_ETA=${EXP_BATCH_ETA:-0.5}
+BATCH_ETA=${EXP_BATCH_ETA:-1} # the smallest of 0.1 0.25 0.5 1 1.5 not at the cap within an epoch (RESULTS.md, 2)
 BATCH_RUN="--period 4 --evals-per-epoch 8 --target-acc $TARGET"
 BATCH_ADAPTIVE="--adaptive-batch norm --batch 32 --max-batch-units 16"
-BATCH_PAPER="--batch-grad-norm plain --batch-history 0 --batch-projection auto --batch-max-growth 0"
+BATCH_PAPER="--batch-grad-norm plain --batch-history 0 --batch-projection auto" # and no --batch-max-growth: unbounded
 BATCH_VARIANT="--batch-grad-norm bias-corrected --batch-history 0.9 --batch-projection previous"
 BATCH_METHODS="fixed64 fixed512 paper paper_cal variant"
 batch_flags() { # $1: method; the flags beside BATCH_RUN
