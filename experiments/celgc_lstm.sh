@@ -2,22 +2,25 @@
 # The CELGC experiment (Liu et al., NeurIPS 2022: local gradient clipping with periodic model
 # averaging): a character-level LSTM (examples/char_lstm.c) on the fortunes text, at a step size
 # where plain SGD blows up, with N = 2 and N = 4 workers as processes talking TCP on 127.0.0.1,
-# seeds LSTM_SEED and LSTM_SEED + 1. For each N and seed:
+# seeds LSTM_SEED, LSTM_SEED + 1 and LSTM_SEED + 2. For each N and seed:
 #   - synchronous clipped SGD, the paper's baseline: the workers' gradients averaged, then one step
 #     min(eta, gamma/|g|) on the average (--celgc at --period 1 --average grads);
 #   - CELGC: each worker steps min(eta, gamma/|g|) on its own gradient, the models averaged every
 #     I steps, I in 1 2 4 8 (--average models);
-#   - plain SGD at the same step eta, synchronous, unclipped (expected: diverges).
+#   - plain SGD at the same step eta, synchronous, unclipped (expected: diverges); left out with
+#     LSTM_UNCLIPPED=0, since it does not depend on gamma.
 # Both N train on the same characters, each worker on 1/N of them with the same batch per worker:
 # an epoch is the same data, and at N = 4 the global batch is twice that of N = 2 and an epoch
 # half as many steps.
-# Writes OUT/celgc_lstm_w<N>_<method>_s<seed>.csv (one row per epoch; rank 0's output goes to
-# BUILD/experiments/celgc_lstm_w<N>_<method>_s<seed>.log, its command line first, the other
-# ranks' to .rank<R>.out beside it), OUT/celgc_lstm.png (validation loss against epochs and
-# against averaging rounds, for each N) and OUT/celgc_lstm.md (the table made from the CSVs, then
-# the verdicts computed from it). 24 runs, about 5 minutes on 2 cores.
+# Writes OUT/NAME_w<N>_<method>_s<seed>.csv (NAME: LSTM_NAME, default celgc_lstm; one row per
+# epoch; rank 0's output goes to BUILD/experiments/NAME_w<N>_<method>_s<seed>.log, its command
+# line first, the other ranks' to .rank<R>.out beside it), OUT/NAME.png (validation loss against
+# epochs and against averaging rounds, for each N) and OUT/NAME.md (the table made from the CSVs,
+# then the verdicts computed from it). 36 runs, about 6 minutes on 2 cores.
 # Usage: experiments/celgc_lstm.sh BUILD_DIR OUT_DIR   (from the repository's top directory)
-# Environment: LSTM_EPOCHS, LSTM_TRAIN_CHARS, LSTM_HIDDEN, LSTM_SEED override the settings below;
+# Environment: LSTM_EPOCHS, LSTM_TRAIN_CHARS, LSTM_HIDDEN, LSTM_SEED, LSTM_GAMMA, LSTM_PERIODS
+# override the settings below; LSTM_NAME names the files (a second gamma beside the first);
+# LSTM_UNCLIPPED=0 leaves out the unclipped SGD runs;
 # LSTM_REPORT_ONLY=1: no runs, the table, text and figure again from OUT's CSVs and the logs.
 set -eu
 
@@ -27,23 +30,28 @@ EPOCHS=${LSTM_EPOCHS:-5}
 TRAIN_CHARS=${LSTM_TRAIN_CHARS:-160000}
 HIDDEN=${LSTM_HIDDEN:-128}
 SEED=${LSTM_SEED:-1}
-SEEDS="$SEED $((SEED + 1))"
+SEEDS="$SEED $((SEED + 1)) $((SEED + 2))"
 WORKERS="2 4"
 BPTT=32
 BATCH=32
 ETA=30
-GAMMA=3
-PERIODS="1 2 4 8"
-METHODS="sync celgc_I1 celgc_I2 celgc_I4 celgc_I8 sgd" # celgc_I<I>: --period I, the models averaged
+GAMMA=${LSTM_GAMMA:-3}
+PERIODS=${LSTM_PERIODS:-1 2 4 8}
+CLIPPED="sync$(for i in $PERIODS; do printf ' celgc_I%s' "$i"; done)" # celgc_I<I>: --period I, the models averaged
+METHODS=$CLIPPED
+[ "${LSTM_UNCLIPPED:-1}" = 0 ] || METHODS="$METHODS sgd"
+P=${LSTM_NAME:-celgc_lstm}
 
 LOGS=$BUILD/experiments
-INFO=$OUT/celgc_lstm_run_info # "seconds date commit" of the last full run, for the report
+INFO=$OUT/${P}_run_info # "seconds date commit" of the last full run, for the report
 mkdir -p "$BUILD" "$OUT" "$LOGS"
 export OPENBLAS_NUM_THREADS=1 # one BLAS thread per worker process
 
 # One job: ranks 1..N-1 in the background, rank 0 in the foreground writing the CSV; every exit
 # status kept (1 is an answer here: "did not converge"). A port already taken makes rank 0 fail
 # to start: then the other ranks are stopped and the next port is tried.
+# The transport's words for a rank 0 that could not listen, in its older and its current form.
+NOSTART="cannot start the tcp transport|rank 0: setup: cannot listen on"
 port_base=$((20000 + $$ % 20000))
 job=0
 rank() { # $1: rank, then the method's flags
@@ -55,8 +63,8 @@ rank() { # $1: rank, then the method's flags
 run() { # $1: run name, $2: workers, then char_lstm's method flags
     name=$1 workers=$2
     shift 2
-    log="$LOGS/celgc_lstm_$name"
-    csv="$OUT/celgc_lstm_$name.csv"
+    log="$LOGS/${P}_$name"
+    csv="$OUT/${P}_$name.csv"
     tries=0
     while :; do
         job=$((job + 1))
@@ -78,7 +86,7 @@ run() { # $1: run name, $2: workers, then char_lstm's method flags
         s0=0
         rank 0 "$@" --csv "$csv" >>"$log.log" 2>&1 || s0=$?
         # rank 0 never listened: the others would keep trying to connect until their timeout
-        if grep -q "cannot start the tcp transport" "$log.log"; then
+        if grep -qE "$NOSTART" "$log.log"; then
             for pid in $pids; do kill "$pid" 2>/dev/null || true; done
         fi
         sr=0 # the worst exit status of ranks 1..N-1
@@ -87,7 +95,7 @@ run() { # $1: run name, $2: workers, then char_lstm's method flags
             wait "$pid" || st=$?
             [ $st -gt $sr ] && sr=$st
         done
-        if grep -q "cannot start the tcp transport" "$log.log" "$log".rank*.out && [ $tries -lt 4 ]; then
+        if grep -qE "$NOSTART" "$log.log" "$log".rank*.out && [ $tries -lt 4 ]; then
             tries=$((tries + 1))
             echo "  (port $DOPT_MASTER_PORT: the transport did not start, trying another)"
             continue
@@ -98,7 +106,7 @@ run() { # $1: run name, $2: workers, then char_lstm's method flags
     # exit 1 is an answer (diverged, not converged) unless the run itself broke: the transport did
     # not start, or a collective failed ("rank R: step S: ...", "rank R: setup failed")
     if [ "$s0" -gt 1 ] || [ "$sr" -gt 1 ] || [ ! -s "$csv" ] ||
-        grep -qE "cannot start the tcp transport|^rank [0-9]+: (step|setup)" "$log.log" "$log".rank*.out; then
+        grep -qE "$NOSTART|^(distopt: )?rank [0-9]+: (step|setup)" "$log.log" "$log".rank*.out; then
         echo "celgc_lstm: $name failed to run:" >&2
         tail -n 5 "$log.log" "$log".rank*.out >&2
         exit 1
@@ -115,7 +123,7 @@ method_flags() { # $1: method
 if [ -z "${LSTM_REPORT_ONLY:-}" ]; then
     make --no-print-directory -s BUILD="$BUILD" "$BUILD/char_lstm" >/dev/null
     # no table may mix this run with an earlier one's files
-    rm -f "$OUT"/celgc_lstm_*.csv "$LOGS"/celgc_lstm_*.log "$LOGS"/celgc_lstm_*.out "$INFO"
+    rm -f "$OUT/${P}"_w*.csv "$LOGS/${P}"_w*.log "$LOGS/${P}"_w*.out "$INFO"
     echo "celgc_lstm: char-LSTM (hidden $HIDDEN, BPTT $BPTT), $TRAIN_CHARS training characters, $WORKERS workers over"
     echo "TCP, batch $BATCH windows per worker, $EPOCHS epochs, eta $ETA, gamma $GAMMA, seeds $SEEDS"
     started=$(date +%s)
@@ -151,7 +159,7 @@ paragraph() { # stdin as one paragraph, wrapped at 100 columns
               print line }'
 }
 uniform=$(awk 'BEGIN { printf "%.4f", log(96) }')
-summary="$OUT/celgc_lstm_summary.txt" # n method seed epochs train val bpc rounds bytes time clipped diverged
+summary="$OUT/${P}_summary.txt" # n method seed epochs train val bpc rounds bytes time clipped diverged
 : >"$summary"
 for n in $WORKERS; do
     for m in $METHODS; do
@@ -163,31 +171,31 @@ for n in $WORKERS; do
                 END { div = bad ? "yes:_non-finite_loss" : (val > uniform ? "yes:_worse_than_a_uniform_guess" : "no")
                       printf "%s %s %s %d %s %s %s %s %s %s %s %s\n", n, m, s, k, train, val, bpc, rounds, bytes, secs,
                              (clipped == "" ? "-" : clipped), div }' \
-                clipped="$(sed -n 's/.*clipped [0-9]* of [0-9]* steps (\(.*\)%).*/\1%/p' "$LOGS/celgc_lstm_$r.log")" \
-                "$OUT/celgc_lstm_$r.csv" >>"$summary"
+                clipped="$(sed -n 's/.*clipped [0-9]* of [0-9]* steps (\(.*\)%).*/\1%/p' "$LOGS/${P}_$r.log")" \
+                "$OUT/${P}_$r.csv" >>"$summary"
         done
     done
 done
 # Validation loss per run and epoch, for the comparison of N at the same number of steps:
 # n method seed epoch rounds val
-curves="$OUT/celgc_lstm_curves.txt"
+curves="$OUT/${P}_curves.txt"
 : >"$curves"
 for n in $WORKERS; do
     for m in $METHODS; do
         for s in $SEEDS; do
-            awk -F, -v pre="$n $m $s" 'NR > 1 { print pre, $1, $5, $3 }' "$OUT/celgc_lstm_w${n}_${m}_s$s.csv" >>"$curves"
+            awk -F, -v pre="$n $m $s" 'NR > 1 { print pre, $1, $5, $3 }' "$OUT/${P}_w${n}_${m}_s$s.csv" >>"$curves"
         done
     done
 done
 
-md="$OUT/celgc_lstm.md"
+md="$OUT/$P.md"
 {
-    echo "## CELGC on a character-level LSTM (2 and 4 workers, TCP)"
+    echo "### CELGC on a character-level LSTM (2 and 4 workers, TCP), gamma = $GAMMA"
     echo
     {
         echo "\`experiments/celgc_lstm.sh\` ($run_date, the code of commit $commit): examples/char_lstm.c, one LSTM layer"
         echo "of $HIDDEN units, one-hot input over 96 symbols, BPTT $BPTT, the first $TRAIN_CHARS characters of the fortunes"
-        echo "training text, $EPOCHS epochs, N = 2 and N = 4 worker processes over TCP on 127.0.0.1, seeds $(echo "$SEEDS" | sed 's/ / and /')."
+        echo "training text, $EPOCHS epochs, N = 2 and N = 4 worker processes over TCP on 127.0.0.1, seeds $(echo "$SEEDS" | sed 's/ \([^ ]*\)$/ and \1/; s/ \([^ ]*\) and/, \1 and/')."
         echo "Each worker trains on 1/N of the characters with a batch of $BATCH windows: an epoch is the same data for"
         echo "both N, and at N = 4 the global batch is twice as large ($((4 * BATCH)) windows against $((2 * BATCH))) and an epoch has"
         echo "half as many steps. Step size eta = $ETA everywhere. The baseline is the paper's: synchronous clipped SGD"
@@ -209,14 +217,16 @@ md="$OUT/celgc_lstm.md"
     done <"$summary"
     echo
     {
-        echo "Validation loss against epochs and against rounds: \`celgc_lstm.png\`. Unigram baseline (symbol frequencies"
-        echo "of the training text): $(sed -n 's/.*unigram baseline \([0-9.]*\) nats.*/\1/p' "$LOGS/celgc_lstm_w2_sync_s$SEED.log" | head -n 1) nats/char; uniform guess: $uniform nats/char."
+        echo "Validation loss against epochs and against rounds: \`$P.png\`. Unigram baseline (symbol frequencies"
+        echo "of the training text): $(sed -n 's/.*unigram baseline \([0-9.]*\) nats.*/\1/p' "$LOGS/${P}_w2_sync_s$SEED.log" | head -n 1) nats/char; uniform guess: $uniform nats/char."
     } | paragraph
     echo
-    echo "### What the figures say"
+    echo "#### What the figures say"
     echo
     # The verdicts are computed from the table; the thresholds are stated with them.
-    awk -v workers="$WORKERS" -v periods="$PERIODS" -v seeds="$SEEDS" -v eta="$ETA" -v gamma="$GAMMA" \
+    awk -v workers="$WORKERS" -v periods="$PERIODS" -v seeds="$SEEDS" -v eta="$ETA" -v gamma="$GAMMA" -v clipped="$CLIPPED" \
+        -v hassgd="$(case " $METHODS " in *" sgd "*) echo 1 ;; *) echo 0 ;; esac)" \
+        -v clipmax="$(awk '$2 != "sgd" && $11 + 0 > m { m = $11 + 0 } END { print m + 0 }' "$summary")" \
         -v epochs="$EPOCHS" -v uniform="$uniform" \
         -v clipmin="$(awk '$2 != "sgd" && (m == "" || $11 + 0 < m) { m = $11 + 0 } END { print m }' "$summary")" '
         FILENAME == ARGV[1] { k = $1 " " $2 " " $3; val[k] = $6; rounds[k] = $8; bytes[k] = $9; secs[k] = $10; div[k] = $12; next }
@@ -230,6 +240,10 @@ md="$OUT/celgc_lstm.md"
             return out line "\n"
         }
         function mean(n, m,   j, t) { t = 0; for (j = 1; j <= ns; j++) t += val[n " " m " " S[j]]; return t / ns }
+        function seedspread(n, m,   j, v, lo, hi) { # the largest minus the smallest final loss over the seeds
+            for (j = 1; j <= ns; j++) { v = val[n " " m " " S[j]]; if (j == 1 || v < lo) lo = v; if (j == 1 || v > hi) hi = v }
+            return hi - lo
+        }
         function lbl(m) { return m == "sync" ? "synchronous clipped SGD" : "CELGC at I = " substr(m, 8) }
         # "d1, d2" of method m against reference ref at N = n, one per seed; sets dmax, dmin
         function diffs(n, m, ref,   j, d, out) {
@@ -248,7 +262,7 @@ md="$OUT/celgc_lstm.md"
         }
         END {
             nw = split(workers, W, " "); np = split(periods, P, " "); ns = split(seeds, S, " ")
-            nm = split("sync celgc_I1 celgc_I2 celgc_I4 celgc_I8", M, " ")
+            nm = split(clipped, M, " ")
             printf "**Thresholds.** The yardstick at each N is the seed-to-seed spread S(N): the largest difference\n"
             printf "between the final validation losses of the %d seeds of one clipped method at that N. A method has \"the\n", ns
             printf "same loss\" as a reference when, on every seed, its final validation loss is no more than S(N) above the\n"
@@ -258,7 +272,7 @@ md="$OUT/celgc_lstm.md"
             for (w = 1; w <= nw; w++) {
                 n = W[w]; spread[n] = 0
                 for (i = 1; i <= nm; i++) {
-                    d = abs(val[n " " M[i] " " S[1]] - val[n " " M[i] " " S[ns]])
+                    d = seedspread(n, M[i])
                     if (d > spread[n]) { spread[n] = d; widest[n] = M[i] }
                 }
             }
@@ -268,7 +282,7 @@ md="$OUT/celgc_lstm.md"
                 n = W[w]
                 for (i = 1; i <= nm; i++) {
                     m = M[i]; k = n " " m " " S[1]
-                    printf "| %s | %s | %d | %.4f | %.4f | ", n, lbl(m), rounds[k], mean(n, m), abs(val[k] - val[n " " m " " S[ns]])
+                    printf "| %s | %s | %d | %.4f | %.4f | ", n, lbl(m), rounds[k], mean(n, m), seedspread(n, m)
                     if (m == "sync") printf "- | - | "
                     else { d = diffs(n, m, "sync"); printf "%s | %s | ", d, verdict(spread[n]); v_sync[n " " m] = (dmax > spread[n]) }
                     if (m == "sync" || m == "celgc_I1") printf "- | - |\n"
@@ -323,7 +337,10 @@ md="$OUT/celgc_lstm.md"
             t2 = 0; t4 = 0; c2 = 0; c4 = 0
             for (k in secs) { split(k, K, " "); if (K[1] == n2) { t2 += secs[k]; c2++ } else if (K[1] == n4) { t4 += secs[k]; c4++ } }
             printf "  Training time per run, mean over all runs: %.1f s at N = %s, %.1f s at N = %s.\n", t2 / c2, n2, t4 / c4, n4
+            printf "- The rule chose gamma/|g| on %s%% to %s%% of the steps of rank 0 in the clipped runs (column \"steps\n", clipmin, clipmax
+            printf "  clipped\" of the table).\n"
             # unclipped SGD
+            if (hassgd) {
             printf "- Plain SGD at the same step eta = %s, unclipped: final validation loss (nats/char, seeds in order)\n ", eta
             ndiv = 0
             for (w = 1; w <= nw; w++) {
@@ -332,7 +349,8 @@ md="$OUT/celgc_lstm.md"
                 printf " at N = %s", W[w]
             }
             printf ";\n  it diverged (non-finite, or worse than a uniform guess: %s) in %d of %d runs.\n", uniform, ndiv, nw * ns
-            printf "\n### What it means\n\n"
+            }
+            printf "\n#### What it means\n\n"
             fails = ""
             for (w = 1; w <= nw; w++) for (p = 1; p <= np; p++) {
                 m = "celgc_I" P[p]
@@ -340,7 +358,7 @@ md="$OUT/celgc_lstm.md"
                 if (p > 1 && v_one[W[w] " " m]) fails = fails sprintf("%s N = %s, I = %d against CELGC at I = 1", (fails == "" ? "" : ";"), W[w], P[p])
             }
             if (fails == "")
-                t = sprintf("At both N and every period up to I = %d, CELGC ended no further above synchronous clipped SGD, and no further above its own I = 1, than two seeds of one method end apart, with I times fewer rounds: the communication claim of the paper holds here, for these %d epochs, within that noise.", P[np], epochs)
+                t = sprintf("At both N and every period up to I = %d, CELGC ended no further above synchronous clipped SGD, and no further above its own I = 1, than the seeds of one method end apart, with I times fewer rounds: the communication claim of the paper holds here, for these %d epochs, within that noise.", P[np], epochs)
             else
                 t = sprintf("The claim failed (a final loss higher than the reference'"'"'s by more than the spread) at:%s. Everywhere else it held within the spread, with I times fewer rounds.", fails)
             # the sign of the paired differences against the synchronous baseline, and where they exceed the spread
@@ -383,11 +401,20 @@ md="$OUT/celgc_lstm.md"
 
 # ---------------------------------------------------------------- plot
 # Unclipped SGD lives at tens of nats/char: drawn at the top edge (CAP, a little above the clipped
-# methods' worst), its real values in the key. One colour per method, seed 1 solid, seed 2 dashed.
-COLOURS="black #0072b2 #009e73 #e69f00 #d55e00" # sync, then I = 1 2 4 8
+# methods' worst), its real values in the key. One colour per method; the seeds solid, dashed,
+# dotted.
+colour() {
+    case $1 in
+        sync) echo black ;;
+        celgc_I1) echo "#0072b2" ;;
+        celgc_I2) echo "#009e73" ;;
+        celgc_I4) echo "#e69f00" ;;
+        *) echo "#d55e00" ;;
+    esac
+}
 if command -v gnuplot >/dev/null 2>&1; then
     clipped_csvs=""
-    for f in "$OUT"/celgc_lstm_w*_s*.csv; do
+    for f in "$OUT/${P}"_w*_s*.csv; do
         case $f in *_sgd_s*) ;; *) clipped_csvs="$clipped_csvs $f" ;; esac
     done
     # shellcheck disable=SC2086  # a list of file names without spaces
@@ -402,21 +429,24 @@ if command -v gnuplot >/dev/null 2>&1; then
             for m in $METHODS; do
                 c=$((c + 1))
                 [ "$m" = sgd ] && continue
-                colour=$(echo "$COLOURS" | cut -d' ' -f$c)
+                colour=$(colour "$m")
                 d=0
                 for s in $SEEDS; do
                     d=$((d + 1))
                     title="notitle"
                     [ $d -eq 1 ] && [ "$n" = 2 ] && [ $x = epoch ] && title="title \"$(label "$m" | sed 's/ (.*//')\""
                     if [ $x = epoch ]; then col=1; else col=5; fi
-                    plots="$plots \"$OUT/celgc_lstm_w${n}_${m}_s$s.csv\" using $col:3 with linespoints lw 1.5 lc rgb \"$colour\" dt $d pt $c $title,"
+                    plots="$plots \"$OUT/${P}_w${n}_${m}_s$s.csv\" using $col:3 with linespoints lw 1.5 lc rgb \"$colour\" dt $d pt $c $title,"
                 done
             done
-            unclipped=$(awk -v n="$n" -v s="$SEED" '$1 == n && $2 == "sgd" && $3 == s { printf "%.1f", $6 }' "$OUT/celgc_lstm_summary.txt")
-            if [ $x = epoch ]; then col=1; else col=5; fi
-            title="notitle"
-            [ $x = epoch ] && title="title \"SGD unclipped, seed $SEED (top edge; ends at $unclipped)\""
-            plots="$plots \"$OUT/celgc_lstm_w${n}_sgd_s$SEED.csv\" using $col:(\$3 < $CAP ? \$3 : $CAP) with linespoints lw 1.5 lc rgb \"gray50\" dt 3 pt $c $title"
+            plots=${plots%,}
+            if [ -e "$OUT/${P}_w${n}_sgd_s$SEED.csv" ]; then
+                unclipped=$(awk -v n="$n" -v s="$SEED" '$1 == n && $2 == "sgd" && $3 == s { printf "%.1f", $6 }' "$summary")
+                if [ $x = epoch ]; then col=1; else col=5; fi
+                title="notitle"
+                [ $x = epoch ] && title="title \"SGD unclipped, seed $SEED (top edge; ends at $unclipped)\""
+                plots="$plots, \"$OUT/${P}_w${n}_sgd_s$SEED.csv\" using $col:(\$3 < $CAP ? \$3 : $CAP) with linespoints lw 1.5 lc rgb \"gray50\" dt 4 pt $c $title"
+            fi
             if [ $x = epoch ]; then
                 panels="$panels
 set title \"N = $n workers: against epochs (an epoch is the same data for both N)\"
@@ -438,9 +468,9 @@ plot $plots"
     done
     gnuplot <<EOF
 set terminal pngcairo size 1400,1000 noenhanced font ",11"
-set output "$OUT/celgc_lstm.png"
+set output "$OUT/$P.png"
 set datafile separator ","
-set multiplot layout 2,2 title "char-LSTM on fortunes ($TRAIN_CHARS characters, hidden $HIDDEN), TCP, eta = $ETA, gamma = $GAMMA; validation loss, seed $SEED solid, seed $((SEED + 1)) dashed"
+set multiplot layout 2,2 title "char-LSTM on fortunes ($TRAIN_CHARS characters, hidden $HIDDEN), TCP, eta = $ETA, gamma = $GAMMA; validation loss, seed $SEED solid, $((SEED + 1)) dashed, $((SEED + 2)) dotted"
 set grid
 set ylabel "validation loss (nats/char)"
 set yrange [$FLOOR:$CAP + 0.05]
@@ -451,5 +481,5 @@ else
     echo "celgc_lstm: gnuplot not found: no plot" >&2
 fi
 rm -f "$summary" "$curves"
-echo "celgc_lstm: $md, $OUT/celgc_lstm.png, $OUT/celgc_lstm_*.csv"
+echo "celgc_lstm: $md, $OUT/$P.png, $OUT/${P}_*.csv"
 cat "$md"
