@@ -180,7 +180,8 @@ static inline int common_flag(options *o, const char *f, const char *v) {
     else if (!strcmp(f, "--batch-projection")) o->projection = flag_choice(f, v, projection_names);
     else if (!strcmp(f, "--batch-max-growth")) {
         o->max_growth = flag_double(f, v, 0, 1e30, 0);
-        if (o->max_growth < 1.0) flag_error("--batch-max-growth must be at least 1 (got %g)", o->max_growth);
+        if (o->max_growth != 0.0 && o->max_growth < 1.0)
+            flag_error("--batch-max-growth must be 0 (unbounded) or at least 1 (got %g)", o->max_growth);
     }
     else if (!strcmp(f, "--outer-lr")) o->outer_lr = flag_double(f, v, 0, 1e30, 0);
     else if (!strcmp(f, "--outer-momentum")) o->outer_momentum = flag_double(f, v, 0, 1, 1);
