@@ -315,7 +315,7 @@
    dopt_status dopt_dp_load(dopt_dp *dp, const char *path)
      This rank's library state — step, syncs, the round's sample count, the anchor, the layout
      and policies, and the batch controller (size, accumulators, direction) — to a file: header
-     "DOPTLSGD", format version (2; files of version 1 are refused), world size, rank, layout,
+     "DOPTLSGD", format version (3; files of versions 1 and 2 are refused), world size, rank, layout,
      then the state — with the outer momentum and the batch round's sums — then a 64-bit FNV-1a
      checksum of everything before it. Written atomically: a temporary file in the same
      directory, fsync, rename, fsync of the directory. Parameters, gradients and the host's
@@ -417,8 +417,10 @@
 
    dopt_status dopt_batch_observe(dopt_batch *bc, const dopt_buf *grad, float scale)
      WITHIN: one micro-batch's mean gradient (scale·grad = +∇ of its mean loss), taken at the
-     current step's parameters. O(n) (EXACT: O(n) more, a copy), no allocation, no
-     communication. DOPT_ERR_INVALID: another element count; EXACT, more than max_units
+     current step's parameters; all of a step's before dopt_dp_after_backward (on a synchronous
+     step the driver reads their sum there). O(n) (EXACT: O(n) more, a copy), no allocation, no
+     communication. A step with a micro-batch that is not finite is left out of the statistics
+     at its end (bc->steps_dropped counts it). DOPT_ERR_INVALID: another element count; EXACT, more than max_units
      micro-batches in one step.
 
    void dopt_batch_averaged(dopt_batch *bc, int workers)
@@ -601,6 +603,7 @@ typedef struct dopt_batch {
     uint64_t decisions;    /* rounds decided or not */
     uint64_t undecided;    /* rounds whose statistics could not decide (the size stayed) */
     uint64_t nonpositive;  /* rounds whose estimate of ‖∇F‖² was ≤ 0 under noise: no batch passed */
+    uint64_t steps_dropped; /* steps whose micro-batch gradients were not finite: left out of the statistics */
     dopt_batch_stats last;
 } dopt_batch;
 
@@ -795,9 +798,11 @@ DOPT_DEF dopt_status dopt_shard(size_t total, int rank, int size, size_t *begin,
        allreduce, and the square of their mean over ranks is ‖ḡ‖² when the host's gradient is a
        positive multiple of its micro-batch mean (what it applies: with weight decay folded into
        the gradient it is the squared projection of the global mean on it). A synchronous step
-       marked by dopt_batch_averaged alone (no driver, no vector) takes the mean of ‖v̄_t‖² −
-       (1 − 1/W)·τ²/k_t instead: the same expectation where the ranks' shards are alike, higher
-       by the spread of the ranks' mean gradients where they differ.
+       without a plain fp32 gradient mean — marked by dopt_batch_averaged alone (no driver), or
+       averaged through a gradient compressor (not the global mean's direction) or `weighted`
+       (not the plain mean), or whose models rather than gradients were averaged — takes the
+       mean of ‖v̄_t‖² − (1 − 1/W)·τ²/k_t instead: the same expectation where the ranks' shards
+       are alike, higher by the spread of the ranks' mean gradients where they differ.
      bias_corrected (the library's variant): ‖∇F‖² unbiased, the noise of the batch mean taken
        off: ‖v̄_t‖² − τ²/k_t on a local step, ‖ḡ_t‖² − τ²/(W·k_t) on a synchronous one. What it
        changes: the plain estimate is larger by about Var/(W·b), so it asks for a smaller batch,
@@ -1005,9 +1010,11 @@ DOPT_DEF size_t dopt_batch_next_units(const dopt_batch_config *cfg, size_t curre
     if (dopt__is_nan(need) || !(need / workers > (double)current_units * (double)c.unit_samples)) return current_units;
     units_d = ceil(need / workers / (double)c.unit_samples);
     cap = c.max_units;
-    if (c.max_growth >= 1.0) { /* at most ×G per decision, and at least one unit more */
-        double g = ceil((double)current_units * c.max_growth);
-        if (g < (double)cap) cap = g > (double)current_units ? (size_t)g : current_units + 1;
+    if (c.max_growth >= 1.0) { /* at most ×G per decision (one unit more at least), up to a multiple */
+        double g = ceil((double)current_units * c.max_growth), m = (double)c.multiple;
+        if (g < (double)current_units + 1.0) g = (double)current_units + 1.0;
+        g = ceil(g / m) * m;
+        if (g < (double)cap) cap = (size_t)g;
     }
     if (!(units_d < (double)cap)) return cap > current_units ? cap : current_units;
     units = (size_t)units_d;
@@ -1036,7 +1043,7 @@ DOPT_DEF dopt_status dopt_batch_init(dopt_batch *bc, size_t n, const dopt_batch_
     if (c.projection == DOPT_BATCH_PROJECT_AUTO) { /* EXACT where the inner-product tests need it and it fits */
         int fits = n > 0 && c.max_units < DOPT_BATCH_EXACT_BYTES / sizeof(float) / n;
         c.projection = c.test != DOPT_BATCH_NORM && fits ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS;
-        bc->projection_fallback = c.test != DOPT_BATCH_NORM && !fits && c.estimator == DOPT_BATCH_WITHIN;
+        bc->projection_fallback = c.test != DOPT_BATCH_NORM && !fits && c.estimator == DOPT_BATCH_WITHIN && n > 0;
     }
     bc->cfg = c;
     bc->n = n;
@@ -1141,11 +1148,10 @@ static double dopt__batch_exact_proj_ss(const dopt_batch *bc, double k, double m
     return p_sumsq - p_sum * p_sum / k;
 }
 
-/* The driver, after a synchronous step's gradient average: its direction for EXACT's projections
-   (the scale and sign of the host's gradient do not matter to a projected variance). */
-/* The driver, after a synchronous step's gradient average: ⟨v̄, ĝ⟩ for this rank's step mean v̄
-   (the mean over ranks of these is ‖global mean‖ when the averaged gradient is a positive
-   multiple of it), and for EXACT the direction of its projections. */
+/* The driver, after a synchronous step's plain fp32 gradient mean: ⟨v̄, ĝ⟩ for this rank's step
+   mean v̄ (the mean over ranks of these is ‖global mean‖ when the averaged gradient is a positive
+   multiple of it), and for EXACT the direction of its projections (whose scale and sign do not
+   matter to a projected variance). */
 static void dopt__batch_global_direction(dopt_batch *bc, const dopt_buf *avg) {
     double dot = 0.0, gn = 0.0;
     size_t i, j, off = 0, k = dopt_buf_nsegs(avg);
@@ -1192,6 +1198,10 @@ DOPT_DEF void dopt_batch_end_step(dopt_batch *bc) {
     mean2 /= k * k;
     ss = bc->sumsq - k * mean2;
     if (ss < 0.0) ss = 0.0;
+    if (!dopt__is_finite(ss) || !dopt__is_finite(mean2)) { /* a NaN or an overflow: the step adds nothing */
+        bc->steps_dropped++;
+        goto reset;
+    }
     if (bc->micro && mean2 > 0.0)
         pss = dopt__batch_exact_proj_ss(bc, k, sqrt(mean2));
     else if (!bc->micro && bc->dir_norm > 0.0)
@@ -1221,6 +1231,7 @@ DOPT_DEF void dopt_batch_end_step(dopt_batch *bc) {
         }
         bc->dir_norm = sqrt(nrm2);
     }
+reset:
     if (bc->n) memset(bc->sum, 0, bc->n * sizeof(double));
     bc->sumsq = bc->proj_sum = bc->proj_sumsq = 0.0;
     bc->observed = 0;
@@ -1292,6 +1303,7 @@ static dopt_status dopt__batch_decide(dopt_batch *bc, dopt_comm *comm) {
     /* the global mean of a synchronous step: the mean over ranks of ⟨v̄_m, ĝ⟩, squared (a
        round under the driver holds one synchronous step; more are pooled as their mean) */
     gnorm2 = v[10] > 0.0 ? v[9] / v[10] * (v[9] / v[10]) * v[10] : 0.0;
+    st.workers = v[7] > 0.0 ? v[8] / v[7] : NAN; /* the round's own: history pools statistics, not the rule */
     bc->pooled.gnorm2 = bc->cfg.history * bc->pooled.gnorm2 + gnorm2;
     for (i = 0; i < 11; i++) v[i] = pool[i] = bc->cfg.history * pool[i] + v[i];
     s_unit = (double)bc->cfg.unit_samples;
@@ -1302,7 +1314,6 @@ static dopt_status dopt__batch_decide(dopt_batch *bc, dopt_comm *comm) {
     st.grad_norm2 = v[7] > 0.0 ? (v[5] + bc->pooled.gnorm2 - (v[6] > 0.0 ? tau2 * v[6] : 0.0)) / v[7] : NAN;
     st.ip_var = v[2] > 0.0 ? s_unit * v[3] / v[2] : NAN;
     st.orth_var = v[2] > 0.0 ? s_unit * (v[4] - v[3]) / v[2] : NAN;
-    st.workers = v[7] > 0.0 ? v[8] / v[7] : NAN;
     dopt__batch_apply(bc, &st, comm);
     memset(&bc->round, 0, sizeof bc->round);
     return DOPT_OK;
@@ -1904,7 +1915,9 @@ static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, co
     dopt_comm_set_api(dp->comm, prev);
     if (finite) {
         dp->grads_step = dp->step + 1;
-        if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN) dopt__batch_global_direction(dp->batch, grads);
+        /* a compressed mean is not the global mean's direction, a weighted one not the plain mean */
+        if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN && !dp->grad_compressor && !dp->weighted)
+            dopt__batch_global_direction(dp->batch, grads);
         return DOPT_OK;
     }
     if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s;
@@ -1965,8 +1978,9 @@ DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *dp, const dopt_buf *params,
     if (s != DOPT_OK) return s;
     if ((s = dopt__dp_check_anchor(dp, "dopt_dp_after_step")) != DOPT_OK) return s;
     if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN) {
-        /* a step whose gradients were averaged moved every replica with the global batch */
-        if (dp->grads_step == dp->step + 1) dopt_batch_averaged(dp->batch, dp->comm->size);
+        /* a synchronous step (gradients averaged, or models after one step each) moved every
+           replica with the global batch */
+        if (dopt_dp_is_synchronous(dp, dp->step)) dopt_batch_averaged(dp->batch, dp->comm->size);
         dopt_batch_end_step(dp->batch);
     }
     t = dp->step;
@@ -2086,6 +2100,7 @@ DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *dp, const dopt_buf *params, con
                                  "and clipped steps are not; use DOPT_BATCH_WITHIN");
         return DOPT_ERR_INVALID;
     }
+    if ((s = dopt__dp_check_anchor(dp, "dopt_dp_celgc_step")) != DOPT_OK) return s; /* before the step moves x */
     if (dp->sync_grads) { /* else CELGC's own: each worker clips its gradient, the models are averaged */
         s = dopt__dp_average_grads(dp, grads, "dopt_dp_celgc_step");
         if (s == DOPT_ERR_NONFINITE && dp->status == DOPT_OK) { /* SKIP: no update, the step still counts */
@@ -2355,6 +2370,8 @@ static void dopt__dp_put_state(dopt__dp_writer *w, const dopt_dp *dp) {
         dopt__dp_put_u64(w, b->observed);
         dopt__dp_put_u64(w, b->decisions);
         dopt__dp_put_u64(w, b->undecided);
+        dopt__dp_put_u64(w, b->nonpositive);
+        dopt__dp_put_u64(w, b->steps_dropped);
         dopt__dp_put_f64(w, b->dir_norm);
         dopt__dp_put_f64(w, b->sumsq);
         dopt__dp_put_f64(w, b->proj_sum);
@@ -2563,6 +2580,8 @@ static void dopt__dp_get_state(dopt__dp_reader *r, dopt_dp *dp) {
         b->observed = dopt__dp_get_u64(r);
         b->decisions = dopt__dp_get_u64(r);
         b->undecided = dopt__dp_get_u64(r);
+        b->nonpositive = dopt__dp_get_u64(r);
+        b->steps_dropped = dopt__dp_get_u64(r);
         b->dir_norm = dopt__dp_get_f64(r);
         b->sumsq = dopt__dp_get_f64(r);
         b->proj_sum = dopt__dp_get_f64(r);

@@ -117,10 +117,10 @@ mutate batch-rounds-down localsgd.h \
     'units_d = ceil(need / workers / (double)c.unit_samples);' 'units_d = floor(need / workers / (double)c.unit_samples);' \
     test_localsgd:norm_test
 mutate variance-bias-kept localsgd.h \
-    'st.grad_norm2 = v[7] > 0.0 ? (v[5] - (v[6] > 0.0 ? tau2 * v[6] : 0.0)) / v[7] : NAN;' \
-    'st.grad_norm2 = v[7] > 0.0 ? v[5] / v[7] : NAN;' test_localsgd:within
+    'st.grad_norm2 = v[7] > 0.0 ? (v[5] + bc->pooled.gnorm2 - (v[6] > 0.0 ? tau2 * v[6] : 0.0)) / v[7] : NAN;' \
+    'st.grad_norm2 = v[7] > 0.0 ? (v[5] + bc->pooled.gnorm2) / v[7] : NAN;' test_localsgd:within
 mutate sync-step-compares-the-worker-batch localsgd.h \
-    'if (dp->grads_step == dp->step + 1) dopt_batch_averaged(dp->batch, dp->comm->size);' '' \
+    'if (dopt_dp_is_synchronous(dp, dp->step)) dopt_batch_averaged(dp->batch, dp->comm->size);' '' \
     test_localsgd:batch_compares_the_global
 mutate sync-batch-not-divided localsgd.h \
     'workers = st && dopt__is_finite(st->workers) && st->workers >= 1.0 ? st->workers : 1.0;' 'workers = 1.0;' \
@@ -130,6 +130,14 @@ mutate exact-ignores-the-global-direction localsgd.h \
     test_localsgd:batch_compares_the_global
 mutate sync-norm-from-the-ranks-means localsgd.h '    if (bc->step_gproj) { /* the global' \
     '    if (0) { /* the global' test_localsgd:batch_compares_the_global test_batch_ref:controller_agrees
+mutate sync-norm-from-a-compressed-mean localsgd.h \
+    'dp->batch->cfg.estimator == DOPT_BATCH_WITHIN && !dp->grad_compressor && !dp->weighted)' \
+    'dp->batch->cfg.estimator == DOPT_BATCH_WITHIN && !dp->weighted)' test_localsgd:batch_compares_the_global
+mutate celgc-steps-before-the-anchor-check localsgd.h \
+    '    if ((s = dopt__dp_check_anchor(dp, "dopt_dp_celgc_step")) != DOPT_OK) return s; /* before the step moves x */' \
+    '' test_localsgd:a_step_that_needs_the_anchor
+mutate nonfinite-step-kept localsgd.h 'if (!dopt__is_finite(ss) || !dopt__is_finite(mean2)) {' 'if (0) {' \
+    test_localsgd:a_step_with_a_non_finite
 mutate growth-unbounded localsgd.h 'if (c.max_growth >= 1.0) {' 'if (0) {' test_localsgd:max_growth
 mutate anchor-unguarded localsgd.h 'if (dp->anchor == NULL || dp->anchor_set) return NULL;' 'return NULL;' \
     test_localsgd:a_step_that_needs_the_anchor

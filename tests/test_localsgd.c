@@ -1210,7 +1210,7 @@ DTEST(a_step_that_needs_the_anchor_before_a_broadcast_is_refused_and_says_which_
     dopt_segment seg = {0, 4, "x"};
     dopt_batch bc;
     dopt_batch_config bcfg;
-    float x[4] = {1, 2, 3, 4};
+    float x[4] = {1, 2, 3, 4}, g1[4] = {1, 1, 1, 1};
     int k;
     DT_OK(dopt_comm_create_self(&c));
     memset(&ccfg, 0, sizeof ccfg);
@@ -1236,6 +1236,13 @@ DTEST(a_step_that_needs_the_anchor_before_a_broadcast_is_refused_and_says_which_
                           strstr(dopt_dp_detail(&dp), "dopt_dp_after_step"),
                       "detail: %s", dopt_dp_detail(&dp));
             DT_EQ_INT(dopt_dp_after_backward(&dp, x), DOPT_ERR_INVALID);
+            if (k != 2) { /* (CELGC refuses ACROSS first) the refusal comes before the step moves x */
+                dopt_buf xb = dopt_buf_flat(x, 4, NULL, 0), gb = dopt_buf_flat(g1, 4, NULL, 0);
+                DT_EQ_INT(dopt_dp_celgc_step(&dp, &xb, &gb, &(dopt_celgc){.eta = 0.1f, .gamma = 1.0f}),
+                          DOPT_ERR_INVALID);
+                DT_CHECK(strstr(dopt_dp_detail(&dp), "dopt_dp_celgc_step") != NULL);
+                DT_CHECK(x[0] == 1 && x[3] == 4);
+            }
             DT_EQ_INT(dp.step, 0); /* nothing counted */
             DT_OK(dopt_dp_broadcast(&dp, x));
         }
@@ -1340,6 +1347,14 @@ DTEST(max_growth_bounds_a_decision_and_a_nonpositive_estimate_warns) {
     s.workers = 10.0; /* a synchronous round of 10 workers: 10 samples each */
     DT_EQ_INT(dopt_batch_next_units(&c, 2, &s, NULL), 8);
     DT_EQ_INT(dopt_batch_next_units(&c, 4, &s, NULL), 10);
+    c.multiple = 4; /* the ×G bound is rounded up to a multiple too: 4 × 1.5 = 6 → 8 */
+    c.max_growth = 1.5;
+    s.workers = 1.0;
+    DT_EQ_INT(dopt_batch_next_units(&c, 4, &s, NULL), 8);
+    s.var = 5; /* 5 units needed: 8, the next multiple */
+    DT_EQ_INT(dopt_batch_next_units(&c, 4, &s, NULL), 8);
+    c.multiple = 1;
+    s.var = 100;
     c.max_growth = 0.5; /* below 1: refused by init */
     DT_EQ_INT(dopt_batch_init(&bc, 1, &c), DOPT_ERR_INVALID);
     for (i = 0; i < 2; i++) {
@@ -1401,6 +1416,64 @@ DTEST(auto_projection_is_exact_where_it_fits_and_says_when_it_is_not) {
         dopt_batch_free(&bc);
     }
     dopt_comm_destroy(comm);
+}
+
+/* A step whose micro-batch gradients are not finite adds nothing to the round (it is counted in
+   steps_dropped): the next decision is taken from the finite steps alone, even with history. */
+DTEST(a_step_with_a_non_finite_micro_batch_is_left_out_of_the_statistics) {
+    dopt_batch bc, ref;
+    dopt_batch_config c;
+    static const float a[2] = {1, 0}, b[2] = {3, 2}, bad[2] = {NAN, 1};
+    int t;
+    memset(&c, 0, sizeof c);
+    c.unit_samples = 2;
+    c.initial_units = 2;
+    c.history = 0.5;
+    DT_OK(dopt_batch_init(&bc, 2, &c));
+    DT_OK(dopt_batch_init(&ref, 2, &c));
+    for (t = 0; t < 3; t++) {
+        DT_OK(observe_flat(&bc, a, 2));
+        DT_OK(observe_flat(&bc, t == 1 ? bad : b, 2));
+        dopt_batch_end_step(&bc);
+        if (t != 1) { /* the reference never sees the bad step */
+            DT_OK(observe_flat(&ref, a, 2));
+            DT_OK(observe_flat(&ref, b, 2));
+            dopt_batch_end_step(&ref);
+        }
+        DT_OK(dopt_batch_decide(&bc, NULL));
+        DT_OK(dopt_batch_decide(&ref, NULL));
+    }
+    DT_EQ_INT(bc.steps_dropped, 1);
+    DT_CHECK(dopt__is_finite(bc.last.var) && dopt__is_finite(bc.last.grad_norm2));
+    DT_CHECK(bc.last.var == ref.last.var && bc.last.grad_norm2 == ref.last.grad_norm2);
+    dopt_batch_free(&bc);
+    dopt_batch_free(&ref);
+}
+
+/* The rule divides by the round's own workers: with history, a local round after synchronous
+   ones compares each worker's batch at once (workers = 1), not a pooled mean of N and 1. */
+DTEST(history_pools_the_statistics_but_not_the_workers_of_the_rule) {
+    dopt_batch bc;
+    dopt_batch_config c;
+    static const float a[2] = {1, 0}, b[2] = {3, 2};
+    int t;
+    memset(&c, 0, sizeof c);
+    c.unit_samples = 2;
+    c.initial_units = 2;
+    c.history = 0.9;
+    DT_OK(dopt_batch_init(&bc, 2, &c));
+    for (t = 0; t < 5; t++) {
+        DT_OK(observe_flat(&bc, a, 2));
+        DT_OK(observe_flat(&bc, b, 2));
+        dopt_batch_averaged(&bc, 8);
+        DT_OK(dopt_batch_decide(&bc, NULL));
+        DT_NEAR(bc.last.workers, 8.0, 0.0);
+    }
+    DT_OK(observe_flat(&bc, a, 2));
+    DT_OK(observe_flat(&bc, b, 2));
+    DT_OK(dopt_batch_decide(&bc, NULL));
+    DT_NEAR(bc.last.workers, 1.0, 0.0);
+    dopt_batch_free(&bc);
 }
 
 DTEST(inner_product_and_augmented_tests_match_hand_values) {
@@ -1913,7 +1986,8 @@ DTEST_WORLDS_EACH(batch_decisions_identical_on_every_rank_monotone_capped_rounde
    compares the global batch (workers = N; the plain ‖∇F‖² is ‖global mean‖², the averaged
    gradient's own, not the mean of the ranks' ‖v̄‖²) and projects on the averaged gradient's
    direction (EXACT, as the reference's distributed tests); a local round each worker's own
-   (workers = 1, plain ‖v̄‖²). The bias-corrected variant there: ‖global mean‖² − τ²/(N·k). */
+   (workers = 1, plain ‖v̄‖²). Through a gradient compressor the averaged gradient is not the
+   global mean: the plain estimate then comes from the ranks' ‖v̄‖² less (1 − 1/N)·τ²/k. */
 static void body_sync_rounds(dopt_comm *c, void *arg) {
     static lsq p;
     float x[LS_D], g[LS_D], micro[2][LS_D];
@@ -1921,8 +1995,10 @@ static void body_sync_rounds(dopt_comm *c, void *arg) {
     dopt_batch_config bcfg;
     dopt_dp ls;
     dopt_dp_config cfg;
-    int t, j, u;
-    (void)arg;
+    dopt_compressor gz;
+    dopt_compressor_config ccfg;
+    dopt_segment seg = {0, LS_D, "x"};
+    int t, j, u, compressed = *(const int *)arg;
     lsq_make(&p);
     memset(&bcfg, 0, sizeof bcfg);
     bcfg.test = DOPT_BATCH_AUGMENTED;
@@ -1935,6 +2011,11 @@ static void body_sync_rounds(dopt_comm *c, void *arg) {
     cfg.period = 3;
     cfg.warmup_steps = 2;
     cfg.batch = &bc;
+    memset(&ccfg, 0, sizeof ccfg);
+    ccfg.codec = DOPT_CODEC_TOPK;
+    ccfg.topk_ratio = 0.3;
+    DT_OK(dopt_compressor_init(&gz, &ccfg, &seg, 1));
+    cfg.grad_compressor = compressed ? &gz : NULL;
     DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
     for (j = 0; j < LS_D; j++) x[j] = 0.0f;
     DT_OK(dopt_dp_broadcast(&ls, x));
@@ -1964,10 +2045,12 @@ static void body_sync_rounds(dopt_comm *c, void *arg) {
         v[1] = ss - 2.0 * m2; /* Σ‖v_j − v̄‖² */
         v[2] = (pj[0] - pj[1]) * (pj[0] - pj[1]) / (2.0 * gn); /* Σ_j (p_j − p̄)², p on ĝ */
         DT_OK(dopt_allreduce(c, v, 3, DOPT_F64, DOPT_SUM));
-        DT_NEAR(bc.last.ip_var, 2.0 * v[2] / c->size, 1e-4 * bc.last.var); /* unit 2, N dof */
-        DT_NEAR(bc.last.var, 2.0 * v[1] / c->size, 1e-4 * bc.last.var);   /* τ² = v[1]/N */
+        if (!compressed) DT_NEAR(bc.last.ip_var, 2.0 * v[2] / c->size, 1e-4 * bc.last.var); /* unit 2, N dof */
+        DT_NEAR(bc.last.var, 2.0 * v[1] / c->size, 1e-4 * bc.last.var);                   /* τ² = v[1]/N */
         want = gn; /* ‖global mean‖²: g holds the average, each rank's the mean of its 2 */
         DT_CHECK(fabs(want - v[0] / c->size) > 1e-3 * want); /* not the ranks' mean ‖v̄‖² */
+        /* compressed: each of the N ranks' steps takes (1 − 1/N)·τ²/2 off its ‖v̄‖², τ² = v[1]/N */
+        if (compressed) want = (v[0] - (1.0 - 1.0 / c->size) * v[1] / 2.0) / c->size;
         DT_NEAR(bc.last.workers, (double)c->size, 0.0);
         DT_NEAR(bc.last.grad_norm2, want, 1e-4 * fabs(want));
     }
@@ -1975,10 +2058,12 @@ static void body_sync_rounds(dopt_comm *c, void *arg) {
     DT_EQ_INT(bc.decisions, 3);
     dopt_dp_free(&ls);
     dopt_batch_free(&bc);
+    dopt_compressor_free(&gz);
 }
 
-DTEST_WORLDS(batch_compares_the_global_batch_on_synchronous_steps_and_the_worker_batch_on_local_ones,
-             body_sync_rounds, NULL, 2, 4);
+static const int sync_round_cases[2] = {0, 1}; /* fp32 mean; top-k compressed */
+DTEST_WORLDS_EACH(batch_compares_the_global_batch_on_synchronous_steps_and_the_worker_batch_on_local_ones,
+                  body_sync_rounds, sync_round_cases, 2, 4);
 
 
 /* ------------------------------------------------------------------ save, load, resume */
