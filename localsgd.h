@@ -592,6 +592,7 @@ typedef struct dopt_batch {
     float *dir;            /* PREVIOUS: the previous step's mean v̄ (direction ĝ), n floats */
     float *micro;          /* EXACT: the current step's v_j, max_units·n floats, then n for the global mean */
     int global_dir;        /* EXACT: the driver put the step's averaged gradient after the v_j */
+    double global_dir_norm; /* its norm (> 0 when global_dir) */
     int step_gproj;        /* 1: the driver gave the step's averaged gradient; its projection below */
     double step_gproj_value; /* ⟨v̄, ĝ⟩: this rank's step mean on the averaged gradient's direction */
     double dir_norm;       /* ‖dir‖, 0 while there is none */
@@ -1127,17 +1128,15 @@ DOPT_DEF dopt_status dopt_batch_observe(dopt_batch *bc, const dopt_buf *grad, fl
    direction of the step's gradient averaged over the workers when the driver gave it (a
    synchronous step, as the reference code's distributed tests), else of this rank's mean v̄. */
 static double dopt__batch_exact_proj_ss(const dopt_batch *bc, double k, double mean_norm) {
-    double p_sum = 0.0, p_sumsq = 0.0, gn = 0.0;
+    double p_sum = 0.0, p_sumsq = 0.0;
     size_t j, i, n = bc->n;
     const float *g = bc->global_dir ? bc->micro + bc->cfg.max_units * n : NULL;
-    for (i = 0; g && i < n; i++) gn += (double)g[i] * (double)g[i];
-    if (g && !(gn > 0.0 && dopt__is_finite(gn))) g = NULL; /* zeros (a skipped step): the own mean */
     for (j = 0; j < (size_t)bc->observed; j++) {
         const float *v = bc->micro + j * n;
         double p = 0.0;
         if (g) {
             for (i = 0; i < n; i++) p += (double)v[i] * (double)g[i];
-            p /= sqrt(gn);
+            p /= bc->global_dir_norm;
         } else {
             for (i = 0; i < n; i++) p += (double)v[i] * bc->sum[i];
             p /= k * mean_norm;
@@ -1155,6 +1154,7 @@ static double dopt__batch_exact_proj_ss(const dopt_batch *bc, double k, double m
 static void dopt__batch_global_direction(dopt_batch *bc, const dopt_buf *avg) {
     double dot = 0.0, gn = 0.0;
     size_t i, j, off = 0, k = dopt_buf_nsegs(avg);
+    float *keep = bc->micro ? bc->micro + bc->cfg.max_units * bc->n : NULL; /* EXACT: one pass, kept too */
     if (bc->n == 0 || bc->observed == 0) return;
     for (i = 0; i < k; i++) {
         dopt_span sp = dopt_buf_segment(avg, i);
@@ -1162,15 +1162,15 @@ static void dopt__batch_global_direction(dopt_batch *bc, const dopt_buf *avg) {
             double g = (double)sp.ptr[j];
             dot += bc->sum[off + j] * g;
             gn += g * g;
+            if (keep) keep[off + j] = sp.ptr[j];
         }
         off += sp.count;
     }
     if (!(gn > 0.0 && dopt__is_finite(gn) && dopt__is_finite(dot))) return; /* zeros: a skipped step */
     bc->step_gproj = 1;
     bc->step_gproj_value = dot / ((double)bc->observed * sqrt(gn));
-    if (bc->micro == NULL) return;
-    dopt_buf_pack(avg, bc->micro + bc->cfg.max_units * bc->n);
-    bc->global_dir = 1;
+    bc->global_dir = keep != NULL;
+    bc->global_dir_norm = sqrt(gn);
 }
 
 DOPT_DEF void dopt_batch_averaged(dopt_batch *bc, int workers) {
@@ -1302,7 +1302,7 @@ static dopt_status dopt__batch_decide(dopt_batch *bc, dopt_comm *comm) {
     }
     /* the global mean of a synchronous step: the mean over ranks of ⟨v̄_m, ĝ⟩, squared (a
        round under the driver holds one synchronous step; more are pooled as their mean) */
-    gnorm2 = v[10] > 0.0 ? v[9] / v[10] * (v[9] / v[10]) * v[10] : 0.0;
+    gnorm2 = v[10] > 0.0 ? v[9] * v[9] / v[10] : 0.0; /* (mean projection)² × the rank-steps it covers */
     st.workers = v[7] > 0.0 ? v[8] / v[7] : NAN; /* the round's own: history pools statistics, not the rule */
     bc->pooled.gnorm2 = bc->cfg.history * bc->pooled.gnorm2 + gnorm2;
     for (i = 0; i < 11; i++) v[i] = pool[i] = bc->cfg.history * pool[i] + v[i];

@@ -1314,15 +1314,24 @@ DTEST(norm_test_matches_hand_values_rounded_capped_and_monotone) {
     DT_EQ_INT(dopt_batch_next_units(&c, 3, &s, NULL), 3);
 }
 
+/* The communicator's warnings whose text holds every one of the needles (NULL ends the list). */
+typedef struct warning_count {
+    const char *needles[4];
+    int count;
+} warning_count;
+
+static void count_warnings_with(void *user, dopt_log_level level, const char *msg) {
+    warning_count *w = (warning_count *)user;
+    int i;
+    if (level != DOPT_LOG_WARN) return;
+    for (i = 0; i < 4 && w->needles[i]; i++)
+        if (!strstr(msg, w->needles[i])) return;
+    w->count++;
+}
+
 /* max_growth bounds one decision (×G, rounded up, at least one unit more); a non-positive
    estimate of ‖∇F‖² (bias-corrected, noise larger than the gradient) goes to the cap, or ×G, and
    says so with a warning naming the decision and the estimate. */
-static int growth_warnings;
-static void count_growth_warning(void *user, dopt_log_level level, const char *msg) {
-    (void)user;
-    if (level == DOPT_LOG_WARN && strstr(msg, "decision 1:") && strstr(msg, "is -1 ") && strstr(msg, "from 2 to"))
-        growth_warnings++;
-}
 
 DTEST(max_growth_bounds_a_decision_and_a_nonpositive_estimate_warns) {
     dopt_batch_config c;
@@ -1358,9 +1367,9 @@ DTEST(max_growth_bounds_a_decision_and_a_nonpositive_estimate_warns) {
     c.max_growth = 0.5; /* below 1: refused by init */
     DT_EQ_INT(dopt_batch_init(&bc, 1, &c), DOPT_ERR_INVALID);
     for (i = 0; i < 2; i++) {
+        warning_count growth_warnings = {{"decision 1:", "is -1 ", "from 2 to", NULL}, 0};
         DT_OK(dopt_comm_create_self(&comm));
-        dopt_comm_set_log(comm, count_growth_warning, NULL);
-        growth_warnings = 0;
+        dopt_comm_set_log(comm, count_warnings_with, &growth_warnings);
         c.max_growth = i == 0 ? 0.0 : 4.0;
         c.bias_corrected = 1;
         c.initial_units = 2;
@@ -1371,7 +1380,7 @@ DTEST(max_growth_bounds_a_decision_and_a_nonpositive_estimate_warns) {
         DT_NEAR(bc.last.grad_norm2, -1.0, 1e-12);
         DT_EQ_INT(dopt_batch_units(&bc), i == 0 ? 1000 : 8);
         DT_EQ_INT(bc.nonpositive, 1);
-        DT_EQ_INT(growth_warnings, 1);
+        DT_EQ_INT(growth_warnings.count, 1);
         dopt_batch_free(&bc);
         dopt_comm_destroy(comm);
     }
@@ -1380,12 +1389,6 @@ DTEST(max_growth_bounds_a_decision_and_a_nonpositive_estimate_warns) {
 /* AUTO: EXACT for the inner-product tests when its (max_units + 1)·n floats fit
    DOPT_BATCH_EXACT_BYTES, PREVIOUS beyond (one WARN at the first decision saying why and how to
    force EXACT); the norm test projects nothing and takes PREVIOUS's n floats, silently. */
-static int projection_warnings;
-static void count_projection_warning(void *user, dopt_log_level level, const char *msg) {
-    (void)user;
-    if (level == DOPT_LOG_WARN && strstr(msg, "DOPT_BATCH_PROJECT_PREVIOUS") && strstr(msg, "DOPT_BATCH_EXACT_BYTES"))
-        projection_warnings++;
-}
 
 DTEST(auto_projection_is_exact_where_it_fits_and_says_when_it_is_not) {
     enum { N = 1000 };
@@ -1395,14 +1398,15 @@ DTEST(auto_projection_is_exact_where_it_fits_and_says_when_it_is_not) {
     dopt_comm *comm;
     int k, t;
     DT_OK(dopt_comm_create_self(&comm));
-    dopt_comm_set_log(comm, count_projection_warning, NULL);
+    warning_count projection_warnings = {{"DOPT_BATCH_PROJECT_PREVIOUS", "DOPT_BATCH_EXACT_BYTES", NULL, NULL}, 0};
+    dopt_comm_set_log(comm, count_warnings_with, &projection_warnings);
     for (k = 0; k < 3; k++) {
         memset(&c, 0, sizeof c);
         c.test = k == 2 ? DOPT_BATCH_NORM : DOPT_BATCH_INNER_PRODUCT;
         c.initial_units = 2;
         /* k = 1: (max_units + 1)·N floats one float beyond the limit */
         c.max_units = k == 0 ? 64 : DOPT_BATCH_EXACT_BYTES / sizeof(float) / N;
-        projection_warnings = 0;
+        projection_warnings.count = 0;
         DT_OK(dopt_batch_init(&bc, N, &c));
         DT_EQ_INT(bc.cfg.projection, k == 0 ? DOPT_BATCH_PROJECT_EXACT : DOPT_BATCH_PROJECT_PREVIOUS);
         DT_CHECK((bc.micro != NULL) == (k == 0));
@@ -1412,7 +1416,7 @@ DTEST(auto_projection_is_exact_where_it_fits_and_says_when_it_is_not) {
             DT_OK(observe_flat(&bc, v, N));
             DT_OK(dopt_batch_decide(&bc, comm));
         }
-        DT_EQ_INT(projection_warnings, k == 1 ? 1 : 0); /* once, not at every decision */
+        DT_EQ_INT(projection_warnings.count, k == 1 ? 1 : 0); /* once, not at every decision */
         dopt_batch_free(&bc);
     }
     dopt_comm_destroy(comm);
@@ -1835,20 +1839,15 @@ DTEST(history_pools_earlier_rounds_with_geometric_weights) {
 
 /* A round whose steps have one micro-batch each cannot decide: the size stays, the controller
    counts it, and the communicator's log says why (once as a warning). */
-static int undecided_warnings;
-static void count_warning(void *user, dopt_log_level level, const char *msg) {
-    (void)user;
-    if (level == DOPT_LOG_WARN && strstr(msg, "could not decide") && strstr(msg, "2 micro-batches"))
-        undecided_warnings++;
-}
 
 DTEST(a_round_of_single_micro_batch_steps_cannot_decide_and_says_so) {
     dopt_comm *c;
     dopt_batch bc;
     float g[2] = {1, 2};
     int t;
+    warning_count undecided_warnings = {{"could not decide", "2 micro-batches", NULL, NULL}, 0};
     DT_OK(dopt_comm_create_self(&c));
-    dopt_comm_set_log(c, count_warning, NULL);
+    dopt_comm_set_log(c, count_warnings_with, &undecided_warnings);
     DT_OK(dopt_batch_init(&bc, 2, NULL));
     for (t = 0; t < 3; t++) {
         g[0] += 1.0f;
@@ -1857,7 +1856,7 @@ DTEST(a_round_of_single_micro_batch_steps_cannot_decide_and_says_so) {
         DT_OK(dopt_batch_decide(&bc, c));
     }
     DT_EQ_INT(bc.undecided, 3);
-    DT_EQ_INT(undecided_warnings, 1);
+    DT_EQ_INT(undecided_warnings.count, 1);
     DT_EQ_INT(dopt_batch_units(&bc), 1);
     DT_CHECK(dopt__is_nan(bc.last.var));
     dopt_batch_free(&bc);
