@@ -671,6 +671,8 @@ struct dopt_comm {
     dopt_traffic traffic; /* what this rank's collectives carried; see COMMUNICATORS */
     const char *api;      /* the distopt call whose collectives run now, named in details; NULL: the caller's */
     int local_ranks;      /* ranks of this communicator on this host, 0 when the backend does not know */
+    int one_thread;       /* 1: only the thread that made it may call it (MPI below MPI_THREAD_SERIALIZED);
+                             0: any thread, one at a time */
     const dopt_coll_provider *provider; /* where its collectives run (dopt_comm_vtable.provider) */
     struct dopt__engine *eng; /* engine.h's state when the engine runs its collectives; NULL otherwise */
     dopt_comm *root;      /* a group (dopt_comm_split): the communicator whose links it shares; else NULL */
@@ -685,6 +687,10 @@ struct dopt_comm {
     uint32_t next_group;
     char detail[DOPT_DETAIL_MAX];
 };
+
+/* FOR MODULES (the implementation's THE ORDERED WORKER): a thread that runs jobs in order. */
+typedef dopt_status (*dopt__job_fn)(void *arg);
+typedef struct dopt__worker dopt__worker;
 
 /* A collective in flight (see REQUESTS). A plain value the caller keeps; nothing to free. */
 typedef struct dopt_request {
@@ -2417,6 +2423,165 @@ DOPT_DEF dopt_status dopt_wait(dopt_request *req) {
     return dopt__req_progress(req, 1, &done);
 }
 
+/* ===================================================================== THE ORDERED WORKER
+
+   One thread that runs posted jobs one at a time, in the order they were posted (compress.h's
+   nonblocking compressed allreduce, localsgd.h's gradient buckets): a job may run blocking
+   collectives because no other thread calls the communicator until the poster has waited for it.
+   Job k's status is kept in slot k mod cap until job k + cap is posted; post waits while cap jobs
+   are queued. Without threads post runs the job itself. */
+
+typedef struct dopt__job {
+    dopt__job_fn fn;
+    void *arg;
+    dopt_status status;
+} dopt__job;
+
+struct dopt__worker {
+    int cap;
+    uint64_t posted, finished; /* jobs posted and finished: [finished, posted) are queued or running */
+    dopt__job *jobs;           /* job k in slot k % cap */
+#ifdef DOPT__THREADS
+    int stopping;
+    pthread_mutex_t lock;
+    pthread_cond_t wake; /* a job posted, or the thread is to stop */
+    pthread_cond_t done; /* a job finished */
+    pthread_t thread;
+#endif
+};
+
+#ifdef DOPT__THREADS
+DOPT__MAYBE_UNUSED static void *dopt__worker_main(void *arg) {
+    dopt__worker *w = (dopt__worker *)arg;
+    pthread_mutex_lock(&w->lock);
+    for (;;) {
+        dopt__job *j;
+        dopt_status s;
+        while (w->finished == w->posted && !w->stopping) pthread_cond_wait(&w->wake, &w->lock);
+        if (w->finished == w->posted) break; /* stopping, and nothing left */
+        j = &w->jobs[w->finished % (uint64_t)w->cap];
+        pthread_mutex_unlock(&w->lock);
+        s = j->fn(j->arg);
+        pthread_mutex_lock(&w->lock);
+        j->status = s;
+        w->finished++;
+        pthread_cond_broadcast(&w->done);
+    }
+    pthread_mutex_unlock(&w->lock);
+    return NULL;
+}
+#endif
+
+DOPT__MAYBE_UNUSED static dopt_status dopt__worker_new(dopt__worker **out, int cap) {
+    dopt__worker *w;
+    *out = NULL;
+    if (cap < 1) return DOPT_ERR_INVALID;
+    if ((w = (dopt__worker *)DOPT_MALLOC(sizeof *w)) == NULL) return DOPT_ERR_NOMEM;
+    memset(w, 0, sizeof *w);
+    w->cap = cap;
+    if ((w->jobs = (dopt__job *)DOPT_MALLOC(sizeof(dopt__job) * (size_t)cap)) == NULL) {
+        DOPT_FREE(w);
+        return DOPT_ERR_NOMEM;
+    }
+#ifdef DOPT__THREADS
+    if (pthread_mutex_init(&w->lock, NULL) != 0) goto fail;
+    if (pthread_cond_init(&w->wake, NULL) != 0) {
+        pthread_mutex_destroy(&w->lock);
+        goto fail;
+    }
+    if (pthread_cond_init(&w->done, NULL) != 0 || pthread_create(&w->thread, NULL, dopt__worker_main, w) != 0) {
+        pthread_cond_destroy(&w->wake);
+        pthread_mutex_destroy(&w->lock);
+        goto fail;
+    }
+#endif
+    *out = w;
+    return DOPT_OK;
+#ifdef DOPT__THREADS
+fail:
+    DOPT_FREE(w->jobs);
+    DOPT_FREE(w);
+    return DOPT_ERR_NOMEM;
+#endif
+}
+
+DOPT__MAYBE_UNUSED static dopt_status dopt__worker_post(dopt__worker *w, dopt__job_fn fn, void *arg, uint64_t *ticket) {
+    dopt__job *j;
+#ifdef DOPT__THREADS
+    pthread_mutex_lock(&w->lock);
+    while (w->posted - w->finished >= (uint64_t)w->cap) pthread_cond_wait(&w->done, &w->lock);
+#endif
+    j = &w->jobs[w->posted % (uint64_t)w->cap];
+    j->fn = fn;
+    j->arg = arg;
+    j->status = DOPT_OK;
+    *ticket = ++w->posted;
+#ifdef DOPT__THREADS
+    pthread_cond_signal(&w->wake);
+    pthread_mutex_unlock(&w->lock);
+#else
+    j->status = fn(arg);
+    w->finished++;
+#endif
+    return DOPT_OK;
+}
+
+/* Job ticket - 1's status once it finished (DOPT_OK once its slot was reused). */
+DOPT__MAYBE_UNUSED static dopt_status dopt__worker_status(const dopt__worker *w, uint64_t ticket) {
+    if (ticket + (uint64_t)w->cap <= w->posted) return DOPT_OK;
+    return w->jobs[(ticket - 1) % (uint64_t)w->cap].status;
+}
+
+DOPT__MAYBE_UNUSED static dopt_status dopt__worker_test(dopt__worker *w, uint64_t ticket, int *done) {
+    dopt_status s = DOPT_OK;
+#ifdef DOPT__THREADS
+    pthread_mutex_lock(&w->lock);
+#endif
+    *done = w->finished >= ticket;
+    if (*done) s = dopt__worker_status(w, ticket);
+#ifdef DOPT__THREADS
+    pthread_mutex_unlock(&w->lock);
+#endif
+    return s;
+}
+
+/* Spins a few microseconds (a bucket often finishes just after backward) before sleeping. */
+DOPT__MAYBE_UNUSED static dopt_status dopt__worker_wait(dopt__worker *w, uint64_t ticket) {
+    dopt_status s;
+#ifdef DOPT__THREADS
+    double spin_until = dopt__now_ms() + 0.02;
+    int done;
+    do {
+        s = dopt__worker_test(w, ticket, &done);
+        if (done) return s;
+    } while (dopt__now_ms() < spin_until);
+    pthread_mutex_lock(&w->lock);
+    while (w->finished < ticket) pthread_cond_wait(&w->done, &w->lock);
+    s = dopt__worker_status(w, ticket);
+    pthread_mutex_unlock(&w->lock);
+#else
+    s = dopt__worker_status(w, ticket);
+#endif
+    return s;
+}
+
+/* Runs what is queued, then stops the thread and frees w. */
+DOPT__MAYBE_UNUSED static void dopt__worker_free(dopt__worker *w) {
+    if (w == NULL) return;
+#ifdef DOPT__THREADS
+    pthread_mutex_lock(&w->lock);
+    w->stopping = 1;
+    pthread_cond_signal(&w->wake);
+    pthread_mutex_unlock(&w->lock);
+    pthread_join(w->thread, NULL);
+    pthread_cond_destroy(&w->done);
+    pthread_cond_destroy(&w->wake);
+    pthread_mutex_destroy(&w->lock);
+#endif
+    DOPT_FREE(w->jobs);
+    DOPT_FREE(w);
+}
+
 /* ===================================================================== COLLECTIVES */
 
 DOPT_DEF dopt_status dopt_allreduce_start(dopt_comm *c, void *buf, size_t count, dopt_dtype dt, dopt_op op,
@@ -2884,6 +3049,15 @@ DOPT__MAYBE_UNUSED static void dopt__comm_forget_failure(dopt_comm *c);
 static int dopt__rank_named(const dopt_comm *c);
 /* Divides count elements of buf by size (a MEAN's last step: the same expression on every rank). */
 static void dopt__divide(void *buf, size_t count, dopt_dtype dt, int size);
+/* The ordered worker (THE ORDERED WORKER): jobs run one at a time, in post order, on one thread
+   (without threads, inside post); test and wait give job ticket - 1's status once it finished;
+   free runs what is queued first. A job may call a communicator the poster leaves alone until it
+   has waited for the job. */
+DOPT__MAYBE_UNUSED static dopt_status dopt__worker_new(dopt__worker **out, int cap);
+DOPT__MAYBE_UNUSED static dopt_status dopt__worker_post(dopt__worker *w, dopt__job_fn fn, void *arg, uint64_t *ticket);
+DOPT__MAYBE_UNUSED static dopt_status dopt__worker_test(dopt__worker *w, uint64_t ticket, int *done);
+DOPT__MAYBE_UNUSED static dopt_status dopt__worker_wait(dopt__worker *w, uint64_t ticket);
+DOPT__MAYBE_UNUSED static void dopt__worker_free(dopt__worker *w);
 
 #ifdef __cplusplus
 }

@@ -119,7 +119,9 @@
    bitwise identical on all ranks and from run to run as long as the MPI library picks the same
    algorithm for the same size and world (Open MPI's tuned collectives do).
    Threading: a communicator must be used by one thread at a time and, unless MPI was
-   initialised with MPI_THREAD_SERIALIZED or more, by the thread that initialised MPI.
+   initialised with MPI_THREAD_SERIALIZED or more, by the thread that initialised MPI (then
+   comm->one_thread is 1, and localsgd.h's gradient buckets and compress.h's nonblocking calls
+   run on the calling thread instead of a worker).
 
    ERRORS A USER CAN SEE
      Every MPI error becomes a dopt_status and poisons the communicator; dopt_comm_detail names
@@ -991,7 +993,7 @@ DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg
     dopt__mpi *m = NULL;
     dopt_comm *c = NULL;
     MPI_Comm base = MPI_COMM_NULL;
-    int rank = 0, size = 0, local;
+    int rank = 0, size = 0, local, provided = MPI_THREAD_SINGLE;
     dopt_status s;
     if (cfg == NULL) {
         memset(&defaults, 0, sizeof defaults);
@@ -1028,6 +1030,8 @@ DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg
                   m->engine ? "collectives on the engine over links" : m->check ? "mismatch check on" : "mismatch check off",
                   m->max_count, local, local ? "" : " (MPI cannot tell)");
     dopt_comm_set_host(c, local, dopt__mpi_cores());
+    MPI_Query_thread(&provided);
+    c->one_thread = provided < MPI_THREAD_SERIALIZED; /* another thread may call it only from SERIALIZED on */
     *out = c;
     return DOPT_OK;
 }

@@ -642,4 +642,53 @@ DTEST(fingerprint_separates_collectives) {
     DT_CHECK(dopt_coll_fingerprint(&a) != dopt_coll_fingerprint(&b));
 }
 
+/* ------------------------------------------------------------------ the ordered worker */
+
+typedef struct worker_job {
+    int *log, *n, id;
+    dopt_status status;
+} worker_job;
+
+static dopt_status worker_record(void *arg) {
+    worker_job *j = (worker_job *)arg;
+    struct timespec ts = {0, 200000}; /* long enough that later posts queue behind it */
+    if (j->id == 0) nanosleep(&ts, NULL);
+    j->log[(*j->n)++] = j->id;
+    return j->status;
+}
+
+/* Jobs run in post order, one at a time; each ticket gives its own job's status; waiting on a
+   later ticket finishes the earlier ones; more jobs than the queue holds make post wait. */
+DTEST(ordered_worker_runs_jobs_in_post_order) {
+    enum { JOBS = 40 };
+    dopt__worker *w;
+    worker_job jobs[JOBS];
+    uint64_t tickets[JOBS];
+    int log[JOBS], n = 0, i, done;
+    DT_EQ_INT(dopt__worker_new(&w, 0), DOPT_ERR_INVALID);
+    DT_OK(dopt__worker_new(&w, 8));
+    for (i = 0; i < JOBS; i++) {
+        jobs[i].log = log;
+        jobs[i].n = &n;
+        jobs[i].id = i;
+        jobs[i].status = i % 7 == 3 ? DOPT_ERR_NONFINITE : DOPT_OK;
+        DT_OK(dopt__worker_post(w, worker_record, &jobs[i], &tickets[i]));
+        DT_EQ_INT(tickets[i], i + 1);
+    }
+    DT_EQ_INT(dopt__worker_wait(w, tickets[JOBS - 2]), jobs[JOBS - 2].status);
+    DT_EQ_INT(dopt__worker_test(w, tickets[JOBS - 3], &done), jobs[JOBS - 3].status);
+    DT_CHECK(done);
+    DT_EQ_INT(dopt__worker_wait(w, tickets[JOBS - 1]), jobs[JOBS - 1].status);
+    DT_EQ_INT(n, JOBS);
+    for (i = 0; i < JOBS; i++) DT_EQ_INT(log[i], i);
+    for (i = JOBS - 8; i < JOBS; i++) DT_EQ_INT(dopt__worker_wait(w, tickets[i]), jobs[i].status);
+    dopt__worker_free(w);
+    /* free runs what is queued */
+    n = 0;
+    DT_OK(dopt__worker_new(&w, 4));
+    for (i = 0; i < 3; i++) DT_OK(dopt__worker_post(w, worker_record, &jobs[i], &tickets[i]));
+    dopt__worker_free(w);
+    DT_EQ_INT(n, 3);
+}
+
 DTEST_MAIN()
