@@ -141,6 +141,13 @@
    |              | AVERAGES below): DOPT_NONFINITE_FAIL or _SKIP              |  FAIL             |
    | params       | the host's flat parameters (n floats): init broadcasts     | no broadcast at   |
    |              | rank 0's to every rank, as dopt_dp_broadcast does          | init              |
+   | grads        | the gradients' descriptor for buckets during backward      | no buckets until  |
+   |              | (OVERLAP below), copied: flat with a segment table, or a   | dopt_dp_set_grads |
+   |              | scatter list                                               |                   |
+   | bucket_bytes | a bucket's size (OVERLAP)                                  | the rule's        |
+   | first_bucket_| the first bucket's                                         | min(1 MiB,        |
+   |  bytes       |                                                            |  bucket size)     |
+   | overlap_check| 1: a write to a segment after its mark is caught (debug)   | 0                 |
 
    Policies of extra state buffers at every model average: DOPT_STATE_AVERAGE (averaged with the
    parameters, in the same allreduce), DOPT_STATE_KEEP (left local), DOPT_STATE_RESET (set to 0).
@@ -500,6 +507,92 @@
      workspace first (any descriptor works). Its state (error-feedback residual, step) is saved
      with the driver's. Both compressors may be set: compressed gradients during the warm-up,
      compressed deltas after it.
+
+   OVERLAP: GRADIENTS AVERAGED WHILE BACKWARD RUNS
+     A synchronous step otherwise costs backward plus the average. A host whose backward runs
+     layer by layer says when each segment of its gradients is final, and buckets of segments
+     are averaged while backward computes the next ones:
+
+       dopt_dp_init(&dp, comm, n, &(dopt_dp_config){.grads = &gbuf});
+                                       (gbuf: a flat buffer with a segment table, or a scatter list)
+       for (step = 0; step < steps; step++) {
+           forward(params);
+           for (l = layers - 1; l >= 0; l--) {              (the host's backward, last layer first)
+               layer_backward(l, grads);
+               dopt_dp_grad_ready(&dp, l);                  (segment l of gbuf is final)
+           }
+           dopt_dp_after_backward_buf(&dp, &gbuf);          (waits for the buckets; as before after)
+           update(params, grads);
+       }
+
+     dopt_dp_set_grads(dp, grads) registers the descriptor when the buffer exists only later
+     (llm.c allocates its gradients in the first backward), or again when it moves, before a
+     step's first mark. The descriptor is copied (its table or spans; segment names are
+     borrowed), and after_backward must be given the same buffer. A step whose segments are
+     never marked is averaged whole, as without buckets.
+
+     Rules.
+     - A marked segment belongs to the average until after_backward returns: do not write it
+       (its mean is written there meanwhile) or read it. With overlap_check = 1 (for debugging:
+       it costs a copy in, a copy out and a checksum of every segment) the buckets average a
+       copy, the gradients stay untouched until after_backward, and a segment written after its
+       mark is DOPT_ERR_INVALID there, naming it.
+     - Each segment is marked once in a synchronous step that marks any: the second mark of a
+       segment returns DOPT_ERR_INVALID at once, and after_backward returns it too, naming the
+       segment, as for a segment never marked; every bucket still runs first (unmarked segments
+       go as they are) so that no peer waits, and then the driver stops. A segment without a
+       gradient in a step is declared with dopt_dp_grad_unused(dp, seg): it is zeroed and
+       averaged as zeros on that rank, so its mean is the sum over the ranks that had one, over N
+       (as PyTorch DDP's find_unused_parameters); skipping it on every rank alike would need an
+       agreement every step.
+     - Marks on a step that is not synchronous (local SGD) do nothing and return DOPT_OK: call
+       dopt_dp_grad_ready unconditionally.
+     - From a step's first mark until its after_backward returns, make no collective call on the
+       communicator or its groups: the buckets' collectives are running. `weighted` reads the
+       step's samples (dopt_dp_set_step_samples) at the first mark.
+
+     Buckets. A bucket's average starts once its last segment is marked and the buckets before
+     it have started, so every rank starts the same buckets in the same order whatever order its
+     marks come in. The first step that marks cuts buckets from the segment table in reverse
+     (backward's order: the last segment first), the first up to first_bucket_bytes so that
+     communication starts early, the others up to bucket_bytes (4 MiB while the link is not
+     measured yet), and records the order this rank marked in. That step's after_backward
+     compares every rank's order (one allgather of nseg + 1 words). The same: the buckets are cut
+     again in that order, once for the driver's life. Different: DOPT_ERR_MISMATCH on every rank,
+     the detail naming the first position that differs, the segments there and the ranks, and
+     the driver stops. A segment is never split: one larger than a bucket is a bucket alone.
+
+     The bucket size. bucket_bytes > 0 is used as given. At 0, the first step's after_backward
+     also measures the link: three allreduces of 8 bytes (alpha, the fastest) and one of up to
+     4 MiB of the gradients (time t), the rate R = bytes/(t − alpha), and backward's time Tb
+     from the step's first mark to its last, each the largest over the ranks. With S the bytes a
+     step averages (4 per element; with a gradient compressor, its message's bytes), a step
+     communicates c(B) = S/R + (S/B)·alpha with buckets of B bytes, and the buckets add to
+     backward max(0, c(B) − Tb) plus the last bucket, B/R + alpha, which cannot start before
+     backward ends. So B = min(S·alpha/(Tb − S/R), sqrt(S·alpha·R)) when Tb > S/R (the smallest
+     bucket that keeps the communication behind backward, unless that costs more than the
+     balanced size), else sqrt(S·alpha·R); within [64 KiB, S]. The first bucket is
+     min(1 MiB, B) (PyTorch DDP's cap). dp->ov keeps what it chose and measured (cut_bytes,
+     alpha_ms, rate).
+
+     Where they run. On a worker thread the driver starts at the first mark (one per driver,
+     asleep while no bucket is queued): the host's thread goes on computing. The communicator's
+     log callback may then be called from it. Without threads (DOPT_NO_THREADS), or on an MPI
+     communicator only its own thread may call (MPI initialised below MPI_THREAD_SERIALIZED:
+     comm->one_thread), the buckets run in after_backward, one INFO line says why, and the
+     results are the same bits.
+
+     The bits. fp32: a bucket's mean is a MEAN allreduce of its floats. At two ranks that is the
+     whole-buffer mean bit for bit (a + b = b + a). Beyond, a ring allreduce adds the ranks'
+     values of an element in an order that follows where the element falls in the message's cut,
+     so a bucket's mean may differ from the whole buffer's in the last bit of some elements: the
+     same bits on every rank and from run to run for the same buckets (tests/test_overlap.c
+     checks the bits at two ranks, and the same bits on every rank beyond). No allocation per
+     step after the first step that marks.
+
+     The verdicts come after the wait, as for the whole buffer: the non-finite verdict (FAIL or
+     SKIP, every rank alike, the ranks named), and a clip the host takes of the averaged
+     gradient (clip.h's global norm of it is the same bits on every rank).
 */
 #ifndef DISTOPT_LOCALSGD_H
 #define DISTOPT_LOCALSGD_H
@@ -2111,10 +2204,12 @@ static dopt_status dopt__dp_ov_setup(dopt_dp *dp, const dopt_buf *g) {
         ov->grads = dopt_buf_scatter(ov->spans, nseg);
         memset(ov->segs, 0, nseg * sizeof(dopt_segment));
     } else {
-        if (g->segs)
+        if (g->segs) {
             memcpy(ov->segs, g->segs, nseg * sizeof(dopt_segment));
-        else
-            ov->segs[0] = (dopt_segment){0, g->n, NULL, 0};
+        } else {
+            memset(ov->segs, 0, sizeof(dopt_segment));
+            ov->segs[0].count = g->n;
+        }
         ov->grads = dopt_buf_flat(g->data, g->n, ov->segs, nseg);
     }
     ov->direct = dopt__dp_in_place(g, dp->n);
