@@ -580,7 +580,10 @@
      log callback may then be called from it. Without threads (DOPT_NO_THREADS), or on an MPI
      communicator only its own thread may call (MPI initialised below MPI_THREAD_SERIALIZED:
      comm->one_thread), the buckets run in after_backward, one INFO line says why, and the
-     results are the same bits.
+     results are the same bits. After each step dp->ov says how it went: wait_ms (after_backward
+     waiting for the buckets), busy_ms (the buckets' time from start to end on the worker) and
+     cpu_ms (the processor time the worker took for them: copies, sums, the kernel's sockets;
+     the rest of busy_ms it slept waiting for peers).
 
      The bits. fp32: a bucket's mean is a MEAN allreduce of its floats. At two ranks that is the
      whole-buffer mean bit for bit (a + b = b + a). Beyond, a ring allreduce adds the ranks'
@@ -776,6 +779,8 @@ typedef struct dopt_dp_overlap {
     double t_first, t_last;   /* the first step's first and last mark (ms) */
     double weight;            /* the step's samples (weighted means) */
     double alpha_ms, rate;    /* what the rebuild measured: a collective's fixed cost, bytes/s */
+    double wait_ms;           /* the last step: after_backward's wait for the buckets */
+    double busy_ms, cpu_ms;   /* ... the buckets' time running, and the processor time they took */
     dopt__worker *worker;     /* runs the buckets; NULL: after_backward runs them */
     int inline_said;          /* the INFO line on why buckets wait for after_backward was logged */
     char label[96];           /* the bucket running now, as details name it (the worker's) */
@@ -2226,10 +2231,20 @@ static dopt_status dopt__dp_ov_setup(dopt_dp *dp, const dopt_buf *g) {
    staged, the verdict on this rank's input, the mean (fp32, weighted, or the gradient
    compressor over the bucket's segments), the verdict on the mean, and out again. Under
    overlap_check the mean stays in the stage until after_backward has checked the gradients. */
+/* Processor time of the calling thread (ms), 0 where the platform cannot tell. */
+static double dopt__dp_thread_cpu_ms(void) {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+    struct timespec ts;
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+#endif
+    return 0.0;
+}
+
 static dopt_status dopt__dp_bucket_run(void *arg) {
     dopt__dp_bucket *b = (dopt__dp_bucket *)arg;
     dopt_dp *dp = b->dp;
     dopt_dp_overlap *ov = &dp->ov;
+    double t0 = dopt__now_ms(), cpu0 = dopt__dp_thread_cpu_ms();
     const char *prev;
     size_t j;
     dopt_status s;
@@ -2264,6 +2279,8 @@ static dopt_status dopt__dp_bucket_run(void *arg) {
         }
     dopt_comm_set_api(dp->comm, prev);
     b->status = s;
+    ov->busy_ms += dopt__now_ms() - t0;
+    ov->cpu_ms += dopt__dp_thread_cpu_ms() - cpu0;
     return s;
 }
 
@@ -2295,6 +2312,7 @@ static void dopt__dp_ov_begin(dopt_dp *dp, uint64_t step) {
     ov->twice = ov->never = ov->nseg;
     ov->weight = dopt__dp_step_samples(dp);
     ov->t_first = dopt__now_ms();
+    ov->busy_ms = ov->cpu_ms = ov->wait_ms = 0.0;
     if (ov->worker == NULL && !dp->comm->one_thread && !ov->inline_said) {
         if (dopt__worker_new(&ov->worker, (int)(ov->nseg < 64 ? ov->nseg : 64)) != DOPT_OK) ov->worker = NULL;
         if (ov->worker == NULL) {
@@ -2381,6 +2399,8 @@ DOPT_DEF dopt_status dopt_dp_set_grads(dopt_dp *dp, const dopt_buf *grads) {
 /* 1 when g is the descriptor the buckets average (the same buffer, or spans at the same places). */
 static int dopt__dp_ov_same_buf(const dopt_dp_overlap *ov, const dopt_buf *g) {
     size_t i;
+    if (g->spans == NULL && g->segs == NULL && ov->grads.spans == NULL && g->data == ov->grads.data)
+        return 1; /* dopt_dp_after_backward(dp, grads): the same flat buffer, without its table */
     if (dopt_buf_nsegs(g) != ov->nseg || (g->spans == NULL) != (ov->grads.spans == NULL)) return 0;
     for (i = 0; i < ov->nseg; i++) {
         dopt_span a = dopt_buf_segment(g, i), b = dopt__dp_host_span(ov, i);
@@ -2492,6 +2512,7 @@ static dopt_status dopt__dp_ov_rebuild(dopt_dp *dp) {
 static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite, int *mark_error) {
     dopt_dp_overlap *ov = &dp->ov;
     dopt_status s = DOPT_OK;
+    double t0 = dopt__now_ms();
     size_t k, i;
     for (i = 0; i < ov->nseg; i++)
         if (!ov->marks[i]) {
@@ -2501,6 +2522,7 @@ static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite
     *mark_error = ov->twice < ov->nseg || ov->never < ov->nseg;
     dopt__dp_ov_start_ready(dp, 1);
     if (ov->worker && ov->nbuckets) (void)dopt__worker_wait(ov->worker, ov->buckets[ov->nbuckets - 1].ticket);
+    ov->wait_ms = dopt__now_ms() - t0;
     *mine_finite = *finite = 1;
     for (k = 0; k < ov->nbuckets; k++) {
         const dopt__dp_bucket *b = &ov->buckets[k];
@@ -2508,7 +2530,15 @@ static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite
         *finite = *finite && b->finite;
         if (b->status != DOPT_OK && (s == DOPT_OK || s == DOPT_ERR_NONFINITE)) s = b->status;
     }
-    if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s; /* the communicator failed: it says where */
+    if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) {
+        if (dopt__family_error(dp->comm) == DOPT_OK) { /* not the communicator's failure: the driver stops */
+            dopt__dp_fail_detail(dp, "dopt_dp_after_backward: a bucket of step %llu failed: %s%s",
+                                 (unsigned long long)(ov->step - 1), dopt_status_str(s),
+                                 dp->grad_compressor ? " in the gradient compressor" : "");
+            dp->status = s;
+        }
+        return s; /* else the communicator says where */
+    }
     if (ov->check) {
         for (i = 0; i < ov->nseg; i++) {
             dopt_span h = dopt__dp_host_span(ov, i);

@@ -4,7 +4,8 @@
    and large, allgather, allgatherv, broadcast, barrier, the _start forms with several requests
    in flight); the compressed allreduce with every codec of compress.h, gathered and on the
    rings; and the steps of the local SGD driver (period 1 averaging the gradients, fp32 or
-   through TernGrad, a flat buffer in place or a scatter list packed; period 4 averaging the
+   through TernGrad, a flat buffer in place or a scatter list packed, in buckets during backward;
+   period 4 averaging the
    models, plain, weighted, through DiLoCo's outer step, through top-k, with extra state
    buffers); and clip.h's calls with a communicator, and CELGC's step through the driver.
 
@@ -283,6 +284,7 @@ typedef struct ls_case {
     double outer_lr, outer_momentum;
     int with_states; /* momentum averaged, a buffer reset: the _buf forms */
     int scatter_grads; /* the gradients as a scatter list (packed), not flat (averaged in place) */
+    int buckets;       /* the gradients marked final segment by segment (dopt_dp_grad_ready) */
 } ls_case;
 
 static const ls_case ls_cases[] = {
@@ -292,6 +294,9 @@ static const ls_case ls_cases[] = {
     {"period 1, gradients of a scatter list averaged", 1, 1, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0, 1},
     {"period 1, gradients of a scatter list averaged, weighted", 1, 1, 1, LS_FP32, LS_FP32, 0.0, 0.0, 0, 1},
     {"period 1, gradients of a scatter list averaged through TernGrad", 1, 1, 0, LS_TERNARY, LS_FP32, 0.0, 0.0, 0, 1},
+    {"period 1, gradients averaged in buckets during backward", 1, 1, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0, 0, 1},
+    {"period 1, gradients of a scatter list averaged in buckets, weighted", 1, 1, 1, LS_FP32, LS_FP32, 0.0, 0.0, 0, 1, 1},
+    {"period 4 after a warm-up, gradients in buckets", 4, 1, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0, 0, 1},
     {"period 1, models averaged", 1, 0, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0},
     {"period 4, models averaged", 4, 0, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0},
     {"period 4, models averaged, weighted", 4, 0, 1, LS_FP32, LS_FP32, 0.0, 0.0, 0},
@@ -306,6 +311,8 @@ typedef struct ls_run {
     float params[LS_N], grads[LS_N], momentum[LS_N], accum[LS_N];
     dopt_buf states[2];
     dopt_span grad_spans[2]; /* the gradients as two spans, for scatter_grads */
+    dopt_segment grad_segs[2]; /* ... or two segments of the flat buffer, for buckets */
+    dopt_buf grads_buf;        /* what buckets mark */
 } ls_run;
 
 /* A compressor over the packed parameters, or NULL for fp32. */
@@ -326,6 +333,10 @@ static void ls_round(steady *w, void *arg) {
     int k;
     for (k = 0; k < LS_STEPS_PER_ROUND; k++) {
         fill_floats(run->grads, LS_N, round_seed(w) * 16 + (uint64_t)k);
+        if (run->lc->buckets) {
+            STEADY_OK(w, dopt_dp_grad_ready(&run->ls, 1));
+            STEADY_OK(w, dopt_dp_grad_ready(&run->ls, 0));
+        }
         if (run->lc->scatter_grads) {
             dopt_buf g = dopt_buf_scatter(run->grad_spans, 2);
             STEADY_OK(w, dopt_dp_after_backward_buf(&run->ls, &g));
@@ -377,6 +388,15 @@ static void localsgd_steady(dopt_comm *c, void *arg) {
         run->grad_spans[0].count = LS_N / 2;
         run->grad_spans[1].ptr = run->grads + LS_N / 2;
         run->grad_spans[1].count = LS_N - LS_N / 2;
+        run->grad_segs[0] = (dopt_segment){0, LS_N / 2, "first", 0};
+        run->grad_segs[1] = (dopt_segment){LS_N / 2, LS_N - LS_N / 2, "second", 0};
+        if (lc->buckets) {
+            run->grads_buf = lc->scatter_grads ? dopt_buf_scatter(run->grad_spans, 2)
+                                               : dopt_buf_flat(run->grads, LS_N, run->grad_segs, 2);
+            cfg.grads = &run->grads_buf;
+            cfg.bucket_bytes = 16 << 10; /* one segment per bucket */
+            cfg.warmup_steps = lc->period > 1 ? 2 : 0;
+        }
         fill_floats(run->params, LS_N, (uint64_t)c->rank + 99);
         memset(run->momentum, 0, sizeof run->momentum);
         memset(run->accum, 0, sizeof run->accum);
