@@ -117,13 +117,13 @@ fi
 
 # Local steps (--period 4): the marks do nothing, the models are averaged every 4 steps and at the
 # end; a model of 2 layers, so that the marks run per layer.
-run local env DOPT_WORLD_SIZE=2 DOPT_STDOUT_RANKS=0 "$bin" --steps 20 --period 4 --layers 2 --overlap on
+run local_steps env DOPT_WORLD_SIZE=2 DOPT_STDOUT_RANKS=0 "$bin" --steps 20 --period 4 --layers 2 --overlap on
 status=$?
-if [ $status -eq 0 ] && grep -q '^result: loss [0-9.]* replicas identical$' "$tmp/local.out" && [ ! -s "$tmp/local.err" ]; then
+if [ $status -eq 0 ] && grep -q '^result: loss [0-9.]* replicas identical$' "$tmp/local_steps.out" && [ ! -s "$tmp/local_steps.err" ]; then
     echo "ok   2 ranks, 2 layers, --period 4 --overlap on: exit 0, replicas identical"
 else
     fail "2 ranks, 2 layers, --period 4 --overlap on: exit $status"
-    show local
+    show local_steps
 fi
 
 # Without DOPT_STDOUT_RANKS every rank prints, and prints the same lines: each loss line twice.
