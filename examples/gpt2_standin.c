@@ -1044,8 +1044,7 @@ int main(int argc, char **argv) {
         gpt2_backward(&model, overlap ? &ready : NULL);                      /* distopt option: marks with --overlap on */
         if (step == nan_at && comm->rank == comm->size - 1) model.grads_memory[12345] = NAN;
         double t_wait = seconds_now();
-        if (overlap) dopt_dp_after_backward_buf(&dp, &ready.grads);          /* distopt option: the table marked */
-        else dopt_dp_after_backward(&dp, model.grads_memory);                /* distopt: the ranks' mean gradient */
+        dopt_dp_after_backward(&dp, model.grads_memory);                     /* distopt: the ranks' mean gradient */
         double t_update = seconds_now();
         gpt2_update(&model, 3e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, step + 1);
         if (period > 1) dopt_dp_after_step(&dp, model.params_memory);       /* distopt option: --period's model average */
