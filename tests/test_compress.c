@@ -1425,8 +1425,9 @@ static void nf_expect_state(const dopt_compressor *cz, uint64_t step, const floa
 
 /* out holds the flagged message: the header with the flag, zeros after it. */
 static void nf_expect_flagged(const dopt_compressor *cz, const unsigned char *out, const char *what) {
-    DT_CHECKF(dopt__check_header(cz, out, cz->msg_bytes) >= 0 && dopt__flagged_nonfinite(out), "%s: not a flagged message",
-              what);
+    dopt__compress_view whole = dopt__whole(cz);
+    DT_CHECKF(dopt__check_header(&whole, cz->cfg.codec, out, cz->msg_bytes) >= 0 && dopt__flagged_nonfinite(out),
+              "%s: not a flagged message", what);
 }
 
 DTEST(encode_nonfinite_is_refused_flagged_and_state_kept_for_every_codec) {
@@ -1583,7 +1584,7 @@ DTEST(decoder_refuses_nonfinite_values_and_reports_flagged_messages) {
         encode_for((dopt_codec)i, &cz, &msg, &bytes);
         acc = dopt_buf_flat(out, 1033, cz.segs, cz.nsegs);
         memset(out, 0, sizeof out);
-        dopt__write_nonfinite(&cz, 0, msg);
+        dopt__write_nonfinite(&cz, &cz.view, 0, msg);
         DT_EQ_INT(dopt_compress_decode(&cz, msg, bytes, 1.0f, &acc), DOPT_ERR_NONFINITE);
         msg[bytes - 1] = 1; /* a flagged message carries nothing */
         DT_EQ_INT(dopt_compress_decode(&cz, msg, bytes, 1.0f, &acc), DOPT_ERR_PROTOCOL);
