@@ -13,7 +13,8 @@
 
    CONTENTS
      This comment, the manual: QUICK START, COMPRESSORS, CONFIGURATION, FUNCTIONS, BYTES AS THE
-     WORLD GROWS, NON-FINITE GRADIENTS, RANDOMNESS, ERROR FEEDBACK, POWERSGD, ERRORS, THREADING.
+     WORLD GROWS, NON-FINITE GRADIENTS, RANDOMNESS, ERROR FEEDBACK, POWERSGD, NONBLOCKING AND
+     BUCKETS, ERRORS, THREADING.
      Then the declarations; REFERENCE FOR CONTRIBUTORS (how the allreduce exchanges and sums, the
      rings, the wire and state formats); and the implementation in three parts, each under its
      banner:
@@ -140,7 +141,8 @@
 
    size_t dopt_compress_bound(const dopt_compressor *cz)
      The size in bytes of every message this compressor writes: it depends only on the layout
-     and the configuration, so it is exact, not just a bound, and the same on every rank.
+     and the configuration, so it is exact, not just a bound, and the same on every rank (a
+     segment call's message, of fewer segments, is shorter).
      PowerSGD, which writes none: the bytes of its two allreduces per step, 4 · (Σ r·(rows +
      cols) over the compressed matrices + the elements of the other segments + 2 flags).
 
@@ -154,7 +156,8 @@
      (any codec: see NON-FINITE GRADIENTS; out then holds the flagged message, *bytes is set,
      and the step and the residual are unchanged), DOPT_ERR_UNSUPPORTED (PowerSGD: its factors
      need a round of communication between the two products, so there is no message; nothing
-     changes).
+     changes). DOPT_ERR_INVALID too while a step is being averaged in parts (NONBLOCKING AND
+     BUCKETS).
 
    dopt_status dopt_compress_decode(const dopt_compressor *cz, const void *msg, size_t bytes,
                                     float weight, const dopt_buf *accum)
@@ -189,11 +192,43 @@
      allreduce ..." and "...: PowerSGD's Q: allreduce ...") — unless the caller has labelled the
      communicator itself (localsgd.h does, with the call the user made): that label stays. Every
      rank must call it with the same layout and configuration. One thread at a time per
-     compressor.
+     compressor. DOPT_ERR_INVALID too while a step is being averaged in parts: the whole call
+     gives every segment, and some were given already (NONBLOCKING AND BUCKETS).
+
+   dopt_status dopt_compress_allreduce_segments(dopt_compressor *cz, dopt_comm *comm,
+                                                const dopt_buf *grads, const size_t *segs, size_t k)
+     The compressed allreduce of some of the layout's segments, in place: segs[0..k) are indices
+     into the segment table (k >= 1, each at most once, in any order). grads is the whole
+     descriptor, as dopt_compress_allreduce_buf takes it (a flat buffer with the layout's table,
+     or a scatter list of every segment); only the listed segments are read and written. Every
+     rank lists the same segments in the same order. A segment's result, residual and random
+     stream are those of the whole call (NONBLOCKING AND BUCKETS says where the bits can
+     differ). Errors: those of dopt_compress_allreduce_buf; DOPT_ERR_INVALID also for segs NULL
+     or k 0, an index beyond the table, or a segment given twice in one step, refused before
+     anything starts (dopt_compress_detail says which).
+
+   dopt_status dopt_compress_allreduce_start(dopt_compressor *cz, dopt_comm *comm,
+                                             const dopt_buf *grads, const size_t *segs, size_t k,
+                                             dopt_compress_request *req)
+   dopt_status dopt_compress_test(dopt_compress_request *req, int *done)
+   dopt_status dopt_compress_wait(dopt_compress_request *req)
+     The segment call (segs NULL and k 0: every segment, the whole call) started: it returns at
+     once and runs on the compressor's worker thread; test sets done without blocking, wait
+     blocks until the call completed; both return its status once done (DOPT_OK from test while
+     it runs). Refusals (DOPT_ERR_INVALID, DOPT_ERR_NOMEM for the worker) come from start
+     itself, with nothing started, and req holds them. Semantics and rules: NONBLOCKING AND
+     BUCKETS.
+
+   const char *dopt_compress_detail(const dopt_compressor *cz)
+     Why the last call of the segment or nonblocking family was refused with DOPT_ERR_INVALID
+     before it started any collective (the communicator's detail says nothing then), e.g.
+     "dopt_compress_allreduce_segments: segment 2 (w2) given twice in one step; 2 of its 4
+     segments not given yet, the first 1 (b)"; "" after a call that was not refused.
 
    const void *dopt_compress_message(const dopt_compressor *cz, int rank, size_t *bytes)
      After an allreduce that gathered the messages (cz->path == DOPT_PATH_ALLGATHER): rank's
-     message as gathered (for inspection and tests); NULL otherwise (PowerSGD never gathers).
+     message as gathered (for inspection and tests; after a segment call, the message of its
+     segments); NULL otherwise (PowerSGD never gathers).
 
    cz->path says how the last allreduce combined the messages: DOPT_PATH_ALLGATHER,
      DOPT_PATH_RING (ternary sums along one ring), DOPT_PATH_RING_TWO_LEVEL (within hosts, then
@@ -302,10 +337,66 @@
      dopt_compress_state_save) holds the step, the residual and every Q; encode and decode are
      DOPT_ERR_UNSUPPORTED (there is no message), and error feedback cannot be turned off.
 
+   NONBLOCKING AND BUCKETS
+     A host whose backward makes the gradient final a segment at a time (the last layer's
+     first) can average it in buckets of segments as they become final, with
+     dopt_compress_allreduce_segments, or started with dopt_compress_allreduce_start so that
+     the average runs while backward goes on. localsgd.h's driver does it for the host
+     (dopt_dp_grad_ready).
+
+     The step. The compressor's step (cz->step, the key of the random rounding) advances once
+     every segment has been averaged once: by one whole call, or by segment calls in any
+     bucketing and order. A segment given again before the others were given is refused
+     (DOPT_ERR_INVALID, dopt_compress_detail names it and the first segment not yet given),
+     nothing started: the mistake is this rank's alone, and its peers still expect its calls.
+     The step's residuals (error feedback) and PowerSGD's Q's are kept when the call that ends
+     its last segment ends; a segment's residual has the place the whole call gives it, so
+     buckets cut differently from one step to the next keep their residuals, and the state file
+     is unchanged (saved between two parts of a step, it holds the state before the step). When
+     a call of a step fails — DOPT_ERR_NONFINITE (on every rank together, as for the whole
+     call), or a collective's error — the step still closes once every segment was given, but
+     without advancing and keeping nothing of it, as a whole call that fails keeps nothing: the
+     segment calls and the whole call stay in step. So after a failed bucket, give the step's
+     other segments still (the peers' calls need this rank's), then skip the step.
+
+     The bits. A segment's result and residual are the whole call's bit for bit: its random
+     stream is keyed by its index in the table, not its place in the call (RANDOMNESS: one
+     stream per step and segment), its scale (shared by MAX, exact) and clip bound are its own,
+     and the sums are exact integers (ternary with shared scales, majority vote, on either
+     path) or taken per element in rank order (the allgather path of every codec, ternary's
+     fp32 segments). Two exceptions at 3 ranks or more, where a sum of floats follows the cut
+     of the message, which a bucket shortens: fp16 and bf16 on the ring (an element's running
+     mean is folded starting from the rank whose chunk holds it, and the chunks are cut from
+     the bucket's length), and PowerSGD (its factors and uncompressed segments are averaged by
+     dopt_allreduce, whose fp32 sum follows the ring's cut on the engine above its latency
+     path); the results there stay the same on every rank, and a different rounding of the
+     factors changes PowerSGD's output and residual beyond the last bit. At 2 ranks every codec
+     gives the whole call's bits (two addends make one float in either order). The started
+     call gives the blocking segment call's bits (the same call), for every codec.
+
+     Nonblocking. dopt_compress_allreduce_start returns at once; the call runs on a thread the
+     compressor starts at its first start, an ordered worker (distopt.h): calls run one at a
+     time, in start order, each as the blocking call would. A request is a plain value, with
+     distopt.h's REQUESTS semantics: several may be in flight (32; one more start waits for the
+     oldest), they complete in start order (waiting on a later one completes the earlier ones),
+     the results are the blocking call's bit for bit, and waiting again returns the same
+     status. grads' floats and the descriptor's arrays belong to the call until it completes;
+     segs is copied. Once the compressor has its worker, its blocking calls run on it too,
+     behind the calls in flight. dopt_compressor_free waits for the calls in flight.
+     Rules: while a compressed request is in flight, start no other collective on comm or on its
+     groups (the worker's collectives take their sequence numbers when it runs them, and one
+     thread at a time may use a communicator); call the compressor's functions from one thread;
+     comm's log callback may be called from the worker's thread. Without threads
+     (DOPT_NO_THREADS), or on a communicator only its creating thread may call (comm->one_thread:
+     MPI initialised below MPI_THREAD_SERIALIZED), start runs the call itself: the request is
+     complete when start returns, and start returns its status.
+
    ERRORS (what to do)
      DOPT_ERR_NONFINITE   skip the step and go on: every rank of dopt_compress_allreduce got it
                           together, and nothing changed (NON-FINITE GRADIENTS).
-     DOPT_ERR_INVALID     a layout, buffer or configuration that does not fit: fix the call.
+     DOPT_ERR_INVALID     a layout, buffer or configuration that does not fit, or a segment given
+                          twice in one step: fix the call (dopt_compress_detail says why for
+                          the segment and nonblocking calls).
      DOPT_ERR_PROTOCOL    decode or state_load: bytes that are not this compressor's; from the
                           allreduce, or DOPT_ERR_MISMATCH: the ranks do not share one layout and
                           configuration (or one distopt release).
@@ -315,7 +406,8 @@
      rank with dopt_comm_finish(comm, status).
 
    THREADING
-     A compressor is used by one thread at a time; different compressors are independent.
+     A compressor is used by one thread at a time; different compressors are independent. Its
+     started calls run on its own worker thread (NONBLOCKING AND BUCKETS).
      Hosts are little-endian (x86-64, AArch64, RISC-V); a big-endian build stops with #error.
 */
 #ifndef DISTOPT_COMPRESS_H
@@ -497,6 +589,23 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      (sgemm's blocking; the plain loops' j = 0, 1, ...); the output is not fused with the
      residual (E = M − M̂ subtracts the stored output), so E is exact with multiply-adds fused
      too (-ffp-contract=fast; -ffast-math may rewrite any of it).
+
+   SEGMENT CALLS AND STARTED CALLS
+     A segment call runs the same code over a view of the table (dopt__compress_view: the
+     listed segments' indices, in the call's order; the whole call's view is 0 .. nsegs - 1).
+     Its message holds those segments' records in that order (the header's segment count,
+     elements and size are the call's), its scale sharing reduces k + 1 floats, PowerSGD's two
+     allreduces carry the listed matrices' P's and Q's and the listed other segments; random
+     streams, residual places (cz->offs) and Q's stay those of the whole table. A call writes
+     its segments' new residual into the work buffer (p there becomes p − C(p)) and PowerSGD's
+     new Q's into psgd_qnext; the step's last call copies them into the state (THE STEP IN
+     PARTS in the implementation), which costs the whole call no more than before (it copied
+     the work buffer too). The buffers sized at init and at the first call for the whole table
+     serve every view; the ring's grows to the largest call's plan once. A started call is a
+     job of the ordered worker (distopt.h's THE ORDERED WORKER) with its arguments in one of 32
+     slots (its indices copied into nsegs size_t's of the slot); the 33rd start waits for the
+     job that held its slot. A request keeps its status until 32 later calls have started: wait
+     for each.
 
    THE INTEGER RING
      Ternary segments (those not sent as fp32) are cut into groups of 64 elements, each
@@ -4367,6 +4476,7 @@ static dopt_status dopt__allreduce_run(dopt_compressor *cz, dopt_comm *comm, con
 
 #define DOPT__COMPRESS_JOBS 32 /* jobs in flight at most: one more start waits for the oldest */
 
+#ifdef DOPT__THREADS
 struct dopt__compress_job {
     dopt_compressor *cz;
     dopt_comm *comm;
@@ -4380,13 +4490,11 @@ static dopt_status dopt__compress_job_run(void *arg) {
     return dopt__allreduce_run(job->cz, job->comm, &job->grads, job->segs, job->k);
 }
 
-#ifdef DOPT__THREADS
 static dopt_status dopt__compress_worker(dopt_compressor *cz) {
-    dopt_status s;
     if (cz->worker != NULL) return DOPT_OK;
     cz->jobs = (struct dopt__compress_job *)DOPT_MALLOC(DOPT__COMPRESS_JOBS * sizeof(struct dopt__compress_job));
     cz->job_segs = (size_t *)DOPT_MALLOC(DOPT__COMPRESS_JOBS * cz->nsegs * sizeof(size_t));
-    if (cz->jobs == NULL || cz->job_segs == NULL || (s = dopt__worker_new(&cz->worker, DOPT__COMPRESS_JOBS)) != DOPT_OK) {
+    if (cz->jobs == NULL || cz->job_segs == NULL || dopt__worker_new(&cz->worker, DOPT__COMPRESS_JOBS) != DOPT_OK) {
         DOPT_FREE(cz->jobs);
         DOPT_FREE(cz->job_segs);
         cz->jobs = NULL;
@@ -4430,6 +4538,7 @@ static dopt_status dopt__call_start(dopt_compressor *cz, dopt_comm *comm, const 
                                     size_t k, dopt_compress_request *req) {
     req->cz = cz;
     req->ticket = 0;
+    req->status = DOPT_OK;
 #ifdef DOPT__THREADS
     if (!comm->one_thread && cz->worker != NULL) {
         struct dopt__compress_job *job;

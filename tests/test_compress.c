@@ -1854,6 +1854,11 @@ static void bk_case_run(dopt_comm *c, const bk_case *k) {
         if (parts.ef && (k->bitwise || c->size == 2))
             DT_CHECKF(memcmp(whole.residual, parts.residual, whole.count * sizeof(float)) == 0,
                       "rank %d %s step %d: the residuals differ", c->rank, bk_name(k), step);
+        if (parts.ef) { /* and the step kept one: C(p) drops something of every segment here */
+            size_t i, kept = 0;
+            for (i = 0; i < parts.count; i++) kept += parts.residual[i] != 0.0f;
+            DT_CHECKF(kept > 0, "%s step %d: no residual kept", bk_name(k), step);
+        }
     }
     dopt_compressor_free(&whole);
     dopt_compressor_free(&parts);
@@ -1903,13 +1908,23 @@ static void nb_case_run(dopt_comm *c, const bk_case *k) {
             DT_CHECK(done);
             DT_OK(dopt_compress_wait(&req[1]));
         } else { /* two in flight, the second waited first; step 4 has a blocking call behind them */
-            for (b = 0, segs = pl->seg; b < 2; segs += pl->size[b], b++)
-                DT_OK(dopt_compress_allreduce_start(&started, c, &bn, segs, pl->size[b], &req[b]));
+            for (b = 0, segs = pl->seg; b < 2; segs += pl->size[b], b++) {
+                /* (without threads start runs the call and returns its status) */
+                dopt_status st = dopt_compress_allreduce_start(&started, c, &bn, segs, pl->size[b], &req[b]);
+                DT_CHECK(st == DOPT_OK || (b == 1 && st == want));
+            }
             if (pl->nb == 3) DT_OK(dopt_compress_allreduce_segments(&started, c, &bn, segs, pl->size[2]));
+            if (step == 3) { /* the failing one polled, then waited: the same status */
+                dopt_status st;
+                do st = dopt_compress_test(&req[1], &done);
+                while (!done && st == DOPT_OK);
+                DT_EQ_INT(st, (int)want);
+            }
             DT_EQ_INT(dopt_compress_wait(&req[1]), (int)want);
             DT_OK(dopt_compress_test(&req[0], &done));
             DT_CHECK(done);
             DT_EQ_INT(dopt_compress_wait(&req[1]), (int)want); /* again: the same status */
+            DT_EQ_INT(dopt_compress_test(&req[1], &done), (int)want);
         }
         DT_CHECKF(started.step == blocking.step, "%s step %d: steps %llu and %llu", bk_name(k), step,
                   (unsigned long long)started.step, (unsigned long long)blocking.step);
@@ -1950,8 +1965,10 @@ static void nb_peer_lost(dopt_comm *c, void *unused) {
     ar_grad(g, c->rank, 0);
     DT_OK(dopt_barrier(c));
     if (c->rank == 2) _exit(0); /* no goodbye */
-    DT_OK(dopt_compress_allreduce_start(&cz, c, &b, first, 2, &req[0]));
-    DT_OK(dopt_compress_allreduce_start(&cz, c, &b, second, 2, &req[1]));
+    s0 = dopt_compress_allreduce_start(&cz, c, &b, first, 2, &req[0]);
+    s1 = dopt_compress_allreduce_start(&cz, c, &b, second, 2, &req[1]);
+    DT_CHECK(s0 == DOPT_OK || s0 == dopt_compress_wait(&req[0])); /* without threads: the call's status */
+    DT_CHECK(s1 == DOPT_OK || s1 == dopt_compress_wait(&req[1]));
     s1 = dopt_compress_wait(&req[1]);
     s0 = dopt_compress_wait(&req[0]);
     DT_CHECKF(s0 == DOPT_ERR_PEER_LOST || s0 == DOPT_ERR_TIMEOUT, "rank %d: the first bucket gave %s: %s", c->rank,
