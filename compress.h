@@ -382,7 +382,9 @@
      the results are the blocking call's bit for bit, and waiting again returns the same
      status. grads' floats and the descriptor's arrays belong to the call until it completes;
      segs is copied. Once the compressor has its worker, its blocking calls run on it too,
-     behind the calls in flight. dopt_compressor_free waits for the calls in flight.
+     behind the calls in flight; dopt_compress_encode, dopt_compress_state_save and _load, and
+     dopt_compressor_free wait for the calls in flight first. Read cz's fields (step, path,
+     residual) once its requests are complete.
      Rules: while a compressed request is in flight, start no other collective on comm or on its
      groups (the worker's collectives take their sequence numbers when it runs them, and one
      thread at a time may use a communicator); call the compressor's functions from one thread;
@@ -2653,6 +2655,12 @@ static void dopt__step_count(dopt_compressor *cz, size_t k, dopt_status s) {
     if (cz->nfinished == cz->nsegs) dopt__step_close(cz);
 }
 
+/* Waits for the started calls in flight (none without a worker): what reads or writes the state
+   outside a call (encode, state save and load) sees the state they leave. */
+static void dopt__settle(const dopt_compressor *cz) {
+    if (cz->worker != NULL) (void)dopt__worker_wait(cz->worker, cz->started);
+}
+
 static const char *dopt__seg_name(const dopt_compressor *cz, size_t i) {
     return i < cz->nsegs && cz->segs[i].name ? cz->segs[i].name : "unnamed";
 }
@@ -2741,7 +2749,12 @@ DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *g
     if (cz == NULL || cz->segs == NULL || grads == NULL || out == NULL || bytes == NULL) return DOPT_ERR_INVALID;
     if (dopt__codec(&cz->cfg)->encode == NULL) return DOPT_ERR_UNSUPPORTED; /* PowerSGD: two rounds, no message */
     if (capacity < cz->msg_bytes || !dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
-    if (cz->ngiven > 0) return DOPT_ERR_INVALID; /* a step in parts is under way */
+    dopt__settle(cz);
+    if (cz->ngiven > 0) { /* a step in parts is under way */
+        snprintf(cz->detail, sizeof cz->detail, "dopt_compress_encode: %zu of %zu segments were given to this step's "
+                 "segment calls: finish the step first", cz->ngiven, cz->nsegs);
+        return DOPT_ERR_INVALID;
+    }
     cz->view = dopt__whole(cz);
     s = dopt__encode_local(cz, &cz->view, grads, cz->rank, (unsigned char *)out, NULL, 1);
     *bytes = cz->msg_bytes; /* the flagged message too: a peer that decodes it learns the verdict */
@@ -3118,6 +3131,7 @@ DOPT_DEF size_t dopt_compress_state_bytes(const dopt_compressor *cz) {
 DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity) {
     unsigned char *o = (unsigned char *)out;
     if (cz == NULL || out == NULL || capacity < dopt_compress_state_bytes(cz)) return DOPT_ERR_INVALID;
+    dopt__settle(cz);
     memset(o, 0, DOPT__STATE_HEADER);
     dopt__put_le32(o, DOPT__STATE_MAGIC);
     o[4] = DOPT__STATE_VERSION;
@@ -3133,6 +3147,7 @@ DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *o
 DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *in, size_t bytes) {
     const unsigned char *p = (const unsigned char *)in;
     if (cz == NULL || (in == NULL && bytes > 0)) return DOPT_ERR_INVALID;
+    dopt__settle(cz);
     if (bytes != dopt_compress_state_bytes(cz) || dopt__get_le32(p) != DOPT__STATE_MAGIC ||
         p[4] != DOPT__STATE_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
         p[7] != 0 || dopt__get_le64(p + 8) != (uint64_t)cz->count || !dopt__zero_bytes(p + 24, 8))

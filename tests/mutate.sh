@@ -331,6 +331,10 @@ mutate bucket-given-twice-accepted compress.h \
     'if (i < cz->nsegs && !cz->given[i]) {' 'if (i < cz->nsegs) {' test_compress:buckets_in_any
 mutate bucket-residual-at-the-calls-place compress.h \
     'float *w = cz->work + cz->offs[v->index[j]];' 'float *w = cz->work + cz->offs[j];' test_compress:buckets_in_any
+mutate powersgd-step-keeps-old-q compress.h \
+    'if (cz->psgd_nq) memcpy(cz->psgd_q, cz->psgd_qnext, cz->psgd_nq * sizeof(float));' '(void)0;' test_powersgd:warm_start
+mutate powersgd-bucket-q-of-another-matrix compress.h \
+    'return cz->offs[cz->nsegs + i];' 'return cz->offs[cz->nsegs + (i > 0 ? i - 1 : 0)];' test_compress:buckets_in_any
 mutate started-blocking-call-not-waited compress.h \
     'return s != DOPT_OK ? s : dopt_compress_wait(&req);' 'return s;' test_compress:started_buckets
 mutate started-request-forgets-its-status compress.h \

@@ -1860,6 +1860,16 @@ static void bk_case_run(dopt_comm *c, const bk_case *k) {
             DT_CHECKF(kept > 0, "%s step %d: no residual kept", bk_name(k), step);
         }
     }
+    if (k->bitwise || c->size == 2) { /* the same state file: step, residual, PowerSGD's Q's */
+        size_t bytes = dopt_compress_state_bytes(&whole);
+        unsigned char *sw = (unsigned char *)malloc(bytes), *sp = (unsigned char *)malloc(bytes);
+        DT_EQ_INT(dopt_compress_state_bytes(&parts), bytes);
+        DT_OK(dopt_compress_state_save(&whole, sw, bytes));
+        DT_OK(dopt_compress_state_save(&parts, sp, bytes));
+        DT_CHECKF(memcmp(sw, sp, bytes) == 0, "rank %d %s: the states differ", c->rank, bk_name(k));
+        free(sw);
+        free(sp);
+    }
     dopt_compressor_free(&whole);
     dopt_compressor_free(&parts);
 }
