@@ -368,9 +368,10 @@
      of the message, which a bucket shortens: fp16 and bf16 on the ring (an element's running
      mean is folded starting from the rank whose chunk holds it, and the chunks are cut from
      the bucket's length), and PowerSGD (its factors and uncompressed segments are averaged by
-     dopt_allreduce, whose fp32 sum follows the ring's cut on the engine above its latency
-     path); the results there stay the same on every rank, and a different rounding of the
-     factors changes PowerSGD's output and residual beyond the last bit. At 2 ranks every codec
+     dopt_allreduce, whose fp32 sum may take its order from the message's length: the engine's
+     ring above its latency path, MPI's own reduction); the results there stay the same on
+     every rank, and PowerSGD's factors rounded otherwise change its output and residual beyond
+     the last bit. At 2 ranks every codec
      gives the whole call's bits (two addends make one float in either order). The started
      call gives the blocking segment call's bits (the same call), for every codec.
 
@@ -380,11 +381,12 @@
      distopt.h's REQUESTS semantics: several may be in flight (32; one more start waits for the
      oldest), they complete in start order (waiting on a later one completes the earlier ones),
      the results are the blocking call's bit for bit, and waiting again returns the same
-     status. grads' floats and the descriptor's arrays belong to the call until it completes;
-     segs is copied. Once the compressor has its worker, its blocking calls run on it too,
-     behind the calls in flight; dopt_compress_encode, dopt_compress_state_save and _load, and
-     dopt_compressor_free wait for the calls in flight first. Read cz's fields (step, path,
-     residual) once its requests are complete.
+     status. The descriptor grads and segs are copied; the floats and the descriptor's arrays
+     (its segment table or spans) belong to the call until it completes. Once the compressor
+     has its worker, its blocking calls run on it too, behind the calls in flight;
+     dopt_compress_encode, dopt_compress_state_save and _load, and dopt_compressor_free wait
+     for the calls in flight first. Read cz's fields (step, path, residual) once its requests
+     are complete.
      Rules: while a compressed request is in flight, start no other collective on comm or on its
      groups (the worker's collectives take their sequence numbers when it runs them, and one
      thread at a time may use a communicator); call the compressor's functions from one thread;
@@ -3793,7 +3795,8 @@ static void dopt__ring_fill_own(const dopt_compressor *cz, unsigned char *own) {
     size_t off = DOPT_COMPRESS_HEADER_BYTES, j;
     int fmt = dopt__ring_fmt(cz);
     for (j = 0; j < cz->view.nsegs; j++) {
-        size_t n = dopt__vcount(cz, &cz->view, j), per = fmt == DOPT__RING_INT ? 16 : 128, groups = dopt__ring_groups(n);
+        size_t n = dopt__vcount(cz, &cz->view, j), per = fmt == DOPT__RING_INT ? 16 : 128;
+        size_t groups = dopt__ring_groups(n);
         const unsigned char *body = cz->msg + off + DOPT_COMPRESS_RECORD_BYTES;
         if (dopt__codec(&cz->cfg)->vote) {
             dopt__ring_own_signs(body, n, own);
@@ -4528,7 +4531,8 @@ static dopt_status dopt__call_check(dopt_compressor *cz, dopt_comm *comm, const 
     if (cz == NULL || cz->segs == NULL) return DOPT_ERR_INVALID;
     cz->detail[0] = '\0';
     if (comm == NULL || grads == NULL) {
-        snprintf(cz->detail, sizeof cz->detail, "%s: no %s", api, comm == NULL ? "communicator" : "gradient descriptor");
+        snprintf(cz->detail, sizeof cz->detail, "%s: no %s", api,
+                 comm == NULL ? "communicator" : "gradient descriptor");
         return DOPT_ERR_INVALID;
     }
     if (!dopt__segment_matches(cz, grads)) {
@@ -4558,7 +4562,8 @@ static dopt_status dopt__call_start(dopt_compressor *cz, dopt_comm *comm, const 
     if (!comm->one_thread && cz->worker != NULL) {
         struct dopt__compress_job *job;
         size_t slot = (size_t)(cz->started % (uint64_t)cz->njobs);
-        if (cz->started >= (uint64_t)cz->njobs) (void)dopt__worker_wait(cz->worker, cz->started - (uint64_t)cz->njobs + 1);
+        if (cz->started >= (uint64_t)cz->njobs) /* the slot's last job has ended */
+            (void)dopt__worker_wait(cz->worker, cz->started - (uint64_t)cz->njobs + 1);
         job = &cz->jobs[slot];
         job->cz = cz, job->comm = comm, job->grads = *grads, job->k = segs ? k : cz->nsegs, job->segs = NULL;
         if (segs != NULL) job->segs = (const size_t *)memcpy(cz->job_segs + slot * cz->nsegs, segs, k * sizeof(size_t));

@@ -333,8 +333,14 @@ mutate bucket-residual-at-the-calls-place compress.h \
     'float *w = cz->work + cz->offs[v->index[j]];' 'float *w = cz->work + cz->offs[j];' test_compress:buckets_in_any
 mutate powersgd-step-keeps-old-q compress.h \
     'if (cz->psgd_nq) memcpy(cz->psgd_q, cz->psgd_qnext, cz->psgd_nq * sizeof(float));' '(void)0;' test_powersgd:warm_start
-mutate powersgd-bucket-q-of-another-matrix compress.h \
-    'return cz->offs[cz->nsegs + i];' 'return cz->offs[cz->nsegs + (i > 0 ? i - 1 : 0)];' test_compress:buckets_in_any
+mutate powersgd-bucket-m-at-the-calls-place compress.h \
+    '        m = cz->work + cz->offs[i];
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            if (dopt__absbits_max' '        m = cz->work + cz->offs[j];
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            if (dopt__absbits_max' test_compress:buckets_in_any
 mutate started-blocking-call-not-waited compress.h \
     'return s != DOPT_OK ? s : dopt_compress_wait(&req);' 'return s;' test_compress:started_buckets
 mutate started-request-forgets-its-status compress.h \

@@ -1808,7 +1808,8 @@ static void bk_same_everywhere(dopt_comm *c, const float *g, const char *what) {
     int r;
     DT_OK(dopt_allgather(c, g, all, AR_N * sizeof(float)));
     for (r = 1; r < c->size; r++)
-        DT_CHECKF(memcmp(all, all + (size_t)r * AR_N, AR_N * sizeof(float)) == 0, "%s: rank %d differs from rank 0", what, r);
+        DT_CHECKF(memcmp(all, all + (size_t)r * AR_N, AR_N * sizeof(float)) == 0, "%s: rank %d differs from rank 0", what,
+                  r);
 }
 
 static void bk_case_run(dopt_comm *c, const bk_case *k) {
@@ -1832,7 +1833,8 @@ static void bk_case_run(dopt_comm *c, const bk_case *k) {
             sp = dopt_compress_allreduce_segments(&parts, c, &bp, segs, pl->size[b]);
             DT_CHECKF(sp == (step == 3 && b == 1 ? DOPT_ERR_NONFINITE : DOPT_OK), "rank %d %s step %d bucket %d: %s (%s)",
                       c->rank, bk_name(k), step, b, dopt_status_str(sp), dopt_compress_detail(&parts));
-            if (b < pl->nb - 1) DT_CHECKF(parts.step == before, "%s: the step advanced before every segment was given", bk_name(k));
+            if (b < pl->nb - 1)
+                DT_CHECKF(parts.step == before, "%s: the step advanced before every segment was given", bk_name(k));
             if (step == 1 && b == 0) { /* segment 2 again, an index beyond the table, the whole call: refused here */
                 size_t again[2] = {0, 2}, beyond = 4;
                 DT_EQ_INT(dopt_compress_allreduce_segments(&parts, c, &bp, again, 2), DOPT_ERR_INVALID);
