@@ -201,9 +201,10 @@
      into the segment table (k >= 1, each at most once, in any order). grads is the whole
      descriptor, as dopt_compress_allreduce_buf takes it (a flat buffer with the layout's table,
      or a scatter list of every segment); only the listed segments are read and written. Every
-     rank lists the same segments in the same order. A segment's result, residual and random
-     stream are those of the whole call (NONBLOCKING AND BUCKETS says where the bits can
-     differ). Errors: those of dopt_compress_allreduce_buf; DOPT_ERR_INVALID also for segs NULL
+     rank lists the same segments in the same order: lists whose sizes differ fail as other
+     layouts do (DOPT_ERR_MISMATCH or DOPT_ERR_PROTOCOL on every rank), but segments of equal
+     sizes cannot be told apart. A segment's result, residual and random stream are those of
+     the whole call (NONBLOCKING AND BUCKETS says where the bits can differ). Errors: those of dopt_compress_allreduce_buf; DOPT_ERR_INVALID also for segs NULL
      or k 0, an index beyond the table, or a segment given twice in one step, refused before
      anything starts (dopt_compress_detail says which).
 
@@ -371,9 +372,9 @@
      dopt_allreduce, whose fp32 sum may take its order from the message's length: the engine's
      ring above its latency path, MPI's own reduction); the results there stay the same on
      every rank, and PowerSGD's factors rounded otherwise change its output and residual beyond
-     the last bit. At 2 ranks every codec
-     gives the whole call's bits (two addends make one float in either order). The started
-     call gives the blocking segment call's bits (the same call), for every codec.
+     the last bit. At 2 ranks every codec gives the whole call's bits (two addends make one
+     float in either order). The started call gives the blocking segment call's bits (the same
+     call), for every codec.
 
      Nonblocking. dopt_compress_allreduce_start returns at once; the call runs on a thread the
      compressor starts at its first start, an ordered worker (distopt.h): calls run one at a

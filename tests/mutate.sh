@@ -341,6 +341,9 @@ mutate powersgd-bucket-m-at-the-calls-place compress.h \
         rows = dopt__psgd_rows(cz, i);
         if (rows == 0) {
             if (dopt__absbits_max' test_compress:buckets_in_any
+mutate started-on-one-thread-comm-uses-the-worker compress.h \
+    'if (s == DOPT_OK && !comm->one_thread) s = dopt__compress_worker(cz);' 'if (s == DOPT_OK) s = dopt__compress_worker(cz);' \
+    test_compress:started_buckets
 mutate started-blocking-call-not-waited compress.h \
     'return s != DOPT_OK ? s : dopt_compress_wait(&req);' 'return s;' test_compress:started_buckets
 mutate started-request-forgets-its-status compress.h \

@@ -1763,6 +1763,7 @@ static dopt_compressor_config bk_config(const bk_case *k) {
     cfg.aggregate = k->aggregate;
     cfg.no_scale_sharing = k->no_sharing;
     cfg.fp32_below = 1000; /* ternary's b goes as fp32 */
+    cfg.ring_buckets = 3;  /* ternary's ring pipelines a bucket's groups in three */
     return cfg;
 }
 
@@ -1884,10 +1885,11 @@ static void bk_all_codecs(dopt_comm *c, void *unused) {
 
 DTEST_WORLDS(buckets_in_any_order_give_the_whole_calls_bits_and_step, bk_all_codecs, NULL, 2, 3);
 
-/* The same buckets blocking and started: two in flight, the second waited (which completes the
-   first), a third polled with test, the whole table started, and a blocking segment call
-   behind a started one; every result, step and residual bit for bit the blocking calls', for
-   every codec (the same calls: even where buckets differ from the whole call). */
+/* The same buckets blocking and started: run by start itself on a communicator only one thread
+   may call, two in flight, the second waited (which completes the first), a third polled with
+   test, the whole table started, and a blocking segment call behind a started one; every
+   result, step and residual bit for bit the blocking calls', for every codec (the same calls:
+   even where buckets differ from the whole call). */
 static void nb_case_run(dopt_comm *c, const bk_case *k) {
     static float gb[AR_N], gn[AR_N];
     dopt_compressor blocking, started;
@@ -1906,7 +1908,15 @@ static void nb_case_run(dopt_comm *c, const bk_case *k) {
         for (b = 0, segs = pl->seg; b < pl->nb; segs += pl->size[b], b++)
             DT_CHECK(dopt_compress_allreduce_segments(&blocking, c, &bb, segs, pl->size[b]) ==
                      (step == 3 && b == 1 ? want : DOPT_OK));
-        if (step == 2) { /* the whole table, started; then a blocking call behind it */
+        if (step == 0) { /* a communicator only its creating thread may call: start runs the call */
+            c->one_thread = 1;
+            for (b = 0, segs = pl->seg; b < pl->nb; segs += pl->size[b], b++) {
+                DT_OK(dopt_compress_allreduce_start(&started, c, &bn, segs, pl->size[b], &req[b]));
+                DT_CHECK(req[b].ticket == 0 && started.worker == NULL); /* complete, and no thread */
+            }
+            c->one_thread = 0;
+            DT_OK(dopt_compress_wait(&req[0]));
+        } else if (step == 2) { /* the whole table, started; then a blocking call behind it */
             DT_OK(dopt_compress_allreduce_start(&started, c, &bn, NULL, 0, &req[0]));
             DT_OK(dopt_compress_wait(&req[0]));
             DT_OK(dopt_compress_wait(&req[0])); /* again: the same status */
@@ -1959,6 +1969,31 @@ static void nb_all_codecs(dopt_comm *c, void *unused) {
 }
 
 DTEST_WORLDS(started_buckets_complete_in_order_with_the_blocking_bits, nb_all_codecs, NULL, 2, 3);
+
+/* Ranks that list other segments (sizes 900 and 29000) fail together, for a codec on the
+   allgather path, ternary's scale sharing and PowerSGD: nothing hangs. */
+static void bk_other_lists(dopt_comm *c, void *unused) {
+    static float g[AR_N];
+    static const dopt_codec codecs[3] = {DOPT_CODEC_TOPK, DOPT_CODEC_TERNARY, DOPT_CODEC_POWERSGD};
+    dopt_buf b = dopt_buf_flat(g, AR_N, bk_segs, 4);
+    size_t mine = c->rank == 0 ? 3 : 2;
+    int i;
+    (void)unused;
+    for (i = 0; i < 3; i++) {
+        dopt_compressor cz;
+        dopt_compressor_config cfg = config_of(codecs[i]);
+        dopt_status s;
+        DT_OK(dopt_compressor_init(&cz, &cfg, bk_segs, 4));
+        ar_grad(g, c->rank, 0);
+        s = dopt_compress_allreduce_segments(&cz, c, &b, &mine, 1);
+        DT_CHECKF(s == DOPT_ERR_MISMATCH || s == DOPT_ERR_PROTOCOL, "rank %d %s: %s (%s)", c->rank,
+                  dopt_codec_name(codecs[i]), dopt_status_str(s), dopt_comm_detail(c));
+        dopt_compressor_free(&cz);
+        if (s == DOPT_ERR_MISMATCH) break; /* the communicator is poisoned */
+    }
+}
+
+DTEST_WORLDS(buckets_of_other_segments_on_two_ranks_fail_on_both, bk_other_lists, NULL, 2, 2);
 
 /* Rank 2 leaves the job without a word while the others have two buckets in flight: both
    requests fail (the lost peer, or the short timeout where the transport cannot tell), nothing
