@@ -13,7 +13,8 @@
 
    CONTENTS
      This comment, the manual: QUICK START, COMPRESSORS, CONFIGURATION, FUNCTIONS, BYTES AS THE
-     WORLD GROWS, NON-FINITE GRADIENTS, RANDOMNESS, ERROR FEEDBACK, POWERSGD, ERRORS, THREADING.
+     WORLD GROWS, NON-FINITE GRADIENTS, RANDOMNESS, ERROR FEEDBACK, POWERSGD, NONBLOCKING AND
+     BUCKETS, ERRORS, THREADING.
      Then the declarations; REFERENCE FOR CONTRIBUTORS (how the allreduce exchanges and sums, the
      rings, the wire and state formats); and the implementation in three parts, each under its
      banner:
@@ -140,7 +141,8 @@
 
    size_t dopt_compress_bound(const dopt_compressor *cz)
      The size in bytes of every message this compressor writes: it depends only on the layout
-     and the configuration, so it is exact, not just a bound, and the same on every rank.
+     and the configuration, so it is exact, not just a bound, and the same on every rank (a
+     segment call's message, of fewer segments, is shorter).
      PowerSGD, which writes none: the bytes of its two allreduces per step, 4 · (Σ r·(rows +
      cols) over the compressed matrices + the elements of the other segments + 2 flags).
 
@@ -154,7 +156,8 @@
      (any codec: see NON-FINITE GRADIENTS; out then holds the flagged message, *bytes is set,
      and the step and the residual are unchanged), DOPT_ERR_UNSUPPORTED (PowerSGD: its factors
      need a round of communication between the two products, so there is no message; nothing
-     changes).
+     changes). DOPT_ERR_INVALID too while a step is being averaged in parts (NONBLOCKING AND
+     BUCKETS).
 
    dopt_status dopt_compress_decode(const dopt_compressor *cz, const void *msg, size_t bytes,
                                     float weight, const dopt_buf *accum)
@@ -189,11 +192,44 @@
      allreduce ..." and "...: PowerSGD's Q: allreduce ...") — unless the caller has labelled the
      communicator itself (localsgd.h does, with the call the user made): that label stays. Every
      rank must call it with the same layout and configuration. One thread at a time per
-     compressor.
+     compressor. DOPT_ERR_INVALID too while a step is being averaged in parts: the whole call
+     gives every segment, and some were given already (NONBLOCKING AND BUCKETS).
+
+   dopt_status dopt_compress_allreduce_segments(dopt_compressor *cz, dopt_comm *comm,
+                                                const dopt_buf *grads, const size_t *segs, size_t k)
+     The compressed allreduce of some of the layout's segments, in place: segs[0..k) are indices
+     into the segment table (k >= 1, each at most once, in any order). grads is the whole
+     descriptor, as dopt_compress_allreduce_buf takes it (a flat buffer with the layout's table,
+     or a scatter list of every segment); only the listed segments are read and written. Every
+     rank lists the same segments in the same order: lists whose sizes differ fail as other
+     layouts do (DOPT_ERR_MISMATCH or DOPT_ERR_PROTOCOL on every rank), but segments of equal
+     sizes cannot be told apart. A segment's result, residual and random stream are those of
+     the whole call (NONBLOCKING AND BUCKETS says where the bits can differ). Errors: those of dopt_compress_allreduce_buf; DOPT_ERR_INVALID also for segs NULL
+     or k 0, an index beyond the table, or a segment given twice in one step, refused before
+     anything starts (dopt_compress_detail says which).
+
+   dopt_status dopt_compress_allreduce_start(dopt_compressor *cz, dopt_comm *comm,
+                                             const dopt_buf *grads, const size_t *segs, size_t k,
+                                             dopt_compress_request *req)
+   dopt_status dopt_compress_test(dopt_compress_request *req, int *done)
+   dopt_status dopt_compress_wait(dopt_compress_request *req)
+     The segment call (segs NULL and k 0: every segment, the whole call) started: it returns at
+     once and runs on the compressor's worker thread; test sets done without blocking, wait
+     blocks until the call completed; both return its status once done (DOPT_OK from test while
+     it runs). Refusals (DOPT_ERR_INVALID, DOPT_ERR_NOMEM for the worker) come from start
+     itself, with nothing started, and req holds them. Semantics and rules: NONBLOCKING AND
+     BUCKETS.
+
+   const char *dopt_compress_detail(const dopt_compressor *cz)
+     Why the last call of the segment or nonblocking family was refused with DOPT_ERR_INVALID
+     before it started any collective (the communicator's detail says nothing then), e.g.
+     "dopt_compress_allreduce_segments: segment 2 (w2) given twice in one step; 2 of its 4
+     segments not given yet, the first 1 (b)"; "" after a call that was not refused.
 
    const void *dopt_compress_message(const dopt_compressor *cz, int rank, size_t *bytes)
      After an allreduce that gathered the messages (cz->path == DOPT_PATH_ALLGATHER): rank's
-     message as gathered (for inspection and tests); NULL otherwise (PowerSGD never gathers).
+     message as gathered (for inspection and tests; after a segment call, the message of its
+     segments); NULL otherwise (PowerSGD never gathers).
 
    cz->path says how the last allreduce combined the messages: DOPT_PATH_ALLGATHER,
      DOPT_PATH_RING (ternary sums along one ring), DOPT_PATH_RING_TWO_LEVEL (within hosts, then
@@ -302,10 +338,70 @@
      dopt_compress_state_save) holds the step, the residual and every Q; encode and decode are
      DOPT_ERR_UNSUPPORTED (there is no message), and error feedback cannot be turned off.
 
+   NONBLOCKING AND BUCKETS
+     A host whose backward makes the gradient final a segment at a time (the last layer's
+     first) can average it in buckets of segments as they become final, with
+     dopt_compress_allreduce_segments, or started with dopt_compress_allreduce_start so that
+     the average runs while backward goes on. localsgd.h's driver does it for the host
+     (dopt_dp_grad_ready).
+
+     The step. The compressor's step (cz->step, the key of the random rounding) advances once
+     every segment has been averaged once: by one whole call, or by segment calls in any
+     bucketing and order. A segment given again before the others were given is refused
+     (DOPT_ERR_INVALID, dopt_compress_detail names it and the first segment not yet given),
+     nothing started: the mistake is this rank's alone, and its peers still expect its calls.
+     The step's residuals (error feedback) and PowerSGD's Q's are kept when the call that ends
+     its last segment ends; a segment's residual has the place the whole call gives it, so
+     buckets cut differently from one step to the next keep their residuals, and the state file
+     is unchanged (saved between two parts of a step, it holds the state before the step). When
+     a call of a step fails — DOPT_ERR_NONFINITE (on every rank together, as for the whole
+     call), or a collective's error — the step still closes once every segment was given, but
+     without advancing and keeping nothing of it, as a whole call that fails keeps nothing: the
+     segment calls and the whole call stay in step. So after a failed bucket, give the step's
+     other segments still (the peers' calls need this rank's), then skip the step.
+
+     The bits. A segment's result and residual are the whole call's bit for bit: its random
+     stream is keyed by its index in the table, not its place in the call (RANDOMNESS: one
+     stream per step and segment), its scale (shared by MAX, exact) and clip bound are its own,
+     and the sums are exact integers (ternary with shared scales, majority vote, on either
+     path) or taken per element in rank order (the allgather path of every codec, ternary's
+     fp32 segments). Two exceptions at 3 ranks or more, where a sum of floats follows the cut
+     of the message, which a bucket shortens: fp16 and bf16 on the ring (an element's running
+     mean is folded starting from the rank whose chunk holds it, and the chunks are cut from
+     the bucket's length), and PowerSGD (its factors and uncompressed segments are averaged by
+     dopt_allreduce, whose fp32 sum may take its order from the message's length: the engine's
+     ring above its latency path, MPI's own reduction); the results there stay the same on
+     every rank, and PowerSGD's factors rounded otherwise change its output and residual beyond
+     the last bit. At 2 ranks every codec gives the whole call's bits (two addends make one
+     float in either order). The started call gives the blocking segment call's bits (the same
+     call), for every codec.
+
+     Nonblocking. dopt_compress_allreduce_start returns at once; the call runs on a thread the
+     compressor starts at its first start, an ordered worker (distopt.h): calls run one at a
+     time, in start order, each as the blocking call would. A request is a plain value, with
+     distopt.h's REQUESTS semantics: several may be in flight (32; one more start waits for the
+     oldest), they complete in start order (waiting on a later one completes the earlier ones),
+     the results are the blocking call's bit for bit, and waiting again returns the same
+     status. The descriptor grads and segs are copied; the floats and the descriptor's arrays
+     (its segment table or spans) belong to the call until it completes. Once the compressor
+     has its worker, its blocking calls run on it too, behind the calls in flight;
+     dopt_compress_encode, dopt_compress_state_save and _load, and dopt_compressor_free wait
+     for the calls in flight first. Read cz's fields (step, path, residual) once its requests
+     are complete.
+     Rules: while a compressed request is in flight, start no other collective on comm or on its
+     groups (the worker's collectives take their sequence numbers when it runs them, and one
+     thread at a time may use a communicator); call the compressor's functions from one thread;
+     comm's log callback may be called from the worker's thread. Without threads
+     (DOPT_NO_THREADS), or on a communicator only its creating thread may call (comm->one_thread:
+     MPI initialised below MPI_THREAD_SERIALIZED), start runs the call itself: the request is
+     complete when start returns, and start returns its status.
+
    ERRORS (what to do)
      DOPT_ERR_NONFINITE   skip the step and go on: every rank of dopt_compress_allreduce got it
                           together, and nothing changed (NON-FINITE GRADIENTS).
-     DOPT_ERR_INVALID     a layout, buffer or configuration that does not fit: fix the call.
+     DOPT_ERR_INVALID     a layout, buffer or configuration that does not fit, or a segment given
+                          twice in one step: fix the call (dopt_compress_detail says why for
+                          the segment and nonblocking calls).
      DOPT_ERR_PROTOCOL    decode or state_load: bytes that are not this compressor's; from the
                           allreduce, or DOPT_ERR_MISMATCH: the ranks do not share one layout and
                           configuration (or one distopt release).
@@ -315,7 +411,8 @@
      rank with dopt_comm_finish(comm, status).
 
    THREADING
-     A compressor is used by one thread at a time; different compressors are independent.
+     A compressor is used by one thread at a time; different compressors are independent. Its
+     started calls run on its own worker thread (NONBLOCKING AND BUCKETS).
      Hosts are little-endian (x86-64, AArch64, RISC-V); a big-endian build stops with #error.
 */
 #ifndef DISTOPT_COMPRESS_H
@@ -376,6 +473,16 @@ typedef struct dopt_compressor_config {
     int ring_buckets;
 } dopt_compressor_config;
 
+/* The segments one allreduce works on (internal): the whole table, or a segment call's list. */
+typedef struct dopt__compress_view {
+    const size_t *index;        /* each one's index in the table, in the call's order */
+    size_t nsegs;               /* how many */
+    size_t count;               /* their elements */
+    size_t msg_bytes;           /* a message of them */
+} dopt__compress_view;
+
+struct dopt__compress_job;
+
 typedef struct dopt_compressor {
     dopt_compressor_config cfg; /* with the defaults filled in */
     dopt_segment *segs;         /* the layout, copied */
@@ -406,7 +513,32 @@ typedef struct dopt_compressor {
     size_t psgd_np;             /* PowerSGD: floats of the first allreduce (P's, the rest, a flag) */
     size_t psgd_nq;             /* PowerSGD: floats of all Q's (the second allreduce adds a flag) */
     size_t psgd_nmat;           /* PowerSGD: matrices it compresses */
+    float *psgd_qnext;          /* PowerSGD: the step's new Q's, kept until the step closes */
+    /* A step in parts (NONBLOCKING AND BUCKETS): */
+    dopt__compress_view view;   /* the segments the running allreduce works on */
+    size_t *all;                /* 0 .. nsegs - 1: the whole table's view */
+    size_t *part;               /* a segment call's indices, copied for its run */
+    size_t *offs;               /* segment i's first element in residual and work; PowerSGD: then
+                                   nsegs more, its Q's first float in psgd_q */
+    unsigned char *given;       /* segments the calls started so far gave in this step */
+    size_t ngiven;
+    size_t nfinished;           /* segments whose calls have ended in this step */
+    int step_failed;            /* one of them failed: the step closes without advancing */
+    char detail[DOPT_DETAIL_MAX]; /* why the last call was refused (DOPT_ERR_INVALID), else "" */
+    dopt__worker *worker;       /* the nonblocking calls' ordered worker, from the first start */
+    struct dopt__compress_job *jobs; /* its jobs, one slot per job in flight */
+    size_t *job_segs;           /* ... and their indices, nsegs per slot */
+    int njobs;                  /* slots */
+    uint64_t started;           /* jobs posted */
 } dopt_compressor;
+
+/* A nonblocking compressed allreduce (dopt_compress_allreduce_start): a plain value the caller
+   keeps; nothing to free. */
+typedef struct dopt_compress_request {
+    dopt_compressor *cz;
+    uint64_t ticket;            /* the worker's job number; 0: complete */
+    dopt_status status;         /* ticket 0: how it completed */
+} dopt_compress_request;
 
 DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
                                           const dopt_segment *segs, size_t nsegs);
@@ -418,6 +550,13 @@ DOPT_DEF dopt_status dopt_compress_decode(const dopt_compressor *cz, const void 
                                           const dopt_buf *accum);
 DOPT_DEF dopt_status dopt_compress_allreduce(dopt_compressor *cz, dopt_comm *comm, float *grads, size_t n);
 DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads);
+DOPT_DEF dopt_status dopt_compress_allreduce_segments(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads,
+                                                      const size_t *segs, size_t k);
+DOPT_DEF dopt_status dopt_compress_allreduce_start(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads,
+                                                   const size_t *segs, size_t k, dopt_compress_request *req);
+DOPT_DEF dopt_status dopt_compress_test(dopt_compress_request *req, int *done);
+DOPT_DEF dopt_status dopt_compress_wait(dopt_compress_request *req);
+DOPT_DEF const char *dopt_compress_detail(const dopt_compressor *cz);
 DOPT_DEF const void *dopt_compress_message(const dopt_compressor *cz, int rank, size_t *bytes);
 DOPT_DEF size_t dopt_compress_state_bytes(const dopt_compressor *cz);
 DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity);
@@ -455,6 +594,23 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      (sgemm's blocking; the plain loops' j = 0, 1, ...); the output is not fused with the
      residual (E = M − M̂ subtracts the stored output), so E is exact with multiply-adds fused
      too (-ffp-contract=fast; -ffast-math may rewrite any of it).
+
+   SEGMENT CALLS AND STARTED CALLS
+     A segment call runs the same code over a view of the table (dopt__compress_view: the
+     listed segments' indices, in the call's order; the whole call's view is 0 .. nsegs - 1).
+     Its message holds those segments' records in that order (the header's segment count,
+     elements and size are the call's), its scale sharing reduces k + 1 floats, PowerSGD's two
+     allreduces carry the listed matrices' P's and Q's and the listed other segments; random
+     streams, residual places (cz->offs) and Q's stay those of the whole table. A call writes
+     its segments' new residual into the work buffer (p there becomes p − C(p)) and PowerSGD's
+     new Q's into psgd_qnext; the step's last call copies them into the state (THE STEP IN
+     PARTS in the implementation), which costs the whole call no more than before (it copied
+     the work buffer too). The buffers sized at init and at the first call for the whole table
+     serve every view; the ring's grows to the largest call's plan once. A started call is a
+     job of the ordered worker (distopt.h's THE ORDERED WORKER) with its arguments in one of 32
+     slots (its indices copied into nsegs size_t's of the slot); the 33rd start waits for the
+     job that held its slot. A request keeps its status until 32 later calls have started: wait
+     for each.
 
    THE INTEGER RING
      Ternary segments (those not sent as fp32) are cut into groups of 64 elements, each
@@ -2016,8 +2172,9 @@ enum { DOPT__RING_NONE = -1, DOPT__RING_INT = 0, DOPT__RING_F16 = 1, DOPT__RING_
 /* Error feedback under DOPT_EF_AUTO, and whether DOPT_EF_OFF is allowed. */
 enum { DOPT__EF_DEFAULT_OFF = 0, DOPT__EF_DEFAULT_ON = 1, DOPT__EF_REQUIRED = 2 };
 
-/* Segment i being encoded: the codec writes its body (zero padding is written around it) and
-   sets a and b, its record's fields (WIRE FORMAT). */
+/* Segment i of a call (its scale and bound in cz->scales[i], cz->bounds[i]) being encoded: the
+   codec writes its body (zero padding is written around it) and sets a and b, its record's
+   fields (WIRE FORMAT). */
 typedef struct dopt__seg_out {
     size_t i, n;
     const float *x;      /* its n values (p with error feedback) */
@@ -2253,32 +2410,49 @@ static size_t dopt__body_bytes(const dopt_compressor_config *cfg, size_t n) {
     return 0;
 }
 
-static size_t dopt__message_bytes(const dopt_compressor *cz) {
-    size_t i, total = DOPT_COMPRESS_HEADER_BYTES;
-    if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return 4 * (cz->psgd_np + cz->psgd_nq + 1); /* its two allreduces */
-    for (i = 0; i < cz->nsegs; i++)
-        total += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, cz->segs[i].count));
+/* The whole table as a view (dopt__compress_view: the segments a call works on, in its order). */
+static dopt__compress_view dopt__whole(const dopt_compressor *cz) {
+    dopt__compress_view v;
+    v.index = cz->all;
+    v.nsegs = cz->nsegs;
+    v.count = cz->count;
+    v.msg_bytes = cz->msg_bytes;
+    return v;
+}
+
+/* Segment j of a view: its count in the table. */
+static size_t dopt__vcount(const dopt_compressor *cz, const dopt__compress_view *v, size_t j) {
+    return cz->segs[v->index[j]].count;
+}
+
+/* A message of segments index[0..k): a header, then a record and a padded body per segment. */
+static size_t dopt__message_bytes(const dopt_compressor *cz, const size_t *index, size_t k) {
+    size_t j, total = DOPT_COMPRESS_HEADER_BYTES;
+    for (j = 0; j < k; j++)
+        total += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, cz->segs[index[j]].count));
     return total;
 }
 
 #define DOPT__MSG_NONFINITE 1u /* header byte 6 (flags): the sender's gradient holds a NaN or ±inf */
 
-static void dopt__write_header(const dopt_compressor *cz, int rank, unsigned char *out) {
+/* A message of the view's segments: its header counts them, their elements and its bytes. */
+static void dopt__write_header(const dopt_compressor *cz, const dopt__compress_view *v, int rank, unsigned char *out) {
     dopt__put_le32(out, DOPT_COMPRESS_MAGIC);
     out[4] = DOPT_COMPRESS_VERSION;
     out[5] = (unsigned char)cz->cfg.codec;
     out[6] = out[7] = 0;
-    dopt__put_le32(out + 8, (uint32_t)cz->nsegs);
+    dopt__put_le32(out + 8, (uint32_t)v->nsegs);
     dopt__put_le32(out + 12, (uint32_t)rank);
-    dopt__put_le64(out + 16, (uint64_t)cz->count);
-    dopt__put_le64(out + 24, (uint64_t)cz->msg_bytes);
+    dopt__put_le64(out + 16, (uint64_t)v->count);
+    dopt__put_le64(out + 24, (uint64_t)v->msg_bytes);
 }
 
 /* The message of a rank whose gradient is not finite: the header with the flag, then zeros. */
-static void dopt__write_nonfinite(const dopt_compressor *cz, int rank, unsigned char *out) {
-    dopt__write_header(cz, rank, out);
+static void dopt__write_nonfinite(const dopt_compressor *cz, const dopt__compress_view *v, int rank,
+                                  unsigned char *out) {
+    dopt__write_header(cz, v, rank, out);
     out[6] = DOPT__MSG_NONFINITE;
-    memset(out + DOPT_COMPRESS_HEADER_BYTES, 0, cz->msg_bytes - DOPT_COMPRESS_HEADER_BYTES);
+    memset(out + DOPT_COMPRESS_HEADER_BYTES, 0, v->msg_bytes - DOPT_COMPRESS_HEADER_BYTES);
 }
 
 /* The span of segment i, checked against the layout's count. */
@@ -2292,15 +2466,16 @@ static int dopt__segment_matches(const dopt_compressor *cz, const dopt_buf *b) {
 
 /* ===================================================================== ENCODE */
 
-/* Ternary steps 1-2 over every segment: bounds and local scales, and scales[nsegs] = 1 when a
-   segment holds a NaN or infinity (so that an allreduce MAX spreads the verdict). */
-static void dopt__tern_scales(dopt_compressor *cz, const dopt_buf *g) {
-    size_t i;
+/* Ternary steps 1-2 over the view's segments: bounds and local scales (slot j for its segment j:
+   a segment call shares k + 1 floats), and scales[k] = 1 when a segment holds a NaN or infinity
+   (so that an allreduce MAX spreads the verdict). */
+static void dopt__tern_scales(dopt_compressor *cz, const dopt__compress_view *v, const dopt_buf *g) {
+    size_t j;
     float c = cz->cfg.clip_c > 0.0f ? cz->cfg.clip_c : 0.0f;
-    cz->scales[cz->nsegs] = 0.0f;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(g, i);
-        if (!dopt__tern_segment_scale(sp.ptr, sp.count, c, &cz->bounds[i], &cz->scales[i])) cz->scales[cz->nsegs] = 1.0f;
+    cz->scales[v->nsegs] = 0.0f;
+    for (j = 0; j < v->nsegs; j++) {
+        dopt_span sp = dopt_buf_segment(g, v->index[j]);
+        if (!dopt__tern_segment_scale(sp.ptr, sp.count, c, &cz->bounds[j], &cz->scales[j])) cz->scales[v->nsegs] = 1.0f;
     }
 }
 
@@ -2310,18 +2485,19 @@ static void dopt__tern_scales(dopt_compressor *cz, const dopt_buf *g) {
    anyway. Ternary takes its scales and bounds from cz->scales and cz->bounds, which
    dopt__tern_scales found finite; without tern_bodies its codes are left for the ring's pipeline
    to write (dopt__pipe_encode), the rest of the message written all the same. */
-static int dopt__encode_message(dopt_compressor *cz, const dopt_buf *g, int rank, unsigned char *out, int tern_bodies) {
+static int dopt__encode_message(dopt_compressor *cz, const dopt__compress_view *v, const dopt_buf *g, int rank,
+                                unsigned char *out, int tern_bodies) {
     const dopt__codec_ops *ops = dopt__codec(&cz->cfg);
-    size_t i;
+    size_t j;
     unsigned char *p = out + DOPT_COMPRESS_HEADER_BYTES;
-    dopt__write_header(cz, rank, out);
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(g, i);
+    dopt__write_header(cz, v, rank, out);
+    for (j = 0; j < v->nsegs; j++) {
+        dopt_span sp = dopt_buf_segment(g, v->index[j]);
         size_t body = dopt__body_bytes(&cz->cfg, sp.count);
         dopt__seg_out so;
-        so.i = i, so.n = sp.count, so.x = sp.ptr, so.a = so.b = 0, so.codes = tern_bodies;
+        so.i = j, so.n = sp.count, so.x = sp.ptr, so.a = so.b = 0, so.codes = tern_bodies;
         so.body = p + DOPT_COMPRESS_RECORD_BYTES;
-        dopt__seg_rng(cz, rank, i, &so.rng);
+        dopt__seg_rng(cz, rank, v->index[j], &so.rng); /* its stream: its index in the table */
         memset(so.body + body, 0, dopt__pad8(body) - body);
         if (!ops->encode(cz, &so)) return 0;
         dopt__put_le64(p, (uint64_t)so.n);
@@ -2343,12 +2519,12 @@ static int dopt__zero_bytes(const unsigned char *p, size_t n) {
 
 /* Checks a message's header against the layout, and that a flagged message (a non-finite
    gradient) is zeros after it; returns the message's rank field or -1. */
-static long dopt__check_header(const dopt_compressor *cz, const unsigned char *m, size_t bytes) {
+static long dopt__check_header(const dopt__compress_view *v, dopt_codec codec, const unsigned char *m, size_t bytes) {
     const size_t h = DOPT_COMPRESS_HEADER_BYTES;
-    if (bytes != cz->msg_bytes || bytes < h) return -1;
+    if (bytes != v->msg_bytes || bytes < h) return -1;
     if (dopt__get_le32(m) != DOPT_COMPRESS_MAGIC || m[4] != DOPT_COMPRESS_VERSION ||
-        m[5] != (unsigned char)cz->cfg.codec || (m[6] & ~DOPT__MSG_NONFINITE) != 0 || m[7] != 0 ||
-        dopt__get_le32(m + 8) != (uint64_t)cz->nsegs || dopt__get_le64(m + 16) != (uint64_t)cz->count ||
+        m[5] != (unsigned char)codec || (m[6] & ~DOPT__MSG_NONFINITE) != 0 || m[7] != 0 ||
+        dopt__get_le32(m + 8) != (uint64_t)v->nsegs || dopt__get_le64(m + 16) != (uint64_t)v->count ||
         dopt__get_le64(m + 24) != (uint64_t)bytes)
         return -1;
     if ((m[6] & DOPT__MSG_NONFINITE) && !dopt__zero_bytes(m + h, bytes - h)) return -1;
@@ -2360,25 +2536,26 @@ static int dopt__flagged_nonfinite(const unsigned char *m) { return (m[6] & DOPT
 /* Checks every segment of a message whose header passed and that carries values; 1 when all
    follow the format. Every value must be finite: a rank's own NaN or infinity never reaches the
    wire (its message is flagged instead), so a non-finite value is malformed. */
-/* Segment i of a message, at p: its record's fields and its body. */
-static dopt__seg_in dopt__seg_at(const dopt_compressor *cz, size_t i, const unsigned char *p) {
+/* Segment j of a message of the view, at p: its record's fields and its body. */
+static dopt__seg_in dopt__seg_at(const dopt_compressor *cz, const dopt__compress_view *v, size_t j,
+                                 const unsigned char *p) {
     dopt__seg_in si;
-    si.n = cz->segs[i].count;
+    si.n = dopt__vcount(cz, v, j);
     si.a = dopt__get_le32(p + 8);
     si.b = dopt__get_le32(p + 12);
     si.body = p + DOPT_COMPRESS_RECORD_BYTES;
     return si;
 }
 
-static int dopt__check_body(const dopt_compressor *cz, const unsigned char *m) {
+static int dopt__check_body(const dopt_compressor *cz, const dopt__compress_view *v, const unsigned char *m) {
     const dopt_compressor_config *cfg = &cz->cfg;
     const dopt__codec_ops *ops = dopt__codec(cfg);
     const unsigned char *p = m + DOPT_COMPRESS_HEADER_BYTES;
-    size_t i;
+    size_t j;
     /* The layout fixes every record's size, and the header checked the message's size, so every
        read below stays inside the message. */
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt__seg_in si = dopt__seg_at(cz, i, p);
+    for (j = 0; j < v->nsegs; j++) {
+        dopt__seg_in si = dopt__seg_at(cz, v, j, p);
         size_t body = dopt__body_bytes(cfg, si.n);
         if (!(dopt__get_le64(p) == (uint64_t)si.n && dopt__zero_bytes(si.body + body, dopt__pad8(body) - body) &&
               ops->check(cfg, &si)))
@@ -2388,65 +2565,139 @@ static int dopt__check_body(const dopt_compressor *cz, const unsigned char *m) {
     return 1;
 }
 
-/* Adds weight · C(g) of a validated message into accum. */
-static void dopt__accumulate(const dopt_compressor *cz, const unsigned char *m, float weight, const dopt_buf *accum) {
+/* Adds weight · C(g) of a validated message of the view into accum (a descriptor of the whole
+   table: the view's segments alone are written). */
+static void dopt__accumulate(const dopt_compressor *cz, const dopt__compress_view *v, const unsigned char *m,
+                             float weight, const dopt_buf *accum) {
     const dopt__codec_ops *ops = dopt__codec(&cz->cfg);
     const unsigned char *p = m + DOPT_COMPRESS_HEADER_BYTES;
-    size_t i;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt__seg_in si = dopt__seg_at(cz, i, p);
-        ops->accum(&cz->cfg, &si, weight, dopt_buf_segment(accum, i).ptr);
+    size_t j;
+    for (j = 0; j < v->nsegs; j++) {
+        dopt__seg_in si = dopt__seg_at(cz, v, j, p);
+        ops->accum(&cz->cfg, &si, weight, dopt_buf_segment(accum, v->index[j]).ptr);
         p = si.body + dopt__pad8(dopt__body_bytes(&cz->cfg, si.n));
     }
 }
 
 DOPT_DEF dopt_status dopt_compress_decode(const dopt_compressor *cz, const void *msg, size_t bytes, float weight,
                                           const dopt_buf *accum) {
+    dopt__compress_view v;
     if (cz == NULL || cz->segs == NULL || accum == NULL || (msg == NULL && bytes > 0)) return DOPT_ERR_INVALID;
     if (dopt__codec(&cz->cfg)->encode == NULL) return DOPT_ERR_UNSUPPORTED; /* PowerSGD: two rounds, no message */
     if (!dopt__segment_matches(cz, accum)) return DOPT_ERR_INVALID;
-    if (msg == NULL || dopt__check_header(cz, (const unsigned char *)msg, bytes) < 0) return DOPT_ERR_PROTOCOL;
+    v = dopt__whole(cz);
+    if (msg == NULL || dopt__check_header(&v, cz->cfg.codec, (const unsigned char *)msg, bytes) < 0)
+        return DOPT_ERR_PROTOCOL;
     if (dopt__flagged_nonfinite((const unsigned char *)msg)) return DOPT_ERR_NONFINITE;
-    if (!dopt__check_body(cz, (const unsigned char *)msg)) return DOPT_ERR_PROTOCOL;
-    dopt__accumulate(cz, (const unsigned char *)msg, weight, accum);
+    if (!dopt__check_body(cz, &v, (const unsigned char *)msg)) return DOPT_ERR_PROTOCOL;
+    dopt__accumulate(cz, &v, (const unsigned char *)msg, weight, accum);
     return DOPT_OK;
 }
 
 /* ===================================================================== ERROR FEEDBACK */
 
 /* The span table made at init, after the segment table: it describes the work buffer or the
-   residual as a scatter list with the layout's segment counts. */
+   residual as a scatter list of the whole table (segment i at cz->offs[i]), whichever segments a
+   call works on: a segment's residual has one place, whatever the buckets. */
 static dopt_span *dopt__spans(dopt_compressor *cz) { return (dopt_span *)(void *)(cz->segs + cz->nsegs); }
 
 static dopt_buf dopt__spans_over(dopt_compressor *cz, float *base) {
     dopt_span *spans = dopt__spans(cz);
-    size_t i, off = 0;
+    size_t i;
     for (i = 0; i < cz->nsegs; i++) {
-        spans[i].ptr = base + off;
+        spans[i].ptr = base + cz->offs[i];
         spans[i].count = cz->segs[i].count;
-        off += cz->segs[i].count;
     }
     return dopt_buf_scatter(spans, cz->nsegs);
 }
 
-/* p = g + e, into the work buffer (the segments one after another). */
-static dopt_buf dopt__ef_prepare(dopt_compressor *cz, const dopt_buf *g) {
-    size_t i, off = 0;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(g, i);
-        size_t j;
-        for (j = 0; j < sp.count; j++) cz->work[off + j] = sp.ptr[j] + cz->residual[off + j];
-        off += sp.count;
+/* p = g + e of the view's segments, into the work buffer; returns the work buffer's descriptor. */
+static dopt_buf dopt__ef_prepare(dopt_compressor *cz, const dopt__compress_view *v, const dopt_buf *g) {
+    size_t j, e;
+    for (j = 0; j < v->nsegs; j++) {
+        dopt_span sp = dopt_buf_segment(g, v->index[j]);
+        float *w = cz->work + cz->offs[v->index[j]];
+        const float *r = cz->residual + cz->offs[v->index[j]];
+        for (e = 0; e < sp.count; e++) w[e] = sp.ptr[e] + r[e];
     }
     return dopt__spans_over(cz, cz->work);
 }
 
-/* e = p - C(p): p minus its own decoded message, one rounding per element. */
-static void dopt__ef_update(dopt_compressor *cz, const unsigned char *msg) {
-    dopt_buf e;
-    if (cz->count) memcpy(cz->residual, cz->work, cz->count * sizeof(float));
-    e = dopt__spans_over(cz, cz->residual);
-    dopt__accumulate(cz, msg, -1.0f, &e);
+/* The view's new residual e = p - C(p) in the work buffer: p minus its own decoded message, one
+   rounding per element. It becomes the residual when the step closes (dopt__step_close). */
+static void dopt__ef_update(dopt_compressor *cz, const dopt__compress_view *v, const unsigned char *msg) {
+    dopt_buf e = dopt__spans_over(cz, cz->work);
+    dopt__accumulate(cz, v, msg, -1.0f, &e);
+}
+
+/* ===================================================================== THE STEP IN PARTS
+
+   A step is every segment averaged once, by one whole call or by segment calls (buckets). The
+   calls started so far mark their segments in cz->given (the caller's thread: a segment given
+   twice is refused before anything starts); the calls that end count theirs in cz->nfinished
+   (whoever runs them: the caller, or the worker, in start order). When the step's last segment
+   is in, the step closes: if every call of it succeeded, the new residuals (the work buffer) and
+   PowerSGD's new Q's become the state and the step (the RNG key) advances; if one failed (a
+   NaN somewhere, a lost peer), nothing of the step is kept, as a whole call that fails keeps
+   nothing. */
+
+static void dopt__step_close(dopt_compressor *cz) {
+    if (!cz->step_failed) {
+        if (cz->ef && cz->count) memcpy(cz->residual, cz->work, cz->count * sizeof(float));
+        if (cz->psgd_nq) memcpy(cz->psgd_q, cz->psgd_qnext, cz->psgd_nq * sizeof(float));
+        cz->step++;
+    }
+    cz->nfinished = 0;
+    cz->step_failed = 0;
+}
+
+/* A call over k segments ended with status s. */
+static void dopt__step_count(dopt_compressor *cz, size_t k, dopt_status s) {
+    cz->step_failed |= s != DOPT_OK;
+    cz->nfinished += k;
+    if (cz->nfinished == cz->nsegs) dopt__step_close(cz);
+}
+
+/* Waits for the started calls in flight (none without a worker): what reads or writes the state
+   outside a call (encode, state save and load) sees the state they leave. */
+static void dopt__settle(const dopt_compressor *cz) {
+    if (cz->worker != NULL) (void)dopt__worker_wait(cz->worker, cz->started);
+}
+
+static const char *dopt__seg_name(const dopt_compressor *cz, size_t i) {
+    return i < cz->nsegs && cz->segs[i].name ? cz->segs[i].name : "unnamed";
+}
+
+/* Marks segs[0..k) given in this step (NULL: every segment), or refuses them, nothing marked,
+   with the reason in cz->detail: an index out of the table, or a segment already given in this
+   step. A step whose every segment is given starts the next. */
+static dopt_status dopt__step_give(dopt_compressor *cz, const size_t *segs, size_t k, const char *api) {
+    size_t j, i, first = 0;
+    for (j = 0; j < k; j++) {
+        i = segs ? segs[j] : j;
+        if (i < cz->nsegs && !cz->given[i]) {
+            cz->given[i] = 1;
+            continue;
+        }
+        while (j-- > 0) cz->given[segs ? segs[j] : j] = 0;
+        if (i >= cz->nsegs) {
+            snprintf(cz->detail, sizeof cz->detail, "%s: segment index %zu is beyond the table's %zu segments", api, i,
+                     cz->nsegs);
+            return DOPT_ERR_INVALID;
+        }
+        while (first < cz->nsegs && cz->given[first]) first++; /* there is one: i is given */
+        snprintf(cz->detail, sizeof cz->detail,
+                 "%s: segment %zu (%s) given twice in one step; %zu of its %zu segments not given yet, the first "
+                 "%zu (%s)",
+                 api, i, dopt__seg_name(cz, i), cz->nsegs - cz->ngiven, cz->nsegs, first, dopt__seg_name(cz, first));
+        return DOPT_ERR_INVALID;
+    }
+    cz->ngiven += k;
+    if (cz->ngiven == cz->nsegs) {
+        memset(cz->given, 0, cz->nsegs);
+        cz->ngiven = 0;
+    }
+    return DOPT_OK;
 }
 
 /* ===================================================================== PUBLIC ENCODE */
@@ -2462,40 +2713,35 @@ static int dopt__shares_scales(const dopt_compressor *cz) {
     return dopt__codec(&cz->cfg)->shared_scale && !cz->cfg.no_scale_sharing;
 }
 
-/* This rank's message of grads into out: p = g + e with error feedback (in the work buffer),
-   ternary's scales (shared over `share` when it is given and sharing is on), the message. When
-   p holds a NaN or ±inf, out gets the flagged message and the result is DOPT_ERR_NONFINITE;
-   with scale sharing every rank has then learnt it from the allreduce and returns it too. The
-   step and the residual do not change here: dopt__commit does that once the step is done. */
-static dopt_status dopt__encode_local(dopt_compressor *cz, const dopt_buf *grads, int rank, unsigned char *out,
-                                      dopt_comm *share, int tern_bodies) {
+/* This rank's message of the view's segments of grads into out: p = g + e with error feedback
+   (in the work buffer), ternary's scales (shared over `share` when it is given and sharing is
+   on), the message. When p holds a NaN or ±inf, out gets the flagged message and the result is
+   DOPT_ERR_NONFINITE; with scale sharing every rank has then learnt it from the allreduce and
+   returns it too. The step and the residual do not change here: a call that succeeds writes
+   the new residual into the work buffer (dopt__ef_update), and the step keeps it when it closes. */
+static dopt_status dopt__encode_local(dopt_compressor *cz, const dopt__compress_view *v, const dopt_buf *grads,
+                                      int rank, unsigned char *out, dopt_comm *share, int tern_bodies) {
     dopt_buf p = *grads;
-    if (cz->ef) p = dopt__ef_prepare(cz, grads);
+    if (cz->ef) p = dopt__ef_prepare(cz, v, grads);
     if (dopt__codec(&cz->cfg)->shared_scale) {
-        dopt__tern_scales(cz, &p);
+        dopt__tern_scales(cz, v, &p);
         /* Step 3, scale sharing: one allreduce MAX of the scales and the non-finite flag. */
         if (share != NULL && dopt__shares_scales(cz)) {
             const char *prev = dopt__compress_label(share, "dopt_compress_allreduce: scale sharing");
-            dopt_status s = dopt_allreduce(share, cz->scales, cz->nsegs + 1, DOPT_F32, DOPT_MAX);
+            dopt_status s = dopt_allreduce(share, cz->scales, v->nsegs + 1, DOPT_F32, DOPT_MAX);
             dopt_comm_set_api(share, prev);
             if (s != DOPT_OK) return s;
         }
-        if (cz->scales[cz->nsegs] != 0.0f) {
-            dopt__write_nonfinite(cz, rank, out);
+        if (cz->scales[v->nsegs] != 0.0f) {
+            dopt__write_nonfinite(cz, v, rank, out);
             return DOPT_ERR_NONFINITE;
         }
     }
-    if (!dopt__encode_message(cz, &p, rank, out, tern_bodies)) {
-        dopt__write_nonfinite(cz, rank, out);
+    if (!dopt__encode_message(cz, v, &p, rank, out, tern_bodies)) {
+        dopt__write_nonfinite(cz, v, rank, out);
         return DOPT_ERR_NONFINITE;
     }
     return DOPT_OK;
-}
-
-/* The step is done: e = p - C(p) from this rank's own message, and the next step's RNG key. */
-static void dopt__commit(dopt_compressor *cz, const unsigned char *own) {
-    if (cz->ef) dopt__ef_update(cz, own);
-    cz->step++;
 }
 
 DOPT_DEF size_t dopt_compress_bound(const dopt_compressor *cz) { return cz ? cz->msg_bytes : 0; }
@@ -2506,9 +2752,18 @@ DOPT_DEF dopt_status dopt_compress_encode(dopt_compressor *cz, const dopt_buf *g
     if (cz == NULL || cz->segs == NULL || grads == NULL || out == NULL || bytes == NULL) return DOPT_ERR_INVALID;
     if (dopt__codec(&cz->cfg)->encode == NULL) return DOPT_ERR_UNSUPPORTED; /* PowerSGD: two rounds, no message */
     if (capacity < cz->msg_bytes || !dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
-    s = dopt__encode_local(cz, grads, cz->rank, (unsigned char *)out, NULL, 1);
+    dopt__settle(cz);
+    if (cz->ngiven > 0) { /* a step in parts is under way */
+        snprintf(cz->detail, sizeof cz->detail, "dopt_compress_encode: %zu of %zu segments were given to this step's "
+                 "segment calls: finish the step first", cz->ngiven, cz->nsegs);
+        return DOPT_ERR_INVALID;
+    }
+    cz->view = dopt__whole(cz);
+    s = dopt__encode_local(cz, &cz->view, grads, cz->rank, (unsigned char *)out, NULL, 1);
     *bytes = cz->msg_bytes; /* the flagged message too: a peer that decodes it learns the verdict */
-    if (s == DOPT_OK) dopt__commit(cz, (const unsigned char *)out);
+    if (s != DOPT_OK) return s;
+    if (cz->ef) dopt__ef_update(cz, &cz->view, (const unsigned char *)out);
+    dopt__step_count(cz, cz->nsegs, DOPT_OK);
     return s;
 }
 
@@ -2654,15 +2909,37 @@ static void dopt__psgd_orthonormalize(const dopt_compressor *cz, size_t seg, flo
         for (j = 0; j < r; j++) p[i * r + j] = (float)v[j * rows + i];
 }
 
-/* The first allreduce's buffer: every compressed matrix's P = M·Q and the other segments' M, in
-   segment order, M = g + e in the work buffer. 0 when a rank cannot go on (NaN or ±inf
-   anywhere, |x| >= 2^64 in a compressed matrix or its P): the buffer is then zeros. */
-static int dopt__psgd_first(dopt_compressor *cz, float *a) {
-    const float *m = cz->work, *q = cz->psgd_q;
-    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
+/* The floats of the view's two allreduces: np (every P, the other segments' M, a flag) and nq
+   (every Q; the second allreduce adds a flag). */
+static void dopt__psgd_sizes(const dopt_compressor *cz, const dopt__compress_view *v, size_t *np, size_t *nq) {
+    size_t r = cz->cfg.powersgd_rank, j, rows;
+    *np = 1, *nq = 0;
+    for (j = 0; j < v->nsegs; j++) {
+        rows = dopt__psgd_rows(cz, v->index[j]);
+        if (rows == 0) {
+            *np += dopt__vcount(cz, v, j);
+        } else {
+            *np += rows * r;
+            *nq += dopt__vcount(cz, v, j) / rows * r;
+        }
+    }
+}
+
+/* Where segment i's Q starts in psgd_q (and its new one in psgd_qnext). */
+static size_t dopt__psgd_qoff(const dopt_compressor *cz, size_t i) { return cz->offs[cz->nsegs + i]; }
+
+/* The first allreduce's buffer (np floats): every compressed matrix's P = M·Q and the other
+   segments' M, in the view's order, M = g + e in the work buffer. 0 when a rank cannot go on
+   (NaN or ±inf anywhere, |x| >= 2^64 in a compressed matrix or its P): the buffer is then
+   zeros. */
+static int dopt__psgd_first(dopt_compressor *cz, const dopt__compress_view *v, float *a, size_t np) {
+    size_t r = cz->cfg.powersgd_rank, j, i, n, rows, cols;
     float *out = a;
-    for (i = 0; i < cz->nsegs; i++, m += n) {
+    for (j = 0; j < v->nsegs; j++) {
+        const float *m;
+        i = v->index[j];
         n = cz->segs[i].count;
+        m = cz->work + cz->offs[i];
         rows = dopt__psgd_rows(cz, i);
         if (rows == 0) {
             if (dopt__absbits_max(m, n) > DOPT__F32_MAX_BITS) break;
@@ -2672,24 +2949,23 @@ static int dopt__psgd_first(dopt_compressor *cz, float *a) {
         }
         cols = n / rows;
         if (dopt__absbits_max(m, n) >= DOPT__PSGD_LIMIT_BITS) break;
-        dopt__psgd_mq(m, rows, cols, q, r, out);
+        dopt__psgd_mq(m, rows, cols, cz->psgd_q + dopt__psgd_qoff(cz, i), r, out);
         if (dopt__absbits_max(out, rows * r) >= DOPT__PSGD_LIMIT_BITS) break;
         out += rows * r;
-        q += cols * r;
     }
-    if (i == cz->nsegs) return 1;
-    memset(a, 0, cz->psgd_np * sizeof(float));
+    if (j == v->nsegs) return 1;
+    memset(a, 0, np * sizeof(float));
     return 0;
 }
 
 /* After the first allreduce: each mean P (in a) orthonormalised in place, and the second
-   allreduce's buffer b: every compressed matrix's Q = Mᵀ·P. 0 when a Q holds |x| >= 2^64 (or
-   NaN, ±inf): b is then zeros. */
-static int dopt__psgd_second(dopt_compressor *cz, float *a, float *b) {
-    const float *m = cz->work;
-    size_t r = cz->cfg.powersgd_rank, i, n, rows, cols;
+   allreduce's buffer b (nq floats): every compressed matrix's Q = Mᵀ·P. 0 when a Q holds
+   |x| >= 2^64 (or NaN, ±inf): b is then zeros. */
+static int dopt__psgd_second(dopt_compressor *cz, const dopt__compress_view *v, float *a, float *b, size_t nq) {
+    size_t r = cz->cfg.powersgd_rank, j, i, n, rows, cols;
     float *q = b;
-    for (i = 0; i < cz->nsegs; i++, m += n) {
+    for (j = 0; j < v->nsegs; j++) {
+        i = v->index[j];
         n = cz->segs[i].count;
         rows = dopt__psgd_rows(cz, i);
         if (rows == 0) {
@@ -2698,9 +2974,9 @@ static int dopt__psgd_second(dopt_compressor *cz, float *a, float *b) {
         }
         cols = n / rows;
         dopt__psgd_orthonormalize(cz, i, a, rows);
-        dopt__psgd_mtp(m, rows, cols, a, r, q);
+        dopt__psgd_mtp(cz->work + cz->offs[i], rows, cols, a, r, q);
         if (dopt__absbits_max(q, cols * r) >= DOPT__PSGD_LIMIT_BITS) {
-            memset(b, 0, cz->psgd_nq * sizeof(float));
+            memset(b, 0, nq * sizeof(float));
             return 0;
         }
         a += rows * r;
@@ -2709,54 +2985,58 @@ static int dopt__psgd_second(dopt_compressor *cz, float *a, float *b) {
     return 1;
 }
 
-/* The step is done on every rank: grads gets M̂ = P·Qᵀ (compressed matrices) or the mean (the
-   others), E = M − M̂ (0 for the others, sent exactly), Q is kept for the next step. */
-static void dopt__psgd_commit(dopt_compressor *cz, const float *a, const float *b, const dopt_buf *grads) {
-    size_t r = cz->cfg.powersgd_rank, i, k, rows, cols, off = 0;
-    float *q = cz->psgd_q;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(grads, i);
-        float *e = cz->residual + off;
-        const float *m = cz->work + off;
+/* The view's segments are done on every rank: grads gets M̂ = P·Qᵀ (compressed matrices) or the
+   mean (the others); the work buffer E = M − M̂ (0 for the others, sent exactly) and psgd_qnext
+   the new Q, which become the state when the step closes. */
+static void dopt__psgd_commit(dopt_compressor *cz, const dopt__compress_view *v, const float *a, const float *b,
+                              const dopt_buf *grads) {
+    size_t r = cz->cfg.powersgd_rank, j, i, k, rows, cols;
+    for (j = 0; j < v->nsegs; j++) {
+        dopt_span sp;
+        float *m;
+        i = v->index[j];
+        sp = dopt_buf_segment(grads, i);
+        m = cz->work + cz->offs[i];
         rows = dopt__psgd_rows(cz, i);
-        off += sp.count;
         if (rows == 0) {
             if (sp.count) memcpy(sp.ptr, a, sp.count * sizeof(float));
-            if (sp.count) memset(e, 0, sp.count * sizeof(float));
+            if (sp.count) memset(m, 0, sp.count * sizeof(float));
             a += sp.count;
             continue;
         }
         cols = sp.count / rows;
         dopt__psgd_pqt(a, rows, cols, b, r, sp.ptr);
-        for (k = 0; k < sp.count; k++) e[k] = m[k] - sp.ptr[k];
-        memcpy(q, b, cols * r * sizeof(float));
+        for (k = 0; k < sp.count; k++) m[k] = m[k] - sp.ptr[k];
+        memcpy(cz->psgd_qnext + dopt__psgd_qoff(cz, i), b, cols * r * sizeof(float));
         a += rows * r;
         b += cols * r;
-        q += cols * r;
     }
-    cz->step++;
 }
 
 static dopt_status dopt__psgd_allreduce(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
-    float *a = (float *)(void *)cz->msg, *b = a + cz->psgd_np;
+    const dopt__compress_view *v = &cz->view;
+    float *a = (float *)(void *)cz->msg, *b;
+    size_t np, nq;
     const char *prev;
     dopt_status s;
     cz->gathered = 0;
     cz->rank = comm->rank;
-    dopt__ef_prepare(cz, grads); /* M = g + e, every segment, into the work buffer */
-    a[cz->psgd_np - 1] = dopt__psgd_first(cz, a) ? 0.0f : 1.0f;
+    dopt__psgd_sizes(cz, v, &np, &nq);
+    b = a + np;
+    dopt__ef_prepare(cz, v, grads); /* M = g + e, the view's segments, into the work buffer */
+    a[np - 1] = dopt__psgd_first(cz, v, a, np) ? 0.0f : 1.0f;
     prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's P");
-    s = dopt_allreduce(comm, a, cz->psgd_np, DOPT_F32, DOPT_MEAN);
+    s = dopt_allreduce(comm, a, np, DOPT_F32, DOPT_MEAN);
     dopt_comm_set_api(comm, prev);
     if (s != DOPT_OK) return s;
-    if (a[cz->psgd_np - 1] != 0.0f) return DOPT_ERR_NONFINITE;
-    b[cz->psgd_nq] = dopt__psgd_second(cz, a, b) ? 0.0f : 1.0f;
+    if (a[np - 1] != 0.0f) return DOPT_ERR_NONFINITE;
+    b[nq] = dopt__psgd_second(cz, v, a, b, nq) ? 0.0f : 1.0f;
     prev = dopt__compress_label(comm, "dopt_compress_allreduce: PowerSGD's Q");
-    s = dopt_allreduce(comm, b, cz->psgd_nq + 1, DOPT_F32, DOPT_MEAN);
+    s = dopt_allreduce(comm, b, nq + 1, DOPT_F32, DOPT_MEAN);
     dopt_comm_set_api(comm, prev);
     if (s != DOPT_OK) return s;
-    if (b[cz->psgd_nq] != 0.0f) return DOPT_ERR_NONFINITE;
-    dopt__psgd_commit(cz, a, b, grads);
+    if (b[nq] != 0.0f) return DOPT_ERR_NONFINITE;
+    dopt__psgd_commit(cz, v, a, b, grads);
     return DOPT_OK;
 }
 
@@ -2777,14 +3057,16 @@ static dopt_status dopt__psgd_init(dopt_compressor *cz) {
         cols = cz->segs[i].count / rows;
         if (rows > INT_MAX || cols > INT_MAX) return DOPT_ERR_INVALID;
         cz->psgd_np += rows * r;
+        cz->offs[cz->nsegs + i] = nq;
         nq += cols * r;
         tallest = rows > tallest ? rows : tallest;
         cz->psgd_nmat++;
     }
     cz->psgd_nq = nq;
     cz->psgd_q = (float *)DOPT_MALLOC((nq ? nq : 1) * sizeof(float));
+    cz->psgd_qnext = (float *)DOPT_MALLOC((nq ? nq : 1) * sizeof(float));
     cz->psgd_gs = (double *)DOPT_MALLOC((tallest ? tallest * r : 1) * sizeof(double));
-    if (cz->psgd_q == NULL || cz->psgd_gs == NULL) return DOPT_ERR_NOMEM;
+    if (cz->psgd_q == NULL || cz->psgd_qnext == NULL || cz->psgd_gs == NULL) return DOPT_ERR_NOMEM;
     for (q = cz->psgd_q, i = 0; i < cz->nsegs; i++) {
         rows = dopt__psgd_rows(cz, i);
         if (rows == 0) continue;
@@ -2852,6 +3134,7 @@ DOPT_DEF size_t dopt_compress_state_bytes(const dopt_compressor *cz) {
 DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *out, size_t capacity) {
     unsigned char *o = (unsigned char *)out;
     if (cz == NULL || out == NULL || capacity < dopt_compress_state_bytes(cz)) return DOPT_ERR_INVALID;
+    dopt__settle(cz);
     memset(o, 0, DOPT__STATE_HEADER);
     dopt__put_le32(o, DOPT__STATE_MAGIC);
     o[4] = DOPT__STATE_VERSION;
@@ -2867,6 +3150,7 @@ DOPT_DEF dopt_status dopt_compress_state_save(const dopt_compressor *cz, void *o
 DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *in, size_t bytes) {
     const unsigned char *p = (const unsigned char *)in;
     if (cz == NULL || (in == NULL && bytes > 0)) return DOPT_ERR_INVALID;
+    dopt__settle(cz);
     if (bytes != dopt_compress_state_bytes(cz) || dopt__get_le32(p) != DOPT__STATE_MAGIC ||
         p[4] != DOPT__STATE_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
         p[7] != 0 || dopt__get_le64(p + 8) != (uint64_t)cz->count || !dopt__zero_bytes(p + 24, 8))
@@ -2919,7 +3203,7 @@ static dopt_status dopt__config_resolve(dopt_compressor_config *c) {
 DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compressor_config *cfg,
                                           const dopt_segment *segs, size_t nsegs) {
     dopt_compressor_config c;
-    size_t i, max_seg = 0, count = 0, end = 0, table;
+    size_t i, max_seg = 0, count = 0, end = 0, table, off;
     if (cz == NULL) return DOPT_ERR_INVALID;
     memset(cz, 0, sizeof *cz);
     if (segs == NULL || nsegs == 0 || nsegs > UINT32_MAX) return DOPT_ERR_INVALID;
@@ -2944,11 +3228,22 @@ DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compre
     cz->count = count;
     cz->flat_end = end;
     cz->ef = c.error_feedback == DOPT_EF_ON || (c.error_feedback == DOPT_EF_AUTO && dopt__codec(&c)->ef != DOPT__EF_DEFAULT_OFF);
-    /* the segment table and, after it, the spans of the EF work buffer */
-    table = nsegs * (sizeof(dopt_segment) + sizeof(dopt_span));
+    /* the segment table and, after it, the spans of the EF work buffer, the whole table's view,
+       a segment call's indices, the offsets (elements, then PowerSGD's Q's), the given flags */
+    table = nsegs * (sizeof(dopt_segment) + sizeof(dopt_span) + 4 * sizeof(size_t) + 1);
     cz->segs = (dopt_segment *)DOPT_MALLOC(table);
     if (cz->segs == NULL) return DOPT_ERR_NOMEM;
+    memset(cz->segs, 0, table);
     memcpy(cz->segs, segs, nsegs * sizeof(dopt_segment));
+    cz->all = (size_t *)(void *)(dopt__spans(cz) + nsegs);
+    cz->part = cz->all + nsegs;
+    cz->offs = cz->part + nsegs;
+    cz->given = (unsigned char *)(void *)(cz->offs + 2 * nsegs);
+    for (i = 0, off = 0; i < nsegs; i++) {
+        cz->all[i] = i;
+        cz->offs[i] = off;
+        off += segs[i].count;
+    }
     if (c.codec == DOPT_CODEC_POWERSGD) {
         dopt_status s = dopt__psgd_init(cz);
         if (s != DOPT_OK) {
@@ -2956,7 +3251,9 @@ DOPT_DEF dopt_status dopt_compressor_init(dopt_compressor *cz, const dopt_compre
             return s;
         }
     }
-    cz->msg_bytes = dopt__message_bytes(cz);
+    cz->msg_bytes = c.codec == DOPT_CODEC_POWERSGD ? 4 * (cz->psgd_np + cz->psgd_nq + 1) /* its two allreduces */
+                                                   : dopt__message_bytes(cz, cz->all, nsegs);
+    cz->view = dopt__whole(cz);
     cz->msg = (unsigned char *)DOPT_MALLOC(cz->msg_bytes);
     cz->scales = (float *)DOPT_MALLOC((2 * nsegs + 1) * sizeof(float));
     if (cz->msg == NULL || cz->scales == NULL) goto nomem;
@@ -2980,6 +3277,10 @@ nomem:
 
 DOPT_DEF void dopt_compressor_free(dopt_compressor *cz) {
     if (cz == NULL) return;
+    dopt__worker_free(cz->worker); /* runs what is queued first */
+    DOPT_FREE(cz->jobs);
+    DOPT_FREE(cz->job_segs);
+    DOPT_FREE(cz->psgd_qnext);
     DOPT_FREE(cz->segs);
     DOPT_FREE(cz->msg);
     DOPT_FREE(cz->scales);
@@ -3492,10 +3793,11 @@ static void dopt__ring_own_signs(const uint8_t *DOPT_RESTRICT in, size_t n, unsi
    signs (majority), or its fp16 or bf16 values padded with zeros. (Ternary's planes come from
    the pipeline: dopt__pipe_encode.) */
 static void dopt__ring_fill_own(const dopt_compressor *cz, unsigned char *own) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, j;
     int fmt = dopt__ring_fmt(cz);
-    for (i = 0; i < cz->nsegs; i++) {
-        size_t n = cz->segs[i].count, per = fmt == DOPT__RING_INT ? 16 : 128, groups = dopt__ring_groups(n);
+    for (j = 0; j < cz->view.nsegs; j++) {
+        size_t n = dopt__vcount(cz, &cz->view, j), per = fmt == DOPT__RING_INT ? 16 : 128;
+        size_t groups = dopt__ring_groups(n);
         const unsigned char *body = cz->msg + off + DOPT_COMPRESS_RECORD_BYTES;
         if (dopt__codec(&cz->cfg)->vote) {
             dopt__ring_own_signs(body, n, own);
@@ -3634,12 +3936,13 @@ static int dopt__ring_bucket_passes(const dopt_compressor *cz, const dopt__ring_
     return 4;
 }
 
-/* Walks the segments the ring carries that overlap groups [g0, g1), in order: each step gives
-   the next one (seg), its elements [e0, e1) within the range, its first group there (lo) and
-   its record in cz->msg (rec); 0 at the end. */
+/* Walks the segments of the call (cz->view) the ring carries that overlap groups [g0, g1), in
+   the call's order: each step gives the next one (seg: its index in the table, pos: in the
+   call), its elements [e0, e1) within the range, its first group there (lo) and its record in
+   cz->msg (rec); 0 at the end. */
 typedef struct dopt__ring_walk {
-    size_t g0, g1, gb, off, next; /* the range; the next segment's first group and record; its index */
-    size_t seg, e0, e1, lo, rec;
+    size_t g0, g1, gb, off, next; /* the range; the next segment's first group and record; its place */
+    size_t seg, pos, e0, e1, lo, rec;
 } dopt__ring_walk;
 
 static dopt__ring_walk dopt__ring_walk_over(size_t g0, size_t g1) {
@@ -3650,14 +3953,14 @@ static dopt__ring_walk dopt__ring_walk_over(size_t g0, size_t g1) {
 }
 
 static int dopt__ring_walk_step(const dopt_compressor *cz, dopt__ring_walk *w) {
-    while (w->next < cz->nsegs && w->gb < w->g1) {
-        size_t i = w->next++, n = cz->segs[i].count, gb = w->gb, off = w->off;
+    while (w->next < cz->view.nsegs && w->gb < w->g1) {
+        size_t j = w->next++, i = cz->view.index[j], n = cz->segs[i].count, gb = w->gb, off = w->off;
         size_t gn = dopt__ring_carries(cz, i) ? dopt__ring_groups(n) : 0;
         size_t lo = w->g0 > gb ? w->g0 : gb, hi = w->g1 < gb + gn ? w->g1 : gb + gn;
         w->gb += gn;
         w->off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
         if (lo < hi) {
-            w->seg = i, w->lo = lo, w->rec = off;
+            w->seg = i, w->pos = j, w->lo = lo, w->rec = off;
             w->e0 = (lo - gb) * DOPT__BLOCK;
             w->e1 = (hi - gb) * DOPT__BLOCK < n ? (hi - gb) * DOPT__BLOCK : n;
             return 1;
@@ -3681,7 +3984,8 @@ static void dopt__ring_decode_groups(dopt_compressor *cz, int N, float weight, c
             dopt__ring_decode_half(y, w.e1 - w.e0, fmt, fin);
         else if (dopt__codec(&cz->cfg)->vote)
             dopt__ring_decode(y, w.e1 - w.e0, N, wfin,
-                              dopt__vote_magnitude(cz, cz->gather + 4 * w.seg, 4 * (cz->nsegs + 1), N, weight), 1, fin);
+                              dopt__vote_magnitude(cz, cz->gather + 4 * w.pos, 4 * (cz->view.nsegs + 1), N, weight), 1,
+                              fin);
         else
             dopt__ring_decode(y, w.e1 - w.e0, N, wfin, weight * dopt__bits_f32(dopt__get_le32(cz->msg + w.rec + 12)), 0,
                               fin);
@@ -3720,7 +4024,7 @@ static void dopt__pipe_encode(dopt_compressor *cz, const dopt__ring_plan *pl, co
         unsigned char *body = cz->msg + w.rec + DOPT_COMPRESS_RECORD_BYTES;
         dopt_rng rng;
         dopt__seg_rng(cz, cz->rank, w.seg, &rng);
-        dopt__tern_encode_range(sp.ptr, sp.count, w.e0, w.e1, cz->bounds[w.seg], cz->scales[w.seg], &rng, body);
+        dopt__tern_encode_range(sp.ptr, sp.count, w.e0, w.e1, cz->bounds[w.pos], cz->scales[w.pos], &rng, body);
         dopt__ring_own(body + w.e0 / 4, w.e1 - w.e0, cz->ring_buf + w.lo * 16);
     }
 }
@@ -3872,7 +4176,7 @@ static dopt_status dopt__ring_pipeline(dopt_compressor *cz, const dopt__ring_pla
    nsegs + 1 floats, stay in the gather buffer for the result's magnitude); fp16 and bf16 reduce
    one flag. `mine` is this rank's encode status. */
 static dopt_status dopt__ring_agree(dopt_compressor *cz, dopt_comm *comm, dopt_status mine) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, j, k = cz->view.nsegs;
     float flag = mine == DOPT_ERR_NONFINITE ? 1.0f : 0.0f;
     dopt_status s;
     int r;
@@ -3881,14 +4185,14 @@ static dopt_status dopt__ring_agree(dopt_compressor *cz, dopt_comm *comm, dopt_s
         s = dopt_allreduce(comm, &flag, 1, DOPT_F32, DOPT_MAX);
         return s != DOPT_OK ? s : flag != 0.0f ? DOPT_ERR_NONFINITE : DOPT_OK;
     }
-    for (i = 0; i < cz->nsegs; i++) {
-        cz->scales[i] = mine == DOPT_OK ? dopt__bits_f32(dopt__get_le32(cz->msg + off + 12)) : 0.0f;
-        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, cz->segs[i].count));
+    for (j = 0; j < k; j++) {
+        cz->scales[j] = mine == DOPT_OK ? dopt__bits_f32(dopt__get_le32(cz->msg + off + 12)) : 0.0f;
+        off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, dopt__vcount(cz, &cz->view, j)));
     }
-    cz->scales[cz->nsegs] = flag;
-    s = dopt_allgather(comm, cz->scales, cz->gather, (cz->nsegs + 1) * sizeof(float));
+    cz->scales[k] = flag;
+    s = dopt_allgather(comm, cz->scales, cz->gather, (k + 1) * sizeof(float));
     for (r = 0; s == DOPT_OK && r < comm->size; r++)
-        if (dopt__bits_f32(dopt__get_le32(cz->gather + ((size_t)r * (cz->nsegs + 1) + cz->nsegs) * 4)) != 0.0f)
+        if (dopt__bits_f32(dopt__get_le32(cz->gather + ((size_t)r * (k + 1) + k) * 4)) != 0.0f)
             s = DOPT_ERR_NONFINITE;
     return s;
 }
@@ -3900,11 +4204,12 @@ static dopt_status dopt__ring_agree(dopt_compressor *cz, dopt_comm *comm, dopt_s
    dopt__ring_decode_small. Sets cz->path and cz->buckets. */
 static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *p, const dopt_buf *grads,
                                        size_t groups) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, small = 0, i;
+    const dopt__compress_view *v = &cz->view;
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, small = 0, j;
     int nb = dopt__ring_nbuckets(cz, groups);
     dopt__ring_plan plan;
     dopt_status s;
-    for (i = 0; i < cz->nsegs; i++) small += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
+    for (j = 0; j < v->nsegs; j++) small += dopt__ring_carries(cz, v->index[j]) ? 0 : dopt__vcount(cz, v, j);
     if ((size_t)comm->size > cz->ring_nranks) {
         DOPT_FREE(cz->ring_ranks);
         cz->ring_nranks = 0;
@@ -3920,9 +4225,9 @@ static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, con
     if (small == 0) return DOPT_OK;
     /* the fp32 segments' values, packed, then every rank's after them in the gather buffer */
     small = 0;
-    for (i = 0; i < cz->nsegs; i++) {
-        size_t n = cz->segs[i].count, body = dopt__body_bytes(&cz->cfg, n);
-        if (!dopt__ring_carries(cz, i) && n > 0) {
+    for (j = 0; j < v->nsegs; j++) {
+        size_t n = dopt__vcount(cz, v, j), body = dopt__body_bytes(&cz->cfg, n);
+        if (!dopt__ring_carries(cz, v->index[j]) && n > 0) {
             memcpy(cz->gather + small * 4, cz->msg + off + DOPT_COMPRESS_RECORD_BYTES, 4 * n);
             small += n;
         }
@@ -3933,12 +4238,13 @@ static dopt_status dopt__ring_exchange(dopt_compressor *cz, dopt_comm *comm, con
 
 /* ternary's fp32 segments after the ring: the ranks' values accumulated in rank order. */
 static void dopt__ring_decode_small(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
-    size_t small = 0, total = 0, i;
+    const dopt__compress_view *v = &cz->view;
+    size_t small = 0, total = 0, j;
     int r;
-    for (i = 0; i < cz->nsegs; i++) total += dopt__ring_carries(cz, i) ? 0 : cz->segs[i].count;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(grads, i);
-        if (dopt__ring_carries(cz, i) || sp.count == 0) continue;
+    for (j = 0; j < v->nsegs; j++) total += dopt__ring_carries(cz, v->index[j]) ? 0 : dopt__vcount(cz, v, j);
+    for (j = 0; j < v->nsegs; j++) {
+        dopt_span sp = dopt_buf_segment(grads, v->index[j]);
+        if (dopt__ring_carries(cz, v->index[j]) || sp.count == 0) continue;
         memset(sp.ptr, 0, sp.count * sizeof(float));
         for (r = 0; r < N; r++)
             dopt__f32_accum(sp.ptr, weight, cz->gather + ((size_t)(r + 1) * total + small) * 4, sp.count);
@@ -3971,16 +4277,17 @@ static dopt_status dopt__gather_room(dopt_compressor *cz, int ranks) {
    messages in rank order, y += (weight · s_r) · t_r. Either way every rank computes the same
    bytes. */
 static void dopt__tern_average(dopt_compressor *cz, int nmsg, float weight, const dopt_buf *grads) {
+    const dopt__compress_view *v = &cz->view;
     const uint8_t *data[DOPT__TERN_SUM_MAX];
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, i;
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, j;
     int r;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(grads, i);
+    for (j = 0; j < v->nsegs; j++) {
+        dopt_span sp = dopt_buf_segment(grads, v->index[j]);
         size_t n = sp.count, body = dopt__body_bytes(&cz->cfg, n);
         const unsigned char *rec0 = cz->gather + off;
         int shared = n >= cz->cfg.fp32_below;
         for (r = 0; r < nmsg; r++) {
-            const unsigned char *rec = cz->gather + (size_t)r * cz->msg_bytes + off;
+            const unsigned char *rec = cz->gather + (size_t)r * v->msg_bytes + off;
             data[r] = rec + DOPT_COMPRESS_RECORD_BYTES;
             shared = shared && dopt__get_le32(rec + 12) == dopt__get_le32(rec0 + 12);
         }
@@ -4006,29 +4313,30 @@ static void dopt__tern_average(dopt_compressor *cz, int nmsg, float weight, cons
    then DOPT_ERR_NONFINITE when a message is flagged (no body is read), then DOPT_ERR_PROTOCOL for
    a body that does not follow it. */
 static dopt_status dopt__gathered_verdict(const dopt_compressor *cz, int nmsg) {
+    const dopt__compress_view *v = &cz->view;
     int r, nonfinite = 0;
     for (r = 0; r < nmsg; r++) {
-        const unsigned char *m = cz->gather + (size_t)r * cz->msg_bytes;
-        if (dopt__check_header(cz, m, cz->msg_bytes) != (long)r) return DOPT_ERR_PROTOCOL;
+        const unsigned char *m = cz->gather + (size_t)r * v->msg_bytes;
+        if (dopt__check_header(v, cz->cfg.codec, m, v->msg_bytes) != (long)r) return DOPT_ERR_PROTOCOL;
         nonfinite |= dopt__flagged_nonfinite(m);
     }
     if (nonfinite) return DOPT_ERR_NONFINITE;
     for (r = 0; r < nmsg; r++)
-        if (!dopt__check_body(cz, cz->gather + (size_t)r * cz->msg_bytes)) return DOPT_ERR_PROTOCOL;
+        if (!dopt__check_body(cz, v, cz->gather + (size_t)r * v->msg_bytes)) return DOPT_ERR_PROTOCOL;
     return DOPT_OK;
 }
 
 /* The allgather path of majority vote: S = N - 2·(negative votes) per element from the N
    validated messages, y = ±v by its sign (0 on a tie), as the ring path computes it. */
 static void dopt__vote_average(dopt_compressor *cz, int N, float weight, const dopt_buf *grads) {
-    size_t off = DOPT_COMPRESS_HEADER_BYTES, i, b;
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(grads, i);
+    size_t off = DOPT_COMPRESS_HEADER_BYTES, j, b, stride = cz->view.msg_bytes;
+    for (j = 0; j < cz->view.nsegs; j++) {
+        dopt_span sp = dopt_buf_segment(grads, cz->view.index[j]);
         size_t n = sp.count;
-        float v = dopt__vote_magnitude(cz, cz->gather + off + 12, cz->msg_bytes, N, weight);
+        float v = dopt__vote_magnitude(cz, cz->gather + off + 12, stride, N, weight);
         const unsigned char *bodies = cz->gather + off + DOPT_COMPRESS_RECORD_BYTES;
         for (b = 0; b < n; b += DOPT__BLOCK)
-            dopt__vote_block(bodies, cz->msg_bytes, N, b / 8, n - b < DOPT__BLOCK ? n - b : DOPT__BLOCK, v, sp.ptr + b);
+            dopt__vote_block(bodies, stride, N, b / 8, n - b < DOPT__BLOCK ? n - b : DOPT__BLOCK, v, sp.ptr + b);
         off += DOPT_COMPRESS_RECORD_BYTES + dopt__pad8(dopt__body_bytes(&cz->cfg, n));
     }
 }
@@ -4090,30 +4398,34 @@ static int dopt__ring_wanted(const dopt_compressor *cz, const dopt_comm *comm, s
     if (cz->cfg.aggregate == DOPT_AGG_RING) return 1;
     dopt_comm_host_layout(comm, &lay);
     if (lay.hosts > 1 && lay.local > 1 && lay.two_level != DOPT_TWO_LEVEL_OFF) L = lay.local, H = lay.hosts;
-    return dopt__ring_predict(fmt, groups, N, L, H, 1, 0) < dopt__ring_predict(fmt, groups, N, L, H, 0, (double)cz->msg_bytes);
+    return dopt__ring_predict(fmt, groups, N, L, H, 1, 0) <
+           dopt__ring_predict(fmt, groups, N, L, H, 0, (double)cz->view.msg_bytes);
 }
 
-/* ===================================================================== PUBLIC ALLREDUCE */
+/* ===================================================================== THE ALLREDUCE OF A VIEW */
 
-DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
+/* The compressed allreduce of cz->view's segments of grads (a descriptor of the whole table, of
+   which only those segments are read and written): PowerSGD's two allreduces, the ring, or the
+   allgather. When it succeeds, the view's new residuals are in the work buffer. */
+static dopt_status dopt__allreduce_view(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
+    const dopt__compress_view *v = &cz->view;
     const char *prev;
     dopt_status s;
-    size_t i, groups = 0;
+    size_t j, groups = 0;
     int r, ring;
     float weight;
-    if (cz == NULL || cz->segs == NULL || comm == NULL || grads == NULL) return DOPT_ERR_INVALID;
-    if (!dopt__segment_matches(cz, grads)) return DOPT_ERR_INVALID;
     if (cz->cfg.codec == DOPT_CODEC_POWERSGD) return dopt__psgd_allreduce(cz, comm, grads);
     cz->gathered = 0;
     cz->path = DOPT_PATH_NONE;
-    for (i = 0; i < cz->nsegs; i++) groups += dopt__ring_carries(cz, i) ? dopt__ring_groups(cz->segs[i].count) : 0;
+    for (j = 0; j < v->nsegs; j++)
+        groups += dopt__ring_carries(cz, v->index[j]) ? dopt__ring_groups(dopt__vcount(cz, v, j)) : 0;
     ring = dopt__ring_wanted(cz, comm, groups);
     s = dopt__gather_room(cz, ring ? comm->size + 1 : comm->size);
     if (s != DOPT_OK) return s;
     cz->rank = comm->rank;
     cz->buckets = 0;
     /* on the ring, ternary's codes are written by its pipeline (dopt__ring_pipeline) */
-    s = dopt__encode_local(cz, grads, comm->rank, cz->msg, comm, !(ring && dopt__codec(&cz->cfg)->shared_scale));
+    s = dopt__encode_local(cz, v, grads, comm->rank, cz->msg, comm, !(ring && dopt__codec(&cz->cfg)->shared_scale));
     /* A non-finite gradient goes out as a flagged message, unless scale sharing has already told
        every rank. */
     if (s != DOPT_OK && (s != DOPT_ERR_NONFINITE || dopt__shares_scales(cz))) return s;
@@ -4124,18 +4436,18 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
         if (s == DOPT_OK) s = dopt__ring_exchange(cz, comm, &p, grads, groups);
         dopt_comm_set_api(comm, prev);
         if (s != DOPT_OK) return s;
-        dopt__commit(cz, cz->msg);
+        if (cz->ef) dopt__ef_update(cz, v, cz->msg);
         dopt__ring_decode_small(cz, comm->size, 1.0f / (float)comm->size, grads);
         return DOPT_OK;
     }
-    s = dopt_allgather(comm, cz->msg, cz->gather, cz->msg_bytes);
+    s = dopt_allgather(comm, cz->msg, cz->gather, v->msg_bytes);
     dopt_comm_set_api(comm, prev);
     if (s != DOPT_OK) return s;
     cz->gathered = comm->size;
     cz->path = DOPT_PATH_ALLGATHER;
     s = dopt__gathered_verdict(cz, comm->size);
     if (s != DOPT_OK) return s;
-    dopt__commit(cz, cz->msg);
+    if (cz->ef) dopt__ef_update(cz, v, cz->msg);
     weight = 1.0f / (float)comm->size;
     if (cz->cfg.codec == DOPT_CODEC_TERNARY && comm->size <= DOPT__TERN_SUM_MAX) {
         dopt__tern_average(cz, comm->size, weight, grads);
@@ -4145,12 +4457,142 @@ DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm 
         dopt__vote_average(cz, comm->size, weight, grads);
         return DOPT_OK;
     }
-    for (i = 0; i < cz->nsegs; i++) {
-        dopt_span sp = dopt_buf_segment(grads, i);
+    for (j = 0; j < v->nsegs; j++) {
+        dopt_span sp = dopt_buf_segment(grads, v->index[j]);
         if (sp.count) memset(sp.ptr, 0, sp.count * sizeof(float));
     }
-    for (r = 0; r < comm->size; r++) dopt__accumulate(cz, cz->gather + (size_t)r * cz->msg_bytes, weight, grads);
+    for (r = 0; r < comm->size; r++) dopt__accumulate(cz, v, cz->gather + (size_t)r * v->msg_bytes, weight, grads);
     return DOPT_OK;
+}
+
+/* The allreduce of segs[0..k) (NULL: the whole table, k = nsegs), whose calls have been checked
+   and given (dopt__call_check), counted into the step when it ends. */
+static dopt_status dopt__allreduce_run(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads, const size_t *segs,
+                                       size_t k) {
+    dopt_status s;
+    size_t j;
+    if (segs == NULL) {
+        cz->view = dopt__whole(cz);
+    } else {
+        memcpy(cz->part, segs, k * sizeof(size_t));
+        cz->view.index = cz->part;
+        cz->view.nsegs = k;
+        for (cz->view.count = 0, j = 0; j < k; j++) cz->view.count += cz->segs[segs[j]].count;
+        cz->view.msg_bytes = dopt__message_bytes(cz, segs, k);
+    }
+    s = dopt__allreduce_view(cz, comm, grads);
+    dopt__step_count(cz, k, s);
+    return s;
+}
+
+/* ===================================================================== NONBLOCKING CALLS
+
+   A started call is a job of the compressor's ordered worker (distopt.h's THE ORDERED WORKER),
+   created at the first start: jobs run one at a time in start order on its thread, each a
+   whole blocking call. A job's arguments live in slot m mod DOPT__COMPRESS_JOBS of cz->jobs
+   (its indices in as many rows of nsegs in cz->job_segs), reused once job m + that many starts:
+   start first waits for the job that held the slot. */
+
+#define DOPT__COMPRESS_JOBS 32 /* jobs in flight at most: one more start waits for the oldest */
+
+#ifdef DOPT__THREADS
+struct dopt__compress_job {
+    dopt_compressor *cz;
+    dopt_comm *comm;
+    dopt_buf grads;     /* the descriptor, copied (its arrays are the caller's) */
+    const size_t *segs; /* a row of cz->job_segs, or NULL: every segment */
+    size_t k;
+};
+
+static dopt_status dopt__compress_job_run(void *arg) {
+    struct dopt__compress_job *job = (struct dopt__compress_job *)arg;
+    return dopt__allreduce_run(job->cz, job->comm, &job->grads, job->segs, job->k);
+}
+
+static dopt_status dopt__compress_worker(dopt_compressor *cz) {
+    if (cz->worker != NULL) return DOPT_OK;
+    cz->jobs = (struct dopt__compress_job *)DOPT_MALLOC(DOPT__COMPRESS_JOBS * sizeof(struct dopt__compress_job));
+    cz->job_segs = (size_t *)DOPT_MALLOC(DOPT__COMPRESS_JOBS * cz->nsegs * sizeof(size_t));
+    if (cz->jobs == NULL || cz->job_segs == NULL || dopt__worker_new(&cz->worker, DOPT__COMPRESS_JOBS) != DOPT_OK) {
+        DOPT_FREE(cz->jobs);
+        DOPT_FREE(cz->job_segs);
+        cz->jobs = NULL;
+        cz->job_segs = NULL;
+        return DOPT_ERR_NOMEM;
+    }
+    cz->njobs = DOPT__COMPRESS_JOBS;
+    return DOPT_OK;
+}
+#endif
+
+/* Checks a call's arguments before anything starts (segs NULL with k = 0: every segment, where
+   `all` allows it); the reason of a refusal in cz->detail. */
+static dopt_status dopt__call_check(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads, const size_t *segs,
+                                    size_t k, int all, const char *api) {
+    if (cz == NULL || cz->segs == NULL) return DOPT_ERR_INVALID;
+    cz->detail[0] = '\0';
+    if (comm == NULL || grads == NULL) {
+        snprintf(cz->detail, sizeof cz->detail, "%s: no %s", api,
+                 comm == NULL ? "communicator" : "gradient descriptor");
+        return DOPT_ERR_INVALID;
+    }
+    if (!dopt__segment_matches(cz, grads)) {
+        snprintf(cz->detail, sizeof cz->detail,
+                 "%s: the gradient descriptor is not valid or does not have the compressor's %zu segments and their "
+                 "counts",
+                 api, cz->nsegs);
+        return DOPT_ERR_INVALID;
+    }
+    if ((segs == NULL) != (k == 0) || (segs == NULL && !all)) {
+        snprintf(cz->detail, sizeof cz->detail, "%s: %s", api,
+                 segs == NULL && k == 0 ? "no segments (segs NULL, k 0)"
+                                        : "segs and k disagree (NULL with k > 0, or k 0 with a list)");
+        return DOPT_ERR_INVALID;
+    }
+    return DOPT_OK;
+}
+
+/* Starts a checked and given call: on the worker (threads, a communicator any thread may call), else run
+   here, complete at return. */
+static dopt_status dopt__call_start(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads, const size_t *segs,
+                                    size_t k, dopt_compress_request *req) {
+    req->cz = cz;
+    req->ticket = 0;
+    req->status = DOPT_OK;
+#ifdef DOPT__THREADS
+    if (!comm->one_thread && cz->worker != NULL) {
+        struct dopt__compress_job *job;
+        size_t slot = (size_t)(cz->started % (uint64_t)cz->njobs);
+        if (cz->started >= (uint64_t)cz->njobs) /* the slot's last job has ended */
+            (void)dopt__worker_wait(cz->worker, cz->started - (uint64_t)cz->njobs + 1);
+        job = &cz->jobs[slot];
+        job->cz = cz, job->comm = comm, job->grads = *grads, job->k = segs ? k : cz->nsegs, job->segs = NULL;
+        if (segs != NULL) job->segs = (const size_t *)memcpy(cz->job_segs + slot * cz->nsegs, segs, k * sizeof(size_t));
+        cz->started++;
+        return dopt__worker_post(cz->worker, dopt__compress_job_run, job, &req->ticket);
+    }
+    if (cz->worker != NULL) (void)dopt__worker_wait(cz->worker, cz->started); /* nothing of cz runs beside this call */
+#endif
+    req->status = dopt__allreduce_run(cz, comm, grads, segs, segs ? k : cz->nsegs);
+    return req->status;
+}
+
+/* ===================================================================== PUBLIC ALLREDUCE */
+
+/* A blocking call: start and wait once a worker exists (so that it runs after the calls in
+   flight), else run here. */
+static dopt_status dopt__call(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads, const size_t *segs, size_t k,
+                              int all, const char *api) {
+    dopt_compress_request req;
+    dopt_status s = dopt__call_check(cz, comm, grads, segs, k, all, api);
+    if (s == DOPT_OK) s = dopt__step_give(cz, segs, segs ? k : cz->nsegs, api);
+    if (s != DOPT_OK) return s;
+    s = dopt__call_start(cz, comm, grads, segs, k, &req);
+    return s != DOPT_OK ? s : dopt_compress_wait(&req);
+}
+
+DOPT_DEF dopt_status dopt_compress_allreduce_buf(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads) {
+    return dopt__call(cz, comm, grads, NULL, 0, 1, "dopt_compress_allreduce");
 }
 
 DOPT_DEF dopt_status dopt_compress_allreduce(dopt_compressor *cz, dopt_comm *comm, float *grads, size_t n) {
@@ -4160,10 +4602,51 @@ DOPT_DEF dopt_status dopt_compress_allreduce(dopt_compressor *cz, dopt_comm *com
     return dopt_compress_allreduce_buf(cz, comm, &b);
 }
 
+DOPT_DEF dopt_status dopt_compress_allreduce_segments(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads,
+                                                      const size_t *segs, size_t k) {
+    return dopt__call(cz, comm, grads, segs, k, 0, "dopt_compress_allreduce_segments");
+}
+
+DOPT_DEF dopt_status dopt_compress_allreduce_start(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads,
+                                                   const size_t *segs, size_t k, dopt_compress_request *req) {
+    dopt_status s;
+    if (req == NULL) return DOPT_ERR_INVALID;
+    req->cz = cz;
+    req->ticket = 0;
+    s = dopt__call_check(cz, comm, grads, segs, k, 1, "dopt_compress_allreduce_start");
+#ifdef DOPT__THREADS
+    if (s == DOPT_OK && !comm->one_thread) s = dopt__compress_worker(cz);
+#endif
+    if (s == DOPT_OK) s = dopt__step_give(cz, segs, segs ? k : cz->nsegs, "dopt_compress_allreduce_start");
+    if (s != DOPT_OK) return req->status = s;
+    return dopt__call_start(cz, comm, grads, segs, k, req);
+}
+
+DOPT_DEF dopt_status dopt_compress_test(dopt_compress_request *req, int *done) {
+    dopt_status s;
+    if (req == NULL || done == NULL) return DOPT_ERR_INVALID;
+    *done = 1;
+    if (req->ticket == 0) return req->status;
+    s = dopt__worker_test(req->cz->worker, req->ticket, done);
+    if (!*done) return DOPT_OK;
+    req->ticket = 0;
+    return req->status = s;
+}
+
+DOPT_DEF dopt_status dopt_compress_wait(dopt_compress_request *req) {
+    if (req == NULL) return DOPT_ERR_INVALID;
+    if (req->ticket == 0) return req->status;
+    req->status = dopt__worker_wait(req->cz->worker, req->ticket);
+    req->ticket = 0;
+    return req->status;
+}
+
+DOPT_DEF const char *dopt_compress_detail(const dopt_compressor *cz) { return cz ? cz->detail : ""; }
+
 DOPT_DEF const void *dopt_compress_message(const dopt_compressor *cz, int rank, size_t *bytes) {
     if (cz == NULL || rank < 0 || rank >= cz->gathered) return NULL;
-    if (bytes) *bytes = cz->msg_bytes;
-    return cz->gather + (size_t)rank * cz->msg_bytes;
+    if (bytes) *bytes = cz->view.msg_bytes;
+    return cz->gather + (size_t)rank * cz->view.msg_bytes;
 }
 
 #ifdef __cplusplus

@@ -298,14 +298,14 @@ mutate per-rank-scale-average-drops-1/N compress.h \
     'dopt__tern_accum(sp.ptr, n, weight * b, data[r]);' 'dopt__tern_accum(sp.ptr, n, b, data[r]);' \
     test_compress:equals_serial
 mutate shared-scale-is-min compress.h \
-    'dopt_allreduce(share, cz->scales, cz->nsegs + 1, DOPT_F32, DOPT_MAX);' \
-    'dopt_allreduce(share, cz->scales, cz->nsegs + 1, DOPT_F32, DOPT_MIN);' test_compress:equals_serial
+    'dopt_allreduce(share, cz->scales, v->nsegs + 1, DOPT_F32, DOPT_MAX);' \
+    'dopt_allreduce(share, cz->scales, v->nsegs + 1, DOPT_F32, DOPT_MIN);' test_compress:equals_serial
 mutate ef-residual-sign compress.h \
-    'dopt__accumulate(cz, msg, -1.0f, &e);' 'dopt__accumulate(cz, msg, 1.0f, &e);' test_compress:ef_residual
+    'dopt__accumulate(cz, v, msg, -1.0f, &e);' 'dopt__accumulate(cz, v, msg, 1.0f, &e);' test_compress:ef_residual
 mutate powersgd-warm-start-dropped compress.h \
-    '        memcpy(q, b, cols * r * sizeof(float));' '        (void)q;' test_powersgd:warm_start
+    'memcpy(cz->psgd_qnext + dopt__psgd_qoff(cz, i), b, cols * r * sizeof(float));' '(void)0;' test_powersgd:warm_start
 mutate powersgd-residual-sign compress.h \
-    'for (k = 0; k < sp.count; k++) e[k] = m[k] - sp.ptr[k];' 'for (k = 0; k < sp.count; k++) e[k] = sp.ptr[k] - m[k];' \
+    'for (k = 0; k < sp.count; k++) m[k] = m[k] - sp.ptr[k];' 'for (k = 0; k < sp.count; k++) m[k] = sp.ptr[k] - m[k];' \
     test_powersgd:residual
 mutate powersgd-gram-schmidt-order compress.h \
     '    for (j = 0; j < r; j++)
@@ -314,8 +314,42 @@ mutate powersgd-gram-schmidt-order compress.h \
 mutate powersgd-dependent-column-left-zero compress.h \
     'for (attempt = 0; attempt < 4; attempt++) {' 'for (attempt = 0; attempt > 4; attempt++) {' test_powersgd:zero_gradient
 mutate powersgd-q-flag-ignored compress.h \
-    'b[cz->psgd_nq] = dopt__psgd_second(cz, a, b) ? 0.0f : 1.0f;' 'b[cz->psgd_nq] = 0.0f * (float)dopt__psgd_second(cz, a, b);' \
+    'b[nq] = dopt__psgd_second(cz, v, a, b, nq) ? 0.0f : 1.0f;' 'b[nq] = 0.0f * (float)dopt__psgd_second(cz, v, a, b, nq);' \
     test_powersgd:nonfinite
+mutate bucket-codes-keyed-by-place compress.h \
+    'dopt__seg_rng(cz, rank, v->index[j], &so.rng);' 'dopt__seg_rng(cz, rank, j, &so.rng);' test_compress:buckets_in_any
+mutate bucket-ring-codes-keyed-by-place compress.h \
+    'dopt__seg_rng(cz, cz->rank, w.seg, &rng);' 'dopt__seg_rng(cz, cz->rank, w.pos, &rng);' test_compress:tcp_buckets_in_any
+mutate bucket-step-advances-per-call compress.h \
+    'if (cz->nfinished == cz->nsegs) dopt__step_close(cz);' 'dopt__step_close(cz);' test_compress:buckets_in_any
+mutate bucket-failed-step-kept compress.h \
+    'cz->step_failed |= s != DOPT_OK;' 'cz->step_failed |= 0 * s;' test_compress:buckets_in_any
+mutate bucket-residual-never-kept compress.h \
+    'if (cz->ef && cz->count) memcpy(cz->residual, cz->work, cz->count * sizeof(float));' '(void)0;' \
+    test_compress:buckets_in_any
+mutate bucket-given-twice-accepted compress.h \
+    'if (i < cz->nsegs && !cz->given[i]) {' 'if (i < cz->nsegs) {' test_compress:buckets_in_any
+mutate bucket-residual-at-the-calls-place compress.h \
+    'float *w = cz->work + cz->offs[v->index[j]];' 'float *w = cz->work + cz->offs[j];' test_compress:buckets_in_any
+mutate powersgd-step-keeps-old-q compress.h \
+    'if (cz->psgd_nq) memcpy(cz->psgd_q, cz->psgd_qnext, cz->psgd_nq * sizeof(float));' '(void)0;' test_powersgd:warm_start
+mutate powersgd-bucket-m-at-the-calls-place compress.h \
+    '        m = cz->work + cz->offs[i];
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            if (dopt__absbits_max' '        m = cz->work + cz->offs[j];
+        rows = dopt__psgd_rows(cz, i);
+        if (rows == 0) {
+            if (dopt__absbits_max' test_compress:buckets_in_any
+mutate started-on-one-thread-comm-uses-the-worker compress.h \
+    'if (s == DOPT_OK && !comm->one_thread) s = dopt__compress_worker(cz);' 'if (s == DOPT_OK) s = dopt__compress_worker(cz);' \
+    test_compress:started_buckets
+mutate started-blocking-call-not-waited compress.h \
+    'return s != DOPT_OK ? s : dopt_compress_wait(&req);' 'return s;' test_compress:started_buckets
+mutate started-request-forgets-its-status compress.h \
+    '    req->ticket = 0;
+    return req->status = s;' '    req->ticket = 0;
+    return s;' test_compress:started_buckets
 
 mutate ring-width-a-bit-short compress.h \
     'while (((uint64_t)1 << w) < 2 * k + 1) w++;' 'while (((uint64_t)1 << w) < 2 * k) w++;' test_ring:integer_ring

@@ -1425,8 +1425,9 @@ static void nf_expect_state(const dopt_compressor *cz, uint64_t step, const floa
 
 /* out holds the flagged message: the header with the flag, zeros after it. */
 static void nf_expect_flagged(const dopt_compressor *cz, const unsigned char *out, const char *what) {
-    DT_CHECKF(dopt__check_header(cz, out, cz->msg_bytes) >= 0 && dopt__flagged_nonfinite(out), "%s: not a flagged message",
-              what);
+    dopt__compress_view whole = dopt__whole(cz);
+    DT_CHECKF(dopt__check_header(&whole, cz->cfg.codec, out, cz->msg_bytes) >= 0 && dopt__flagged_nonfinite(out),
+              "%s: not a flagged message", what);
 }
 
 DTEST(encode_nonfinite_is_refused_flagged_and_state_kept_for_every_codec) {
@@ -1583,7 +1584,7 @@ DTEST(decoder_refuses_nonfinite_values_and_reports_flagged_messages) {
         encode_for((dopt_codec)i, &cz, &msg, &bytes);
         acc = dopt_buf_flat(out, 1033, cz.segs, cz.nsegs);
         memset(out, 0, sizeof out);
-        dopt__write_nonfinite(&cz, 0, msg);
+        dopt__write_nonfinite(&cz, &cz.view, 0, msg);
         DT_EQ_INT(dopt_compress_decode(&cz, msg, bytes, 1.0f, &acc), DOPT_ERR_NONFINITE);
         msg[bytes - 1] = 1; /* a flagged message carries nothing */
         DT_EQ_INT(dopt_compress_decode(&cz, msg, bytes, 1.0f, &acc), DOPT_ERR_PROTOCOL);
@@ -1713,5 +1714,319 @@ static void mismatch_body(dopt_comm *c, void *arg) {
 static const int mismatch_scenarios[3] = {0, 1, 2};
 DTEST_WORLDS_EACH(mismatch_inside_the_compressed_allreduce_names_it_in_the_detail, mismatch_body, mismatch_scenarios, 2,
                   2);
+
+/* ------------------------------------------------------------------ buckets: segment calls and nonblocking starts
+
+   The same gradients averaged on every rank by one whole call per step and by segment calls in
+   buckets whose order is not the table's (reversed, cut in two and in three): where the manual
+   says so, the same bits, the same residuals, and the step advances once per full set (a bucket
+   keyed by its place in the call instead of its index in the table would draw other codes). A
+   step where one rank's gradient holds a NaN fails in one of its buckets, and both compressors
+   stay in step. The nonblocking starts give the blocking segment calls' bits. */
+
+/* Matrices (PowerSGD compresses w1 and w2; the other codecs ignore rows), an empty segment, a gap. */
+static const dopt_segment bk_segs[4] = {
+    {0, 40000, "w1", 200}, {40000, 0, "empty", 0}, {40100, 29000, "w2", 100}, {69100, 900, "b", 0}};
+
+typedef struct bk_case {
+    dopt_codec codec;
+    dopt_aggregate aggregate;
+    int no_sharing;
+    int bitwise; /* the manual: a bucket's results are the whole call's bits (at 2 ranks: every case) */
+} bk_case;
+
+static const bk_case bk_cases[] = {
+    {DOPT_CODEC_TERNARY, DOPT_AGG_ALLGATHER, 0, 1}, {DOPT_CODEC_TERNARY, DOPT_AGG_RING, 0, 1},
+    {DOPT_CODEC_TERNARY, DOPT_AGG_ALLGATHER, 1, 1}, {DOPT_CODEC_QSGD, DOPT_AGG_AUTO, 0, 1},
+    {DOPT_CODEC_TOPK, DOPT_AGG_AUTO, 0, 1},         {DOPT_CODEC_SIGN, DOPT_AGG_AUTO, 0, 1},
+    {DOPT_CODEC_MAJORITY, DOPT_AGG_ALLGATHER, 0, 1}, {DOPT_CODEC_MAJORITY, DOPT_AGG_RING, 0, 1},
+    {DOPT_CODEC_FP16, DOPT_AGG_ALLGATHER, 0, 1},    {DOPT_CODEC_FP16, DOPT_AGG_RING, 0, 0},
+    {DOPT_CODEC_BF16, DOPT_AGG_ALLGATHER, 0, 1},    {DOPT_CODEC_BF16, DOPT_AGG_RING, 0, 0},
+    {DOPT_CODEC_FP32, DOPT_AGG_AUTO, 0, 1},         {DOPT_CODEC_POWERSGD, DOPT_AGG_AUTO, 0, 0},
+};
+#define BK_NCASES (sizeof bk_cases / sizeof bk_cases[0])
+
+/* The buckets of step t (t mod 5): their sizes, then the segments one after another. Step 3
+   plants a NaN in segment 3 on rank 0, so its second bucket fails. */
+typedef struct bk_plan {
+    int nb;
+    size_t size[4];
+    size_t seg[4];
+} bk_plan;
+
+static const bk_plan bk_plans[5] = {
+    {2, {2, 2}, {3, 2, 1, 0}}, {3, {1, 2, 1}, {2, 0, 3, 1}}, {1, {4}, {3, 2, 1, 0}},
+    {2, {2, 2}, {0, 1, 3, 2}}, {3, {2, 1, 1}, {1, 3, 0, 2}}};
+
+static dopt_compressor_config bk_config(const bk_case *k) {
+    dopt_compressor_config cfg = config_of(k->codec);
+    cfg.aggregate = k->aggregate;
+    cfg.no_scale_sharing = k->no_sharing;
+    cfg.fp32_below = 1000; /* ternary's b goes as fp32 */
+    cfg.ring_buckets = 3;  /* ternary's ring pipelines a bucket's groups in three */
+    return cfg;
+}
+
+static const char *bk_name(const bk_case *k) {
+    static char name[64];
+    snprintf(name, sizeof name, "%s%s%s", dopt_codec_name(k->codec), k->aggregate == DOPT_AGG_RING ? " on the ring" : "",
+             k->no_sharing ? " (scales not shared)" : "");
+    return name;
+}
+
+static void bk_grad(float *g, int rank, int step) {
+    ar_grad(g, rank, step);
+    if (step == 3 && rank == 0) g[69100 + 17] = dopt__bits_f32(0x7FC00000u); /* NaN in b */
+}
+
+/* gp against gw over every segment: bitwise, or (where the manual says the bits may differ)
+   within tol of the largest |gw| of the segment; the gap untouched either way. */
+static void bk_compare(const bk_case *k, const float *gw, const float *gp, int rank, int size, int step, double tol) {
+    size_t sgi, i;
+    for (i = 40000; i < 40100; i++) DT_CHECK(gp[i] == 1234.0f);
+    for (sgi = 0; sgi < 4; sgi++) {
+        const float *w = gw + bk_segs[sgi].offset, *q = gp + bk_segs[sgi].offset;
+        size_t n = bk_segs[sgi].count;
+        double top = 0;
+        if (k->bitwise || size == 2) { /* two addends give one float in either order: every codec */
+            DT_CHECKF(memcmp(w, q, n * sizeof(float)) == 0, "rank %d %s step %d segment %zu: not the whole call's bits",
+                      rank, bk_name(k), step, sgi);
+            continue;
+        }
+        for (i = 0; i < n; i++) top = fabs(w[i]) > top ? fabs(w[i]) : top;
+        for (i = 0; i < n; i++)
+            if (fabs((double)w[i] - (double)q[i]) > tol * top + 1e-12) {
+                DT_CHECKF(0, "rank %d %s step %d segment %zu element %zu: %.9g, whole call %.9g", rank, bk_name(k), step,
+                          sgi, i, q[i], w[i]);
+                break;
+            }
+    }
+}
+
+/* Every rank holds the same bytes of g. */
+static void bk_same_everywhere(dopt_comm *c, const float *g, const char *what) {
+    static float all[4 * AR_N];
+    int r;
+    DT_OK(dopt_allgather(c, g, all, AR_N * sizeof(float)));
+    for (r = 1; r < c->size; r++)
+        DT_CHECKF(memcmp(all, all + (size_t)r * AR_N, AR_N * sizeof(float)) == 0, "%s: rank %d differs from rank 0", what,
+                  r);
+}
+
+static void bk_case_run(dopt_comm *c, const bk_case *k) {
+    static float gw[AR_N], gp[AR_N];
+    dopt_compressor whole, parts;
+    dopt_compressor_config cfg = bk_config(k);
+    dopt_buf bp = dopt_buf_flat(gp, AR_N, bk_segs, 4);
+    int step, b;
+    DT_OK(dopt_compressor_init(&whole, &cfg, bk_segs, 4));
+    DT_OK(dopt_compressor_init(&parts, &cfg, bk_segs, 4));
+    for (step = 0; step < 5; step++) {
+        const bk_plan *pl = &bk_plans[step];
+        const size_t *segs = pl->seg;
+        dopt_status sw, sp, want = step == 3 ? DOPT_ERR_NONFINITE : DOPT_OK;
+        uint64_t before = parts.step;
+        bk_grad(gw, c->rank, step);
+        memcpy(gp, gw, sizeof gw);
+        sw = dopt_compress_allreduce(&whole, c, gw, AR_N);
+        DT_CHECKF(sw == want, "rank %d %s step %d: the whole call gave %s", c->rank, bk_name(k), step, dopt_status_str(sw));
+        for (b = 0; b < pl->nb; b++) {
+            sp = dopt_compress_allreduce_segments(&parts, c, &bp, segs, pl->size[b]);
+            DT_CHECKF(sp == (step == 3 && b == 1 ? DOPT_ERR_NONFINITE : DOPT_OK), "rank %d %s step %d bucket %d: %s (%s)",
+                      c->rank, bk_name(k), step, b, dopt_status_str(sp), dopt_compress_detail(&parts));
+            if (b < pl->nb - 1)
+                DT_CHECKF(parts.step == before, "%s: the step advanced before every segment was given", bk_name(k));
+            if (step == 1 && b == 0) { /* segment 2 again, an index beyond the table, the whole call: refused here */
+                size_t again[2] = {0, 2}, beyond = 4;
+                DT_EQ_INT(dopt_compress_allreduce_segments(&parts, c, &bp, again, 2), DOPT_ERR_INVALID);
+                DT_CHECKF(strstr(dopt_compress_detail(&parts), "segment 2 (w2) given twice") != NULL, "detail: %s",
+                          dopt_compress_detail(&parts));
+                DT_EQ_INT(dopt_compress_allreduce_segments(&parts, c, &bp, &beyond, 1), DOPT_ERR_INVALID);
+                DT_CHECKF(strstr(dopt_compress_detail(&parts), "index 4 is beyond") != NULL, "detail: %s",
+                          dopt_compress_detail(&parts));
+                DT_EQ_INT(dopt_compress_allreduce(&parts, c, gp, AR_N), DOPT_ERR_INVALID);
+                DT_EQ_INT(dopt_compress_allreduce_segments(&parts, c, &bp, NULL, 0), DOPT_ERR_INVALID);
+            }
+            segs += pl->size[b];
+        }
+        DT_CHECKF(parts.step == whole.step && parts.step == before + (step == 3 ? 0 : 1), "%s step %d: steps %llu and %llu",
+                  bk_name(k), step, (unsigned long long)parts.step, (unsigned long long)whole.step);
+        if (step == 3) continue; /* a failed step: the buffers hold whatever its buckets left */
+        bk_compare(k, gw, gp, c->rank, c->size, step, k->codec == DOPT_CODEC_POWERSGD ? 1e-3 : 2e-2);
+        bk_same_everywhere(c, gp, bk_name(k));
+        if (parts.ef && (k->bitwise || c->size == 2))
+            DT_CHECKF(memcmp(whole.residual, parts.residual, whole.count * sizeof(float)) == 0,
+                      "rank %d %s step %d: the residuals differ", c->rank, bk_name(k), step);
+        if (parts.ef) { /* and the step kept one: C(p) drops something of every segment here */
+            size_t i, kept = 0;
+            for (i = 0; i < parts.count; i++) kept += parts.residual[i] != 0.0f;
+            DT_CHECKF(kept > 0, "%s step %d: no residual kept", bk_name(k), step);
+        }
+    }
+    if (k->bitwise || c->size == 2) { /* the same state file: step, residual, PowerSGD's Q's */
+        size_t bytes = dopt_compress_state_bytes(&whole);
+        unsigned char *sw = (unsigned char *)malloc(bytes), *sp = (unsigned char *)malloc(bytes);
+        DT_EQ_INT(dopt_compress_state_bytes(&parts), bytes);
+        DT_OK(dopt_compress_state_save(&whole, sw, bytes));
+        DT_OK(dopt_compress_state_save(&parts, sp, bytes));
+        DT_CHECKF(memcmp(sw, sp, bytes) == 0, "rank %d %s: the states differ", c->rank, bk_name(k));
+        free(sw);
+        free(sp);
+    }
+    dopt_compressor_free(&whole);
+    dopt_compressor_free(&parts);
+}
+
+static void bk_all_codecs(dopt_comm *c, void *unused) {
+    size_t i;
+    (void)unused;
+    for (i = 0; i < BK_NCASES; i++) bk_case_run(c, &bk_cases[i]);
+}
+
+DTEST_WORLDS(buckets_in_any_order_give_the_whole_calls_bits_and_step, bk_all_codecs, NULL, 2, 3);
+
+/* The same buckets blocking and started: run by start itself on a communicator only one thread
+   may call, two in flight, the second waited (which completes the first), a third polled with
+   test, the whole table started, and a blocking segment call behind a started one; every
+   result, step and residual bit for bit the blocking calls', for every codec (the same calls:
+   even where buckets differ from the whole call). */
+static void nb_case_run(dopt_comm *c, const bk_case *k) {
+    static float gb[AR_N], gn[AR_N];
+    dopt_compressor blocking, started;
+    dopt_compressor_config cfg = bk_config(k);
+    dopt_buf bb = dopt_buf_flat(gb, AR_N, bk_segs, 4), bn = dopt_buf_flat(gn, AR_N, bk_segs, 4);
+    dopt_compress_request req[4];
+    int step, b, done;
+    DT_OK(dopt_compressor_init(&blocking, &cfg, bk_segs, 4));
+    DT_OK(dopt_compressor_init(&started, &cfg, bk_segs, 4));
+    for (step = 0; step < 5; step++) {
+        const bk_plan *pl = &bk_plans[step];
+        const size_t *segs = pl->seg;
+        dopt_status want = step == 3 ? DOPT_ERR_NONFINITE : DOPT_OK;
+        bk_grad(gb, c->rank, step);
+        memcpy(gn, gb, sizeof gb);
+        for (b = 0, segs = pl->seg; b < pl->nb; segs += pl->size[b], b++)
+            DT_CHECK(dopt_compress_allreduce_segments(&blocking, c, &bb, segs, pl->size[b]) ==
+                     (step == 3 && b == 1 ? want : DOPT_OK));
+        if (step == 0) { /* a communicator only its creating thread may call: start runs the call */
+            c->one_thread = 1;
+            for (b = 0, segs = pl->seg; b < pl->nb; segs += pl->size[b], b++) {
+                DT_OK(dopt_compress_allreduce_start(&started, c, &bn, segs, pl->size[b], &req[b]));
+                DT_CHECK(req[b].ticket == 0 && started.worker == NULL); /* complete, and no thread */
+            }
+            c->one_thread = 0;
+            DT_OK(dopt_compress_wait(&req[0]));
+        } else if (step == 2) { /* the whole table, started; then a blocking call behind it */
+            DT_OK(dopt_compress_allreduce_start(&started, c, &bn, NULL, 0, &req[0]));
+            DT_OK(dopt_compress_wait(&req[0]));
+            DT_OK(dopt_compress_wait(&req[0])); /* again: the same status */
+            memcpy(gn, gb, sizeof gb);          /* (the blocking side's one bucket is the whole table) */
+        } else if (step == 1) { /* three in flight; the last polled until done */
+            for (b = 0, segs = pl->seg; b < pl->nb; segs += pl->size[b], b++)
+                DT_OK(dopt_compress_allreduce_start(&started, c, &bn, segs, pl->size[b], &req[b]));
+            do DT_OK(dopt_compress_test(&req[2], &done));
+            while (!done);
+            DT_OK(dopt_compress_test(&req[0], &done));
+            DT_CHECK(done);
+            DT_OK(dopt_compress_wait(&req[1]));
+        } else { /* two in flight, the second waited first; step 4 has a blocking call behind them */
+            for (b = 0, segs = pl->seg; b < 2; segs += pl->size[b], b++) {
+                /* (without threads start runs the call and returns its status) */
+                dopt_status st = dopt_compress_allreduce_start(&started, c, &bn, segs, pl->size[b], &req[b]);
+                DT_CHECK(st == DOPT_OK || (b == 1 && st == want));
+            }
+            if (pl->nb == 3) DT_OK(dopt_compress_allreduce_segments(&started, c, &bn, segs, pl->size[2]));
+            if (step == 3) { /* the failing one polled, then waited: the same status */
+                dopt_status st;
+                do st = dopt_compress_test(&req[1], &done);
+                while (!done && st == DOPT_OK);
+                DT_EQ_INT(st, (int)want);
+            }
+            DT_EQ_INT(dopt_compress_wait(&req[1]), (int)want);
+            DT_OK(dopt_compress_test(&req[0], &done));
+            DT_CHECK(done);
+            DT_EQ_INT(dopt_compress_wait(&req[1]), (int)want); /* again: the same status */
+            DT_EQ_INT(dopt_compress_test(&req[1], &done), (int)want);
+        }
+        DT_CHECKF(started.step == blocking.step, "%s step %d: steps %llu and %llu", bk_name(k), step,
+                  (unsigned long long)started.step, (unsigned long long)blocking.step);
+        if (step == 3) continue;
+        if (step != 2)
+            DT_CHECKF(memcmp(gb, gn, sizeof gb) == 0, "rank %d %s step %d: started and blocking differ", c->rank, bk_name(k),
+                      step);
+        if (started.ef)
+            DT_CHECKF(memcmp(blocking.residual, started.residual, blocking.count * sizeof(float)) == 0,
+                      "rank %d %s step %d: the residuals differ", c->rank, bk_name(k), step);
+    }
+    dopt_compressor_free(&blocking);
+    dopt_compressor_free(&started);
+}
+
+static void nb_all_codecs(dopt_comm *c, void *unused) {
+    size_t i;
+    (void)unused;
+    for (i = 0; i < BK_NCASES; i++) nb_case_run(c, &bk_cases[i]);
+}
+
+DTEST_WORLDS(started_buckets_complete_in_order_with_the_blocking_bits, nb_all_codecs, NULL, 2, 3);
+
+/* Ranks that list other segments (sizes 900 and 29000) fail together, for a codec on the
+   allgather path, ternary's scale sharing and PowerSGD: nothing hangs. */
+static void bk_other_lists(dopt_comm *c, void *unused) {
+    static float g[AR_N];
+    static const dopt_codec codecs[3] = {DOPT_CODEC_TOPK, DOPT_CODEC_TERNARY, DOPT_CODEC_POWERSGD};
+    dopt_buf b = dopt_buf_flat(g, AR_N, bk_segs, 4);
+    size_t mine = c->rank == 0 ? 3 : 2;
+    int i;
+    (void)unused;
+    for (i = 0; i < 3; i++) {
+        dopt_compressor cz;
+        dopt_compressor_config cfg = config_of(codecs[i]);
+        dopt_status s;
+        DT_OK(dopt_compressor_init(&cz, &cfg, bk_segs, 4));
+        ar_grad(g, c->rank, 0);
+        s = dopt_compress_allreduce_segments(&cz, c, &b, &mine, 1);
+        DT_CHECKF(s == DOPT_ERR_MISMATCH || s == DOPT_ERR_PROTOCOL, "rank %d %s: %s (%s)", c->rank,
+                  dopt_codec_name(codecs[i]), dopt_status_str(s), dopt_comm_detail(c));
+        dopt_compressor_free(&cz);
+        if (s == DOPT_ERR_MISMATCH) break; /* the communicator is poisoned */
+    }
+}
+
+DTEST_WORLDS(buckets_of_other_segments_on_two_ranks_fail_on_both, bk_other_lists, NULL, 2, 2);
+
+/* Rank 2 leaves the job without a word while the others have two buckets in flight: both
+   requests fail (the lost peer, or the short timeout where the transport cannot tell), nothing
+   hangs, and the compressor frees its worker. */
+static void nb_peer_lost(dopt_comm *c, void *unused) {
+    static float g[AR_N];
+    dopt_compressor cz;
+    dopt_compressor_config cfg = config_of(DOPT_CODEC_TERNARY);
+    dopt_buf b = dopt_buf_flat(g, AR_N, bk_segs, 4);
+    dopt_compress_request req[2];
+    static const size_t first[2] = {3, 2}, second[2] = {1, 0};
+    dopt_status s0, s1;
+    (void)unused;
+    dopt_comm_set_timeout(c, 3000);
+    DT_OK(dopt_compressor_init(&cz, &cfg, bk_segs, 4));
+    ar_grad(g, c->rank, 0);
+    DT_OK(dopt_barrier(c));
+    if (c->rank == 2) _exit(0); /* no goodbye */
+    s0 = dopt_compress_allreduce_start(&cz, c, &b, first, 2, &req[0]);
+    s1 = dopt_compress_allreduce_start(&cz, c, &b, second, 2, &req[1]);
+    DT_CHECK(s0 == DOPT_OK || s0 == dopt_compress_wait(&req[0])); /* without threads: the call's status */
+    DT_CHECK(s1 == DOPT_OK || s1 == dopt_compress_wait(&req[1]));
+    s1 = dopt_compress_wait(&req[1]);
+    s0 = dopt_compress_wait(&req[0]);
+    DT_CHECKF(s0 == DOPT_ERR_PEER_LOST || s0 == DOPT_ERR_TIMEOUT, "rank %d: the first bucket gave %s: %s", c->rank,
+              dopt_status_str(s0), dopt_comm_detail(c));
+    DT_CHECKF(s1 == s0, "rank %d: the second bucket gave %s, the first %s", c->rank, dopt_status_str(s1), dopt_status_str(s0));
+    DT_CHECKF(strstr(dopt_comm_detail(c), "rank 2") != NULL, "rank %d: detail \"%s\" does not name rank 2", c->rank,
+              dopt_comm_detail(c));
+    DT_CHECK(cz.step == 0);
+    dopt_compressor_free(&cz);
+}
+
+DTEST_WORLDS(peer_lost_with_buckets_in_flight_fails_every_request, nb_peer_lost, NULL, 3, 3);
 
 DTEST_MAIN()
