@@ -590,8 +590,14 @@
      values of an element in an order that follows where the element falls in the message's cut,
      so a bucket's mean may differ from the whole buffer's in the last bit of some elements: the
      same bits on every rank and from run to run for the same buckets (tests/test_overlap.c
-     checks the bits at two ranks, and the same bits on every rank beyond). No allocation per
-     step after the first step that marks.
+     checks the bits at two ranks, and the same bits on every rank beyond). With a gradient
+     compressor each bucket is dopt_compress_allreduce_segments over its segments, so the
+     compressor's table must be the gradients' (the same count at every index; dopt_dp_init or
+     dopt_dp_set_grads refuse another, saying so): each segment keeps its random stream, scale
+     and error-feedback residual, and the means and the compressor's state are the whole call's
+     bit for bit wherever compress.h's NONBLOCKING AND BUCKETS says so (every codec at two
+     ranks; beyond, all but fp16 and bf16 on the ring, and PowerSGD). No allocation per step
+     after the first step that marks.
 
      The verdicts come after the wait, as for the whole buffer: the non-finite verdict (FAIL or
      SKIP, every rank alike, the ranks named), and a clip the host takes of the averaged
@@ -2260,7 +2266,8 @@ static dopt_status dopt__dp_bucket_run(void *arg) {
     }
     if (dp->grad_compressor) {
         dopt_buf view = b->staged ? dopt_buf_scatter(ov->stage_spans, ov->nseg) : ov->grads;
-        s = DOPT_ERR_UNSUPPORTED; (void)view; /* TEMP-SEGMENTS until compress.h's subset call lands */
+        s = dopt_compress_allreduce_segments(dp->grad_compressor, dp->comm, &view, ov->order + b->first,
+                                             b->end - b->first);
     } else if (dp->weighted) {
         s = dopt_allreduce_weighted_mean(dp->comm, b->region, b->count, DOPT_F32, ov->weight);
     } else {
@@ -2532,9 +2539,10 @@ static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite
     }
     if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) {
         if (dopt__family_error(dp->comm) == DOPT_OK) { /* not the communicator's failure: the driver stops */
-            dopt__dp_fail_detail(dp, "dopt_dp_after_backward: a bucket of step %llu failed: %s%s",
+            dopt__dp_fail_detail(dp, "dopt_dp_after_backward: a bucket of step %llu failed: %s%s%s",
                                  (unsigned long long)(ov->step - 1), dopt_status_str(s),
-                                 dp->grad_compressor ? " in the gradient compressor" : "");
+                                 dp->grad_compressor ? " in the gradient compressor: " : "",
+                                 dp->grad_compressor ? dopt_compress_detail(dp->grad_compressor) : "");
             dp->status = s;
         }
         return s; /* else the communicator says where */

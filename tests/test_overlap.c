@@ -5,7 +5,8 @@
    one with gaps and a scatter list, with buckets of a given size and of the size the rule
    chooses; buckets completed out of order; the order rebuilt once, the same on every rank; a
    rank marking in another order; a segment marked twice or never; an unused segment averaged as
-   zeros; a NaN in one rank's bucket; a peer lost with buckets in flight; a write after the mark
+   zeros; every codec in buckets against its whole-buffer call (means and state, bitwise where
+   compress.h says they must be); a NaN in one rank's bucket, fp32 or ternary; a peer lost with buckets in flight; a write after the mark
    caught by overlap_check; local steps, where marks do nothing. No test asserts a time. */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
@@ -24,6 +25,7 @@
 #define OV_NSEG 8
 static const size_t ov_sizes[OV_NSEG] = {3000, 17, 40000, 5, 9000, 300000, 64, 1200};
 static const char *ov_names[OV_NSEG] = {"emb", "emb.b", "h0.w", "h0.b", "h1.w", "h1.w2", "h1.b", "out"};
+static const size_t ov_rows[OV_NSEG] = {30, 0, 200, 0, 90, 500, 0, 0}; /* PowerSGD's matrices */
 
 enum { OV_FLAT, OV_GAPS, OV_SCATTER };
 
@@ -45,7 +47,7 @@ static void ov_host_init(ov_host *h, int layout) {
     h->mem = (float *)calloc(h->memn, sizeof(float));
     DT_CHECK(h->mem != NULL);
     for (i = 0; i < OV_NSEG; i++) {
-        h->segs[i] = (dopt_segment){off, ov_sizes[i], ov_names[i], 0};
+        h->segs[i] = (dopt_segment){off, ov_sizes[i], ov_names[i], ov_rows[i]};
         off += ov_sizes[i] + gap;
     }
     if (layout == OV_SCATTER) { /* the spans in the memory in reverse order: nothing is contiguous as numbered */
@@ -238,6 +240,118 @@ static void body_out_of_order(dopt_comm *c, void *arg) {
 
 DTEST_WORLDS(buckets_completed_out_of_order_wait_for_the_ones_before, body_out_of_order, NULL, 2, 4);
 
+/* ------------------------------------------------------------------ compressed buckets */
+
+typedef struct ov_codec {
+    dopt_codec codec;
+    dopt_aggregate aggregate;
+    int bitwise_beyond_two; /* 0: a float sum that follows the message's cut (compress.h says which) */
+} ov_codec;
+
+static const ov_codec ov_codecs[] = {
+    {DOPT_CODEC_TERNARY, DOPT_AGG_AUTO, 1},   {DOPT_CODEC_TERNARY, DOPT_AGG_RING, 1},
+    {DOPT_CODEC_TERNARY, DOPT_AGG_ALLGATHER, 1}, {DOPT_CODEC_QSGD, DOPT_AGG_AUTO, 1},
+    {DOPT_CODEC_TOPK, DOPT_AGG_AUTO, 1},      {DOPT_CODEC_SIGN, DOPT_AGG_AUTO, 1},
+    {DOPT_CODEC_MAJORITY, DOPT_AGG_RING, 1},  {DOPT_CODEC_FP16, DOPT_AGG_ALLGATHER, 1},
+    {DOPT_CODEC_FP16, DOPT_AGG_RING, 0},      {DOPT_CODEC_BF16, DOPT_AGG_AUTO, 0},
+    {DOPT_CODEC_POWERSGD, DOPT_AGG_AUTO, 0},
+};
+
+/* A compressor over the packed gradients with the host's segments (counts, matrices, names). */
+static void ov_compressor(dopt_compressor *cz, const ov_codec *k, const ov_host *h) {
+    dopt_segment packed[OV_NSEG];
+    dopt_compressor_config cfg;
+    size_t i, off = 0;
+    for (i = 0; i < OV_NSEG; i++) {
+        packed[i] = h->segs[i];
+        packed[i].offset = off;
+        off += packed[i].count;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.codec = k->codec;
+    cfg.aggregate = k->aggregate;
+    cfg.seed = 99;
+    DT_OK(dopt_compressor_init(cz, &cfg, packed, OV_NSEG));
+}
+
+/* The same steps through two drivers with one compressor configuration each: one in buckets
+   during backward, one whole after it. Their means, and the compressors' state files, agree bit
+   for bit at two ranks for every codec, and beyond for every one whose sums are exact or in rank
+   order; elsewhere the same bits on every rank. */
+static void body_compressed_buckets(dopt_comm *c, void *arg) {
+    const ov_codec *k = (const ov_codec *)arg;
+    ov_host ha, hb;
+    dopt_compressor ca, cb;
+    dopt_dp a, b;
+    int step, layout = k->codec == DOPT_CODEC_TOPK ? OV_SCATTER : k->codec == DOPT_CODEC_QSGD ? OV_GAPS : OV_FLAT;
+    int bitwise = c->size == 2 || k->bitwise_beyond_two;
+    float *ga, *gb;
+    ov_host_init(&ha, layout);
+    ov_host_init(&hb, layout);
+    ov_compressor(&ca, k, &ha);
+    ov_compressor(&cb, k, &hb);
+    ga = (float *)malloc(ha.n * sizeof(float));
+    gb = (float *)malloc(ha.n * sizeof(float));
+    DT_OK(dopt_dp_init(&a, c, ha.n, &(dopt_dp_config){.grads = &ha.buf, .grad_compressor = &ca, .bucket_bytes = 48 << 10}));
+    DT_OK(dopt_dp_init(&b, c, hb.n, &(dopt_dp_config){.grad_compressor = &cb}));
+    for (step = 0; step < 4; step++) {
+        size_t i;
+        ov_backward(&a, &ha, c->rank, step, NULL);
+        for (i = 0; i < OV_NSEG; i++) ov_fill(&hb, i, c->rank, step);
+        DT_OK(dopt_dp_after_backward_buf(&a, &ha.buf));
+        DT_OK(dopt_dp_after_backward_buf(&b, &hb.buf));
+        dopt_buf_pack(&ha.buf, ga);
+        dopt_buf_pack(&hb.buf, gb);
+        if (bitwise)
+            for (i = 0; i < ha.n; i++)
+                DT_CHECKF(memcmp(&ga[i], &gb[i], sizeof(float)) == 0, "%s, step %d, element %zu: %.9g in buckets, %.9g whole",
+                          dopt_codec_name(k->codec), step, i, ga[i], gb[i]);
+        DT_CHECK(ov_same_everywhere(c, ga, ha.n * sizeof(float)));
+        DT_EQ_INT(ca.step, cb.step);
+    }
+    DT_CHECKF(a.ov.nbuckets > 2, "%zu buckets", a.ov.nbuckets);
+    if (bitwise) {
+        size_t bytes = dopt_compress_state_bytes(&ca);
+        unsigned char *sa = (unsigned char *)malloc(bytes), *sb = (unsigned char *)malloc(bytes);
+        DT_EQ_INT(dopt_compress_state_bytes(&cb), bytes);
+        DT_OK(dopt_compress_state_save(&ca, sa, bytes));
+        DT_OK(dopt_compress_state_save(&cb, sb, bytes));
+        DT_CHECKF(memcmp(sa, sb, bytes) == 0, "%s: the state (residuals, step) differs", dopt_codec_name(k->codec));
+        free(sa);
+        free(sb);
+    }
+    dopt_dp_free(&a);
+    dopt_dp_free(&b);
+    dopt_compressor_free(&ca);
+    dopt_compressor_free(&cb);
+    free(ga);
+    free(gb);
+    free(ha.mem);
+    free(hb.mem);
+}
+
+DTEST_WORLDS_EACH(compressed_buckets_equal_the_whole_compressed_mean, body_compressed_buckets, ov_codecs, 2, 3);
+
+/* A gradient compressor whose table is not the gradients' is refused at init, saying why. */
+static void body_compressor_table(dopt_comm *c, void *arg) {
+    ov_host h;
+    dopt_compressor cz;
+    dopt_compressor_config cfg;
+    dopt_segment whole;
+    dopt_dp dp;
+    (void)arg;
+    ov_host_init(&h, OV_FLAT);
+    whole = (dopt_segment){0, h.n, "all", 0};
+    memset(&cfg, 0, sizeof cfg);
+    DT_OK(dopt_compressor_init(&cz, &cfg, &whole, 1));
+    DT_EQ_INT(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .grad_compressor = &cz}), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), "compressor's 1 segments are not the gradients' 8"), "%s", dopt_dp_detail(&dp));
+    dopt_compressor_free(&cz);
+    free(h.mem);
+}
+
+DTEST_WORLDS(a_gradient_compressor_with_another_table_is_refused, body_compressor_table, NULL, 2, 2);
+
 /* ------------------------------------------------------------------ the host's mistakes, said */
 
 /* Rank 1 marks two segments the other way round in the first step: every rank is told, with
@@ -365,15 +479,21 @@ DTEST_WORLDS(a_write_after_the_mark_is_caught_by_overlap_check, body_write_after
 
 /* ------------------------------------------------------------------ non-finite, lost peers, local steps */
 
-/* A NaN in rank 1's bucket: under SKIP every rank zeros the step and names rank 1. */
+/* A NaN in rank 1's bucket, averaged in fp32 or through TernGrad (whose scale sharing tells
+   every rank): under SKIP every rank zeros the step and names rank 1, and the next step goes on. */
+static const ov_codec ov_nan_cases[] = {{DOPT_CODEC_FP32, DOPT_AGG_AUTO, 1}, {DOPT_CODEC_TERNARY, DOPT_AGG_AUTO, 1}};
+
 static void body_nan_in_a_bucket(dopt_comm *c, void *arg) {
+    const ov_codec *k = (const ov_codec *)arg;
     ov_host h;
     dopt_dp dp;
+    dopt_compressor cz;
     size_t i;
-    (void)arg;
     ov_host_init(&h, OV_FLAT);
+    if (k->codec == DOPT_CODEC_TERNARY) ov_compressor(&cz, k, &h);
     DT_OK(dopt_dp_init(&dp, c, h.n,
-                       &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = 64 << 10, .nonfinite = DOPT_NONFINITE_SKIP}));
+                       &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = 64 << 10, .nonfinite = DOPT_NONFINITE_SKIP,
+                                         .grad_compressor = k->codec == DOPT_CODEC_TERNARY ? &cz : NULL}));
     ov_backward(&dp, &h, c->rank, 0, NULL);
     DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
     for (i = OV_NSEG; i-- > 0;) {
@@ -388,10 +508,11 @@ static void body_nan_in_a_bucket(dopt_comm *c, void *arg) {
     DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
     DT_EQ_INT(dp.skipped, 1);
     dopt_dp_free(&dp);
+    if (k->codec == DOPT_CODEC_TERNARY) dopt_compressor_free(&cz);
     free(h.mem);
 }
 
-DTEST_WORLDS(a_nan_in_one_ranks_bucket_skips_the_step_on_every_rank, body_nan_in_a_bucket, NULL, 2, 3);
+DTEST_WORLDS_EACH(a_nan_in_one_ranks_bucket_skips_the_step_on_every_rank, body_nan_in_a_bucket, ov_nan_cases, 2, 3);
 
 /* The last rank dies after marking half its segments: every survivor's after_backward fails
    naming it, the step's average is not counted, and later calls fail at once. */
