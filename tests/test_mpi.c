@@ -585,6 +585,37 @@ static void non_finite_averages_stop_or_skip_on_every_rank(void) {
     dopt_comm_destroy(c);
 }
 
+/* ------------------------------------------------------------------ buckets during backward */
+
+/* MPI initialised with MPI_THREAD_FUNNELED: only this thread may call the communicator, so the
+   driver's buckets run in after_backward on it (no worker), and give the whole buffer's mean. */
+static void buckets_run_on_the_calling_thread(void) {
+    enum { NSEG = 3 };
+    static const size_t sizes[NSEG] = {5000, 7, 3000};
+    dopt_comm *c = create_or_die(NULL);
+    dopt_segment segs[NSEG];
+    float g[8007], want[8007];
+    size_t total = 0, i;
+    int step;
+    dopt_dp dp;
+    dopt_buf b;
+    CHECK(c->one_thread == 1, "one_thread is %d under MPI_THREAD_FUNNELED", c->one_thread);
+    DT_OK(dopt_segments_from_sizes(segs, sizes, NSEG, &total));
+    b = dopt_buf_flat(g, total, segs, NSEG);
+    DT_OK(dopt_dp_init(&dp, c, total, &(dopt_dp_config){.grads = &b, .bucket_bytes = 8 << 10}));
+    for (step = 0; step < 3; step++) {
+        for (i = 0; i < total; i++) g[i] = want[i] = (float)((i * 7 + (size_t)step * 13 + (size_t)c->rank * 31) % 97) / 97.0f;
+        for (i = NSEG; i-- > 0;) DT_OK(dopt_dp_grad_ready(&dp, i));
+        DT_OK(dopt_dp_after_backward(&dp, g));
+        DT_OK(dopt_allreduce(c, want, total, DOPT_F32, DOPT_MEAN));
+        for (i = 0; i < total; i++)
+            CHECK(fabsf(g[i] - want[i]) <= 1e-6f, "step %d, element %zu: %.9g, the whole mean %.9g", step, i, g[i], want[i]);
+    }
+    CHECK(dp.ov.worker == NULL && dp.ov.nbuckets > 1, "worker %p, %zu buckets", (void *)dp.ov.worker, dp.ov.nbuckets);
+    dopt_dp_free(&dp);
+    dopt_comm_destroy(c);
+}
+
 /* ------------------------------------------------------------------ the end of MPI */
 
 /* Destroying the communicator that initialised MPI finalizes it; a communicator still alive then
@@ -628,6 +659,7 @@ int main(void) {
         MPI_TEST(collectives_allocate_nothing_after_the_first_call),
         MPI_TEST(engine_over_links_names_mismatches_and_timeouts),
         MPI_TEST(non_finite_averages_stop_or_skip_on_every_rank),
+        MPI_TEST(buckets_run_on_the_calling_thread),
         MPI_TEST(destroying_the_owner_finalizes_mpi),
     };
     const int ntests = (int)(sizeof tests / sizeof tests[0]);
