@@ -141,6 +141,13 @@
    |              | AVERAGES below): DOPT_NONFINITE_FAIL or _SKIP              |  FAIL             |
    | params       | the host's flat parameters (n floats): init broadcasts     | no broadcast at   |
    |              | rank 0's to every rank, as dopt_dp_broadcast does          | init              |
+   | grads        | the gradients' descriptor for buckets during backward      | no buckets until  |
+   |              | (OVERLAP below), copied: flat with a segment table, or a   | dopt_dp_set_grads |
+   |              | scatter list                                               |                   |
+   | bucket_bytes | a bucket's size (OVERLAP)                                  | the rule's        |
+   | first_bucket_| the first bucket's                                         | min(1 MiB,        |
+   |  bytes       |                                                            |  bucket size)     |
+   | overlap_check| 1: a write to a segment after its mark is caught (debug)   | 0                 |
 
    Policies of extra state buffers at every model average: DOPT_STATE_AVERAGE (averaged with the
    parameters, in the same allreduce), DOPT_STATE_KEEP (left local), DOPT_STATE_RESET (set to 0).
@@ -500,6 +507,92 @@
      workspace first (any descriptor works). Its state (error-feedback residual, step) is saved
      with the driver's. Both compressors may be set: compressed gradients during the warm-up,
      compressed deltas after it.
+
+   OVERLAP: GRADIENTS AVERAGED WHILE BACKWARD RUNS
+     A synchronous step otherwise costs backward plus the average. A host whose backward runs
+     layer by layer says when each segment of its gradients is final, and buckets of segments
+     are averaged while backward computes the next ones:
+
+       dopt_dp_init(&dp, comm, n, &(dopt_dp_config){.grads = &gbuf});
+                                       (gbuf: a flat buffer with a segment table, or a scatter list)
+       for (step = 0; step < steps; step++) {
+           forward(params);
+           for (l = layers - 1; l >= 0; l--) {              (the host's backward, last layer first)
+               layer_backward(l, grads);
+               dopt_dp_grad_ready(&dp, l);                  (segment l of gbuf is final)
+           }
+           dopt_dp_after_backward_buf(&dp, &gbuf);          (waits for the buckets; as before after)
+           update(params, grads);
+       }
+
+     dopt_dp_set_grads(dp, grads) registers the descriptor when the buffer exists only later
+     (llm.c allocates its gradients in the first backward), or again when it moves, before a
+     step's first mark. The descriptor is copied (its table or spans; segment names are
+     borrowed), and after_backward must be given the same buffer. A step whose segments are
+     never marked is averaged whole, as without buckets.
+
+     Rules.
+     - A marked segment belongs to the average until after_backward returns: do not write it
+       (its mean is written there meanwhile) or read it. With overlap_check = 1 (for debugging:
+       it costs a copy in, a copy out and a checksum of every segment) the buckets average a
+       copy, the gradients stay untouched until after_backward, and a segment written after its
+       mark is DOPT_ERR_INVALID there, naming it.
+     - Each segment is marked once in a synchronous step that marks any: the second mark of a
+       segment returns DOPT_ERR_INVALID at once, and after_backward returns it too, naming the
+       segment, as for a segment never marked; every bucket still runs first (unmarked segments
+       go as they are) so that no peer waits, and then the driver stops. A segment without a
+       gradient in a step is declared with dopt_dp_grad_unused(dp, seg): it is zeroed and
+       averaged as zeros on that rank, so its mean is the sum over the ranks that had one, over N
+       (as PyTorch DDP's find_unused_parameters); skipping it on every rank alike would need an
+       agreement every step.
+     - Marks on a step that is not synchronous (local SGD) do nothing and return DOPT_OK: call
+       dopt_dp_grad_ready unconditionally.
+     - From a step's first mark until its after_backward returns, make no collective call on the
+       communicator or its groups: the buckets' collectives are running. `weighted` reads the
+       step's samples (dopt_dp_set_step_samples) at the first mark.
+
+     Buckets. A bucket's average starts once its last segment is marked and the buckets before
+     it have started, so every rank starts the same buckets in the same order whatever order its
+     marks come in. The first step that marks cuts buckets from the segment table in reverse
+     (backward's order: the last segment first), the first up to first_bucket_bytes so that
+     communication starts early, the others up to bucket_bytes (4 MiB while the link is not
+     measured yet), and records the order this rank marked in. That step's after_backward
+     compares every rank's order (one allgather of nseg + 1 words). The same: the buckets are cut
+     again in that order, once for the driver's life. Different: DOPT_ERR_MISMATCH on every rank,
+     the detail naming the first position that differs, the segments there and the ranks, and
+     the driver stops. A segment is never split: one larger than a bucket is a bucket alone.
+
+     The bucket size. bucket_bytes > 0 is used as given. At 0, the first step's after_backward
+     also measures the link: three allreduces of 8 bytes (alpha, the fastest) and one of up to
+     4 MiB of the gradients (time t), the rate R = bytes/(t − alpha), and backward's time Tb
+     from the step's first mark to its last, each the largest over the ranks. With S the bytes a
+     step averages (4 per element; with a gradient compressor, its message's bytes), a step
+     communicates c(B) = S/R + (S/B)·alpha with buckets of B bytes, and the buckets add to
+     backward max(0, c(B) − Tb) plus the last bucket, B/R + alpha, which cannot start before
+     backward ends. So B = min(S·alpha/(Tb − S/R), sqrt(S·alpha·R)) when Tb > S/R (the smallest
+     bucket that keeps the communication behind backward, unless that costs more than the
+     balanced size), else sqrt(S·alpha·R); within [64 KiB, S]. The first bucket is
+     min(1 MiB, B) (PyTorch DDP's cap). dp->ov keeps what it chose and measured (cut_bytes,
+     alpha_ms, rate).
+
+     Where they run. On a worker thread the driver starts at the first mark (one per driver,
+     asleep while no bucket is queued): the host's thread goes on computing. The communicator's
+     log callback may then be called from it. Without threads (DOPT_NO_THREADS), or on an MPI
+     communicator only its own thread may call (MPI initialised below MPI_THREAD_SERIALIZED:
+     comm->one_thread), the buckets run in after_backward, one INFO line says why, and the
+     results are the same bits.
+
+     The bits. fp32: a bucket's mean is a MEAN allreduce of its floats. At two ranks that is the
+     whole-buffer mean bit for bit (a + b = b + a). Beyond, a ring allreduce adds the ranks'
+     values of an element in an order that follows where the element falls in the message's cut,
+     so a bucket's mean may differ from the whole buffer's in the last bit of some elements: the
+     same bits on every rank and from run to run for the same buckets (tests/test_overlap.c
+     checks the bits at two ranks, and the same bits on every rank beyond). No allocation per
+     step after the first step that marks.
+
+     The verdicts come after the wait, as for the whole buffer: the non-finite verdict (FAIL or
+     SKIP, every rank alike, the ranks named), and a clip the host takes of the averaged
+     gradient (clip.h's global norm of it is the same bits on every rank).
 */
 #ifndef DISTOPT_LOCALSGD_H
 #define DISTOPT_LOCALSGD_H
@@ -652,7 +745,41 @@ typedef struct dopt_dp_config {
     double outer_momentum;
     dopt_nonfinite_policy nonfinite;
     float *params;
+    const dopt_buf *grads;     /* buckets: the gradients' descriptor (copied), or dopt_dp_set_grads */
+    size_t bucket_bytes;       /* buckets: their size, 0: chosen (OVERLAP) */
+    size_t first_bucket_bytes; /* buckets: the first one's, 0: min(1 MiB, bucket_bytes) */
+    int overlap_check;         /* 1: a write to a segment after its mark is caught (a checksum) */
 } dopt_dp_config;
+
+/* The buckets of the synchronous steps' gradient averages (OVERLAP); internal to the driver. */
+typedef struct dopt__dp_bucket dopt__dp_bucket;
+typedef struct dopt_dp_overlap {
+    dopt_buf grads;           /* the gradients' descriptor, over the copied tables below */
+    dopt_segment *segs;       /* a flat descriptor's table (one segment when it had none) */
+    dopt_span *spans;         /* a scatter list's spans */
+    size_t nseg;              /* 0: no descriptor registered */
+    int direct;               /* 1: a flat buffer whose segments tile it: buckets average in place */
+    size_t *order;            /* nseg: the bucket order (backward's, then the one observed and agreed) */
+    size_t *seen;             /* nseg: the order marked in the first step */
+    size_t *stage_off;        /* nseg: a segment's place in the stage (the workspace, in bucket order) */
+    unsigned char *marks;     /* nseg: times marked this step */
+    uint64_t *sums;           /* nseg: checksums at the marks (overlap_check), else NULL */
+    dopt_span *stage_spans;   /* nseg: the stage as a scatter list (the compressor's view of it) */
+    dopt__dp_bucket *buckets; /* nseg slots; nbuckets used */
+    size_t nbuckets, started, nseen, marked;
+    size_t bucket_bytes, first_bytes; /* as configured (0: chosen) */
+    size_t cut_bytes, cut_first;      /* the sizes the buckets were cut with */
+    int rebuilt;              /* 1: cut in the agreed order (after the first step that marked) */
+    int check;                /* overlap_check */
+    uint64_t step;            /* step + 1 whose marks are held, 0: none */
+    size_t twice, never;      /* the first segment marked twice, not marked (nseg: none) */
+    double t_first, t_last;   /* the first step's first and last mark (ms) */
+    double weight;            /* the step's samples (weighted means) */
+    double alpha_ms, rate;    /* what the rebuild measured: a collective's fixed cost, bytes/s */
+    dopt__worker *worker;     /* runs the buckets; NULL: after_backward runs them */
+    int inline_said;          /* the INFO line on why buckets wait for after_backward was logged */
+    char label[96];           /* the bucket running now, as details name it (the worker's) */
+} dopt_dp_overlap;
 
 typedef struct dopt_dp {
     dopt_comm *comm;
@@ -684,6 +811,7 @@ typedef struct dopt_dp {
     uint64_t *replica_words; /* the replica check's exchange: checksum and step of every rank */
     char api[96];            /* the call whose collectives run now, as details name it */
     char detail[DOPT_DP_DETAIL_MAX];
+    dopt_dp_overlap ov;      /* buckets during backward (OVERLAP) */
 } dopt_dp;
 
 DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const dopt_dp_config *cfg);
@@ -694,6 +822,9 @@ DOPT_DEF dopt_status dopt_dp_broadcast(dopt_dp *dp, float *params);
 DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states);
 DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *dp, float *grads);
 DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *dp, const dopt_buf *grads);
+DOPT_DEF dopt_status dopt_dp_set_grads(dopt_dp *dp, const dopt_buf *grads);
+DOPT_DEF dopt_status dopt_dp_grad_ready(dopt_dp *dp, size_t seg);
+DOPT_DEF dopt_status dopt_dp_grad_unused(dopt_dp *dp, size_t seg);
 DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *dp, float *params);
 DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states);
 DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states);
@@ -887,6 +1018,8 @@ extern "C" {
 #endif
 
 /* ===================================================================== SMALL HELPERS */
+
+static void dopt__dp_ov_free(dopt_dp_overlap *ov);
 
 static void dopt__dp_fail_detail(dopt_dp *dp, const char *fmt, ...) DOPT_PRINTF(2, 3);
 static void dopt__dp_fail_detail(dopt_dp *dp, const char *fmt, ...) {
@@ -1409,6 +1542,17 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const 
         if (dp->outer_v == NULL) goto nomem;
         memset(dp->outer_v, 0, (n ? n : 1) * sizeof(float));
     }
+    dp->ov.bucket_bytes = c.bucket_bytes;
+    dp->ov.first_bytes = c.first_bucket_bytes;
+    dp->ov.check = c.overlap_check != 0;
+    if (c.grads) {
+        dopt_status s = dopt_dp_set_grads(dp, c.grads);
+        if (s != DOPT_OK) {
+            dopt_dp_free(dp); /* the detail says why */
+            dp->status = s;
+            return s;
+        }
+    }
     return c.params ? dopt_dp_broadcast(dp, c.params) : DOPT_OK;
 nomem:
     dopt_dp_free(dp);
@@ -1419,6 +1563,7 @@ nomem:
 
 DOPT_DEF void dopt_dp_free(dopt_dp *dp) {
     if (dp == NULL) return;
+    dopt__dp_ov_free(&dp->ov);
     if (dp->states) DOPT_FREE(dp->states);
     if (dp->work) DOPT_FREE(dp->work);
     if (dp->anchor) DOPT_FREE(dp->anchor);
@@ -1892,6 +2037,525 @@ static dopt_status dopt__dp_grads_packed(dopt_dp *dp, const dopt_buf *grads, int
     return s;
 }
 
+/* ===================================================================== SYNCHRONOUS STEPS: BUCKETS DURING BACKWARD
+
+   The host marks each segment of its gradients final as backward produces it
+   (dopt_dp_grad_ready); segments are grouped into buckets in the order they become final, and a
+   bucket's average starts on the driver's worker thread the moment its last segment is marked,
+   after the buckets before it (every rank starts the same buckets in the same order: the
+   collectives' sequence numbers match). after_backward waits for them and gives the verdict
+   the whole-buffer average would. The first step that marks cuts buckets from the segment table
+   in reverse (backward's order) and records the order it saw; its after_backward agrees the
+   order among the ranks (one allgather), measures the link when no size was given, and cuts the
+   buckets again, once. */
+
+struct dopt__dp_bucket {
+    dopt_dp *dp;
+    size_t k, first, end; /* bucket k holds ov.order[first .. end) */
+    int staged;           /* its segments pass through the stage (a copy in and out) */
+    float *region;        /* fp32: the contiguous floats averaged, in place or in the stage */
+    size_t count;         /* ... and how many */
+    int mine, finite;     /* this rank's input was finite; the average is */
+    dopt_status status;   /* how its average ended (written by the job itself) */
+    uint64_t ticket;      /* the worker's ticket */
+};
+
+#define DOPT__DP_BUCKET_FIRST_STEP ((size_t)4 << 20) /* bytes per bucket before the link is measured */
+#define DOPT__DP_FIRST_BUCKET ((size_t)1 << 20)      /* the first bucket's cap (PyTorch DDP's) */
+#define DOPT__DP_BUCKET_MIN ((size_t)64 << 10)       /* the smallest bucket the rule chooses */
+#define DOPT__DP_PROBE_BYTES ((size_t)4 << 20)       /* the rebuild's timed allreduce, at most */
+
+static void dopt__dp_ov_free(dopt_dp_overlap *ov) {
+    dopt__worker_free(ov->worker); /* first: it may run a bucket still */
+    DOPT_FREE(ov->segs);
+    DOPT_FREE(ov->spans);
+    DOPT_FREE(ov->order);
+    DOPT_FREE(ov->seen);
+    DOPT_FREE(ov->stage_off);
+    DOPT_FREE(ov->marks);
+    DOPT_FREE(ov->sums);
+    DOPT_FREE(ov->stage_spans);
+    DOPT_FREE(ov->buckets);
+    ov->worker = NULL;
+    ov->segs = NULL;
+    ov->spans = NULL;
+    ov->order = ov->seen = ov->stage_off = NULL;
+    ov->marks = NULL;
+    ov->sums = NULL;
+    ov->stage_spans = NULL;
+    ov->buckets = NULL;
+    ov->nseg = ov->nbuckets = 0;
+}
+
+/* "segment 3 ('h1.w')", as details name a segment. */
+static const char *dopt__dp_seg_name(const dopt_dp_overlap *ov, size_t i, char *out, size_t cap) {
+    const char *name = ov->segs && i < ov->nseg ? ov->segs[i].name : NULL;
+    if (name)
+        snprintf(out, cap, "segment %zu ('%s')", i, name);
+    else
+        snprintf(out, cap, "segment %zu", i);
+    return out;
+}
+
+static dopt_span dopt__dp_host_span(const dopt_dp_overlap *ov, size_t i) { return dopt_buf_segment(&ov->grads, i); }
+
+/* Where bucket k's segments are read and written: the stage, or the gradients themselves. */
+static dopt_span dopt__dp_bucket_span(const dopt_dp *dp, const dopt__dp_bucket *b, size_t i) {
+    return b->staged ? dp->ov.stage_spans[i] : dopt__dp_host_span(&dp->ov, i);
+}
+
+/* Places the buckets as cut (bucket_end in each bucket): the stage in bucket order; a bucket
+   averages in place when the gradients are one flat buffer tiled by its segments and (fp32) its
+   segments are consecutive there, and through the stage otherwise (or when overlap_check holds
+   the gradients untouched until after_backward). */
+static void dopt__dp_ov_place(dopt_dp *dp) {
+    dopt_dp_overlap *ov = &dp->ov;
+    size_t k, j, off = 0;
+    for (j = 0; j < ov->nseg; j++) {
+        size_t i = ov->order[j];
+        ov->stage_off[i] = off;
+        ov->stage_spans[i].ptr = dp->work + off;
+        ov->stage_spans[i].count = dopt__dp_host_span(ov, i).count;
+        off += ov->stage_spans[i].count;
+    }
+    for (k = 0; k < ov->nbuckets; k++) {
+        dopt__dp_bucket *b = &ov->buckets[k];
+        size_t lo = SIZE_MAX, hi = 0, count = 0;
+        for (j = b->first; j < b->end; j++) {
+            size_t i = ov->order[j];
+            lo = i < lo ? i : lo;
+            hi = i > hi ? i : hi;
+            count += dopt__dp_host_span(ov, i).count;
+        }
+        b->dp = dp;
+        b->k = k;
+        b->count = count;
+        b->staged = !ov->direct || ov->check || (!dp->grad_compressor && hi - lo + 1 != b->end - b->first);
+        b->region = b->staged ? dp->work + ov->stage_off[ov->order[b->first]] : dopt__dp_host_span(ov, lo).ptr;
+    }
+}
+
+/* Cuts ov.order into buckets: the first up to `first` bytes, the others up to `size` (a segment
+   larger than a bucket is a bucket of its own; segments are never split). */
+static void dopt__dp_ov_cut(dopt_dp *dp, size_t size, size_t first) {
+    dopt_dp_overlap *ov = &dp->ov;
+    size_t j = 0, k = 0;
+    while (j < ov->nseg) {
+        size_t cap = k == 0 ? first : size, bytes = 0;
+        ov->buckets[k].first = j;
+        do {
+            bytes += dopt__dp_host_span(ov, ov->order[j]).count * sizeof(float);
+            j++;
+        } while (j < ov->nseg && bytes + dopt__dp_host_span(ov, ov->order[j]).count * sizeof(float) <= cap);
+        ov->buckets[k++].end = j;
+    }
+    ov->nbuckets = k;
+    ov->cut_bytes = size;
+    ov->cut_first = first;
+    dopt__dp_ov_place(dp);
+}
+
+/* The gradients' descriptor, copied: its tables, the bucket workspaces (once per layout), the
+   first step's buckets. A descriptor of the same layout keeps the buckets already agreed. */
+static dopt_status dopt__dp_ov_setup(dopt_dp *dp, const dopt_buf *g) {
+    dopt_dp_overlap *ov = &dp->ov;
+    size_t nseg = dopt_buf_nsegs(g), i;
+    int same = ov->nseg == nseg;
+    for (i = 0; same && i < nseg; i++) same = dopt_buf_segment(g, i).count == dopt__dp_host_span(ov, i).count;
+    if (dp->grad_compressor) {
+        const dopt_compressor *cz = dp->grad_compressor;
+        int fits = cz->nsegs == nseg;
+        for (i = 0; fits && i < nseg; i++) fits = cz->segs[i].count == dopt_buf_segment(g, i).count;
+        if (!fits) {
+            dopt__dp_fail_detail(dp, "dopt_dp_set_grads: the gradient compressor's %zu segments are not the gradients' %zu "
+                                     "(a bucket hands the compressor whole segments: give it the gradients' table)",
+                                 cz->nsegs, nseg);
+            return DOPT_ERR_INVALID;
+        }
+    }
+    if (!same) {
+        dopt__worker *w = ov->worker;
+        ov->worker = NULL;
+        dopt__dp_ov_free(ov);
+        ov->worker = w;
+        ov->order = (size_t *)DOPT_MALLOC(nseg * sizeof(size_t));
+        ov->seen = (size_t *)DOPT_MALLOC(nseg * sizeof(size_t));
+        ov->stage_off = (size_t *)DOPT_MALLOC(nseg * sizeof(size_t));
+        ov->marks = (unsigned char *)DOPT_MALLOC(nseg);
+        ov->stage_spans = (dopt_span *)DOPT_MALLOC(nseg * sizeof(dopt_span));
+        ov->buckets = (dopt__dp_bucket *)DOPT_MALLOC(nseg * sizeof(dopt__dp_bucket));
+        ov->segs = (dopt_segment *)DOPT_MALLOC(nseg * sizeof(dopt_segment));
+        ov->spans = (dopt_span *)DOPT_MALLOC(nseg * sizeof(dopt_span));
+        ov->sums = ov->check ? (uint64_t *)DOPT_MALLOC(nseg * sizeof(uint64_t)) : NULL;
+        if (!ov->order || !ov->seen || !ov->stage_off || !ov->marks || !ov->stage_spans || !ov->buckets || !ov->segs ||
+            !ov->spans || (ov->check && !ov->sums)) {
+            dopt__dp_ov_free(ov);
+            dopt__dp_fail_detail(dp, "dopt_dp_set_grads: out of memory for the buckets of %zu segments", nseg);
+            return DOPT_ERR_NOMEM;
+        }
+        ov->nseg = nseg;
+        memset(ov->marks, 0, nseg);
+        for (i = 0; i < nseg; i++) ov->order[i] = nseg - 1 - i; /* backward visits the last layer first */
+        ov->rebuilt = 0;
+        ov->step = 0;
+    }
+    if (g->spans) {
+        memcpy(ov->spans, g->spans, nseg * sizeof(dopt_span));
+        ov->grads = dopt_buf_scatter(ov->spans, nseg);
+        memset(ov->segs, 0, nseg * sizeof(dopt_segment));
+    } else {
+        if (g->segs) {
+            memcpy(ov->segs, g->segs, nseg * sizeof(dopt_segment));
+        } else {
+            memset(ov->segs, 0, sizeof(dopt_segment));
+            ov->segs[0].count = g->n;
+        }
+        ov->grads = dopt_buf_flat(g->data, g->n, ov->segs, nseg);
+    }
+    ov->direct = dopt__dp_in_place(g, dp->n);
+    if (!same || !ov->rebuilt) {
+        size_t size = ov->bucket_bytes ? ov->bucket_bytes : DOPT__DP_BUCKET_FIRST_STEP;
+        dopt__dp_ov_cut(dp, size, ov->first_bytes ? ov->first_bytes : (size < DOPT__DP_FIRST_BUCKET ? size : DOPT__DP_FIRST_BUCKET));
+    } else {
+        dopt__dp_ov_place(dp);
+    }
+    return DOPT_OK;
+}
+
+/* One bucket's average, on the worker (or in after_backward): in through the stage when it is
+   staged, the verdict on this rank's input, the mean (fp32, weighted, or the gradient
+   compressor over the bucket's segments), the verdict on the mean, and out again. Under
+   overlap_check the mean stays in the stage until after_backward has checked the gradients. */
+static dopt_status dopt__dp_bucket_run(void *arg) {
+    dopt__dp_bucket *b = (dopt__dp_bucket *)arg;
+    dopt_dp *dp = b->dp;
+    dopt_dp_overlap *ov = &dp->ov;
+    const char *prev;
+    size_t j;
+    dopt_status s;
+    snprintf(ov->label, sizeof ov->label, "dopt_dp_grad_ready: bucket %zu of %zu of step %llu's gradient average", b->k,
+             ov->nbuckets, (unsigned long long)(ov->step - 1));
+    prev = dopt_comm_set_api(dp->comm, ov->label);
+    b->mine = 1;
+    for (j = b->first; j < b->end; j++) {
+        size_t i = ov->order[j];
+        dopt_span h = dopt__dp_host_span(ov, i);
+        if (b->staged && h.count) memcpy(ov->stage_spans[i].ptr, h.ptr, h.count * sizeof(float));
+        b->mine = b->mine && dopt_all_finite(h.ptr, h.count);
+    }
+    if (dp->grad_compressor) {
+        dopt_buf view = b->staged ? dopt_buf_scatter(ov->stage_spans, ov->nseg) : ov->grads;
+        s = DOPT_ERR_UNSUPPORTED; (void)view; /* TEMP-SEGMENTS until compress.h's subset call lands */
+    } else if (dp->weighted) {
+        s = dopt_allreduce_weighted_mean(dp->comm, b->region, b->count, DOPT_F32, ov->weight);
+    } else {
+        s = dopt_allreduce(dp->comm, b->region, b->count, DOPT_F32, DOPT_MEAN);
+    }
+    b->finite = s == DOPT_OK;
+    for (j = b->first; j < b->end && b->finite; j++) {
+        dopt_span sp = dopt__dp_bucket_span(dp, b, ov->order[j]);
+        b->finite = dopt_all_finite(sp.ptr, sp.count);
+    }
+    if (s == DOPT_OK && b->staged && !ov->check)
+        for (j = b->first; j < b->end; j++) {
+            size_t i = ov->order[j];
+            dopt_span h = dopt__dp_host_span(ov, i);
+            if (h.count) memcpy(h.ptr, ov->stage_spans[i].ptr, h.count * sizeof(float));
+        }
+    dopt_comm_set_api(dp->comm, prev);
+    b->status = s;
+    return s;
+}
+
+/* Starts the buckets whose segments are all marked, in bucket order: a complete bucket waits
+   for the ones before it. Without a worker they wait for after_backward. */
+static void dopt__dp_ov_start_ready(dopt_dp *dp, int run_inline) {
+    dopt_dp_overlap *ov = &dp->ov;
+    while (ov->started < ov->nbuckets) {
+        dopt__dp_bucket *b = &ov->buckets[ov->started];
+        size_t j;
+        for (j = b->first; j < b->end; j++)
+            if (!ov->marks[ov->order[j]]) return;
+        if (ov->worker)
+            (void)dopt__worker_post(ov->worker, dopt__dp_bucket_run, b, &b->ticket); /* cannot fail */
+        else if (run_inline)
+            (void)dopt__dp_bucket_run(b); /* it keeps its status */
+        else
+            return;
+        ov->started++;
+    }
+}
+
+/* The first mark of a synchronous step: the step's bookkeeping, and the worker at the first. */
+static void dopt__dp_ov_begin(dopt_dp *dp, uint64_t step) {
+    dopt_dp_overlap *ov = &dp->ov;
+    memset(ov->marks, 0, ov->nseg);
+    ov->step = step + 1;
+    ov->started = ov->nseen = ov->marked = 0;
+    ov->twice = ov->never = ov->nseg;
+    ov->weight = dopt__dp_step_samples(dp);
+    ov->t_first = dopt__now_ms();
+    if (ov->worker == NULL && !dp->comm->one_thread && !ov->inline_said) {
+        if (dopt__worker_new(&ov->worker, (int)(ov->nseg < 64 ? ov->nseg : 64)) != DOPT_OK) ov->worker = NULL;
+        if (ov->worker == NULL) {
+#ifdef DOPT__THREADS
+            const char *why = "no thread could be started";
+#else
+            const char *why = "this build has no threads (DOPT_NO_THREADS)";
+#endif
+            dopt_comm_log(dp->comm, DOPT_LOG_INFO, "rank %d: dopt_dp: gradient buckets run in after_backward: %s",
+                          dp->comm->rank, why);
+            ov->inline_said = 1;
+        }
+    } else if (dp->comm->one_thread && !ov->inline_said) {
+        dopt_comm_log(dp->comm, DOPT_LOG_INFO,
+                      "rank %d: dopt_dp: gradient buckets run in after_backward: the communicator may be called only "
+                      "from the thread that made it (MPI initialised below MPI_THREAD_SERIALIZED)",
+                      dp->comm->rank);
+        ov->inline_said = 1;
+    }
+}
+
+static dopt_status dopt__dp_mark(dopt_dp *dp, size_t seg, int unused, const char *api) {
+    dopt_dp_overlap *ov = &dp->ov;
+    uint64_t step;
+    dopt_status s;
+    char name[96];
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    if (ov->nseg == 0) {
+        dopt__dp_fail_detail(dp, "%s: no gradient descriptor: give dopt_dp_config.grads or call dopt_dp_set_grads first",
+                             api);
+        return DOPT_ERR_INVALID;
+    }
+    if (seg >= ov->nseg) {
+        dopt__dp_fail_detail(dp, "%s: segment %zu: the gradients have %zu segments", api, seg, ov->nseg);
+        return DOPT_ERR_INVALID;
+    }
+    step = dopt__dp_steps_done(dp);
+    if (!dopt_dp_is_synchronous(dp, step)) return DOPT_OK; /* a local step: nothing is averaged */
+    if (ov->step != step + 1) dopt__dp_ov_begin(dp, step);
+    if (ov->marks[seg]) {
+        if (ov->twice == ov->nseg) ov->twice = seg;
+        dopt__dp_fail_detail(dp, "%s: %s was marked already in step %llu", api, dopt__dp_seg_name(ov, seg, name, sizeof name),
+                             (unsigned long long)step);
+        return DOPT_ERR_INVALID;
+    }
+    if (unused) {
+        dopt_span sp = dopt__dp_host_span(ov, seg);
+        if (sp.count) memset(sp.ptr, 0, sp.count * sizeof(float));
+    }
+    if (ov->sums) {
+        dopt_span sp = dopt__dp_host_span(ov, seg);
+        ov->sums[seg] = dopt__fnv1a(DOPT__FNV_OFFSET, sp.ptr, sp.count * sizeof(float));
+    }
+    ov->marks[seg] = 1;
+    ov->marked++;
+    if (!ov->rebuilt) ov->seen[ov->nseen++] = seg;
+    ov->t_last = dopt__now_ms();
+    dopt__dp_ov_start_ready(dp, 0);
+    return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_dp_grad_ready(dopt_dp *dp, size_t seg) { return dopt__dp_mark(dp, seg, 0, "dopt_dp_grad_ready"); }
+
+DOPT_DEF dopt_status dopt_dp_grad_unused(dopt_dp *dp, size_t seg) { return dopt__dp_mark(dp, seg, 1, "dopt_dp_grad_unused"); }
+
+DOPT_DEF dopt_status dopt_dp_set_grads(dopt_dp *dp, const dopt_buf *grads) {
+    dopt_status s;
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    if (dp->ov.step == dopt__dp_steps_done(dp) + 1 && dp->ov.marked) {
+        dopt__dp_fail_detail(dp, "dopt_dp_set_grads: segments of step %llu are marked already; call it before the first "
+                                 "dopt_dp_grad_ready of a step",
+                             (unsigned long long)dopt__dp_steps_done(dp));
+        return DOPT_ERR_INVALID;
+    }
+    if (dopt__dp_check_buf(grads, dp->n) != DOPT_OK) {
+        dopt__dp_fail_detail(dp, "dopt_dp_set_grads: not a valid descriptor of %zu elements", dp->n);
+        return DOPT_ERR_INVALID;
+    }
+    return dopt__dp_ov_setup(dp, grads);
+}
+
+/* 1 when g is the descriptor the buckets average (the same buffer, or spans at the same places). */
+static int dopt__dp_ov_same_buf(const dopt_dp_overlap *ov, const dopt_buf *g) {
+    size_t i;
+    if (dopt_buf_nsegs(g) != ov->nseg || (g->spans == NULL) != (ov->grads.spans == NULL)) return 0;
+    for (i = 0; i < ov->nseg; i++) {
+        dopt_span a = dopt_buf_segment(g, i), b = dopt__dp_host_span(ov, i);
+        if (a.ptr != b.ptr || a.count != b.count) return 0;
+    }
+    return 1;
+}
+
+/* The bucket size from what the rebuild measured (REFERENCE: THE BUCKET SIZE): S bytes on the
+   wire per step, a collective's fixed cost alpha (s), the rate R (bytes/s), backward's time Tb
+   (s). With c(B) = S/R + (S/B)·alpha the step's communication, the time it adds to the step is
+   max(0, c(B) − Tb) plus the last bucket's B/R + alpha, which cannot start before backward ends.
+   When the communication fits behind backward with room (Tb > S/R) the smallest B that keeps it
+   there, S·alpha/(Tb − S/R), wins unless it exceeds sqrt(S·alpha·R), the size that minimizes
+   the time otherwise. */
+static size_t dopt__dp_bucket_rule(double S, double alpha, double R, double Tb) {
+    double B = sqrt(S * alpha * R);
+    if (Tb > S / R) {
+        double fit = S * alpha / (Tb - S / R);
+        if (fit < B) B = fit;
+    }
+    if (!(B >= (double)DOPT__DP_BUCKET_MIN)) B = (double)DOPT__DP_BUCKET_MIN; /* NaN too */
+    if (B > S) B = S;
+    return B < (double)DOPT__DP_BUCKET_MIN ? DOPT__DP_BUCKET_MIN : (size_t)B;
+}
+
+/* The first step's end: every rank's order compared (one allgather), then, with no size given,
+   the link measured (three small allreduces and one of up to 4 MiB, their times maxed over the
+   ranks), and the buckets cut again in the agreed order. Every rank gets the same numbers, so
+   the same buckets. */
+static dopt_status dopt__dp_ov_rebuild(dopt_dp *dp) {
+    dopt_dp_overlap *ov = &dp->ov;
+    int N = dp->comm->size, r;
+    size_t words = ov->nseg + 1, j, first;
+    uint64_t *all = (uint64_t *)DOPT_MALLOC((size_t)(N + 1) * words * sizeof(uint64_t));
+    double tb = (ov->t_last - ov->t_first) / 1e3, t[2];
+    const char *prev;
+    dopt_status s;
+    if (all == NULL) {
+        dopt__dp_fail_detail(dp, "dopt_dp_after_backward: out of memory agreeing the bucket order");
+        return DOPT_ERR_NOMEM;
+    }
+    memcpy(all, &tb, sizeof tb);
+    for (j = 0; j < ov->nseg; j++) all[1 + j] = j < ov->nseen ? (uint64_t)ov->seen[j] : UINT64_MAX;
+    prev = dopt__dp_label(dp, "dopt_dp_after_backward: the bucket order");
+    s = dopt_allgather(dp->comm, all, all + words, words * sizeof(uint64_t));
+    for (r = 1; s == DOPT_OK && r < N; r++)
+        for (j = 0; j < ov->nseg; j++) {
+            uint64_t a = all[words + 1 + j], b = all[(size_t)(r + 1) * words + 1 + j];
+            char na[96], nb[96];
+            if (a == b) continue;
+            dopt__dp_fail_detail(dp, "dopt_dp_after_backward: the gradients became final in another order on rank %d than "
+                                     "on rank 0: at position %zu rank 0 marked %s, rank %d %s; the buckets need one order "
+                                     "(mark the segments in the same order on every rank)",
+                                 r, j, a == UINT64_MAX ? "none" : dopt__dp_seg_name(ov, (size_t)a, na, sizeof na), r,
+                                 b == UINT64_MAX ? "none" : dopt__dp_seg_name(ov, (size_t)b, nb, sizeof nb));
+            s = DOPT_ERR_MISMATCH;
+            break;
+        }
+    for (r = 0; s == DOPT_OK && r < N; r++) {
+        double t_r;
+        memcpy(&t_r, &all[(size_t)(r + 1) * words], sizeof t_r);
+        if (t_r > tb) tb = t_r;
+    }
+    if (s == DOPT_OK && ov->bucket_bytes == 0) {
+        size_t probe = dp->n * sizeof(float) < DOPT__DP_PROBE_BYTES ? dp->n * sizeof(float) : DOPT__DP_PROBE_BYTES;
+        double t0;
+        int i;
+        memset(dp->work, 0, probe);
+        t[0] = 1e30;
+        for (i = 0; i < 3 && s == DOPT_OK; i++) {
+            t0 = dopt__now_ms();
+            s = dopt_allreduce(dp->comm, dp->work, 2, DOPT_F32, DOPT_SUM);
+            if (dopt__now_ms() - t0 < t[0]) t[0] = dopt__now_ms() - t0;
+        }
+        t0 = dopt__now_ms();
+        if (s == DOPT_OK) s = dopt_allreduce(dp->comm, dp->work, probe / sizeof(float), DOPT_F32, DOPT_SUM);
+        t[1] = dopt__now_ms() - t0;
+        if (s == DOPT_OK) s = dopt_allreduce(dp->comm, t, 2, DOPT_F64, DOPT_MAX);
+        if (s == DOPT_OK) {
+            double S = (double)dp->n * sizeof(float), wire = 1.0;
+            if (dp->grad_compressor && dp->grad_compressor->count)
+                wire = (double)dopt_compress_bound(dp->grad_compressor) / (4.0 * (double)dp->grad_compressor->count);
+            ov->alpha_ms = t[0];
+            ov->rate = t[1] > t[0] ? (double)probe / ((t[1] - t[0]) / 1e3) : 1e12;
+            ov->cut_bytes = dopt__dp_bucket_rule(S * wire, t[0] / 1e3, ov->rate, tb) / (wire > 0 ? wire : 1.0);
+        }
+    }
+    dopt_comm_set_api(dp->comm, prev);
+    DOPT_FREE(all);
+    if (s == DOPT_ERR_MISMATCH) { /* the driver's verdict (same on every rank): it stops */
+        dp->status = s;
+        dp->logged = 1;
+        dopt_comm_log(dp->comm, DOPT_LOG_ERROR, "rank %d: %s; the driver stopped", dp->comm->rank, dp->detail);
+    }
+    if (s != DOPT_OK) return s;
+    memcpy(ov->order, ov->seen, ov->nseg * sizeof(size_t));
+    first = ov->first_bytes ? ov->first_bytes : DOPT__DP_FIRST_BUCKET;
+    if (ov->bucket_bytes) ov->cut_bytes = ov->bucket_bytes;
+    dopt__dp_ov_cut(dp, ov->cut_bytes, first < ov->cut_bytes ? first : ov->cut_bytes);
+    ov->rebuilt = 1;
+    return DOPT_OK;
+}
+
+/* after_backward of a step that marked segments: the unmarked ones marked (so every bucket runs
+   and no peer waits), every bucket waited for, the gradients checked under overlap_check, the
+   first step's rebuild; the verdicts as the whole-buffer average gives them. A segment marked
+   twice or never is said after all that (*mark_error). */
+static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite, int *mark_error) {
+    dopt_dp_overlap *ov = &dp->ov;
+    dopt_status s = DOPT_OK;
+    size_t k, i;
+    for (i = 0; i < ov->nseg; i++)
+        if (!ov->marks[i]) {
+            if (ov->never == ov->nseg) ov->never = i;
+            ov->marks[i] = 1;
+        }
+    *mark_error = ov->twice < ov->nseg || ov->never < ov->nseg;
+    dopt__dp_ov_start_ready(dp, 1);
+    if (ov->worker && ov->nbuckets) (void)dopt__worker_wait(ov->worker, ov->buckets[ov->nbuckets - 1].ticket);
+    *mine_finite = *finite = 1;
+    for (k = 0; k < ov->nbuckets; k++) {
+        const dopt__dp_bucket *b = &ov->buckets[k];
+        *mine_finite = *mine_finite && b->mine;
+        *finite = *finite && b->finite;
+        if (b->status != DOPT_OK && (s == DOPT_OK || s == DOPT_ERR_NONFINITE)) s = b->status;
+    }
+    if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s; /* the communicator failed: it says where */
+    if (ov->check) {
+        for (i = 0; i < ov->nseg; i++) {
+            dopt_span h = dopt__dp_host_span(ov, i);
+            uint64_t now = dopt__fnv1a(DOPT__FNV_OFFSET, h.ptr, h.count * sizeof(float));
+            char name[96];
+            if (i == ov->never || now == ov->sums[i]) continue;
+            dopt__dp_fail_detail(dp, "dopt_dp_after_backward: %s was written after dopt_dp_grad_ready marked it final in "
+                                     "step %llu (overlap_check: its checksum changed); a marked segment belongs to the "
+                                     "average until after_backward returns",
+                                 dopt__dp_seg_name(ov, i, name, sizeof name), (unsigned long long)(ov->step - 1));
+            *mark_error = 2;
+            break;
+        }
+        for (k = 0; k < ov->nbuckets && *mark_error != 2; k++) {
+            const dopt__dp_bucket *b = &ov->buckets[k];
+            size_t j;
+            if (b->status != DOPT_OK) continue; /* a refusing compressor left the input as it was */
+            for (j = b->first; j < b->end; j++) {
+                dopt_span h = dopt__dp_host_span(ov, ov->order[j]);
+                if (h.count) memcpy(h.ptr, ov->stage_spans[ov->order[j]].ptr, h.count * sizeof(float));
+            }
+        }
+    }
+    if (!ov->rebuilt) {
+        dopt_status r = dopt__dp_ov_rebuild(dp);
+        if (r != DOPT_OK) return r;
+    }
+    return s;
+}
+
+/* What after_backward says about the marks, after the step's collectives all ran. */
+static dopt_status dopt__dp_ov_mark_error(dopt_dp *dp, int kind) {
+    dopt_dp_overlap *ov = &dp->ov;
+    char name[96];
+    if (kind == 1) {
+        size_t i = ov->twice < ov->nseg ? ov->twice : ov->never;
+        dopt__dp_fail_detail(dp, "dopt_dp_after_backward: %s was %s in step %llu, which marked others; every segment is "
+                                 "marked once per step (dopt_dp_grad_unused for one without a gradient)",
+                             dopt__dp_seg_name(ov, i, name, sizeof name),
+                             ov->twice < ov->nseg ? "marked twice" : "never marked", (unsigned long long)(ov->step - 1));
+    }
+    dp->status = DOPT_ERR_INVALID;
+    dp->logged = 1;
+    dopt_comm_log(dp->comm, DOPT_LOG_ERROR, "rank %d: %s; the driver stopped", dp->comm->rank, dp->detail);
+    return DOPT_ERR_INVALID;
+}
+
 /* The gradient mean of a synchronous step; the step's model average is then skipped. A flat
    buffer is averaged in place, any other descriptor through the workspace; either way grads then
    holds the average, or this rank's input where the compressor refused it, and the verdict comes
@@ -1899,7 +2563,7 @@ static dopt_status dopt__dp_grads_packed(dopt_dp *dp, const dopt_buf *grads, int
    zeros, whatever the policy: replicas stay identical even where the host applies them. */
 static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, const char *api) {
     const char *prev;
-    int mine_finite, finite, finite_ranks;
+    int mine_finite, finite, finite_ranks, bucketed, mark_error = 0;
     dopt_status s;
     if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     if ((s = dopt__dp_check_anchor(dp, api)) != DOPT_OK) return s;
@@ -1909,23 +2573,36 @@ static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, co
     }
     dopt__dp_count_pending_step(dp);
     if (!dopt_dp_is_synchronous(dp, dp->step)) return DOPT_OK;
-    prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
-    s = dopt__dp_in_place(grads, dp->n) ? dopt__dp_grads_in_place(dp, grads->data, &mine_finite, &finite)
-                                        : dopt__dp_grads_packed(dp, grads, &mine_finite, &finite);
+    bucketed = dp->ov.nseg && dp->ov.step == dp->step + 1 && dp->ov.marked;
+    if (bucketed) {
+        int other = !dopt__dp_ov_same_buf(&dp->ov, grads);
+        s = dopt__dp_ov_finish(dp, &mine_finite, &finite, &mark_error);
+        if (other && s == DOPT_OK) {
+            dopt__dp_fail_detail(dp, "%s: not the gradients whose segments dopt_dp_grad_ready marked (the descriptor "
+                                     "given to dopt_dp_config.grads or dopt_dp_set_grads)", api);
+            return dopt__dp_ov_mark_error(dp, 2);
+        }
+        dp->ov.step = 0;
+        prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
+    } else {
+        prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
+        s = dopt__dp_in_place(grads, dp->n) ? dopt__dp_grads_in_place(dp, grads->data, &mine_finite, &finite)
+                                            : dopt__dp_grads_packed(dp, grads, &mine_finite, &finite);
+    }
     dopt_comm_set_api(dp->comm, prev);
+    if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s;
     if (finite) {
         dp->grads_step = dp->step + 1;
         /* a compressed mean is not the global mean's direction, a weighted one not the plain mean */
         if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN && !dp->grad_compressor && !dp->weighted)
             dopt__batch_global_direction(dp->batch, grads);
-        return DOPT_OK;
+        return mark_error ? dopt__dp_ov_mark_error(dp, mark_error) : DOPT_OK;
     }
-    if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s;
     s = dopt__dp_nonfinite(dp, grads, dp->grad_compressor, 1, mine_finite, &finite_ranks);
     if (s != DOPT_ERR_NONFINITE) return s;
     dopt__dp_zero(grads);
     if (dp->status == DOPT_OK) dp->grads_step = dp->step + 1; /* SKIP: zeros are the step's average */
-    return s;
+    return mark_error ? dopt__dp_ov_mark_error(dp, mark_error) : s;
 }
 
 DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *dp, const dopt_buf *grads) {

@@ -1,0 +1,469 @@
+/* Tests of the gradient buckets averaged during backward (localsgd.h's OVERLAP), over real
+   processes on every transport of worlds.h: the bucketed mean against the whole-buffer mean
+   (bitwise at two ranks, where a + b = b + a; within the rounding of a sum's order beyond, and
+   bitwise equal to the same buckets run on the host thread) for a flat buffer averaged in place,
+   one with gaps and a scatter list, with buckets of a given size and of the size the rule
+   chooses; buckets completed out of order; the order rebuilt once, the same on every rank; a
+   rank marking in another order; a segment marked twice or never; an unused segment averaged as
+   zeros; a NaN in one rank's bucket; a peer lost with buckets in flight; a write after the mark
+   caught by overlap_check; local steps, where marks do nothing. No test asserts a time. */
+#define DISTOPT_IMPLEMENTATION
+#include "../distopt.h"
+#include "../transport_shm.h"
+#include "../transport_tcp.h"
+#include "../clip.h"
+#include "../compress.h"
+#include "../localsgd.h"
+#include "dtest.h"
+#include "worlds.h"
+
+#include <stdint.h>
+
+/* ------------------------------------------------------------------ a host with eight tensors */
+
+#define OV_NSEG 8
+static const size_t ov_sizes[OV_NSEG] = {3000, 17, 40000, 5, 9000, 300000, 64, 1200};
+static const char *ov_names[OV_NSEG] = {"emb", "emb.b", "h0.w", "h0.b", "h1.w", "h1.w2", "h1.b", "out"};
+
+enum { OV_FLAT, OV_GAPS, OV_SCATTER };
+
+typedef struct ov_host {
+    int layout;
+    size_t n, memn;
+    float *mem;
+    dopt_segment segs[OV_NSEG];
+    dopt_span spans[OV_NSEG];
+    dopt_buf buf;
+} ov_host;
+
+static void ov_host_init(ov_host *h, int layout) {
+    size_t i, off = 0, gap = layout == OV_GAPS ? 3 : 0;
+    memset(h, 0, sizeof *h);
+    h->layout = layout;
+    for (i = 0; i < OV_NSEG; i++) h->n += ov_sizes[i];
+    h->memn = h->n + gap * OV_NSEG;
+    h->mem = (float *)calloc(h->memn, sizeof(float));
+    DT_CHECK(h->mem != NULL);
+    for (i = 0; i < OV_NSEG; i++) {
+        h->segs[i] = (dopt_segment){off, ov_sizes[i], ov_names[i], 0};
+        off += ov_sizes[i] + gap;
+    }
+    if (layout == OV_SCATTER) { /* the spans in the memory in reverse order: nothing is contiguous as numbered */
+        off = h->n;
+        for (i = 0; i < OV_NSEG; i++) {
+            off -= ov_sizes[i];
+            h->spans[i] = (dopt_span){h->mem + off, ov_sizes[i]};
+        }
+        h->buf = dopt_buf_scatter(h->spans, OV_NSEG);
+    } else {
+        h->buf = dopt_buf_flat(h->mem, h->memn, h->segs, OV_NSEG);
+    }
+}
+
+static float ov_value(int rank, int step, size_t seg, size_t e) {
+    uint32_t x = (uint32_t)rank * 2654435761u ^ (uint32_t)step * 40503u ^ (uint32_t)seg * 97u ^ (uint32_t)e * 2246822519u;
+    x ^= x >> 15;
+    x *= 2654435761u;
+    x ^= x >> 13;
+    return ((float)(x >> 8) / 16777216.0f - 0.5f) * (float)(1 + rank) * (seg == 3 ? 1e-3f : 1.0f);
+}
+
+static void ov_fill(ov_host *h, size_t seg, int rank, int step) {
+    dopt_span sp = dopt_buf_segment(&h->buf, seg);
+    size_t e;
+    for (e = 0; e < sp.count; e++) sp.ptr[e] = ov_value(rank, step, seg, e);
+}
+
+/* Backward, layer by layer: each segment written, then marked. order NULL: the last first. */
+static void ov_backward(dopt_dp *dp, ov_host *h, int rank, int step, const size_t *order) {
+    size_t j;
+    for (j = 0; j < OV_NSEG; j++) {
+        size_t i = order ? order[j] : OV_NSEG - 1 - j;
+        ov_fill(h, i, rank, step);
+        DT_OK(dopt_dp_grad_ready(dp, i));
+    }
+}
+
+static int ov_same_everywhere(dopt_comm *c, const void *x, size_t bytes) {
+    unsigned char *all = (unsigned char *)malloc(bytes * (size_t)c->size + 1);
+    int r, same = 1;
+    DT_OK(dopt_allgather(c, x, all, bytes));
+    for (r = 1; r < c->size; r++)
+        if (memcmp(all, all + (size_t)r * bytes, bytes) != 0) same = 0;
+    free(all);
+    return same;
+}
+
+/* got against the whole-buffer mean of the inputs (want, averaged here): bitwise at two ranks;
+   beyond, within a few roundings of the inputs' magnitude (the ring's order of a sum follows
+   the message's cut), and the same bits on every rank either way. */
+static void ov_check_mean(dopt_comm *c, const float *got, float *want, size_t n, const char *what) {
+    size_t i;
+    DT_OK(dopt_allreduce(c, want, n, DOPT_F32, DOPT_MEAN));
+    if (c->size == 2) {
+        for (i = 0; i < n; i++)
+            DT_CHECKF(memcmp(&got[i], &want[i], sizeof(float)) == 0, "%s: element %zu: %.9g, the whole-buffer mean %.9g",
+                      what, i, got[i], want[i]);
+    } else {
+        for (i = 0; i < n; i++)
+            DT_CHECKF(fabsf(got[i] - want[i]) <= 4e-7f * (float)c->size, "%s: element %zu: %.9g, the whole-buffer mean %.9g",
+                      what, i, got[i], want[i]);
+    }
+    DT_CHECKF(ov_same_everywhere(c, got, n * sizeof(float)), "%s: the mean differs between ranks", what);
+}
+
+/* ------------------------------------------------------------------ the mean, bucket by bucket */
+
+typedef struct ov_case {
+    int layout;
+    size_t bucket_bytes; /* 0: the rule's */
+    int check;           /* overlap_check */
+} ov_case;
+
+static const ov_case ov_cases[] = {
+    {OV_FLAT, 64 << 10, 0}, {OV_FLAT, 0, 0},         {OV_GAPS, 64 << 10, 0},
+    {OV_SCATTER, 96 << 10, 0}, {OV_SCATTER, 0, 1}, {OV_FLAT, 16 << 10, 1},
+};
+
+static void body_bucketed_mean(dopt_comm *c, void *arg) {
+    const ov_case *k = (const ov_case *)arg;
+    ov_host h;
+    dopt_dp dp;
+    float *got, *want;
+    size_t nb = 0;
+    int step;
+    ov_host_init(&h, k->layout);
+    got = (float *)malloc(h.n * sizeof(float));
+    want = (float *)malloc(h.n * sizeof(float));
+    DT_OK(dopt_dp_init(&dp, c, h.n,
+                       &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = k->bucket_bytes, .overlap_check = k->check}));
+    for (step = 0; step < 5; step++) {
+        ov_backward(&dp, &h, c->rank, step, NULL);
+        dopt_buf_pack(&h.buf, want); /* buckets may already be averaged: the inputs again */
+        {
+            size_t i, e, off = 0;
+            for (i = 0; i < OV_NSEG; i++)
+                for (e = 0; e < ov_sizes[i]; e++) want[off++] = ov_value(c->rank, step, i, e);
+        }
+        DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+        dopt_buf_pack(&h.buf, got);
+        ov_check_mean(c, got, want, h.n, "bucketed mean");
+        DT_CHECK(dp.ov.rebuilt);
+        if (step == 1) nb = dp.ov.nbuckets;
+        if (step > 1) DT_EQ_INT(dp.ov.nbuckets, nb); /* rebuilt once */
+    }
+    DT_CHECKF(dp.ov.nbuckets > 1, "%zu buckets", dp.ov.nbuckets);
+    DT_CHECK(ov_same_everywhere(c, dp.ov.order, OV_NSEG * sizeof(size_t)));
+    DT_CHECK(ov_same_everywhere(c, &dp.ov.cut_bytes, sizeof dp.ov.cut_bytes));
+    DT_EQ_INT(dp.grads_step, 5); /* the fifth step averaged */
+    dopt_dp_free(&dp);
+    free(got);
+    free(want);
+    free(h.mem);
+}
+
+DTEST_WORLDS_EACH(bucketed_mean_equals_the_whole_buffer_mean, body_bucketed_mean, ov_cases, 2, 4);
+
+/* The same buckets run by the worker and on the host thread (as on an MPI communicator that
+   only its own thread may call): the same bits at every world size. */
+static void body_worker_equals_host_thread(dopt_comm *c, void *arg) {
+    ov_host h1, h2;
+    dopt_dp a, b;
+    int step;
+    (void)arg;
+    ov_host_init(&h1, OV_FLAT);
+    ov_host_init(&h2, OV_FLAT);
+    DT_OK(dopt_dp_init(&a, c, h1.n, &(dopt_dp_config){.grads = &h1.buf, .bucket_bytes = 40 << 10}));
+    DT_OK(dopt_dp_init(&b, c, h2.n, &(dopt_dp_config){.grads = &h2.buf, .bucket_bytes = 40 << 10}));
+    for (step = 0; step < 3; step++) {
+        ov_backward(&a, &h1, c->rank, step, NULL);
+        DT_OK(dopt_dp_after_backward_buf(&a, &h1.buf));
+        c->one_thread = 1; /* b's first mark then runs its buckets in after_backward */
+        ov_backward(&b, &h2, c->rank, step, NULL);
+        c->one_thread = 0;
+        DT_CHECK(b.ov.worker == NULL);
+        DT_OK(dopt_dp_after_backward_buf(&b, &h2.buf));
+        DT_CHECK(memcmp(h1.mem, h2.mem, h1.n * sizeof(float)) == 0);
+    }
+    DT_CHECK(a.ov.worker != NULL);
+    dopt_dp_free(&a);
+    dopt_dp_free(&b);
+    free(h1.mem);
+    free(h2.mem);
+}
+
+DTEST_WORLDS(buckets_on_the_worker_equal_buckets_on_the_host_thread, body_worker_equals_host_thread, NULL, 2, 4);
+
+/* After the rebuild, marks in another order every step (the same on every rank): a later
+   bucket completes before an earlier one and waits for it; the mean is unchanged. */
+static void body_out_of_order(dopt_comm *c, void *arg) {
+    ov_host h;
+    dopt_dp dp;
+    float *want = NULL, *got = NULL;
+    int step;
+    (void)arg;
+    ov_host_init(&h, OV_FLAT);
+    want = (float *)malloc(h.n * sizeof(float));
+    got = (float *)malloc(h.n * sizeof(float));
+    DT_OK(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = 32 << 10}));
+    for (step = 0; step < 6; step++) {
+        size_t order[OV_NSEG], j;
+        for (j = 0; j < OV_NSEG; j++) order[j] = j;
+        if (step > 0)
+            for (j = OV_NSEG - 1; j > 0; j--) { /* a permutation of the step's own */
+                size_t r = ((size_t)step * 31 + j * 17) % (j + 1), t = order[j];
+                order[j] = order[r];
+                order[r] = t;
+            }
+        ov_backward(&dp, &h, c->rank, step, order);
+        memcpy(want, h.mem, h.n * sizeof(float));
+        {
+            size_t i, e, off = 0;
+            for (i = 0; i < OV_NSEG; i++)
+                for (e = 0; e < ov_sizes[i]; e++) want[off++] = ov_value(c->rank, step, i, e);
+        }
+        DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+        memcpy(got, h.mem, h.n * sizeof(float));
+        ov_check_mean(c, got, want, h.n, "out of order");
+        if (step == 0) {
+            for (j = 0; j < OV_NSEG; j++) DT_EQ_INT(dp.ov.order[j], j); /* the order seen, agreed */
+        }
+    }
+    for (step = 0; step < OV_NSEG; step++) DT_EQ_INT(dp.ov.order[step], step); /* rebuilt once only */
+    dopt_dp_free(&dp);
+    free(want);
+    free(got);
+    free(h.mem);
+}
+
+DTEST_WORLDS(buckets_completed_out_of_order_wait_for_the_ones_before, body_out_of_order, NULL, 2, 4);
+
+/* ------------------------------------------------------------------ the host's mistakes, said */
+
+/* Rank 1 marks two segments the other way round in the first step: every rank is told, with
+   the position, both segments and both ranks, and nothing hangs. */
+static void body_other_order(dopt_comm *c, void *arg) {
+    ov_host h;
+    dopt_dp dp;
+    size_t order[OV_NSEG], j;
+    (void)arg;
+    ov_host_init(&h, OV_FLAT);
+    for (j = 0; j < OV_NSEG; j++) order[j] = OV_NSEG - 1 - j;
+    if (c->rank == 1) {
+        order[2] = OV_NSEG - 4;
+        order[3] = OV_NSEG - 3;
+    }
+    DT_OK(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf}));
+    ov_backward(&dp, &h, c->rank, 0, order);
+    DT_EQ_INT(dopt_dp_after_backward_buf(&dp, &h.buf), DOPT_ERR_MISMATCH);
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), "position 2") && strstr(dopt_dp_detail(&dp), "rank 1") &&
+                  strstr(dopt_dp_detail(&dp), "segment 5 ('h1.w2')") && strstr(dopt_dp_detail(&dp), "segment 4 ('h1.w')"),
+              "detail: %s", dopt_dp_detail(&dp));
+    DT_EQ_INT(dopt_dp_grad_ready(&dp, 0), DOPT_ERR_MISMATCH); /* the driver stopped */
+    DT_EQ_INT(dopt_dp_after_backward_buf(&dp, &h.buf), DOPT_ERR_MISMATCH);
+    dopt_dp_free(&dp);
+    free(h.mem);
+}
+
+DTEST_WORLDS(a_rank_marking_in_another_order_is_named_on_every_rank, body_other_order, NULL, 2, 3);
+
+typedef struct ov_mistake {
+    int step;  /* the step it happens in (0: the first, before the rebuild) */
+    int twice; /* 1: segment 3 marked twice; 0: segment 2 never marked */
+} ov_mistake;
+
+static const ov_mistake ov_mistakes[] = {{0, 1}, {0, 0}, {2, 1}, {2, 0}};
+
+static void body_mistake(dopt_comm *c, void *arg) {
+    const ov_mistake *m = (const ov_mistake *)arg;
+    ov_host h;
+    dopt_dp dp;
+    int step;
+    ov_host_init(&h, OV_GAPS);
+    DT_OK(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = 50 << 10}));
+    for (step = 0; step < m->step; step++) {
+        ov_backward(&dp, &h, c->rank, step, NULL);
+        DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+    }
+    for (step = OV_NSEG - 1; step >= 0; step--) {
+        if (!m->twice && step == 2) continue;
+        ov_fill(&h, (size_t)step, c->rank, m->step);
+        DT_OK(dopt_dp_grad_ready(&dp, (size_t)step));
+        if (m->twice && step == 3) {
+            DT_EQ_INT(dopt_dp_grad_ready(&dp, 3), DOPT_ERR_INVALID);
+            DT_CHECKF(strstr(dopt_dp_detail(&dp), "segment 3 ('h0.b') was marked already"), "%s", dopt_dp_detail(&dp));
+        }
+    }
+    DT_EQ_INT(dopt_dp_after_backward_buf(&dp, &h.buf), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), m->twice ? "segment 3 ('h0.b') was marked twice" : "segment 2 ('h0.w') was never marked"),
+              "%s", dopt_dp_detail(&dp));
+    DT_EQ_INT(dopt_dp_grad_ready(&dp, 0), DOPT_ERR_INVALID);
+    dopt_dp_free(&dp);
+    free(h.mem);
+}
+
+DTEST_WORLDS_EACH(a_segment_marked_twice_or_never_is_named_at_after_backward, body_mistake, ov_mistakes, 2, 3);
+
+/* A segment declared unused on rank 0 counts as zeros there; the others' values are averaged
+   with it. */
+static void body_unused(dopt_comm *c, void *arg) {
+    ov_host h;
+    dopt_dp dp;
+    float *want;
+    size_t i, e, off = 0;
+    (void)arg;
+    ov_host_init(&h, OV_SCATTER);
+    want = (float *)malloc(h.n * sizeof(float));
+    DT_OK(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = 64 << 10}));
+    for (i = OV_NSEG; i-- > 0;) {
+        ov_fill(&h, i, c->rank, 0); /* rank 0 leaves garbage in segment 1: the call zeros it */
+        if (c->rank == 0 && i == 1)
+            DT_OK(dopt_dp_grad_unused(&dp, i));
+        else
+            DT_OK(dopt_dp_grad_ready(&dp, i));
+    }
+    for (i = 0; i < OV_NSEG; i++)
+        for (e = 0; e < ov_sizes[i]; e++) want[off++] = c->rank == 0 && i == 1 ? 0.0f : ov_value(c->rank, 0, i, e);
+    DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+    {
+        float *got = (float *)malloc(h.n * sizeof(float));
+        dopt_buf_pack(&h.buf, got);
+        ov_check_mean(c, got, want, h.n, "with an unused segment");
+        free(got);
+    }
+    dopt_dp_free(&dp);
+    free(want);
+    free(h.mem);
+}
+
+DTEST_WORLDS(an_unused_segment_is_averaged_as_zeros, body_unused, NULL, 2, 3);
+
+/* overlap_check: a write to a marked segment before after_backward is named; without one the
+   step is the plain bucketed mean. */
+static void body_write_after_mark(dopt_comm *c, void *arg) {
+    ov_host h;
+    dopt_dp dp;
+    (void)arg;
+    ov_host_init(&h, OV_FLAT);
+    DT_OK(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = 64 << 10, .overlap_check = 1}));
+    ov_backward(&dp, &h, c->rank, 0, NULL);
+    DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+    ov_backward(&dp, &h, c->rank, 1, NULL);
+    if (c->rank == 1) h.mem[h.segs[4].offset + 17] += 1.0f; /* the host writes h1.w after marking it */
+    if (c->rank == 1) {
+        DT_EQ_INT(dopt_dp_after_backward_buf(&dp, &h.buf), DOPT_ERR_INVALID);
+        DT_CHECKF(strstr(dopt_dp_detail(&dp), "segment 4 ('h1.w') was written after dopt_dp_grad_ready marked it"), "%s",
+                  dopt_dp_detail(&dp));
+    } else {
+        DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf)); /* its own buffer was not written */
+    }
+    dopt_dp_free(&dp);
+    free(h.mem);
+}
+
+DTEST_WORLDS(a_write_after_the_mark_is_caught_by_overlap_check, body_write_after_mark, NULL, 2, 2);
+
+/* ------------------------------------------------------------------ non-finite, lost peers, local steps */
+
+/* A NaN in rank 1's bucket: under SKIP every rank zeros the step and names rank 1. */
+static void body_nan_in_a_bucket(dopt_comm *c, void *arg) {
+    ov_host h;
+    dopt_dp dp;
+    size_t i;
+    (void)arg;
+    ov_host_init(&h, OV_FLAT);
+    DT_OK(dopt_dp_init(&dp, c, h.n,
+                       &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = 64 << 10, .nonfinite = DOPT_NONFINITE_SKIP}));
+    ov_backward(&dp, &h, c->rank, 0, NULL);
+    DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+    for (i = OV_NSEG; i-- > 0;) {
+        ov_fill(&h, i, c->rank, 1);
+        if (c->rank == 1 && i == 4) h.mem[h.segs[4].offset + 5] = NAN;
+        DT_OK(dopt_dp_grad_ready(&dp, i));
+    }
+    DT_EQ_INT(dopt_dp_after_backward_buf(&dp, &h.buf), DOPT_ERR_NONFINITE);
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), "rank 1") != NULL, "%s", dopt_dp_detail(&dp));
+    for (i = 0; i < h.n; i++) DT_CHECK(h.mem[i] == 0.0f);
+    ov_backward(&dp, &h, c->rank, 2, NULL); /* the next step goes on */
+    DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+    DT_EQ_INT(dp.skipped, 1);
+    dopt_dp_free(&dp);
+    free(h.mem);
+}
+
+DTEST_WORLDS(a_nan_in_one_ranks_bucket_skips_the_step_on_every_rank, body_nan_in_a_bucket, NULL, 2, 3);
+
+/* The last rank dies after marking half its segments: every survivor's after_backward fails
+   naming it, the step's average is not counted, and later calls fail at once. */
+static void body_peer_lost(dopt_comm *c, void *arg) {
+    ov_host h;
+    dopt_dp dp;
+    uint64_t grads_step, step;
+    dopt_status s;
+    size_t i;
+    char who[32];
+    (void)arg;
+    ov_host_init(&h, OV_FLAT);
+    DT_OK(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = 16 << 10}));
+    ov_backward(&dp, &h, c->rank, 0, NULL);
+    DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+    grads_step = dp.grads_step;
+    step = dp.step;
+    for (i = OV_NSEG; i-- > 0;) {
+        ov_fill(&h, i, c->rank, 1);
+        if (c->rank == c->size - 1 && i == OV_NSEG / 2) _exit(0); /* dies with buckets in flight */
+        DT_OK(dopt_dp_grad_ready(&dp, i));
+    }
+    s = dopt_dp_after_backward_buf(&dp, &h.buf);
+    DT_CHECKF(s == DOPT_ERR_PEER_LOST || s == DOPT_ERR_TIMEOUT, "%s", dopt_status_str(s));
+    snprintf(who, sizeof who, "rank %d", c->size - 1);
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), who) != NULL, "%s", dopt_dp_detail(&dp));
+    DT_EQ_INT(dp.grads_step, grads_step); /* step 1's average never happened */
+    DT_EQ_INT(dp.step, step + 1);         /* step 0 counted, as any after_backward counts it */
+    DT_EQ_INT(dopt_dp_grad_ready(&dp, 0), s);
+    DT_EQ_INT(dopt_dp_after_backward_buf(&dp, &h.buf), s);
+    dopt_dp_free(&dp);
+    free(h.mem);
+}
+
+DTEST_WORLDS(a_peer_lost_with_buckets_in_flight_is_named_and_nothing_hangs, body_peer_lost, NULL, 3, 3);
+
+/* Post-local SGD: marks on local steps do nothing; the warm-up's are averaged. */
+static void body_local_steps(dopt_comm *c, void *arg) {
+    ov_host h;
+    dopt_dp dp;
+    float *before;
+    int step;
+    (void)arg;
+    ov_host_init(&h, OV_FLAT);
+    before = (float *)malloc(h.n * sizeof(float));
+    DT_OK(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .period = 4, .warmup_steps = 2}));
+    for (step = 0; step < 6; step++) {
+        ov_backward(&dp, &h, c->rank, step, NULL);
+        memcpy(before, h.mem, h.n * sizeof(float));
+        DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+        if (step >= 2) DT_CHECK(memcmp(before, h.mem, h.n * sizeof(float)) == 0); /* local: untouched */
+        else DT_CHECK(ov_same_everywhere(c, h.mem, h.n * sizeof(float)));
+        DT_OK(dopt_dp_after_step(&dp, h.mem)); /* h.mem stands in for the parameters */
+    }
+    dopt_dp_free(&dp);
+    free(before);
+    free(h.mem);
+}
+
+DTEST_WORLDS(marks_on_local_steps_do_nothing, body_local_steps, NULL, 2, 2);
+
+/* ------------------------------------------------------------------ the rule */
+
+DTEST(bucket_rule_follows_its_formula) {
+    /* communication that does not fit behind backward: sqrt(S·alpha·R) */
+    DT_EQ_INT(dopt__dp_bucket_rule(100e6, 50e-6, 125e6, 0.1), (size_t)sqrt(100e6 * 50e-6 * 125e6));
+    /* room to spare: the smallest size that keeps it behind backward, S·alpha/(Tb − S/R) */
+    DT_EQ_INT(dopt__dp_bucket_rule(100e6, 1e-3, 10e9, 1.0), (size_t)(100e6 * 1e-3 / (1.0 - 100e6 / 10e9)));
+    /* never below 64 KiB, never above the gradients */
+    DT_EQ_INT(dopt__dp_bucket_rule(100e6, 1e-9, 1e9, 10.0), 64 << 10);
+    DT_EQ_INT(dopt__dp_bucket_rule(1e6, 1.0, 1e9, 0.0), (size_t)1e6);
+    DT_EQ_INT(dopt__dp_bucket_rule(1e6, NAN, 1e9, 0.0), 64 << 10);
+}
+
+DTEST_MAIN()
