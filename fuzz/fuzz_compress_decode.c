@@ -87,7 +87,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (state != NULL && dopt_compress_state_save(&cz, state, bytes) == DOPT_OK) memcpy(msg, state, 32);
         free(state);
     } else if ((data[1] & 0x80) && bytes >= DOPT_COMPRESS_HEADER_BYTES) {
-        dopt__write_header(&cz, 0, msg);
+        dopt__write_header(&cz, &cz.view, 0, msg);
     }
     memset(out, 0, sizeof out);
     acc = dopt_buf_flat(out, flat, segs, nsegs);
