@@ -57,6 +57,9 @@ TESTS    += $(BUILD)/test_compress_clang
 # PowerSGD once more without OpenBLAS (its products as plain loops) and with multiply-adds fused
 # wherever the compiler likes: the residual E = M − M̂ must stay exact there too.
 TESTS    += $(BUILD)/test_powersgd_portable
+# The driver's gradient buckets built without threads: they then run in after_backward, with the
+# same results.
+TESTS    += $(BUILD)/test_overlap_nothreads
 # The host-sharing warning exists only where the implementation is built with OpenMP.
 TESTS    += $(BUILD)/test_openmp
 # The modules whose checks must hold in hosts built with flags we do not choose, once with GCC's
@@ -133,7 +136,7 @@ $(BUILD):
 # make hosts: distopt inside FANN's and darknet's own training loops (examples/hosts).
 include examples/hosts/hosts.mk
 
-$(filter-out $(BUILD)/test_core_portable $(BUILD)/test_ring_portable $(BUILD)/test_compress_fused $(BUILD)/test_compress_clang $(BUILD)/test_powersgd_portable $(BUILD)/test_openmp,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h tests/groups.h tests/links.h $(HEADERS) | $(BUILD)
+$(filter-out $(BUILD)/test_core_portable $(BUILD)/test_ring_portable $(BUILD)/test_compress_fused $(BUILD)/test_compress_clang $(BUILD)/test_powersgd_portable $(BUILD)/test_openmp $(BUILD)/test_overlap_nothreads,$(TESTS)): $(BUILD)/%: tests/%.c tests/dtest.h tests/conformance.h tests/worlds.h tests/groups.h tests/links.h $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 
 $(BUILD)/test_core_portable: tests/test_core.c tests/dtest.h tests/conformance.h tests/worlds.h $(HEADERS) | $(BUILD)
@@ -141,6 +144,9 @@ $(BUILD)/test_core_portable: tests/test_core.c tests/dtest.h tests/conformance.h
 
 $(BUILD)/test_ring_portable: tests/test_ring.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(CC) $(filter-out $(BLAS_CFLAGS),$(ALL_CFLAGS)) -DDOPT_NO_BLAS -DDOPT_NO_VECTOR_EXT -DDOPT_NO_THREADS -o $@ $< -lm -lrt
+
+$(BUILD)/test_overlap_nothreads: tests/test_overlap.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
+	$(CC) $(ALL_CFLAGS) -DDOPT_NO_THREADS -o $@ $< $(LIBS)
 
 $(BUILD)/test_compress_fused: tests/test_compress.c tests/dtest.h tests/worlds.h $(HEADERS) | $(BUILD)
 	$(CC) $(subst -std=c11,-std=gnu11,$(ALL_CFLAGS)) -ffp-contract=fast -o $@ $< $(LIBS)

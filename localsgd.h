@@ -2313,6 +2313,7 @@ static void dopt__dp_ov_start_ready(dopt_dp *dp, int run_inline) {
 /* The first mark of a synchronous step: the step's bookkeeping, and the worker at the first. */
 static void dopt__dp_ov_begin(dopt_dp *dp, uint64_t step) {
     dopt_dp_overlap *ov = &dp->ov;
+    const char *why;
     memset(ov->marks, 0, ov->nseg);
     ov->step = step + 1;
     ov->started = ov->nseen = ov->marked = 0;
@@ -2320,25 +2321,20 @@ static void dopt__dp_ov_begin(dopt_dp *dp, uint64_t step) {
     ov->weight = dopt__dp_step_samples(dp);
     ov->t_first = dopt__now_ms();
     ov->busy_ms = ov->cpu_ms = ov->wait_ms = 0.0;
-    if (ov->worker == NULL && !dp->comm->one_thread && !ov->inline_said) {
-        if (dopt__worker_new(&ov->worker, (int)(ov->nseg < 64 ? ov->nseg : 64)) != DOPT_OK) ov->worker = NULL;
-        if (ov->worker == NULL) {
+    if (ov->worker != NULL || ov->inline_said) return;
 #ifdef DOPT__THREADS
-            const char *why = "no thread could be started";
+    if (!dp->comm->one_thread && dopt__worker_new(&ov->worker, (int)(ov->nseg < INT_MAX ? ov->nseg : INT_MAX)) == DOPT_OK)
+        return; /* room for every bucket: a mark never waits */
+    why = dp->comm->one_thread ? "the communicator may be called only from the thread that made it (MPI initialised "
+                                 "below MPI_THREAD_SERIALIZED)"
+                               : "no thread could be started";
 #else
-            const char *why = "this build has no threads (DOPT_NO_THREADS)";
+    why = "this build has no threads (DOPT_NO_THREADS)";
 #endif
-            dopt_comm_log(dp->comm, DOPT_LOG_INFO, "rank %d: dopt_dp: gradient buckets run in after_backward: %s",
-                          dp->comm->rank, why);
-            ov->inline_said = 1;
-        }
-    } else if (dp->comm->one_thread && !ov->inline_said) {
-        dopt_comm_log(dp->comm, DOPT_LOG_INFO,
-                      "rank %d: dopt_dp: gradient buckets run in after_backward: the communicator may be called only "
-                      "from the thread that made it (MPI initialised below MPI_THREAD_SERIALIZED)",
-                      dp->comm->rank);
-        ov->inline_said = 1;
-    }
+    ov->worker = NULL;
+    dopt_comm_log(dp->comm, DOPT_LOG_INFO, "rank %d: dopt_dp: gradient buckets run in after_backward: %s",
+                  dp->comm->rank, why);
+    ov->inline_said = 1;
 }
 
 static dopt_status dopt__dp_mark(dopt_dp *dp, size_t seg, int unused, const char *api) {
@@ -2347,7 +2343,10 @@ static dopt_status dopt__dp_mark(dopt_dp *dp, size_t seg, int unused, const char
     dopt_status s;
     char name[96];
     if (dp == NULL) return DOPT_ERR_INVALID;
-    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    /* The communicator's own state is read at a step's first mark only: after it, the worker
+       may be running the step's buckets on it, and after_backward says how they ended. */
+    if (dp->work == NULL || dp->status != DOPT_OK || ov->nseg == 0 || ov->step != dopt__dp_steps_done(dp) + 1)
+        if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     if (ov->nseg == 0) {
         dopt__dp_fail_detail(dp, "%s: no gradient descriptor: give dopt_dp_config.grads or call dopt_dp_set_grads first",
                              api);

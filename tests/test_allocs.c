@@ -297,6 +297,8 @@ static const ls_case ls_cases[] = {
     {"period 1, gradients averaged in buckets during backward", 1, 1, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0, 0, 1},
     {"period 1, gradients of a scatter list averaged in buckets, weighted", 1, 1, 1, LS_FP32, LS_FP32, 0.0, 0.0, 0, 1, 1},
     {"period 4 after a warm-up, gradients in buckets", 4, 1, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0, 0, 1},
+    {"period 1, gradients through TernGrad in buckets", 1, 1, 0, LS_TERNARY, LS_FP32, 0.0, 0.0, 0, 0, 1},
+    {"period 1, gradients of a scatter list through top-k in buckets", 1, 1, 0, LS_TOPK, LS_FP32, 0.0, 0.0, 0, 1, 1},
     {"period 1, models averaged", 1, 0, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0},
     {"period 4, models averaged", 4, 0, 0, LS_FP32, LS_FP32, 0.0, 0.0, 0},
     {"period 4, models averaged, weighted", 4, 0, 1, LS_FP32, LS_FP32, 0.0, 0.0, 0},
@@ -315,15 +317,16 @@ typedef struct ls_run {
     dopt_buf grads_buf;        /* what buckets mark */
 } ls_run;
 
-/* A compressor over the packed parameters, or NULL for fp32. */
-static dopt_compressor *ls_compressor(dopt_compressor *cz, ls_codec via) {
+/* A compressor over the packed parameters, or NULL for fp32; in two segments (the buckets'). */
+static dopt_compressor *ls_compressor(dopt_compressor *cz, ls_codec via, int halves) {
     static const dopt_segment whole = {0, LS_N, "params"};
+    static const dopt_segment two[2] = {{0, LS_N / 2, "first"}, {LS_N / 2, LS_N - LS_N / 2, "second"}};
     dopt_compressor_config cfg;
     if (via == LS_FP32) return NULL;
     memset(&cfg, 0, sizeof cfg);
     cfg.codec = via == LS_TERNARY ? DOPT_CODEC_TERNARY : DOPT_CODEC_TOPK;
     cfg.seed = 7;
-    DT_OK(dopt_compressor_init(cz, &cfg, &whole, 1));
+    DT_OK(halves ? dopt_compressor_init(cz, &cfg, two, 2) : dopt_compressor_init(cz, &cfg, &whole, 1));
     return cz;
 }
 
@@ -373,8 +376,8 @@ static void localsgd_steady(dopt_comm *c, void *arg) {
         cfg.period = lc->period;
         cfg.sync_grads = lc->sync_grads;
         cfg.weighted = lc->weighted;
-        cfg.grad_compressor = ls_compressor(&grads_cz, lc->grads_via);
-        cfg.compressor = ls_compressor(&models_cz, lc->models_via);
+        cfg.grad_compressor = ls_compressor(&grads_cz, lc->grads_via, lc->buckets);
+        cfg.compressor = ls_compressor(&models_cz, lc->models_via, 0);
         cfg.outer_lr = lc->outer_lr;
         cfg.outer_momentum = lc->outer_momentum;
         if (lc->with_states) {
