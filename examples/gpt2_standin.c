@@ -931,7 +931,8 @@ static int int_flag(int argc, char **argv, int *i, long lo, long hi) {
 
 /* The timing line the overlap benchmark parses (as examples/common.h's STEP TIMING prints it),
    with llm.c's clock: medians over the steps after the first 3 of a step (forward to update), of
-   the time inside dopt_dp_after_backward, and of gpt2_backward. */
+   the time inside dopt_dp_after_backward, and of gpt2_backward; with --overlap on, of the buckets'
+   time on the driver's thread and of the processor time they took there. */
 enum { TIMING_WARMUP = 3 };
 
 static double seconds_now(void) {
@@ -1010,7 +1011,7 @@ int main(int argc, char **argv) {
 
     uint64_t rng_state = 1337;
     int *gen_tokens = calloc_or_die((size_t)B * T, sizeof(int));
-    double *times_ms = calloc_or_die(3 * (size_t)steps, sizeof(double)); /* step, wait, backward */
+    double *times_ms = calloc_or_die(5 * (size_t)steps, sizeof(double)); /* step, wait, backward, buckets' */
     int timed = 0;
     for (int step = 0; step < steps; step++) {
         if (step % 10 == 0) { /* once in a while, the validation loss */
@@ -1052,6 +1053,8 @@ int main(int argc, char **argv) {
             times_ms[timed] = 1e3 * (seconds_now() - t_start);
             times_ms[steps + timed] = 1e3 * (t_update - t_wait);
             times_ms[2 * steps + timed] = 1e3 * (t_wait - t_backward);
+            times_ms[3 * steps + timed] = dp.ov.busy_ms; /* the buckets' time on the driver's thread */
+            times_ms[4 * steps + timed] = dp.ov.cpu_ms;  /* ... and the processor time they took */
             timed++;
         }
         model.mean_loss = (float)dopt_mean(comm, model.mean_loss);           /* distopt: the mean over the ranks */
@@ -1062,9 +1065,10 @@ int main(int argc, char **argv) {
     int status = dopt_comm_finish(comm, dopt_dp_close(&dp, model.params_memory)); /* distopt: ranks > 0 exit here */
     if (status == 0) printf("result: loss %f replicas identical\n", model.mean_loss);
     if (status == 0)
-        printf("timing steps=%d step_ms=%.3f wait_ms=%.3f backward_ms=%.3f overlap=%s\n", timed,
-               median_ms(times_ms, timed), median_ms(times_ms + steps, timed), median_ms(times_ms + 2 * steps, timed),
-               overlap ? "on" : "off");
+        printf("timing steps=%d step_ms=%.3f wait_ms=%.3f backward_ms=%.3f overlap=%s bucket_ms=%.3f bucket_cpu_ms=%.3f\n",
+               timed, median_ms(times_ms, timed), median_ms(times_ms + steps, timed),
+               median_ms(times_ms + 2 * steps, timed), overlap ? "on" : "off", median_ms(times_ms + 3 * steps, timed),
+               median_ms(times_ms + 4 * steps, timed));
     dataloader_free(&train_loader);
     dataloader_free(&val_loader);
     gpt2_free(&model);
