@@ -775,7 +775,7 @@ typedef struct dopt_dp_overlap {
     uint64_t *sums;           /* nseg: checksums at the marks (overlap_check), else NULL */
     dopt_span *stage_spans;   /* nseg: the stage as a scatter list (the compressor's view of it) */
     dopt__dp_bucket *buckets; /* nseg slots; nbuckets used */
-    size_t nbuckets, started, nseen, marked;
+    size_t nbuckets, started, waited, nseen, marked; /* buckets cut, started, known ended; marks */
     size_t bucket_bytes, first_bytes; /* as configured (0: chosen) */
     size_t cut_bytes, cut_first;      /* the sizes the buckets were cut with */
     int rebuilt;              /* 1: cut in the agreed order (after the first step that marked) */
@@ -1975,8 +1975,11 @@ static dopt_status dopt__dp_average_models(dopt_dp *dp, const dopt_buf *params, 
 
 /* Check once: on a poisoned communicator every call of the driver fails at once with its status,
    a step that would not communicate included. */
+static void dopt__dp_ov_quiesce(dopt_dp *dp);
+
 static dopt_status dopt__dp_poisoned(dopt_dp *dp) {
     if (dp->work == NULL) return dp->status != DOPT_OK ? dp->status : DOPT_ERR_CLOSED; /* refused, or closed */
+    dopt__dp_ov_quiesce(dp); /* no bucket runs on the communicator while this thread reads it */
     if (dp->status != DOPT_OK) return dp->status; /* a non-finite average under DOPT_NONFINITE_FAIL */
     return dopt__family_error(dp->comm);
 }
@@ -2291,6 +2294,17 @@ static dopt_status dopt__dp_bucket_run(void *arg) {
     return s;
 }
 
+/* Waits for the buckets started so far (the step's wait time counts it). */
+static void dopt__dp_ov_quiesce(dopt_dp *dp) {
+    dopt_dp_overlap *ov = &dp->ov;
+    double t0;
+    if (ov->worker == NULL || ov->waited == ov->started) return;
+    t0 = dopt__now_ms();
+    (void)dopt__worker_wait(ov->worker, ov->buckets[ov->started - 1].ticket); /* each bucket keeps its status */
+    ov->waited = ov->started;
+    ov->wait_ms += dopt__now_ms() - t0;
+}
+
 /* Starts the buckets whose segments are all marked, in bucket order: a complete bucket waits
    for the ones before it. Without a worker they wait for after_backward. */
 static void dopt__dp_ov_start_ready(dopt_dp *dp, int run_inline) {
@@ -2316,7 +2330,7 @@ static void dopt__dp_ov_begin(dopt_dp *dp, uint64_t step) {
     const char *why;
     memset(ov->marks, 0, ov->nseg);
     ov->step = step + 1;
-    ov->started = ov->nseen = ov->marked = 0;
+    ov->started = ov->waited = ov->nseen = ov->marked = 0;
     ov->twice = ov->never = ov->nseg;
     ov->weight = dopt__dp_step_samples(dp);
     ov->t_first = dopt__now_ms();
@@ -2343,9 +2357,9 @@ static dopt_status dopt__dp_mark(dopt_dp *dp, size_t seg, int unused, const char
     dopt_status s;
     char name[96];
     if (dp == NULL) return DOPT_ERR_INVALID;
-    /* The communicator's own state is read at a step's first mark only: after it, the worker
-       may be running the step's buckets on it, and after_backward says how they ended. */
-    if (dp->work == NULL || dp->status != DOPT_OK || ov->nseg == 0 || ov->step != dopt__dp_steps_done(dp) + 1)
+    /* The communicator's own state is read only while no bucket is in flight: the worker may be
+       running one on it, and after_backward says how they ended. */
+    if (dp->work == NULL || dp->status != DOPT_OK || ov->worker == NULL || ov->waited == ov->started)
         if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     if (ov->nseg == 0) {
         dopt__dp_fail_detail(dp, "%s: no gradient descriptor: give dopt_dp_config.grads or call dopt_dp_set_grads first",
@@ -2518,7 +2532,6 @@ static dopt_status dopt__dp_ov_rebuild(dopt_dp *dp) {
 static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite, int *mark_error) {
     dopt_dp_overlap *ov = &dp->ov;
     dopt_status s = DOPT_OK;
-    double t0 = dopt__now_ms();
     size_t k, i;
     for (i = 0; i < ov->nseg; i++)
         if (!ov->marks[i]) {
@@ -2527,8 +2540,7 @@ static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite
         }
     *mark_error = ov->twice < ov->nseg || ov->never < ov->nseg;
     dopt__dp_ov_start_ready(dp, 1);
-    if (ov->worker && ov->nbuckets) (void)dopt__worker_wait(ov->worker, ov->buckets[ov->nbuckets - 1].ticket);
-    ov->wait_ms = dopt__now_ms() - t0;
+    dopt__dp_ov_quiesce(dp);
     *mine_finite = *finite = 1;
     for (k = 0; k < ov->nbuckets; k++) {
         const dopt__dp_bucket *b = &ov->buckets[k];
