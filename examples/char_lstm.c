@@ -17,7 +17,10 @@
    experiments/celgc_lstm.sh runs the CELGC comparison over TCP.
 
    Its own flags, beside common.h's: --hidden H (128), --bptt T (32 characters per window),
-   --val-limit N (validate on the first N held-out characters, 0: all), --gradcheck.
+   --val-limit N (validate on the first N held-out characters, 0: all), --gradcheck, --overlap
+   on|off (on: backward marks each tensor's gradient final as it finishes it, Wy and by first, so
+   that the driver averages it while backward goes on; off, the default: the whole average after
+   backward; the same numbers either way).
    --train-limit N trains on the first N characters. --batch is the number of windows per
    micro-batch.
 
@@ -34,9 +37,11 @@
    non-finite loss is reported as "diverged" (with a CSV row of nan) and ends the run. At the end:
    how many of rank 0's steps were clipped (with --celgc or --clip), then the final validation loss
    against two bars: a unigram model of the training text (add-one smoothed) and a uniform guess
-   (ln 96). Exit status 0 when it beats the unigram model; 1 otherwise, with "DIVERGED" when the
-   loss went non-finite or ended worse than the uniform guess (a step too large can hold the loss
-   at hundreds of nats, finite), "NOT CONVERGED" otherwise. */
+   (ln 96), an FNV-1a hash of the final parameters ("params fnv1a ...", to compare runs bit for
+   bit) and the timing line (common.h: STEP TIMING). Exit status 0 when it beats the unigram
+   model; 1 otherwise, with "DIVERGED" when the loss went non-finite or ended worse than the
+   uniform guess (a step too large can hold the loss at hundreds of nats, finite), "NOT
+   CONVERGED" otherwise. */
 #define DISTOPT_IMPLEMENTATION
 #include "distopt.h"
 #include "transport_shm.h"
@@ -274,9 +279,10 @@ static double lstm_forward(const lstm *m, const float *p, const unsigned char *t
     return loss;
 }
 
-/* Backward through time after lstm_forward: g (all m->n elements written) from w->logits. */
+/* Backward through time after lstm_forward: g (all m->n elements written) from w->logits. Each
+   tensor is final where the hooks get it: Wy and by first, Wx after the recurrence, Wh and b. */
 static void lstm_backward(const lstm *m, const float *p, const unsigned char *text, const size_t *starts, int B, int T,
-                          lstm_work *w, float *g) {
+                          lstm_work *w, float *g, backward_hooks *h) {
     int H = m->H, G = 4 * H, V = m->V, t, r, j;
     size_t rows = (size_t)B * T, k;
     float *gwx = g + m->off_wx, *gb = g + m->off_b, *gby = g + m->off_by;
@@ -286,6 +292,8 @@ static void lstm_backward(const lstm *m, const float *p, const unsigned char *te
     memset(gby, 0, (size_t)V * sizeof(float));
     for (k = 0; k < rows; k++)
         for (j = 0; j < V; j++) gby[j] += w->logits[k * V + j];
+    tensor_final(h, 3);
+    tensor_final(h, 4);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, H, V, 1.0f, w->logits, V, p + m->off_wy, V, 0.0f,
                 w->dh_out, H);
     /* the recurrence, last step first */
@@ -316,20 +324,25 @@ static void lstm_backward(const lstm *m, const float *p, const unsigned char *te
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, H, G, 1.0f, dz, G, p + m->off_wh, G, 0.0f,
                         w->dh_next, H);
     }
+    tensor_final(h, 0);
     /* Wh and b, every step at once: h[0..T-1]ᵀ · dz */
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, G, (int)rows, 1.0f, w->h, H, w->dz, G, 0.0f,
                 g + m->off_wh, G);
+    tensor_final(h, 1);
     memset(gb, 0, (size_t)G * sizeof(float));
     for (k = 0; k < rows; k++)
         for (j = 0; j < G; j++) gb[j] += w->dz[k * G + j];
+    tensor_final(h, 2);
 }
 
-/* The mean cross-entropy (nats/char) of B windows and its gradient g. */
+/* The mean cross-entropy (nats/char) of B windows and its gradient g; h (or NULL) times the
+   backward pass and hands each tensor over. */
 static double loss_and_gradient(const lstm *m, const float *p, const unsigned char *text, const size_t *starts, int B,
-                                int T, lstm_work *w, float *g) {
+                                int T, lstm_work *w, float *g, backward_hooks *h) {
     float scale = 1.0f / (float)((size_t)B * T);
-    double loss = lstm_forward(m, p, text, starts, B, T, w, scale);
-    lstm_backward(m, p, text, starts, B, T, w, g);
+    double loss = lstm_forward(m, p, text, starts, B, T, w, scale), t0 = wall_seconds();
+    lstm_backward(m, p, text, starts, B, T, w, g, h);
+    if (h) h->backward_secs += wall_seconds() - t0;
     return loss / (double)((size_t)B * T);
 }
 
@@ -367,7 +380,7 @@ static int gradient_check(const unsigned char *text, size_t ntext) {
     lstm_init(&m, p, 12345, 3.0f); /* larger than training's: gates away from their linear range */
     for (i = 0; i < (size_t)4 * GC_H; i++) p[m.off_b + i] = 0.3f * (float)((int)(i % 7) - 3);
     for (r = 0; r < GC_B; r++) starts[r] = ((size_t)r * 977) % (ntext - GC_T - 1);
-    loss_and_gradient(&m, p, text, starts, GC_B, GC_T, &w, g);
+    loss_and_gradient(&m, p, text, starts, GC_B, GC_T, &w, g, NULL);
     for (i = 0; i < m.n; i++) {
         float keep = p[i];
         double up, down, num, err;
@@ -397,6 +410,7 @@ static int gradient_check(const unsigned char *text, size_t ntext) {
 typedef struct lstm_options {
     int hidden, bptt, gradcheck;
     long val_limit;
+    int overlap; /* 1: backward hands each tensor to the driver as it is final */
 } lstm_options;
 
 /* This program's own flags (parse_options_extra hands them here). */
@@ -405,6 +419,10 @@ static int lstm_flag(void *user, const char *f, const char *v) {
     if (!strcmp(f, "--gradcheck")) {
         lo->gradcheck = 1;
         return 1;
+    }
+    if (!strcmp(f, "--overlap")) {
+        lo->overlap = overlap_flag(f, v);
+        return 2;
     }
     if (strcmp(f, "--hidden") && strcmp(f, "--bptt") && strcmp(f, "--val-limit")) return 0;
     if (v == NULL) flag_error("%s needs a value", f);
@@ -433,7 +451,7 @@ static void print_row(FILE *f, const char *fmt, int epoch, double loss, double v
 
 int main(int argc, char **argv) {
     options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, NULL, NULL, 0};
-    lstm_options lo = {128, 32, 0, 0};
+    lstm_options lo = {128, 32, 0, 0, 0};
     lstm m;
     lstm_work work;
     unsigned char *train, *val;
@@ -450,6 +468,9 @@ int main(int argc, char **argv) {
     batch_report brep = {0, NAN, NAN};
     dopt_dp ls;
     dopt_dp_config lcfg;
+    dopt_buf gdesc;
+    backward_hooks hooks;
+    step_timing tm;
     dopt_status st = DOPT_OK;
     uint64_t step = 0, shuffle_rng, skipped = 0, clipped = 0;
     double train_secs = 0, train_bytes = 0, baseline, val_loss = NAN;
@@ -458,7 +479,7 @@ int main(int argc, char **argv) {
     const char *csv_fmt = "%d,%.7g,%.7g,%.7g,%llu,%.0f,%.3f,%zu\n";
 
     flush_subnormals();
-    parse_options_extra(&o, argc, argv, lstm_flag, &lo, "[--hidden H] [--bptt T] [--val-limit N] [--gradcheck]");
+    parse_options_extra(&o, argc, argv, lstm_flag, &lo, "[--hidden H] [--bptt T] [--val-limit N] [--gradcheck] [--overlap on|off]");
     load_corpus(&train, &ntrain, &val, &nval, &nfiles);
     if (lo.gradcheck) {
         failed = gradient_check(train, ntrain);
@@ -502,11 +523,15 @@ int main(int argc, char **argv) {
     compress = method_configs(&o, &cz, &ccfg, &lcfg);
     sync = o.period == 1; /* an average after every step: the replicas are the averaged model */
     dopt_segments_from_sizes(segs, m.sizes, NTENSORS, NULL);
+    gdesc = dopt_buf_flat(grads, m.n, segs, NTENSORS); /* distopt layout: the compressor's table, the buckets' */
     lcfg.batch = adaptive ? &bc : NULL;
+    lcfg.grads = lo.overlap ? &gdesc : NULL; /* distopt option: buckets averaged during backward */
     if (compress) dopt_compressor_init(&cz, &ccfg, segs, NTENSORS);
     if (adaptive) dopt_batch_init(&bc, m.n, &bcfg);
     dopt_dp_init(&ls, comm, m.n, &lcfg);
     dopt_dp_broadcast(&ls, params);
+    hooks = (backward_hooks){.dp = lo.overlap ? &ls : NULL, .segs = segs, .grads = grads, .micro = micro};
+    timing_init(&tm, (size_t)o.epochs * (nwin / (size_t)o.batch));
 
     if (comm->rank == 0) {
         printf("char_lstm: %s, %d worker(s), %zu training characters from %d files (%zu per worker), %zu validation "
@@ -535,27 +560,35 @@ int main(int argc, char **argv) {
         while (st == DOPT_OK) {
             units = adaptive ? dopt_batch_units(&bc) : 1;
             if (pos + units * (size_t)o.batch > nwin) break;
+            timing_begin(&tm);
             memset(grads, 0, m.n * sizeof(float));
+            hooks.scale = 1.0f / (float)units, hooks.backward_secs = 0;
             for (u = 0; u < units; u++) { /* one micro-batch of --batch windows each */
                 int r;
                 for (r = 0; r < o.batch; r++) starts[r] = begin + order[pos++] * (size_t)lo.bptt;
-                loss += loss_and_gradient(&m, params, train, starts, o.batch, lo.bptt, &work, micro);
+                hooks.mark = hooks.dp && u + 1 == units; /* the last micro-batch makes the gradient final */
+                loss += loss_and_gradient(&m, params, train, starts, o.batch, lo.bptt, &work, micro, &hooks);
                 batches++;
                 if (adaptive) dopt_batch_observe(&bc, &(dopt_buf){.data = micro, .n = m.n}, 1.0f); /* distopt: gradient variance */
-                dopt_axpy(grads, 1.0f / (float)units, micro, m.n);
+                if (!hooks.mark) dopt_axpy(grads, 1.0f / (float)units, micro, m.n); /* else backward added it */
             }
             if (dopt_dp_should_sync(&ls, step)) rounds++;
+            timing_wait_begin(&tm);
             if (o.celgc) { /* distopt: x -= min(η, γ/‖g‖)·g, and the average when due */
                 const dopt_celgc rule = {.eta = o.celgc_eta, .gamma = o.celgc_gamma};
-                dopt_buf xb = {.data = params, .n = m.n}, gb = {.data = grads, .n = m.n};
+                /* with --overlap on, the descriptor the driver marked (celgc takes the parameters in its layout) */
+                dopt_buf xb = lo.overlap ? dopt_buf_flat(params, m.n, segs, NTENSORS) : (dopt_buf){.data = params, .n = m.n};
+                dopt_buf gb = lo.overlap ? gdesc : (dopt_buf){.data = grads, .n = m.n};
                 float used = o.celgc_eta;
                 st = dopt_dp_celgc_step(&ls, &xb, &gb, &rule);
+                timing_waited(&tm);
                 if (st == DOPT_ERR_NONFINITE) st = DOPT_OK, skipped++; /* this worker skipped its update */
                 else if (st == DOPT_OK) dopt_celgc_step_size(&gb, &rule, &used);
                 clipped += used < o.celgc_eta; /* the step the rule chose was γ/‖g‖ */
             } else {
                 dopt_clip_norm clip = {.max_norm = o.clip};
-                dopt_dp_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
+                dopt_dp_after_backward_buf(&ls, &gdesc); /* distopt: the mean (fp32 or compressed) when synchronous */
+                timing_waited(&tm);
                 if (o.clip > 0 && dopt_clip_global_norm(NULL, &(dopt_buf){.data = grads, .n = m.n}, &clip) ==
                                       DOPT_ERR_NONFINITE)
                     memset(grads, 0, m.n * sizeof(float)), skipped++; /* distopt: clip; skip a NaN step */
@@ -563,6 +596,7 @@ int main(int argc, char **argv) {
                 dopt_axpy(params, -o.lr, grads, m.n);
                 st = dopt_dp_after_step(&ls, params); /* distopt: model average when due */
             }
+            timing_end(&tm, hooks.backward_secs);
             step++;
             if (adaptive) batch_report_step(&brep, &bc);
         }
@@ -607,8 +641,11 @@ int main(int argc, char **argv) {
                    val_loss, val_loss / log(2.0), baseline, log((double)VOCAB),
                    diverged ? "DIVERGED" : failed ? "NOT CONVERGED" : "converged",
                    skipped ? " (some steps skipped for a non-finite gradient)" : "");
+        if (comm->rank == 0) printf("params fnv1a %016llx\n", params_fnv1a(params, m.n));
+        if (comm->rank == 0) timing_print(&tm, lo.overlap);
     }
     if (adaptive && comm->rank == 0 && st == DOPT_OK) batch_report_print(&brep, &bc);
+    timing_free(&tm);
     if (csv) fclose(csv);
     if (adaptive) dopt_batch_free(&bc);
     if (compress) dopt_compressor_free(&cz);

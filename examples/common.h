@@ -15,6 +15,7 @@
 #include "launch.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -330,6 +331,111 @@ static inline double wall_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* --overlap on|off: whether backward hands each tensor to the driver as it becomes final. */
+static inline int overlap_flag(const char *flag, const char *v) {
+    static const char *const names[] = {"off", "on", NULL};
+    if (v == NULL) flag_error("%s needs a value", flag);
+    return !strcmp(flag_choice(flag, v, names), "on");
+}
+
+/* What backward does besides computing the gradient: it times itself and, with --overlap on, on
+   the step's last micro-batch, adds each tensor of the micro-batch gradient into the step's
+   gradient (grads[seg] += scale · micro[seg], the whole-buffer axpy cut by segment: the same
+   bits) and marks it final, so that its bucket's average may start while backward goes on. */
+typedef struct backward_hooks {
+    dopt_dp *dp;              /* the driver, or NULL: nothing is marked (--overlap off) */
+    const dopt_segment *segs; /* the gradients' table: the driver's, and the compressor's */
+    float *grads;             /* the step's gradient */
+    const float *micro;       /* the micro-batch gradient backward writes */
+    float scale;              /* 1 / micro-batches per step */
+    int mark;                 /* 1: this micro-batch is the step's last and dp is set */
+    double backward_secs;     /* backward's time in this step, summed over its micro-batches */
+} backward_hooks;
+
+/* Tensor seg of the micro-batch gradient is final (h NULL: no hooks, as in a gradient check). */
+static inline void tensor_final(backward_hooks *h, size_t seg) {
+    if (h == NULL || !h->mark) return;
+    dopt_axpy(h->grads + h->segs[seg].offset, h->scale, h->micro + h->segs[seg].offset, h->segs[seg].count);
+    dopt_dp_grad_ready(h->dp, seg); /* distopt: its bucket may start (a no-op on local steps) */
+}
+
+/* FNV-1a of n floats' bytes: the final parameters' fingerprint, for comparing runs bit for bit. */
+static inline unsigned long long params_fnv1a(const float *p, size_t n) {
+    const unsigned char *b = (const unsigned char *)p;
+    unsigned long long h = 0xcbf29ce484222325ull;
+    size_t i;
+    for (i = 0; i < n * sizeof(float); i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* ===================================================================== STEP TIMING
+
+   The line the overlap benchmark parses, printed once at the end on rank 0:
+     timing steps=<k> step_ms=<median> wait_ms=<median> backward_ms=<median> overlap=<on|off>
+   medians over the steps after the first 3 (they pay the warm-up and the buckets' rebuild). A
+   step runs from the start of its forward pass to after the host's update (evaluations and
+   logging fall outside); wait is the time inside the driver's averaging call
+   (dopt_dp_after_backward, or dopt_dp_celgc_step), backward the backward pass. Fields may be
+   added; none is renamed. A few clock reads per step, into arrays allocated once. */
+enum { TIMING_WARMUP = 3 };
+
+typedef struct step_timing {
+    double *ms;          /* 3 × cap: each step's step, wait and backward time (ms) */
+    size_t cap, n, seen; /* steps recorded, steps seen (the warm-up included) */
+    double t0, t_wait, wait_secs;
+} step_timing;
+
+static inline void timing_init(step_timing *tm, size_t max_steps) {
+    memset(tm, 0, sizeof *tm);
+    tm->cap = max_steps;
+    tm->ms = (double *)malloc((3 * max_steps + 1) * sizeof(double));
+    if (tm->ms == NULL) { fprintf(stderr, "out of memory\n"); exit(1); }
+}
+
+static inline void timing_begin(step_timing *tm) {
+    tm->wait_secs = 0;
+    tm->t0 = wall_seconds();
+}
+
+/* Around the driver's averaging call. */
+static inline void timing_wait_begin(step_timing *tm) { tm->t_wait = wall_seconds(); }
+
+static inline void timing_waited(step_timing *tm) { tm->wait_secs += wall_seconds() - tm->t_wait; }
+
+/* The step ends: its time, and the wait timed around the driver's call, the backward time the host summed. */
+static inline void timing_end(step_timing *tm, double backward_secs) {
+    double now = wall_seconds();
+    if (tm->seen++ < TIMING_WARMUP || tm->n >= tm->cap) return;
+    tm->ms[tm->n] = 1e3 * (now - tm->t0);
+    tm->ms[tm->cap + tm->n] = 1e3 * tm->wait_secs;
+    tm->ms[2 * tm->cap + tm->n] = 1e3 * backward_secs;
+    tm->n++;
+}
+
+static inline int timing_cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static inline double timing_median(double *x, size_t n) {
+    if (n == 0) return NAN;
+    qsort(x, n, sizeof *x, timing_cmp);
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+/* Prints the line (on the caller's rank; the arrays are sorted in place). */
+static inline void timing_print(step_timing *tm, int overlap) {
+    printf("timing steps=%zu step_ms=%.3f wait_ms=%.3f backward_ms=%.3f overlap=%s\n", tm->n,
+           timing_median(tm->ms, tm->n), timing_median(tm->ms + tm->cap, tm->n),
+           timing_median(tm->ms + 2 * tm->cap, tm->n), overlap ? "on" : "off");
+    fflush(stdout);
+}
+
+static inline void timing_free(step_timing *tm) {
+    free(tm->ms);
+    tm->ms = NULL;
 }
 
 #endif

@@ -28,7 +28,12 @@
      --batch-nu X         adaptive batch, aip: the orthogonality test's ν (library default 0.1)
      --evals-per-epoch E  evaluate E times per epoch (at the first step past each 1/E), default 1
      --target-acc A       report the first evaluation whose test accuracy reaches A percent: its
-                          epoch, step, rounds, bytes and training time ("target ... reached") */
+                          epoch, step, rounds, bytes and training time ("target ... reached")
+     --overlap on|off     on: backward marks each tensor's gradient final as it finishes it (W3
+                          and b3 first), so that the driver averages it while backward goes on;
+                          off (default): the whole average after backward. Same numbers either way.
+   At the end rank 0 prints an FNV-1a hash of the final parameters ("params fnv1a ...", to compare
+   runs bit for bit) and the timing line (common.h: STEP TIMING). */
 #define DISTOPT_IMPLEMENTATION
 #include "distopt.h"
 #include "transport_shm.h"
@@ -93,27 +98,32 @@ static void forward(const float *p, const float *x, int B, activations *a) {
     dense(a->h2, B, H2, p + OFF_W3, p + OFF_B3, OUT, a->out, 0);
 }
 
-/* Backward through one dense layer: dW = inᵀ·dout, db = Σ rows of dout, and (when din is not
-   NULL) din = dout·Wᵀ masked by the ReLU of in. */
+/* Backward through one dense layer: dW = inᵀ·dout, db = Σ rows of dout, both final then
+   (tensors w and w + 1: the hooks may hand them over), and (when din is not NULL) din = dout·Wᵀ
+   masked by the ReLU of in. */
 static void dense_backward(const float *in, int B, int nin, const float *W, const float *dout, int nout, float *gW,
-                           float *gb, float *din) {
+                           float *gb, float *din, backward_hooks *h, size_t w) {
     int i, j;
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nin, nout, B, 1.0f, in, nin, dout, nout, 0.0f, gW, nout);
     for (j = 0; j < nout; j++) gb[j] = 0;
     for (i = 0; i < B; i++)
         for (j = 0; j < nout; j++) gb[j] += dout[(size_t)i * nout + j];
+    tensor_final(h, w);
+    tensor_final(h, w + 1);
     if (din == NULL) return;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, nin, nout, 1.0f, dout, nout, W, nout, 0.0f, din, nin);
     for (i = 0; i < B * nin; i++)
         if (in[i] <= 0) din[i] = 0;
 }
 
-/* The mean cross-entropy of a batch and its gradient g (all NPARAMS elements written). */
+/* The mean cross-entropy of a batch and its gradient g (all NPARAMS elements written), the
+   last layer first; h (or NULL) times the backward pass and hands each tensor over. */
 static double loss_and_gradient(const float *p, const float *x, const unsigned char *y, int B, activations *a,
-                                float *g) {
-    double loss = 0;
+                                float *g, backward_hooks *h) {
+    double loss = 0, t0;
     int i, k;
     forward(p, x, B, a);
+    t0 = wall_seconds();
     for (i = 0; i < B; i++) { /* softmax, then out becomes d loss / d logits */
         float *z = a->out + (size_t)i * OUT, max = z[0], sum = 0;
         for (k = 1; k < OUT; k++) max = z[k] > max ? z[k] : max;
@@ -121,9 +131,10 @@ static double loss_and_gradient(const float *p, const float *x, const unsigned c
         loss -= log(z[y[i]] / sum);
         for (k = 0; k < OUT; k++) z[k] = (z[k] / sum - (k == y[i])) / B;
     }
-    dense_backward(a->h2, B, H2, p + OFF_W3, a->out, OUT, g + OFF_W3, g + OFF_B3, a->d2);
-    dense_backward(a->h1, B, H1, p + OFF_W2, a->d2, H2, g + OFF_W2, g + OFF_B2, a->d1);
-    dense_backward(x, B, IN, p + OFF_W1, a->d1, H1, g + OFF_W1, g + OFF_B1, NULL);
+    dense_backward(a->h2, B, H2, p + OFF_W3, a->out, OUT, g + OFF_W3, g + OFF_B3, a->d2, h, 4);
+    dense_backward(a->h1, B, H1, p + OFF_W2, a->d2, H2, g + OFF_W2, g + OFF_B2, a->d1, h, 2);
+    dense_backward(x, B, IN, p + OFF_W1, a->d1, H1, g + OFF_W1, g + OFF_B1, NULL, h, 0);
+    if (h) h->backward_secs += wall_seconds() - t0;
     return loss / B;
 }
 
@@ -149,10 +160,15 @@ typedef struct local_options {
     float tern_clip; /* 0: the library's default */
     int evals_per_epoch;
     double target_acc; /* percent, 0: none */
+    int overlap;       /* 1: backward hands each tensor to the driver as it is final */
 } local_options;
 
 static int local_flag(void *user, const char *f, const char *v) {
     local_options *lo = (local_options *)user;
+    if (!strcmp(f, "--overlap")) {
+        lo->overlap = overlap_flag(f, v);
+        return 2;
+    }
     if (strcmp(f, "--tern-clip") && strcmp(f, "--evals-per-epoch") && strcmp(f, "--target-acc")) return 0;
     if (v == NULL) flag_error("%s needs a value", f);
     if (!strcmp(f, "--tern-clip")) lo->tern_clip = !strcmp(v, "off") ? DOPT_CLIP_OFF : (float)flag_double(f, v, 0, 1e6, 0);
@@ -239,14 +255,17 @@ int main(int argc, char **argv) {
     batch_report brep = {0, NAN, NAN};
     dopt_dp ls;
     dopt_dp_config lcfg;
+    dopt_buf gdesc;
+    backward_hooks hooks;
+    step_timing tm;
     dopt_status st = DOPT_OK;
     uint64_t step = 0, rounds = 0, shuffle_rng;
-    local_options lo = {0, 1, 0};
+    local_options lo = {0, 1, 0, 0};
     progress pr;
     evaluation ev;
     FILE *csv = NULL;
 
-    parse_options_extra(&o, argc, argv, local_flag, &lo, "[--tern-clip C|off] [--evals-per-epoch E] [--target-acc A]");
+    parse_options_extra(&o, argc, argv, local_flag, &lo, "[--tern-clip C|off] [--evals-per-epoch E] [--target-acc A] [--overlap on|off]");
     adaptive = batch_config_from_options(&o, &bcfg);
     if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1; /* distopt: one process per rank from here on */
 
@@ -285,11 +304,15 @@ int main(int argc, char **argv) {
     ccfg.clip_c = lo.tern_clip;
     dopt_segments_from_sizes(segs, tensor_sizes, NTENSORS, NULL);
     segs[0].rows = IN, segs[2].rows = H1, segs[4].rows = H2; /* distopt: W's shapes, in × out (PowerSGD's matrices) */
+    gdesc = dopt_buf_flat(grads, NPARAMS, segs, NTENSORS); /* distopt layout: the compressor's table, the buckets' */
     lcfg.batch = adaptive ? &bc : NULL;
+    lcfg.grads = lo.overlap ? &gdesc : NULL; /* distopt option: buckets averaged during backward */
     if (compress) dopt_compressor_init(&cz, &ccfg, segs, NTENSORS);
     if (adaptive) dopt_batch_init(&bc, NPARAMS, &bcfg);
     dopt_dp_init(&ls, comm, NPARAMS, &lcfg);
     dopt_dp_broadcast(&ls, params);
+    hooks = (backward_hooks){.dp = lo.overlap ? &ls : NULL, .segs = segs, .grads = grads, .micro = micro};
+    timing_init(&tm, (size_t)o.epochs * (per_rank / (size_t)o.batch));
 
     if (comm->rank == 0) {
         printf("fmnist_mlp: %s, %d worker(s), %zu training images (%zu per worker), batch %d per worker, lr %g, "
@@ -321,32 +344,40 @@ int main(int argc, char **argv) {
         while (st == DOPT_OK) {
             units = adaptive ? dopt_batch_units(&bc) : 1;
             if (pos + units * (size_t)o.batch > per_rank) break;
+            timing_begin(&tm);
             memset(grads, 0, NPARAMS * sizeof(float));
+            hooks.scale = 1.0f / (float)units, hooks.backward_secs = 0;
             for (u = 0; u < units; u++) { /* one micro-batch of --batch samples each */
                 int r;
                 for (r = 0; r < o.batch; r++, pos++) {
                     memcpy(batch_x + (size_t)r * IN, train_x + order[pos] * IN, IN * sizeof(float));
                     batch_y[r] = train_y[begin + order[pos]];
                 }
-                pr.loss_sum += loss_and_gradient(params, batch_x, batch_y, o.batch, &act, micro);
+                hooks.mark = hooks.dp && u + 1 == units; /* the last micro-batch makes the gradient final */
+                pr.loss_sum += loss_and_gradient(params, batch_x, batch_y, o.batch, &act, micro, &hooks);
                 pr.batches++;
                 if (adaptive) dopt_batch_observe(&bc, &(dopt_buf){.data = micro, .n = NPARAMS}, 1.0f); /* distopt: gradient variance */
-                dopt_axpy(grads, 1.0f / (float)units, micro, NPARAMS);
+                if (!hooks.mark) dopt_axpy(grads, 1.0f / (float)units, micro, NPARAMS); /* else backward added it */
             }
             if (dopt_dp_should_sync(&ls, step)) rounds++;
+            timing_wait_begin(&tm);
             if (o.celgc) { /* distopt: x -= min(η, γ/‖g‖)·g, and the average when due */
-                st = dopt_dp_celgc_step(&ls, &(dopt_buf){.data = params, .n = NPARAMS},
-                                        &(dopt_buf){.data = grads, .n = NPARAMS},
-                                        &(dopt_celgc){.eta = o.celgc_eta, .gamma = o.celgc_gamma});
+                /* with --overlap on, the descriptor the driver marked (celgc takes the parameters in its layout) */
+                dopt_buf xb = lo.overlap ? dopt_buf_flat(params, NPARAMS, segs, NTENSORS) : (dopt_buf){.data = params, .n = NPARAMS};
+                dopt_buf gb = lo.overlap ? gdesc : (dopt_buf){.data = grads, .n = NPARAMS};
+                st = dopt_dp_celgc_step(&ls, &xb, &gb, &(dopt_celgc){.eta = o.celgc_eta, .gamma = o.celgc_gamma});
                 if (st == DOPT_ERR_NONFINITE) st = DOPT_OK; /* this worker skipped its update; the average happened */
+                timing_waited(&tm);
             } else {
-                dopt_dp_after_backward(&ls, grads); /* distopt: the mean (fp32 or compressed) when synchronous */
+                dopt_dp_after_backward_buf(&ls, &gdesc); /* distopt: the mean (fp32 or compressed) when synchronous */
+                timing_waited(&tm);
                 if (o.clip > 0 && dopt_clip_global_norm(NULL, &(dopt_buf){.data = grads, .n = NPARAMS},
                                                         &(dopt_clip_norm){.max_norm = o.clip}) == DOPT_ERR_NONFINITE)
                     memset(grads, 0, NPARAMS * sizeof(float)); /* distopt: clip; skip a NaN step */
                 dopt_axpy(params, -o.lr, grads, NPARAMS);
                 st = dopt_dp_after_step(&ls, params); /* distopt: model average when due */
             }
+            timing_end(&tm, hooks.backward_secs);
             step++;
             if (adaptive) batch_report_step(&brep, &bc);
             /* Between epoch ends: evaluate at the first step past each 1/E of the shard (every
@@ -371,6 +402,9 @@ int main(int argc, char **argv) {
     }
     failed = dopt_dp_close(&ls, params) != DOPT_OK || st != DOPT_OK; /* distopt: the last round averaged, replicas checked */
     if (adaptive && comm->rank == 0 && !failed) batch_report_print(&brep, &bc);
+    if (comm->rank == 0 && !failed) printf("params fnv1a %016llx\n", params_fnv1a(params, NPARAMS));
+    if (comm->rank == 0 && !failed) timing_print(&tm, lo.overlap);
+    timing_free(&tm);
     if (csv) fclose(csv);
     if (adaptive) dopt_batch_free(&bc);
     if (compress) dopt_compressor_free(&cz);

@@ -56,6 +56,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ----------------------------------------------------------------------------------------------
    The layers, forward and backward. Activations are (B, T, C) row-major; a backward pass adds
@@ -615,8 +616,43 @@ static void gpt2_zero_grad(GPT2 *model) {
     if (model->grads_acts_memory) memset(model->grads_acts_memory, 0, model->num_activations * sizeof(float));
 }
 
-/* The gradient of the last forward's mean loss into grads_memory (allocated by the first call). */
-static void gpt2_backward(GPT2 *model) {
+/* --overlap on: gpt2_backward hands each layer's gradients to the driver as they become final, as
+   llm.c's gpt2_backward_and_reduce starts each layer's reduction, so that their average runs while
+   backward goes on. The buckets' table cuts grads_memory by tensor and, for the 12 per-layer
+   tensors, by layer: wte, wpe, ln1w of layer 0, of layer 1, ..., ln1b of layer 0, ..., lnfw, lnfb. */
+typedef struct {
+    dopt_dp *dp;
+    dopt_segment *segs; /* 4 + 12 L */
+    size_t num_segs;
+    dopt_buf grads;     /* grads_memory cut by segs, once gpt2_backward has allocated it */
+} GradReady;
+
+static void grad_ready_init(GradReady *ready, dopt_dp *dp, const GPT2 *model) {
+    size_t L = (size_t)model->config.num_layers, offset = 0;
+    ready->dp = dp;
+    ready->num_segs = 0;
+    ready->segs = calloc_or_die(4 + 12 * L, sizeof(dopt_segment));
+    for (int k = 0; k < NUM_PARAMETER_TENSORS; k++) {
+        size_t parts = k >= 2 && k < 14 ? L : 1, count = model->param_sizes[k] / parts;
+        for (size_t l = 0; l < parts; l++) {
+            ready->segs[ready->num_segs++] = (dopt_segment){offset, count, parameter_names[k], 0};
+            offset += count;
+        }
+    }
+}
+
+/* Tensors k and k + 1 (a weight and its bias) of layer l are final: their segments are marked. */
+static void grads_ready(GradReady *ready, int L, int k, int l) {
+    if (ready == NULL) return;
+    for (int j = k; j <= k + 1; j++) {
+        size_t seg = j < 2 ? (size_t)j : j < 14 ? 2 + (size_t)(j - 2) * L + l : 2 + 12 * (size_t)L + (j - 14);
+        dopt_dp_grad_ready(ready->dp, seg); /* distopt option: its bucket may start */
+    }
+}
+
+/* The gradient of the last forward's mean loss into grads_memory (allocated by the first call);
+   ready (NULL: none) gets each layer's gradients as they become final. */
+static void gpt2_backward(GPT2 *model, GradReady *ready) {
     if (model->mean_loss == -1.0f) {
         fprintf(stderr, "gpt2_backward: the forward pass had no targets\n");
         exit(1);
@@ -624,6 +660,10 @@ static void gpt2_backward(GPT2 *model) {
     if (model->grads_memory == NULL) {
         model->grads_memory = malloc_and_point_parameters(&model->grads, model->param_sizes);
         model->grads_acts_memory = malloc_and_point_activations(&model->grads_acts, model->act_sizes);
+        if (ready) { /* distopt option: the gradients exist: the buckets' descriptor */
+            ready->grads = dopt_buf_flat(model->grads_memory, model->num_parameters, ready->segs, ready->num_segs); /* distopt option */
+            dopt_dp_set_grads(ready->dp, &ready->grads); /* distopt option */
+        } /* distopt option */
     }
     int B = model->batch_size, T = model->seq_len, V = model->config.vocab_size;
     int L = model->config.num_layers, NH = model->config.num_heads, C = model->config.channels;
@@ -639,6 +679,7 @@ static void gpt2_backward(GPT2 *model) {
     float *dresidual = grads_acts.residual3 + (size_t)(L - 1) * BTC;
     layernorm_backward(dresidual, grads.lnfw, grads.lnfb, grads_acts.lnf, residual, params.lnfw, acts.lnf_mean,
                        acts.lnf_rstd, B, T, C);
+    grads_ready(ready, L, 14, 0); /* distopt option: lnfw, lnfb */
     for (int l = L - 1; l >= 0; l--) {
         residual = l == 0 ? acts.encoded : acts.residual3 + (size_t)(l - 1) * BTC;
         dresidual = l == 0 ? grads_acts.encoded : grads_acts.residual3 + (size_t)(l - 1) * BTC;
@@ -668,18 +709,25 @@ static void gpt2_backward(GPT2 *model) {
 
         residual_backward(dl_residual2, dl_fcproj, dl_residual3, BTC);
         matmul_backward(dl_fch_gelu, dl_fcprojw, dl_fcprojb, dl_fcproj, l_fch_gelu, l_fcprojw, B, T, 4 * C, C);
+        grads_ready(ready, L, 12, l); /* distopt option: fcprojw, fcprojb */
         gelu_backward(dl_fch, l_fch, dl_fch_gelu, BTC * 4);
         matmul_backward(dl_ln2, dl_fcw, dl_fcb, dl_fch, l_ln2, l_fcw, B, T, C, 4 * C);
+        grads_ready(ready, L, 10, l); /* distopt option: fcw, fcb */
         layernorm_backward(dl_residual2, dl_ln2w, dl_ln2b, dl_ln2, l_residual2, l_ln2w, acts.ln2_mean + lBT,
                            acts.ln2_rstd + lBT, B, T, C);
+        grads_ready(ready, L, 8, l); /* distopt option: ln2w, ln2b */
         residual_backward(dresidual, dl_attproj, dl_residual2, BTC);
         matmul_backward(dl_atty, dl_attprojw, dl_attprojb, dl_attproj, l_atty, l_attprojw, B, T, C, C);
+        grads_ready(ready, L, 6, l); /* distopt option: attprojw, attprojb */
         attention_backward(dl_qkv, dl_preatt, dl_att, dl_atty, l_qkv, l_att, B, T, C, NH);
         matmul_backward(dl_ln1, dl_qkvw, dl_qkvb, dl_qkv, l_ln1, l_qkvw, B, T, C, 3 * C);
+        grads_ready(ready, L, 4, l); /* distopt option: qkvw, qkvb */
         layernorm_backward(dresidual, dl_ln1w, dl_ln1b, dl_ln1, residual, l_ln1w, acts.ln1_mean + lBT,
                            acts.ln1_rstd + lBT, B, T, C);
+        grads_ready(ready, L, 2, l); /* distopt option: ln1w, ln1b */
     }
     encoder_backward(grads.wte, grads.wpe, grads_acts.encoded, model->inputs, B, T, C);
+    grads_ready(ready, L, 0, 0); /* distopt option: wte (tied: the logits' matmul added to it first), wpe */
 }
 
 /* AdamW (Loshchilov and Hutter), step t counted from 1 for the bias corrections. */
@@ -827,7 +875,7 @@ static int gpt2_gradcheck(void) {
     dataloader_next_batch(&loader);
     gpt2_forward(&model, loader.inputs, loader.targets, B_BATCH, T_SEQ);
     gpt2_zero_grad(&model);
-    gpt2_backward(&model);
+    gpt2_backward(&model, NULL);
 
     uint64_t state = 11;
     int checked = 0, failed = 0;
@@ -860,16 +908,42 @@ static int gpt2_gradcheck(void) {
 
 static int usage(const char *message) {
     if (message) fprintf(stderr, "gpt2_standin: %s\n", message);
-    fprintf(message ? stderr : stdout, "usage: gpt2_standin [--steps N] [--gradcheck] [--desync] [--nan-at K]\n");
+    fprintf(message ? stderr : stdout,
+            "usage: gpt2_standin [--steps N] [--gradcheck] [--desync] [--nan-at K] [--overlap on|off]\n");
     return message ? 2 : 0;
 }
 
+/* The timing line the overlap benchmark parses (as examples/common.h's STEP TIMING prints it),
+   with llm.c's clock: medians over the steps after the first 3 of a step (forward to update), of
+   the time inside dopt_dp_after_backward, and of gpt2_backward. */
+enum { TIMING_WARMUP = 3 };
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int compare_doubles(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median_ms(double *x, int n) {
+    if (n <= 0) return NAN;
+    qsort(x, (size_t)n, sizeof *x, compare_doubles);
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
 int main(int argc, char **argv) {
-    int steps = 300, desync = 0, nan_at = -1;
+    int steps = 300, desync = 0, nan_at = -1, overlap = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--gradcheck")) return gpt2_gradcheck();
         if (!strcmp(argv[i], "--desync")) {
             desync = 1;
+        } else if (!strcmp(argv[i], "--overlap") && i + 1 < argc) {
+            overlap = !strcmp(argv[++i], "on");
+            if (!overlap && strcmp(argv[i], "off")) return usage("--overlap expects on or off");
         } else if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
             char *end;
             long v = strtol(argv[++i], &end, 10);
@@ -894,6 +968,8 @@ int main(int argc, char **argv) {
                                                                                on every rank, which the
                                                                                broadcast must make equal */
     dopt_dp_init(&dp, comm, model.num_parameters, &(dopt_dp_config){.params = model.params_memory}); /* distopt */
+    GradReady ready;                                                         /* distopt option: --overlap on */
+    if (overlap) grad_ready_init(&ready, &dp, &model);                       /* distopt option */
 
     int B = B_BATCH, T = T_SEQ;
     int *tokens = generate_tokens(NUM_TOKENS, model.config.vocab_size, 42);
@@ -910,6 +986,8 @@ int main(int argc, char **argv) {
 
     uint64_t rng_state = 1337;
     int *gen_tokens = calloc_or_die((size_t)B * T, sizeof(int));
+    double *times_ms = calloc_or_die(3 * (size_t)steps, sizeof(double)); /* step, wait, backward */
+    int timed = 0;
     for (int step = 0; step < steps; step++) {
         if (step % 10 == 0) { /* once in a while, the validation loss */
             float val_loss = 0.0f;
@@ -935,12 +1013,23 @@ int main(int argc, char **argv) {
             printf("\n---\n");
         }
         dataloader_next_batch(&train_loader);
+        double t_start = seconds_now();
         gpt2_forward(&model, train_loader.inputs, train_loader.targets, B, T);
         gpt2_zero_grad(&model);
-        gpt2_backward(&model);
+        double t_backward = seconds_now();
+        gpt2_backward(&model, overlap ? &ready : NULL);                      /* distopt option: marks with --overlap on */
         if (step == nan_at && comm->rank == comm->size - 1) model.grads_memory[12345] = NAN;
-        dopt_dp_after_backward(&dp, model.grads_memory);                     /* distopt: the ranks' mean gradient */
+        double t_wait = seconds_now();
+        if (overlap) dopt_dp_after_backward_buf(&dp, &ready.grads);          /* distopt option: the table marked */
+        else dopt_dp_after_backward(&dp, model.grads_memory);                /* distopt: the ranks' mean gradient */
+        double t_update = seconds_now();
         gpt2_update(&model, 3e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, step + 1);
+        if (step >= TIMING_WARMUP) {
+            times_ms[timed] = 1e3 * (seconds_now() - t_start);
+            times_ms[steps + timed] = 1e3 * (t_update - t_wait);
+            times_ms[2 * steps + timed] = 1e3 * (t_wait - t_backward);
+            timed++;
+        }
         model.mean_loss = (float)dopt_mean(comm, model.mean_loss);           /* distopt: the mean over the ranks */
         printf("step %d: train loss %f\n", step, model.mean_loss);
     }
@@ -948,11 +1037,17 @@ int main(int argc, char **argv) {
     if (desync && train_loader.process_rank == 1) model.params_memory[0] += 1e-3f;
     int status = dopt_comm_finish(comm, dopt_dp_close(&dp, model.params_memory)); /* distopt: ranks > 0 exit here */
     if (status == 0) printf("result: loss %f replicas identical\n", model.mean_loss);
+    if (status == 0)
+        printf("timing steps=%d step_ms=%.3f wait_ms=%.3f backward_ms=%.3f overlap=%s\n", timed,
+               median_ms(times_ms, timed), median_ms(times_ms + steps, timed), median_ms(times_ms + 2 * steps, timed),
+               overlap ? "on" : "off");
     dataloader_free(&train_loader);
     dataloader_free(&val_loader);
     gpt2_free(&model);
     free(tokens);
     free(val_tokens);
     free(gen_tokens);
+    free(times_ms);
+    if (overlap) free(ready.segs);
     return status;                                                           /* distopt: the job's status */
 }

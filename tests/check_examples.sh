@@ -2,7 +2,9 @@
 # Keeps the examples honest: least_squares must reach its known optimum over the self backend,
 # over shared memory in fp32, with TernGrad, with local SGD and compressed deltas, with CELGC at
 # period 4, with DiLoCo's outer optimizer at period 8, and over MPI — and must report failure when the step size makes SGD diverge;
-# fmnist_mlp must run one short epoch, with fixed and with adaptive batches; perf_model must
+# fmnist_mlp must run one short epoch, with fixed and with adaptive batches; fmnist_mlp and char_lstm
+# must end with the same parameters, bit for bit, with --overlap on (gradients handed to the driver
+# during backward) as with --overlap off, and print the timing line; perf_model must
 # measure its ingredients and predict, and project to 1024 ranks. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
 # examples there through the Makefile when they are missing or stale. A few seconds.
 set -u
@@ -45,6 +47,26 @@ expect_message() {
     fi
 }
 
+# The same final parameters with --overlap on as off: the "params fnv1a" lines of the two runs
+# of the command (its flags then --overlap on|off) are equal, both end well, and the run with
+# --overlap on prints the timing line the overlap benchmark parses.
+same_with_overlap() {
+    on=$("$@" --overlap on 2>&1)
+    s_on=$?
+    off=$("$@" --overlap off 2>&1)
+    s_off=$?
+    h_on=$(printf '%s\n' "$on" | sed -n 's/^params fnv1a \([0-9a-f]*\)$/\1/p')
+    h_off=$(printf '%s\n' "$off" | sed -n 's/^params fnv1a \([0-9a-f]*\)$/\1/p')
+    timing=$(printf '%s\n' "$on" | grep -cE '^timing steps=[0-9]+ step_ms=[0-9.]+ wait_ms=[0-9.]+ backward_ms=[0-9.]+ overlap=on$')
+    if [ $s_on -eq $s_off ] && [ -n "$h_on" ] && [ "$h_on" = "$h_off" ] && [ "$timing" -eq 1 ]; then
+        echo "ok   --overlap on = off (params fnv1a $h_on, exit $s_on): $*"
+    else
+        echo "FAIL --overlap on (exit $s_on, hash ${h_on:-none}, $timing timing lines) against off (exit $s_off, hash ${h_off:-none}): $*"
+        printf '%s\n' "$on" | tail -3
+        failed=1
+    fi
+}
+
 build least_squares
 expect_message 2 "error: --workers must be >= 1 (got 0)" "$BUILD/least_squares" --workers 0
 expect_message 2 "error: --period must be >= 1 (got 0)" "$BUILD/least_squares" --period 0
@@ -79,6 +101,12 @@ if [ -r /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz ]; then
         --compress ternary --tern-clip off --evals-per-epoch 2 --target-acc 10
     expect converges "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048 \
         --compress powersgd --powersgd-rank 4
+    same_with_overlap "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048
+    same_with_overlap "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048 \
+        --adaptive-batch aip --batch-eta 0.5 --max-batch-units 4
+    same_with_overlap "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048 --celgc 0.1,1
+    same_with_overlap "$BUILD/fmnist_mlp" --transport shm --workers 2 --epochs 1 --train-limit 2048 \
+        --compress ternary --period 4
 else
     echo "FAIL: Fashion-MNIST is missing (scripts/install-deps.sh installs dataset-fashion-mnist)"
     failed=1
@@ -99,6 +127,8 @@ if [ -r /usr/share/games/fortunes/fortunes ]; then
     expect converges char_lstm --celgc 30,3 --period 2
     expect converges char_lstm --celgc 30,3 --period 1 --average models
     expect fails char_lstm_reports_divergence --lr 30
+    same_with_overlap "$BUILD/char_lstm" --transport shm --workers 2 --train-limit 16000 --val-limit 2000 --batch 16 \
+        --epochs 2 --seed 7 --clip 0.1 --lr 30
 else
     echo "FAIL: the fortunes text is missing (scripts/install-deps.sh installs fortunes)"
     failed=1

@@ -8,6 +8,8 @@
 #     dopt_dp_close found the replicas bitwise identical;
 #   - with --desync (rank 1 changes one parameter before the end) the job fails: a non-zero exit
 #     status, the library's "distopt: ... replicas differ ..." line on stderr, no result line;
+#   - with --overlap on (gpt2_backward hands each layer's gradients to the driver) 2 ranks print
+#     the same loss lines, digit for digit, as with --overlap off, and the timing line;
 #   - the lines the source marks /* distopt */ as core number at most 10 (scripts/count-lines.sh).
 # Usage: tests/check_gpt2_standin.sh BUILD_DIR (tests/run.sh passes it); builds BUILD_DIR/gpt2_standin
 # through the Makefile when it is missing or stale. A few seconds.
@@ -96,6 +98,21 @@ train() { # $1: log name, $2: ranks
 }
 train one 1
 train two 2
+grep -v '^timing ' "$tmp/two.out" >"$tmp/two.nt"
+
+# --overlap on: the same lines as the 2-rank run above (bitwise equal means at 2 ranks), and the
+# timing line the overlap benchmark parses.
+run overlap env DOPT_WORLD_SIZE=2 DOPT_STDOUT_RANKS=0 "$bin" --steps $STEPS --overlap on
+status=$?
+timing='^timing steps=[0-9]* step_ms=[0-9.]* wait_ms=[0-9.]* backward_ms=[0-9.]* overlap=on$'
+if [ $status -eq 0 ] && grep -v '^timing ' "$tmp/overlap.out" | cmp -s - "$tmp/two.nt" && grep -q "$timing" "$tmp/overlap.out" &&
+    [ ! -s "$tmp/overlap.err" ]; then
+    echo "ok   2 ranks, --overlap on: the same $STEPS loss lines and result as --overlap off, and the timing line"
+else
+    fail "2 ranks, --overlap on: exit $status; differs from --overlap off, or no timing line"
+    grep -v '^timing ' "$tmp/overlap.out" | diff - "$tmp/two.nt" | head -5
+    show overlap
+fi
 
 # Without DOPT_STDOUT_RANKS every rank prints, and prints the same lines: each loss line twice.
 run both env DOPT_WORLD_SIZE=2 "$bin" --steps 20
