@@ -94,7 +94,7 @@ run() {
     pids=""
     r=0
     while [ $r -lt "$hosts" ]; do
-        # shellcheck disable=SC2048 # $* is the command line command_for made: split on purpose
+        # shellcheck disable=SC2048,SC2086 # $* is the command line command_for made: split on purpose
         timeout 300 scripts/cluster.sh exec $r env DOPT_RANK=$r DOPT_WORLD_SIZE="$hosts" DOPT_MASTER_ADDR="$master" \
             DOPT_MASTER_PORT=$port DOPT_TOKEN="bench-overlap-$$" OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
             $* >"$LOGS/$name.rank$r.log" 2>&1 &
