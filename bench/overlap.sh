@@ -47,7 +47,7 @@ LOGS=$BUILD/bench_overlap
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
 PAYLOAD=0.956407 # 1448 / 1514: TCP payload in a shaped frame (perf_model's PROJ_PAYLOAD)
-GPT2_L=2 GPT2_C=128 GPT2_B=4 GPT2_T=16 GPT2_V=64
+GPT2_L=3 GPT2_C=128 GPT2_B=4 GPT2_T=16 GPT2_V=64
 GPT2_STEPS=20
 FMNIST_BATCH=500
 FMNIST_STEPS=40 # at 4 hosts the 60000 images allow 30
@@ -135,7 +135,7 @@ measure() {
     comm=$(median "$LOGS/$tag.blocking.timing" wait_ms)
     gbits=$(awk -v m="$mbit" 'BEGIN { printf "%g", m / 1000 }')
     "$BIN/perf_model" --overlap --hosts "$hosts" --gbits "$gbits" --link-us 50 --compute-ms "$compute" \
-        --backward-ms "$backward" --segments "$(segments_of "$model")" >"$LOGS/$tag.model" 2>&1 ||
+        --backward-ms "$backward" --comm-ms "$comm" --segments "$(segments_of "$model")" >"$LOGS/$tag.model" 2>&1 ||
         { cat "$LOGS/$tag.model" >&2; exit 1; }
     predicted=$(sed -n 's/^overlap model_ms=\([0-9.]*\).*/\1/p' "$LOGS/$tag.model")
     awk -v h="$hosts" -v m="$model" -v g="$gbits" -v a="$blocking" -v b="$overlap" -v c="$compute" -v d="$comm" \

@@ -81,7 +81,7 @@ typedef struct model_options {
     int same_box;            /* --same-box */
     int overlap;             /* --overlap: the overlapped step below instead of the measured model */
     int hosts;               /* --hosts H */
-    double compute_ms, backward_ms; /* --compute-ms, --backward-ms */
+    double compute_ms, backward_ms, comm_ms; /* --compute-ms, --backward-ms, --comm-ms */
     const char *segments;    /* --segments: elements per segment, in the order backward finishes them */
     double bucket_bytes, first_bytes; /* --bucket-bytes, --first-bucket-bytes (0: the driver's choice) */
 } model_options;
@@ -94,7 +94,7 @@ static void model_usage(const char *prog) {
            "          [--link-us A] [--intra-gbs G] [--intra-us A] [--period I] [--rank R] [--out DIR]\n"
            "          [--layouts HxL,...] [--same-box]\n"
            "       %s --overlap --hosts H --gbits R --link-us A --compute-ms C --backward-ms B\n"
-           "          --segments n1,n2,... [--bucket-bytes S] [--first-bucket-bytes F]\n",
+           "          --segments n1,n2,... [--comm-ms M] [--bucket-bytes S] [--first-bucket-bytes F]\n",
            prog, prog, prog);
     exit(0);
 }
@@ -140,6 +140,7 @@ static void parse_model_options(model_options *mo, int argc, char **argv) {
         else if (!strcmp(f, "--hosts")) mo->hosts = (int)flag_long(f, v, 1, 1 << 20);
         else if (!strcmp(f, "--compute-ms")) mo->compute_ms = flag_double(f, v, 0, 1e9, 0);
         else if (!strcmp(f, "--backward-ms")) mo->backward_ms = flag_double(f, v, 0, 1e9, 0);
+        else if (!strcmp(f, "--comm-ms")) mo->comm_ms = flag_double(f, v, 0, 1e9, 0);
         else if (!strcmp(f, "--segments")) mo->segments = v;
         else if (!strcmp(f, "--bucket-bytes")) mo->bucket_bytes = flag_double(f, v, 0, 1e15, 0);
         else if (!strcmp(f, "--first-bucket-bytes")) mo->first_bytes = flag_double(f, v, 0, 1e15, 0);
@@ -691,7 +692,8 @@ static int project_main(const model_options *mo, projection *p) {
      buckets  cut as the driver cuts them after its first step: the first up to min(1 MiB, S_b),
               the others up to S_b, segments never split; S_b given, or the driver's rule
               (localsgd.h: REFERENCE: THE BUCKET SIZE) with the rates the model's allreduce has
-     T_ar(x)  = 2(H-1)·A + 2(H-1)/H · x / R               the ring's latencies and bytes per link
+     T_ar(x)  = 2(H-1)·A + 2(H-1)/H · x / R               the ring's latencies and bytes per link,
+              or with --comm-ms M (the whole average measured alone): 2(H-1)·A + (M - 2(H-1)·A)·x / 4n
      start_k  = max(ready of bucket k's last segment, end_{k-1}),  end_k = start_k + T_ar(bytes_k)
      overlapped step = C + max(0, end_last - B)           the tail exposed after backward
      blocking step   = C + T_ar(4·n)                      the whole average after backward
@@ -720,12 +722,13 @@ typedef struct overlap_step {
 
 /* The timeline of the buckets after the segments' ready times, as the driver runs them. */
 static overlap_step overlap_predict(const double *n, int m, int H, double R, double link_s, double C, double B,
-                                    double bucket_bytes, double first_bytes) {
+                                    double M, double bucket_bytes, double first_bytes) {
     overlap_step o;
     double total = 0, done = 0, alpha = 2.0 * (H - 1) * link_s, share = H > 1 ? 2.0 * (H - 1) / H : 0, end = 0;
     int j = 0;
     memset(&o, 0, sizeof o);
     for (j = 0; j < m; j++) total += n[j];
+    if (M > alpha) R = share * 4 * total / (M - alpha); /* the rate the measured average had */
     o.comm_s = alpha + share * 4 * total / R;
     o.bucket_bytes = bucket_bytes > 0 ? bucket_bytes
                                       : overlap_bucket_rule(4 * total, alpha, share > 0 ? R / share : 1e12, B);
@@ -762,7 +765,7 @@ static int overlap_main(const model_options *mo) {
     }
     if (*v) flag_error("--segments: at most %d segments", OVERLAP_MAX_SEGS);
     o = overlap_predict(n, m, mo->hosts, R, mo->link_us * 1e-6, mo->compute_ms * 1e-3, mo->backward_ms * 1e-3,
-                        mo->bucket_bytes, mo->first_bytes);
+                        mo->comm_ms * 1e-3, mo->bucket_bytes, mo->first_bytes);
     printf("perf_model --overlap: %d segments, %d hosts at %g Gbit/s, %.0f us per message: %d buckets of %.0f bytes\n",
            m, mo->hosts, strtod(mo->gbits, NULL), mo->link_us, o.buckets, o.bucket_bytes);
     printf("overlap model_ms=%.3f blocking_model_ms=%.3f comm_model_ms=%.3f tail_ms=%.3f buckets=%d bucket_bytes=%.0f\n",
