@@ -11,9 +11,10 @@
    gpt2_forward, gpt2_zero_grad, gpt2_backward, gpt2_update, a printf of the loss.
 
    What it leaves out: the checkpoint (the parameters start random from a fixed seed), the
-   tokenizer (samples are printed as token numbers), the timing, and the size: one layer of 32
-   channels and 4 heads over a vocabulary of 64 and 32 positions, 4 sequences per step, 15840
-   parameters; 300 steps take about a second on one core. The tokens come from a seeded Markov
+   tokenizer (samples are printed as token numbers), the per-step timing (one line of medians at
+   the end instead), and the size: by default one layer of 32 channels and 4 heads over a
+   vocabulary of 64 and 32 positions, 4 sequences per step, 15840 parameters; 300 steps take
+   about a second on one core. The tokens come from a seeded Markov
    chain in which every token has 4 possible successors, of probabilities 0.5, 0.25, 0.15 and
    0.1: no file is needed, the loss starts at ln 64 = 4.16 and cannot fall below the chain's
    entropy, 1.21.
@@ -25,7 +26,13 @@
        ./gpt2_standin --gradcheck                            gpt2_backward against finite differences
    Flags: --steps N (default 300); --gradcheck; --desync: rank 1 changes one parameter before the
    end, so that the replica check fails (for tests); --nan-at K: the last rank's gradient holds a
-   NaN at step K, so that the driver stops and the job ends with status 1 (for tests). Give each
+   NaN at step K, so that the driver stops and the job ends with status 1 (for tests); --overlap
+   on|off (default off): gpt2_backward marks each layer's gradients final as it finishes them, so
+   that the driver averages them while backward goes on (the same numbers); --layers L (1),
+   --channels C (32, a multiple of the 4 heads), --batch B (4), --seq T (32): the model's and the
+   step's size (bench/overlap.sh runs larger ones); --period I (1): local SGD, the models averaged
+   every I steps (the gradients are then not averaged: a long period times the compute alone).
+   At the end rank 0 prints the timing line the overlap benchmark parses. Give each
    rank one OpenMP thread per core it may use: threads beyond the free cores spin at every
    parallel loop's barrier.
 
@@ -909,8 +916,17 @@ static int gpt2_gradcheck(void) {
 static int usage(const char *message) {
     if (message) fprintf(stderr, "gpt2_standin: %s\n", message);
     fprintf(message ? stderr : stdout,
-            "usage: gpt2_standin [--steps N] [--gradcheck] [--desync] [--nan-at K] [--overlap on|off]\n");
+            "usage: gpt2_standin [--steps N] [--gradcheck] [--desync] [--nan-at K] [--overlap on|off]\n"
+            "                    [--layers L] [--channels C] [--batch B] [--seq T] [--period I]\n");
     return message ? 2 : 0;
+}
+
+/* Flag argv[*i]'s value (the next argument) as a whole number in [lo, hi], or -1. */
+static int int_flag(int argc, char **argv, int *i, long lo, long hi) {
+    char *end;
+    if (*i + 1 >= argc) return -1;
+    long v = strtol(argv[++*i], &end, 10);
+    return *end || end == argv[*i] || v < lo || v > hi ? -1 : (int)v;
 }
 
 /* The timing line the overlap benchmark parses (as examples/common.h's STEP TIMING prints it),
@@ -936,7 +952,8 @@ static double median_ms(double *x, int n) {
 }
 
 int main(int argc, char **argv) {
-    int steps = 300, desync = 0, nan_at = -1, overlap = 0;
+    int steps = 300, desync = 0, nan_at = -1, overlap = 0, B = B_BATCH, period = 1;
+    GPT2Config config = model_config;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--gradcheck")) return gpt2_gradcheck();
         if (!strcmp(argv[i], "--desync")) {
@@ -944,16 +961,22 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--overlap") && i + 1 < argc) {
             overlap = !strcmp(argv[++i], "on");
             if (!overlap && strcmp(argv[i], "off")) return usage("--overlap expects on or off");
-        } else if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
-            char *end;
-            long v = strtol(argv[++i], &end, 10);
-            if (*end || v < 1 || v > 1000000) return usage("--steps expects a number from 1 to 1000000");
-            steps = (int)v;
-        } else if (!strcmp(argv[i], "--nan-at") && i + 1 < argc) {
-            char *end;
-            long v = strtol(argv[++i], &end, 10);
-            if (*end || v < 0 || v > 1000000) return usage("--nan-at expects a step from 0 to 1000000");
-            nan_at = (int)v;
+        } else if (!strcmp(argv[i], "--steps")) {
+            if ((steps = int_flag(argc, argv, &i, 1, 1000000)) < 0) return usage("--steps expects a number from 1 to 1000000");
+        } else if (!strcmp(argv[i], "--nan-at")) {
+            if ((nan_at = int_flag(argc, argv, &i, 0, 1000000)) < 0) return usage("--nan-at expects a step from 0 to 1000000");
+        } else if (!strcmp(argv[i], "--layers")) {
+            if ((config.num_layers = int_flag(argc, argv, &i, 1, 64)) < 0) return usage("--layers expects 1 to 64");
+        } else if (!strcmp(argv[i], "--channels")) {
+            config.channels = int_flag(argc, argv, &i, 1, 4096);
+            if (config.channels < 0 || config.channels % config.num_heads)
+                return usage("--channels expects a multiple of 4 (the heads) up to 4096");
+        } else if (!strcmp(argv[i], "--batch")) {
+            if ((B = int_flag(argc, argv, &i, 1, 1024)) < 0) return usage("--batch expects 1 to 1024");
+        } else if (!strcmp(argv[i], "--seq")) {
+            if ((config.max_seq_len = int_flag(argc, argv, &i, 2, 1024)) < 0) return usage("--seq expects 2 to 1024");
+        } else if (!strcmp(argv[i], "--period")) {
+            if ((period = int_flag(argc, argv, &i, 1, 1 << 30)) < 0) return usage("--period expects 1 to 2^30");
         } else if (!strcmp(argv[i], "--help")) {
             return usage(NULL);
         } else {
@@ -964,14 +987,15 @@ int main(int argc, char **argv) {
     if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;               /* distopt: the reason is on stderr */
 
     GPT2 model;
-    gpt2_build_from_random(&model, model_config, 1337 + (uint64_t)comm->rank); /* a test harness: other weights
-                                                                               on every rank, which the
-                                                                               broadcast must make equal */
-    dopt_dp_init(&dp, comm, model.num_parameters, &(dopt_dp_config){.params = model.params_memory}); /* distopt */
+    gpt2_build_from_random(&model, config, 1337 + (uint64_t)comm->rank); /* a test harness: other weights on
+                                                                         every rank, which the broadcast
+                                                                         must make equal */
+    dopt_dp_init(&dp, comm, model.num_parameters, &(dopt_dp_config){.params = model.params_memory, /* distopt */
+                 .period = (size_t)period});                                 /* distopt option: --period */
     GradReady ready;                                                         /* distopt option: --overlap on */
     if (overlap) grad_ready_init(&ready, &dp, &model);                       /* distopt option */
 
-    int B = B_BATCH, T = T_SEQ;
+    int T = config.max_seq_len, gen_t = GEN_T < T ? GEN_T : T;
     int *tokens = generate_tokens(NUM_TOKENS, model.config.vocab_size, 42);
     int *val_tokens = generate_tokens(NUM_VAL_TOKENS, model.config.vocab_size, 42); /* the same chain, a shorter run */
     DataLoader train_loader, val_loader;
@@ -1004,7 +1028,7 @@ int main(int argc, char **argv) {
         if (step > 0 && step % 20 == 0) { /* once in a while, text from the model */
             for (int i = 0; i < B * T; i++) gen_tokens[i] = 0;
             printf("generating:\n---\n");
-            for (int t = 1; t < GEN_T; t++) {
+            for (int t = 1; t < gen_t; t++) {
                 gpt2_forward(&model, gen_tokens, NULL, B, T);
                 float *probs = model.acts.probs + (size_t)(t - 1) * model.config.vocab_size;
                 gen_tokens[t] = sample_mult(probs, model.config.vocab_size, random_f32(&rng_state));
@@ -1024,6 +1048,7 @@ int main(int argc, char **argv) {
         else dopt_dp_after_backward(&dp, model.grads_memory);                /* distopt: the ranks' mean gradient */
         double t_update = seconds_now();
         gpt2_update(&model, 3e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, step + 1);
+        if (period > 1) dopt_dp_after_step(&dp, model.params_memory);       /* distopt option: --period's model average */
         if (step >= TIMING_WARMUP) {
             times_ms[timed] = 1e3 * (seconds_now() - t_start);
             times_ms[steps + timed] = 1e3 * (t_update - t_wait);

@@ -9,7 +9,8 @@
 #   - with --desync (rank 1 changes one parameter before the end) the job fails: a non-zero exit
 #     status, the library's "distopt: ... replicas differ ..." line on stderr, no result line;
 #   - with --overlap on (gpt2_backward hands each layer's gradients to the driver) 2 ranks print
-#     the same loss lines, digit for digit, as with --overlap off, and the timing line;
+#     the same loss lines, digit for digit, as with --overlap off, and the timing line; with
+#     local steps (--period 4, 2 layers) the marks do nothing and the replicas end identical;
 #   - the lines the source marks /* distopt */ as core number at most 10 (scripts/count-lines.sh).
 # Usage: tests/check_gpt2_standin.sh BUILD_DIR (tests/run.sh passes it); builds BUILD_DIR/gpt2_standin
 # through the Makefile when it is missing or stale. A few seconds.
@@ -112,6 +113,17 @@ else
     fail "2 ranks, --overlap on: exit $status; differs from --overlap off, or no timing line"
     grep -v '^timing ' "$tmp/overlap.out" | diff - "$tmp/two.nt" | head -5
     show overlap
+fi
+
+# Local steps (--period 4): the marks do nothing, the models are averaged every 4 steps and at the
+# end; a model of 2 layers, so that the marks run per layer.
+run local_steps env DOPT_WORLD_SIZE=2 DOPT_STDOUT_RANKS=0 "$bin" --steps 20 --period 4 --layers 2 --overlap on
+status=$?
+if [ $status -eq 0 ] && grep -q '^result: loss [0-9.]* replicas identical$' "$tmp/local_steps.out" && [ ! -s "$tmp/local_steps.err" ]; then
+    echo "ok   2 ranks, 2 layers, --period 4 --overlap on: exit 0, replicas identical"
+else
+    fail "2 ranks, 2 layers, --period 4 --overlap on: exit $status"
+    show local_steps
 fi
 
 # Without DOPT_STDOUT_RANKS every rank prints, and prints the same lines: each loss line twice.

@@ -18,7 +18,22 @@
        DOPT_WORLD_SIZE=2 DOPT_MASTER_PORT=29500 DOPT_RANK=1 build/darknet_dp
 
    --batch is each worker's minibatch: 2 workers at --batch 32 take the steps of 1 process at
-   --batch 64. --epochs and the data set size fix the steps, and the poly policy's max_batches. */
+   --batch 64. --epochs and the data set size fix the steps, and the poly policy's max_batches.
+
+   --average grads (with --period 1) is synchronous SGD instead: every step averages darknet's
+   update buffers between its backward pass and its update, both inside train_network. Each
+   layer's weight_updates, bias_updates and scale_updates hold this step's gradient sums plus
+   the momentum of the averaged ones before (momentum · the last average, and the weight decay
+   darknet adds at its update: alike on every rank), so their average is the synchronous step;
+   the rolling statistics of batch norm ride along (the same arrays as in the parameters: the
+   gradients' scatter list parallels the parameters'), averaged every step as darknet's own
+   sync_nets averages them. The average runs from a wrapper of layer 0's `backward` function
+   pointer (the last that backward_network calls; darknet updates right after it returns).
+   --overlap on (with --average grads) wraps every layer's `backward`: each layer's buffers are
+   marked final (dopt_dp_grad_ready) as backward_network finishes that layer, the last layer
+   first, so that their average starts while the layers below still run backward. Only the last
+   subdivision's backward makes them final (darknet accumulates over subdivisions and updates
+   when seen / batch is a multiple of subdivisions); this cfg has one. */
 #define DISTOPT_IMPLEMENTATION /* distopt */
 #include "transport_shm.h"     /* distopt */
 #include "transport_tcp.h"     /* distopt */
@@ -44,6 +59,30 @@ static const char cfg_text[] =
     "[convolutional]\nbatch_normalize=1\nfilters=16\nsize=3\nstride=2\npad=1\nactivation=leaky\n\n"
     "[convolutional]\nfilters=10\nsize=7\nstride=1\npad=0\nactivation=linear\n\n"
     "[softmax]\ngroups=1\n";
+
+/* ===================================================================== SYNCHRONOUS STEPS
+
+   darknet calls each layer's backward as l.backward(l, net) with net.index = i and no pointer of
+   the host's, so what the wrapper needs is file-scope state, set once before training. */
+static struct {
+    void (*backward[MAX_LAYERS])(struct layer, struct network); /* darknet's own, per layer */
+    size_t first[MAX_LAYERS], count[MAX_LAYERS];                /* layer i's spans in grads */
+    dopt_dp *dp;
+    const dopt_buf *grads;
+    int overlap;
+} sync_steps;
+
+/* Layer net.index's backward, then (the last subdivision only) its spans marked final; after
+   layer 0, the last backward_network runs, the average, before darknet's update. */
+static void backward_then_average(layer l, network net) {
+    int i = net.index;
+    size_t k;
+    sync_steps.backward[i](l, net);
+    if (((*net.seen) / (size_t)net.batch) % (size_t)net.subdivisions != 0) return; /* not final yet */
+    for (k = 0; sync_steps.overlap && k < sync_steps.count[i]; k++)
+        dopt_dp_grad_ready(sync_steps.dp, sync_steps.first[i] + k); /* distopt option: its bucket may start */
+    if (i == 0) dopt_dp_after_backward_buf(sync_steps.dp, sync_steps.grads); /* distopt option: the average */
+}
 
 /* ===================================================================== DATA */
 
@@ -99,7 +138,7 @@ static double test_accuracy(network *net, data test) {
 /* ===================================================================== TRAINING */
 
 int main(int argc, char **argv) {
-    host_options o = {"none", 3, 64, 1, 4, 0.1f, 0, 20000, 1};
+    host_options o = {"none", 3, 64, 1, 4, 0.1f, 0, 20000, 1, 0, 0};
     size_t ntrain, ntest, nlabels, begin = 0, end, i, s, steps;
     unsigned char *train_px, *train_labels, *test_px, *test_labels;
     float *train_xblock, *train_yblock, *test_xblock, *test_yblock;
@@ -110,10 +149,12 @@ int main(int argc, char **argv) {
     float loss = 0;
     dopt_comm *comm; dopt_dp dp; dopt_status st;                                            /* distopt */
     dopt_span spans[5 * MAX_LAYERS]; dopt_buf params = {.spans = spans};                    /* distopt layout */
+    dopt_span gspans[5 * MAX_LAYERS]; dopt_buf grads = {.spans = gspans};                   /* distopt option: --average grads */
 
     host_parse_options(&o, argc, argv,
                        "[--epochs E] [--batch B (per worker)] [--lr LR]\n"
-                       "          [--period I] [--train-limit N] [--seed S]");
+                       "          [--period I] [--train-limit N] [--seed S] [--average grads|models]\n"
+                       "          [--overlap on|off (with --average grads)]");
     shuffle = o.seed;
     if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1;                              /* distopt: says why */
     verbose = comm->rank == 0;                                                              /* distopt */
@@ -141,15 +182,26 @@ int main(int argc, char **argv) {
     for (j = 0; j < net->n; j++) {                                                          /* distopt layout */
         layer *l = &net->layers[j];                                                         /* distopt layout */
         float *a[5] = {l->weights, l->biases, l->scales, l->rolling_mean, l->rolling_variance}; /* distopt layout */
+        float *g[5] = {l->weight_updates, l->bias_updates, l->scale_updates, l->rolling_mean, l->rolling_variance}; /* distopt option */
+        sync_steps.first[j] = grads.nspans;                                                 /* distopt option */
         for (k = 0; k < 5; k++)                                                             /* distopt layout */
             if (a[k]) spans[params.nspans++] = (dopt_span){a[k], (size_t)(k ? l->nbiases : l->nweights)}; /* distopt layout */
+        for (k = 0; k < 5; k++)                                                             /* distopt option */
+            if (a[k]) gspans[grads.nspans++] = (dopt_span){g[k], (size_t)(k ? l->nbiases : l->nweights)}; /* distopt option */
+        sync_steps.count[j] = grads.nspans - sync_steps.first[j];                           /* distopt option */
+        sync_steps.backward[j] = l->backward;                                               /* distopt option */
+        if (o.average_grads && (j == 0 || o.overlap)) l->backward = backward_then_average;  /* distopt option */
     }                                                                                       /* distopt layout */
-    dopt_dp_init(&dp, comm, dopt_buf_count(&params), &(dopt_dp_config){.period = (size_t)o.period}); /* distopt */
+    sync_steps.dp = &dp, sync_steps.grads = &grads, sync_steps.overlap = o.overlap;         /* distopt option */
+    dopt_dp_init(&dp, comm, dopt_buf_count(&params), &(dopt_dp_config){.period = (size_t)o.period, /* distopt */
+                 .sync_grads = o.average_grads, .grads = o.overlap ? &grads : NULL});     /* distopt option */
     dopt_dp_broadcast_buf(&dp, &params, NULL);                                              /* distopt */
 
     if (verbose)
-        printf("darknet_dp: %s, %zu training images, minibatch %d, lr %g (poly), period %d, %zu parameters in %zu arrays\n",
-               comm->vt->name, ntrain, o.batch, o.lr, o.period, dopt_buf_count(&params), params.nspans);
+        printf("darknet_dp: %s, %zu training images, minibatch %d, lr %g (poly), period %d, %s averaged, overlap %s, "
+               "%zu parameters in %zu arrays\n",
+               comm->vt->name, ntrain, o.batch, o.lr, o.period, o.average_grads ? "gradients" : "models",
+               o.overlap ? "on" : "off", dopt_buf_count(&params), params.nspans);
     for (epoch = 1; epoch <= o.epochs; epoch++) {
         for (i = ntrain; i > 1; i--) { /* Fisher-Yates on the rows */
             size_t r;

@@ -64,7 +64,7 @@ static double test_accuracy(struct fann *ann, const fann_type *x, const unsigned
 /* ===================================================================== TRAINING */
 
 int main(int argc, char **argv) {
-    host_options o = {"none", 3, 64, 64, 1, 0.7f, 0, 20000, 1};
+    host_options o = {"none", 3, 64, 64, 1, 0.7f, 0, 20000, 1, 0, 0};
     size_t ntrain, ntest, nlabels, begin = 0, end, i, s, step = 0, steps;
     unsigned char *train_px, *train_labels, *test_px, *test_labels;
     fann_type *train_x, *train_y, *test_x, *test_y;

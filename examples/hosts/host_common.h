@@ -13,6 +13,8 @@ typedef struct host_options {
     float lr, clip;
     long train_limit;
     unsigned seed;
+    int average_grads; /* --average grads|models (darknet_dp; default models) */
+    int overlap;       /* --overlap on|off (darknet_dp with --average grads; default off) */
 } host_options;
 
 /* Flags as "--name value" pairs (the transport and the number of workers come from the
@@ -31,9 +33,12 @@ static inline void host_parse_options(host_options *o, int argc, char **argv, co
         else if (!strcmp(f, "--seed")) o->seed = (unsigned)strtoul(v, NULL, 10);
         else if (!strcmp(f, "--compress")) o->compress = v;
         else if (!strcmp(f, "--clip")) o->clip = strtof(v, NULL);
+        else if (!strcmp(f, "--average") && (!strcmp(v, "grads") || !strcmp(v, "models"))) o->average_grads = !strcmp(v, "grads");
+        else if (!strcmp(f, "--overlap") && (!strcmp(v, "on") || !strcmp(v, "off"))) o->overlap = !strcmp(v, "on");
         else break;
     }
     if (i != argc || o->epochs < 1 || o->batch < 1 || o->hidden < 1 || o->period < 1 ||
+        (o->average_grads && o->period != 1) || (o->overlap && !o->average_grads) ||
         (strcmp(o->compress, "none") && strcmp(o->compress, "ternary"))) {
         fprintf(stderr, "usage: %s %s\n", argv[0], flags);
         exit(2);

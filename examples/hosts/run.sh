@@ -7,6 +7,8 @@
 #   - parameters bitwise identical on both ranks: the library's replica check
 #     (dopt_dp_close) and, independently, each rank's own FNV-1a hash of its
 #     parameters, printed by the host and compared here;
+#   - darknet's synchronous mode (--average grads) with --overlap on (each layer's buffers marked
+#     final as backward finishes it) ends with the same bits as with --overlap off;
 #   - the lines the host's source marks /* distopt ... */, by kind: core (the calls and the
 #     control flow that carries their status), layout (describing the host's memory to
 #     distopt), option (TernGrad, clipping), include (#define/#include). Core: at most
@@ -95,7 +97,7 @@ for h in fann:hosts/fann_dp darknet:hosts/darknet_dp gpt2:gpt2_standin; do
 done
 echo
 
-printf '%-8s %-26s %8s %7s  %-10s %-10s %s\n' host run test_acc gap replicas hashes verdict
+printf '%-8s %-30s %8s %7s  %-10s %-10s %s\n' host run test_acc gap replicas hashes verdict
 row() { # $1: host, $2: run label, $3: log name, $4: ranks, $5: baseline accuracy, $6: run status
     acc=$(acc_of "$3")
     rep=$(replicas_of "$3")
@@ -113,10 +115,11 @@ row() { # $1: host, $2: run label, $3: log name, $4: ranks, $5: baseline accurac
     [ "$rep" = identical ] || { [ "$verdict" = ok ] && verdict="FAIL (replicas differ)"; }
     [ "$hs" = equal ] || { [ "$verdict" = ok ] && verdict="FAIL (hashes differ)"; }
     [ "$verdict" = ok ] || failed=1
-    printf '%-8s %-26s %8s %7s  %-10s %-10s %s\n' "$1" "$2" "$acc" "$gap" "${rep:--}" "$hs" "$verdict"
+    printf '%-8s %-30s %8s %7s  %-10s %-10s %s\n' "$1" "$2" "$acc" "$gap" "${rep:--}" "$hs" "$verdict"
 }
 
-host() { # $1: host name, $2: binary, $3: its arguments, $4: 1 to add a TernGrad + clipping row
+host() { # $1: host name, $2: binary, $3: its arguments, $4: 1 to add a TernGrad + clipping row, 2 a row of
+         # synchronous steps with the buckets averaged during backward (darknet)
     # shellcheck disable=SC2086  # the arguments are words
     run_shm "$2.1" 1 "$BUILD/$2" --batch 64 $3
     rc=$?
@@ -133,10 +136,18 @@ host() { # $1: host name, $2: binary, $3: its arguments, $4: 1 to add a TernGrad
         run_shm "$2.tern" 2 "$BUILD/$2" --batch 32 --compress ternary --clip 1 $3
         row "$1" "2 workers, shm, TernGrad" "$2.tern" 2 "$base" $?
     fi
+    if [ "$4" = 2 ]; then
+        # shellcheck disable=SC2086
+        run_shm "$2.sync" 2 "$BUILD/$2" --batch 32 $3 --period 1 --average grads
+        row "$1" "2 workers, shm, sync" "$2.sync" 2 "$base" $?
+        # shellcheck disable=SC2086
+        run_shm "$2.overlap" 2 "$BUILD/$2" --batch 32 $3 --period 1 --average grads --overlap on
+        row "$1" "2 workers, shm, sync, overlap" "$2.overlap" 2 "$base" $?
+    fi
 }
 
 host fann fann_dp "$FANN_ARGS" 1
-host darknet darknet_dp "$DARKNET_ARGS" 0
+host darknet darknet_dp "$DARKNET_ARGS" 2
 
 # Not a goal, a fact worth seeing: with 2 ranks both transports give the same bits.
 for b in fann_dp darknet_dp; do
@@ -145,11 +156,21 @@ for b in fann_dp darknet_dp; do
     if [ -n "$h1" ] && [ "$h1" = "$h2" ]; then same="the same parameters, bit for bit"; else same="different parameters"; fi
     echo "$b: shm and tcp runs end with $same ($h1, $h2)"
 done
+# A goal: marking each layer's buffers during backward changes no bit of the synchronous steps.
+h1=$(sed -n 's/^rank 0 .* fnv1a \([0-9a-f]*\)$/\1/p' "$LOGS/darknet_dp.sync.log")
+h2=$(sed -n 's/^rank 0 .* fnv1a \([0-9a-f]*\)$/\1/p' "$LOGS/darknet_dp.overlap.log")
+if [ -n "$h1" ] && [ "$h1" = "$h2" ]; then
+    echo "darknet_dp: synchronous steps end with the same parameters with --overlap on as off ($h1)"
+else
+    echo "darknet_dp: FAIL: synchronous steps with --overlap on end with other parameters than off ($h1, $h2)"
+    failed=1
+fi
 
 echo
 echo "fann: 784-64-10, FANN's batch trainer, slopes averaged every step (TernGrad row: ternary slopes,"
 echo "per layer, and global-norm clipping at 1); darknet: 3 convolutions with batch norm, SGD with"
-echo "momentum, models averaged every 4 steps (local SGD). 20000 training images, 3 epochs, 64 images per"
+echo "momentum, models averaged every 4 steps (local SGD; sync rows: the update buffers averaged every step,"
+echo "overlap: layer by layer during backward). 20000 training images, 3 epochs, 64 images per"
 echo "step in all, seed $SEED; test accuracy on the 10000 test images; gap: against 1 process (goal within"
 echo "$MAX_GAP point); replicas: distopt's check; hashes: every rank's own FNV-1a. Logs: $LOGS/"
 if [ $failed -ne 0 ]; then echo "hosts: FAILED"; else echo "hosts: all checks passed"; fi
