@@ -736,8 +736,11 @@ static overlap_step overlap_predict(const double *n, int m, int H, double R, dou
     if (first_bytes > o.bucket_bytes) first_bytes = o.bucket_bytes;
     for (j = 0; j < m;) { /* one bucket a pass */
         double cap = o.buckets == 0 ? first_bytes : o.bucket_bytes, bytes = 0;
-        do done += n[j], bytes += 4 * n[j++];
-        while (j < m && bytes + 4 * n[j] <= cap);
+        do {
+            done += n[j];
+            bytes += 4 * n[j];
+            j++;
+        } while (j < m && bytes + 4 * n[j] <= cap);
         end = fmax(end, B * done / total) + alpha + share * bytes / R;
         o.buckets++;
     }
