@@ -374,7 +374,8 @@ static inline unsigned long long params_fnv1a(const float *p, size_t n) {
 
    The line the overlap benchmark parses, printed once at the end on rank 0:
      timing steps=<k> step_ms=<median> wait_ms=<median> backward_ms=<median> overlap=<on|off>
-   medians over the steps after the first 3 (they pay the warm-up and the buckets' rebuild). A
+   medians over the steps after the first 3 (they pay the warm-up and the buckets' rebuild; nan
+   without such steps). A
    step runs from the start of its forward pass to after the host's update (evaluations and
    logging fall outside); wait is the time inside the driver's averaging call
    (dopt_dp_after_backward, or dopt_dp_celgc_step), backward the backward pass. Fields may be
