@@ -16,6 +16,7 @@
 # and one line per hosts, model and rate:
 #   bench overlap hosts=H model=M gbits=R blocking_ms=a overlap_ms=b compute_ms=c comm_ms=d
 #         bound_ms=e ratio_to_bound=e/b model_ms=p model_ratio=p/b link_ms=l backward_ms=f reach_ms=g reps=n
+#         blocking_range=x..y overlap_range=x..y compute_range=x..y
 #   blocking_ms, overlap_ms, compute_ms  the median over the runs of each run's step_ms
 #   comm_ms     communication alone: the median wait_ms of the blocking runs (time inside
 #               dopt_dp_after_backward, every rank arriving at about the same time)
@@ -24,6 +25,7 @@
 #               time and the segments in backward's order; model_ratio = model_ms / overlap_ms
 #   link_ms     the ring's bound on the link: 2(H-1)/H · bytes / R (R's payload share)
 #   backward_ms the compute runs' median backward time
+#   *_range     the fastest and the slowest run's step_ms (the spread)
 #   reach_ms    compute_ms - backward_ms + max(backward_ms, comm_ms): the best a step can do when
 #               buckets run during backward only (after_backward waits for them before the update,
 #               so the next forward hides nothing)
@@ -111,10 +113,12 @@ run() {
     grep '^timing ' "$LOGS/$name.rank0.log" >>"$LOGS/$name.timing"
 }
 
-# The median of field $2 (step_ms, wait_ms, backward_ms) over the timing lines of file $1.
+# The median of field $2 (step_ms, wait_ms, backward_ms) over the timing lines of file $1; with
+# $3 = spread, the smallest and the largest instead ("a..b").
 median() {
-    sed -n "s/.* $2=\([0-9.]*\).*/\1/p" "$1" | sort -g |
-        awk '{ v[NR] = $1 } END { print NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+    sed -n "s/.* $2=\([0-9.]*\).*/\1/p" "$1" | sort -g | awk -v spread="${3:-}" '{ v[NR] = $1 } END {
+        if (spread != "") printf "%.1f..%.1f\n", v[1], v[NR]
+        else print NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 
 # REPS turns of compute, blocking and overlap for model $1 on the $2 hosts at $3 Mbit/s; the line.
@@ -139,11 +143,12 @@ measure() {
         { cat "$LOGS/$tag.model" >&2; exit 1; }
     predicted=$(sed -n 's/^overlap model_ms=\([0-9.]*\).*/\1/p' "$LOGS/$tag.model")
     awk -v h="$hosts" -v m="$model" -v g="$gbits" -v a="$blocking" -v b="$overlap" -v c="$compute" -v d="$comm" \
-        -v p="$predicted" -v f="$backward" -v bytes="$(($(params_of "$model") * 4))" -v reps="$REPS" -v pay=$PAYLOAD 'BEGIN {
+        -v p="$predicted" -v f="$backward" -v ra="$(median "$LOGS/$tag.blocking.timing" step_ms spread)" \
+        -v rb="$(median "$LOGS/$tag.overlap.timing" step_ms spread)" -v rc="$(median "$LOGS/$tag.compute.timing" step_ms spread)" -v bytes="$(($(params_of "$model") * 4))" -v reps="$REPS" -v pay=$PAYLOAD 'BEGIN {
         e = c > d ? c : d
-        printf "bench overlap hosts=%d model=%s gbits=%s blocking_ms=%.1f overlap_ms=%.1f compute_ms=%.1f comm_ms=%.1f bound_ms=%.1f ratio_to_bound=%.2f model_ms=%.1f model_ratio=%.2f link_ms=%.1f backward_ms=%.1f reach_ms=%.1f reps=%d\n",
+        printf "bench overlap hosts=%d model=%s gbits=%s blocking_ms=%.1f overlap_ms=%.1f compute_ms=%.1f comm_ms=%.1f bound_ms=%.1f ratio_to_bound=%.2f model_ms=%.1f model_ratio=%.2f link_ms=%.1f backward_ms=%.1f reach_ms=%.1f reps=%d blocking_range=%s overlap_range=%s compute_range=%s\n",
             h, m, g, a, b, c, d, e, e / b, p, p / b, 2 * (h - 1) / h * bytes / (g * 1e9 / 8 * pay) * 1e3, f,
-            c - f + (f > d ? f : d), reps }'
+            c - f + (f > d ? f : d), reps, ra, rb, rc }'
 }
 
 # The rate (Mbit/s) at which the ring's time on the link equals compute_ms of the 1 Gbit/s runs.
