@@ -8,8 +8,9 @@
 #             as in the others, nothing is averaged but the loss's scalar mean
 #   blocking  synchronous steps, the gradient averaged after backward (--overlap off)
 #   overlap   synchronous steps, buckets averaged while backward runs (--overlap on)
-# Models: gpt2_standin at 2 layers of 128 channels, 4 sequences of 16 tokens (407040 parameters,
-# about 60 ms a step on one core), and fmnist_mlp at 500 samples a step (235146 parameters).
+# Models: gpt2_standin at 3 layers of 128 channels, 4 sequences of 16 tokens (605312 parameters,
+# 28 segments; 147 ms a step on 2 hosts, 292 on 4, with other jobs on the cores), and fmnist_mlp
+# at 500 samples a step (235146 parameters, 6 segments).
 # One rank per host, one thread each (OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1): four hosts share
 # this machine's 2 cores. Each run prints on rank 0 the medians of its steps after the first 3:
 #   timing steps=k step_ms=s wait_ms=w backward_ms=b
@@ -31,7 +32,8 @@
 #               so the next forward hides nothing)
 # Goals: ratio_to_bound >= 0.9; overlap_ms <= 1.05 · compute_ms where comm_ms < compute_ms / 2;
 # overlap_ms <= 0.6 · blocking_ms at comm ≈ compute; model_ratio within 0.8 .. 1.2.
-# Root only: otherwise prints "skipped: needs root" and exits 0. About 8 minutes.
+# Root only: otherwise prints "skipped: needs root" and exits 0. About 5 minutes (5 min 20 s at a
+# load average of 2.6 to 8). docs/measurements.md (overlap) has a run's lines and what limits them.
 # Usage: bench/overlap.sh [build-dir]
 #   OVERLAP_REPS (3), OVERLAP_HOSTS ("2 4"), OVERLAP_MODELS ("gpt2_standin fmnist_mlp") narrow it.
 set -eu
