@@ -48,7 +48,16 @@
    DIR/projection.png:
 
        OPENBLAS_NUM_THREADS=1 build/perf_model --project --layers 4096,4096,4096,1000 --batch 32 \
-           --ranks-per-host 8 --gbits 1,10 --out docs/img */
+           --ranks-per-host 8 --gbits 1,10 --out docs/img
+
+   --overlap: no world either; the synchronous step whose gradient buckets are averaged while
+   backward runs (OVERLAP below), from a host's measured compute, backward and (optionally) its
+   blocking average's time, and its segments in the order backward finishes them. One line,
+   which bench/overlap.sh reads:
+
+       build/perf_model --overlap --hosts 2 --gbits 1 --link-us 50 --compute-ms 146.7 \
+           --backward-ms 92.5 --comm-ms 19.6 --segments 128,128,65536,128,...
+       overlap model_ms=.. blocking_model_ms=.. comm_model_ms=.. tail_ms=.. buckets=.. bucket_bytes=.. */
 #define DISTOPT_IMPLEMENTATION
 #include "distopt.h"
 #include "transport_shm.h"
