@@ -6,6 +6,8 @@
 #   make bench    benchmarks (single-threaded kernels, compression, allreduce against MPI; as root
 #                 the compressed allreduce also runs over a 1 Gbit/s veth link between namespaces,
 #                 and allreduce across 4 simulated hosts: bench/cluster.sh)
+#   make bench-overlap  buckets averaged during backward against blocking steps, on 2 and 4
+#                 simulated hosts (root: bench/overlap.sh)
 #   make cluster-test  the simulated-cluster and launcher checks alone (root): 8 ranks on 4 hosts
 #                 over TCP from DOPT_* and torchrun's variables, test_mpi and TCP under mpirun
 #                 across them, srun on a local Slurm (tests/check_cluster*.sh, check_slurm.sh)
@@ -129,6 +131,12 @@ bench: deps $(BENCHES) $(BUILD)/bench_allreduce
 	@for b in $(BENCHES); do OPENBLAS_NUM_THREADS=1 $$b || exit 1; done
 	@OPENBLAS_NUM_THREADS=1 bench/run_allreduce.sh $(BUILD)
 	@OPENBLAS_NUM_THREADS=1 bench/cluster.sh $(BUILD)
+
+# Gradient buckets averaged during backward against blocking steps and compute alone, on 2 and 4
+# simulated hosts (root; about 8 minutes; docs/measurements.md: OVERLAP)
+.PHONY: bench-overlap
+bench-overlap: deps
+	@bench/overlap.sh $(BUILD)
 
 $(BUILD):
 	@mkdir -p $(BUILD)

@@ -48,7 +48,16 @@
    DIR/projection.png:
 
        OPENBLAS_NUM_THREADS=1 build/perf_model --project --layers 4096,4096,4096,1000 --batch 32 \
-           --ranks-per-host 8 --gbits 1,10 --out docs/img */
+           --ranks-per-host 8 --gbits 1,10 --out docs/img
+
+   --overlap: no world either; the synchronous step whose gradient buckets are averaged while
+   backward runs (OVERLAP below), from a host's measured compute, backward and (optionally) its
+   blocking average's time, and its segments in the order backward finishes them. One line,
+   which bench/overlap.sh reads:
+
+       build/perf_model --overlap --hosts 2 --gbits 1 --link-us 50 --compute-ms 146.7 \
+           --backward-ms 92.5 --comm-ms 19.6 --segments 128,128,65536,128,...
+       overlap model_ms=.. blocking_model_ms=.. comm_model_ms=.. tail_ms=.. buckets=.. bucket_bytes=.. */
 #define DISTOPT_IMPLEMENTATION
 #include "distopt.h"
 #include "transport_shm.h"
@@ -79,6 +88,11 @@ typedef struct model_options {
     const char *gbits, *out; /* --gbits 1,10; --out DIR */
     const char *layouts;     /* --layouts HxL,... */
     int same_box;            /* --same-box */
+    int overlap;             /* --overlap: the overlapped step below instead of the measured model */
+    int hosts;               /* --hosts H */
+    double compute_ms, backward_ms, comm_ms; /* --compute-ms, --backward-ms, --comm-ms */
+    const char *segments;    /* --segments: elements per segment, in the order backward finishes them */
+    double bucket_bytes, first_bytes; /* --bucket-bytes, --first-bucket-bytes (0: the driver's choice) */
 } model_options;
 
 static void model_usage(const char *prog) {
@@ -87,8 +101,10 @@ static void model_usage(const char *prog) {
            "          [LABEL=]CODEC:B:I[:adaptive] ...\n"
            "       %s --project [--layers ...] [--batch B] [--sample-us X] [--ranks-per-host L] [--gbits 1,10]\n"
            "          [--link-us A] [--intra-gbs G] [--intra-us A] [--period I] [--rank R] [--out DIR]\n"
-           "          [--layouts HxL,...] [--same-box]\n",
-           prog, prog);
+           "          [--layouts HxL,...] [--same-box]\n"
+           "       %s --overlap --hosts H --gbits R --link-us A --compute-ms C --backward-ms B\n"
+           "          --segments n1,n2,... [--comm-ms M] [--bucket-bytes S] [--first-bucket-bytes F]\n",
+           prog, prog, prog);
     exit(0);
 }
 
@@ -97,9 +113,11 @@ static void parse_model_options(model_options *mo, int argc, char **argv) {
     for (i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) model_usage(argv[0]);
-        if (!strcmp(f, "--project") || !strcmp(f, "--same-box")) { /* the flags without a value */
+        if (!strcmp(f, "--project") || !strcmp(f, "--same-box") || !strcmp(f, "--overlap")) { /* no value */
             if (!strcmp(f, "--project"))
                 mo->project = 1;
+            else if (!strcmp(f, "--overlap"))
+                mo->overlap = 1;
             else
                 mo->same_box = 1;
             continue;
@@ -128,6 +146,13 @@ static void parse_model_options(model_options *mo, int argc, char **argv) {
         else if (!strcmp(f, "--gbits")) mo->gbits = v;
         else if (!strcmp(f, "--out")) mo->out = v;
         else if (!strcmp(f, "--layouts")) mo->layouts = v;
+        else if (!strcmp(f, "--hosts")) mo->hosts = (int)flag_long(f, v, 1, 1 << 20);
+        else if (!strcmp(f, "--compute-ms")) mo->compute_ms = flag_double(f, v, 0, 1e9, 0);
+        else if (!strcmp(f, "--backward-ms")) mo->backward_ms = flag_double(f, v, 0, 1e9, 0);
+        else if (!strcmp(f, "--comm-ms")) mo->comm_ms = flag_double(f, v, 0, 1e9, 0);
+        else if (!strcmp(f, "--segments")) mo->segments = v;
+        else if (!strcmp(f, "--bucket-bytes")) mo->bucket_bytes = flag_double(f, v, 0, 1e15, 0);
+        else if (!strcmp(f, "--first-bucket-bytes")) mo->first_bytes = flag_double(f, v, 0, 1e15, 0);
         else if (!strcmp(f, "--layers")) {
             char *end = (char *)v;
             for (mo->nlayers = 0; mo->nlayers < MAX_LAYERS && *end; end += *end == ',') {
@@ -663,6 +688,103 @@ static int project_main(const model_options *mo, projection *p) {
     return dopt_comm_finish(self, 0);
 }
 
+/* ===================================================================== OVERLAP (--overlap)
+
+   The synchronous step whose gradient buckets are averaged while backward runs (localsgd.h:
+   SYNCHRONOUS STEPS: BUCKETS DURING BACKWARD), from what a run of the host measured: its step's
+   compute C with no communication, backward's share B of it, and the gradient's segments in the
+   order backward finishes them (n_1 .. n_m elements), on H hosts of one rank whose links carry R
+   bytes/s of payload with A seconds per message:
+
+     ready_j  = B · (n_1 + .. + n_j) / (n_1 + .. + n_m)   backward's work taken proportional to the
+                                                          parameters it finishes (matrix products)
+     buckets  cut as the driver cuts them after its first step: the first up to min(1 MiB, S_b),
+              the others up to S_b, segments never split; S_b given, or the driver's rule
+              (localsgd.h: REFERENCE: THE BUCKET SIZE) with the rates the model's allreduce has
+     T_ar(x)  = 2(H-1)·A + 2(H-1)/H · x / R               the ring's latencies and bytes per link,
+              or with --comm-ms M (the whole average measured alone): 2(H-1)·A + (M - 2(H-1)·A)·x / 4n
+     start_k  = max(ready of bucket k's last segment, end_{k-1}),  end_k = start_k + T_ar(bytes_k)
+     overlapped step = C + max(0, end_last - B)           the tail exposed after backward
+     blocking step   = C + T_ar(4·n)                      the whole average after backward
+
+   What it leaves out: the CPU the communication takes from the compute (the kernel's TCP and the
+   driver's worker on cores the ranks share), the skew between ranks, and backward's work that
+   finishes no parameter (attention's products): each shifts the ready times or stretches C. */
+
+#define OVERLAP_BUCKET_MIN 65536.0     /* localsgd.h's DOPT__DP_BUCKET_MIN */
+#define OVERLAP_FIRST_BUCKET 1048576.0 /* localsgd.h's DOPT__DP_FIRST_BUCKET */
+enum { OVERLAP_MAX_SEGS = 4096 };
+
+/* The driver's rule for the bucket size, as localsgd.h's dopt__dp_bucket_rule states it: S bytes
+   per step, alpha seconds per collective, R the allreduce's bytes/s (S/R its time), Tb backward. */
+static double overlap_bucket_rule(double S, double alpha, double R, double Tb) {
+    double b = sqrt(S * alpha * R);
+    if (Tb > S / R && S * alpha / (Tb - S / R) < b) b = S * alpha / (Tb - S / R);
+    if (!(b >= OVERLAP_BUCKET_MIN)) b = OVERLAP_BUCKET_MIN;
+    return b > S ? (S < OVERLAP_BUCKET_MIN ? OVERLAP_BUCKET_MIN : S) : b;
+}
+
+typedef struct overlap_step {
+    double model_s, blocking_s, comm_s, tail_s, bucket_bytes;
+    int buckets;
+} overlap_step;
+
+/* The timeline of the buckets after the segments' ready times, as the driver runs them. */
+static overlap_step overlap_predict(const double *n, int m, int H, double R, double link_s, double C, double B,
+                                    double M, double bucket_bytes, double first_bytes) {
+    overlap_step o;
+    double total = 0, done = 0, alpha = 2.0 * (H - 1) * link_s, share = H > 1 ? 2.0 * (H - 1) / H : 0, end = 0;
+    int j = 0;
+    memset(&o, 0, sizeof o);
+    for (j = 0; j < m; j++) total += n[j];
+    if (M > alpha) R = share * 4 * total / (M - alpha); /* the rate the measured average had */
+    o.comm_s = alpha + share * 4 * total / R;
+    o.bucket_bytes = bucket_bytes > 0 ? bucket_bytes
+                                      : overlap_bucket_rule(4 * total, alpha, share > 0 ? R / share : 1e12, B);
+    first_bytes = first_bytes > 0 ? first_bytes : OVERLAP_FIRST_BUCKET;
+    if (first_bytes > o.bucket_bytes) first_bytes = o.bucket_bytes;
+    for (j = 0; j < m;) { /* one bucket a pass */
+        double cap = o.buckets == 0 ? first_bytes : o.bucket_bytes, bytes = 0;
+        do {
+            done += n[j];
+            bytes += 4 * n[j];
+            j++;
+        } while (j < m && bytes + 4 * n[j] <= cap);
+        end = fmax(end, B * done / total) + alpha + share * bytes / R;
+        o.buckets++;
+    }
+    o.tail_s = end > B ? end - B : 0;
+    o.model_s = C + o.tail_s;
+    o.blocking_s = C + o.comm_s;
+    return o;
+}
+
+static int overlap_main(const model_options *mo) {
+    double n[OVERLAP_MAX_SEGS], R = strtod(mo->gbits, NULL) * 1e9 / 8 * PROJ_PAYLOAD;
+    const char *v = mo->segments;
+    int m = 0;
+    overlap_step o;
+    if (v == NULL || mo->hosts < 1 || !(mo->compute_ms > 0) || !(R > 0))
+        flag_error("--overlap needs --segments, --hosts, --gbits and --compute-ms");
+    if (mo->backward_ms > mo->compute_ms) flag_error("--backward-ms exceeds --compute-ms (backward is part of the step)");
+    while (*v && m < OVERLAP_MAX_SEGS) {
+        char *end;
+        n[m] = strtod(v, &end);
+        if (!(n[m] > 0) || (*end != ',' && *end != '\0'))
+            flag_error("--segments expects element counts > 0 separated by commas (got \"%s\")", mo->segments);
+        m++;
+        v = end + (*end == ',');
+    }
+    if (*v) flag_error("--segments: at most %d segments", OVERLAP_MAX_SEGS);
+    o = overlap_predict(n, m, mo->hosts, R, mo->link_us * 1e-6, mo->compute_ms * 1e-3, mo->backward_ms * 1e-3,
+                        mo->comm_ms * 1e-3, mo->bucket_bytes, mo->first_bytes);
+    printf("perf_model --overlap: %d segments, %d hosts at %g Gbit/s, %.0f us per message: %d buckets of %.0f bytes\n",
+           m, mo->hosts, strtod(mo->gbits, NULL), mo->link_us, o.buckets, o.bucket_bytes);
+    printf("overlap model_ms=%.3f blocking_model_ms=%.3f comm_model_ms=%.3f tail_ms=%.3f buckets=%d bucket_bytes=%.0f\n",
+           1e3 * o.model_s, 1e3 * o.blocking_s, 1e3 * o.comm_s, 1e3 * o.tail_s, o.buckets, o.bucket_bytes);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     model_options mo;
     ingredients g;
@@ -685,6 +807,7 @@ int main(int argc, char **argv) {
     mo.local = 8, mo.period = 8, mo.rank = 4, mo.link_us = 50, mo.intra_gbs = 10, mo.intra_us = 5;
     mo.gbits = "1,10", mo.out = ".";
     parse_model_options(&mo, argc, argv);
+    if (mo.overlap) return overlap_main(&mo);
     if (mo.project) {
         projection p;
         char *end = (char *)mo.gbits;
