@@ -583,7 +583,11 @@
      results are the same bits. After each step dp->ov says how it went: wait_ms (after_backward
      waiting for the buckets), busy_ms (the buckets' time from start to end on the worker) and
      cpu_ms (the processor time the worker took for them: copies, sums, the kernel's sockets;
-     the rest of busy_ms it slept waiting for peers).
+     the rest of busy_ms it slept waiting for peers). That processor time comes from a core the
+     host may want: measured, 2.1-2.6 ms per step for 2.4 MB over TCP, taken from backward when
+     every core computes. An OpenMP host whose threads spin at their barriers on every core (GCC's
+     default) loses far more, a preempted thread holding up its team: run it with
+     OMP_WAIT_POLICY=passive, or leave a core free (docs/measurements.md, overlap).
 
      The bits. fp32: a bucket's mean is a MEAN allreduce of its floats. At two ranks that is the
      whole-buffer mean bit for bit (a + b = b + a). Beyond, a ring allreduce adds the ranks'
