@@ -563,8 +563,8 @@
      the driver stops. A segment is never split: one larger than a bucket is a bucket alone.
 
      The bucket size. bucket_bytes > 0 is used as given. At 0, the first step's after_backward
-     also measures the link: three allreduces of 8 bytes (alpha, the fastest) and one of up to
-     4 MiB of the gradients (time t), the rate R = bytes/(t − alpha), and backward's time Tb
+     also measures the link: three allreduces of 8 bytes run as buckets run (on the worker, so
+     alpha, the fastest, counts the hand-over to it) and one of up to 4 MiB (time t), the rate R = bytes/(t − alpha), and backward's time Tb
      from the step's first mark to its last, each the largest over the ranks. With S the bytes a
      step averages (4 per element; with a gradient compressor, its message's bytes), a step
      communicates c(B) = S/R + (S/B)·alpha with buckets of B bytes, and the buckets add to
@@ -2451,9 +2451,38 @@ static size_t dopt__dp_bucket_rule(double S, double alpha, double R, double Tb) 
     return B < (double)DOPT__DP_BUCKET_MIN ? DOPT__DP_BUCKET_MIN : (size_t)B;
 }
 
+/* One small allreduce, as a bucket runs it: on the worker when there is one, so that its fixed
+   cost counts the hand-over to the thread and back. */
+typedef struct dopt__dp_probe {
+    dopt_dp *dp;
+    float x[2];
+} dopt__dp_probe;
+
+static dopt_status dopt__dp_probe_run(void *arg) {
+    dopt__dp_probe *p = (dopt__dp_probe *)arg;
+    return dopt_allreduce(p->dp->comm, p->x, 2, DOPT_F32, DOPT_SUM);
+}
+
+static dopt_status dopt__dp_probe_small(dopt_dp *dp, double *ms) {
+    dopt__dp_probe p;
+    uint64_t ticket;
+    double t0 = dopt__now_ms();
+    dopt_status s;
+    p.dp = dp;
+    p.x[0] = p.x[1] = 0.0f;
+    if (dp->ov.worker) {
+        (void)dopt__worker_post(dp->ov.worker, dopt__dp_probe_run, &p, &ticket);
+        s = dopt__worker_wait(dp->ov.worker, ticket);
+    } else {
+        s = dopt__dp_probe_run(&p);
+    }
+    *ms = dopt__now_ms() - t0;
+    return s;
+}
+
 /* The first step's end: every rank's order compared (one allgather), then, with no size given,
-   the link measured (three small allreduces and one of up to 4 MiB, their times maxed over the
-   ranks), and the buckets cut again in the agreed order. Every rank gets the same numbers, so
+   the link measured (three small allreduces through the worker, as buckets run, and one of up to
+   4 MiB, their times maxed over the ranks), and the buckets cut again in the agreed order. Every rank gets the same numbers, so
    the same buckets. */
 static dopt_status dopt__dp_ov_rebuild(dopt_dp *dp) {
     dopt_dp_overlap *ov = &dp->ov;
@@ -2496,9 +2525,9 @@ static dopt_status dopt__dp_ov_rebuild(dopt_dp *dp) {
         memset(dp->work, 0, probe);
         t[0] = 1e30;
         for (i = 0; i < 3 && s == DOPT_OK; i++) {
-            t0 = dopt__now_ms();
-            s = dopt_allreduce(dp->comm, dp->work, 2, DOPT_F32, DOPT_SUM);
-            if (dopt__now_ms() - t0 < t[0]) t[0] = dopt__now_ms() - t0;
+            double ms;
+            s = dopt__dp_probe_small(dp, &ms);
+            if (ms < t[0]) t[0] = ms;
         }
         t0 = dopt__now_ms();
         if (s == DOPT_OK) s = dopt_allreduce(dp->comm, dp->work, probe / sizeof(float), DOPT_F32, DOPT_SUM);
