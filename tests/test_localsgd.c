@@ -26,7 +26,6 @@
 
 /* ------------------------------------------------------------------ worlds of processes */
 
-/* Every rank's copy of x (count floats) bitwise equal to rank 0's. */
 /* The flat arrays of these tests as the descriptors the replica check and the batch controller
    take. */
 static dopt_status check_flat(dopt_dp *ls, const float *x, int *identical, double *max_diff) {
@@ -37,16 +36,6 @@ static dopt_status check_flat(dopt_dp *ls, const float *x, int *identical, doubl
 static dopt_status observe_flat(dopt_batch *bc, const float *g, size_t n) {
     dopt_buf b = dopt_buf_flat((float *)g, n, NULL, 0); /* only read */
     return dopt_batch_observe(bc, &b, 1.0f);
-}
-
-static int same_on_every_rank(dopt_comm *c, const void *x, size_t bytes) {
-    unsigned char *all = (unsigned char *)malloc(bytes * (size_t)c->size + 1);
-    int r, same = 1;
-    DT_OK(dopt_allgather(c, x, all, bytes));
-    for (r = 1; r < c->size; r++)
-        if (memcmp(all, all + (size_t)r * bytes, bytes) != 0) same = 0;
-    free(all);
-    return same;
 }
 
 /* ------------------------------------------------------------------ least squares with a known optimum */
@@ -295,7 +284,7 @@ static void body_least_squares(dopt_comm *c, void *arg) {
             syncs++;
             DT_OK(dopt_dp_check_replicas(&ls, &xb, &identical, &diff));
             DT_CHECKF(identical == 1 && diff == 0.0, "rank %d step %d: replicas differ by %g", c->rank, t, diff);
-            DT_CHECKF(same_on_every_rank(c, mom, sizeof mom), "momentum (AVERAGE) differs after step %d", t);
+            DT_CHECKF(world_same_on_every_rank(c, mom, sizeof mom), "momentum (AVERAGE) differs after step %d", t);
             for (j = 0; j < LS_D; j++) DT_CHECK(acc[j] == 0.0f); /* RESET */
             DT_CHECK(keep[0] == (float)c->rank + (float)(t + 1) && keep[1] == (float)c->rank); /* KEEP */
         } else if (c->size > 1 && t < 50) { /* (later, at the exact optimum, they may meet) */
@@ -332,7 +321,7 @@ static void body_replica_spread(dopt_comm *c, void *arg) {
     DT_OK(check_flat(&ls, x, &identical, &diff));
     DT_EQ_INT(identical, 0);
     DT_NEAR(diff, 0.25 * (c->size - 1), 1e-6);
-    DT_CHECK(same_on_every_rank(c, &diff, sizeof diff));
+    DT_CHECK(world_same_on_every_rank(c, &diff, sizeof diff));
     dopt_dp_free(&ls);
 }
 
@@ -544,7 +533,7 @@ static void body_outer_hand(dopt_comm *c, void *arg) {
         DT_NEAR(x[0], round == 0 ? 2.66 : 6.454, 1e-5);
         DT_NEAR(x[1], 0.0, 1e-6);
         DT_NEAR(ls.outer_v[0], round == 0 ? -2.0 : -3.8, 1e-6);
-        DT_CHECK(same_on_every_rank(c, x, sizeof x));
+        DT_CHECK(world_same_on_every_rank(c, x, sizeof x));
         DT_CHECK(memcmp(x, ls.anchor, sizeof x) == 0); /* everyone continues from the new anchor */
     }
     dopt_dp_free(&ls);
@@ -641,7 +630,7 @@ static void body_sync_now(dopt_comm *c, void *arg) {
         DT_OK(dopt_dp_after_step_buf(&ls, &params, NULL));
     }
     DT_CHECK(ls.syncs == syncs + 2); /* the scheduled average after step 7 */
-    DT_CHECK(same_on_every_rank(c, x, sizeof x));
+    DT_CHECK(world_same_on_every_rank(c, x, sizeof x));
     dopt_dp_free(&ls);
 }
 
@@ -667,7 +656,7 @@ static void body_close(dopt_comm *c, void *arg) {
     DT_EQ_INT((int)(c->traffic.calls[DOPT_COLL_ALLREDUCE] - reduces), 1); /* the short round's average */
     for (j = 0; j < 8; j++) /* step 3's average, then the mean of two more drifts */
         DT_CHECK(x[j] == (float)j + 6 * 0.25f * (float)(c->size - 1) / 2);
-    DT_CHECK(same_on_every_rank(c, x, sizeof x));
+    DT_CHECK(world_same_on_every_rank(c, x, sizeof x));
     DT_CHECK(ls.work == NULL && ls.anchor == NULL && ls.replica_words == NULL); /* released */
     DT_EQ_INT(dopt_dp_after_step(&ls, x), DOPT_ERR_CLOSED);
     DT_EQ_INT(dopt_dp_close(&ls, x), DOPT_ERR_INVALID);
@@ -760,7 +749,7 @@ static void body_period_one(dopt_comm *c, void *arg) {
             reduces = c->traffic.calls[DOPT_COLL_ALLREDUCE];
             DT_OK(dopt_dp_after_step(&ls, x));
             DT_EQ_INT((int)(c->traffic.calls[DOPT_COLL_ALLREDUCE] - reduces), 1);
-            DT_CHECK(same_on_every_rank(c, x, sizeof x));
+            DT_CHECK(world_same_on_every_rank(c, x, sizeof x));
         }
         DT_OK(dopt_dp_close(&ls, x));
     }
@@ -1135,7 +1124,7 @@ static void body_celgc_synchronous(dopt_comm *c, void *arg) {
         DT_CHECK(same_as_reference(x, xr, LS_D));
         DT_CHECK(same_as_reference(g, gr, LS_D)); /* the gradient was averaged in place */
     }
-    DT_CHECK(same_on_every_rank(c, x, sizeof x));
+    DT_CHECK(world_same_on_every_rank(c, x, sizeof x));
     dopt_dp_free(&ls);
 }
 
@@ -1190,7 +1179,7 @@ static void body_quartic(dopt_comm *c, void *arg) {
               c->rank);
     DT_CHECKF(quartic(x) < 1e-2, "rank %d: CELGC should converge: f = %g from %g", c->rank, quartic(x),
               QD * 625.0 / 4.0);
-    DT_CHECK(same_on_every_rank(c, x, sizeof x)); /* the run ends on an average (400 = 100·4) */
+    DT_CHECK(world_same_on_every_rank(c, x, sizeof x)); /* the run ends on an average (400 = 100·4) */
     dopt_dp_free(&ls);
     dopt_dp_free(&lf);
 }
@@ -1901,7 +1890,7 @@ static void body_across_hand(dopt_comm *c, void *arg) {
     DT_NEAR(bc.last.orth_var, 0.5, 1e-5);
     units = dopt_batch_units(&bc);
     DT_EQ_INT(units, 5);
-    DT_CHECK(same_on_every_rank(c, &bc.last, sizeof bc.last)); /* the inputs, bit for bit */
+    DT_CHECK(world_same_on_every_rank(c, &bc.last, sizeof bc.last)); /* the inputs, bit for bit */
     dopt_dp_free(&ls);
     dopt_batch_free(&bc);
 }
@@ -1961,7 +1950,7 @@ static void body_growth(dopt_comm *c, void *arg) {
         DT_CHECK(u >= prev && u <= 12 && u % 3 == 0);
         if (u > prev) grew = 1;
         prev = u;
-        if (dopt_dp_should_sync(&ls, (uint64_t)t)) DT_CHECK(same_on_every_rank(c, &u, sizeof u));
+        if (dopt_dp_should_sync(&ls, (uint64_t)t)) DT_CHECK(world_same_on_every_rank(c, &u, sizeof u));
     }
     DT_CHECKF(grew, "test %d estimator %d: the batch never grew (last var %g, g2 %g)", (int)a->test, (int)a->est,
               bc.last.var, bc.last.grad_norm2);

@@ -86,16 +86,6 @@ static void ov_backward(dopt_dp *dp, ov_host *h, int rank, int step, const size_
     }
 }
 
-static int ov_same_everywhere(dopt_comm *c, const void *x, size_t bytes) {
-    unsigned char *all = (unsigned char *)malloc(bytes * (size_t)c->size + 1);
-    int r, same = 1;
-    DT_OK(dopt_allgather(c, x, all, bytes));
-    for (r = 1; r < c->size; r++)
-        if (memcmp(all, all + (size_t)r * bytes, bytes) != 0) same = 0;
-    free(all);
-    return same;
-}
-
 /* got against the whole-buffer mean of the inputs (want, averaged here): bitwise at two ranks;
    beyond, within a few roundings of the inputs' magnitude (the ring's order of a sum follows
    the message's cut), and the same bits on every rank either way. */
@@ -111,7 +101,7 @@ static void ov_check_mean(dopt_comm *c, const float *got, float *want, size_t n,
             DT_CHECKF(fabsf(got[i] - want[i]) <= 4e-7f * (float)c->size, "%s: element %zu: %.9g, the whole-buffer mean %.9g",
                       what, i, got[i], want[i]);
     }
-    DT_CHECKF(ov_same_everywhere(c, got, n * sizeof(float)), "%s: the mean differs between ranks", what);
+    DT_CHECKF(world_same_on_every_rank(c, got, n * sizeof(float)), "%s: the mean differs between ranks", what);
 }
 
 /* ------------------------------------------------------------------ the mean, bucket by bucket */
@@ -154,8 +144,8 @@ static void body_bucketed_mean(dopt_comm *c, void *arg) {
         if (step > 1) DT_EQ_INT(dp.ov.nbuckets, nb); /* rebuilt once */
     }
     DT_CHECKF(dp.ov.nbuckets > 1, "%zu buckets", dp.ov.nbuckets);
-    DT_CHECK(ov_same_everywhere(c, dp.ov.order, OV_NSEG * sizeof(size_t)));
-    DT_CHECK(ov_same_everywhere(c, &dp.ov.cut_bytes, sizeof dp.ov.cut_bytes));
+    DT_CHECK(world_same_on_every_rank(c, dp.ov.order, OV_NSEG * sizeof(size_t)));
+    DT_CHECK(world_same_on_every_rank(c, &dp.ov.cut_bytes, sizeof dp.ov.cut_bytes));
     DT_EQ_INT(dp.grads_step, 5); /* the fifth step averaged */
     dopt_dp_free(&dp);
     free(got);
@@ -308,7 +298,7 @@ static void body_compressed_buckets(dopt_comm *c, void *arg) {
             for (i = 0; i < ha.n; i++)
                 DT_CHECKF(memcmp(&ga[i], &gb[i], sizeof(float)) == 0, "%s, step %d, element %zu: %.9g in buckets, %.9g whole",
                           dopt_codec_name(k->codec), step, i, ga[i], gb[i]);
-        DT_CHECK(ov_same_everywhere(c, ga, ha.n * sizeof(float)));
+        DT_CHECK(world_same_on_every_rank(c, ga, ha.n * sizeof(float)));
         DT_EQ_INT(ca.step, cb.step);
     }
     DT_CHECKF(a.ov.nbuckets > 2, "%zu buckets", a.ov.nbuckets);
@@ -566,7 +556,7 @@ static void body_local_steps(dopt_comm *c, void *arg) {
         if (step >= 2) memcpy(before, h.mem, h.n * sizeof(float)); /* local: nothing was marked */
         DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
         if (step >= 2) DT_CHECK(memcmp(before, h.mem, h.n * sizeof(float)) == 0); /* local: untouched */
-        else DT_CHECK(ov_same_everywhere(c, h.mem, h.n * sizeof(float)));
+        else DT_CHECK(world_same_on_every_rank(c, h.mem, h.n * sizeof(float)));
         DT_OK(dopt_dp_after_step(&dp, h.mem)); /* h.mem stands in for the parameters */
     }
     dopt_dp_free(&dp);

@@ -38,6 +38,7 @@
                                   dopt_comm_finish. Fails the test when a rank fails or outlives
                                   the budget (100 s).
    world_run_sizes(via, lo, hi, body, arg)   the same for every world size lo..hi.
+   world_same_on_every_rank(c, x, bytes)   1 when every rank holds rank 0's bytes (an allgather).
    world_tmpdir(c, dir, cap), world_tmpdir_remove(c, dir)   a directory every rank of c shares
                                   (made by rank 0, its name broadcast), and its removal. */
 #ifndef DOPT_TEST_WORLDS_H
@@ -150,6 +151,18 @@ __attribute__((unused)) static void world_tmpdir_remove(dopt_comm *c, const char
     if (c->rank != 0) return;
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     DT_CHECK(system(cmd) == 0);
+}
+
+/* 1 when every rank of c holds the same bytes x[0..bytes) as rank 0 (an allgather). */
+__attribute__((unused)) static int world_same_on_every_rank(dopt_comm *c, const void *x, size_t bytes) {
+    unsigned char *all = (unsigned char *)malloc(bytes * (size_t)c->size + 1);
+    int r, same = 1;
+    DT_CHECK(all != NULL);
+    DT_OK(dopt_allgather(c, x, all, bytes));
+    for (r = 1; r < c->size; r++)
+        if (memcmp(all, all + (size_t)r * bytes, bytes) != 0) same = 0;
+    free(all);
+    return same;
 }
 
 /* ------------------------------------------------------------------ one line, every transport */
