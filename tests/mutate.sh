@@ -228,6 +228,26 @@ mutate close-misses-differing-replicas localsgd.h \
 mutate period-one-averages-models-after-averaged-gradients localsgd.h \
     'return dopt__dp_end_round(dp, params, states, dp->grads_step != t + 1, t, "");' \
     'return dopt__dp_end_round(dp, params, states, 1, t, "");' test_localsgd:period_one
+mutate bucket-starts-before-its-segments-are-marked localsgd.h \
+    '            if (!ov->marks[ov->order[j]]) return;' '            if (!ov->marks[ov->order[j]] && j > b->first) return;' \
+    test_overlap:bucketed_mean
+mutate staged-bucket-mean-not-copied-out localsgd.h \
+    'if (s == DOPT_OK && b->staged && !ov->check)' 'if (s == DOPT_OK && b->staged && !ov->check && b->k)' \
+    test_overlap:bucketed_mean
+mutate compressed-bucket-drops-a-segment localsgd.h \
+    'ov->order + b->first,
+                                             b->end - b->first);' 'ov->order + b->first,
+                                             b->end - b->first - (b->end - b->first > 1));' \
+    test_overlap:compressed_buckets
+mutate bucket-orders-not-compared localsgd.h 'if (a == b) continue;' 'if (1) continue;' \
+    test_overlap:another_order
+mutate never-marked-segment-not-said localsgd.h \
+    '*mark_error = ov->twice < ov->nseg || ov->never < ov->nseg;' '*mark_error = ov->twice < ov->nseg;' \
+    test_overlap:marked_twice_or_never
+mutate write-after-mark-not-checked localsgd.h \
+    'if (i == ov->never || now == ov->sums[i]) continue;' 'if (i == ov->never || now != 0) continue;' \
+    test_overlap:write_after
+mutate unused-segment-not-zeroed localsgd.h '    if (unused) {' '    if (0 && unused) {' test_overlap:unused
 mutate mean-of-a-scalar-is-a-sum distopt.h \
     'dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_MEAN);' \
     'dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_SUM);' test_localsgd:close
