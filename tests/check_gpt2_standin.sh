@@ -105,7 +105,7 @@ grep -v '^timing ' "$tmp/two.out" >"$tmp/two.nt"
 # timing line the overlap benchmark parses.
 run overlap env DOPT_WORLD_SIZE=2 DOPT_STDOUT_RANKS=0 "$bin" --steps $STEPS --overlap on
 status=$?
-timing='^timing steps=[0-9]* step_ms=[0-9.]* wait_ms=[0-9.]* backward_ms=[0-9.]* overlap=on$'
+timing='^timing steps=[0-9]* step_ms=[0-9.]* wait_ms=[0-9.]* backward_ms=[0-9.]* overlap=on bucket_ms=[0-9.]* bucket_cpu_ms=[0-9.]*$'
 if [ $status -eq 0 ] && grep -v '^timing ' "$tmp/overlap.out" | cmp -s - "$tmp/two.nt" && grep -q "$timing" "$tmp/overlap.out" &&
     [ ! -s "$tmp/overlap.err" ]; then
     echo "ok   2 ranks, --overlap on: the same $STEPS loss lines and result as --overlap off, and the timing line"
