@@ -382,7 +382,9 @@
      distopt.h's REQUESTS semantics: several may be in flight (32; one more start waits for the
      oldest), they complete in start order (waiting on a later one completes the earlier ones),
      the results are the blocking call's bit for bit, and waiting again returns the same
-     status. The descriptor grads and segs are copied; the floats and the descriptor's arrays
+     status until 32 later calls have started; after that test and wait return
+     DOPT_ERR_INVALID (the status is gone, never read as a success): wait for each request
+     before starting 32 more. The descriptor grads and segs are copied; the floats and the descriptor's arrays
      (its segment table or spans) belong to the call until it completes. Once the compressor
      has its worker, its blocking calls run on it too, behind the calls in flight;
      dopt_compress_encode, dopt_compress_state_save and _load, and dopt_compressor_free wait
@@ -609,8 +611,8 @@ DOPT_DEF const char *dopt_codec_name(dopt_codec codec);
      serve every view; the ring's grows to the largest call's plan once. A started call is a
      job of the ordered worker (distopt.h's THE ORDERED WORKER) with its arguments in one of 32
      slots (its indices copied into nsegs size_t's of the slot); the 33rd start waits for the
-     job that held its slot. A request keeps its status until 32 later calls have started: wait
-     for each.
+     job that held its slot. A request keeps its status until 32 later calls have started;
+     then the worker says DOPT_ERR_INVALID for it.
 
    THE INTEGER RING
      Ternary segments (those not sent as fp32) are cut into groups of 64 elements, each
@@ -3151,6 +3153,12 @@ DOPT_DEF dopt_status dopt_compress_state_load(dopt_compressor *cz, const void *i
     const unsigned char *p = (const unsigned char *)in;
     if (cz == NULL || (in == NULL && bytes > 0)) return DOPT_ERR_INVALID;
     dopt__settle(cz);
+    if (cz->ngiven || cz->nfinished) { /* the step's close would write over what is loaded */
+        snprintf(cz->detail, sizeof cz->detail,
+                 "dopt_compress_state_load: %zu of the %zu segments of a step in parts were given: finish the step "
+                 "first", cz->ngiven, cz->nsegs);
+        return DOPT_ERR_INVALID;
+    }
     if (bytes != dopt_compress_state_bytes(cz) || dopt__get_le32(p) != DOPT__STATE_MAGIC ||
         p[4] != DOPT__STATE_VERSION || p[5] != (unsigned char)cz->cfg.codec || p[6] != (unsigned char)cz->ef ||
         p[7] != 0 || dopt__get_le64(p + 8) != (uint64_t)cz->count || !dopt__zero_bytes(p + 24, 8))

@@ -2489,7 +2489,13 @@ DOPT__MAYBE_UNUSED static dopt_status dopt__worker_new(dopt__worker **out, int c
         pthread_mutex_destroy(&w->lock);
         goto fail;
     }
-    if (pthread_cond_init(&w->done, NULL) != 0 || pthread_create(&w->thread, NULL, dopt__worker_main, w) != 0) {
+    if (pthread_cond_init(&w->done, NULL) != 0) {
+        pthread_cond_destroy(&w->wake);
+        pthread_mutex_destroy(&w->lock);
+        goto fail;
+    }
+    if (pthread_create(&w->thread, NULL, dopt__worker_main, w) != 0) {
+        pthread_cond_destroy(&w->done);
         pthread_cond_destroy(&w->wake);
         pthread_mutex_destroy(&w->lock);
         goto fail;
@@ -2526,9 +2532,10 @@ DOPT__MAYBE_UNUSED static dopt_status dopt__worker_post(dopt__worker *w, dopt__j
     return DOPT_OK;
 }
 
-/* Job ticket - 1's status once it finished (DOPT_OK once its slot was reused). */
+/* Job ticket - 1's status once it finished; DOPT_ERR_INVALID for no job, or one whose slot a
+   later job took (its status is gone: never read as a success). */
 DOPT__MAYBE_UNUSED static dopt_status dopt__worker_status(const dopt__worker *w, uint64_t ticket) {
-    if (ticket + (uint64_t)w->cap <= w->posted) return DOPT_OK;
+    if (ticket == 0 || ticket > w->posted || ticket + (uint64_t)w->cap <= w->posted) return DOPT_ERR_INVALID;
     return w->jobs[(ticket - 1) % (uint64_t)w->cap].status;
 }
 
@@ -3050,7 +3057,8 @@ static int dopt__rank_named(const dopt_comm *c);
 /* Divides count elements of buf by size (a MEAN's last step: the same expression on every rank). */
 static void dopt__divide(void *buf, size_t count, dopt_dtype dt, int size);
 /* The ordered worker (THE ORDERED WORKER): jobs run one at a time, in post order, on one thread
-   (without threads, inside post); test and wait give job ticket - 1's status once it finished;
+   (without threads, inside post); test and wait give job ticket - 1's status once it finished
+   (DOPT_ERR_INVALID once cap later jobs were posted: keep a status that must last in the job);
    free runs what is queued first. A job may call a communicator the poster leaves alone until it
    has waited for the job. */
 DOPT__MAYBE_UNUSED static dopt_status dopt__worker_new(dopt__worker **out, int cap);

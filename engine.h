@@ -1778,6 +1778,7 @@ static dopt_status dopt__group_new(dopt_comm *c, const int64_t *all, uint32_t nu
     g->timeout_ms = c->timeout_ms;
     g->log_fn = c->log_fn;
     g->log_user = c->log_user;
+    g->one_thread = c->one_thread; /* MPI's links below SERIALIZED: the group's calls too */
     dopt__eng_lock(e);
     e->family[e->nfamily++] = g;
     dopt__eng_unlock(e, DOPT_OK);

@@ -539,8 +539,9 @@
        mark is DOPT_ERR_INVALID there, naming it.
      - Each segment is marked once in a synchronous step that marks any: the second mark of a
        segment returns DOPT_ERR_INVALID at once, and after_backward returns it too, naming the
-       segment, as for a segment never marked; every bucket still runs first (unmarked segments
-       go as they are) so that no peer waits, and then the driver stops. A segment without a
+       segment, as for a segment never marked; every bucket of the step still runs first
+       (unmarked segments go as they are) so that no peer waits in it, and then the driver
+       stops: its peers fail at their next collective, naming this rank, when it exits. A segment without a
        gradient in a step is declared with dopt_dp_grad_unused(dp, seg): it is zeroed and
        averaged as zeros on that rank, so its mean is the sum over the ranks that had one, over N
        (as PyTorch DDP's find_unused_parameters); skipping it on every rank alike would need an
@@ -580,7 +581,12 @@
      log callback may then be called from it. Without threads (DOPT_NO_THREADS), or on an MPI
      communicator only its own thread may call (MPI initialised below MPI_THREAD_SERIALIZED:
      comm->one_thread), the buckets run in after_backward, one INFO line says why, and the
-     results are the same bits. After each step dp->ov says how it went: wait_ms (after_backward
+     results are the same bits. dopt_mpi_create initialises MPI with MPI_THREAD_FUNNELED, so
+     under mpirun buckets overlap only when the program initialises MPI itself with
+     MPI_THREAD_SERIALIZED or more, and then makes no MPI call of its own while buckets run.
+     Other driver calls (after_step, sync, broadcast, check_replicas, save, load, close, and
+     celgc_step without sync_grads) refuse a step whose marks no after_backward completed
+     (DOPT_ERR_INVALID, saying so). After each step dp->ov says how it went: wait_ms (after_backward
      waiting for the buckets), busy_ms (the buckets' time from start to end on the worker) and
      cpu_ms (the processor time the worker took for them: copies, sums, the kernel's sockets;
      the rest of busy_ms it slept waiting for peers). That processor time comes from a core the
@@ -2013,6 +2019,20 @@ static dopt_status dopt__dp_check_anchor(dopt_dp *dp, const char *api) {
    followed, so its next after_backward (or the close, or a save) finds that step over. */
 static uint64_t dopt__dp_steps_done(const dopt_dp *dp) { return dp->step + (dp->grads_step == dp->step + 1); }
 
+/* A call that needs the step's buckets settled: refused while a synchronous step has marked
+   segments that no after_backward completed (its buckets average into the gradients and the
+   workspace; a save would catch the compressor mid-step). After a failure the failure speaks. */
+static dopt_status dopt__dp_no_open_step(dopt_dp *dp, const char *api) {
+    if (dp->work == NULL) return DOPT_OK;
+    dopt__dp_ov_quiesce(dp);
+    if (dp->status != DOPT_OK || !dp->ov.marked || dp->ov.step != dopt__dp_steps_done(dp) + 1) return DOPT_OK;
+    if (dopt__family_error(dp->comm) != DOPT_OK) return DOPT_OK;
+    dopt__dp_fail_detail(dp, "%s: %zu of the %zu gradient segments of step %llu are marked (dopt_dp_grad_ready) and "
+                             "no dopt_dp_after_backward completed the step: call it first",
+                         api, dp->ov.marked, dp->ov.nseg, (unsigned long long)dopt__dp_steps_done(dp));
+    return DOPT_ERR_INVALID;
+}
+
 static void dopt__dp_count_pending_step(dopt_dp *dp) {
     if (dp->grads_step != dp->step + 1) return;
     dp->step++;
@@ -2192,10 +2212,7 @@ static dopt_status dopt__dp_ov_setup(dopt_dp *dp, const dopt_buf *g) {
         }
     }
     if (!same) {
-        dopt__worker *w = ov->worker;
-        ov->worker = NULL;
-        dopt__dp_ov_free(ov);
-        ov->worker = w;
+        dopt__dp_ov_free(ov); /* the worker too: its room is one job per segment */
         ov->order = (size_t *)DOPT_MALLOC(nseg * sizeof(size_t));
         ov->seen = (size_t *)DOPT_MALLOC(nseg * sizeof(size_t));
         ov->stage_off = (size_t *)DOPT_MALLOC(nseg * sizeof(size_t));
@@ -2344,7 +2361,8 @@ static void dopt__dp_ov_begin(dopt_dp *dp, uint64_t step) {
     if (!dp->comm->one_thread && dopt__worker_new(&ov->worker, (int)(ov->nseg < INT_MAX ? ov->nseg : INT_MAX)) == DOPT_OK)
         return; /* room for every bucket: a mark never waits */
     why = dp->comm->one_thread ? "the communicator may be called only from the thread that made it (MPI initialised "
-                                 "below MPI_THREAD_SERIALIZED)"
+                                 "below MPI_THREAD_SERIALIZED: to overlap, initialise MPI with MPI_THREAD_SERIALIZED "
+                                 "or more before creating the communicator, and make no MPI call while buckets run)"
                                : "no thread could be started";
 #else
     why = "this build has no threads (DOPT_NO_THREADS)";
@@ -2508,8 +2526,8 @@ static dopt_status dopt__dp_ov_rebuild(dopt_dp *dp) {
             dopt__dp_fail_detail(dp, "dopt_dp_after_backward: the gradients became final in another order on rank %d than "
                                      "on rank 0: at position %zu rank 0 marked %s, rank %d %s; the buckets need one order "
                                      "(mark the segments in the same order on every rank)",
-                                 r, j, a == UINT64_MAX ? "none" : dopt__dp_seg_name(ov, (size_t)a, na, sizeof na), r,
-                                 b == UINT64_MAX ? "none" : dopt__dp_seg_name(ov, (size_t)b, nb, sizeof nb));
+                                 r, j, a == UINT64_MAX ? "none (a segment never marked)" : dopt__dp_seg_name(ov, (size_t)a, na, sizeof na), r,
+                                 b == UINT64_MAX ? "none (a segment never marked)" : dopt__dp_seg_name(ov, (size_t)b, nb, sizeof nb));
             s = DOPT_ERR_MISMATCH;
             break;
         }
@@ -2550,6 +2568,7 @@ static dopt_status dopt__dp_ov_rebuild(dopt_dp *dp) {
         dopt_comm_log(dp->comm, DOPT_LOG_ERROR, "rank %d: %s; the driver stopped", dp->comm->rank, dp->detail);
     }
     if (s != DOPT_OK) return s;
+    if (ov->nseen < ov->nseg) return DOPT_OK; /* a segment never marked on every rank: said, the driver stops */
     memcpy(ov->order, ov->seen, ov->nseg * sizeof(size_t));
     first = ov->first_bytes ? ov->first_bytes : DOPT__DP_FIRST_BUCKET;
     if (ov->bucket_bytes) ov->cut_bytes = ov->bucket_bytes;
@@ -2665,6 +2684,7 @@ static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, co
             return dopt__dp_ov_mark_error(dp, 2);
         }
         dp->ov.step = 0;
+        grads = &dp->ov.grads; /* what the buckets averaged (a flat pointer given without its table has gaps) */
         prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
     } else {
         prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
@@ -2732,6 +2752,7 @@ DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *dp, const dopt_buf *params,
     uint64_t t;
     dopt_status s = DOPT_OK;
     if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_no_open_step(dp, "dopt_dp_after_step")) != DOPT_OK) return s;
     if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
@@ -2759,6 +2780,7 @@ DOPT_DEF dopt_status dopt_dp_after_step(dopt_dp *dp, float *params) {
 DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
     dopt_status s;
     if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_no_open_step(dp, "dopt_dp_sync")) != DOPT_OK) return s;
     if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
@@ -2810,6 +2832,7 @@ DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *dp, const dopt_buf *params, 
     dopt_status s;
     const char *prev;
     if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_no_open_step(dp, "dopt_dp_broadcast")) != DOPT_OK) return s;
     if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
@@ -2842,6 +2865,7 @@ DOPT_DEF dopt_status dopt_dp_celgc_step(dopt_dp *dp, const dopt_buf *params, con
                                         const dopt_celgc *rule) {
     dopt_status s, step_status;
     if (dp == NULL) return DOPT_ERR_INVALID;
+    if (!dp->sync_grads && (s = dopt__dp_no_open_step(dp, "dopt_dp_celgc_step")) != DOPT_OK) return s;
     if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     if (rule == NULL) {
         dopt__dp_fail_detail(dp, "celgc step: no rule (NULL)");
@@ -2939,6 +2963,7 @@ DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *dp, const dopt_buf *params,
     if (identical) *identical = 0;
     if (max_diff) *max_diff = NAN;
     if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_no_open_step(dp, "dopt_dp_check_replicas")) != DOPT_OK) return s;
     if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     if (dopt__dp_check_buf(params, dp->n) != DOPT_OK) {
         dopt__dp_fail_detail(dp, "replica check: parameters are not a valid descriptor of %zu elements", dp->n);
@@ -2994,6 +3019,7 @@ DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *dp, const dopt_buf *params, cons
     const char *prev;
     dopt_status s;
     if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_no_open_step(dp, "dopt_dp_close")) != DOPT_OK) return s;
     if (dp->status != DOPT_OK) { /* init refused, or a non-finite average stopped it: its reason stands */
         dopt__dp_note(dp);
         dopt_dp_free(dp);
@@ -3224,6 +3250,7 @@ DOPT_DEF dopt_status dopt_dp_save(dopt_dp *dp, const char *path) {
     int fd;
     dopt_status s;
     if (dp == NULL || path == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_no_open_step(dp, "dopt_dp_save")) != DOPT_OK) return s;
     if (dp->batch && dp->batch->micro && dp->batch->observed > 0) {
         dopt__dp_fail_detail(dp, "save: mid-step (%llu micro-batches observed): the exact projection keeps them in "
                                  "memory only; save between steps",
@@ -3360,6 +3387,7 @@ DOPT_DEF dopt_status dopt_dp_load(dopt_dp *dp, const char *path) {
     dopt__dp_reader r;
     dopt_status s;
     if (dp == NULL || path == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_no_open_step(dp, "dopt_dp_load")) != DOPT_OK) return s;
     dp->detail[0] = 0;
     s = dopt__dp_read_file(dp, path, &buf, &len);
     if (s != DOPT_OK) return s;

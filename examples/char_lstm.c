@@ -530,7 +530,8 @@ int main(int argc, char **argv) {
     if (adaptive) dopt_batch_init(&bc, m.n, &bcfg);
     dopt_dp_init(&ls, comm, m.n, &lcfg);
     dopt_dp_broadcast(&ls, params);
-    hooks = (backward_hooks){.dp = lo.overlap ? &ls : NULL, .segs = segs, .grads = grads, .micro = micro};
+    /* CELGC's own rule (sync_grads 0) averages models, never gradients: nothing to mark */
+    hooks = (backward_hooks){.dp = lo.overlap && (!o.celgc || lcfg.sync_grads) ? &ls : NULL, .segs = segs, .grads = grads, .micro = micro};
     timing_init(&tm, (size_t)o.epochs * (nwin / (size_t)o.batch));
 
     if (comm->rank == 0) {
