@@ -469,6 +469,35 @@ static void body_write_after_mark(dopt_comm *c, void *arg) {
 
 DTEST_WORLDS(a_write_after_the_mark_is_caught_by_overlap_check, body_write_after_mark, NULL, 2, 2);
 
+/* The driver's other calls refuse a step whose marks no after_backward completed (its buckets
+   are averaging into the gradients); after_backward then completes it as usual. */
+static void body_open_step(dopt_comm *c, void *arg) {
+    ov_host h;
+    dopt_dp dp;
+    size_t i;
+    (void)arg;
+    ov_host_init(&h, OV_FLAT);
+    DT_OK(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = 64 << 10}));
+    for (i = OV_NSEG; i-- > 4;) {
+        ov_fill(&h, i, c->rank, 0);
+        DT_OK(dopt_dp_grad_ready(&dp, i));
+    }
+    DT_EQ_INT(dopt_dp_save(&dp, "/nonexistent/ov.state"), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), "dopt_dp_save: 4 of the 8 gradient segments of step 0 are marked"), "%s",
+              dopt_dp_detail(&dp));
+    DT_EQ_INT(dopt_dp_after_step(&dp, h.mem), DOPT_ERR_INVALID);
+    for (i = 4; i-- > 0;) {
+        ov_fill(&h, i, c->rank, 0);
+        DT_OK(dopt_dp_grad_ready(&dp, i));
+    }
+    DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+    DT_OK(dopt_dp_after_step(&dp, h.mem));
+    dopt_dp_free(&dp);
+    free(h.mem);
+}
+
+DTEST_WORLDS(other_driver_calls_refuse_a_step_with_marks_in_flight, body_open_step, NULL, 2, 2);
+
 /* ------------------------------------------------------------------ non-finite, lost peers, local steps */
 
 /* A NaN in rank 1's bucket, averaged in fp32 or through TernGrad (whose scale sharing tells
