@@ -787,7 +787,7 @@ typedef struct dopt_dp_overlap {
     dopt__dp_bucket *buckets; /* nseg slots; nbuckets used */
     size_t nbuckets, started, waited, nseen, marked; /* buckets cut, started, known ended; marks */
     size_t bucket_bytes, first_bytes; /* as configured (0: chosen) */
-    size_t cut_bytes, cut_first;      /* the sizes the buckets were cut with */
+    size_t cut_bytes;         /* the size the buckets were cut with */
     int rebuilt;              /* 1: cut in the agreed order (after the first step that marked) */
     int check;                /* overlap_check */
     uint64_t step;            /* step + 1 whose marks are held, 0: none */
@@ -2142,6 +2142,16 @@ static dopt_span dopt__dp_bucket_span(const dopt_dp *dp, const dopt__dp_bucket *
     return b->staged ? dp->ov.stage_spans[i] : dopt__dp_host_span(&dp->ov, i);
 }
 
+/* A staged bucket's means from the stage into the gradients. */
+static void dopt__dp_bucket_copy_out(const dopt_dp *dp, const dopt__dp_bucket *b) {
+    size_t j;
+    for (j = b->first; j < b->end; j++) {
+        size_t i = dp->ov.order[j];
+        dopt_span h = dopt__dp_host_span(&dp->ov, i);
+        if (h.count) memcpy(h.ptr, dp->ov.stage_spans[i].ptr, h.count * sizeof(float));
+    }
+}
+
 /* Places the buckets as cut (bucket_end in each bucket): the stage in bucket order; a bucket
    averages in place when the gradients are one flat buffer tiled by its segments and (fp32) its
    segments are consecutive there, and through the stage otherwise (or when overlap_check holds
@@ -2189,7 +2199,6 @@ static void dopt__dp_ov_cut(dopt_dp *dp, size_t size, size_t first) {
     }
     ov->nbuckets = k;
     ov->cut_bytes = size;
-    ov->cut_first = first;
     dopt__dp_ov_place(dp);
 }
 
@@ -2302,12 +2311,7 @@ static dopt_status dopt__dp_bucket_run(void *arg) {
         dopt_span sp = dopt__dp_bucket_span(dp, b, ov->order[j]);
         b->finite = dopt_all_finite(sp.ptr, sp.count);
     }
-    if (s == DOPT_OK && b->staged && !ov->check)
-        for (j = b->first; j < b->end; j++) {
-            size_t i = ov->order[j];
-            dopt_span h = dopt__dp_host_span(ov, i);
-            if (h.count) memcpy(h.ptr, ov->stage_spans[i].ptr, h.count * sizeof(float));
-        }
+    if (s == DOPT_OK && b->staged && !ov->check) dopt__dp_bucket_copy_out(dp, b);
     dopt_comm_set_api(dp->comm, prev);
     b->status = s;
     ov->busy_ms += dopt__now_ms() - t0;
@@ -2623,15 +2627,8 @@ static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite
             *mark_error = 2;
             break;
         }
-        for (k = 0; k < ov->nbuckets && *mark_error != 2; k++) {
-            const dopt__dp_bucket *b = &ov->buckets[k];
-            size_t j;
-            if (b->status != DOPT_OK) continue; /* a refusing compressor left the input as it was */
-            for (j = b->first; j < b->end; j++) {
-                dopt_span h = dopt__dp_host_span(ov, ov->order[j]);
-                if (h.count) memcpy(h.ptr, ov->stage_spans[ov->order[j]].ptr, h.count * sizeof(float));
-            }
-        }
+        for (k = 0; k < ov->nbuckets && *mark_error != 2; k++) /* a refusing compressor left the input */
+            if (ov->buckets[k].status == DOPT_OK) dopt__dp_bucket_copy_out(dp, &ov->buckets[k]);
     }
     if (!ov->rebuilt) {
         dopt_status r = dopt__dp_ov_rebuild(dp);
