@@ -536,12 +536,18 @@
        (its mean is written there meanwhile) or read it. With overlap_check = 1 (for debugging:
        it costs a copy in, a copy out and a checksum of every segment) the buckets average a
        copy, the gradients stay untouched until after_backward, and a segment written after its
-       mark is DOPT_ERR_INVALID there, naming it.
+       mark is a mistake in the marks (below).
      - Each segment is marked once in a synchronous step that marks any: the second mark of a
-       segment returns DOPT_ERR_INVALID at once, and after_backward returns it too, naming the
-       segment, as for a segment never marked; every bucket of the step still runs first
-       (unmarked segments go as they are) so that no peer waits in it, and then the driver
-       stops: its peers fail at their next collective, naming this rank, when it exits. A segment without a
+       segment, or a mark of a segment the table does not have, returns DOPT_ERR_INVALID at once.
+       Mistakes in the marks (a segment marked twice, unknown, never marked, written after its
+       mark under overlap_check, or after_backward given other gradients than those marked) are
+       said by after_backward on EVERY rank alike: every bucket of the step still runs (unmarked
+       segments go as they are), then the ranks agree a verdict (one allreduce of 8 bytes per
+       step that marks), and every rank returns DOPT_ERR_INVALID with the same detail, naming the
+       lowest rank that erred, its first mistake and the segment ("dopt_dp_after_backward: step
+       7: rank 2: segment 3 ('h0.b') was marked twice ..."). Every rank's gradients are then
+       zeros, the step counts, and the driver and the communicator go on: the next step may
+       proceed. A segment without a
        gradient in a step is declared with dopt_dp_grad_unused(dp, seg): it is zeroed and
        averaged as zeros on that rank, so its mean is the sum over the ranks that had one, over N
        (as PyTorch DDP's find_unused_parameters); skipping it on every rank alike would need an
@@ -791,7 +797,8 @@ typedef struct dopt_dp_overlap {
     int rebuilt;              /* 1: cut in the agreed order (after the first step that marked) */
     int check;                /* overlap_check */
     uint64_t step;            /* step + 1 whose marks are held, 0: none */
-    size_t twice, never;      /* the first segment marked twice, not marked (nseg: none) */
+    int mistake;              /* the step's first mark mistake on this rank (DOPT__DP_MARKED_TWICE ...), 0: none */
+    size_t mistake_seg;       /* ... the segment it concerns, as the host gave it */
     double t_first, t_last;   /* the first step's first and last mark (ms) */
     double weight;            /* the step's samples (weighted means) */
     double alpha_ms, rate;    /* what the rebuild measured: a collective's fixed cost, bytes/s */
@@ -2098,6 +2105,24 @@ struct dopt__dp_bucket {
     uint64_t ticket;      /* the worker's ticket */
 };
 
+/* A host's mistake in a step's marks, found on the rank that made it and agreed by every rank at
+   after_backward (the verdict): the lowest kind is not an order of gravity, only a code. */
+enum {
+    DOPT__DP_MARK_FINE = 0,
+    DOPT__DP_MARKED_TWICE = 1,      /* a segment marked a second time */
+    DOPT__DP_MARKED_UNKNOWN = 2,    /* a segment index beyond the table */
+    DOPT__DP_NEVER_MARKED = 3,      /* a segment not marked by a step that marked others */
+    DOPT__DP_WRITTEN_AFTER = 4,     /* a segment written after its mark (overlap_check) */
+    DOPT__DP_OTHER_GRADS = 5        /* after_backward given other gradients than those marked */
+};
+
+/* Keeps the step's first mistake on this rank; later ones are consequences or repeats. */
+static void dopt__dp_ov_mistake(dopt_dp_overlap *ov, int kind, size_t seg) {
+    if (ov->mistake) return;
+    ov->mistake = kind;
+    ov->mistake_seg = seg;
+}
+
 #define DOPT__DP_BUCKET_FIRST_STEP ((size_t)4 << 20) /* bytes per bucket before the link is measured */
 #define DOPT__DP_FIRST_BUCKET ((size_t)1 << 20)      /* the first bucket's cap (PyTorch DDP's) */
 #define DOPT__DP_BUCKET_MIN ((size_t)64 << 10)       /* the smallest bucket the rule chooses */
@@ -2356,7 +2381,7 @@ static void dopt__dp_ov_begin(dopt_dp *dp, uint64_t step) {
     memset(ov->marks, 0, ov->nseg);
     ov->step = step + 1;
     ov->started = ov->waited = ov->nseen = ov->marked = 0;
-    ov->twice = ov->never = ov->nseg;
+    ov->mistake = 0;
     ov->weight = dopt__dp_step_samples(dp);
     ov->t_first = dopt__now_ms();
     ov->busy_ms = ov->cpu_ms = ov->wait_ms = 0.0;
@@ -2380,6 +2405,7 @@ static void dopt__dp_ov_begin(dopt_dp *dp, uint64_t step) {
 static dopt_status dopt__dp_mark(dopt_dp *dp, size_t seg, int unused, const char *api) {
     dopt_dp_overlap *ov = &dp->ov;
     uint64_t step;
+    int sync;
     dopt_status s;
     char name[96];
     if (dp == NULL) return DOPT_ERR_INVALID;
@@ -2392,15 +2418,17 @@ static dopt_status dopt__dp_mark(dopt_dp *dp, size_t seg, int unused, const char
                              api);
         return DOPT_ERR_INVALID;
     }
-    if (seg >= ov->nseg) {
+    step = dopt__dp_steps_done(dp);
+    sync = dopt_dp_is_synchronous(dp, step);
+    if (sync && ov->step != step + 1) dopt__dp_ov_begin(dp, step);
+    if (seg >= ov->nseg) { /* in a synchronous step, after_backward says it on every rank */
+        if (sync) dopt__dp_ov_mistake(ov, DOPT__DP_MARKED_UNKNOWN, seg);
         dopt__dp_fail_detail(dp, "%s: segment %zu: the gradients have %zu segments", api, seg, ov->nseg);
         return DOPT_ERR_INVALID;
     }
-    step = dopt__dp_steps_done(dp);
-    if (!dopt_dp_is_synchronous(dp, step)) return DOPT_OK; /* a local step: nothing is averaged */
-    if (ov->step != step + 1) dopt__dp_ov_begin(dp, step);
+    if (!sync) return DOPT_OK; /* a local step: nothing is averaged */
     if (ov->marks[seg]) {
-        if (ov->twice == ov->nseg) ov->twice = seg;
+        dopt__dp_ov_mistake(ov, DOPT__DP_MARKED_TWICE, seg);
         dopt__dp_fail_detail(dp, "%s: %s was marked already in step %llu", api, dopt__dp_seg_name(ov, seg, name, sizeof name),
                              (unsigned long long)step);
         return DOPT_ERR_INVALID;
@@ -2572,7 +2600,6 @@ static dopt_status dopt__dp_ov_rebuild(dopt_dp *dp) {
         dopt_comm_log(dp->comm, DOPT_LOG_ERROR, "rank %d: %s; the driver stopped", dp->comm->rank, dp->detail);
     }
     if (s != DOPT_OK) return s;
-    if (ov->nseen < ov->nseg) return DOPT_OK; /* a segment never marked on every rank: said, the driver stops */
     memcpy(ov->order, ov->seen, ov->nseg * sizeof(size_t));
     first = ov->first_bytes ? ov->first_bytes : DOPT__DP_FIRST_BUCKET;
     if (ov->bucket_bytes) ov->cut_bytes = ov->bucket_bytes;
@@ -2581,20 +2608,32 @@ static dopt_status dopt__dp_ov_rebuild(dopt_dp *dp) {
     return DOPT_OK;
 }
 
+/* overlap_check: every segment's checksum against its mark's, a change this rank's mistake; when
+   none changed, the means copied out of the stage (a compressor that refused left the input). */
+static void dopt__dp_ov_check_writes(dopt_dp *dp) {
+    dopt_dp_overlap *ov = &dp->ov;
+    size_t i, k;
+    for (i = 0; i < ov->nseg && !ov->mistake; i++) { /* after a mistake the step is zeros anyway */
+        dopt_span h = dopt__dp_host_span(ov, i);
+        if (dopt__fnv1a(DOPT__FNV_OFFSET, h.ptr, h.count * sizeof(float)) != ov->sums[i])
+            dopt__dp_ov_mistake(ov, DOPT__DP_WRITTEN_AFTER, i);
+    }
+    for (k = 0; k < ov->nbuckets && !ov->mistake; k++)
+        if (ov->buckets[k].status == DOPT_OK) dopt__dp_bucket_copy_out(dp, &ov->buckets[k]);
+}
+
 /* after_backward of a step that marked segments: the unmarked ones marked (so every bucket runs
-   and no peer waits), every bucket waited for, the gradients checked under overlap_check, the
-   first step's rebuild; the verdicts as the whole-buffer average gives them. A segment marked
-   twice or never is said after all that (*mark_error). */
-static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite, int *mark_error) {
+   and no peer waits; not marking them is this rank's mistake), every bucket waited for, the
+   gradients checked under overlap_check; the verdicts as the whole-buffer average gives them. */
+static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite) {
     dopt_dp_overlap *ov = &dp->ov;
     dopt_status s = DOPT_OK;
     size_t k, i;
     for (i = 0; i < ov->nseg; i++)
         if (!ov->marks[i]) {
-            if (ov->never == ov->nseg) ov->never = i;
+            dopt__dp_ov_mistake(ov, DOPT__DP_NEVER_MARKED, i);
             ov->marks[i] = 1;
         }
-    *mark_error = ov->twice < ov->nseg || ov->never < ov->nseg;
     dopt__dp_ov_start_ready(dp, 1);
     dopt__dp_ov_quiesce(dp);
     *mine_finite = *finite = 1;
@@ -2614,94 +2653,140 @@ static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite
         }
         return s; /* else the communicator says where */
     }
-    if (ov->check) {
-        for (i = 0; i < ov->nseg; i++) {
-            dopt_span h = dopt__dp_host_span(ov, i);
-            uint64_t now = dopt__fnv1a(DOPT__FNV_OFFSET, h.ptr, h.count * sizeof(float));
-            char name[96];
-            if (i == ov->never || now == ov->sums[i]) continue;
-            dopt__dp_fail_detail(dp, "dopt_dp_after_backward: %s was written after dopt_dp_grad_ready marked it final in "
-                                     "step %llu (overlap_check: its checksum changed); a marked segment belongs to the "
-                                     "average until after_backward returns",
-                                 dopt__dp_seg_name(ov, i, name, sizeof name), (unsigned long long)(ov->step - 1));
-            *mark_error = 2;
-            break;
-        }
-        for (k = 0; k < ov->nbuckets && *mark_error != 2; k++) /* a refusing compressor left the input */
-            if (ov->buckets[k].status == DOPT_OK) dopt__dp_bucket_copy_out(dp, &ov->buckets[k]);
-    }
-    if (!ov->rebuilt) {
-        dopt_status r = dopt__dp_ov_rebuild(dp);
-        if (r != DOPT_OK) return r;
-    }
+    if (ov->check) dopt__dp_ov_check_writes(dp);
     return s;
 }
 
-/* What after_backward says about the marks, after the step's collectives all ran. */
-static dopt_status dopt__dp_ov_mark_error(dopt_dp *dp, int kind) {
+#define DOPT__DP_NO_MISTAKE INT64_MAX
+
+/* The step's mark mistakes, agreed: each rank gives one word, (rank << 40) | (kind << 32) |
+   segment (clipped to 32 bits), or DOPT__DP_NO_MISTAKE, to an allreduce MIN, so that every rank
+   learns the lowest rank that erred and its first mistake. No other collective of the step
+   carries a verdict (the non-finite one is read from the average's bits), so this is one 8-byte
+   allreduce per step that marks (REFERENCE: THE MARKS' VERDICT). */
+static dopt_status dopt__dp_ov_agree_marks(dopt_dp *dp, int64_t *verdict) {
     dopt_dp_overlap *ov = &dp->ov;
+    int64_t seg = ov->mistake_seg < 0xffffffffu ? (int64_t)ov->mistake_seg : (int64_t)0xffffffffu;
+    const char *prev = dopt__dp_label(dp, "dopt_dp_after_backward: the verdict on step %llu's marks",
+                                      (unsigned long long)dp->step);
+    dopt_status s;
+    *verdict = ov->mistake ? (int64_t)dp->comm->rank << 40 | (int64_t)ov->mistake << 32 | seg : DOPT__DP_NO_MISTAKE;
+    s = dopt_allreduce(dp->comm, verdict, 1, DOPT_I64, DOPT_MIN);
+    dopt_comm_set_api(dp->comm, prev);
+    return s;
+}
+
+/* What a rank did wrong, from the agreed verdict: the same words on every rank. */
+static void dopt__dp_mistake_words(const dopt_dp *dp, int kind, size_t seg, char *out, size_t cap) {
+    const dopt_dp_overlap *ov = &dp->ov;
     char name[96];
-    if (kind == 1) {
-        size_t i = ov->twice < ov->nseg ? ov->twice : ov->never;
-        dopt__dp_fail_detail(dp, "dopt_dp_after_backward: %s was %s in step %llu, which marked others; every segment is "
-                                 "marked once per step (dopt_dp_grad_unused for one without a gradient)",
-                             dopt__dp_seg_name(ov, i, name, sizeof name),
-                             ov->twice < ov->nseg ? "marked twice" : "never marked", (unsigned long long)(ov->step - 1));
+    if (kind == DOPT__DP_MARKED_UNKNOWN) {
+        snprintf(out, cap, "dopt_dp_grad_ready was given segment %zu%s, and the gradients have %zu segments", seg,
+                 seg == 0xffffffffu ? " or above" : "", ov->nseg);
+        return;
     }
-    dp->status = DOPT_ERR_INVALID;
-    dp->logged = 1;
-    dopt_comm_log(dp->comm, DOPT_LOG_ERROR, "rank %d: %s; the driver stopped", dp->comm->rank, dp->detail);
+    if (kind == DOPT__DP_OTHER_GRADS) {
+        snprintf(out, cap, "after_backward was given other gradients than those marked (dopt_dp_config.grads or "
+                           "dopt_dp_set_grads)");
+        return;
+    }
+    dopt__dp_seg_name(ov, seg, name, sizeof name);
+    if (kind == DOPT__DP_MARKED_TWICE)
+        snprintf(out, cap, "%s was marked twice (once per step)", name);
+    else if (kind == DOPT__DP_NEVER_MARKED)
+        snprintf(out, cap, "%s was never marked while others were (dopt_dp_grad_unused: no gradient)", name);
+    else
+        snprintf(out, cap, "%s was written after dopt_dp_grad_ready marked it (overlap_check's checksum); it is the "
+                           "average's until after_backward returns", name);
+}
+
+/* A mistake in the marks, said alike on every rank: the step's gradients are zeros everywhere
+   (a host that applies them anyway keeps identical replicas), the step counts, and the driver
+   and the communicator go on. */
+static dopt_status dopt__dp_ov_mistake_said(dopt_dp *dp, int64_t verdict) {
+    char what[320];
+    dopt__dp_mistake_words(dp, (int)(verdict >> 32 & 0xff), (size_t)(verdict & 0xffffffff), what, sizeof what);
+    dopt__dp_fail_detail(dp, "dopt_dp_after_backward: step %llu: rank %d: %s; the step's gradients are zeros on every "
+                             "rank; the driver goes on",
+                         (unsigned long long)dp->step, (int)(verdict >> 40), what);
+    dopt__dp_zero(&dp->ov.grads);
+    dp->grads_step = dp->step + 1;
+    dopt_comm_log(dp->comm, DOPT_LOG_ERROR, "rank %d: %s", dp->comm->rank, dp->detail);
     return DOPT_ERR_INVALID;
 }
 
-/* The gradient mean of a synchronous step; the step's model average is then skipped. A flat
-   buffer is averaged in place, any other descriptor through the workspace; either way grads then
-   holds the average, or this rank's input where the compressor refused it, and the verdict comes
-   from the average's bits, alike on every rank. When it is not finite, every rank's grads hold
-   zeros, whatever the policy: replicas stay identical even where the host applies them. */
-static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, const char *api) {
-    const char *prev;
-    int mine_finite, finite, finite_ranks, bucketed, mark_error = 0;
-    dopt_status s;
-    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
-    if ((s = dopt__dp_check_anchor(dp, api)) != DOPT_OK) return s;
-    if (dopt__dp_check_buf(grads, dp->n) != DOPT_OK) {
-        dopt__dp_fail_detail(dp, "gradients: not a valid descriptor of %zu elements", dp->n);
-        return DOPT_ERR_INVALID;
-    }
-    dopt__dp_count_pending_step(dp);
-    if (!dopt_dp_is_synchronous(dp, dp->step)) return DOPT_OK;
-    bucketed = dp->ov.nseg && dp->ov.step == dp->step + 1 && dp->ov.marked;
-    if (bucketed) {
-        int other = !dopt__dp_ov_same_buf(&dp->ov, grads);
-        s = dopt__dp_ov_finish(dp, &mine_finite, &finite, &mark_error);
-        if (other && s == DOPT_OK) {
-            dopt__dp_fail_detail(dp, "%s: not the gradients whose segments dopt_dp_grad_ready marked (the descriptor "
-                                     "given to dopt_dp_config.grads or dopt_dp_set_grads)", api);
-            return dopt__dp_ov_mark_error(dp, 2);
-        }
-        dp->ov.step = 0;
-        grads = &dp->ov.grads; /* what the buckets averaged (a flat pointer given without its table has gaps) */
-        prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
-    } else {
-        prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
-        s = dopt__dp_in_place(grads, dp->n) ? dopt__dp_grads_in_place(dp, grads->data, &mine_finite, &finite)
-                                            : dopt__dp_grads_packed(dp, grads, &mine_finite, &finite);
-    }
-    dopt_comm_set_api(dp->comm, prev);
+/* What the average's verdicts make of the step, buckets or whole: grads hold the average, or
+   zeros when it is not finite (on every rank, whatever the policy: replicas stay identical even
+   where the host applies them). */
+static dopt_status dopt__dp_grads_verdict(dopt_dp *dp, const dopt_buf *grads, dopt_status s, int mine_finite,
+                                          int finite) {
+    int finite_ranks;
     if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s;
     if (finite) {
         dp->grads_step = dp->step + 1;
         /* a compressed mean is not the global mean's direction, a weighted one not the plain mean */
         if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN && !dp->grad_compressor && !dp->weighted)
             dopt__batch_global_direction(dp->batch, grads);
-        return mark_error ? dopt__dp_ov_mark_error(dp, mark_error) : DOPT_OK;
+        return DOPT_OK;
     }
     s = dopt__dp_nonfinite(dp, grads, dp->grad_compressor, 1, mine_finite, &finite_ranks);
     if (s != DOPT_ERR_NONFINITE) return s;
     dopt__dp_zero(grads);
     if (dp->status == DOPT_OK) dp->grads_step = dp->step + 1; /* SKIP: zeros are the step's average */
-    return mark_error ? dopt__dp_ov_mark_error(dp, mark_error) : s;
+    return s;
+}
+
+/* A step whose segments were marked (or a mark refused): the buckets completed, the marks'
+   verdict agreed, the first step's rebuild, then the average's verdicts. The gradients are the
+   registered descriptor (a flat pointer given without its table has gaps); another one given
+   here is a mistake like the marks'. */
+static dopt_status dopt__dp_average_buckets(dopt_dp *dp, const dopt_buf *grads, const char *api) {
+    dopt_dp_overlap *ov = &dp->ov;
+    int mine_finite, finite;
+    int64_t verdict;
+    const char *prev;
+    dopt_status s, agreed;
+    if (dopt__dp_check_buf(grads, dp->n) != DOPT_OK || !dopt__dp_ov_same_buf(ov, grads))
+        dopt__dp_ov_mistake(ov, DOPT__DP_OTHER_GRADS, ov->nseg);
+    dopt__dp_count_pending_step(dp);
+    s = dopt__dp_ov_finish(dp, &mine_finite, &finite);
+    ov->step = 0;
+    if (s != DOPT_OK && s != DOPT_ERR_NONFINITE) return s;
+    if ((agreed = dopt__dp_ov_agree_marks(dp, &verdict)) != DOPT_OK) return agreed;
+    if (verdict != DOPT__DP_NO_MISTAKE) return dopt__dp_ov_mistake_said(dp, verdict);
+    if (!ov->rebuilt && (agreed = dopt__dp_ov_rebuild(dp)) != DOPT_OK) return agreed;
+    prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
+    dopt_comm_set_api(dp->comm, prev); /* dp->api names the average in a non-finite verdict */
+    return dopt__dp_grads_verdict(dp, &ov->grads, s, mine_finite, finite);
+}
+
+/* 1 while a synchronous step has marks (or a refused mark) that no after_backward completed. */
+static int dopt__dp_ov_open(const dopt_dp *dp) {
+    return dp->ov.nseg && dp->ov.step == dopt__dp_steps_done(dp) + 1 && (dp->ov.marked || dp->ov.mistake);
+}
+
+/* The gradient mean of a synchronous step; the step's model average is then skipped. A flat
+   buffer is averaged in place, any other descriptor through the workspace; either way grads then
+   holds the average, or this rank's input where the compressor refused it, and the verdict comes
+   from the average's bits, alike on every rank. */
+static dopt_status dopt__dp_average_grads(dopt_dp *dp, const dopt_buf *grads, const char *api) {
+    const char *prev;
+    int mine_finite, finite;
+    dopt_status s;
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    if ((s = dopt__dp_check_anchor(dp, api)) != DOPT_OK) return s;
+    if (dopt__dp_ov_open(dp)) return dopt__dp_average_buckets(dp, grads, api);
+    if (dopt__dp_check_buf(grads, dp->n) != DOPT_OK) {
+        dopt__dp_fail_detail(dp, "gradients: not a valid descriptor of %zu elements", dp->n);
+        return DOPT_ERR_INVALID;
+    }
+    dopt__dp_count_pending_step(dp);
+    if (!dopt_dp_is_synchronous(dp, dp->step)) return DOPT_OK;
+    prev = dopt__dp_label(dp, "%s: the gradient average of step %llu", api, (unsigned long long)dp->step);
+    s = dopt__dp_in_place(grads, dp->n) ? dopt__dp_grads_in_place(dp, grads->data, &mine_finite, &finite)
+                                        : dopt__dp_grads_packed(dp, grads, &mine_finite, &finite);
+    dopt_comm_set_api(dp->comm, prev);
+    return dopt__dp_grads_verdict(dp, grads, s, mine_finite, finite);
 }
 
 DOPT_DEF dopt_status dopt_dp_after_backward_buf(dopt_dp *dp, const dopt_buf *grads) {

@@ -4,7 +4,8 @@
    bitwise equal to the same buckets run on the host thread) for a flat buffer averaged in place,
    one with gaps and a scatter list, with buckets of a given size and of the size the rule
    chooses; buckets completed out of order; the order rebuilt once, the same on every rank; a
-   rank marking in another order; a segment marked twice or never; an unused segment averaged as
+   rank marking in another order; a mistake in one rank's marks (a segment marked twice, never, or
+   unknown; other gradients given) said on every rank; an unused segment averaged as
    zeros; every codec in buckets against its whole-buffer call (means and state, bitwise where
    compress.h says they must be); a NaN in one rank's bucket, fp32 or ternary; a peer lost with buckets in flight; a write after the mark
    caught by overlap_check; local steps, where marks do nothing. No test asserts a time. */
@@ -373,42 +374,90 @@ static void body_other_order(dopt_comm *c, void *arg) {
 
 DTEST_WORLDS(a_rank_marking_in_another_order_is_named_on_every_rank, body_other_order, NULL, 2, 3);
 
+/* A mistake in one rank's marks (or two ranks' different mistakes) is said by every rank's
+   after_backward alike: DOPT_ERR_INVALID and the same detail, naming the lowest rank that erred
+   and what it did; every rank's gradients are zeros; nothing hangs; the communicator and the
+   driver go on, and the next step is the plain bucketed mean. */
+enum { OV_TWICE, OV_NEVER, OV_UNKNOWN, OV_OTHER_GRADS };
+
 typedef struct ov_mistake {
-    int step;  /* the step it happens in (0: the first, before the rebuild) */
-    int twice; /* 1: segment 3 marked twice; 0: segment 2 never marked */
+    int step; /* the step it happens in (0: the first, before the rebuild) */
+    int kind; /* OV_TWICE: segment 3 marked twice; OV_NEVER: segment 2 never marked; OV_UNKNOWN:
+                 segment 9 marked; OV_OTHER_GRADS: after_backward given another buffer */
+    int also; /* 1: the last rank makes another mistake too (segment 6 never marked) */
+    const char *said;
 } ov_mistake;
 
-static const ov_mistake ov_mistakes[] = {{0, 1}, {0, 0}, {2, 1}, {2, 0}};
+static const ov_mistake ov_mistakes[] = {
+    {0, OV_TWICE, 0, "segment 3 ('h0.b') was marked twice"},
+    {0, OV_NEVER, 0, "segment 2 ('h0.w') was never marked"},
+    {2, OV_TWICE, 0, "segment 3 ('h0.b') was marked twice"},
+    {2, OV_NEVER, 0, "segment 2 ('h0.w') was never marked"},
+    {2, OV_UNKNOWN, 0, "dopt_dp_grad_ready was given segment 9, and the gradients have 8 segments"},
+    {0, OV_UNKNOWN, 0, "dopt_dp_grad_ready was given segment 9, and the gradients have 8 segments"},
+    {2, OV_OTHER_GRADS, 0, "after_backward was given other gradients"},
+    {2, OV_TWICE, 1, "segment 3 ('h0.b') was marked twice"},
+};
+
+/* The step's marks on this rank, with the case's mistake where `erring`. */
+static void ov_backward_mistaken(dopt_dp *dp, ov_host *h, int rank, int step, int kind, int erring, int also) {
+    size_t i;
+    for (i = OV_NSEG; i-- > 0;) {
+        if ((erring && kind == OV_NEVER && i == 2) || (also && i == 6)) continue;
+        ov_fill(h, i, rank, step);
+        DT_OK(dopt_dp_grad_ready(dp, i));
+        if (erring && kind == OV_TWICE && i == 3) {
+            DT_EQ_INT(dopt_dp_grad_ready(dp, 3), DOPT_ERR_INVALID);
+            DT_CHECKF(strstr(dopt_dp_detail(dp), "segment 3 ('h0.b') was marked already"), "%s", dopt_dp_detail(dp));
+        }
+        if (erring && kind == OV_UNKNOWN && i == 5) DT_EQ_INT(dopt_dp_grad_ready(dp, 9), DOPT_ERR_INVALID);
+    }
+}
 
 static void body_mistake(dopt_comm *c, void *arg) {
     const ov_mistake *m = (const ov_mistake *)arg;
-    ov_host h;
+    ov_host h, other;
     dopt_dp dp;
-    int step;
+    char detail[DOPT_DP_DETAIL_MAX], rank1[64];
+    float *want, *got;
+    size_t i, e, off = 0;
+    int step, erring = c->rank == 1, also = m->also && c->rank == c->size - 1 && c->size > 2;
     ov_host_init(&h, OV_GAPS);
+    ov_host_init(&other, OV_GAPS);
+    want = (float *)malloc(h.n * sizeof(float));
+    got = (float *)malloc(h.n * sizeof(float));
     DT_OK(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .bucket_bytes = 50 << 10}));
     for (step = 0; step < m->step; step++) {
         ov_backward(&dp, &h, c->rank, step, NULL);
         DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
     }
-    for (step = OV_NSEG - 1; step >= 0; step--) {
-        if (!m->twice && step == 2) continue;
-        ov_fill(&h, (size_t)step, c->rank, m->step);
-        DT_OK(dopt_dp_grad_ready(&dp, (size_t)step));
-        if (m->twice && step == 3) {
-            DT_EQ_INT(dopt_dp_grad_ready(&dp, 3), DOPT_ERR_INVALID);
-            DT_CHECKF(strstr(dopt_dp_detail(&dp), "segment 3 ('h0.b') was marked already"), "%s", dopt_dp_detail(&dp));
-        }
-    }
-    DT_EQ_INT(dopt_dp_after_backward_buf(&dp, &h.buf), DOPT_ERR_INVALID);
-    DT_CHECKF(strstr(dopt_dp_detail(&dp), m->twice ? "segment 3 ('h0.b') was marked twice" : "segment 2 ('h0.w') was never marked"),
-              "%s", dopt_dp_detail(&dp));
-    DT_EQ_INT(dopt_dp_grad_ready(&dp, 0), DOPT_ERR_INVALID);
+    ov_backward_mistaken(&dp, &h, c->rank, m->step, m->kind, erring, also);
+    DT_EQ_INT(dopt_dp_after_backward_buf(&dp, erring && m->kind == OV_OTHER_GRADS ? &other.buf : &h.buf),
+              DOPT_ERR_INVALID);
+    snprintf(rank1, sizeof rank1, "step %d: rank 1: ", m->step);
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), rank1) && strstr(dopt_dp_detail(&dp), m->said), "%s", dopt_dp_detail(&dp));
+    memset(detail, 0, sizeof detail);
+    memcpy(detail, dopt_dp_detail(&dp), strnlen(dopt_dp_detail(&dp), sizeof detail - 1));
+    DT_CHECKF(world_same_on_every_rank(c, detail, sizeof detail), "the detail differs between ranks: %s", detail);
+    for (i = 0; i < h.memn; i++) DT_CHECKF(h.mem[i] == 0.0f, "element %zu: %g, not zero after the mistake", i, h.mem[i]);
+    DT_EQ_INT(dopt__family_error(c), DOPT_OK); /* the communicator is not poisoned */
+    DT_EQ_INT(dp.grads_step, (uint64_t)m->step + 1); /* the step counts, as zeros */
+    ov_backward(&dp, &h, c->rank, m->step + 1, NULL); /* the next step goes on */
+    for (i = 0; i < OV_NSEG; i++)
+        for (e = 0; e < ov_sizes[i]; e++) want[off++] = ov_value(c->rank, m->step + 1, i, e);
+    DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
+    dopt_buf_pack(&h.buf, got);
+    ov_check_mean(c, got, want, h.n, "the step after the mistake");
+    DT_CHECK(dp.ov.rebuilt);
+    DT_CHECK(world_same_on_every_rank(c, dp.ov.order, OV_NSEG * sizeof(size_t)));
     dopt_dp_free(&dp);
+    free(want);
+    free(got);
     free(h.mem);
+    free(other.mem);
 }
 
-DTEST_WORLDS_EACH(a_segment_marked_twice_or_never_is_named_at_after_backward, body_mistake, ov_mistakes, 2, 3);
+DTEST_WORLDS_EACH(a_mistake_in_one_ranks_marks_is_said_on_every_rank, body_mistake, ov_mistakes, 2, 3);
 
 /* A segment declared unused on rank 0 counts as zeros there; the others' values are averaged
    with it. */
@@ -456,13 +505,11 @@ static void body_write_after_mark(dopt_comm *c, void *arg) {
     DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
     ov_backward(&dp, &h, c->rank, 1, NULL);
     if (c->rank == 1) h.mem[h.segs[4].offset + 17] += 1.0f; /* the host writes h1.w after marking it */
-    if (c->rank == 1) {
-        DT_EQ_INT(dopt_dp_after_backward_buf(&dp, &h.buf), DOPT_ERR_INVALID);
-        DT_CHECKF(strstr(dopt_dp_detail(&dp), "segment 4 ('h1.w') was written after dopt_dp_grad_ready marked it"), "%s",
-                  dopt_dp_detail(&dp));
-    } else {
-        DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf)); /* its own buffer was not written */
-    }
+    DT_EQ_INT(dopt_dp_after_backward_buf(&dp, &h.buf), DOPT_ERR_INVALID); /* on every rank */
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), "rank 1: segment 4 ('h1.w') was written after dopt_dp_grad_ready marked it"),
+              "%s", dopt_dp_detail(&dp));
+    ov_backward(&dp, &h, c->rank, 2, NULL); /* the next step goes on */
+    DT_OK(dopt_dp_after_backward_buf(&dp, &h.buf));
     dopt_dp_free(&dp);
     free(h.mem);
 }
