@@ -2457,13 +2457,18 @@ static void dopt__write_nonfinite(const dopt_compressor *cz, const dopt__compres
     memset(out + DOPT_COMPRESS_HEADER_BYTES, 0, v->msg_bytes - DOPT_COMPRESS_HEADER_BYTES);
 }
 
-/* The span of segment i, checked against the layout's count. */
+/* The first segment whose count differs between b and the layout (when one table is the other's
+   beginning, the first segment one of them lacks), SIZE_MAX when b fits. b is valid. */
+static size_t dopt__segment_misfit(const dopt_compressor *cz, const dopt_buf *b) {
+    size_t i, nb = dopt_buf_nsegs(b);
+    for (i = 0; i < nb && i < cz->nsegs; i++)
+        if (dopt_buf_segment(b, i).count != cz->segs[i].count) return i;
+    return nb == cz->nsegs ? SIZE_MAX : i;
+}
+
+/* 1 when b is a valid descriptor with the layout's segments and counts. */
 static int dopt__segment_matches(const dopt_compressor *cz, const dopt_buf *b) {
-    size_t i;
-    if (dopt_buf_validate(b) != DOPT_OK || dopt_buf_nsegs(b) != cz->nsegs) return 0;
-    for (i = 0; i < cz->nsegs; i++)
-        if (dopt_buf_segment(b, i).count != cz->segs[i].count) return 0;
-    return 1;
+    return dopt_buf_validate(b) == DOPT_OK && dopt__segment_misfit(cz, b) == SIZE_MAX;
 }
 
 /* ===================================================================== ENCODE */
@@ -4533,6 +4538,19 @@ static dopt_status dopt__compress_worker(dopt_compressor *cz) {
 }
 #endif
 
+/* Why grads does not fit the layout: the first segment that differs, both counts. */
+static void dopt__misfit_said(dopt_compressor *cz, const dopt_buf *grads, const char *api) {
+    size_t i = dopt__segment_misfit(cz, grads), nb = dopt_buf_nsegs(grads);
+    const char *name = i < cz->nsegs ? cz->segs[i].name : NULL;
+    char mine[32] = "none", theirs[32] = "none";
+    if (i < cz->nsegs) snprintf(mine, sizeof mine, "%zu elements", cz->segs[i].count);
+    if (i < nb) snprintf(theirs, sizeof theirs, "%zu elements", dopt_buf_segment(grads, i).count);
+    snprintf(cz->detail, sizeof cz->detail,
+             "%s: the gradient descriptor (%zu segments) does not fit the compressor's layout (%zu): segment %zu%s%s%s "
+             "has %s in the descriptor, %s in the layout",
+             api, nb, cz->nsegs, i, name ? " ('" : "", name ? name : "", name ? "')" : "", theirs, mine);
+}
+
 /* Checks a call's arguments before anything starts (segs NULL with k = 0: every segment, where
    `all` allows it); the reason of a refusal in cz->detail. */
 static dopt_status dopt__call_check(dopt_compressor *cz, dopt_comm *comm, const dopt_buf *grads, const size_t *segs,
@@ -4544,11 +4562,12 @@ static dopt_status dopt__call_check(dopt_compressor *cz, dopt_comm *comm, const 
                  comm == NULL ? "communicator" : "gradient descriptor");
         return DOPT_ERR_INVALID;
     }
-    if (!dopt__segment_matches(cz, grads)) {
-        snprintf(cz->detail, sizeof cz->detail,
-                 "%s: the gradient descriptor is not valid or does not have the compressor's %zu segments and their "
-                 "counts",
-                 api, cz->nsegs);
+    if (dopt_buf_validate(grads) != DOPT_OK) {
+        snprintf(cz->detail, sizeof cz->detail, "%s: the gradient descriptor is not valid (dopt_buf_validate)", api);
+        return DOPT_ERR_INVALID;
+    }
+    if (dopt__segment_misfit(cz, grads) != SIZE_MAX) {
+        dopt__misfit_said(cz, grads, api);
         return DOPT_ERR_INVALID;
     }
     if ((segs == NULL) != (k == 0) || (segs == NULL && !all)) {

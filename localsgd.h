@@ -2227,6 +2227,29 @@ static void dopt__dp_ov_cut(dopt_dp *dp, size_t size, size_t first) {
     dopt__dp_ov_place(dp);
 }
 
+/* The first segment whose count differs between the gradient compressor's table and g (when one
+   table is the other's beginning, the first segment one of them lacks), SIZE_MAX when they fit:
+   a bucket hands the compressor whole segments by their index. */
+static size_t dopt__dp_misfit(const dopt_compressor *cz, const dopt_buf *g) {
+    size_t i, nseg = dopt_buf_nsegs(g);
+    for (i = 0; i < nseg && i < cz->nsegs; i++)
+        if (dopt_buf_segment(g, i).count != cz->segs[i].count) return i;
+    return nseg == cz->nsegs ? SIZE_MAX : i;
+}
+
+/* Why the compressor's table does not fit g: the first segment that differs, both counts. */
+static void dopt__dp_misfit_said(dopt_dp *dp, const dopt_compressor *cz, const dopt_buf *g) {
+    size_t i = dopt__dp_misfit(cz, g), nseg = dopt_buf_nsegs(g);
+    const char *name = i < nseg && g->segs && !g->spans ? g->segs[i].name : NULL;
+    char mine[32] = "none", theirs[32] = "none";
+    if (i < cz->nsegs) snprintf(mine, sizeof mine, "%zu elements", cz->segs[i].count);
+    if (i < nseg) snprintf(theirs, sizeof theirs, "%zu elements", dopt_buf_segment(g, i).count);
+    dopt__dp_fail_detail(dp, "dopt_dp_set_grads: the gradient compressor's table (%zu segments) does not fit the "
+                             "gradients' (%zu): segment %zu%s%s%s has %s in the compressor's, %s in the gradients' "
+                             "(buckets hand it whole segments: give it the gradients' table)",
+                         cz->nsegs, nseg, i, name ? " ('" : "", name ? name : "", name ? "')" : "", mine, theirs);
+}
+
 /* The gradients' descriptor, copied: its tables, the bucket workspaces (once per layout), the
    first step's buckets. A descriptor of the same layout keeps the buckets already agreed. */
 static dopt_status dopt__dp_ov_setup(dopt_dp *dp, const dopt_buf *g) {
@@ -2234,16 +2257,9 @@ static dopt_status dopt__dp_ov_setup(dopt_dp *dp, const dopt_buf *g) {
     size_t nseg = dopt_buf_nsegs(g), i;
     int same = ov->nseg == nseg;
     for (i = 0; same && i < nseg; i++) same = dopt_buf_segment(g, i).count == dopt__dp_host_span(ov, i).count;
-    if (dp->grad_compressor) {
-        const dopt_compressor *cz = dp->grad_compressor;
-        int fits = cz->nsegs == nseg;
-        for (i = 0; fits && i < nseg; i++) fits = cz->segs[i].count == dopt_buf_segment(g, i).count;
-        if (!fits) {
-            dopt__dp_fail_detail(dp, "dopt_dp_set_grads: the gradient compressor's %zu segments are not the gradients' %zu "
-                                     "(a bucket hands the compressor whole segments: give it the gradients' table)",
-                                 cz->nsegs, nseg);
-            return DOPT_ERR_INVALID;
-        }
+    if (dp->grad_compressor && dopt__dp_misfit(dp->grad_compressor, g) != SIZE_MAX) {
+        dopt__dp_misfit_said(dp, dp->grad_compressor, g);
+        return DOPT_ERR_INVALID;
     }
     if (!same) {
         dopt__dp_ov_free(ov); /* the worker too: its room is one job per segment */
@@ -2663,7 +2679,7 @@ static dopt_status dopt__dp_ov_finish(dopt_dp *dp, int *mine_finite, int *finite
    segment (clipped to 32 bits), or DOPT__DP_NO_MISTAKE, to an allreduce MIN, so that every rank
    learns the lowest rank that erred and its first mistake. No other collective of the step
    carries a verdict (the non-finite one is read from the average's bits), so this is one 8-byte
-   allreduce per step that marks (REFERENCE: THE MARKS' VERDICT). */
+   allreduce per step that marks (docs/measurements.md, the marks' verdict: its cost). */
 static dopt_status dopt__dp_ov_agree_marks(dopt_dp *dp, int64_t *verdict) {
     dopt_dp_overlap *ov = &dp->ov;
     int64_t seg = ov->mistake_seg < 0xffffffffu ? (int64_t)ov->mistake_seg : (int64_t)0xffffffffu;

@@ -1846,6 +1846,19 @@ static void bk_case_run(dopt_comm *c, const bk_case *k) {
                           dopt_compress_detail(&parts));
                 DT_EQ_INT(dopt_compress_allreduce(&parts, c, gp, AR_N), DOPT_ERR_INVALID);
                 DT_EQ_INT(dopt_compress_allreduce_segments(&parts, c, &bp, NULL, 0), DOPT_ERR_INVALID);
+                { /* a descriptor whose w2 is one element short (b one longer): the refusal names w2 */
+                    dopt_segment moved[4];
+                    dopt_buf bm;
+                    memcpy(moved, bk_segs, sizeof moved);
+                    moved[2].count--;
+                    moved[3].offset--;
+                    moved[3].count++;
+                    bm = dopt_buf_flat(gp, AR_N, moved, 4);
+                    DT_EQ_INT(dopt_compress_allreduce_segments(&parts, c, &bm, again, 1), DOPT_ERR_INVALID);
+                    DT_CHECKF(strstr(dopt_compress_detail(&parts), "segment 2 ('w2') has 28999 elements in the "
+                                                                   "descriptor, 29000 elements in the layout") != NULL,
+                              "detail: %s", dopt_compress_detail(&parts));
+                }
             }
             segs += pl->size[b];
         }

@@ -325,7 +325,8 @@ static void body_compressed_buckets(dopt_comm *c, void *arg) {
 
 DTEST_WORLDS_EACH(compressed_buckets_equal_the_whole_compressed_mean, body_compressed_buckets, ov_codecs, 2, 3);
 
-/* A gradient compressor whose table is not the gradients' is refused at init, saying why. */
+/* A gradient compressor whose table is not the gradients' is refused at init, naming the first
+   segment that differs and both counts. */
 static void body_compressor_table(dopt_comm *c, void *arg) {
     ov_host h;
     dopt_compressor cz;
@@ -338,8 +339,23 @@ static void body_compressor_table(dopt_comm *c, void *arg) {
     memset(&cfg, 0, sizeof cfg);
     DT_OK(dopt_compressor_init(&cz, &cfg, &whole, 1));
     DT_EQ_INT(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .grad_compressor = &cz}), DOPT_ERR_INVALID);
-    DT_CHECKF(strstr(dopt_dp_detail(&dp), "compressor's 1 segments are not the gradients' 8"), "%s", dopt_dp_detail(&dp));
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), "compressor's table (1 segments) does not fit the gradients' (8): segment 0 "
+                                          "('emb') has 353286 elements in the compressor's, 3000 elements in the gradients'"),
+              "%s", dopt_dp_detail(&dp));
     dopt_compressor_free(&cz);
+    { /* the same eight segments but h0.b one element longer, h1.w one shorter: segment 3 is named */
+        dopt_segment moved[OV_NSEG];
+        memcpy(moved, h.segs, sizeof moved);
+        moved[3].count++;
+        moved[4].offset++;
+        moved[4].count--;
+        DT_OK(dopt_compressor_init(&cz, &cfg, moved, OV_NSEG));
+        DT_EQ_INT(dopt_dp_init(&dp, c, h.n, &(dopt_dp_config){.grads = &h.buf, .grad_compressor = &cz}), DOPT_ERR_INVALID);
+        DT_CHECKF(strstr(dopt_dp_detail(&dp), "segment 3 ('h0.b') has 6 elements in the compressor's, 5 elements in the "
+                                              "gradients'"),
+                  "%s", dopt_dp_detail(&dp));
+        dopt_compressor_free(&cz);
+    }
     free(h.mem);
 }
 
