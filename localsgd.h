@@ -2505,7 +2505,8 @@ static int dopt__dp_ov_same_buf(const dopt_dp_overlap *ov, const dopt_buf *g) {
    max(0, c(B) − Tb) plus the last bucket's B/R + alpha, which cannot start before backward ends.
    When the communication fits behind backward with room (Tb > S/R) the smallest B that keeps it
    there, S·alpha/(Tb − S/R), wins unless it exceeds sqrt(S·alpha·R), the size that minimizes
-   the time otherwise. */
+   the time otherwise. examples/perf_model.c predicts overlapped steps with this very function and
+   DOPT__DP_FIRST_BUCKET (tests/check_examples.sh checks it has no copy): keep their names. */
 static size_t dopt__dp_bucket_rule(double S, double alpha, double R, double Tb) {
     double B = sqrt(S * alpha * R);
     if (Tb > S / R) {

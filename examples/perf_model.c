@@ -699,8 +699,9 @@ static int project_main(const model_options *mo, projection *p) {
      ready_j  = B · (n_1 + .. + n_j) / (n_1 + .. + n_m)   backward's work taken proportional to the
                                                           parameters it finishes (matrix products)
      buckets  cut as the driver cuts them after its first step: the first up to min(1 MiB, S_b),
-              the others up to S_b, segments never split; S_b given, or the driver's rule
-              (localsgd.h: REFERENCE: THE BUCKET SIZE) with the rates the model's allreduce has
+              the others up to S_b, segments never split; S_b given, or the driver's rule itself
+              (localsgd.h's dopt__dp_bucket_rule, called here so the two cannot drift) with the
+              rates the model's allreduce has
      T_ar(x)  = 2(H-1)·A + 2(H-1)/H · x / R               the ring's latencies and bytes per link,
               or with --comm-ms M (the whole average measured alone): 2(H-1)·A + (M - 2(H-1)·A)·x / 4n
      start_k  = max(ready of bucket k's last segment, end_{k-1}),  end_k = start_k + T_ar(bytes_k)
@@ -711,18 +712,7 @@ static int project_main(const model_options *mo, projection *p) {
    driver's worker on cores the ranks share), the skew between ranks, and backward's work that
    finishes no parameter (attention's products): each shifts the ready times or stretches C. */
 
-#define OVERLAP_BUCKET_MIN 65536.0     /* localsgd.h's DOPT__DP_BUCKET_MIN */
-#define OVERLAP_FIRST_BUCKET 1048576.0 /* localsgd.h's DOPT__DP_FIRST_BUCKET */
 enum { OVERLAP_MAX_SEGS = 4096 };
-
-/* The driver's rule for the bucket size, as localsgd.h's dopt__dp_bucket_rule states it: S bytes
-   per step, alpha seconds per collective, R the allreduce's bytes/s (S/R its time), Tb backward. */
-static double overlap_bucket_rule(double S, double alpha, double R, double Tb) {
-    double b = sqrt(S * alpha * R);
-    if (Tb > S / R && S * alpha / (Tb - S / R) < b) b = S * alpha / (Tb - S / R);
-    if (!(b >= OVERLAP_BUCKET_MIN)) b = OVERLAP_BUCKET_MIN;
-    return b > S ? (S < OVERLAP_BUCKET_MIN ? OVERLAP_BUCKET_MIN : S) : b;
-}
 
 typedef struct overlap_step {
     double model_s, blocking_s, comm_s, tail_s, bucket_bytes;
@@ -740,8 +730,8 @@ static overlap_step overlap_predict(const double *n, int m, int H, double R, dou
     if (M > alpha) R = share * 4 * total / (M - alpha); /* the rate the measured average had */
     o.comm_s = alpha + share * 4 * total / R;
     o.bucket_bytes = bucket_bytes > 0 ? bucket_bytes
-                                      : overlap_bucket_rule(4 * total, alpha, share > 0 ? R / share : 1e12, B);
-    first_bytes = first_bytes > 0 ? first_bytes : OVERLAP_FIRST_BUCKET;
+                                      : (double)dopt__dp_bucket_rule(4 * total, alpha, share > 0 ? R / share : 1e12, B);
+    first_bytes = first_bytes > 0 ? first_bytes : (double)DOPT__DP_FIRST_BUCKET;
     if (first_bytes > o.bucket_bytes) first_bytes = o.bucket_bytes;
     for (j = 0; j < m;) { /* one bucket a pass */
         double cap = o.buckets == 0 ? first_bytes : o.bucket_bytes, bytes = 0;

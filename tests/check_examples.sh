@@ -5,7 +5,8 @@
 # fmnist_mlp must run one short epoch, with fixed and with adaptive batches; fmnist_mlp and char_lstm
 # must end with the same parameters, bit for bit, with --overlap on (gradients handed to the driver
 # during backward) as with --overlap off, and print the timing line; perf_model must
-# measure its ingredients and predict, and project to 1024 ranks. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
+# measure its ingredients and predict, size overlapped steps' buckets with the driver's own rule,
+# and project to 1024 ranks. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
 # examples there through the Makefile when they are missing or stale. A few seconds.
 set -u
 
@@ -139,6 +140,20 @@ build perf_model
 expect converges "$BUILD/perf_model" --transport shm --workers 2 --seconds 0.02 none:64:1 ternary:64:1 none:512:4:adaptive
 expect fails "$BUILD/perf_model" --transport self bogus:64:1
 expect fails "$BUILD/perf_model" --transport self powersgd:64:1
+# --overlap predicts with the driver's own bucket-size rule (localsgd.h's dopt__dp_bucket_rule),
+# not a copy that could drift from it: the source calls it and computes no size of its own, and a
+# prediction chooses a size within the rule's bounds (64 KiB .. the gradients' 8 MB here).
+src=$(dirname "$0")/../examples/perf_model.c
+line=$("$BUILD/perf_model" --overlap --hosts 2 --gbits 1 --link-us 50 --compute-ms 100 --backward-ms 60 \
+    --segments 1000000,500000,500000 2>/dev/null | grep '^overlap ')
+if grep -q 'dopt__dp_bucket_rule(' "$src" && ! grep -q 'sqrt(' "$src" &&
+    echo "$line" | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^bucket_bytes=/) b = substr($i, 14) + 0 }
+                        END { exit !(b >= 65536 && b <= 8000000) }'; then
+    echo "ok   perf_model --overlap sizes buckets with the driver's rule: $line"
+else
+    echo "FAIL perf_model --overlap: its own bucket-size rule in $src, or no size in: $line"
+    failed=1
+fi
 # The projection: a row per rate, method and world size 2..1024; TernGrad's allgather stops
 # growing across hosts while its integer ring keeps scaling (1 Gbit/s, 1024 ranks: several times).
 proj=$(mktemp -d)
