@@ -242,11 +242,35 @@ mutate compressed-bucket-drops-a-segment localsgd.h \
 mutate bucket-orders-not-compared localsgd.h 'if (a == b) continue;' 'if (1) continue;' \
     test_overlap:another_order
 mutate never-marked-segment-not-said localsgd.h \
-    '*mark_error = ov->twice < ov->nseg || ov->never < ov->nseg;' '*mark_error = ov->twice < ov->nseg;' \
-    test_overlap:marked_twice_or_never
+    'dopt__dp_ov_mistake(ov, DOPT__DP_NEVER_MARKED, i);' '(void)0;' test_overlap:mistake_in_one
 mutate write-after-mark-not-checked localsgd.h \
-    'if (i == ov->never || now == ov->sums[i]) continue;' 'if (i == ov->never || now != 0) continue;' \
+    'if (dopt__fnv1a(DOPT__FNV_OFFSET, h.ptr, h.count * sizeof(float)) != ov->sums[i])' 'if (0)' \
     test_overlap:write_after
+mutate marks-verdict-not-agreed localsgd.h \
+    's = dopt_allreduce(dp->comm, verdict, 1, DOPT_I64, DOPT_MIN);' 's = DOPT_OK;' test_overlap:mistake_in_one
+mutate marks-verdict-names-the-highest-rank localsgd.h \
+    '(int64_t)dp->comm->rank << 40 |' '(int64_t)(dp->comm->size - 1 - dp->comm->rank) << 40 |' \
+    test_overlap:mistake_in_one
+mutate unknown-segment-mark-not-said localsgd.h \
+    'if (sync) dopt__dp_ov_mistake(ov, DOPT__DP_MARKED_UNKNOWN, seg);' 'if (0) dopt__dp_ov_mistake(ov, 0, seg);' \
+    test_overlap:mistake_in_one
+mutate other-gradients-after-marks-not-said localsgd.h \
+    '|| !dopt__dp_ov_same_buf(ov, grads))' '|| 0)' test_overlap:mistake_in_one
+mutate mistaken-step-gradients-not-zeroed localsgd.h '    dopt__dp_zero(&dp->ov.grads);' '' \
+    test_overlap:mistake_in_one
+mutate weighted-bucket-averaged-plainly localsgd.h \
+    's = dopt_allreduce_weighted_mean(dp->comm, b->region, b->count, DOPT_F32, ov->weight);' \
+    's = dopt_allreduce(dp->comm, b->region, b->count, DOPT_F32, DOPT_MEAN);' test_overlap:weighted_buckets
+mutate batch-direction-skipped-after-buckets localsgd.h \
+    'if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN && !dp->grad_compressor && !dp->weighted)' \
+    'if (dp->batch && dp->batch->cfg.estimator == DOPT_BATCH_WITHIN && !dp->grad_compressor && !dp->weighted && grads != &dp->ov.grads)' \
+    test_overlap:batch_statistics
+mutate compressor-misfit-names-another-segment localsgd.h \
+    '        if (dopt_buf_segment(g, i).count != cz->segs[i].count) return i;' \
+    '        if (dopt_buf_segment(g, i).count != cz->segs[i].count) return 0;' test_overlap:another_table
+mutate descriptor-misfit-names-another-segment compress.h \
+    '        if (dopt_buf_segment(b, i).count != cz->segs[i].count) return i;' \
+    '        if (dopt_buf_segment(b, i).count != cz->segs[i].count) return 0;' test_compress:buckets_in_any_order
 mutate unused-segment-not-zeroed localsgd.h '    if (unused) {' '    if (0 && unused) {' test_overlap:unused
 mutate mean-of-a-scalar-is-a-sum distopt.h \
     'dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_MEAN);' \

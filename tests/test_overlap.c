@@ -8,7 +8,9 @@
    unknown; other gradients given) said on every rank; an unused segment averaged as
    zeros; every codec in buckets against its whole-buffer call (means and state, bitwise where
    compress.h says they must be); a NaN in one rank's bucket, fp32 or ternary; a peer lost with buckets in flight; a write after the mark
-   caught by overlap_check; local steps, where marks do nothing. No test asserts a time. */
+   caught by overlap_check; local steps, where marks do nothing; weighted means, the batch
+   controller's statistics and save/load around bucketed steps against blocking ones. No test
+   asserts a time. */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_shm.h"
@@ -360,6 +362,234 @@ static void body_compressor_table(dopt_comm *c, void *arg) {
 }
 
 DTEST_WORLDS(a_gradient_compressor_with_another_table_is_refused, body_compressor_table, NULL, 2, 2);
+
+/* ------------------------------------------------------------------ weights, batch statistics, state files */
+
+/* Weighted means (cfg.weighted: each rank weighs by its step's samples, unequal here) in buckets
+   against the blocking whole-buffer weighted mean: the same bits at two ranks, within a few
+   roundings beyond, the same on every rank either way. A bucket averaging plainly would differ. */
+static void body_weighted(dopt_comm *c, void *arg) {
+    ov_host ha, hb;
+    dopt_dp a, b;
+    float *ga, *gb;
+    size_t i;
+    int step;
+    (void)arg;
+    ov_host_init(&ha, OV_SCATTER);
+    ov_host_init(&hb, OV_SCATTER);
+    ga = (float *)malloc(ha.n * sizeof(float));
+    gb = (float *)malloc(ha.n * sizeof(float));
+    DT_OK(dopt_dp_init(&a, c, ha.n, &(dopt_dp_config){.grads = &ha.buf, .weighted = 1, .bucket_bytes = 64 << 10}));
+    DT_OK(dopt_dp_init(&b, c, hb.n, &(dopt_dp_config){.weighted = 1}));
+    for (step = 0; step < 4; step++) {
+        double samples = (double)(1 + 3 * c->rank + step);
+        DT_OK(dopt_dp_set_step_samples(&a, samples));
+        DT_OK(dopt_dp_set_step_samples(&b, samples));
+        ov_backward(&a, &ha, c->rank, step, NULL);
+        for (i = 0; i < OV_NSEG; i++) ov_fill(&hb, i, c->rank, step);
+        DT_OK(dopt_dp_after_backward_buf(&a, &ha.buf));
+        DT_OK(dopt_dp_after_backward_buf(&b, &hb.buf));
+        dopt_buf_pack(&ha.buf, ga);
+        dopt_buf_pack(&hb.buf, gb);
+        for (i = 0; i < ha.n; i++)
+            DT_CHECKF(c->size == 2 ? memcmp(&ga[i], &gb[i], sizeof(float)) == 0 : fabsf(ga[i] - gb[i]) <= 2e-6f,
+                      "step %d, element %zu: %.9g in buckets, %.9g whole", step, i, ga[i], gb[i]);
+        DT_CHECK(world_same_on_every_rank(c, ga, ha.n * sizeof(float)));
+    }
+    DT_CHECK(a.ov.rebuilt && a.ov.nbuckets > 2);
+    dopt_dp_free(&a);
+    dopt_dp_free(&b);
+    free(ga);
+    free(gb);
+    free(ha.mem);
+    free(hb.mem);
+}
+
+DTEST_WORLDS(weighted_buckets_equal_the_whole_weighted_mean, body_weighted, NULL, 2, 3);
+
+/* The adaptive batch controller after bucketed steps: each rank observes the same micro-batch
+   gradients into two controllers, one driven by a bucketed driver, one by a blocking one; every
+   decision's statistics (the averaged gradient's direction and norm among them) and the units
+   come out the same: bitwise at two ranks, within roundings beyond. */
+static void body_batch_stats(dopt_comm *c, void *arg) {
+    ov_host ha, hb;
+    dopt_batch ba, bb;
+    dopt_batch_config bcfg;
+    dopt_dp a, b;
+    float *micro, *pa, *pb;
+    size_t i, e, u;
+    int step;
+    (void)arg;
+    ov_host_init(&ha, OV_FLAT);
+    ov_host_init(&hb, OV_FLAT);
+    micro = (float *)malloc(ha.n * sizeof(float));
+    pa = (float *)calloc(ha.n, sizeof(float));
+    pb = (float *)calloc(ha.n, sizeof(float));
+    memset(&bcfg, 0, sizeof bcfg);
+    bcfg.test = DOPT_BATCH_AUGMENTED;
+    bcfg.estimator = DOPT_BATCH_WITHIN;
+    bcfg.projection = DOPT_BATCH_PROJECT_EXACT;
+    bcfg.unit_samples = 2;
+    bcfg.initial_units = 2;
+    bcfg.max_units = 8;
+    DT_OK(dopt_batch_init(&ba, ha.n, &bcfg));
+    DT_OK(dopt_batch_init(&bb, hb.n, &bcfg));
+    DT_OK(dopt_dp_init(&a, c, ha.n, &(dopt_dp_config){.grads = &ha.buf, .batch = &ba, .bucket_bytes = 64 << 10}));
+    DT_OK(dopt_dp_init(&b, c, hb.n, &(dopt_dp_config){.batch = &bb}));
+    DT_OK(dopt_dp_broadcast(&a, pa));
+    DT_OK(dopt_dp_broadcast(&b, pb));
+    for (step = 0; step < 4; step++) {
+        size_t units = dopt_batch_units(&ba);
+        dopt_buf mb = dopt_buf_flat(micro, ha.n, NULL, 0);
+        DT_EQ_INT(dopt_batch_units(&bb), units);
+        memset(hb.mem, 0, hb.n * sizeof(float));
+        for (u = 0; u < units; u++) { /* micro-batch u: its gradient, observed by both, into the step's mean */
+            size_t off = 0;
+            for (i = 0; i < OV_NSEG; i++)
+                for (e = 0; e < ov_sizes[i]; e++, off++)
+                    micro[off] = ov_value(c->rank, step * 8 + (int)u, i, e) + (float)((i + e) % 5) * 0.1f;
+            DT_OK(dopt_batch_observe(&ba, &mb, 1.0f));
+            DT_OK(dopt_batch_observe(&bb, &mb, 1.0f));
+            dopt_axpy(hb.mem, 1.0f / (float)units, micro, hb.n);
+        }
+        for (i = OV_NSEG; i-- > 0;) { /* backward: each segment of the mean written, then marked */
+            memcpy(ha.mem + ha.segs[i].offset, hb.mem + hb.segs[i].offset, ov_sizes[i] * sizeof(float));
+            DT_OK(dopt_dp_grad_ready(&a, i));
+        }
+        DT_OK(dopt_dp_after_backward_buf(&a, &ha.buf));
+        DT_OK(dopt_dp_after_backward_buf(&b, &hb.buf));
+        if (c->size == 2) DT_CHECK(memcmp(ha.mem, hb.mem, ha.n * sizeof(float)) == 0);
+        dopt_axpy(pa, -0.1f, ha.mem, ha.n);
+        dopt_axpy(pb, -0.1f, hb.mem, hb.n);
+        DT_OK(dopt_dp_after_step(&a, pa));
+        DT_OK(dopt_dp_after_step(&b, pb));
+        if (c->size == 2) {
+            DT_CHECKF(memcmp(&ba.last, &bb.last, sizeof ba.last) == 0,
+                      "step %d: var %.17g ip_var %.17g grad_norm2 %.17g in buckets; %.17g %.17g %.17g whole", step,
+                      ba.last.var, ba.last.ip_var, ba.last.grad_norm2, bb.last.var, bb.last.ip_var, bb.last.grad_norm2);
+        } else {
+            DT_NEAR(ba.last.var, bb.last.var, 1e-5 * fabs(bb.last.var));
+            DT_NEAR(ba.last.ip_var, bb.last.ip_var, 1e-5 * fabs(bb.last.var));
+            DT_NEAR(ba.last.grad_norm2, bb.last.grad_norm2, 1e-5 * fabs(bb.last.grad_norm2));
+        }
+        DT_CHECK(ba.last.ip_var == ba.last.ip_var); /* projected on the averaged gradient: known */
+        DT_NEAR(ba.last.workers, (double)c->size, 0.0);
+    }
+    DT_EQ_INT(ba.decisions, bb.decisions);
+    DT_CHECK(ba.decisions > 0);
+    dopt_dp_free(&a);
+    dopt_dp_free(&b);
+    dopt_batch_free(&ba);
+    dopt_batch_free(&bb);
+    free(micro);
+    free(pa);
+    free(pb);
+    free(ha.mem);
+    free(hb.mem);
+}
+
+DTEST_WORLDS(batch_statistics_after_bucketed_steps_equal_blocking_ones, body_batch_stats, NULL, 2, 3);
+
+static unsigned char *ov_read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    unsigned char *p;
+    long end;
+    DT_CHECK(f != NULL && fseek(f, 0, SEEK_END) == 0 && (end = ftell(f)) > 0 && fseek(f, 0, SEEK_SET) == 0);
+    p = (unsigned char *)malloc((size_t)end);
+    DT_CHECK(p != NULL && fread(p, 1, (size_t)end, f) == (size_t)end);
+    fclose(f);
+    *len = (size_t)end;
+    return p;
+}
+
+/* Files equal byte for byte. */
+static int ov_same_file(const char *x, const char *y) {
+    size_t lx, ly;
+    unsigned char *px = ov_read_file(x, &lx), *py = ov_read_file(y, &ly);
+    int same = lx == ly && memcmp(px, py, lx) == 0;
+    free(px);
+    free(py);
+    return same;
+}
+
+/* A ternary compressor with error feedback over the host's segments, for the state files. */
+static void ov_ef_compressor(dopt_compressor *cz, const ov_host *h) {
+    dopt_segment packed[OV_NSEG];
+    dopt_compressor_config cfg;
+    size_t i, off = 0;
+    for (i = 0; i < OV_NSEG; i++) {
+        packed[i] = h->segs[i];
+        packed[i].offset = off;
+        off += packed[i].count;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.codec = DOPT_CODEC_TERNARY;
+    cfg.error_feedback = DOPT_EF_ON;
+    cfg.seed = 7;
+    DT_OK(dopt_compressor_init(cz, &cfg, packed, OV_NSEG));
+}
+
+static void ov_step(dopt_dp *dp, ov_host *h, float *params, int rank, int step) {
+    ov_backward(dp, h, rank, step, NULL);
+    DT_OK(dopt_dp_after_backward_buf(dp, &h->buf));
+    dopt_axpy(params, -0.1f, h->mem, h->n);
+    DT_OK(dopt_dp_after_step(dp, params));
+}
+
+/* dopt_dp_save and dopt_dp_load around bucketed steps with a gradient compressor whose error
+   feedback is live: the file a fresh driver loads saves back byte for byte, and the next step
+   from it gives the same gradients, parameters and file as the step the saving driver took. */
+static void body_save_load(dopt_comm *c, void *arg) {
+    ov_host h;
+    dopt_compressor cz, cz2;
+    dopt_dp a, r;
+    char dir[128], s1[160], s1r[160], s2a[160], s2r[160];
+    float *pa, *p1, *g2;
+    int step;
+    (void)arg;
+    world_tmpdir(c, dir, sizeof dir);
+    snprintf(s1, sizeof s1, "%s/s1.%d", dir, c->rank);
+    snprintf(s1r, sizeof s1r, "%s/s1r.%d", dir, c->rank);
+    snprintf(s2a, sizeof s2a, "%s/s2a.%d", dir, c->rank);
+    snprintf(s2r, sizeof s2r, "%s/s2r.%d", dir, c->rank);
+    ov_host_init(&h, OV_FLAT);
+    pa = (float *)calloc(h.n, sizeof(float));
+    p1 = (float *)malloc(h.n * sizeof(float));
+    g2 = (float *)malloc(h.n * sizeof(float));
+    ov_ef_compressor(&cz, &h);
+    DT_OK(dopt_dp_init(&a, c, h.n, &(dopt_dp_config){.grads = &h.buf, .grad_compressor = &cz, .bucket_bytes = 64 << 10}));
+    DT_OK(dopt_dp_broadcast(&a, pa));
+    for (step = 0; step < 2; step++) ov_step(&a, &h, pa, c->rank, step);
+    DT_CHECK(a.ov.rebuilt && dopt_sumsq(cz.residual, h.n) > 0.0); /* buckets agreed, error feedback live */
+    DT_OK(dopt_dp_save(&a, s1));
+    memcpy(p1, pa, h.n * sizeof(float));
+    ov_step(&a, &h, pa, c->rank, 2);
+    memcpy(g2, h.mem, h.n * sizeof(float));
+    DT_OK(dopt_dp_save(&a, s2a));
+    dopt_dp_free(&a);
+    dopt_compressor_free(&cz);
+    /* a new process: a fresh compressor and driver, the file loaded, the step taken again */
+    ov_ef_compressor(&cz2, &h);
+    DT_OK(dopt_dp_init(&r, c, h.n, &(dopt_dp_config){.grads = &h.buf, .grad_compressor = &cz2, .bucket_bytes = 64 << 10}));
+    DT_OK(dopt_dp_load(&r, s1));
+    DT_EQ_INT(r.step, 2);
+    DT_OK(dopt_dp_save(&r, s1r));
+    DT_CHECKF(ov_same_file(s1, s1r), "rank %d: the loaded state saves to other bytes", c->rank);
+    ov_step(&r, &h, p1, c->rank, 2);
+    DT_CHECKF(memcmp(h.mem, g2, h.n * sizeof(float)) == 0, "rank %d: step 2's gradients differ after the load", c->rank);
+    DT_CHECK(memcmp(p1, pa, h.n * sizeof(float)) == 0);
+    DT_OK(dopt_dp_save(&r, s2r));
+    DT_CHECKF(ov_same_file(s2a, s2r), "rank %d: the state after step 2 differs after the load", c->rank);
+    dopt_dp_free(&r);
+    dopt_compressor_free(&cz2);
+    world_tmpdir_remove(c, dir);
+    free(pa);
+    free(p1);
+    free(g2);
+    free(h.mem);
+}
+
+DTEST_WORLDS(save_and_load_around_bucketed_steps_resume_bit_for_bit, body_save_load, NULL, 2, 3);
 
 /* ------------------------------------------------------------------ the host's mistakes, said */
 
