@@ -353,7 +353,10 @@
      communicator's status at once, sends nothing and counts no step; so a training loop may
      ignore the statuses inside a step and check the last one, once per step or per epoch. A
      non-finite average under DOPT_NONFINITE_FAIL stops the driver the same way (the
-     communicator itself stays usable: dopt_mean and the host's own collectives go on).
+     communicator itself stays usable: dopt_mean and the host's own collectives go on). A
+     mistake in a step's marks (OVERLAP) does not stop it: that step's after_backward returns
+     DOPT_ERR_INVALID on every rank, once, and later calls go on; a loop that checks only its
+     last status learns it from the ERROR line the communicator's log callback gets.
 
    NON-FINITE AVERAGES
      Every average the driver makes — fp32, fp16/bf16 and every codec, the gradients of

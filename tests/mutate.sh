@@ -244,7 +244,8 @@ mutate bucket-orders-not-compared localsgd.h 'if (a == b) continue;' 'if (1) con
 mutate never-marked-segment-not-said localsgd.h \
     'dopt__dp_ov_mistake(ov, DOPT__DP_NEVER_MARKED, i);' '(void)0;' test_overlap:mistake_in_one
 mutate write-after-mark-not-checked localsgd.h \
-    'if (dopt__fnv1a(DOPT__FNV_OFFSET, h.ptr, h.count * sizeof(float)) != ov->sums[i])' 'if (0)' \
+    'if (dopt__fnv1a(DOPT__FNV_OFFSET, h.ptr, h.count * sizeof(float)) != ov->sums[i])' \
+    'if (dopt__fnv1a(DOPT__FNV_OFFSET, h.ptr, h.count * sizeof(float)) == 0)' \
     test_overlap:write_after
 mutate marks-verdict-not-agreed localsgd.h \
     's = dopt_allreduce(dp->comm, verdict, 1, DOPT_I64, DOPT_MIN);' 's = DOPT_OK;' test_overlap:mistake_in_one
@@ -255,7 +256,7 @@ mutate unknown-segment-mark-not-said localsgd.h \
     'if (sync) dopt__dp_ov_mistake(ov, DOPT__DP_MARKED_UNKNOWN, seg);' 'if (0) dopt__dp_ov_mistake(ov, 0, seg);' \
     test_overlap:mistake_in_one
 mutate other-gradients-after-marks-not-said localsgd.h \
-    '|| !dopt__dp_ov_same_buf(ov, grads))' '|| 0)' test_overlap:mistake_in_one
+    '|| !dopt__dp_ov_same_buf(ov, grads))' '|| !dopt__dp_ov_same_buf(ov, &ov->grads))' test_overlap:mistake_in_one
 mutate mistaken-step-gradients-not-zeroed localsgd.h '    dopt__dp_zero(&dp->ov.grads);' '' \
     test_overlap:mistake_in_one
 mutate weighted-bucket-averaged-plainly localsgd.h \
