@@ -242,6 +242,36 @@
      worlds of up to 64 ranks; larger ones have no links and return DOPT_ERR_UNSUPPORTED,
      nothing poisoned).
 
+   SURVIVING A LOST PEER (shrink)
+     By default a lost peer ends the job: every survivor's communicator is poisoned and names it.
+     A communicator whose transport was configured with on_peer_lost = DOPT_SHRINK (TCP and shm:
+     their config's on_peer_lost and min_ranks, or DOPT_ON_PEER_LOST=shrink and DOPT_MIN_RANKS)
+     can go on without it: after a collective failed with DOPT_ERR_PEER_LOST or DOPT_ERR_TIMEOUT,
+     every survivor calls dopt_comm_shrink(c, &next). The survivors agree on who is alive,
+     without a coordinator (rank 0 may be the one lost), and each gets next: a communicator of
+     the survivors, ranked in their old order, with the same job identity (token, addresses) and
+     settings, next->epoch = c->epoch + 1. c stays poisoned (every request in flight on it has
+     failed); destroy it, after or before next. The agreement tolerates further deaths during it
+     (a rank lost while the survivors agree is left out, or, when it dies after the decision, is
+     named by next's first collective, which a second shrink then leaves out), and every
+     survivor ends with the same members and numbering. What the survivors do with the lost
+     rank's work is the program's (localsgd.h's driver: see its manual).
+     dopt_comm_shrink returns:
+     - DOPT_OK with next;
+     - DOPT_ERR_PEER_LOST when fewer than min_ranks survive (on every survivor, the detail
+       giving the count and min_ranks), or when the others agreed to leave this rank out (it was
+       too slow to answer: it was taken for lost);
+     - DOPT_ERR_INVALID when c is healthy, failed otherwise (a MISMATCH is a program's bug, not a
+       lost peer), is a group (shrink the communicator the transport made, then split again), or
+       was not configured with DOPT_SHRINK; c is left as it was;
+     - DOPT_ERR_UNSUPPORTED for a backend that cannot (MPI: Open MPI 4.1 has no ULFM, and
+       mpirun ends the job when a rank dies);
+     - DOPT_ERR_TIMEOUT when nobody answered within c's timeout.
+     c->lost_rank is the rank the failure named (-1 before one). Ranks taken for lost are those
+     whose connection ended, or who said nothing for the timeout: a survivor that was only slow
+     may be left out, and learns it from dopt_comm_shrink's status. The rest of the contract is
+     each transport's (transport_tcp.h: SURVIVING A LOST RANK).
+
    RANKS THAT SHARE A HOST
      Where the transport knows which ranks share a host (TCP, from the addresses its ranks listen
      on), a large allreduce across several hosts with the same number of ranks each runs in two
@@ -638,6 +668,10 @@ typedef struct dopt_comm_vtable {
        runs what `provides` leaves out, and exchanges and groups); NULL: dopt_own_provider (the
        functions above; a collective without one fails with DOPT_ERR_UNSUPPORTED). */
     const dopt_coll_provider *(*provider)(void);
+    /* A backend whose survivors can agree and go on (dopt_comm_shrink): called on a communicator
+       configured with DOPT_SHRINK that failed with PEER_LOST or TIMEOUT; *next gets the
+       survivors' communicator. NULL: DOPT_ERR_UNSUPPORTED. */
+    dopt_status (*shrink)(dopt_comm *c, dopt_comm **next);
 } dopt_comm_vtable;
 
 /* The vtable has field f: the backend's struct_size covers it. */
@@ -645,6 +679,11 @@ typedef struct dopt_comm_vtable {
 
 /* When the host-aware (two-level) allreduce runs: on the ring path when ranks share hosts (AUTO),
    for every non-empty allreduce (ON), or never (OFF). */
+/* What a communicator does when a peer is lost (the transports' config on_peer_lost): end the job
+   (DOPT_FAIL, the default) or let the survivors go on (DOPT_SHRINK: dopt_comm_shrink). */
+#define DOPT_FAIL 0
+#define DOPT_SHRINK 1
+
 #define DOPT_TWO_LEVEL_AUTO 0
 #define DOPT_TWO_LEVEL_ON 1
 #define DOPT_TWO_LEVEL_OFF (-1)
@@ -685,6 +724,12 @@ struct dopt_comm {
     dopt_status family_status;
     char family_detail[DOPT_DETAIL_MAX];
     uint32_t next_group;
+    /* Surviving a lost peer (SURVIVING A LOST PEER): what the transport's config said, how many
+       shrinks made this communicator, and the rank the failure named (-1: none yet). */
+    int on_peer_lost;     /* DOPT_FAIL or DOPT_SHRINK */
+    int min_ranks;        /* dopt_comm_shrink fails below this many survivors (0, 1: never) */
+    uint32_t epoch;       /* 0 for a communicator a transport made; c->epoch + 1 for dopt_comm_shrink's */
+    int lost_rank;
     char detail[DOPT_DETAIL_MAX];
 };
 
@@ -718,6 +763,9 @@ DOPT_DEF dopt_status dopt_comm_split(dopt_comm *c, int color, int key, dopt_comm
 /* The ranks of c on this rank's host, in the order of c (host: the same host name and network
    namespace, exchanged among the ranks). */
 DOPT_DEF dopt_status dopt_comm_split_host(dopt_comm *c, dopt_comm **out);
+/* After a lost peer, on a communicator configured with DOPT_SHRINK: the survivors agree on who is
+   alive and each gets *next, their communicator (SURVIVING A LOST PEER). Every survivor calls it. */
+DOPT_DEF dopt_status dopt_comm_shrink(dopt_comm *c, dopt_comm **next);
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c);
 DOPT_DEF void dopt_comm_set_log(dopt_comm *c, dopt_log_fn fn, void *user);
 DOPT_DEF void dopt_comm_set_timeout(dopt_comm *c, int timeout_ms);
@@ -2246,6 +2294,7 @@ DOPT_DEF dopt_status dopt_comm_new(dopt_comm **out, int rank, int size, const do
     c->impl = impl;
     c->timeout_ms = DOPT_DEFAULT_TIMEOUT_MS;
     c->next_group = 1;
+    c->lost_rank = -1;
     c->provider = DOPT__VT_HAS(vt, provider) ? vt->provider() : dopt_own_provider();
     if (c->provider->attach) s = c->provider->attach(c);
     if (s != DOPT_OK) {
@@ -2286,6 +2335,37 @@ DOPT_DEF int dopt_comm_finish(dopt_comm *c, int status) {
 }
 
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c) { return c ? c->detail : "no communicator"; }
+
+/* The checks every backend's shrink shares; the agreement itself is the backend's. A refusal
+   leaves c as it was (its detail names the first failure, which the program still needs), so
+   it is said through the log, and the status alone says which rule. */
+DOPT_DEF dopt_status dopt_comm_shrink(dopt_comm *c, dopt_comm **next) {
+    const char *why = NULL;
+    dopt_status s = DOPT_ERR_INVALID;
+    if (next) *next = NULL;
+    if (c == NULL || next == NULL) return DOPT_ERR_INVALID;
+    if (!DOPT__VT_HAS(c->vt, shrink) && c->root == NULL) {
+        why = "has a backend that cannot shrink";
+        s = DOPT_ERR_UNSUPPORTED;
+    } else if (c->root != NULL)
+        why = "is a group: shrink the communicator the transport made, then split the survivors again";
+    else if (c->error == DOPT_OK)
+        why = "has not failed: shrink after a collective failed with DOPT_ERR_PEER_LOST or DOPT_ERR_TIMEOUT";
+    else if (c->error != DOPT_ERR_PEER_LOST && c->error != DOPT_ERR_TIMEOUT)
+        why = "failed with something other than a lost peer (PEER_LOST or TIMEOUT): no rank to leave out";
+    else if (c->on_peer_lost != DOPT_SHRINK)
+        why = "was not configured to survive a lost peer: set the transport config's on_peer_lost = DOPT_SHRINK "
+              "(or DOPT_ON_PEER_LOST=shrink)";
+    if (why) {
+        dopt_comm_log(c, DOPT_LOG_ERROR, "rank %d: dopt_comm_shrink: the communicator (%s) %s%s", c->rank,
+                      c->vt->name, why,
+                      s == DOPT_ERR_UNSUPPORTED && strcmp(c->vt->name, "mpi") == 0
+                          ? " (MPI: Open MPI 4.1 has no ULFM, and mpirun ends the job when a rank dies)"
+                          : "");
+        return s;
+    }
+    return c->vt->shrink(c, next);
+}
 
 DOPT_DEF double dopt_mean(dopt_comm *c, double x) {
     const char *prev = dopt_comm_set_api(c, "dopt_mean");
@@ -3000,7 +3080,7 @@ static dopt_status dopt__self_split(dopt_comm *c, int color, int key, dopt_comm 
 
 static const dopt_comm_vtable dopt__self_vtable = {
     "self", dopt__self_allreduce, dopt__self_allgatherv, dopt__self_broadcast, dopt__self_barrier,
-    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, dopt__self_split, NULL, NULL};
+    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, dopt__self_split, NULL, NULL, NULL};
 
 DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out) {
     return dopt_comm_new(out, 0, 1, &dopt__self_vtable, NULL);

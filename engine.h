@@ -566,6 +566,7 @@ static dopt_status dopt__eng_abort_all(dopt_comm *c, const dopt_coll_desc *d, in
     dopt_coll_desc none;
     int p;
     if (e->abort_len) return c->error; /* told them already */
+    if (culprit >= 0 && culprit < e->size && culprit != e->rank) e->root->lost_rank = culprit; /* dopt_comm_shrink's */
     if (d == NULL) {
         memset(&none, 0, sizeof none);
         d = &none;
@@ -1733,7 +1734,8 @@ DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms) {
    of another group, or of the parent, is a mismatch; its ranks are mapped to the root's links. */
 
 static const dopt_comm_vtable dopt__group_vtable = {"group", NULL, NULL, NULL, NULL, NULL, sizeof(dopt_comm_vtable),
-                                                    0u, NULL, NULL, NULL, NULL, NULL, NULL, dopt_engine_provider};
+                                                    0u, NULL, NULL, NULL, NULL, NULL, NULL, dopt_engine_provider,
+                                                    NULL};
 
 /* This rank's part of the group: color's ranks of c in (key, rank) order, from all[3r..3r+2] =
    {color, key, next free number} of every rank r of c (the provider's split). */
@@ -1896,6 +1898,92 @@ DOPT_DEF const dopt_coll_provider *dopt_engine_provider(void) {
     return &engine;
 }
 
+/* ===================================================================== SHRINK: THE SURVIVORS' AGREEMENT
+
+   After a lost peer the survivors of a communicator of n ranks agree on who is gone (distopt.h:
+   SURVIVING A LOST PEER), with no coordinator: the hierarchical consensus of Cachin, Guerraoui
+   and Rodrigues (Introduction to Reliable and Secure Distributed Programming, 2011, §5.1.3) over
+   the failure detector a transport provides (a link that ends, or silence for the timeout).
+   Ranks take turns in rank order. Rank k waits until every rank below it has either told it
+   its decision or is known to be gone; it then decides — the decision of the highest rank
+   below it that told it one, or, having heard none, the set of ranks it knows are gone — and
+   tells every rank above it. Why all deciders agree: take the lowest rank j that decides and
+   tells its value D; every rank above j that decides waits for j (j is alive when it tells, so
+   it is never taken for gone by a detector that only takes the dead) and adopts D, unless it
+   heard a higher rank i < it, which adopted D the same way. A rank that dies while telling
+   leaves some ranks with its value and some without; the next rank's value is then either
+   its value (it heard it) or its own, and every rank above adopts that one. A detector that
+   takes a live but slow rank for gone may break this for that rank: it then decides apart and
+   finds its links to the others closed (transport_tcp.h says how that ends). The value is a
+   set of ranks (a bitmap of n bits); the lowest survivor decides what it knows when it
+   decides, so a rank lost after that stays a member, and the next communicator's first
+   collective names it (a second shrink leaves it out). tests/test_shrink.c runs the rules
+   below over random schedules of deaths and deliveries. */
+
+typedef struct dopt__agree {
+    int n, me;
+    int words;      /* 64-bit words of a set of n ranks */
+    uint64_t *gone; /* ranks this rank knows are gone */
+    uint64_t *value; /* the decision adopted so far (from rank `from`), then the decision */
+    uint64_t *heard; /* ranks below this one whose decision arrived */
+    int from;       /* the rank whose decision value holds; -1: none heard */
+    int decided;
+} dopt__agree;
+
+DOPT__MAYBE_UNUSED static int dopt__agree_has(const uint64_t *set, int r) { return (int)(set[r / 64] >> (r % 64)) & 1; }
+
+DOPT__MAYBE_UNUSED static void dopt__agree_free(dopt__agree *a) {
+    DOPT_FREE(a->gone);
+    a->gone = a->value = a->heard = NULL;
+}
+
+/* Rank me of n, knowing nobody gone yet. DOPT_ERR_NOMEM. */
+DOPT__MAYBE_UNUSED static dopt_status dopt__agree_init(dopt__agree *a, int n, int me) {
+    memset(a, 0, sizeof *a);
+    a->n = n;
+    a->me = me;
+    a->words = (n + 63) / 64;
+    a->from = -1;
+    a->gone = (uint64_t *)DOPT_MALLOC(3 * sizeof(uint64_t) * (size_t)a->words);
+    if (a->gone == NULL) return DOPT_ERR_NOMEM;
+    memset(a->gone, 0, 3 * sizeof(uint64_t) * (size_t)a->words);
+    a->value = a->gone + a->words;
+    a->heard = a->value + a->words;
+    return DOPT_OK;
+}
+
+/* Rank r is gone (a link ended, silence, the failure's culprit). Never this rank itself. */
+DOPT__MAYBE_UNUSED static void dopt__agree_lost(dopt__agree *a, int r) {
+    if (r >= 0 && r < a->n && r != a->me) a->gone[r / 64] |= (uint64_t)1 << (r % 64);
+}
+
+/* Rank from (below this one) decided value (a words-long set). */
+DOPT__MAYBE_UNUSED static void dopt__agree_heard(dopt__agree *a, int from, const uint64_t *value) {
+    if (from < 0 || from >= a->me || a->decided) return;
+    a->heard[from / 64] |= (uint64_t)1 << (from % 64);
+    if (from > a->from) {
+        memcpy(a->value, value, sizeof(uint64_t) * (size_t)a->words);
+        a->from = from;
+    }
+}
+
+/* The lowest rank below this one that it still waits for: neither heard nor gone; -1: none. */
+DOPT__MAYBE_UNUSED static int dopt__agree_waiting_for(const dopt__agree *a) {
+    int r;
+    for (r = 0; r < a->me; r++)
+        if (!dopt__agree_has(a->heard, r) && !dopt__agree_has(a->gone, r)) return r;
+    return -1;
+}
+
+/* Decides when nobody below is waited for: 1 once decided (a->value is the decision), else 0. */
+DOPT__MAYBE_UNUSED static int dopt__agree_step(dopt__agree *a) {
+    if (a->decided) return 1;
+    if (dopt__agree_waiting_for(a) >= 0) return 0;
+    if (a->from < 0) memcpy(a->value, a->gone, sizeof(uint64_t) * (size_t)a->words);
+    a->decided = 1;
+    return 1;
+}
+
 /* ===================================================================== FOR BACKENDS
 
    The private names of this file that a transport (or a module that runs its own exchanges) may
@@ -1906,7 +1994,8 @@ DOPT_DEF const dopt_coll_provider *dopt_engine_provider(void) {
    Macros: DOPT__FRAME_DATA (a DATA frame's type, dopt__frame.type); DOPT__LOCKED(e, expr) (expr
    with the engine locked).
    Types: dopt__engine, dopt__peer, dopt__frame (the engine's state, one peer's link, a frame's
-   header decoded): read by a transport's links, never written. */
+   header decoded): read by a transport's links, never written; dopt__agree (the survivors'
+   agreement): a transport's own. */
 
 /* The collective the engine is running now (its descriptor names details), or NULL. */
 static const dopt_coll_desc *dopt__eng_current(const dopt__engine *e);
@@ -1915,6 +2004,18 @@ static const char *dopt__frame_decode(const unsigned char *in, dopt__frame *f);
 /* With a progress thread, every use of the engine holds its lock; unlock returns s (e may be NULL). */
 static void dopt__eng_lock(dopt__engine *e);
 static dopt_status dopt__eng_unlock(dopt__engine *e, dopt_status s);
+/* SHRINK: THE SURVIVORS' AGREEMENT, the rules without the messages (a transport carries them):
+   init for rank me of n (DOPT_ERR_NOMEM) and free; lost(r): r is gone; heard(from, value): rank
+   from < me decided value; waiting_for: the rank below me still awaited, -1: none; step: 1 once
+   decided (a->value, a set of a->words words, the ranks gone), after which nothing changes it;
+   has(set, r): r in set. */
+DOPT__MAYBE_UNUSED static dopt_status dopt__agree_init(dopt__agree *a, int n, int me);
+DOPT__MAYBE_UNUSED static void dopt__agree_free(dopt__agree *a);
+DOPT__MAYBE_UNUSED static void dopt__agree_lost(dopt__agree *a, int r);
+DOPT__MAYBE_UNUSED static void dopt__agree_heard(dopt__agree *a, int from, const uint64_t *value);
+DOPT__MAYBE_UNUSED static int dopt__agree_waiting_for(const dopt__agree *a);
+DOPT__MAYBE_UNUSED static int dopt__agree_step(dopt__agree *a);
+DOPT__MAYBE_UNUSED static int dopt__agree_has(const uint64_t *set, int r);
 
 #ifdef __cplusplus
 }

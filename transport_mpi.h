@@ -182,6 +182,11 @@
      rank 1 with PID ... exited on signal 9 (Killed)"); the survivors see no status. For a stuck
      peer, bound the job with `mpirun --timeout SECONDS` or an outer `timeout`, or set engine = 1.
      DOPT_ERR_PEER_LOST comes only from an MPI that reports failed processes (ULFM).
+     Surviving a lost rank (distopt.h: SURVIVING A LOST PEER) is not available here:
+     dopt_comm_shrink returns DOPT_ERR_UNSUPPORTED (logged with why). It would need ULFM's
+     revoke, shrink and agree, which Open MPI 4.1 does not have, and mpirun ends the whole job
+     when a rank dies. A job that must survive one runs on TCP (DOPT_TRANSPORT=tcp under the same
+     launcher) or shm with on_peer_lost = DOPT_SHRINK.
 */
 #ifndef DISTOPT_TRANSPORT_MPI_H
 #define DISTOPT_TRANSPORT_MPI_H
@@ -859,13 +864,14 @@ static const dopt_comm_vtable dopt__mpi_vtable = {"mpi",
                                                   NULL,
                                                   dopt__mpi_split,
                                                   NULL,
+                                                  NULL,
                                                   NULL};
 
 /* engine = 1: links only; the engine runs every collective and makes groups over the links. */
 static const dopt_comm_vtable dopt__mpi_engine_vtable = {
     "mpi", NULL, NULL, NULL, NULL, dopt__mpi_destroy, sizeof(dopt_comm_vtable), 0u,
     dopt__mpi_link_send, dopt__mpi_link_recv, dopt__mpi_link_wait, dopt__mpi_link_close, NULL, NULL,
-    dopt_engine_provider};
+    dopt_engine_provider, NULL};
 
 /* The check setting this rank asks for: the config's, else the environment's. */
 static int dopt__mpi_check_wanted(const dopt_mpi_config *cfg) { return cfg->check > 0; }

@@ -90,6 +90,11 @@
    | two_level             | the host-aware allreduce (ALGORITHMS) when ranks share    | DOPT_TWO_LEVEL_AUTO|
    |                       | hosts: DOPT_TWO_LEVEL_AUTO on the ring path, _ON for every|                    |
    |                       | allreduce, _OFF never                                     |                    |
+   | on_peer_lost          | DOPT_FAIL: a lost rank ends the job (every survivor names | DOPT_FAIL          |
+   |                       | it); DOPT_SHRINK: the survivors may go on without it      |                    |
+   |                       | (dopt_comm_shrink; SURVIVING A LOST RANK)                 |                    |
+   | min_ranks             | with DOPT_SHRINK, fewer survivors than this end the job   | 0: any number      |
+   |                       | with DOPT_ERR_PEER_LOST on every survivor                 |                    |
    | log_fn, log_user      | logging callback, installed on the communicator. It also  | silent             |
    |                       | hears the rendezvous (whom it waits for, joiners refused) |                    |
    |                       | and is how a failed create tells why (there is no         |                    |
@@ -114,6 +119,9 @@
    | DOPT_SOCKET_IFNAME         | socket_ifname         | no                                 |
    | DOPT_TWO_LEVEL             | two_level             | no ("auto", "on" or "off")         |
    | DOPT_PROGRESS_THREAD_US    | progress_thread_us    | no (the config's, else 0: none)    |
+   | DOPT_ON_PEER_LOST          | on_peer_lost          | no ("fail" or "shrink"; the        |
+   |                            |                       | config's, else fail)               |
+   | DOPT_MIN_RANKS             | min_ranks             | no (the config's, else 0)          |
 
    Rank, world size and rank 0's address and port are read by distopt.h's dopt_launch_read (its
    LAUNCH VARIABLES): besides DOPT_*, from mpirun's (OMPI_COMM_WORLD_*, PMI_*), srun's
@@ -124,7 +132,8 @@
    names rank 0's host, that is an error rather than a guess.
    The variables that describe the job (rank, world size, where rank 0 is, the token, where to
    listen, on which interface) come from the environment alone, unset ones meaning the default;
-   the timeouts, DOPT_TWO_LEVEL and DOPT_PROGRESS_THREAD_US only when set. Every other field is
+   the timeouts, DOPT_TWO_LEVEL, DOPT_PROGRESS_THREAD_US, DOPT_ON_PEER_LOST and DOPT_MIN_RANKS
+   only when set. Every other field is
    the caller's. A value that does not fit is refused with one DOPT_LOG_ERROR line through the
    config's log_fn naming the variable, its value and the rule:
        DOPT_WORLD_SIZE="abc" is not a number
@@ -366,6 +375,35 @@
    the last collective never fails a peer still finishing it; a peer that closes without a
    goodbye fails only the ranks that still need data from it.
 
+   SURVIVING A LOST RANK (on_peer_lost = DOPT_SHRINK; distopt.h: SURVIVING A LOST PEER)
+
+       // after a collective failed with DOPT_ERR_PEER_LOST (or TIMEOUT), on every survivor:
+       dopt_comm *next;
+       if (dopt_comm_shrink(comm, &next) != DOPT_OK) return dopt_comm_finish(comm, 1);
+       dopt_comm_destroy(comm);
+       comm = next; // the survivors, renumbered in their old order; next->epoch counts shrinks
+
+   With DOPT_SHRINK every rank but 0 keeps the socket it listened on at the rendezvous, and an
+   abort leaves the links open (without DOPT_SHRINK it shuts them for writing): a link's end
+   then means its process died or left. dopt_comm_shrink runs the survivors' agreement (engine.h:
+   SHRINK: THE SURVIVORS' AGREEMENT): each survivor connects to the listening socket of every
+   rank above it, proves it belongs to the job (a hash keyed by the token, never the token
+   itself), and ranks decide in turn, each telling the ranks above it; a rank below that does
+   not connect is waited for until its old link ends (plus 200 ms for its connection to
+   arrive) or for timeout_ms of silence. Those connections are the next communicator's links:
+   no new rendezvous, rank 0's address is not needed (rank 0 may be the one lost). Measured on
+   loopback: 4 → 3 ranks in about a millisecond once the failure is known (tests/test_shrink.c
+   prints it). A rank that dies during the agreement is left out, or, when it dies after the
+   decision, named by the next communicator's first collective (shrink again). The settings
+   carry over (timeout, token, socket buffers, two_level, the progress thread, min_ranks); the
+   hosts are recomputed from the survivors. Connections to the listening socket that are not
+   survivors of this communicator (strangers, another job, a wrong token, garbage, an old
+   epoch) are closed and logged; at most 32 wait at once, the oldest dropped. Limits: a rank
+   that is alive but silent for timeout_ms is taken for lost and, if the others decide
+   without it, its own shrink returns DOPT_ERR_PEER_LOST saying it was left out; the hello's
+   proof is a 64-bit keyed hash, not a cryptographic MAC (SECURITY). After a successful shrink
+   the old communicator's destroy closes its sockets at once (nobody reads them any more).
+
    ALGORITHMS (every rank ends with the same bytes, run after run)
 
    The collectives, their requests (dopt_allreduce_start and friends) and the failure handling
@@ -388,7 +426,10 @@
    SECURITY
 
    The token keeps jobs apart (another job on the same port, a stale process, a port scanner);
-   it is sent in clear text and traffic is not encrypted. Run jobs on networks you trust.
+   it is sent in clear text at the rendezvous and traffic is not encrypted. Run jobs on
+   networks you trust. The survivors' agreement sends a keyed hash of the token instead of the
+   token; it keeps strangers and other jobs out, but a 64-bit non-cryptographic hash seen on
+   the wire could be used to guess a short token offline.
 */
 #ifndef DISTOPT_TRANSPORT_TCP_H
 #define DISTOPT_TRANSPORT_TCP_H
@@ -432,6 +473,9 @@ typedef struct dopt_tcp_config {
     void *on_listen_user;
     char master_host[DOPT_LAUNCH_ADDR_MAX + 1]; /* used when master_addr is NULL: a host name
                                   dopt_tcp_config_from_env derived (Slurm's first node) */
+    int on_peer_lost;          /* DOPT_FAIL (0): a lost rank ends the job; DOPT_SHRINK: the survivors
+                                  may go on (dopt_comm_shrink; SURVIVING A LOST RANK) */
+    int min_ranks;             /* with DOPT_SHRINK: fewer survivors than this end the job; 0: any */
 } dopt_tcp_config;
 
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg);
@@ -575,6 +619,14 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
    the receiver's current collective or a later one) and must name ranks of the world; its text
    is read only after the header has passed.
    Collectives send one DATA frame per step (ring step, tree edge, exchange) per peer.
+
+   Survivors' agreement (SURVIVING A LOST RANK), on a connection rank a makes to the listening
+   socket of rank b > a after a failure:
+       hello, 40 bytes: "DSHR", version 1 (4), the communicator's epoch (4), its size n (4),
+       a (4), b (4), proof (8: a 64-bit hash of the token, epoch, n, a and b), 8 zero;
+       then a's decision, 8 + 8·⌈n/64⌉ bytes: "DDEC", n (4), a bitmap of the ranks gone
+       (bit r of 64-bit word r/64).
+   b writes nothing on it. When a and b are both members, the engine's frames follow on it.
 */
 
 /* =====================================================================================
@@ -624,6 +676,7 @@ extern "C" {
 #define DOPT__TCP_ADDR_CHARS 64           /* "[ffff:...:255.255.255.255]:65535" and its NUL */
 #define DOPT__TCP_HOST_MAX 256            /* the host part of master_addr or bind_addr, NUL included */
 #define DOPT__TCP_MAX_PENDING 32          /* unauthenticated connections held at once */
+#define DOPT__TCP_SHRINK_HELLO 40         /* a survivor's hello (WIRE FORMAT) */
 #define DOPT__TCP_LINGER_MS 2000          /* destroy waits at most this long for peers to take its bytes */
 #define DOPT__TCP_RENDEZVOUS_DEFAULT_MS 600000 /* see the manual's configuration table */
 #define DOPT__TCP_REPORT_DEFAULT_MS 5000
@@ -686,6 +739,15 @@ typedef struct dopt__tcp {
     int rdv_timeout_ms, report_ms;
     double setup_start, next_report;
     char refusal[DOPT_DETAIL_MAX / 2]; /* the last joiner refused, for rank 0's timeout */
+    /* what a shrink's communicator inherits (SHRINK: THE SURVIVORS AGREE) */
+    int on_peer_lost;           /* DOPT_FAIL or DOPT_SHRINK */
+    int shrink_lfd;             /* every rank but 0 with DOPT_SHRINK: the socket it listens on, or -1 */
+    int shrunk;                 /* a shrink made the next communicator: destroy need not linger */
+    int parked[DOPT__TCP_MAX_PENDING]; /* hellos of a later shrink that came during this one */
+    unsigned char parked_hello[DOPT__TCP_MAX_PENDING][DOPT__TCP_SHRINK_HELLO];
+    int nparked;
+    int two_level, progress_thread_us, spin_us;
+    size_t small_bytes;
 } dopt__tcp;
 
 /* ===================================================================== BYTES AND CLOCK
@@ -1026,8 +1088,11 @@ static long dopt__tcp_link_recv(dopt_comm *c, int peer, void *dst, size_t cap, i
     }
 }
 
+/* With DOPT_SHRINK the link stays open after an abort: its end then means that the peer's
+   process died (or left this communicator), which the survivors' agreement watches for. */
 static void dopt__tcp_link_close(dopt_comm *c, int peer) {
-    shutdown(((dopt__tcp *)c->impl)->peers[peer].fd, SHUT_WR);
+    dopt__tcp *t = (dopt__tcp *)c->impl;
+    if (t->on_peer_lost != DOPT_SHRINK) shutdown(t->peers[peer].fd, SHUT_WR);
 }
 
 static int dopt__tcp_lobby_add(dopt__tcp *t, int np);
@@ -1080,7 +1145,9 @@ static void dopt__tcp_free(dopt__tcp *t) {
         for (p = 0; p < t->size; p++)
             if (t->peers[p].fd >= 0) close(t->peers[p].fd);
     if (t->lfd >= 0) close(t->lfd);
+    if (t->shrink_lfd >= 0) close(t->shrink_lfd);
     for (p = 0; p < t->npend; p++) close(t->pend[p].fd);
+    for (p = 0; p < t->nparked; p++) close(t->parked[p]);
     DOPT_FREE(t->peers);
     DOPT_FREE(t->pfd);
     DOPT_FREE(t->pfd_peer);
@@ -1146,15 +1213,18 @@ static void dopt__tcp_destroy(dopt_comm *c) {
     int wait_ms = c->timeout_ms < DOPT__TCP_LINGER_MS ? c->timeout_ms : DOPT__TCP_LINGER_MS;
     if (t == NULL) return;
     if (t->ready) dopt_links_goodbye(c, c->timeout_ms < 5000 ? c->timeout_ms : 5000);
-    if (t->peers) dopt__tcp_linger(t, wait_ms);
+    if (t->peers && !t->shrunk) dopt__tcp_linger(t, wait_ms); /* after a shrink nobody reads the old links */
     dopt__tcp_free(t);
     c->impl = NULL;
 }
 
+static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next);
+
 /* Links only: every collective is the engine's. */
 static const dopt_comm_vtable dopt__tcp_vtable = {
     "tcp", NULL, NULL, NULL, NULL, dopt__tcp_destroy, sizeof(dopt_comm_vtable), 0u,
-    dopt__tcp_link_send, dopt__tcp_link_recv, dopt__tcp_link_wait, dopt__tcp_link_close, NULL, NULL, dopt_engine_provider};
+    dopt__tcp_link_send, dopt__tcp_link_recv, dopt__tcp_link_wait, dopt__tcp_link_close, NULL, NULL, dopt_engine_provider,
+    dopt__tcp_shrink};
 
 /* ===================================================================== SOCKETS */
 
@@ -2187,7 +2257,10 @@ static dopt_status dopt__tcp_join(dopt_comm *c, dopt__tcp *t, const dopt_tcp_con
     if (s == DOPT_OK) s = dopt__tcp_admit(c, t, t->rank + 1, t->size, deadline, fd0);
     if (s == DOPT_ERR_PEER_LOST) s = dopt__tcp_verdict(c, fd0, deadline, s);
     if (s != DOPT_OK) return s;
-    close(t->lfd);
+    if (t->on_peer_lost == DOPT_SHRINK) /* the survivors' agreement connects here (SHRINK) */
+        t->shrink_lfd = t->lfd;
+    else
+        close(t->lfd);
     t->lfd = -1;
     s = dopt__tcp_send_record(c, t, fd0, DOPT__TCP_READY, deadline, "rank 0");
     if (s == DOPT_OK)
@@ -2206,6 +2279,8 @@ static void dopt__tcp_close_all(dopt__tcp *t) {
         }
     if (t->lfd >= 0) close(t->lfd);
     t->lfd = -1;
+    if (t->shrink_lfd >= 0) close(t->shrink_lfd);
+    t->shrink_lfd = -1;
     for (r = 0; r < t->npend; r++) close(t->pend[r].fd);
     t->npend = 0;
 }
@@ -2262,12 +2337,23 @@ static dopt_status dopt__tcp_new(dopt_comm **out, const dopt_tcp_config *cfg) {
                                       (unsigned long)toklen, DOPT_TCP_TOKEN_MAX);
     if (cfg->socket_buffer_bytes < 0)
         return dopt__tcp_config_error(cfg, "socket_buffer_bytes %d is negative", cfg->socket_buffer_bytes);
+    if (cfg->on_peer_lost != DOPT_FAIL && cfg->on_peer_lost != DOPT_SHRINK)
+        return dopt__tcp_config_error(cfg, "on_peer_lost is %d, not DOPT_FAIL (0) or DOPT_SHRINK (1)", cfg->on_peer_lost);
+    if (cfg->min_ranks < 0 || cfg->min_ranks > cfg->world_size)
+        return dopt__tcp_config_error(cfg, "min_ranks %d is outside 0..world_size (%d)", cfg->min_ranks,
+                                      cfg->world_size);
     t = (dopt__tcp *)DOPT_MALLOC(sizeof *t);
     if (t == NULL) goto nomem;
     memset(t, 0, sizeof *t);
     t->rank = cfg->rank;
     t->size = cfg->world_size;
     t->lfd = -1;
+    t->shrink_lfd = -1;
+    t->on_peer_lost = cfg->on_peer_lost;
+    t->two_level = cfg->two_level;
+    t->progress_thread_us = cfg->progress_thread_us;
+    t->spin_us = cfg->spin_us;
+    t->small_bytes = cfg->small_bytes;
     t->sockbuf = cfg->socket_buffer_bytes;
     t->rdv_timeout_ms = cfg->rendezvous_timeout_ms > 0 ? cfg->rendezvous_timeout_ms : DOPT__TCP_RENDEZVOUS_DEFAULT_MS;
     t->report_ms = cfg->rendezvous_report_ms == 0 ? DOPT__TCP_REPORT_DEFAULT_MS : cfg->rendezvous_report_ms;
@@ -2289,6 +2375,8 @@ static dopt_status dopt__tcp_new(dopt_comm **out, const dopt_tcp_config *cfg) {
     }
     c->log_fn = cfg->log_fn;
     c->log_user = cfg->log_user;
+    c->on_peer_lost = cfg->on_peer_lost;
+    c->min_ranks = cfg->min_ranks;
     if (cfg->timeout_ms > 0) c->timeout_ms = cfg->timeout_ms;
     dopt_comm_set_engine(c, cfg->small_bytes, cfg->spin_us);
     *out = c;
@@ -2460,6 +2548,506 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
     return DOPT_OK;
 }
 
+/* ===================================================================== SHRINK: THE SURVIVORS AGREE
+
+   dopt_comm_shrink on a TCP communicator configured with DOPT_SHRINK (manual: SURVIVING A LOST
+   RANK; the rules: engine.h, SHRINK: THE SURVIVORS' AGREEMENT). Every rank but 0 kept the socket
+   it listened on at the rendezvous. Each survivor connects to every rank above it that it does
+   not know to be gone, says who it is in a 40-byte hello, and once it has decided writes its
+   decision (a set of ranks gone) on each of those connections; it reads the decision of every
+   rank below it from the connection that rank made. Gone: a connection that ends or is refused;
+   a rank below that has not connected when its old link ends (after a grace for its connection
+   to arrive); a rank below that said nothing for the timeout. The connection between two
+   members, after the hello and the lower rank's decision, is their link in the next
+   communicator: nothing else is ever written on it before the engine's frames. */
+
+#define DOPT__TCP_SHRINK_VERSION 1
+#define DOPT__TCP_SHRINK_GRACE_MS 200 /* a rank below whose old link ended may still be connecting */
+
+typedef struct dopt__tcp_shrinker {
+    dopt__agree a;
+    int *fd;          /* the agreement connection with each rank (-1: none) */
+    int *state;       /* below: 0 awaited, 1 hello read, 2 decision read; above: 0 none, 1 connecting,
+                         2 hello written; -1 gone */
+    double *ended;    /* a rank below whose old link ended, when (0: not) */
+    unsigned char *rbuf; /* a decision being read from each rank below: msg bytes each */
+    size_t *got;
+    size_t msg;       /* a decision's bytes: 8 + 8 * words */
+    int pend[DOPT__TCP_MAX_PENDING]; /* accepted, hello not read yet */
+    unsigned char pbuf[DOPT__TCP_MAX_PENDING][DOPT__TCP_SHRINK_HELLO];
+    size_t pgot[DOPT__TCP_MAX_PENDING];
+    int npend;
+} dopt__tcp_shrinker;
+
+/* The hello's proof that its sender holds the job's token, without the token on the wire: a
+   keyed 64-bit hash of (token, epoch, size, from, to) — not a cryptographic MAC (see SURVIVING A
+   LOST RANK). */
+static uint64_t dopt__tcp_shrink_proof(const dopt__tcp *t, uint32_t epoch, int n, int from, int to) {
+    unsigned char f[16];
+    uint64_t h = dopt__fnv1a(DOPT__FNV_OFFSET, "distopt shrink", 14);
+    h = dopt__fnv1a(h, t->token, DOPT_TCP_TOKEN_MAX);
+    dopt__put_le32(f, epoch);
+    dopt__put_le32(f + 4, (uint32_t)n);
+    dopt__put_le32(f + 8, (uint32_t)from);
+    dopt__put_le32(f + 12, (uint32_t)to);
+    h = dopt__fnv1a(h, f, sizeof f);
+    return dopt__fnv1a(h, t->token, DOPT_TCP_TOKEN_MAX); /* the token again, after the fields */
+}
+
+static void dopt__tcp_shrink_hello(unsigned char *out, const dopt__tcp *t, uint32_t epoch, int from, int to) {
+    memset(out, 0, DOPT__TCP_SHRINK_HELLO);
+    memcpy(out, "DSHR", 4);
+    dopt__put_le32(out + 4, DOPT__TCP_SHRINK_VERSION);
+    dopt__put_le32(out + 8, epoch);
+    dopt__put_le32(out + 12, (uint32_t)t->size);
+    dopt__put_le32(out + 16, (uint32_t)from);
+    dopt__put_le32(out + 20, (uint32_t)to);
+    dopt__put_le64(out + 24, dopt__tcp_shrink_proof(t, epoch, t->size, from, to));
+}
+
+/* The rank below that sent this hello, or -1 (with the reason logged) when it is not one. */
+static int dopt__tcp_shrink_check_hello(dopt_comm *c, const dopt__tcp *t, const unsigned char *in) {
+    uint32_t version = dopt__get_le32(in + 4), epoch = dopt__get_le32(in + 8), n = dopt__get_le32(in + 12);
+    uint32_t from = dopt__get_le32(in + 16), to = dopt__get_le32(in + 20);
+    const char *why = NULL;
+    if (memcmp(in, "DSHR", 4) != 0)
+        why = "not a survivor's hello";
+    else if (version != DOPT__TCP_SHRINK_VERSION)
+        why = "another version of the agreement";
+    else if (epoch != c->epoch || n != (uint32_t)t->size)
+        why = "another communicator of the job (epoch or size differs)";
+    else if (to != (uint32_t)t->rank || from >= (uint32_t)t->rank)
+        why = "ranks that do not fit";
+    else if (dopt__get_le64(in + 24) != dopt__tcp_shrink_proof(t, epoch, t->size, (int)from, (int)to))
+        why = "the wrong job token";
+    if (why) {
+        dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: dopt_comm_shrink: refused a connection: %s", t->rank, why);
+        return -1;
+    }
+    return (int)from;
+}
+
+static void dopt__tcp_shrink_gone(dopt_comm *c, dopt__tcp_shrinker *z, int r, const char *why) {
+    if (z->state[r] == -1) return;
+    if (z->fd[r] >= 0) close(z->fd[r]);
+    z->fd[r] = -1;
+    z->state[r] = -1;
+    dopt__agree_lost(&z->a, r);
+    dopt_comm_log(c, DOPT_LOG_INFO, "rank %d: dopt_comm_shrink: rank %d is gone (%s)", c->rank, r, why);
+}
+
+static void dopt__tcp_shrink_free(dopt__tcp_shrinker *z, int n) {
+    int r;
+    for (r = 0; z->fd && r < n; r++)
+        if (z->fd[r] >= 0) close(z->fd[r]);
+    for (r = 0; r < z->npend; r++) close(z->pend[r]);
+    dopt__agree_free(&z->a);
+    DOPT_FREE(z->fd);
+    DOPT_FREE(z->state);
+    DOPT_FREE(z->ended);
+    DOPT_FREE(z->rbuf);
+    DOPT_FREE(z->got);
+}
+
+/* Starts the connection to rank r above this one. */
+static void dopt__tcp_shrink_connect(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrinker *z, int r) {
+    struct sockaddr_storage ss;
+    socklen_t len = dopt__tcp_sockaddr(&ss, t->peers[r].addr, t->peers[r].port);
+    int fd = dopt__tcp_new_socket(t->peers[r].addr, t->sockbuf);
+    if (fd < 0) {
+        dopt__tcp_shrink_gone(c, z, r, "no socket to reach it");
+        return;
+    }
+    z->fd[r] = fd;
+    z->state[r] = 1;
+    if (connect(fd, (struct sockaddr *)&ss, len) < 0 && errno != EINPROGRESS)
+        dopt__tcp_shrink_gone(c, z, r, strerror(errno));
+}
+
+/* Rank r's connection is made: the hello goes (40 bytes fit any new connection's buffer). */
+static void dopt__tcp_shrink_connected(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrinker *z, int r) {
+    unsigned char hello[DOPT__TCP_SHRINK_HELLO];
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (getsockopt(z->fd[r], SOL_SOCKET, SO_ERROR, &err, &len) < 0) err = errno;
+    if (err) {
+        dopt__tcp_shrink_gone(c, z, r, strerror(err));
+        return;
+    }
+    dopt__tcp_shrink_hello(hello, t, c->epoch, t->rank, r);
+    if (send(z->fd[r], hello, sizeof hello, MSG_NOSIGNAL) != (ssize_t)sizeof hello) {
+        dopt__tcp_shrink_gone(c, z, r, "its connection failed at the hello");
+        return;
+    }
+    z->state[r] = 2;
+}
+
+/* Reads what rank r below sent: a decision, read to its end and no further. 1: progress. */
+static int dopt__tcp_shrink_read(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrinker *z, int r) {
+    unsigned char *buf = z->rbuf + (size_t)r * z->msg;
+    ssize_t k = recv(z->fd[r], buf + z->got[r], z->msg - z->got[r], MSG_DONTWAIT);
+    int w;
+    if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        dopt__tcp_shrink_gone(c, z, r, k == 0 ? "its connection ended before its decision" : strerror(errno));
+        return 1;
+    }
+    if (k < 0) return 0;
+    z->got[r] += (size_t)k;
+    if (z->got[r] >= 8 && (memcmp(buf, "DDEC", 4) != 0 || dopt__get_le32(buf + 4) != (uint32_t)t->size)) {
+        dopt__tcp_shrink_gone(c, z, r, "it sent something that is not a decision");
+        return 1;
+    }
+    if (z->got[r] < z->msg) return 1;
+    for (w = 0; w < z->a.words; w++) ((uint64_t *)(void *)(buf + 8))[w] = dopt__get_le64(buf + 8 + 8 * (size_t)w);
+    if (dopt__agree_has((const uint64_t *)(void *)(buf + 8), r)) { /* a rank does not count itself gone */
+        dopt__tcp_shrink_gone(c, z, r, "its decision names itself");
+        return 1;
+    }
+    dopt__agree_heard(&z->a, r, (const uint64_t *)(void *)(buf + 8));
+    z->state[r] = 2;
+    return 1;
+}
+
+/* A connection accepted on the listening socket: its hello, read whole or not at all yet. */
+static int dopt__tcp_shrink_pending(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrinker *z, int i) {
+    ssize_t k = DOPT__TCP_SHRINK_HELLO; /* a parked hello is whole already */
+    int from = -1;
+    if (z->pgot[i] < DOPT__TCP_SHRINK_HELLO) {
+        k = recv(z->pend[i], z->pbuf[i] + z->pgot[i], DOPT__TCP_SHRINK_HELLO - z->pgot[i], MSG_DONTWAIT);
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+        if (k > 0) z->pgot[i] += (size_t)k;
+        if (k > 0 && z->pgot[i] < DOPT__TCP_SHRINK_HELLO) return 1;
+    }
+    if (k > 0 && memcmp(z->pbuf[i], "DSHR", 4) == 0 && dopt__get_le32(z->pbuf[i] + 8) > c->epoch &&
+        t->nparked < DOPT__TCP_MAX_PENDING) {
+        /* a rank already in the next shrink (it finished this one first): its hello waits for
+           this rank's next shrink, on the next communicator */
+        t->parked[t->nparked] = z->pend[i];
+        memcpy(t->parked_hello[t->nparked++], z->pbuf[i], DOPT__TCP_SHRINK_HELLO);
+    } else {
+        if (k > 0) from = dopt__tcp_shrink_check_hello(c, t, z->pbuf[i]);
+        if (from >= 0 && z->state[from] != 0) from = -1; /* gone already, or a second hello */
+        if (from >= 0) {
+            z->fd[from] = z->pend[i];
+            z->state[from] = 1;
+            z->got[from] = 0;
+        } else {
+            close(z->pend[i]);
+        }
+    }
+    z->pend[i] = z->pend[--z->npend];
+    memcpy(z->pbuf[i], z->pbuf[z->npend], DOPT__TCP_SHRINK_HELLO);
+    z->pgot[i] = z->pgot[z->npend];
+    return 1;
+}
+
+static void dopt__tcp_shrink_accept(dopt__tcp *t, dopt__tcp_shrinker *z) {
+    for (;;) {
+        int fd = accept(t->shrink_lfd, NULL, NULL);
+        if (fd < 0) return;
+        if (dopt__tcp_set_nonblocking(fd) < 0) {
+            close(fd);
+            continue;
+        }
+        if (z->npend == DOPT__TCP_MAX_PENDING) { /* a flood: the oldest goes */
+            close(z->pend[0]);
+            memmove(z->pend, z->pend + 1, sizeof(int) * (DOPT__TCP_MAX_PENDING - 1));
+            memmove(z->pbuf, z->pbuf + 1, sizeof z->pbuf[0] * (DOPT__TCP_MAX_PENDING - 1));
+            memmove(z->pgot, z->pgot + 1, sizeof(size_t) * (DOPT__TCP_MAX_PENDING - 1));
+            z->npend--;
+        }
+        z->pend[z->npend] = fd;
+        z->pgot[z->npend++] = 0;
+    }
+}
+
+/* Drops what an old link still holds; 1 when it ended (its process died, or left the old
+   communicator). */
+static int dopt__tcp_shrink_old_ended(int fd) {
+    unsigned char sink[4096];
+    int i;
+    for (i = 0; i < 64; i++) {
+        ssize_t k = recv(fd, sink, sizeof sink, MSG_DONTWAIT);
+        if (k > 0) continue;
+        return k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    }
+    return 0;
+}
+
+/* Runs the agreement until this rank decided; DOPT_OK, or NOMEM. */
+static dopt_status dopt__tcp_shrink_agree(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrinker *z) {
+    int n = t->size, me = t->rank, r;
+    double quiet_until = dopt__now_ms() + c->timeout_ms;
+    struct pollfd *pf = (struct pollfd *)DOPT_MALLOC(sizeof(struct pollfd) * ((size_t)n + DOPT__TCP_MAX_PENDING + 1));
+    int *who = (int *)DOPT_MALLOC(sizeof(int) * ((size_t)n + DOPT__TCP_MAX_PENDING + 1));
+    if (pf == NULL || who == NULL) {
+        DOPT_FREE(pf);
+        DOPT_FREE(who);
+        return DOPT_ERR_NOMEM;
+    }
+    for (r = me + 1; r < n; r++)
+        if (z->state[r] == 0) dopt__tcp_shrink_connect(c, t, z, r);
+    for (;;) {
+        int np = 0, i, moved = 0, connecting = 0, wait_ms;
+        double now = dopt__now_ms();
+        for (r = me + 1; r < n; r++) connecting |= z->state[r] == 1;
+        if (!connecting && dopt__agree_step(&z->a)) break;
+        for (r = 0; r < me; r++) /* an old link ended with no connection after the grace: gone */
+            if (z->state[r] == 0 && z->ended[r] > 0 && now - z->ended[r] >= DOPT__TCP_SHRINK_GRACE_MS)
+                dopt__tcp_shrink_gone(c, z, r, "its old link ended and it did not connect");
+        if (now >= quiet_until) { /* silence for the timeout: whoever is awaited is taken for gone */
+            for (r = 0; r < n; r++)
+                if ((r < me && z->state[r] >= 0 && z->state[r] < 2) || (r > me && z->state[r] == 1))
+                    dopt__tcp_shrink_gone(c, z, r, "nothing from it for the timeout");
+            continue;
+        }
+        if (t->shrink_lfd >= 0) {
+            pf[np].fd = t->shrink_lfd;
+            pf[np].events = POLLIN;
+            who[np++] = -1;
+        }
+        for (i = 0; i < z->npend; i++) {
+            pf[np].fd = z->pend[i];
+            pf[np].events = POLLIN;
+            who[np++] = -2 - i;
+        }
+        for (r = 0; r < n; r++) {
+            if (r == me || z->state[r] < 0) continue;
+            if (r < me && z->state[r] == 0 && z->ended[r] == 0 && t->peers[r].fd >= 0) {
+                pf[np].fd = t->peers[r].fd; /* the old link, for its end */
+                pf[np].events = POLLIN | DOPT__TCP_POLL_END;
+            } else if (r < me && z->state[r] == 1) {
+                pf[np].fd = z->fd[r];
+                pf[np].events = POLLIN;
+            } else if (r > me && z->state[r] == 1) {
+                pf[np].fd = z->fd[r];
+                pf[np].events = POLLOUT;
+            } else if (r > me && z->state[r] == 2) {
+                pf[np].fd = z->fd[r]; /* nothing comes from above: an end or a reset says it is gone */
+                pf[np].events = DOPT__TCP_POLL_END;
+            } else {
+                continue;
+            }
+            who[np++] = r;
+        }
+        for (i = 0; i < np; i++) pf[i].revents = 0;
+        wait_ms = dopt__ms_left(quiet_until);
+        if (wait_ms > 50) wait_ms = 50; /* the grace and the silence are looked at this often */
+        if (poll(pf, (nfds_t)np, wait_ms) <= 0) continue;
+        for (i = 0; i < np; i++) {
+            short re = pf[i].revents;
+            if (!re) continue;
+            if (who[i] == -1) {
+                dopt__tcp_shrink_accept(t, z);
+                moved = 1;
+            } else if (who[i] <= -2) {
+                continue; /* read below, once the indices are stable */
+            } else if ((r = who[i]) < me && z->state[r] == 0) {
+                if (dopt__tcp_shrink_old_ended(pf[i].fd)) z->ended[r] = dopt__now_ms();
+            } else if (r < me) {
+                moved |= dopt__tcp_shrink_read(c, t, z, r);
+            } else if (z->state[r] == 1) {
+                dopt__tcp_shrink_connected(c, t, z, r);
+                moved = 1;
+            } else if (re & (POLLHUP | POLLERR | DOPT__TCP_POLL_END)) {
+                dopt__tcp_shrink_gone(c, z, r, "its connection ended");
+                moved = 1;
+            }
+        }
+        for (i = z->npend - 1; i >= 0; i--) moved |= dopt__tcp_shrink_pending(c, t, z, i);
+        if (moved) quiet_until = dopt__now_ms() + c->timeout_ms;
+    }
+    DOPT_FREE(pf);
+    DOPT_FREE(who);
+    return DOPT_OK;
+}
+
+/* A failure of the shrink itself: c stays poisoned with its first status, and its detail now
+   says why the survivors could not go on. */
+static dopt_status dopt__tcp_shrink_fail(dopt_comm *c, dopt_status s, const char *fmt, ...) DOPT_PRINTF(3, 4);
+static dopt_status dopt__tcp_shrink_fail(dopt_comm *c, dopt_status s, const char *fmt, ...) {
+    va_list ap;
+    int used = snprintf(c->detail, sizeof c->detail, "rank %d: dopt_comm_shrink: ", c->rank);
+    if (used < 0 || (size_t)used >= sizeof c->detail) used = 0;
+    va_start(ap, fmt);
+    vsnprintf(c->detail + used, sizeof c->detail - (size_t)used, fmt, ap);
+    va_end(ap);
+    dopt_comm_log(c, DOPT_LOG_ERROR, "%s", c->detail);
+    return s;
+}
+
+/* The ranks of set, as "1, 3" (at most cap bytes). */
+static void dopt__tcp_ranks_str(const uint64_t *set, int n, char *out, size_t cap) {
+    size_t used = 0;
+    int r;
+    out[0] = '\0';
+    for (r = 0; r < n && used + 16 < cap; r++)
+        if (dopt__agree_has(set, r)) used += (size_t)snprintf(out + used, cap - used, "%s%d", used ? ", " : "", r);
+    if (used == 0) snprintf(out, cap, "none");
+}
+
+/* The survivors' communicator: the agreement's connections are its links. */
+static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrinker *z, dopt_comm **next) {
+    int n = t->size, me = t->rank, m = 0, nr = 0, r, q;
+    char token[DOPT_TCP_TOKEN_MAX + 1];
+    dopt_tcp_config k;
+    dopt_comm *c2 = NULL;
+    dopt__tcp *t2;
+    dopt_status s;
+    for (r = 0; r < n; r++)
+        if (!dopt__agree_has(z->a.value, r)) {
+            if (r < me) nr++;
+            m++;
+        }
+    memset(&k, 0, sizeof k);
+    memcpy(token, t->token, DOPT_TCP_TOKEN_MAX);
+    token[DOPT_TCP_TOKEN_MAX] = '\0';
+    k.rank = nr;
+    k.world_size = m;
+    k.timeout_ms = c->timeout_ms;
+    k.token = token;
+    k.socket_buffer_bytes = t->sockbuf;
+    k.small_bytes = t->small_bytes;
+    k.spin_us = t->spin_us;
+    k.log_fn = c->log_fn;
+    k.log_user = c->log_user;
+    k.on_peer_lost = DOPT_SHRINK;
+    k.min_ranks = c->min_ranks;
+    s = dopt__tcp_new(&c2, &k);
+    if (s != DOPT_OK) return dopt__tcp_shrink_fail(c, s, "cannot allocate the survivors' communicator");
+    t2 = (dopt__tcp *)c2->impl;
+    c2->epoch = c->epoch + 1;
+    t2->two_level = t->two_level;
+    t2->progress_thread_us = t->progress_thread_us;
+    for (r = 0, q = 0; r < n; r++) {
+        int pair[2];
+        if (dopt__agree_has(z->a.value, r)) continue;
+        memcpy(t2->peers[q].addr, t->peers[r].addr, 16);
+        t2->peers[q].port = t->peers[r].port;
+        if (r != me && z->state[r] == 2 && z->fd[r] >= 0) {
+            t2->peers[q].fd = z->fd[r];
+            z->fd[r] = -1;
+        } else if (r != me && socketpair(AF_UNIX, SOCK_STREAM, 0, pair) == 0) {
+            /* a member this rank lost after the decision (or never heard): a link that has
+               ended, so that the first collective names it and a second shrink leaves it out */
+            close(pair[1]);
+            t2->peers[q].fd = pair[0];
+        }
+        if (r != me && (t2->peers[q].fd < 0 || dopt__tcp_set_nonblocking(t2->peers[q].fd) < 0)) {
+            dopt_comm_destroy(c2);
+            return dopt__tcp_shrink_fail(c, DOPT_ERR_IO, "cannot make a link to rank %d: %s", r, strerror(errno));
+        }
+        if (r != me) dopt__tcp_tune(t2->peers[q].fd, 0);
+        q++;
+    }
+    t2->shrink_lfd = t->shrink_lfd; /* kept for the next shrink, with the hellos that came early */
+    t->shrink_lfd = -1;
+    memcpy(t2->parked, t->parked, sizeof t->parked);
+    memcpy(t2->parked_hello, t->parked_hello, sizeof t->parked_hello);
+    t2->nparked = t->nparked;
+    t->nparked = 0;
+    if (me == 0) { /* rank 0 stays rank 0, and keeps refusing late joiners of the rendezvous */
+        t2->lfd = t->lfd;
+        t->lfd = -1;
+    }
+    t2->ready = 1;
+    t->shrunk = 1;
+    dopt_comm_set_host(c2, m == 1 ? 1 : dopt__tcp_local_ranks(t2), (int)sysconf(_SC_NPROCESSORS_ONLN));
+    if ((s = dopt__tcp_set_hosts(c2, t2, t2->two_level)) != DOPT_OK ||
+        (t2->progress_thread_us > 0 && (s = dopt_comm_set_progress_thread(c2, t2->progress_thread_us)) != DOPT_OK)) {
+        dopt_comm_destroy(c2);
+        return dopt__tcp_shrink_fail(c, s, "cannot set up the survivors' communicator: %s", dopt_status_str(s));
+    }
+    *next = c2;
+    return DOPT_OK;
+}
+
+static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next) {
+    dopt__tcp *t = (dopt__tcp *)c->impl;
+    dopt__tcp_shrinker z;
+    int n = t->size, me = t->rank, r, w, members = 0;
+    double start = dopt__now_ms();
+    char gone[160];
+    dopt_status s;
+    memset(&z, 0, sizeof z);
+    if (dopt__agree_init(&z.a, n, me) != DOPT_OK) return dopt__tcp_shrink_fail(c, DOPT_ERR_NOMEM, "out of memory");
+    z.msg = 8 + 8 * (size_t)z.a.words;
+    z.fd = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
+    z.state = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
+    z.ended = (double *)DOPT_MALLOC(sizeof(double) * (size_t)n);
+    z.rbuf = (unsigned char *)DOPT_MALLOC(z.msg * (size_t)n);
+    z.got = (size_t *)DOPT_MALLOC(sizeof(size_t) * (size_t)n);
+    if (!z.fd || !z.state || !z.ended || !z.rbuf || !z.got) {
+        dopt__tcp_shrink_free(&z, 0);
+        return dopt__tcp_shrink_fail(c, DOPT_ERR_NOMEM, "out of memory");
+    }
+    for (r = 0; r < n; r++) {
+        z.fd[r] = -1;
+        z.state[r] = 0;
+        z.ended[r] = 0;
+        z.got[r] = 0;
+    }
+    for (r = 0; r < t->nparked; r++) { /* hellos that came during the shrink that made c */
+        z.pend[z.npend] = t->parked[r];
+        memcpy(z.pbuf[z.npend], t->parked_hello[r], DOPT__TCP_SHRINK_HELLO);
+        z.pgot[z.npend++] = DOPT__TCP_SHRINK_HELLO;
+    }
+    t->nparked = 0;
+    if (c->lost_rank >= 0 && c->lost_rank < n && c->lost_rank != me)
+        dopt__tcp_shrink_gone(c, &z, c->lost_rank, "the failure named it");
+    s = dopt__tcp_shrink_agree(c, t, &z);
+    if (s != DOPT_OK) {
+        dopt__tcp_shrink_free(&z, n);
+        return dopt__tcp_shrink_fail(c, s, "out of memory");
+    }
+    /* tell every rank above (the left out too: they learn it), then hand the links over */
+    {
+        unsigned char *msg = z.rbuf + (size_t)me * z.msg;
+        memcpy(msg, "DDEC", 4);
+        dopt__put_le32(msg + 4, (uint32_t)n);
+        for (w = 0; w < z.a.words; w++) dopt__put_le64(msg + 8 + 8 * (size_t)w, z.a.value[w]);
+        for (r = me + 1; r < n; r++) {
+            size_t off = 0;
+            double deadline = dopt__now_ms() + c->timeout_ms;
+            while (z.state[r] == 2 && off < z.msg) {
+                struct pollfd pf;
+                ssize_t k = send(z.fd[r], msg + off, z.msg - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+                if (k > 0) {
+                    off += (size_t)k;
+                    continue;
+                }
+                if ((k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) || dopt__now_ms() >= deadline) {
+                    dopt__tcp_shrink_gone(c, &z, r, "its connection failed at the decision");
+                    break;
+                }
+                pf.fd = z.fd[r];
+                pf.events = POLLOUT;
+                pf.revents = 0;
+                poll(&pf, 1, 50);
+            }
+        }
+    }
+    for (r = 0; r < n; r++) members += !dopt__agree_has(z.a.value, r);
+    dopt__tcp_ranks_str(z.a.value, n, gone, sizeof gone);
+    if (dopt__agree_has(z.a.value, me))
+        s = dopt__tcp_shrink_fail(c, DOPT_ERR_PEER_LOST,
+                                  "the survivors left this rank out (rank %d decided that ranks %s are gone: this rank "
+                                  "was taken for lost, too slow to answer); end this process, or restart it",
+                                  z.a.from, gone);
+    else if (members < c->min_ranks)
+        s = dopt__tcp_shrink_fail(c, DOPT_ERR_PEER_LOST,
+                                  "%d of %d ranks survive (ranks %s are gone), fewer than min_ranks %d: the job cannot go on",
+                                  members, n, gone, c->min_ranks);
+    else
+        s = dopt__tcp_shrunk(c, t, &z, next);
+    if (s == DOPT_OK)
+        dopt_comm_log(*next, DOPT_LOG_INFO, "tcp rank %d of %d (rank %d of %d before): ranks %s left out, epoch %u, "
+                      "agreed in %.1f ms", (*next)->rank, (*next)->size, me, n, gone, (unsigned)(*next)->epoch,
+                      dopt__now_ms() - start);
+    dopt__tcp_shrink_free(&z, n);
+    return s;
+}
+
 /* ===================================================================== ENVIRONMENT */
 
 static dopt_status dopt__tcp_env_error(const dopt_tcp_config *cfg, const char *fmt, ...) DOPT_PRINTF(2, 3);
@@ -2519,8 +3107,18 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
     if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__tcp_env_error(cfg, "%s", why);
     if (dopt__tcp_env_int(cfg, "DOPT_TIMEOUT_MS", 1, INT_MAX, &env.timeout_ms) < 0 ||
         dopt__tcp_env_int(cfg, "DOPT_RENDEZVOUS_TIMEOUT_MS", 1, INT_MAX, &env.rendezvous_timeout_ms) < 0 ||
-        dopt__tcp_env_int(cfg, "DOPT_PROGRESS_THREAD_US", 0, INT_MAX, &env.progress_thread_us) < 0)
+        dopt__tcp_env_int(cfg, "DOPT_PROGRESS_THREAD_US", 0, INT_MAX, &env.progress_thread_us) < 0 ||
+        dopt__tcp_env_int(cfg, "DOPT_MIN_RANKS", 0, INT_MAX, &env.min_ranks) < 0)
         return DOPT_ERR_INVALID;
+    s = getenv("DOPT_ON_PEER_LOST");
+    if (s && *s) {
+        if (strcmp(s, "fail") == 0)
+            env.on_peer_lost = DOPT_FAIL;
+        else if (strcmp(s, "shrink") == 0)
+            env.on_peer_lost = DOPT_SHRINK;
+        else
+            return dopt__tcp_env_error(cfg, "DOPT_ON_PEER_LOST=\"%s\" is not fail or shrink", s);
+    }
     if (info.rank < 0)
         return dopt__tcp_env_error(cfg, "DOPT_RANK is not set (every rank needs it; or start the job with a launcher "
                                         "that sets it: mpirun, srun, torchrun)");

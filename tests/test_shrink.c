@@ -1,0 +1,538 @@
+/* Tests of surviving a lost rank (distopt.h: SURVIVING A LOST PEER; transport_tcp.h: SURVIVING A
+   LOST RANK; engine.h: SHRINK: THE SURVIVORS' AGREEMENT).
+
+   The agreement's rules run first over random schedules of a simulated world (deaths at any
+   point, a rank dying half-way through telling its decision, messages delivered in any order
+   a FIFO link allows, a link's end seen only after what was written before it): every rank that
+   decides decides the same set, the set holds the failure's culprit and no rank still alive,
+   and every live rank decides.
+
+   Then real worlds over TCP on loopback: forked ranks run allreduces, one SIGKILLs itself at a
+   chosen step (rank 0 included, and before the first collective completed), the survivors
+   shrink and go on; each survivor reports its new rank, size, epoch, the old ranks of the new
+   communicator (an allgather on it) and the sums of its allreduces after the shrink, and the
+   parent checks that they are the same everywhere and right. Also: a second death while the
+   survivors agree, fewer survivors than min_ranks (a clear error on every survivor, nothing
+   hangs), strangers and a wrong token at the listening socket, the refusals, the environment.
+   No test asserts a time; the time a shrink took is printed. */
+#define DISTOPT_IMPLEMENTATION
+#include "../distopt.h"
+#include "../transport_tcp.h"
+#include "dtest.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+
+/* ===================================================================== THE RULES, SIMULATED */
+
+#define SIM_MAX 9
+#define SIM_QMAX 64
+
+typedef struct sim_msg {
+    int eof;             /* the sender died: nothing after this */
+    uint64_t value;      /* a decision (n <= 64: one word) */
+} sim_msg;
+
+typedef struct sim_link {
+    sim_msg q[SIM_QMAX];
+    int head, tail;
+} sim_link;
+
+typedef struct sim {
+    int n;
+    dopt__agree a[SIM_MAX];
+    int dead[SIM_MAX];       /* 1 once it died */
+    int dies_after[SIM_MAX]; /* dies after sending this many decision messages (-1: never) */
+    int told[SIM_MAX];       /* decision messages sent */
+    int sent_all[SIM_MAX];
+    sim_link link[SIM_MAX][SIM_MAX];
+    uint64_t rng;
+} sim;
+
+static uint64_t sim_next(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static void sim_push(sim *S, int from, int to, int eof, uint64_t value) {
+    sim_link *L = &S->link[from][to];
+    DT_CHECK(L->tail < SIM_QMAX);
+    L->q[L->tail].eof = eof;
+    L->q[L->tail++].value = value;
+}
+
+static void sim_die(sim *S, int p) {
+    int q;
+    S->dead[p] = 1;
+    for (q = 0; q < S->n; q++)
+        if (q != p) sim_push(S, p, q, 1, 0); /* the end, behind whatever it wrote */
+}
+
+/* One random world: returns 1 when it ran to the end (every check passed). */
+static int sim_world(uint64_t seed) {
+    sim S;
+    int p, q, culprit, steps = 0;
+    memset(&S, 0, sizeof S);
+    S.rng = seed;
+    S.n = 2 + (int)(sim_next(&S.rng) % (SIM_MAX - 1));
+    culprit = (int)(sim_next(&S.rng) % (uint64_t)S.n);
+    for (p = 0; p < S.n; p++) {
+        DT_OK(dopt__agree_init(&S.a[p], S.n, p));
+        S.dies_after[p] = -1;
+        if (p != culprit && sim_next(&S.rng) % 4 == 0) S.dies_after[p] = (int)(sim_next(&S.rng) % (uint64_t)S.n);
+    }
+    sim_die(&S, culprit);
+    for (p = 0; p < S.n; p++) dopt__agree_lost(&S.a[p], culprit); /* every survivor's failure named it */
+    for (;;) {
+        int choices[SIM_MAX * SIM_MAX + SIM_MAX], nc = 0, k;
+        for (p = 0; p < S.n; p++) {
+            if (S.dead[p]) continue;
+            if (!S.sent_all[p]) choices[nc++] = -1 - p; /* p takes a step */
+            for (q = 0; q < S.n; q++)
+                if (S.link[q][p].head < S.link[q][p].tail) choices[nc++] = q * SIM_MAX + p;
+        }
+        if (nc == 0) break;
+        k = choices[sim_next(&S.rng) % (uint64_t)nc];
+        DT_CHECK(++steps < 100000);
+        if (k < 0) {
+            p = -1 - k;
+            if (!dopt__agree_step(&S.a[p])) {
+                if (dopt__agree_waiting_for(&S.a[p]) < 0) DT_CHECK(!"waits for nobody and did not decide");
+                continue;
+            }
+            for (q = p + 1; q < S.n && !S.dead[p]; q++) {
+                if (S.dies_after[p] == S.told[p]) {
+                    sim_die(&S, p);
+                    break;
+                }
+                sim_push(&S, p, q, 0, S.a[p].value[0]);
+                S.told[p]++;
+            }
+            S.sent_all[p] = 1;
+            if (!S.dead[p] && S.dies_after[p] >= 0 && sim_next(&S.rng) % 2) sim_die(&S, p); /* dies after deciding */
+        } else {
+            sim_link *L;
+            sim_msg m;
+            q = k / SIM_MAX; /* from */
+            p = k % SIM_MAX; /* to */
+            L = &S.link[q][p];
+            m = L->q[L->head++];
+            if (m.eof)
+                dopt__agree_lost(&S.a[p], q);
+            else if (q < p)
+                dopt__agree_heard(&S.a[p], q, &m.value);
+        }
+    }
+    {
+        int first = -1;
+        uint64_t dead = 0;
+        for (p = 0; p < S.n; p++) dead |= (uint64_t)S.dead[p] << p;
+        for (p = 0; p < S.n; p++) {
+            if (S.dead[p] && !S.a[p].decided) continue;
+            if (!S.dead[p]) DT_CHECKF(S.a[p].decided, "seed %llu: live rank %d never decided", (unsigned long long)seed, p);
+            if (S.dead[p]) continue; /* a rank that died after deciding is not held to it */
+            DT_CHECKF((S.a[p].value[0] >> culprit) & 1, "seed %llu: rank %d's decision keeps the culprit %d",
+                      (unsigned long long)seed, p, culprit);
+            DT_CHECKF((S.a[p].value[0] & ~dead) == 0, "seed %llu: rank %d's decision leaves out a live rank",
+                      (unsigned long long)seed, p);
+            if (first < 0) first = p;
+            DT_CHECKF(S.a[p].value[0] == S.a[first].value[0], "seed %llu: ranks %d and %d decided %#llx and %#llx",
+                      (unsigned long long)seed, first, p, (unsigned long long)S.a[first].value[0],
+                      (unsigned long long)S.a[p].value[0]);
+        }
+    }
+    for (p = 0; p < S.n; p++) dopt__agree_free(&S.a[p]);
+    return 1;
+}
+
+DTEST(agreement_holds_over_random_schedules_of_deaths_and_deliveries) {
+    uint64_t seed;
+    int worlds = 0;
+    for (seed = 1; seed <= 20000; seed++) worlds += sim_world(seed);
+    printf("  %d simulated worlds: every survivor decided, all alike\n", worlds);
+}
+
+DTEST(agreement_alone_at_the_bottom_decides_what_it_knows) {
+    dopt__agree a;
+    uint64_t told = 0x6; /* ranks 1 and 2 gone */
+    DT_OK(dopt__agree_init(&a, 5, 0));
+    dopt__agree_lost(&a, 3);
+    dopt__agree_lost(&a, 0); /* never itself */
+    DT_EQ_INT(dopt__agree_step(&a), 1);
+    DT_CHECK(a.value[0] == 0x8);
+    dopt__agree_free(&a);
+    DT_OK(dopt__agree_init(&a, 5, 3));
+    DT_EQ_INT(dopt__agree_waiting_for(&a), 0);
+    DT_EQ_INT(dopt__agree_step(&a), 0);
+    dopt__agree_heard(&a, 0, &told);
+    dopt__agree_lost(&a, 1);
+    dopt__agree_lost(&a, 2);
+    DT_EQ_INT(dopt__agree_step(&a), 1);
+    DT_CHECK(a.value[0] == told); /* rank 0's decision, not what rank 3 knows */
+    dopt__agree_free(&a);
+}
+
+/* ===================================================================== REAL WORLDS OVER TCP */
+
+#define SH_MAXN 8
+#define SH_ELEMS 4096
+#define SH_AFTER 3 /* allreduces after the shrink */
+
+typedef struct sh_plan {
+    int n;
+    int victim, victim_step;  /* SIGKILLs itself instead of collective victim_step */
+    int second;               /* -1, or a rank that dies as soon as its collective failed */
+    int min_ranks;
+    int stranger;             /* 1: garbage and a wrong-token hello reach every listener first */
+    int steps;                /* collectives before the kill and after, on the first communicator */
+} sh_plan;
+
+typedef struct sh_report {
+    int status;               /* dopt_comm_shrink's last status */
+    int old_rank, rank, size;
+    unsigned epoch;
+    int shrinks;
+    int lost_rank;
+    int members[SH_MAXN];     /* the new communicator's ranks' old ranks */
+    double sums[SH_AFTER];    /* element 0 of each allreduce after the shrink */
+    double shrink_ms;
+    char detail[DOPT_DETAIL_MAX];
+} sh_report;
+
+typedef struct sh_world {
+    sh_plan plan;
+    int port_pipe[2], report_pipe[2];
+} sh_world;
+
+static void sh_on_listen(void *user, int port) {
+    sh_world *w = (sh_world *)user;
+    int i;
+    for (i = 1; i < w->plan.n; i++) dtest_write_int(w->port_pipe[1], port);
+}
+
+/* A stranger at rank r's listening socket: garbage, then a hello with the wrong token. */
+static void sh_stranger(const dopt__tcp *t, int r) {
+    struct sockaddr_in sa;
+    unsigned char hello[DOPT__TCP_SHRINK_HELLO];
+    dopt__tcp fake;
+    int fd;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)t->peers[r].port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) (void)!write(fd, "GET / HTTP/1.0\r\n\r\n", 18);
+    /* the fd stays open: an idle stranger, too */
+    fd = socket(AF_INET, SOCK_STREAM, 0);
+    memcpy(&fake, t, sizeof fake);
+    memset(fake.token, 0, sizeof fake.token);
+    memcpy(fake.token, "not-the-token", 13);
+    dopt__tcp_shrink_hello(hello, &fake, 0, 0, r);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) (void)!write(fd, hello, sizeof hello);
+}
+
+static void sh_log(void *user, dopt_log_level level, const char *msg) {
+    (void)user;
+    (void)level;
+    if (getenv("SHRINK_TEST_LOG")) fprintf(stderr, "    [%d] %s\n", (int)getpid(), msg);
+}
+
+static void sh_rank(int rank, void *arg) {
+    sh_world *w = (sh_world *)arg;
+    const sh_plan *P = &w->plan;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    sh_report rep;
+    float *x = (float *)malloc(sizeof(float) * SH_ELEMS);
+    int step, i, old;
+    dopt_status s = DOPT_OK;
+    memset(&rep, 0, sizeof rep);
+    memset(&cfg, 0, sizeof cfg);
+    cfg.rank = rank;
+    cfg.world_size = P->n;
+    cfg.timeout_ms = 20000;
+    cfg.token = "distopt-shrink-test";
+    cfg.on_peer_lost = DOPT_SHRINK;
+    cfg.min_ranks = P->min_ranks;
+    cfg.log_fn = sh_log;
+    if (rank == 0) {
+        cfg.on_listen = sh_on_listen;
+        cfg.on_listen_user = w;
+    } else {
+        cfg.master_port = dtest_read_int(w->port_pipe[0], "rank 0's port");
+    }
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    DT_CHECK(c->on_peer_lost == DOPT_SHRINK && c->epoch == 0 && c->lost_rank == -1);
+    rep.old_rank = rank;
+    if (P->stranger) {
+        int r;
+        for (r = 1; r < P->n; r++)
+            if (r != rank && rank == 0) sh_stranger((const dopt__tcp *)c->impl, r);
+        DT_OK(dopt_barrier(c));
+    }
+    for (step = 0; step < P->steps && s == DOPT_OK; step++) {
+        if (rank == P->victim && step == P->victim_step) raise(SIGKILL);
+        for (i = 0; i < SH_ELEMS; i++) x[i] = (float)(rank + 1);
+        s = dopt_allreduce(c, x, SH_ELEMS, DOPT_F32, DOPT_SUM);
+    }
+    DT_CHECKF(s == DOPT_ERR_PEER_LOST, "rank %d: %s", rank, dopt_comm_detail(c));
+    if (rank == P->second) raise(SIGKILL);
+    /* shrink until a communicator runs its collectives (a death during the agreement may take
+       a second one) */
+    for (;;) {
+        dopt_comm *next = NULL;
+        double t0 = dtest_now_ms();
+        int oldrank = rank;
+        s = dopt_comm_shrink(c, &next);
+        rep.shrink_ms = dtest_now_ms() - t0;
+        rep.status = (int)s;
+        rep.lost_rank = c->lost_rank;
+        if (s != DOPT_OK) {
+            snprintf(rep.detail, sizeof rep.detail, "%s", dopt_comm_detail(c));
+            break;
+        }
+        rep.shrinks++;
+        DT_CHECK(next != NULL && next->epoch == c->epoch + 1);
+        (void)oldrank;
+        dopt_comm_destroy(c);
+        c = next;
+        old = rank;
+        s = dopt_allgather(c, &old, rep.members, sizeof(int));
+        for (step = 0; step < SH_AFTER && s == DOPT_OK; step++) {
+            for (i = 0; i < SH_ELEMS; i++) x[i] = (float)(c->rank + 1) * (float)(step + 1);
+            s = dopt_allreduce(c, x, SH_ELEMS, DOPT_F32, DOPT_SUM);
+            rep.sums[step] = x[SH_ELEMS - 1];
+        }
+        if (s == DOPT_OK) break;
+        DT_CHECK(rep.shrinks < 4);
+    }
+    if (s == DOPT_OK) {
+        rep.rank = c->rank;
+        rep.size = c->size;
+        rep.epoch = c->epoch;
+    }
+    DT_CHECK(write(w->report_pipe[1], &rep, sizeof rep) == (ssize_t)sizeof rep);
+    dopt_comm_destroy(c);
+    free(x);
+    _exit(0);
+}
+
+/* Runs a plan; the survivors' reports (in rank order of their old ranks) land in rep[]; returns
+   how many survived. Every rank must end: the victims by their SIGKILL, the others with 0. */
+static int sh_run(const sh_plan *plan, sh_report *rep) {
+    sh_world w;
+    pid_t pids[SH_MAXN];
+    int r, got = 0, left;
+    double deadline = dtest_now_ms() + 90000;
+    memset(&w, 0, sizeof w);
+    w.plan = *plan;
+    DT_CHECK(pipe(w.port_pipe) == 0 && pipe(w.report_pipe) == 0);
+    fflush(stdout);
+    for (r = 0; r < plan->n; r++) {
+        pids[r] = fork();
+        DT_CHECK(pids[r] >= 0);
+        if (pids[r] == 0) sh_rank(r, &w);
+    }
+    close(w.report_pipe[1]);
+    for (left = plan->n; left > 0;) {
+        int status;
+        pid_t p = waitpid(-1, &status, WNOHANG);
+        if (p <= 0) {
+            if (dtest_now_ms() > deadline) {
+                for (r = 0; r < plan->n; r++)
+                    if (pids[r] > 0) kill(pids[r], SIGKILL);
+                DT_CHECK(!"a rank hung: killed after 90 s");
+            }
+            usleep(2000);
+            continue;
+        }
+        for (r = 0; r < plan->n; r++)
+            if (pids[r] == p) {
+                int victim = r == plan->victim || r == plan->second;
+                pids[r] = 0;
+                left--;
+                if (victim)
+                    DT_CHECKF(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "rank %d was to die", r);
+                else
+                    DT_CHECKF(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %d failed", r);
+            }
+    }
+    while (got < SH_MAXN && read(w.report_pipe[0], &rep[got], sizeof rep[got]) == (ssize_t)sizeof rep[got]) got++;
+    close(w.report_pipe[0]);
+    close(w.port_pipe[0]);
+    close(w.port_pipe[1]);
+    return got;
+}
+
+/* Every survivor went on with the same members in the same order, the sums over them right. */
+static void sh_check_went_on(const sh_plan *plan, const sh_report *rep, int got, int dead) {
+    int i, j, k;
+    double slowest = 0;
+    DT_EQ_INT(got, plan->n - dead);
+    for (i = 0; i < got; i++) {
+        DT_CHECKF(rep[i].status == DOPT_OK, "old rank %d: %s", rep[i].old_rank, rep[i].detail);
+        DT_EQ_INT(rep[i].size, got);
+        DT_CHECK(rep[i].members[rep[i].rank] == rep[i].old_rank);
+        for (k = 0; k < got; k++) {
+            DT_EQ_INT(rep[i].members[k], rep[0].members[k]);
+            if (k) DT_CHECK(rep[i].members[k] > rep[i].members[k - 1]); /* old order kept */
+            DT_CHECK(rep[i].members[k] != plan->victim && rep[i].members[k] != plan->second);
+        }
+        for (j = 0; j < SH_AFTER; j++) {
+            double want = 0;
+            for (k = 0; k < got; k++) want += (double)(k + 1) * (j + 1);
+            DT_NEAR(rep[i].sums[j], want, 0);
+        }
+        DT_EQ_INT((int)rep[i].epoch, rep[0].shrinks);
+        if (rep[i].shrink_ms > slowest) slowest = rep[i].shrink_ms;
+    }
+    printf("  %d -> %d ranks (epoch %u), the last shrink took at most %.2f ms\n", plan->n, got, rep[0].epoch,
+           slowest);
+}
+
+DTEST(tcp_survivors_of_a_killed_rank_go_on_renumbered) {
+    sh_plan p = {4, 2, 3, -1, 0, 0, 8};
+    sh_report rep[SH_MAXN];
+    int got = sh_run(&p, rep);
+    sh_check_went_on(&p, rep, got, 1);
+    DT_EQ_INT(rep[0].lost_rank, 2);
+}
+
+DTEST(tcp_survivors_go_on_when_rank_0_is_the_one_lost) {
+    sh_plan p = {4, 0, 2, -1, 0, 0, 8};
+    sh_report rep[SH_MAXN];
+    int got = sh_run(&p, rep);
+    sh_check_went_on(&p, rep, got, 1);
+    DT_EQ_INT(rep[0].members[0], 1);
+}
+
+DTEST(tcp_survivors_go_on_when_the_first_collective_never_completed) {
+    sh_plan p = {4, 3, 0, -1, 0, 0, 8};
+    sh_report rep[SH_MAXN];
+    int got = sh_run(&p, rep);
+    sh_check_went_on(&p, rep, got, 1);
+}
+
+DTEST(tcp_a_second_death_while_the_survivors_agree_leaves_two) {
+    int lost;
+    for (lost = 0; lost < 3; lost++) { /* the second to die: below, between and above the first */
+        sh_plan p = {5, 2, 2, -1, 0, 0, 8};
+        sh_report rep[SH_MAXN];
+        int got;
+        p.second = lost == 0 ? 0 : lost == 1 ? 1 : 4;
+        got = sh_run(&p, rep);
+        sh_check_went_on(&p, rep, got, 2);
+    }
+}
+
+DTEST(tcp_strangers_at_the_listening_sockets_do_not_disturb_the_shrink) {
+    sh_plan p = {4, 1, 2, -1, 0, 1, 8};
+    sh_report rep[SH_MAXN];
+    int got = sh_run(&p, rep);
+    sh_check_went_on(&p, rep, got, 1);
+}
+
+DTEST(tcp_fewer_survivors_than_min_ranks_fail_everywhere_with_the_reason) {
+    sh_plan p = {4, 1, 2, -1, 4, 0, 8};
+    sh_report rep[SH_MAXN];
+    int got = sh_run(&p, rep), i;
+    DT_EQ_INT(got, 3);
+    for (i = 0; i < got; i++) {
+        DT_EQ_INT(rep[i].status, DOPT_ERR_PEER_LOST);
+        DT_CHECKF(strstr(rep[i].detail, "3 of 4 ranks survive") && strstr(rep[i].detail, "min_ranks 4"), "%s",
+                  rep[i].detail);
+    }
+}
+
+/* ===================================================================== REFUSALS AND SETTINGS */
+
+static void sh_port(void *user, int port) { dtest_write_int(((int *)user)[1], port); }
+
+/* A 2-rank world configured with on_peer_lost; body runs on both. */
+static void refuse_rank(int rank, void *arg) {
+    int *pp = (int *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL, *next = (dopt_comm *)1, *g = NULL;
+    float x[4] = {1, 2, 3, 4};
+    memset(&cfg, 0, sizeof cfg);
+    cfg.rank = rank;
+    cfg.world_size = 2;
+    cfg.timeout_ms = 20000;
+    cfg.on_peer_lost = pp[2];
+    if (rank == 0) {
+        cfg.on_listen = sh_port;
+        cfg.on_listen_user = pp;
+    } else {
+        cfg.master_port = dtest_read_int(pp[0], "port");
+    }
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    DT_EQ_INT(dopt_comm_shrink(c, &next), DOPT_ERR_INVALID); /* healthy */
+    DT_CHECK(next == NULL && c->error == DOPT_OK);
+    DT_OK(dopt_comm_split(c, 0, 0, &g));
+    DT_EQ_INT(dopt_comm_shrink(g, &next), DOPT_ERR_INVALID); /* a group */
+    dopt_comm_destroy(g);
+    /* a mismatch is a program's bug, not a lost peer */
+    DT_EQ_INT(dopt_allreduce(c, x, rank ? 3 : 4, DOPT_F32, DOPT_SUM), DOPT_ERR_MISMATCH);
+    DT_EQ_INT(dopt_comm_shrink(c, &next), DOPT_ERR_INVALID);
+    DT_CHECK(next == NULL && c->error == DOPT_ERR_MISMATCH);
+    dopt_comm_destroy(c);
+    _exit(0);
+}
+
+static void refusals(int on_peer_lost) {
+    int pp[3];
+    DT_CHECK(pipe(pp) == 0);
+    pp[2] = on_peer_lost;
+    DT_EQ_INT(dtest_spawn(2, refuse_rank, pp, 60), 0);
+    close(pp[0]);
+    close(pp[1]);
+}
+
+DTEST(shrink_refuses_a_healthy_a_group_and_a_mismatch) {
+    refusals(DOPT_SHRINK);
+    refusals(DOPT_FAIL);
+}
+
+DTEST(shrink_without_the_setting_or_on_a_backend_that_cannot_is_refused) {
+    dopt_comm *c = NULL, *next = NULL;
+    DT_OK(dopt_comm_create_self(&c));
+    DT_EQ_INT(dopt_comm_shrink(c, &next), DOPT_ERR_UNSUPPORTED);
+    DT_EQ_INT(dopt_comm_shrink(NULL, &next), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt_comm_shrink(c, NULL), DOPT_ERR_INVALID);
+    dopt_comm_destroy(c);
+}
+
+DTEST(the_tcp_config_and_environment_set_on_peer_lost_and_min_ranks) {
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    memset(&cfg, 0, sizeof cfg);
+    setenv("DOPT_RANK", "0", 1);
+    setenv("DOPT_WORLD_SIZE", "1", 1);
+    setenv("DOPT_ON_PEER_LOST", "shrink", 1);
+    setenv("DOPT_MIN_RANKS", "1", 1);
+    DT_OK(dopt_tcp_config_from_env(&cfg));
+    DT_EQ_INT(cfg.on_peer_lost, DOPT_SHRINK);
+    DT_EQ_INT(cfg.min_ranks, 1);
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    DT_EQ_INT(c->on_peer_lost, DOPT_SHRINK);
+    DT_EQ_INT(c->min_ranks, 1);
+    dopt_comm_destroy(c);
+    setenv("DOPT_ON_PEER_LOST", "survive", 1);
+    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
+    setenv("DOPT_ON_PEER_LOST", "fail", 1);
+    setenv("DOPT_MIN_RANKS", "-2", 1);
+    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
+    unsetenv("DOPT_MIN_RANKS");
+    unsetenv("DOPT_ON_PEER_LOST");
+    memset(&cfg, 0, sizeof cfg);
+    cfg.world_size = 1;
+    cfg.on_peer_lost = 7;
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    cfg.on_peer_lost = DOPT_SHRINK;
+    cfg.min_ranks = 2;
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+}
+
+DTEST_MAIN()
