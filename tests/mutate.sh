@@ -449,5 +449,21 @@ mutate launch-shm-without-a-name launch.h \
     '    if (all_here && DOPT__LAUNCH_SHM && (info->job[0] || (shm_name && *shm_name))) return "shm";' \
     '    if (all_here && DOPT__LAUNCH_SHM && (!info->job[0] || (shm_name && *shm_name))) return "shm";' \
     test_launch:transport
+mutate shrink-adopts-a-lower-decision engine.h \
+    '    if (from > a->from) {' '    if (from < a->from) {' test_shrink:agreement
+mutate shrink-decides-without-waiting engine.h \
+    '    if (dopt__agree_waiting_for(a) >= 0) return 0;' '    (void)0;' test_shrink:agreement
+mutate shrink-forgets-the-culprit transport_tcp.h \
+    '        dopt__tcp_shrink_gone(c, &z, c->lost_rank, "the failure named it");' '        (void)0;' \
+    test_shrink:stopped
+mutate shrink-closes-a-later-hello transport_tcp.h \
+    'dopt__get_le32(z->pbuf[i] + 8) > c->epoch &&' 'dopt__get_le32(z->pbuf[i] + 8) > c->epoch + 9 &&' \
+    test_shrink:second_death
+mutate shrink-ignores-min-ranks transport_tcp.h \
+    '    else if (members < c->min_ranks)' '    else if (members < 0)' test_shrink:min_ranks
+mutate shrink-takes-a-wrong-token transport_tcp.h \
+    '        why = "the wrong job token";' '        why = NULL;' test_shrink:strangers
+mutate shrink-takes-a-mismatch-for-a-lost-peer distopt.h \
+    'c->error != DOPT_ERR_PEER_LOST && c->error != DOPT_ERR_TIMEOUT)' 'c->error == DOPT_OK)' test_shrink:refuses
 echo "mutation score: $caught/$tried${survivors:+ (survived:$survivors)}${unapplied:+ (not applied:$unapplied)}"
 [ "$caught" -eq "$tried" ]

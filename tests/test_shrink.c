@@ -187,6 +187,8 @@ typedef struct sh_plan {
     int min_ranks;
     int stranger;             /* 1: garbage and a wrong-token hello reach every listener first */
     int steps;                /* collectives before the kill and after, on the first communicator */
+    int stop;                 /* 1: the victim SIGSTOPs itself (alive, silent) instead */
+    int timeout_ms;           /* every rank's; 0: 20000 */
 } sh_plan;
 
 typedef struct sh_report {
@@ -252,7 +254,7 @@ static void sh_rank(int rank, void *arg) {
     memset(&cfg, 0, sizeof cfg);
     cfg.rank = rank;
     cfg.world_size = P->n;
-    cfg.timeout_ms = 20000;
+    cfg.timeout_ms = P->timeout_ms ? P->timeout_ms : 20000;
     cfg.token = "distopt-shrink-test";
     cfg.on_peer_lost = DOPT_SHRINK;
     cfg.min_ranks = P->min_ranks;
@@ -273,11 +275,11 @@ static void sh_rank(int rank, void *arg) {
         DT_OK(dopt_barrier(c));
     }
     for (step = 0; step < P->steps && s == DOPT_OK; step++) {
-        if (rank == P->victim && step == P->victim_step) raise(SIGKILL);
+        if (rank == P->victim && step == P->victim_step) raise(P->stop ? SIGSTOP : SIGKILL);
         for (i = 0; i < SH_ELEMS; i++) x[i] = (float)(rank + 1);
         s = dopt_allreduce(c, x, SH_ELEMS, DOPT_F32, DOPT_SUM);
     }
-    DT_CHECKF(s == DOPT_ERR_PEER_LOST, "rank %d: %s", rank, dopt_comm_detail(c));
+    DT_CHECKF(s == (P->stop ? DOPT_ERR_TIMEOUT : DOPT_ERR_PEER_LOST), "rank %d: %s", rank, dopt_comm_detail(c));
     if (rank == P->second) raise(SIGKILL);
     /* shrink until a communicator runs its collectives (a death during the agreement may take
        a second one) */
@@ -340,6 +342,7 @@ static int sh_run(const sh_plan *plan, sh_report *rep) {
         int status;
         pid_t p = waitpid(-1, &status, WNOHANG);
         if (p <= 0) {
+            if (plan->stop && left == 1 && pids[plan->victim] > 0) kill(pids[plan->victim], SIGKILL); /* the rest ended */
             if (dtest_now_ms() > deadline) {
                 for (r = 0; r < plan->n; r++)
                     if (pids[r] > 0) kill(pids[r], SIGKILL);
@@ -424,6 +427,19 @@ DTEST(tcp_a_second_death_while_the_survivors_agree_leaves_two) {
         p.second = lost == 0 ? 0 : lost == 1 ? 1 : 4;
         got = sh_run(&p, rep);
         sh_check_went_on(&p, rep, got, 2);
+    }
+}
+
+DTEST(tcp_a_stopped_rank_is_left_out_after_the_timeout) {
+    int victim;
+    for (victim = 3; victim >= 0; victim -= 3) { /* above everyone, and rank 0 */
+        sh_plan p = {4, 3, 2, -1, 0, 0, 8, 1, 1500};
+        sh_report rep[SH_MAXN];
+        int got;
+        p.victim = victim;
+        got = sh_run(&p, rep);
+        sh_check_went_on(&p, rep, got, 1);
+        DT_EQ_INT(rep[0].lost_rank, victim);
     }
 }
 
