@@ -75,7 +75,7 @@ $(TESTS) $(FAST_MATH_TESTS) $(MPI_TESTS): ALL_CFLAGS += -Wno-missing-field-initi
 BENCH_SRC := $(filter-out bench/bench_allreduce.c,$(wildcard bench/bench_*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/%,$(BENCH_SRC))
 
-EXAMPLES := $(BUILD)/least_squares $(BUILD)/fmnist_mlp $(BUILD)/perf_model $(BUILD)/char_lstm
+EXAMPLES := $(BUILD)/least_squares $(BUILD)/fmnist_mlp $(BUILD)/perf_model $(BUILD)/char_lstm $(BUILD)/elastic_sgd
 # llm.c's shape with distopt's synchronous drop-in, built with OpenMP as llm.c is
 OMP_EXAMPLES := $(BUILD)/gpt2_standin
 FUZZ_SRC := $(wildcard fuzz/fuzz_*.c)
@@ -104,6 +104,15 @@ examples: $(EXAMPLES) $(OMP_EXAMPLES)
 FAULT_SOAK ?= 10
 faults-soak: $(BUILD)/test_faults
 	@FAULT_SOAK=$(FAULT_SOAK) DTEST_TIMEOUT_S=86400 $(BUILD)/test_faults
+
+# Local SGD surviving a killed worker: 20 trials over TCP on loopback, then one below min_ranks
+# (tests/elastic_trials.c; about a minute). .ci/run runs it.
+.PHONY: elastic-test
+elastic-test: deps $(BUILD)/elastic_trials $(BUILD)/elastic_sgd
+	@$(BUILD)/elastic_trials $(BUILD) 20
+
+$(BUILD)/elastic_trials: tests/elastic_trials.c | $(BUILD)
+	$(CC) $(ALL_CFLAGS) -o $@ $<
 
 # One-line bugs the tests must catch (tests/mutate.sh lists them); slow, not part of make test.
 mutate: deps

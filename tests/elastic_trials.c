@@ -1,0 +1,204 @@
+/* elastic_trials.c — make elastic-test: local SGD surviving a killed worker, measured.
+
+   Each trial starts 4 processes of build/elastic_sgd over TCP on loopback (DOPT_* variables,
+   DOPT_ON_PEER_LOST=shrink), SIGKILLs one of them (any rank, rank 0 included; drawn from a fixed
+   seed) at a random moment of the training, and waits at most 60 s for the others. A trial
+   survives when every survivor exits 0 having converged, with the same model (its hash) as the
+   other survivors, after one shrink or more. The time to recover is from the kill to the moment
+   the last survivor trained again (its resumed_ms). Then one trial with DOPT_MIN_RANKS=4: every
+   survivor must end with an error naming min_ranks, none may hang. Prints per trial a line and,
+   last:
+       elastic transport=tcp trials=N survived=S rejoined=0 hangs=H max_recover_ms=M state_MBps=0
+       link_MBps=0 min_ranks_ok=1
+   (re-admitting the killed worker is not built yet: rejoined, state_MBps and link_MBps are 0).
+   Exits 1 when a trial did not survive or hung. Usage: elastic_trials [BUILD_DIR] [TRIALS]. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define WORKERS 4
+#define TRIAL_LIMIT_MS 60000
+
+static uint64_t next_random(uint64_t *s) { /* splitmix64 */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static double wall_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static int free_port(void) {
+    struct sockaddr_in sa;
+    socklen_t len = sizeof sa;
+    int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+        getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
+        port = ntohs(sa.sin_port);
+    if (fd >= 0) close(fd);
+    return port;
+}
+
+typedef struct outcome {
+    int exited[WORKERS], status[WORKERS];
+    char line[WORKERS][512];
+    int hung;
+} outcome;
+
+/* Runs one job; victim is killed delay_ms after the start (-1: nobody). */
+static void run_job(const char *build, const char *dir, int victim, int delay_ms, int min_ranks, double *kill_ms,
+                    outcome *out) {
+    pid_t pids[WORKERS];
+    int r, port = free_port(), left = WORKERS;
+    double start = wall_ms();
+    char exe[512];
+    memset(out, 0, sizeof *out);
+    snprintf(exe, sizeof exe, "%s/elastic_sgd", build);
+    fflush(stdout);
+    for (r = 0; r < WORKERS; r++) {
+        pids[r] = fork();
+        if (pids[r] == 0) {
+            char v[32], path[600];
+            snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
+            if (!freopen(path, "w", stdout) || !freopen("/dev/null", "w", stderr)) _exit(3);
+            snprintf(v, sizeof v, "%d", r);
+            setenv("DOPT_RANK", v, 1);
+            setenv("DOPT_WORLD_SIZE", "4", 1);
+            snprintf(v, sizeof v, "%d", port);
+            setenv("DOPT_MASTER_PORT", v, 1);
+            setenv("DOPT_MASTER_ADDR", "127.0.0.1", 1);
+            setenv("DOPT_TOKEN", "elastic-trials", 1);
+            setenv("DOPT_ON_PEER_LOST", "shrink", 1);
+            snprintf(v, sizeof v, "%d", min_ranks);
+            setenv("DOPT_MIN_RANKS", v, 1);
+            execl(exe, exe, "--step-us", "200", (char *)NULL);
+            _exit(4);
+        }
+    }
+    *kill_ms = 0;
+    while (left > 0) {
+        int status;
+        pid_t p = waitpid(-1, &status, WNOHANG);
+        double now = wall_ms();
+        if (victim >= 0 && *kill_ms == 0 && now - start >= delay_ms && pids[victim] > 0) {
+            kill(pids[victim], SIGKILL);
+            *kill_ms = wall_ms();
+        }
+        if (p > 0) {
+            for (r = 0; r < WORKERS; r++)
+                if (pids[r] == p) {
+                    pids[r] = 0;
+                    out->exited[r] = 1;
+                    out->status[r] = status;
+                    left--;
+                }
+            continue;
+        }
+        if (now - start > TRIAL_LIMIT_MS) {
+            out->hung = 1;
+            for (r = 0; r < WORKERS; r++)
+                if (pids[r] > 0) {
+                    kill(pids[r], SIGKILL);
+                    waitpid(pids[r], NULL, 0);
+                }
+            break;
+        }
+        usleep(1000);
+    }
+    for (r = 0; r < WORKERS; r++) {
+        char path[600];
+        FILE *f;
+        snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
+        if ((f = fopen(path, "r")) != NULL) {
+            if (!fgets(out->line[r], sizeof out->line[r], f)) out->line[r][0] = '\0';
+            fclose(f);
+        }
+        out->line[r][strcspn(out->line[r], "\n")] = '\0';
+    }
+}
+
+int main(int argc, char **argv) {
+    const char *build = argc > 1 ? argv[1] : "build";
+    int trials = argc > 2 ? atoi(argv[2]) : 20, t, r, survived = 0, hangs = 0, min_ranks_ok = 1;
+    double max_recover = 0;
+    uint64_t rng = 20261128;
+    char dir[] = "/tmp/distopt-elastic-XXXXXX";
+    outcome out;
+    if (!mkdtemp(dir)) {
+        perror("elastic_trials: mkdtemp");
+        return 1;
+    }
+    for (t = 0; t < trials; t++) {
+        int victim = (int)(next_random(&rng) % WORKERS), delay = 150 + (int)(next_random(&rng) % 1000), ok = 1;
+        unsigned long long model = 0;
+        double kill_ms, resumed = 0;
+        run_job(build, dir, victim, delay, 0, &kill_ms, &out);
+        hangs += out.hung;
+        ok = !out.hung;
+        for (r = 0; r < WORKERS && ok; r++) {
+            unsigned long long m;
+            int shrinks;
+            double res;
+            const char *p = strstr(out.line[r], "model ");
+            if (r == victim) continue;
+            if (!out.exited[r] || !WIFEXITED(out.status[r]) || WEXITSTATUS(out.status[r]) != 0 || p == NULL ||
+                sscanf(p, "model %llx, shrinks %d, resumed_ms %lf", &m, &shrinks, &res) != 3 || shrinks < 1 ||
+                (model && m != model)) {
+                ok = 0;
+                break;
+            }
+            model = m;
+            if (res > resumed) resumed = res;
+        }
+        if (ok) {
+            survived++;
+            if (resumed - kill_ms > max_recover) max_recover = resumed - kill_ms;
+        }
+        printf("trial %d: killed rank %d after %d ms: %s, training again %.0f ms after the kill\n", t, victim, delay,
+               out.hung ? "HUNG" : ok ? "survivors identical and converged" : "FAILED", ok ? resumed - kill_ms : 0.0);
+        if (!ok)
+            for (r = 0; r < WORKERS; r++) printf("  rank %d: %s\n", r, out.line[r][0] ? out.line[r] : "(nothing)");
+    }
+    { /* fewer survivors than min_ranks: every survivor ends with the reason, nobody hangs */
+        double kill_ms;
+        run_job(build, dir, 1, 400, 4, &kill_ms, &out);
+        hangs += out.hung;
+        for (r = 0; r < WORKERS; r++) {
+            if (r == 1) continue;
+            if (out.hung || !out.exited[r] || !WIFEXITED(out.status[r]) || WEXITSTATUS(out.status[r]) != 1 ||
+                strstr(out.line[r], "min_ranks 4") == NULL)
+                min_ranks_ok = 0;
+        }
+        printf("below min_ranks: %s\n", min_ranks_ok ? "every survivor ended with the reason" : "FAILED");
+        if (!min_ranks_ok)
+            for (r = 0; r < WORKERS; r++) printf("  rank %d: %s\n", r, out.line[r][0] ? out.line[r] : "(nothing)");
+    }
+    for (r = 0; r < WORKERS; r++) {
+        char path[600];
+        snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
+        unlink(path);
+    }
+    rmdir(dir);
+    printf("elastic transport=tcp trials=%d survived=%d rejoined=0 hangs=%d max_recover_ms=%.0f state_MBps=0 "
+           "link_MBps=0 min_ranks_ok=%d\n",
+           trials, survived, hangs, max_recover, min_ranks_ok);
+    return survived == trials && hangs == 0 && min_ranks_ok ? 0 : 1;
+}
