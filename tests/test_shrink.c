@@ -189,6 +189,7 @@ typedef struct sh_plan {
     int steps;                /* collectives before the kill and after, on the first communicator */
     int stop;                 /* 1: the victim SIGSTOPs itself (alive, silent) instead */
     int timeout_ms;           /* every rank's; 0: 20000 */
+    int thread_us;            /* > 0: a progress thread (it carries over to the survivors' communicator) */
 } sh_plan;
 
 typedef struct sh_report {
@@ -259,6 +260,7 @@ static void sh_rank(int rank, void *arg) {
     cfg.on_peer_lost = DOPT_SHRINK;
     cfg.min_ranks = P->min_ranks;
     cfg.log_fn = sh_log;
+    cfg.progress_thread_us = P->thread_us;
     if (rank == 0) {
         cfg.on_listen = sh_on_listen;
         cfg.on_listen_user = w;
@@ -297,6 +299,7 @@ static void sh_rank(int rank, void *arg) {
         }
         rep.shrinks++;
         DT_CHECK(next != NULL && next->epoch == c->epoch + 1);
+        if (P->thread_us > 0) DT_CHECK(next->eng != NULL && next->eng->threaded); /* the setting carried over */
         (void)oldrank;
         dopt_comm_destroy(c);
         c = next;
@@ -304,7 +307,13 @@ static void sh_rank(int rank, void *arg) {
         s = dopt_allgather(c, &old, rep.members, sizeof(int));
         for (step = 0; step < SH_AFTER && s == DOPT_OK; step++) {
             for (i = 0; i < SH_ELEMS; i++) x[i] = (float)(c->rank + 1) * (float)(step + 1);
-            s = dopt_allreduce(c, x, SH_ELEMS, DOPT_F32, DOPT_SUM);
+            if (P->thread_us > 0) { /* the survivors' progress thread moves a request */
+                dopt_request req;
+                s = dopt_allreduce_start(c, x, SH_ELEMS, DOPT_F32, DOPT_SUM, &req);
+                if (s == DOPT_OK) s = dopt_wait(&req);
+            } else {
+                s = dopt_allreduce(c, x, SH_ELEMS, DOPT_F32, DOPT_SUM);
+            }
             rep.sums[step] = x[SH_ELEMS - 1];
         }
         if (s == DOPT_OK) break;
@@ -409,6 +418,13 @@ DTEST(tcp_survivors_go_on_when_rank_0_is_the_one_lost) {
     int got = sh_run(&p, rep);
     sh_check_went_on(&p, rep, got, 1);
     DT_EQ_INT(rep[0].members[0], 1);
+}
+
+DTEST(tcp_survivors_go_on_with_a_progress_thread_and_requests) {
+    sh_plan p = {4, 1, 3, -1, 0, 0, 8, 0, 0, 100};
+    sh_report rep[SH_MAXN];
+    int got = sh_run(&p, rep);
+    sh_check_went_on(&p, rep, got, 1);
 }
 
 DTEST(tcp_survivors_go_on_when_the_first_collective_never_completed) {
