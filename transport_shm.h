@@ -166,6 +166,10 @@
      peer that dies is found long before that: all ranks fail within about a quarter second of a
      peer's death, not at the timeout. The schedule of the waits: see REFERENCE FOR CONTRIBUTORS
      below (WAITING).
+     The survivors cannot go on without the dead rank here yet: dopt_comm_shrink (distopt.h:
+     SURVIVING A LOST PEER) returns DOPT_ERR_UNSUPPORTED on a shm communicator, and the job ends
+     as above. A job that must survive a lost rank runs on TCP (on_peer_lost = DOPT_SHRINK), on
+     one host too.
 
    MISMATCHES
      Every call is checked against every peer's before any data is reduced. If any differs, every rank
