@@ -2793,8 +2793,11 @@ static dopt_status dopt__tcp_shrink_agree(dopt_comm *c, dopt__tcp *t, dopt__tcp_
         for (r = me + 1; r < n; r++) connecting |= z->state[r] == 1;
         if (!connecting && dopt__agree_step(&z->a)) break;
         for (r = 0; r < me; r++) /* an old link ended with no connection after the grace: gone */
-            if (z->state[r] == 0 && z->ended[r] > 0 && now - z->ended[r] >= DOPT__TCP_SHRINK_GRACE_MS)
-                dopt__tcp_shrink_gone(c, z, r, "its old link ended and it did not connect");
+            if (z->state[r] == 0 && z->ended[r] > 0 && now - z->ended[r] >= DOPT__TCP_SHRINK_GRACE_MS) {
+                if (t->shrink_lfd >= 0) dopt__tcp_shrink_accept(t, z); /* a starved loop: look first */
+                for (i = z->npend - 1; i >= 0; i--) dopt__tcp_shrink_pending(c, t, z, i);
+                if (z->state[r] == 0) dopt__tcp_shrink_gone(c, z, r, "its old link ended and it did not connect");
+            }
         if (now >= quiet_until) { /* silence for the timeout: whoever is awaited is taken for gone */
             for (r = 0; r < n; r++)
                 if ((r < me && z->state[r] >= 0 && z->state[r] < 2) || (r > me && z->state[r] == 1))
