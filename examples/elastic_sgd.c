@@ -55,6 +55,12 @@ static void gradient(const float *A, const float *b, const float *x, size_t begi
     }
 }
 
+static void log_line(void *user, dopt_log_level level, const char *message) { /* the transport's words, on stderr */
+    (void)user;
+    (void)level;
+    fprintf(stderr, "distopt: %s\n", message);
+}
+
 /* distopt: the survivors go on. On every survivor: agree, renumber, rebuild the driver, take the
    new rank 0's model and step, take the new shard. */
 static dopt_status survive(dopt_comm **comm, dopt_dp *dp, const dopt_dp_config *cfg, float *x, long *step) {
@@ -103,6 +109,7 @@ int main(int argc, char **argv) {
     memset(&base, 0, sizeof base);
     base.on_peer_lost = DOPT_SHRINK; /* distopt: DOPT_ON_PEER_LOST and DOPT_MIN_RANKS may say otherwise */
     base.timeout_ms = 10000;         /* a silent worker is taken for lost after 10 s (DOPT_TIMEOUT_MS) */
+    base.log_fn = log_line;
     if (dopt_tcp_create_from_env(&comm, &base) != DOPT_OK) return 1;
     world = comm->size;
     old_rank = comm->rank;

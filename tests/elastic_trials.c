@@ -11,7 +11,11 @@
        elastic transport=tcp trials=N survived=S rejoined=0 hangs=H max_recover_ms=M state_MBps=0
        link_MBps=0 min_ranks_ok=1
    (re-admitting the killed worker is not built yet: rejoined, state_MBps and link_MBps are 0).
-   Exits 1 when a trial did not survive or hung. Usage: elastic_trials [BUILD_DIR] [TRIALS]. */
+   Exits 1 when a trial did not survive or hung.
+   Usage: elastic_trials [BUILD_DIR] [TRIALS] [MASTER_ADDR]: with MASTER_ADDR, rank r runs on the
+   simulated cluster's host r (scripts/cluster.sh exec r; the cluster must be up with 4 hosts,
+   MASTER_ADDR host 0's address: tests/elastic_cluster.sh does it) and the line says
+   links=cluster, else links=loopback. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -60,10 +64,13 @@ static int free_port(void) {
 typedef struct outcome {
     int exited[WORKERS], status[WORKERS];
     char line[WORKERS][512];
+    char err[WORKERS][512];
     int hung;
 } outcome;
 
 /* Runs one job; victim is killed delay_ms after the start (-1: nobody). */
+static const char *cluster_master; /* NULL: every rank on loopback */
+
 static void run_job(const char *build, const char *dir, int victim, int delay_ms, int min_ranks, double *kill_ms,
                     outcome *out) {
     pid_t pids[WORKERS];
@@ -76,19 +83,25 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
     for (r = 0; r < WORKERS; r++) {
         pids[r] = fork();
         if (pids[r] == 0) {
-            char v[32], path[600];
+            char v[32], path[600], err[600];
             snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
-            if (!freopen(path, "w", stdout) || !freopen("/dev/null", "w", stderr)) _exit(3);
+            snprintf(err, sizeof err, "%s/rank%d.err", dir, r);
+            if (!freopen(path, "w", stdout) || !freopen(err, "w", stderr)) _exit(3);
             snprintf(v, sizeof v, "%d", r);
             setenv("DOPT_RANK", v, 1);
             setenv("DOPT_WORLD_SIZE", "4", 1);
             snprintf(v, sizeof v, "%d", port);
             setenv("DOPT_MASTER_PORT", v, 1);
-            setenv("DOPT_MASTER_ADDR", "127.0.0.1", 1);
+            setenv("DOPT_MASTER_ADDR", cluster_master ? cluster_master : "127.0.0.1", 1);
             setenv("DOPT_TOKEN", "elastic-trials", 1);
             setenv("DOPT_ON_PEER_LOST", "shrink", 1);
             snprintf(v, sizeof v, "%d", min_ranks);
             setenv("DOPT_MIN_RANKS", v, 1);
+            if (cluster_master) { /* cluster.sh exec becomes `ip netns exec`, which becomes exe: one pid */
+                char host[16];
+                snprintf(host, sizeof host, "%d", r);
+                execl("scripts/cluster.sh", "scripts/cluster.sh", "exec", host, exe, "--step-us", "200", (char *)NULL);
+            }
             execl(exe, exe, "--step-us", "200", (char *)NULL);
             _exit(4);
         }
@@ -132,6 +145,14 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
             fclose(f);
         }
         out->line[r][strcspn(out->line[r], "\n")] = '\0';
+        snprintf(path, sizeof path, "%s/rank%d.err", dir, r); /* the last thing it said on stderr */
+        out->err[r][0] = '\0';
+        if ((f = fopen(path, "r")) != NULL) {
+            char line[512];
+            while (fgets(line, sizeof line, f)) snprintf(out->err[r], sizeof out->err[r], "%s", line);
+            fclose(f);
+        }
+        out->err[r][strcspn(out->err[r], "\n")] = '\0';
     }
 }
 
@@ -142,6 +163,7 @@ int main(int argc, char **argv) {
     uint64_t rng = 20261128;
     char dir[] = "/tmp/distopt-elastic-XXXXXX";
     outcome out;
+    cluster_master = argc > 3 ? argv[3] : NULL;
     if (!mkdtemp(dir)) {
         perror("elastic_trials: mkdtemp");
         return 1;
@@ -175,7 +197,8 @@ int main(int argc, char **argv) {
         printf("trial %d: killed rank %d after %d ms: %s, training again %.0f ms after the kill\n", t, victim, delay,
                out.hung ? "HUNG" : ok ? "survivors identical and converged" : "FAILED", ok ? resumed - kill_ms : 0.0);
         if (!ok)
-            for (r = 0; r < WORKERS; r++) printf("  rank %d: %s\n", r, out.line[r][0] ? out.line[r] : "(nothing)");
+            for (r = 0; r < WORKERS; r++)
+                printf("  rank %d: %s | stderr: %s\n", r, out.line[r][0] ? out.line[r] : "(nothing)", out.err[r]);
     }
     { /* fewer survivors than min_ranks: every survivor ends with the reason, nobody hangs */
         double kill_ms;
@@ -195,10 +218,12 @@ int main(int argc, char **argv) {
         char path[600];
         snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
         unlink(path);
+        snprintf(path, sizeof path, "%s/rank%d.err", dir, r);
+        unlink(path);
     }
     rmdir(dir);
     printf("elastic transport=tcp trials=%d survived=%d rejoined=0 hangs=%d max_recover_ms=%.0f state_MBps=0 "
-           "link_MBps=0 min_ranks_ok=%d\n",
-           trials, survived, hangs, max_recover, min_ranks_ok);
+           "link_MBps=0 min_ranks_ok=%d links=%s\n",
+           trials, survived, hangs, max_recover, min_ranks_ok, cluster_master ? "cluster" : "loopback");
     return survived == trials && hangs == 0 && min_ranks_ok ? 0 : 1;
 }
