@@ -2,7 +2,7 @@
 
    Each trial starts 4 processes of build/elastic_sgd over TCP on loopback (DOPT_* variables,
    DOPT_ON_PEER_LOST=shrink), SIGKILLs one of them (any rank, rank 0 included; drawn from a fixed
-   seed) at a random moment of the training, and waits at most 60 s for the others. A trial
+   seed) at a random moment of the training (150 ms to 1.15 s after the job formed), and waits at most 60 s for the others. A trial
    survives when every survivor exits 0 having converged, with the same model (its hash) as the
    other survivors, after one shrink or more. The time to recover is from the kill to the moment
    the last survivor trained again (its resumed_ms). Then one trial with DOPT_MIN_RANKS=4: every
@@ -71,11 +71,29 @@ typedef struct outcome {
 /* Runs one job; victim is killed delay_ms after the start (-1: nobody). */
 static const char *cluster_master; /* NULL: every rank on loopback */
 
+/* Every rank said that the job formed (the TCP transport's "tcp rank R of 4: rendezvous at ..."
+   on its stderr): a kill before that would be a rank lost during the rendezvous, which waits for
+   it to come back (transport_tcp.h: STARTING UP), not what these trials measure. */
+static int job_formed(const char *dir) {
+    int r;
+    for (r = 0; r < WORKERS; r++) {
+        char path[600], line[512];
+        int seen = 0;
+        FILE *f;
+        snprintf(path, sizeof path, "%s/rank%d.err", dir, r);
+        if ((f = fopen(path, "r")) == NULL) return 0;
+        while (!seen && fgets(line, sizeof line, f)) seen = strstr(line, "rendezvous at") != NULL;
+        fclose(f);
+        if (!seen) return 0;
+    }
+    return 1;
+}
+
 static void run_job(const char *build, const char *dir, int victim, int delay_ms, int min_ranks, double *kill_ms,
                     outcome *out) {
     pid_t pids[WORKERS];
     int r, port = free_port(), left = WORKERS;
-    double start = wall_ms();
+    double start = wall_ms(), formed = 0;
     char exe[512];
     memset(out, 0, sizeof *out);
     snprintf(exe, sizeof exe, "%s/elastic_sgd", build);
@@ -111,7 +129,8 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
         int status;
         pid_t p = waitpid(-1, &status, WNOHANG);
         double now = wall_ms();
-        if (victim >= 0 && *kill_ms == 0 && now - start >= delay_ms && pids[victim] > 0) {
+        if (formed == 0 && job_formed(dir)) formed = now; /* the kill comes after the rendezvous */
+        if (victim >= 0 && *kill_ms == 0 && formed > 0 && now - formed >= delay_ms && pids[victim] > 0) {
             kill(pids[victim], SIGKILL);
             *kill_ms = wall_ms();
         }
@@ -194,7 +213,7 @@ int main(int argc, char **argv) {
             survived++;
             if (resumed - kill_ms > max_recover) max_recover = resumed - kill_ms;
         }
-        printf("trial %d: killed rank %d after %d ms: %s, training again %.0f ms after the kill\n", t, victim, delay,
+        printf("trial %d: killed rank %d %d ms after the job formed: %s, training again %.0f ms after the kill\n", t, victim, delay,
                out.hung ? "HUNG" : ok ? "survivors identical and converged" : "FAILED", ok ? resumed - kill_ms : 0.0);
         if (!ok)
             for (r = 0; r < WORKERS; r++)
