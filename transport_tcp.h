@@ -2488,6 +2488,17 @@ static dopt_status dopt__tcp_check_addrs(const dopt_tcp_config *cfg, int *port) 
     return DOPT_OK;
 }
 
+/* The job's identity for the flight recorder: the token and rank 0's address, alike on every
+   rank (a world of one adds its process, so two of them never share a file). */
+static void dopt__tcp_set_job(dopt_comm *c, const dopt__tcp *t) {
+    unsigned char id[DOPT_TCP_TOKEN_MAX + 16 + 8];
+    memcpy(id, t->token, DOPT_TCP_TOKEN_MAX);
+    memcpy(id + DOPT_TCP_TOKEN_MAX, t->peers[0].addr, 16);
+    dopt__put_le32(id + DOPT_TCP_TOKEN_MAX + 16, t->peers[0].port);
+    dopt__put_le32(id + DOPT_TCP_TOKEN_MAX + 20, t->size == 1 ? (uint32_t)getpid() : 0u);
+    dopt_comm_set_job(c, id, sizeof id);
+}
+
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg) {
     dopt_comm *c = NULL;
     dopt__tcp *t;
@@ -2527,6 +2538,7 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
         return s;
     }
     t->ready = 1;
+    dopt__tcp_set_job(c, t);
     dopt_comm_set_host(c, t->size == 1 ? 1 : dopt__tcp_local_ranks(t), (int)sysconf(_SC_NPROCESSORS_ONLN));
     if (dopt__tcp_set_hosts(c, t, cfg->two_level) != DOPT_OK) {
         dopt_comm_destroy(c);
