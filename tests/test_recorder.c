@@ -1,0 +1,298 @@
+/* Tests of the flight recorder (distopt.h: FLIGHT RECORDER) and of distopt-inspect, which must
+   name the rank everyone waits for.
+
+   Each injected case starts a job of 4 real processes over a transport of worlds.h (shm direct,
+   shm's engine, TCP on loopback), with the recorder's files in a directory of its own
+   (DOPT_RECORDER_DIR). Every rank runs the same loop of 12 small allreduces whose sizes repeat
+   with period 4 (1000, 1001, 1002, 1003 elements); one rank, the victim, departs from it at step
+   6 (sequence number 7): it skips that allreduce, calls an extra barrier before it, calls it with
+   another size, SIGKILLs itself, or SIGSTOPs itself. Then build/distopt-inspect reads the
+   directory, and its "culprit rank=R seq=S cause=C" line must name the victim, sequence number 7
+   and the cause. For a stopped rank it runs while the job hangs (polled until every other rank
+   has begun #7, at most INSPECT_BUDGET_S); for the other cases after the job ended, since a
+   failed rank keeps its file. Prints "inspect cases=<n> named=<n>" per transport and requires
+   named == cases (REC_SHOW=1 in the environment prints every case's output). A clean job leaves no file behind, and the per-peer waiting counters name a
+   rank that sleeps before every collective. */
+#define DISTOPT_IMPLEMENTATION
+#include "../distopt.h"
+#include "../transport_shm.h"
+#include "../transport_tcp.h"
+#include "dtest.h"
+#include "worlds.h"
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#define REC_RANKS 4
+#define REC_STEPS 12
+#define REC_AT 6               /* the victim departs at this step: sequence number REC_AT + 1 */
+#define REC_TIMEOUT_MS 20000   /* every rank's timeout: a stopped rank's job hangs this long at most */
+#define INSPECT_BUDGET_S 20    /* how long a hung job is polled for the others to reach #7 */
+
+typedef enum rec_case { REC_SKIP, REC_EXTRA, REC_SIZE, REC_DEAD, REC_STOP, REC_NCASES } rec_case;
+static const char *const rec_case_names[REC_NCASES] = {"skipped", "extra", "size", "dead", "stopped"};
+
+typedef struct rec_trial {
+    world w;
+    rec_case what;
+    int victim;
+    int ready_pipe[2];
+} rec_trial;
+
+static size_t rec_count(int step) { return 1000 + (size_t)(step % 4); }
+
+/* A rank: the loop, with the victim's departure at REC_AT; exits with its status. */
+static void rec_rank(rec_trial *t, int rank) {
+    dopt_comm *c = world_join(&t->w, rank);
+    float buf[1100];
+    dopt_status s = DOPT_OK;
+    int step;
+    memset(buf, 0, sizeof buf);
+    dopt_comm_set_timeout(c, REC_TIMEOUT_MS);
+    dtest_write_int(t->ready_pipe[1], rank);
+    for (step = 0; step < REC_STEPS && s == DOPT_OK; step++) {
+        size_t n = rec_count(step);
+        if (rank == t->victim && step == REC_AT) {
+            if (t->what == REC_SKIP) continue;
+            if (t->what == REC_EXTRA) s = dopt_barrier(c);
+            if (t->what == REC_SIZE) n += 7;
+            if (t->what == REC_DEAD) raise(SIGKILL);
+            if (t->what == REC_STOP) raise(SIGSTOP);
+            if (s != DOPT_OK) break;
+        }
+        s = dopt_allreduce(c, buf, n, DOPT_F32, DOPT_SUM);
+    }
+    _exit(dopt_comm_finish(c, s));
+}
+
+/* build/distopt-inspect, beside this program. */
+static void rec_inspector(char *out, size_t cap) {
+    char self[400];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    char *slash;
+    DT_CHECK(n > 0);
+    self[n] = '\0';
+    slash = strrchr(self, '/');
+    DT_CHECK(slash != NULL);
+    *slash = '\0';
+    snprintf(out, cap, "%s/distopt-inspect", self);
+    DT_CHECKF(access(out, X_OK) == 0, "%s is not built (make all builds it)", out);
+}
+
+/* Runs distopt-inspect on dir; its output in out, the culprit line's fields parsed (1 when found). */
+static int rec_inspect(const char *dir, char *out, size_t cap, int *rank, unsigned long long *seq, char *cause) {
+    char exe[512], cmd[1200];
+    const char *line;
+    FILE *p;
+    size_t used = 0, got;
+    rec_inspector(exe, sizeof exe);
+    snprintf(cmd, sizeof cmd, "'%s' --dir '%s' 2>&1", exe, dir);
+    p = popen(cmd, "r");
+    DT_CHECK(p != NULL);
+    while (used + 1 < cap && (got = fread(out + used, 1, cap - 1 - used, p)) > 0) used += got;
+    out[used] = '\0';
+    pclose(p);
+    line = strstr(out, "culprit rank=");
+    return line && sscanf(line, "culprit rank=%d seq=%llu cause=%15s", rank, seq, cause) == 3;
+}
+
+static void rec_rmdir(const char *dir) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    char path[512];
+    if (d == NULL) return;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        unlink(path);
+    }
+    closedir(d);
+    rmdir(dir);
+}
+
+static int rec_files(const char *dir) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    int n = 0;
+    if (d == NULL) return -1;
+    while ((e = readdir(d)) != NULL) n += strncmp(e->d_name, "dopt-rec.", 9) == 0;
+    closedir(d);
+    return n;
+}
+
+/* Forks the job with the recorder in dir; pids[] filled. */
+static void rec_start(rec_trial *t, world_via via, const char *dir, pid_t *pids) {
+    struct timespec ts;
+    int r;
+    memset(&t->w, 0, sizeof t->w);
+    t->w.via = via;
+    t->w.n = REC_RANKS;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    snprintf(t->w.shm_name, sizeof t->w.shm_name, "dtest-rec-%d-%lld", (int)getpid(), (long long)ts.tv_nsec);
+    DT_CHECK(pipe(t->w.port_pipe) == 0 && pipe(t->ready_pipe) == 0);
+    setenv("DOPT_RECORDER_DIR", dir, 1);
+    fflush(stdout);
+    fflush(stderr);
+    for (r = 0; r < REC_RANKS; r++) {
+        pids[r] = fork();
+        DT_CHECK(pids[r] >= 0);
+        if (pids[r] == 0) rec_rank(t, r);
+    }
+    for (r = 0; r < REC_RANKS; r++) dtest_read_int(t->ready_pipe[0], "a rank's ready signal");
+}
+
+static void rec_end(rec_trial *t, pid_t *pids) {
+    int r;
+    for (r = 0; r < REC_RANKS; r++) {
+        kill(pids[r], SIGCONT);
+        kill(pids[r], SIGKILL);
+        waitpid(pids[r], NULL, 0);
+    }
+    close(t->w.port_pipe[0]);
+    close(t->w.port_pipe[1]);
+    close(t->ready_pipe[0]);
+    close(t->ready_pipe[1]);
+}
+
+/* Waits for every rank but the victim to exit (at most REC_TIMEOUT_MS and a margin). */
+static void rec_reap_survivors(const pid_t *pids, int victim) {
+    double deadline = dtest_now_ms() + REC_TIMEOUT_MS + 10000;
+    int r;
+    for (r = 0; r < REC_RANKS; r++) {
+        if (r == victim) continue;
+        while (waitpid(pids[r], NULL, WNOHANG) == 0 && dtest_now_ms() < deadline) usleep(2000);
+    }
+}
+
+/* One injected case: 1 when distopt-inspect named the victim, REC_AT + 1 and the cause. */
+static int rec_case_run(world_via via, rec_case what, int victim) {
+    rec_trial t;
+    pid_t pids[REC_RANKS];
+    char dir[64] = "/tmp/dtest-rec-XXXXXX", out[8192], cause[16] = "";
+    unsigned long long seq = 0;
+    int rank = -1, found = 0, named;
+    double deadline;
+    DT_CHECK(mkdtemp(dir) != NULL);
+    t.what = what;
+    t.victim = victim;
+    rec_start(&t, via, dir, pids);
+    if (what == REC_STOP) { /* the job hangs: inspect it live, until the others are all in #7 */
+        deadline = dtest_now_ms() + INSPECT_BUDGET_S * 1e3;
+        do {
+            found = rec_inspect(dir, out, sizeof out, &rank, &seq, cause);
+            if (found && rank == victim && seq == REC_AT + 1 && strcmp(cause, "stopped") == 0) break;
+            usleep(20000);
+        } while (dtest_now_ms() < deadline);
+    } else {
+        rec_reap_survivors(pids, victim);
+        found = rec_inspect(dir, out, sizeof out, &rank, &seq, cause);
+    }
+    rec_end(&t, pids);
+    rec_rmdir(dir);
+    named = found && rank == victim && seq == REC_AT + 1 && strcmp(cause, rec_case_names[what]) == 0;
+    if (!named || getenv("REC_SHOW"))
+        printf("  %s, rank %d %s at #%d: distopt-inspect said rank=%d seq=%llu cause=%s:\n%s\n", world_via_name(via),
+               victim, rec_case_names[what], REC_AT + 1, rank, seq, cause, out);
+    return named;
+}
+
+/* Every case, with victims 1 and 3 (3 for the stopped rank, whose ring neighbour is rank 0). */
+static void rec_cases(world_via via, int n) {
+    int cases = 0, named = 0, what, victim;
+    (void)n;
+    for (what = 0; what < REC_NCASES; what++)
+        for (victim = 1; victim < REC_RANKS; victim += 2) {
+            cases++;
+            named += rec_case_run(via, (rec_case)what, victim);
+        }
+    printf("inspect transport=%s cases=%d named=%d\n", world_via_name(via), cases, named);
+    DT_EQ_INT(named, cases);
+}
+
+DTEST_WORLDS_RUN(inspect_names_the_rank_everyone_waits_for, rec_cases, REC_RANKS, REC_RANKS);
+
+/* ------------------------------------------------------------------ a clean job leaves nothing */
+
+static char clean_dir[64];
+
+static void body_clean(dopt_comm *c, void *arg) {
+    float x[64] = {0};
+    int i;
+    (void)arg;
+    for (i = 0; i < 5; i++) DT_OK(dopt_allreduce(c, x, 64, DOPT_F32, DOPT_SUM));
+    DT_EQ_INT(rec_files(clean_dir) >= 1, 1); /* this rank's file, at least, while the job runs */
+}
+
+static void rec_clean(world_via via, int n) {
+    snprintf(clean_dir, sizeof clean_dir, "/tmp/dtest-rec-XXXXXX");
+    DT_CHECK(mkdtemp(clean_dir) != NULL);
+    setenv("DOPT_RECORDER_DIR", clean_dir, 1);
+    world_run(via, n, body_clean, NULL);
+    DT_EQ_INT(rec_files(clean_dir), 0);
+    rec_rmdir(clean_dir);
+}
+
+DTEST_WORLDS_RUN(clean_job_leaves_no_file, rec_clean, 2, 3);
+
+/* ------------------------------------------------------------------ the recorder's entries */
+
+/* A communicator's own file, parsed through the public layout: the newest entry. */
+static void body_entries(dopt_comm *c, void *arg) {
+    const dopt_rec_header *h;
+    const dopt_rec_entry *x;
+    float v[300] = {0};
+    (void)arg;
+    DT_OK(dopt_allreduce(c, v, 300, DOPT_F32, DOPT_MAX));
+    DT_OK(dopt_broadcast(c, v, 12, c->size - 1));
+    DT_CHECK(c->rec != NULL && c->rec->mapped);
+    h = c->rec->hdr;
+    DT_CHECK(h->magic == DOPT_REC_MAGIC && h->rank == c->rank && h->size == c->size && h->pid == (int32_t)getpid());
+    DT_CHECK(h->written == 2 && h->state == DOPT_REC_RUNNING);
+    x = &c->rec->ring[0];
+    DT_CHECK(x->kind == DOPT_COLL_ALLREDUCE && x->seq == 1 && x->count == 300 && x->op == DOPT_MAX && x->end_ns >= x->start_ns);
+    x = &c->rec->ring[1];
+    DT_CHECK(x->kind == DOPT_COLL_BROADCAST && x->seq == 2 && x->count == 12 && x->root == c->size - 1 && x->end_ns != 0);
+    DT_CHECK((x->lock & 1u) == 0 && x->status == 0);
+    DT_CHECK(c->traffic.busy_ns > 0);
+}
+
+DTEST_WORLDS(entries_record_each_collective, body_entries, NULL, 2, 3);
+
+/* ------------------------------------------------------------------ straggler figures */
+
+/* Rank 1 sleeps before every allreduce: the others' time waiting is charged to it. shm's direct
+   collectives run in the backend, which times no arrivals: engine transports only. */
+static void body_straggler(dopt_comm *c, void *arg) {
+    float x[256] = {0};
+    int i, r;
+    (void)arg;
+    memset(&c->traffic, 0, sizeof c->traffic);
+    for (i = 0; i < 6; i++) {
+        if (c->rank == 1) usleep(30000);
+        DT_OK(dopt_allreduce(c, x, 256, DOPT_F32, DOPT_SUM));
+    }
+    if (c->rank == 1) return;
+    for (r = 0; r < c->size; r++)
+        if (r != 1) DT_CHECKF(c->traffic.waited_ns[1] > 4 * c->traffic.waited_ns[r], "rank %d: waited %llu ns for rank 1, %llu for rank %d", c->rank, (unsigned long long)c->traffic.waited_ns[1], (unsigned long long)c->traffic.waited_ns[r], r);
+    DT_CHECK(dopt_comm_straggler(c, 1) > 0.5 && dopt_comm_straggler(c, 1) <= 1.0);
+    DT_CHECK(dopt_comm_straggler(c, c->rank) == 0.0 && dopt_comm_straggler(c, -1) == 0.0 &&
+             dopt_comm_straggler(c, DOPT_STRAGGLER_RANKS) == 0.0);
+}
+
+DTEST_WORLDS_ON(straggler_score_names_the_rank_that_sleeps, body_straggler, NULL, 3, 4,
+                WORLD_MASK_SHM_ENGINE | WORLD_MASK_TCP);
+
+/* DOPT_RECORDER=0: no file, nothing recorded, the collectives as before. */
+DTEST(recorder_off_records_nothing) {
+    dopt_comm *c;
+    double x = 1.0;
+    setenv("DOPT_RECORDER", "0", 1);
+    DT_OK(dopt_comm_create_self(&c));
+    DT_OK(dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_SUM));
+    DT_CHECK(c->rec == NULL || c->rec->ring == NULL);
+    dopt_comm_destroy(c);
+    unsetenv("DOPT_RECORDER");
+}
+
+DTEST_MAIN()
