@@ -4,11 +4,11 @@
    Each injected case starts a job of 4 real processes over a transport of worlds.h (shm direct,
    shm's engine, TCP on loopback), with the recorder's files in a directory of its own
    (DOPT_RECORDER_DIR). Every rank runs the same loop of 12 small allreduces whose sizes repeat
-   with period 4 (1000, 1001, 1002, 1003 elements); one rank, the victim, departs from it at step
+   with period 4 (1000 .. 1003 elements, then 2^18 .. 2^18 + 3 for the ring); one rank, the victim, departs from it at step
    6 (sequence number 7): it skips that allreduce, calls an extra barrier before it, calls it with
-   another size, SIGKILLs itself, or SIGSTOPs itself. Then build/distopt-inspect reads the
+   another size, SIGKILLs itself, SIGSTOPs itself, or waits outside distopt (a rank behind). Then build/distopt-inspect reads the
    directory, and its "culprit rank=R seq=S cause=C" line must name the victim, sequence number 7
-   and the cause. For a stopped rank it runs while the job hangs (polled until every other rank
+   and the cause. For a stopped rank and one behind it runs while the job hangs (polled until every other rank
    has begun #7, at most INSPECT_BUDGET_S); for the other cases after the job ended, since a
    failed rank keeps its file. Prints "inspect cases=<n> named=<n>" per transport and requires
    named == cases (REC_SHOW=1 in the environment prints every case's output). A clean job leaves no file behind, and the per-peer waiting counters name a
@@ -30,35 +30,37 @@
 #define REC_TIMEOUT_MS 20000   /* every rank's timeout: a stopped rank's job hangs this long at most */
 #define INSPECT_BUDGET_S 20    /* how long a hung job is polled for the others to reach #7 */
 
-typedef enum rec_case { REC_SKIP, REC_EXTRA, REC_SIZE, REC_DEAD, REC_STOP, REC_NCASES } rec_case;
-static const char *const rec_case_names[REC_NCASES] = {"skipped", "extra", "size", "dead", "stopped"};
+typedef enum rec_case { REC_SKIP, REC_EXTRA, REC_SIZE, REC_DEAD, REC_STOP, REC_SLOW, REC_NCASES } rec_case;
+static const char *const rec_case_names[REC_NCASES] = {"skipped", "extra", "size", "dead", "stopped", "behind"};
 
 typedef struct rec_trial {
     world w;
     rec_case what;
     int victim;
+    size_t base;        /* allreduces of base .. base + 3 elements: the direct path, or the ring */
     int ready_pipe[2];
 } rec_trial;
 
-static size_t rec_count(int step) { return 1000 + (size_t)(step % 4); }
+static size_t rec_count(const rec_trial *t, int step) { return t->base + (size_t)(step % 4); }
 
 /* A rank: the loop, with the victim's departure at REC_AT; exits with its status. */
 static void rec_rank(rec_trial *t, int rank) {
     dopt_comm *c = world_join(&t->w, rank);
-    float buf[1100];
+    float *buf = (float *)calloc(t->base + 16, sizeof(float));
     dopt_status s = DOPT_OK;
     int step;
-    memset(buf, 0, sizeof buf);
+    DT_CHECK(buf != NULL);
     dopt_comm_set_timeout(c, REC_TIMEOUT_MS);
     dtest_write_int(t->ready_pipe[1], rank);
     for (step = 0; step < REC_STEPS && s == DOPT_OK; step++) {
-        size_t n = rec_count(step);
+        size_t n = rec_count(t, step);
         if (rank == t->victim && step == REC_AT) {
             if (t->what == REC_SKIP) continue;
             if (t->what == REC_EXTRA) s = dopt_barrier(c);
             if (t->what == REC_SIZE) n += 7;
             if (t->what == REC_DEAD) raise(SIGKILL);
             if (t->what == REC_STOP) raise(SIGSTOP);
+            while (t->what == REC_SLOW) pause(); /* busy elsewhere, until killed */
             if (s != DOPT_OK) break;
         }
         s = dopt_allreduce(c, buf, n, DOPT_F32, DOPT_SUM);
@@ -166,7 +168,7 @@ static void rec_reap_survivors(const pid_t *pids, int victim) {
 }
 
 /* One injected case: 1 when distopt-inspect named the victim, REC_AT + 1 and the cause. */
-static int rec_case_run(world_via via, rec_case what, int victim) {
+static int rec_case_run(world_via via, rec_case what, int victim, size_t base) {
     rec_trial t;
     pid_t pids[REC_RANKS];
     char dir[64] = "/tmp/dtest-rec-XXXXXX", out[8192], cause[16] = "";
@@ -176,12 +178,13 @@ static int rec_case_run(world_via via, rec_case what, int victim) {
     DT_CHECK(mkdtemp(dir) != NULL);
     t.what = what;
     t.victim = victim;
+    t.base = base;
     rec_start(&t, via, dir, pids);
-    if (what == REC_STOP) { /* the job hangs: inspect it live, until the others are all in #7 */
+    if (what == REC_STOP || what == REC_SLOW) { /* the job hangs: inspect it live, until the others are all in #7 */
         deadline = dtest_now_ms() + INSPECT_BUDGET_S * 1e3;
         do {
             found = rec_inspect(dir, out, sizeof out, &rank, &seq, cause);
-            if (found && rank == victim && seq == REC_AT + 1 && strcmp(cause, "stopped") == 0) break;
+            if (found && rank == victim && seq == REC_AT + 1 && strcmp(cause, rec_case_names[what]) == 0) break;
             usleep(20000);
         } while (dtest_now_ms() < deadline);
     } else {
@@ -192,20 +195,24 @@ static int rec_case_run(world_via via, rec_case what, int victim) {
     rec_rmdir(dir);
     named = found && rank == victim && seq == REC_AT + 1 && strcmp(cause, rec_case_names[what]) == 0;
     if (!named || getenv("REC_SHOW"))
-        printf("  %s, rank %d %s at #%d: distopt-inspect said rank=%d seq=%llu cause=%s:\n%s\n", world_via_name(via),
-               victim, rec_case_names[what], REC_AT + 1, rank, seq, cause, out);
+        printf("  %s, %zu-element allreduces, rank %d %s at #%d: distopt-inspect said rank=%d seq=%llu cause=%s:\n%s\n",
+               world_via_name(via), base, victim, rec_case_names[what], REC_AT + 1, rank, seq, cause, out);
     return named;
 }
 
-/* Every case, with victims 1 and 3 (3 for the stopped rank, whose ring neighbour is rank 0). */
+/* Every case, with victims 1 and 3 (3: the ring's last, whose neighbour is rank 0), on small
+   allreduces (every rank waits for every other) and on 1 MiB ones (a ring: each waits for its
+   neighbour only). */
 static void rec_cases(world_via via, int n) {
-    int cases = 0, named = 0, what, victim;
+    static const size_t bases[2] = {1000, 1u << 18};
+    int cases = 0, named = 0, what, victim, b;
     (void)n;
-    for (what = 0; what < REC_NCASES; what++)
-        for (victim = 1; victim < REC_RANKS; victim += 2) {
-            cases++;
-            named += rec_case_run(via, (rec_case)what, victim);
-        }
+    for (b = 0; b < 2; b++)
+        for (what = 0; what < REC_NCASES; what++)
+            for (victim = 1; victim < REC_RANKS; victim += 2) {
+                cases++;
+                named += rec_case_run(via, (rec_case)what, victim, bases[b]);
+            }
     printf("inspect transport=%s cases=%d named=%d\n", world_via_name(via), cases, named);
     DT_EQ_INT(named, cases);
 }
