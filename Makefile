@@ -232,6 +232,7 @@ $(BUILD)/check_define_inline: tests/compile_check.c $(HEADERS) | $(BUILD)
 # inputs that once crashed it; a crash leaves its input in $(BUILD)/ and fails the target.
 $(FUZZERS): $(BUILD)/fuzz_%: fuzz/fuzz_%.c $(HEADERS) | $(BUILD)
 	clang -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -D_GNU_SOURCE -I. -o $@ $< -lm
+$(BUILD)/fuzz_recorder: tools/distopt-inspect.c
 
 fuzz: deps $(FUZZERS)
 	@for f in $(FUZZERS); do n=$$(basename $$f); mkdir -p $(BUILD)/corpus/$$n; \
