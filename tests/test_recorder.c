@@ -6,7 +6,8 @@
    (DOPT_RECORDER_DIR). Every rank runs the same loop of 12 small allreduces whose sizes repeat
    with period 4 (1000 .. 1003 elements, then 2^18 .. 2^18 + 3 for the ring); one rank, the victim, departs from it at step
    6 (sequence number 7): it skips that allreduce, calls an extra barrier before it, calls it with
-   another size, SIGKILLs itself, SIGSTOPs itself, or waits outside distopt (a rank behind). Then build/distopt-inspect reads the
+   another size, SIGKILLs itself, SIGSTOPs itself, or waits outside distopt (a rank behind); or
+   nobody departs and the job runs on (distopt-inspect must then name nobody: rank=-1). Then build/distopt-inspect reads the
    directory, and its "culprit rank=R seq=S cause=C" line must name the victim, sequence number 7
    and the cause. For a stopped rank and one behind it runs while the job hangs (polled until every other rank
    has begun #7, at most INSPECT_BUDGET_S); for the other cases after the job ended, since a
@@ -30,8 +31,9 @@
 #define REC_TIMEOUT_MS 20000   /* every rank's timeout: a stopped rank's job hangs this long at most */
 #define INSPECT_BUDGET_S 20    /* how long a hung job is polled for the others to reach #7 */
 
-typedef enum rec_case { REC_SKIP, REC_EXTRA, REC_SIZE, REC_DEAD, REC_STOP, REC_SLOW, REC_NCASES } rec_case;
-static const char *const rec_case_names[REC_NCASES] = {"skipped", "extra", "size", "dead", "stopped", "behind"};
+typedef enum rec_case { REC_SKIP, REC_EXTRA, REC_SIZE, REC_DEAD, REC_STOP, REC_SLOW, REC_MOVING, REC_NCASES } rec_case;
+static const char *const rec_case_names[REC_NCASES] = {"skipped", "extra", "size", "dead", "stopped", "behind",
+                                                       "none"};
 
 typedef struct rec_trial {
     world w;
@@ -52,7 +54,7 @@ static void rec_rank(rec_trial *t, int rank) {
     DT_CHECK(buf != NULL);
     dopt_comm_set_timeout(c, REC_TIMEOUT_MS);
     dtest_write_int(t->ready_pipe[1], rank);
-    for (step = 0; step < REC_STEPS && s == DOPT_OK; step++) {
+    for (step = 0; (step < REC_STEPS || t->what == REC_MOVING) && s == DOPT_OK; step++) {
         size_t n = rec_count(t, step);
         if (rank == t->victim && step == REC_AT) {
             if (t->what == REC_SKIP) continue;
@@ -89,7 +91,7 @@ static int rec_inspect(const char *dir, char *out, size_t cap, int *rank, unsign
     FILE *p;
     size_t used = 0, got;
     rec_inspector(exe, sizeof exe);
-    snprintf(cmd, sizeof cmd, "'%s' --dir '%s' 2>&1", exe, dir);
+    snprintf(cmd, sizeof cmd, "'%s' --dir '%s' --interval 100 2>&1", exe, dir);
     p = popen(cmd, "r");
     DT_CHECK(p != NULL);
     while (used + 1 < cap && (got = fread(out + used, 1, cap - 1 - used, p)) > 0) used += got;
@@ -174,6 +176,7 @@ static int rec_case_run(world_via via, rec_case what, int victim, size_t base) {
     char dir[64] = "/tmp/dtest-rec-XXXXXX", out[8192], cause[16] = "";
     unsigned long long seq = 0;
     int rank = -1, found = 0, named;
+    unsigned long long at = REC_AT + 1; /* the sequence number to be named */
     double deadline;
     DT_CHECK(mkdtemp(dir) != NULL);
     t.what = what;
@@ -187,22 +190,25 @@ static int rec_case_run(world_via via, rec_case what, int victim, size_t base) {
             if (found && rank == victim && seq == REC_AT + 1 && strcmp(cause, rec_case_names[what]) == 0) break;
             usleep(20000);
         } while (dtest_now_ms() < deadline);
+    } else if (what == REC_MOVING) { /* nobody departs: the job moves on while it is read */
+        found = rec_inspect(dir, out, sizeof out, &rank, &seq, cause);
     } else {
         rec_reap_survivors(pids, victim);
         found = rec_inspect(dir, out, sizeof out, &rank, &seq, cause);
     }
     rec_end(&t, pids);
     rec_rmdir(dir);
-    named = found && rank == victim && seq == REC_AT + 1 && strcmp(cause, rec_case_names[what]) == 0;
+    if (what == REC_MOVING) victim = -1, at = 0; /* nobody, at no collective */
+    named = found && rank == victim && seq == at && strcmp(cause, rec_case_names[what]) == 0;
     if (!named || getenv("REC_SHOW"))
         printf("  %s, %zu-element allreduces, rank %d %s at #%d: distopt-inspect said rank=%d seq=%llu cause=%s:\n%s\n",
-               world_via_name(via), base, victim, rec_case_names[what], REC_AT + 1, rank, seq, cause, out);
+               world_via_name(via), base, victim, rec_case_names[what], (int)at, rank, seq, cause, out);
     return named;
 }
 
 /* Every case, with victims 1 and 3 (3: the ring's last, whose neighbour is rank 0), on small
    allreduces (every rank waits for every other) and on 1 MiB ones (a ring: each waits for its
-   neighbour only). */
+   neighbour only); and a job that runs on unharmed, read while it moves: nobody is named. */
 static void rec_cases(world_via via, int n) {
     static const size_t bases[2] = {1000, 1u << 18};
     int cases = 0, named = 0, what, victim, b;
@@ -210,6 +216,7 @@ static void rec_cases(world_via via, int n) {
     for (b = 0; b < 2; b++)
         for (what = 0; what < REC_NCASES; what++)
             for (victim = 1; victim < REC_RANKS; victim += 2) {
+                if (what == REC_MOVING && victim > 1) continue;
                 cases++;
                 named += rec_case_run(via, (rec_case)what, victim, bases[b]);
             }

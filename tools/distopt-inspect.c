@@ -32,6 +32,7 @@ typedef struct inspect_rank {
     dopt_rec_entry *entries; /* oldest first */
     size_t n;                /* entries kept */
     size_t skipped;          /* entries torn or malformed */
+    uint64_t written;        /* entries its writer had begun when read */
     int gone;                /* its process no longer exists */
     int stopped;             /* its process is stopped (SIGSTOP, ^Z, a debugger) */
     char path[512];
@@ -93,6 +94,7 @@ static int inspect_parse(const unsigned char *buf, size_t len, int tries, inspec
     if (out->hdr.state != DOPT_REC_RUNNING && out->hdr.state != DOPT_REC_FAILED)
         return snprintf(why, cap, "state %u: unknown", out->hdr.state), -1;
     written = __atomic_load_n(&h->written, __ATOMIC_ACQUIRE);
+    out->written = written;
     first = written > out->hdr.capacity ? written - out->hdr.capacity : 0;
     out->entries = (dopt_rec_entry *)malloc(sizeof(dopt_rec_entry) * (size_t)(written - first + 1));
     if (out->entries == NULL) return snprintf(why, cap, "out of memory"), -1;
@@ -283,66 +285,92 @@ static int inspect_called(const inspect_rank *r, const dopt_rec_entry *x) {
     return 0;
 }
 
-/* The first (group, seq) where the ranks called different things: the minority's rank, named
-   with what it did instead. 1 when found. */
-static int inspect_diverge(const inspect_job *j, inspect_verdict *v) {
-    const inspect_rank *base = NULL;
+#define INSPECT_VOTERS 64  /* ranks whose calls are compared (the first 64) */
+#define INSPECT_RECENT 256 /* entries of each rank searched for a divergence: the newest */
+
+/* What rank r called at (group, seq), into *out: 2 when it did (recorded), 1 when its history
+   says what it would call next (its newest entry in the group is seq - 1 and such an entry was
+   followed before), 0 when neither. */
+static int inspect_call(const inspect_rank *r, uint32_t group, uint64_t seq, dopt_rec_entry *out) {
+    const dopt_rec_entry *x = inspect_find(r, group, seq), *prev, *next;
     size_t i;
-    int r, q;
-    for (r = 0; r < j->size && base == NULL; r++)
-        if (inspect_have(j, r)) base = &j->ranks[r];
-    if (base == NULL) return 0;
-    for (i = 0; i < base->n; i++) {
-        const dopt_rec_entry *x = &base->entries[i], *mine[INSPECT_MAX_RANKS > 64 ? 64 : INSPECT_MAX_RANKS];
-        int votes[64], n = j->size < 64 ? j->size : 64, best = -1, odd = -1;
-        for (r = 0; r < n; r++) {
-            mine[r] = inspect_have(j, r) ? inspect_find(&j->ranks[r], x->group, x->seq) : NULL;
-            votes[r] = 0;
-        }
-        for (r = 0; r < n; r++)
-            for (q = 0; q < n && mine[r]; q++)
-                if (mine[q] && inspect_same(mine[r], mine[q])) votes[r]++;
-        for (r = 0; r < n; r++)
-            if (mine[r] && (best < 0 || votes[r] > votes[best])) best = r;
-        for (r = 0; r < n; r++)
-            if (mine[r] && !inspect_same(mine[r], mine[best])) {
-                odd = r;
+    if (x) return *out = *x, 2;
+    if (seq < 2 || (prev = inspect_find(r, group, seq - 1)) == NULL) return 0;
+    for (i = r->n; i > 0; i--) /* prev must be its newest in the group */
+        if (r->entries[i - 1].group == group) break;
+    if (i == 0 || &r->entries[i - 1] != prev || (next = inspect_followed(r, prev)) == NULL) return 0;
+    *out = *next;
+    out->seq = seq;
+    return 1;
+}
+
+/* Names the rank that departs at (group, seq) from what the others called (recorded, or as their
+   history predicts for a rank that failed before it got there). 1 with v filled. */
+static int inspect_diverge_at(const inspect_job *j, uint32_t group, uint64_t seq, inspect_verdict *v) {
+    dopt_rec_entry call[INSPECT_VOTERS], next;
+    int how[INSPECT_VOTERS], votes[INSPECT_VOTERS], n = j->size < INSPECT_VOTERS ? j->size : INSPECT_VOTERS;
+    int r, q, best = -1, odd = -1, have_next;
+    const dopt_rec_entry *its_next;
+    char a[128], b[128];
+    for (r = 0; r < n; r++) how[r] = inspect_have(j, r) ? inspect_call(&j->ranks[r], group, seq, &call[r]) : 0;
+    for (r = 0; r < n; r++)
+        for (votes[r] = 0, q = 0; q < n && how[r]; q++) votes[r] += how[q] && inspect_same(&call[r], &call[q]);
+    for (r = 0; r < n; r++)
+        if (how[r] && (best < 0 || votes[r] > votes[best] || (votes[r] == votes[best] && how[r] > how[best]))) best = r;
+    for (r = 0; r < n && best >= 0; r++)
+        if (how[r] == 2 && !inspect_same(&call[r], &call[best]) && (odd < 0 || votes[r] < votes[odd])) odd = r;
+    if (odd < 0) return 0;
+    /* what the majority calls after seq, and what the odd rank called after its own */
+    have_next = inspect_call(&j->ranks[best], group, seq + 1, &next) != 0;
+    if (!have_next) {
+        const dopt_rec_entry *f = inspect_followed(&j->ranks[best], &call[best]);
+        if ((have_next = f != NULL)) next = *f;
+    }
+    its_next = inspect_find(&j->ranks[odd], group, seq + 1);
+    inspect_what(&call[best], a, sizeof a);
+    inspect_what(&call[odd], b, sizeof b);
+    v->rank = odd;
+    v->seq = seq;
+    if (have_next && inspect_same(&next, &call[odd])) {
+        v->cause = "skipped";
+        snprintf(v->why, sizeof v->why, "rank %d skipped %s: it called the next one, %s, in its place", odd, a, b);
+    } else if (its_next && inspect_same(its_next, &call[best])) {
+        v->cause = "extra";
+        snprintf(v->why, sizeof v->why, "rank %d called an extra %s before %s", odd, b, a);
+    } else if (call[odd].kind == call[best].kind && call[odd].dtype == call[best].dtype && call[odd].op == call[best].op &&
+               call[odd].root == call[best].root && call[odd].count != call[best].count) {
+        v->cause = "size";
+        snprintf(v->why, sizeof v->why, "rank %d called %s where the others called %s: a size mismatch", odd, b, a);
+    } else if (call[odd].kind != call[best].kind || !inspect_called(&j->ranks[best], &call[odd])) {
+        v->cause = "extra";
+        snprintf(v->why, sizeof v->why, "rank %d called an extra %s where the others called %s", odd, b, a);
+    } else {
+        v->cause = "different";
+        snprintf(v->why, sizeof v->why, "rank %d called %s where the others called %s", odd, b, a);
+    }
+    return 1;
+}
+
+/* The first (group, seq), among every rank's newest entries, where a rank called something
+   else than the others. 1 when found. */
+static int inspect_diverge(const inspect_job *j, inspect_verdict *v) {
+    inspect_verdict found;
+    int r, any = 0;
+    size_t i;
+    for (r = 0; r < j->size && r < INSPECT_VOTERS; r++) {
+        const inspect_rank *k = &j->ranks[r];
+        if (!inspect_have(j, r)) continue;
+        for (i = k->n > INSPECT_RECENT ? k->n - INSPECT_RECENT : 0; i < k->n; i++) {
+            const dopt_rec_entry *x = &k->entries[i];
+            if (any && x->group == 0 && v->seq <= x->seq) break;
+            if (inspect_diverge_at(j, x->group, x->seq, &found)) {
+                if (!any || found.seq < v->seq) *v = found;
+                any = 1;
                 break;
             }
-        if (odd < 0) continue;
-        {
-            const inspect_rank *maj = &j->ranks[best], *min = &j->ranks[odd];
-            const dopt_rec_entry *want = mine[best], *got = mine[odd];
-            const dopt_rec_entry *next = inspect_find(maj, want->group, want->seq + 1);
-            const dopt_rec_entry *its_next = inspect_find(min, got->group, got->seq + 1);
-            char a[128], b[128];
-            if (next == NULL) next = inspect_followed(maj, want);
-            inspect_what(want, a, sizeof a);
-            inspect_what(got, b, sizeof b);
-            v->rank = odd;
-            v->seq = want->seq;
-            if (next && inspect_same(next, got)) {
-                v->cause = "skipped";
-                snprintf(v->why, sizeof v->why, "rank %d skipped %s: its #%llu is what comes next (%s)", odd, a,
-                         (unsigned long long)got->seq, b);
-            } else if ((its_next && inspect_same(its_next, want)) || got->kind != want->kind || !inspect_called(maj, got)) {
-                if (got->kind == want->kind && got->dtype == want->dtype && got->op == want->op && got->count != want->count &&
-                    !(its_next && inspect_same(its_next, want))) {
-                    v->cause = "size";
-                    snprintf(v->why, sizeof v->why, "rank %d called %s where rank %d called %s: a size mismatch", odd, b,
-                             best, a);
-                } else {
-                    v->cause = "extra";
-                    snprintf(v->why, sizeof v->why, "rank %d called an extra %s where rank %d called %s", odd, b, best, a);
-                }
-            } else {
-                v->cause = "different";
-                snprintf(v->why, sizeof v->why, "rank %d called %s where rank %d called %s", odd, b, best, a);
-            }
         }
-        return 1;
     }
-    return 0;
+    return any;
 }
 
 /* A rank whose process is gone while the others have not all ended: the first that died
@@ -439,19 +467,35 @@ static int inspect_verdict_of(const inspect_job *j, inspect_verdict *v) {
            inspect_waited_for(j, v);
 }
 
-static void inspect_report(const inspect_job *j, const char *dir) {
+/* 1 when every live rank of j began a collective since `before` was read: nobody is stuck. */
+static int inspect_moving(const inspect_job *before, const inspect_job *j) {
+    int r, live = 0;
+    for (r = 0; r < j->size; r++) {
+        if (!inspect_have(j, r) || j->ranks[r].gone) continue;
+        if (before->size != j->size || !inspect_have(before, r) || j->ranks[r].written <= before->ranks[r].written) return 0;
+        live++;
+    }
+    return live > 0;
+}
+
+static void inspect_report(const inspect_job *j, const char *dir, int moving, int interval_ms) {
     inspect_verdict v;
-    int r, t = -1;
+    int r, failed = 0, t = -1;
     for (r = 0; r < j->size && t < 0; r++)
         if (inspect_have(j, r)) t = r;
     printf("job %016llx: %d of %d ranks recorded in %s (%s)\n", (unsigned long long)j->hash, j->found, j->size, dir,
            j->ranks[t].hdr.transport);
     inspect_table(j);
-    if (inspect_verdict_of(j, &v)) {
+    for (r = 0; r < j->size; r++) failed += inspect_have(j, r) && j->ranks[r].hdr.state == DOPT_REC_FAILED;
+    if (moving) {
+        printf("no rank is stuck: every live rank began collectives in the last %d ms\n", interval_ms);
+        printf("culprit rank=-1 seq=0 cause=none\n");
+    } else if (inspect_verdict_of(j, &v)) {
         printf("everyone waits for rank %d: %s\n", v.rank, v.why);
         printf("culprit rank=%d seq=%llu cause=%s\n", v.rank, (unsigned long long)v.seq, v.cause);
     } else {
-        printf("no rank waits for another: every rank's newest collective has ended\n");
+        printf("no rank waits for another: every rank's newest collective has ended%s\n",
+               failed ? " (the job failed: the details above say how)" : "");
         printf("culprit rank=-1 seq=0 cause=none\n");
     }
 }
@@ -499,6 +543,7 @@ typedef struct inspect_opts {
     const char *dir;
     uint64_t job;
     int have_job, prune;
+    int interval_ms; /* between the two reads that tell a job moving on from a stuck one */
 } inspect_opts;
 
 /* The jobs whose files are in dir, each once: *hashes (malloc'd), returns how many. */
@@ -580,7 +625,7 @@ static int inspect_prune(const inspect_job *j) {
 
 static void usage(FILE *to) {
     fprintf(to,
-            "usage: distopt-inspect [--dir DIR] [--job HASH] [--prune]\n"
+            "usage: distopt-inspect [--dir DIR] [--job HASH] [--interval MS] [--prune]\n"
             "Reads the flight recorder of every rank of a distopt job on this machine and says which rank\n"
             "everyone waits for: the lagging rank, its last collective, and the sequence number where the\n"
             "ranks diverge (a skipped or extra collective, a size mismatch, a dead or stopped process).\n"
@@ -588,6 +633,8 @@ static void usage(FILE *to) {
             "  --dir DIR    where the files are: dopt-rec.<job>.<rank> (default: $DOPT_RECORDER_DIR, else\n"
             "               /dev/shm)\n"
             "  --job HASH   only that job (the 16 hex digits of its files' names); default: every job\n"
+            "  --interval MS  read the files twice, MS apart (default 300; 0: once): a job whose live\n"
+            "               ranks all began collectives in between is moving, not stuck\n"
             "  --prune      remove the files of jobs none of whose processes is alive, and report nothing\n"
             "Output: a table of the ranks, then \"everyone waits for rank R: why\" and a line for scripts,\n"
             "\"culprit rank=R seq=S cause=C\" (C: skipped, extra, size, different, dead, stopped, behind,\n"
@@ -600,6 +647,7 @@ static int inspect_args(int argc, char **argv, inspect_opts *o) {
     const char *env = getenv("DOPT_RECORDER_DIR");
     memset(o, 0, sizeof *o);
     o->dir = env && *env ? env : "/dev/shm";
+    o->interval_ms = 300;
     for (i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--dir") && i + 1 < argc) {
             o->dir = argv[++i];
@@ -608,6 +656,12 @@ static int inspect_args(int argc, char **argv, inspect_opts *o) {
             o->job = strtoull(argv[++i], &end, 16);
             o->have_job = 1;
             if (*end != '\0') return fprintf(stderr, "distopt-inspect: --job %s: not hex digits\n", argv[i]), -1;
+        } else if (!strcmp(argv[i], "--interval") && i + 1 < argc) {
+            char *end;
+            long ms = strtol(argv[++i], &end, 10);
+            if (*end != '\0' || ms < 0 || ms > 600000)
+                return fprintf(stderr, "distopt-inspect: --interval %s: not milliseconds in 0..600000\n", argv[i]), -1;
+            o->interval_ms = (int)ms;
         } else if (!strcmp(argv[i], "--prune")) {
             o->prune = 1;
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
@@ -635,14 +689,23 @@ int main(int argc, char **argv) {
         return 1;
     }
     for (i = 0; i < n; i++) {
-        inspect_job j;
+        inspect_job j, again;
+        int moving = 0;
         if (o.have_job && hashes[i] != o.job) continue;
         if (inspect_job_load(o.dir, hashes[i], &j) != 0) continue;
         read++;
+        if (!o.prune && o.interval_ms > 0) {
+            usleep((useconds_t)o.interval_ms * 1000u);
+            if (inspect_job_load(o.dir, hashes[i], &again) == 0) {
+                moving = inspect_moving(&j, &again);
+                inspect_job_free(&j);
+                j = again;
+            }
+        }
         if (o.prune) inspect_prune(&j);
         else {
             if (read > 1) printf("\n");
-            inspect_report(&j, o.dir);
+            inspect_report(&j, o.dir, moving, o.interval_ms);
         }
         inspect_job_free(&j);
     }
