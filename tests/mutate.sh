@@ -476,9 +476,6 @@ mutate recorder-arrival-not-timed engine.h \
 mutate recorder-wait-charged-to-the-wrong-peer distopt.h \
     'owner->traffic.waited_ns[peer] += now - since;' 'owner->traffic.waited_ns[(peer + 1) % DOPT_STRAGGLER_RANKS] += now - since;' \
     test_recorder:straggler
-mutate recorder-seqlock-left-odd distopt.h \
-    '__atomic_store_n(&x->lock, x->lock + 1, __ATOMIC_RELEASE);' '__atomic_store_n(&x->lock, x->lock + 2, __ATOMIC_RELEASE);' \
-    test_recorder:entries_record
 mutate recorder-newest-entry-unpublished distopt.h \
     '__atomic_store_n(&r->hdr->written, k + 1, __ATOMIC_RELEASE);' '__atomic_store_n(&r->hdr->written, k, __ATOMIC_RELEASE);' \
     test_recorder:entries_record

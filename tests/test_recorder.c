@@ -20,8 +20,16 @@
 #include "../transport_tcp.h"
 #include "dtest.h"
 #include "worlds.h"
+#define DOPT_INSPECT_NO_MAIN
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function" /* the tool's, but its reader of entries */
+#include "../tools/distopt-inspect.c"
+#pragma GCC diagnostic pop
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -296,6 +304,146 @@ static void body_straggler(dopt_comm *c, void *arg) {
 
 DTEST_WORLDS_ON(straggler_score_names_the_rank_that_sleeps, body_straggler, NULL, 3, 4,
                 WORLD_MASK_SHM_ENGINE | WORLD_MASK_TCP);
+
+/* ------------------------------------------------------------------ files written by hand */
+
+/* A rank's file as the recorder writes it, with the given calls (allreduces of counts[i]
+   elements, or a barrier for a count of 0) as #1, #2, ...; the last one failed when failed. */
+static void rec_write_file(const char *dir, int rank, int size, const size_t *counts, int n, int failed) {
+    static dopt_rec_entry ring[16];
+    dopt_rec_header h;
+    unsigned char pad[DOPT_REC_HEADER_BYTES];
+    char path[256];
+    FILE *f;
+    int i;
+    memset(&h, 0, sizeof h);
+    memset(ring, 0, sizeof ring);
+    memset(pad, 0, sizeof pad);
+    h.magic = DOPT_REC_MAGIC;
+    h.version = DOPT_REC_VERSION;
+    h.header_bytes = DOPT_REC_HEADER_BYTES;
+    h.entry_bytes = sizeof(dopt_rec_entry);
+    h.capacity = 16;
+    h.rank = rank;
+    h.size = size;
+    h.pid = 0; /* no process: gone */
+    h.state = failed ? DOPT_REC_FAILED : DOPT_REC_RUNNING;
+    h.job = 0x1234;
+    h.written = (uint64_t)n;
+    snprintf(h.transport, sizeof h.transport, "test");
+    for (i = 0; i < n; i++) {
+        ring[i].kind = counts[i] ? DOPT_COLL_ALLREDUCE : DOPT_COLL_BARRIER;
+        ring[i].seq = (uint64_t)i + 1;
+        ring[i].count = counts[i];
+        ring[i].start_ns = 1000u * (uint64_t)(i + 1);
+        ring[i].end_ns = ring[i].start_ns + 10;
+    }
+    if (failed) ring[n - 1].status = DOPT_ERR_MISMATCH;
+    memcpy(pad, &h, sizeof h);
+    snprintf(path, sizeof path, "%s/dopt-rec.%016llx.%d", dir, (unsigned long long)h.job, rank);
+    f = fopen(path, "wb");
+    DT_CHECK(f != NULL);
+    DT_CHECK(fwrite(pad, 1, sizeof pad, f) == sizeof pad && fwrite(ring, sizeof ring, 1, f) == 1);
+    fclose(f);
+}
+
+/* Ranks 0 and 3 failed in #6 (a neighbour's abort reached them before they began #7), rank 2
+   called #7 as the loop goes on, rank 1 an extra barrier: the ranks that never got to #7 vote
+   with what their history says comes next, so rank 1 is named, not rank 2. */
+DTEST(inspect_predicts_the_next_call_of_a_rank_that_failed_early) {
+    static const size_t upto6[6] = {1000, 1001, 1002, 1003, 1000, 1001};
+    static const size_t seven[7] = {1000, 1001, 1002, 1003, 1000, 1001, 1002};
+    static const size_t extra[7] = {1000, 1001, 1002, 1003, 1000, 1001, 0};
+    char dir[64] = "/tmp/dtest-rec-XXXXXX", out[8192], cause[16] = "";
+    unsigned long long seq = 0;
+    int rank = -1;
+    DT_CHECK(mkdtemp(dir) != NULL);
+    rec_write_file(dir, 0, 4, upto6, 6, 1);
+    rec_write_file(dir, 1, 4, extra, 7, 1);
+    rec_write_file(dir, 2, 4, seven, 7, 1);
+    rec_write_file(dir, 3, 4, upto6, 6, 1);
+    DT_CHECK(rec_inspect(dir, out, sizeof out, &rank, &seq, cause));
+    rec_rmdir(dir);
+    DT_CHECKF(rank == 1 && seq == 7 && strcmp(cause, "extra") == 0, "distopt-inspect said:\n%s", out);
+}
+
+/* ------------------------------------------------------------------ a reader while it is written */
+
+/* A writer process records collectives as fast as it can (allreduce #s of 7·s elements, root s
+   mod 1000); 1000 times this process stops it wherever it is (often in the middle of an entry,
+   as a SIGSTOP or a crash leaves one) and reads, the way distopt-inspect does, the entry being
+   begun (which may still hold a collective 2048 older) and the newest: every copy the seqlock
+   calls consistent must be one the writer wrote whole (the fields of one collective, its start
+   no earlier than its predecessor's). */
+DTEST(reader_never_keeps_a_torn_entry) {
+    char dir[64] = "/tmp/dtest-rec-XXXXXX", path[256];
+    struct stat st;
+    pid_t writer;
+    void *map = MAP_FAILED;
+    long kept = 0, torn = 0, pass;
+    int fd = -1, i;
+    DT_CHECK(mkdtemp(dir) != NULL);
+    setenv("DOPT_RECORDER_DIR", dir, 1);
+    fflush(stdout);
+    writer = fork();
+    DT_CHECK(writer >= 0);
+    if (writer == 0) {
+        dopt_comm *c;
+        dopt_coll_desc d;
+        uint64_t s;
+        if (dopt_comm_create_self(&c) != DOPT_OK) _exit(1);
+        dopt_comm_set_job(c, "torn", 4);
+        memset(&d, 0, sizeof d);
+        d.kind = DOPT_COLL_ALLREDUCE;
+        for (s = 1;; s++) {
+            uint64_t slot;
+            d.seq = s;
+            d.count = 7 * s;
+            d.root = (int)(s % 1000);
+            slot = dopt__rec_begin(c, &d);
+            dopt__rec_expect(c, slot, (int)(s % 5));
+            dopt__rec_end(c, c, slot, DOPT_OK);
+        }
+    }
+    snprintf(path, sizeof path, "%s/dopt-rec.%016llx.0", dir,
+             (unsigned long long)dopt__mix64(dopt__fnv1a(DOPT__FNV_OFFSET, "torn", 4)));
+    for (i = 0; i < 2000 && (fd = open(path, O_RDONLY)) < 0; i++) usleep(1000);
+    DT_CHECKF(fd >= 0, "the writer's file %s never appeared", path);
+    while (fstat(fd, &st) == 0 && (size_t)st.st_size < DOPT__REC_BYTES) usleep(1000);
+    map = mmap(NULL, DOPT__REC_BYTES, PROT_READ, MAP_SHARED, fd, 0);
+    DT_CHECK(map != MAP_FAILED);
+    for (pass = 0; pass < 1000; pass++) { /* the writer stopped wherever it is, often mid-entry */
+        const dopt_rec_header *h = (const dopt_rec_header *)map;
+        const dopt_rec_entry *ring = (const dopt_rec_entry *)((const unsigned char *)map + DOPT_REC_HEADER_BYTES);
+        uint64_t w;
+        dopt_rec_entry e, p;
+        int status;
+        usleep(200);
+        kill(writer, SIGSTOP);
+        DT_CHECK(waitpid(writer, &status, WUNTRACED) == writer && WIFSTOPPED(status));
+        w = __atomic_load_n(&h->written, __ATOMIC_ACQUIRE);
+        for (i = 0; i < 2; i++) { /* the entry being begun (it holds a collective 2048 older), the newest */
+            if (!inspect_copy_entry(&ring[(w + DOPT_REC_ENTRIES - (uint64_t)i) % DOPT_REC_ENTRIES], &e, 1) || e.seq == 0)
+                continue;
+            kept++;
+            if (e.count != 7 * e.seq || e.root != (int32_t)(e.seq % 1000) ||
+                (e.npeers == 1 && e.peers[0].peer != (int32_t)(e.seq % 5)))
+                torn++;
+            else if (inspect_copy_entry(&ring[(e.seq + DOPT_REC_ENTRIES - 2) % DOPT_REC_ENTRIES], &p, 1) &&
+                     p.seq + 1 == e.seq && e.start_ns < p.start_ns)
+                torn++; /* a new sequence number beside the start time of the collective it replaces */
+        }
+        kill(writer, SIGCONT);
+    }
+    kill(writer, SIGKILL);
+    waitpid(writer, NULL, 0);
+    munmap(map, DOPT__REC_BYTES);
+    close(fd);
+    rec_rmdir(dir);
+    printf("  %ld entries kept by the reader, %ld torn\n", kept, torn);
+    DT_CHECK(kept > 0);
+    DT_EQ_INT(torn, 0);
+}
 
 /* DOPT_RECORDER=0: no file, nothing recorded, the collectives as before. */
 DTEST(recorder_off_records_nothing) {

@@ -8,7 +8,7 @@
    The file parser (inspect_parse) takes bytes, not a file, so fuzz/fuzz_recorder.c feeds it
    arbitrary ones: a torn, truncated or hostile file is refused or its bad entries skipped, never
    read out of bounds. */
-#include "distopt.h"
+#include "../distopt.h"
 
 #include <ctype.h>
 #include <dirent.h>
