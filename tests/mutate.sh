@@ -12,6 +12,10 @@ only=${1:-}
 scratch=$(mktemp -d /tmp/distopt-mutate-XXXXXX)
 trap 'rm -rf "$scratch"' EXIT
 git ls-files | tar cf - -T - | tar xf - -C "$scratch"
+# The flight recorder's files of the mutants' jobs (a mutant may keep them) stay in the scratch copy.
+DOPT_RECORDER_DIR="$scratch/recorder"
+mkdir -p "$DOPT_RECORDER_DIR"
+export DOPT_RECORDER_DIR
 tried=0
 caught=0
 survivors=""
