@@ -302,6 +302,8 @@
        communicator failed, or dopt_comm_finish was given a non-zero status, so that
        distopt-inspect reads it after the job ended; a rank that was killed leaves it too.
        distopt-inspect --prune removes the files of jobs none of whose processes is alive.
+       dopt_comm_shrink's communicator is a job of its own (TCP: its epoch is part of the
+       identity), so its files never take the names of those the failed one kept.
      - DOPT_RECORDER=0 in the environment turns the recorder off (read when a communicator
        first records). When the file cannot be made (no /dev/shm, a full or read-only
        directory), the recorder keeps its entries in memory, where no other process reads them,
