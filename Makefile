@@ -84,7 +84,9 @@ FUZZ_SECONDS ?= 60
 
 .PHONY: all deps test asan bench fuzz demo experiments examples install uninstall clean mutate cluster-test faults-soak
 
-all: $(TESTS) $(FAST_MATH_TESTS) $(MPI_TESTS) $(CHECKS) $(BENCHES) $(BUILD)/bench_allreduce $(EXAMPLES) $(OMP_EXAMPLES)
+TOOLS    := $(BUILD)/distopt-inspect
+
+all: $(TESTS) $(FAST_MATH_TESTS) $(MPI_TESTS) $(CHECKS) $(BENCHES) $(BUILD)/bench_allreduce $(EXAMPLES) $(OMP_EXAMPLES) $(TOOLS)
 
 deps:
 	@scripts/install-deps.sh
@@ -136,7 +138,7 @@ cluster-test: deps
 	done
 
 .PHONY: build-asan-tests
-build-asan-tests: $(TESTS) $(OMP_EXAMPLES)
+build-asan-tests: $(TESTS) $(OMP_EXAMPLES) $(TOOLS)
 
 bench: deps $(BENCHES) $(BUILD)/bench_allreduce
 	@for b in $(BENCHES); do OPENBLAS_NUM_THREADS=1 $$b || exit 1; done
@@ -210,6 +212,13 @@ $(BUILD)/bench_allreduce: bench/bench_allreduce.c $(HEADERS) | $(BUILD)
 $(BUILD)/bench_%: bench/bench_%.c bench/bench_pair.h $(HEADERS) | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
 
+# Which rank is everyone waiting for: reads the flight recorder's files (docs/reliability.md).
+$(BUILD)/distopt-inspect: tools/distopt-inspect.c distopt.h | $(BUILD)
+	$(CC) $(CSTD) $(WARN) $(OPT) $(DEFS) -I. -o $@ $<
+
+# test_recorder runs distopt-inspect on the jobs it breaks.
+$(BUILD)/test_recorder: $(BUILD)/distopt-inspect
+
 # Compile checks: two translation units link; every header is valid C++; a host that does
 # "#define inline" (kann under -std=c11) still compiles it without warnings.
 $(BUILD)/check_two_units: tests/compile_check.c tests/compile_check_main.c $(HEADERS) | $(BUILD)
@@ -225,6 +234,7 @@ $(BUILD)/check_define_inline: tests/compile_check.c $(HEADERS) | $(BUILD)
 # inputs that once crashed it; a crash leaves its input in $(BUILD)/ and fails the target.
 $(FUZZERS): $(BUILD)/fuzz_%: fuzz/fuzz_%.c $(HEADERS) | $(BUILD)
 	clang -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -D_GNU_SOURCE -I. -o $@ $< -lm
+$(BUILD)/fuzz_recorder: tools/distopt-inspect.c
 
 fuzz: deps $(FUZZERS)
 	@for f in $(FUZZERS); do n=$$(basename $$f); mkdir -p $(BUILD)/corpus/$$n; \

@@ -329,6 +329,7 @@ typedef struct dopt__req {
     int first_op, end_op;       /* its ops */
     unsigned char *scratch;     /* from the pool (pool index in `pooled`; -1: none) */
     int pooled;
+    uint64_t rec;               /* its flight recorder entry (dopt__rec_current) */
 } dopt__req;
 
 /* Scratch buffers, lent to requests in flight and returned when they retire: grown only when no
@@ -749,6 +750,7 @@ static int dopt__eng_recv(dopt__engine *e, int peer, void *dst, size_t bytes, in
     int i = dopt__eng_op(e, peer, 0, (unsigned char *)dst, bytes);
     e->ops[i].reduce = reduce;
     dopt__eng_req(e, e->started)->received += bytes;
+    dopt__rec_expect(e->root, dopt__eng_req(e, e->started)->rec, peer); /* FLIGHT RECORDER */
     return i;
 }
 
@@ -818,8 +820,11 @@ static void dopt__eng_barrier(dopt__engine *e, const dopt_comm *c, const dopt_co
 
 /* ===================================================================== RECEIVING */
 
-static void dopt__eng_rx_next(dopt__peer *P, dopt__op *o) {
-    if (o->done == o->bytes) P->rx_cur = o->next;
+static void dopt__eng_rx_next(dopt__engine *e, dopt__peer *P, dopt__op *o) {
+    const dopt__req *q = dopt__eng_req(e, o->req);
+    if (o->done != o->bytes) return;
+    P->rx_cur = o->next;
+    dopt__rec_arrived(e->root, q->comm, q->rec, o->peer); /* FLIGHT RECORDER */
 }
 
 /* A DATA frame of a collective from a peer this rank expects nothing (more) from: another
@@ -899,7 +904,7 @@ static dopt_status dopt__eng_consume(dopt_comm *c, dopt__engine *e, int p) {
         P->lo += take;
         if (P->lo == P->hi) P->lo = P->hi = 0;
         if (o->done < o->bytes) return DOPT_OK;
-        dopt__eng_rx_next(P, o);
+        dopt__eng_rx_next(e, P, o);
     }
 }
 
@@ -950,7 +955,7 @@ static dopt_status dopt__eng_pump_rx(dopt_comm *c, dopt__engine *e, int p, int *
             *progress = 1;
             if (direct) {
                 o->done += (size_t)n;
-                dopt__eng_rx_next(P, o);
+                dopt__eng_rx_next(e, P, o);
             } else {
                 P->hi += (size_t)n;
             }
@@ -1154,6 +1159,7 @@ static void dopt__eng_retire(dopt__engine *e) {
             q->comm->traffic.bytes[q->desc.kind] += q->payload;
             q->comm->traffic.sent[q->desc.kind] += q->sent;
             q->comm->traffic.received[q->desc.kind] += q->received;
+            dopt__rec_end(e->root, q->comm, q->rec, DOPT_OK); /* FLIGHT RECORDER */
         }
         drop = q->end_op;
         e->retired++;
@@ -1248,6 +1254,7 @@ static dopt__req *dopt__eng_begin(dopt_comm *c, dopt__engine *e, const dopt_coll
     }
     q->desc = *d;
     q->comm = c;
+    q->rec = dopt__rec_current(e->root); /* FLIGHT RECORDER: the entry dopt__start began */
     q->api = c->api;
     q->buf = NULL;
     q->payload = 0;

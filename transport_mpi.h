@@ -994,6 +994,19 @@ static int dopt__mpi_cores(void) {
 #endif
 }
 
+/* The job's identity for the flight recorder (every rank's file is named by it): rank 0's
+   process and the time it made the communicator, broadcast, so that no two jobs share it. */
+static void dopt__mpi_set_job(dopt_comm *c, MPI_Comm comm) {
+    unsigned long long id[2] = {0, 0};
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    id[1] = (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
+#if defined(__unix__) || defined(__APPLE__)
+    id[0] = (unsigned long long)getpid();
+#endif
+    if (MPI_Bcast(id, 2, MPI_UNSIGNED_LONG_LONG, 0, comm) == MPI_SUCCESS) dopt_comm_set_job(c, id, sizeof id);
+}
+
 DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg) {
     dopt_mpi_config defaults;
     dopt__mpi *m = NULL;
@@ -1030,6 +1043,7 @@ DOPT_DEF dopt_status dopt_mpi_create(dopt_comm **out, const dopt_mpi_config *cfg
         return s;
     }
     dopt_comm_set_log(c, cfg->log_fn, cfg->log_user);
+    dopt__mpi_set_job(c, m->comm);
     local = dopt__mpi_local_ranks(m->comm);
     dopt_comm_log(c, DOPT_LOG_INFO, "mpi rank %d of %d: %s MPI, %s, at most %zu per MPI call, %d ranks on this host%s",
                   rank, size, m->owns_mpi ? "initialised" : "joined",

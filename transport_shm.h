@@ -1719,6 +1719,7 @@ DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg
             return st;
         }
     }
+    dopt_comm_set_job(c, s->job, strlen(s->job)); /* the flight recorder's file */
     dopt_comm_log(c, DOPT_LOG_INFO, "shm rank %d of %d: job '%s', %zu bytes mapped, chunk %zu, %s", set.rank, set.size,
                   s->job, s->map_len, s->chunk, s->spin ? "spin then sleep" : "sleep (more ranks than cpus)");
     if (set.rank == 0) dopt_comm_set_host(c, set.size, dopt__shm_cpus()); /* one warning per job is enough */

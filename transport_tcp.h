@@ -2488,6 +2488,18 @@ static dopt_status dopt__tcp_check_addrs(const dopt_tcp_config *cfg, int *port) 
     return DOPT_OK;
 }
 
+/* The job's identity for the flight recorder: the token, rank 0's address and the epoch, alike on
+   every rank (a world of one adds its process, so two of them never share a file; a shrunk
+   communicator's epoch keeps its files apart from those of the one it replaces). */
+static void dopt__tcp_set_job(dopt_comm *c, const dopt__tcp *t) {
+    unsigned char id[DOPT_TCP_TOKEN_MAX + 16 + 8];
+    memcpy(id, t->token, DOPT_TCP_TOKEN_MAX);
+    memcpy(id + DOPT_TCP_TOKEN_MAX, t->peers[0].addr, 16);
+    dopt__put_le32(id + DOPT_TCP_TOKEN_MAX + 16, t->peers[0].port);
+    dopt__put_le32(id + DOPT_TCP_TOKEN_MAX + 20, t->size == 1 ? (uint32_t)getpid() : c->epoch);
+    dopt_comm_set_job(c, id, sizeof id);
+}
+
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg) {
     dopt_comm *c = NULL;
     dopt__tcp *t;
@@ -2527,6 +2539,7 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
         return s;
     }
     t->ready = 1;
+    dopt__tcp_set_job(c, t);
     dopt_comm_set_host(c, t->size == 1 ? 1 : dopt__tcp_local_ranks(t), (int)sysconf(_SC_NPROCESSORS_ONLN));
     if (dopt__tcp_set_hosts(c, t, cfg->two_level) != DOPT_OK) {
         dopt_comm_destroy(c);
@@ -2949,6 +2962,7 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
     memcpy(t2->parked_hello, t->parked_hello, sizeof t->parked_hello);
     t2->nparked = t->nparked;
     t->nparked = 0;
+    dopt__tcp_set_job(c2, t2); /* the flight recorder's files of the survivors' communicator */
     if (me == 0) { /* rank 0 stays rank 0, and keeps refusing late joiners of the rendezvous */
         t2->lfd = t->lfd;
         t->lfd = -1;

@@ -12,6 +12,10 @@ only=${1:-}
 scratch=$(mktemp -d /tmp/distopt-mutate-XXXXXX)
 trap 'rm -rf "$scratch"' EXIT
 git ls-files | tar cf - -T - | tar xf - -C "$scratch"
+# The flight recorder's files of the mutants' jobs (a mutant may keep them) stay in the scratch copy.
+DOPT_RECORDER_DIR="$scratch/recorder"
+mkdir -p "$DOPT_RECORDER_DIR"
+export DOPT_RECORDER_DIR
 tried=0
 caught=0
 survivors=""
@@ -465,5 +469,37 @@ mutate shrink-takes-a-wrong-token transport_tcp.h \
     '        why = "the wrong job token";' '        why = NULL;' test_shrink:strangers
 mutate shrink-takes-a-mismatch-for-a-lost-peer distopt.h \
     'c->error != DOPT_ERR_PEER_LOST && c->error != DOPT_ERR_TIMEOUT)' 'c->error == DOPT_OK)' test_shrink:refuses
+mutate recorder-end-never-recorded engine.h \
+    'dopt__rec_end(e->root, q->comm, q->rec, DOPT_OK); /* FLIGHT RECORDER */' '(void)0;' \
+    test_recorder:tcp_entries_record
+mutate recorder-engine-loses-its-entry engine.h \
+    'q->rec = dopt__rec_current(e->root);' 'q->rec = 0;' test_recorder:shm_engine_entries_record
+mutate recorder-arrival-not-timed engine.h \
+    'dopt__rec_arrived(e->root, q->comm, q->rec, o->peer); /* FLIGHT RECORDER */' '(void)q;' \
+    test_recorder:tcp_straggler
+mutate recorder-wait-charged-to-the-wrong-peer distopt.h \
+    'owner->traffic.waited_ns[peer] += now - since;' 'owner->traffic.waited_ns[(peer + 1) % DOPT_STRAGGLER_RANKS] += now - since;' \
+    test_recorder:straggler
+mutate recorder-newest-entry-unpublished distopt.h \
+    '__atomic_store_n(&r->hdr->written, k + 1, __ATOMIC_RELEASE);' '__atomic_store_n(&r->hdr->written, k, __ATOMIC_RELEASE);' \
+    test_recorder:entries_record
+mutate recorder-file-left-after-a-clean-run distopt.h \
+    'if (!r->keep && stat(r->path, &st) == 0' 'if (0 && stat(r->path, &st) == 0' test_recorder:clean_job
+mutate recorder-failed-job-file-removed distopt.h \
+    'if (!r->keep && stat(r->path, &st) == 0' 'if (stat(r->path, &st) == 0' test_recorder:tcp_inspect
+mutate inspect-stopped-process-not-seen tools/distopt-inspect.c \
+    "r->stopped = p[2] == 'T' || p[2] == 't';" 'r->stopped = 0;' test_recorder:shm_inspect
+mutate inspect-zombie-counted-alive tools/distopt-inspect.c \
+    "r->gone = p[2] == 'Z' || p[2] == 'X';" '(void)0;' test_recorder:tcp_inspect
+mutate inspect-skip-read-as-size tools/distopt-inspect.c \
+    'if (have_next && inspect_same(&next, &call[odd])) {' 'if (0) {' test_recorder:shm_engine_inspect
+mutate inspect-failed-rank-not-predicted tools/distopt-inspect.c \
+    '    if (x) return *out = *x, 2;
+    if (seq < 2' '    if (x) return *out = *x, 2;
+    if (1 || seq < 2' test_recorder:inspect
+mutate inspect-moving-job-blamed tools/distopt-inspect.c \
+    '    return live > 0;
+}' '    return 0;
+}' test_recorder:tcp_inspect
 echo "mutation score: $caught/$tried${survivors:+ (survived:$survivors)}${unapplied:+ (not applied:$unapplied)}"
 [ "$caught" -eq "$tried" ]

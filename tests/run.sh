@@ -27,7 +27,14 @@ count_summary() { # $1: file holding a program's output, $2: its exit status, $3
 }
 
 out=$(mktemp)
-trap 'rm -f "$out"' EXIT
+# The flight recorder's files (distopt.h: FLIGHT RECORDER) go to a directory of this run's own,
+# removed at the end (the ranks of failing jobs, which many tests make on purpose, keep theirs),
+# so make test leaves nothing in /dev/shm: checked below.
+DOPT_RECORDER_DIR=$(mktemp -d /tmp/distopt-rec-XXXXXX)
+export DOPT_RECORDER_DIR
+stamp="$DOPT_RECORDER_DIR/.started"
+: >"$stamp"
+trap 'rm -f "$out"; rm -rf "$DOPT_RECORDER_DIR"' EXIT
 
 for t in "$BUILD"/check_*; do
     [ -f "$t" ] && [ -x "$t" ] || continue
@@ -83,6 +90,15 @@ for t in "$BUILD"/test_mpi*; do
         rm -f "$out.sum"
     done
 done
+
+left=$(find /dev/shm -maxdepth 1 -name 'dopt-rec.*' -newer "$stamp" 2>/dev/null || true)
+if [ -n "$left" ]; then
+    echo "FAIL recorder files left in /dev/shm (DOPT_RECORDER_DIR was not used):"; echo "$left"
+    failed=$((failed + 1))
+else
+    echo "ok   no recorder file left in /dev/shm"
+    passed=$((passed + 1))
+fi
 
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
