@@ -1142,8 +1142,12 @@ static int dopt__shm_link_wait(dopt_comm *c, dopt_link_poll *polls, int npolls, 
     dopt__shm_cold *me = dopt__shm_cold_of(s, s->rank);
     double now = dopt__now_ms(), deadline = now + (double)timeout_ms;
     int ready;
-    if (dopt__shm_links_aborted(c, s, err)) return -1; /* first: a failed rank's links end after */
+    /* What has arrived comes before a failure recorded in the segment: a peer a collective ahead
+       fails only after it sent this rank everything of the collective this rank is still in, and
+       the engine finishes that one (a later collective's frames, its abort included, are parked
+       and not polled). A link that ended is ready too, and link_recv then reads the record. */
     if ((ready = dopt__shm_links_ready(s, polls, npolls)) > 0) return ready;
+    if (dopt__shm_links_aborted(c, s, err)) return -1;
     dopt__shm_probe_links(s, polls, npolls, now);
     if (timeout_ms == 0) {
         if (!s->spin) sched_yield(); /* more ranks than processors: let the peer run */
@@ -1159,8 +1163,8 @@ static int dopt__shm_link_wait(dopt_comm *c, dopt_link_poll *polls, int npolls, 
         ready = dopt__shm_links_ready(s, polls, npolls);
         if (ready == 0 && !dopt__shm_aborted(s)) dopt__shm_futex_wait(&me->bell, seen, nap);
         __atomic_fetch_sub(&me->asleep, 1u, __ATOMIC_SEQ_CST);
+        if (ready > 0 || (ready = dopt__shm_links_ready(s, polls, npolls)) > 0) return ready; /* as above */
         if (dopt__shm_links_aborted(c, s, err)) return -1;
-        if (ready > 0) return ready;
         now = dopt__now_ms();
         dopt__shm_probe_links(s, polls, npolls, now);
         if ((ready = dopt__shm_links_ready(s, polls, npolls)) > 0 || now >= deadline) return ready;
