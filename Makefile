@@ -118,6 +118,10 @@ elastic-test: deps $(BUILD)/elastic_trials $(BUILD)/elastic_sgd
 $(BUILD)/elastic_trials: tests/elastic_trials.c | $(BUILD)
 	$(CC) $(ALL_CFLAGS) -o $@ $<
 
+# One rank of tests/check_keepalive.sh's jobs (a host that goes silent).
+$(BUILD)/silent_host: tests/silent_host.c $(HEADERS) | $(BUILD)
+	$(CC) $(ALL_CFLAGS) -o $@ $< $(LIBS)
+
 # One-line bugs the tests must catch (tests/mutate.sh lists them); slow, not part of make test.
 mutate: deps
 	@tests/mutate.sh

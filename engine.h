@@ -1049,7 +1049,14 @@ static dopt_status dopt__eng_link_ended(dopt_comm *c, dopt__engine *e, int p, in
 static dopt_status dopt__eng_send_failed(dopt_comm *c, dopt__engine *e, int p, int err) {
     int progress = 0;
     dopt_status s = dopt__eng_pump_rx(c, e, p, &progress);
-    if (s != DOPT_OK || e->peers[p].closed) return s;
+    dopt__peer *P = &e->peers[p];
+    if (s == DOPT_OK && P->closed && P->close_err == 0 && (err == ETIMEDOUT || err == EHOSTUNREACH)) {
+        /* The socket's error went to this send, and the read after it saw a bare end: the peer's
+           host stopped answering (TCP keep-alive, transport_tcp.h), which is not a close. */
+        P->close_err = err;
+        P->close_sending = 1;
+    }
+    if (s != DOPT_OK || P->closed) return s;
     return dopt__eng_link_ended(c, e, p, err, 1);
 }
 

@@ -95,6 +95,9 @@
    |                       | (dopt_comm_shrink; SURVIVING A LOST RANK)                 |                    |
    | min_ranks             | with DOPT_SHRINK, fewer survivors than this end the job   | 0: any number      |
    |                       | with DOPT_ERR_PEER_LOST on every survivor                 |                    |
+   | keepalive_s           | seconds a link may be idle before the kernel probes the   | 1 (a silent host is|
+   |                       | peer's host, and between probes; 3 unanswered end the     | named within about |
+   |                       | link (KEEP-ALIVE)                                         | 4 s); <0: off      |
    | log_fn, log_user      | logging callback, installed on the communicator. It also  | silent             |
    |                       | hears the rendezvous (whom it waits for, joiners refused) |                    |
    |                       | and is how a failed create tells why (there is no         |                    |
@@ -122,6 +125,7 @@
    | DOPT_ON_PEER_LOST          | on_peer_lost          | no ("fail" or "shrink"; the        |
    |                            |                       | config's, else fail)               |
    | DOPT_MIN_RANKS             | min_ranks             | no (the config's, else 0)          |
+   | DOPT_KEEPALIVE_S           | keepalive_s           | no (the config's, else 1; -1: off) |
 
    Rank, world size and rank 0's address and port are read by distopt.h's dopt_launch_read (its
    LAUNCH VARIABLES): besides DOPT_*, from mpirun's (OMPI_COMM_WORLD_*, PMI_*), srun's
@@ -132,8 +136,8 @@
    names rank 0's host, that is an error rather than a guess.
    The variables that describe the job (rank, world size, where rank 0 is, the token, where to
    listen, on which interface) come from the environment alone, unset ones meaning the default;
-   the timeouts, DOPT_TWO_LEVEL, DOPT_PROGRESS_THREAD_US, DOPT_ON_PEER_LOST and DOPT_MIN_RANKS
-   only when set. Every other field is
+   the timeouts, DOPT_TWO_LEVEL, DOPT_PROGRESS_THREAD_US, DOPT_ON_PEER_LOST, DOPT_MIN_RANKS and
+   DOPT_KEEPALIVE_S only when set. Every other field is
    the caller's. A value that does not fit is refused with one DOPT_LOG_ERROR line through the
    config's log_fn naming the variable, its value and the rule:
        DOPT_WORLD_SIZE="abc" is not a number
@@ -375,6 +379,33 @@
    the last collective never fails a peer still finishing it; a peer that closes without a
    goodbye fails only the ranks that still need data from it.
 
+   KEEP-ALIVE (keepalive_s, DOPT_KEEPALIVE_S)
+
+   A killed process's kernel closes its connections, and every survivor hears it at once. A
+   host that dies, loses power or is cut off says nothing: without more, the ranks waiting for
+   it would wait timeout_ms (5 minutes by default), and ranks between collectives would not know.
+   So every link asks the kernel for keep-alive: once a link has been idle keepalive_s seconds
+   (default 1) the kernel sends the peer's host a probe, then one every keepalive_s; 3 without
+   an answer end the connection. A silent host is then known within about 4 x keepalive_s:
+   a collective started later fails at once with DOPT_ERR_PEER_LOST naming it, and one waiting
+   for it fails then and tells the others
+   (measured on the simulated cluster by tests/check_keepalive.sh, a host cut off and its rank
+   killed: the survivors' next allreduce after 6 s of idleness failed within 4 ms, naming the
+   host's rank ("connection to rank 2 lost while sending: Connection timed out"); in an
+   allreduce already waiting for it, the rank idle toward it failed 4.0 s after the cut and the
+   other, told by its abort, 4.0-5.0 s after (up to 1 s more when its own send to the silent
+   host held back what it read); keep-alive off, they waited for timeout_ms).
+   Cost while idle: one 52-byte probe and its answer per link and keepalive_s, sent by the
+   kernel; nothing runs in the process. Limits: the kernel of a live host answers for its
+   processes, so a process that is stopped or stuck but not dead is not seen by keep-alive (the
+   collective's timeout names it, DOPT_ERR_TIMEOUT); and a link that has data of its own
+   waiting for an answer is not idle: it is bound by timeout_ms, unless another survivor, idle
+   toward the silent host, ends the collective first (a ring's next rank does). The kernel
+   counts in whole seconds, and a link is ended by 3 lost probes rather than 1 so that a lossy
+   network does not end idle links (at 1% loss, a probe or its answer is lost 2% of the time:
+   three in a row, 8 in a million idle seconds per link): about 4 s is the floor here. The old
+   links ending is also what dopt_comm_shrink waits for before it leaves out a silent rank.
+
    SURVIVING A LOST RANK (on_peer_lost = DOPT_SHRINK; distopt.h: SURVIVING A LOST PEER)
 
        // after a collective failed with DOPT_ERR_PEER_LOST (or TIMEOUT), on every survivor:
@@ -476,6 +507,8 @@ typedef struct dopt_tcp_config {
     int on_peer_lost;          /* DOPT_FAIL (0): a lost rank ends the job; DOPT_SHRINK: the survivors
                                   may go on (dopt_comm_shrink; SURVIVING A LOST RANK) */
     int min_ranks;             /* with DOPT_SHRINK: fewer survivors than this end the job; 0: any */
+    int keepalive_s;           /* a link idle this long gets a kernel keep-alive probe, repeated as often;
+                                  3 unanswered end it (KEEP-ALIVE); 0: 1; <0: off */
 } dopt_tcp_config;
 
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg);
@@ -680,6 +713,8 @@ extern "C" {
 #define DOPT__TCP_LINGER_MS 2000          /* destroy waits at most this long for peers to take its bytes */
 #define DOPT__TCP_RENDEZVOUS_DEFAULT_MS 600000 /* see the manual's configuration table */
 #define DOPT__TCP_REPORT_DEFAULT_MS 5000
+#define DOPT__TCP_KEEPALIVE_PROBES 3     /* unanswered probes that end a link (KEEP-ALIVE) */
+#define DOPT__TCP_KEEPALIVE_MAX_S 32767  /* the kernel's bound on TCP_KEEPIDLE and TCP_KEEPINTVL */
 #define DOPT__TCP_VERDICT_MS 2000         /* a rank whose peer connection failed in setup waits for rank 0's word */
 #define DOPT__TCP_RESTART ((dopt_status)1) /* private: rank 0 said AGAIN, the rendezvous starts over */
 #define DOPT__TCP_LOOPBACK_ADVICE /* the end of a refusal for a loopback address (LOOPBACK) */ \
@@ -747,6 +782,7 @@ typedef struct dopt__tcp {
     unsigned char parked_hello[DOPT__TCP_MAX_PENDING][DOPT__TCP_SHRINK_HELLO];
     int nparked;
     int two_level, progress_thread_us, spin_us;
+    int keepalive_s;            /* the links' keep-alive interval (KEEP-ALIVE), <= 0: off */
     size_t small_bytes;
 } dopt__tcp;
 
@@ -1243,6 +1279,20 @@ static void dopt__tcp_tune(int fd, int sockbuf) {
         setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sockbuf, sizeof sockbuf);
         setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sockbuf, sizeof sockbuf);
     }
+}
+
+/* KEEP-ALIVE. A link idle for secs seconds gets a probe from the kernel, then one every secs
+   seconds; DOPT__TCP_KEEPALIVE_PROBES unanswered end the connection (ETIMEDOUT), so that a peer
+   whose host died or was cut off without a word (no FIN, no RST) is named at once by the next
+   collective, or within about (1 + probes) x secs by one waiting for it, rather than at
+   timeout_ms. The kernel does the work; nothing runs in this process while the job is idle. */
+static void dopt__tcp_keepalive(int fd, int secs) {
+    int one = 1, probes = DOPT__TCP_KEEPALIVE_PROBES;
+    if (fd < 0 || secs <= 0) return;
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &secs, sizeof secs);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &secs, sizeof secs);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
 }
 
 /* A socket of addr's family (ADDRESSES). */
@@ -2342,6 +2392,9 @@ static dopt_status dopt__tcp_new(dopt_comm **out, const dopt_tcp_config *cfg) {
     if (cfg->min_ranks < 0 || cfg->min_ranks > cfg->world_size)
         return dopt__tcp_config_error(cfg, "min_ranks %d is outside 0..world_size (%d)", cfg->min_ranks,
                                       cfg->world_size);
+    if (cfg->keepalive_s > DOPT__TCP_KEEPALIVE_MAX_S)
+        return dopt__tcp_config_error(cfg, "keepalive_s %d is above %d (the kernel's limit); negative turns it off",
+                                      cfg->keepalive_s, DOPT__TCP_KEEPALIVE_MAX_S);
     t = (dopt__tcp *)DOPT_MALLOC(sizeof *t);
     if (t == NULL) goto nomem;
     memset(t, 0, sizeof *t);
@@ -2352,6 +2405,7 @@ static dopt_status dopt__tcp_new(dopt_comm **out, const dopt_tcp_config *cfg) {
     t->on_peer_lost = cfg->on_peer_lost;
     t->two_level = cfg->two_level;
     t->progress_thread_us = cfg->progress_thread_us;
+    t->keepalive_s = cfg->keepalive_s == 0 ? 1 : cfg->keepalive_s;
     t->spin_us = cfg->spin_us;
     t->small_bytes = cfg->small_bytes;
     t->sockbuf = cfg->socket_buffer_bytes;
@@ -2411,6 +2465,7 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
             return s;
         }
         dopt__tcp_tune(t->peers[p].fd, 0); /* TCP_NODELAY where it applies */
+        dopt__tcp_keepalive(t->peers[p].fd, t->keepalive_s);
     }
     t->ready = 1;
     *out = c;
@@ -2505,7 +2560,7 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
     dopt__tcp *t;
     double deadline;
     dopt_status s;
-    int port;
+    int port, p;
     dopt_tcp_config named;
     if (out == NULL) return dopt__tcp_config_error(cfg, "NULL out");
     *out = NULL;
@@ -2539,6 +2594,7 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
         return s;
     }
     t->ready = 1;
+    for (p = 0; p < t->size; p++) dopt__tcp_keepalive(t->peers[p].fd, t->keepalive_s);
     dopt__tcp_set_job(c, t);
     dopt_comm_set_host(c, t->size == 1 ? 1 : dopt__tcp_local_ranks(t), (int)sysconf(_SC_NPROCESSORS_ONLN));
     if (dopt__tcp_set_hosts(c, t, cfg->two_level) != DOPT_OK) {
@@ -2935,6 +2991,7 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
     c2->epoch = c->epoch + 1;
     t2->two_level = t->two_level;
     t2->progress_thread_us = t->progress_thread_us;
+    t2->keepalive_s = t->keepalive_s;
     for (r = 0, q = 0; r < n; r++) {
         int pair[2];
         if (dopt__agree_has(z->a.value, r)) continue;
@@ -2953,7 +3010,10 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
             dopt_comm_destroy(c2);
             return dopt__tcp_shrink_fail(c, DOPT_ERR_IO, "cannot make a link to rank %d: %s", r, strerror(errno));
         }
-        if (r != me) dopt__tcp_tune(t2->peers[q].fd, 0);
+        if (r != me) {
+            dopt__tcp_tune(t2->peers[q].fd, 0);
+            dopt__tcp_keepalive(t2->peers[q].fd, t2->keepalive_s);
+        }
         q++;
     }
     t2->shrink_lfd = t->shrink_lfd; /* kept for the next shrink, with the hellos that came early */
@@ -3125,7 +3185,8 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
     if (dopt__tcp_env_int(cfg, "DOPT_TIMEOUT_MS", 1, INT_MAX, &env.timeout_ms) < 0 ||
         dopt__tcp_env_int(cfg, "DOPT_RENDEZVOUS_TIMEOUT_MS", 1, INT_MAX, &env.rendezvous_timeout_ms) < 0 ||
         dopt__tcp_env_int(cfg, "DOPT_PROGRESS_THREAD_US", 0, INT_MAX, &env.progress_thread_us) < 0 ||
-        dopt__tcp_env_int(cfg, "DOPT_MIN_RANKS", 0, INT_MAX, &env.min_ranks) < 0)
+        dopt__tcp_env_int(cfg, "DOPT_MIN_RANKS", 0, INT_MAX, &env.min_ranks) < 0 ||
+        dopt__tcp_env_int(cfg, "DOPT_KEEPALIVE_S", -1, DOPT__TCP_KEEPALIVE_MAX_S, &env.keepalive_s) < 0)
         return DOPT_ERR_INVALID;
     s = getenv("DOPT_ON_PEER_LOST");
     if (s && *s) {

@@ -465,6 +465,11 @@ mutate shrink-closes-a-later-hello transport_tcp.h \
     test_shrink:second_death
 mutate shrink-ignores-min-ranks transport_tcp.h \
     '    else if (members < c->min_ranks)' '    else if (members < 0)' test_shrink:min_ranks
+mutate keepalive-never-asked transport_tcp.h \
+    '    for (p = 0; p < t->size; p++) dopt__tcp_keepalive(t->peers[p].fd, t->keepalive_s);' '    (void)p;' \
+    test_tcp:keepalive
+mutate keepalive-ends-a-link-at-one-lost-probe transport_tcp.h \
+    'int one = 1, probes = DOPT__TCP_KEEPALIVE_PROBES;' 'int one = 1, probes = 1;' test_tcp:keepalive
 mutate shrink-takes-a-wrong-token transport_tcp.h \
     '        why = "the wrong job token";' '        why = NULL;' test_shrink:strangers
 mutate shrink-takes-a-mismatch-for-a-lost-peer distopt.h \

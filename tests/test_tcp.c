@@ -33,6 +33,7 @@ typedef struct tcp_world {
     const char *master_addr; /* every rank's; NULL: the default */
     int port_in_addr;  /* ranks 1.. are told rank 0's port in master_addr ("[::1]:PORT"), not master_port */
     int progress_thread_us; /* the config's */
+    int keepalive_s;   /* the config's */
     char addr_text[DOPT__TCP_HOST_MAX + 8];
     int port_pipe[2];
     int gate_pipe[2];
@@ -61,6 +62,7 @@ static void world_config(tcp_world *w, int rank, dopt_tcp_config *cfg) {
     cfg->token = w->token;
     cfg->master_addr = w->master_addr;
     cfg->progress_thread_us = w->progress_thread_us;
+    cfg->keepalive_s = w->keepalive_s;
     if (rank == 0) {
         cfg->on_listen = world_on_listen;
         cfg->on_listen_user = w;
@@ -162,6 +164,76 @@ static void conformance_world(int n) {
     tcp_world w;
     world_init(&w, n, 20000);
     world_run(&w, conformance_rank, 0);
+}
+
+/* ------------------------------------------------------------------ keep-alive */
+
+/* The kernel's keep-alive settings on the link to every peer: secs idle and between probes, 3
+   probes (KEEP-ALIVE); secs 0: off. */
+static void check_keepalive(dopt_comm *c, int secs) {
+    const dopt__tcp *t = (const dopt__tcp *)c->impl;
+    int p;
+    for (p = 0; p < c->size; p++) {
+        int on = -1, idle = -1, intvl = -1, cnt = -1;
+        socklen_t len = sizeof on;
+        if (p == c->rank) continue;
+        DT_CHECK(getsockopt(t->peers[p].fd, SOL_SOCKET, SO_KEEPALIVE, &on, &len) == 0);
+        DT_EQ_INT(on != 0, secs > 0);
+        if (secs <= 0) continue;
+        len = sizeof idle;
+        DT_CHECK(getsockopt(t->peers[p].fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, &len) == 0);
+        DT_CHECK(getsockopt(t->peers[p].fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, &len) == 0);
+        DT_CHECK(getsockopt(t->peers[p].fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, &len) == 0);
+        DT_CHECKF(idle == secs && intvl == secs && cnt == 3, "rank %d's link to rank %d: idle %d, interval %d, %d probes",
+                  c->rank, p, idle, intvl, cnt);
+    }
+}
+
+static void keepalive_rank(int rank, void *arg) {
+    tcp_world *w = (tcp_world *)arg;
+    dopt_comm *c = world_join(w, rank);
+    check_keepalive(c, w->keepalive_s == 0 ? 1 : w->keepalive_s < 0 ? 0 : w->keepalive_s);
+    DT_OK(dopt_barrier(c));
+    dopt_comm_destroy(c);
+}
+
+DTEST(every_link_asks_the_kernel_for_keepalive_as_configured) {
+    static const int settings[] = {0, 7, -1};
+    size_t i;
+    for (i = 0; i < sizeof settings / sizeof settings[0]; i++) {
+        tcp_world w;
+        world_init(&w, 3, 20000);
+        w.keepalive_s = settings[i];
+        world_run(&w, keepalive_rank, 0);
+    }
+}
+
+DTEST(keepalive_out_of_range_is_refused_by_the_config_and_the_environment) {
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    last_log l;
+    memset(&cfg, 0, sizeof cfg);
+    memset(&l, 0, sizeof l);
+    cfg.world_size = 1;
+    cfg.keepalive_s = 40000;
+    cfg.log_fn = capture_log;
+    cfg.log_user = &l;
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(l.text, "keepalive_s 40000") != NULL, "%s", l.text);
+    setenv("DOPT_RANK", "0", 1);
+    setenv("DOPT_WORLD_SIZE", "1", 1);
+    setenv("DOPT_KEEPALIVE_S", "-1", 1);
+    memset(&cfg, 0, sizeof cfg);
+    DT_OK(dopt_tcp_config_from_env(&cfg));
+    DT_EQ_INT(cfg.keepalive_s, -1);
+    setenv("DOPT_KEEPALIVE_S", "often", 1);
+    cfg.log_fn = capture_log;
+    cfg.log_user = &l;
+    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(l.text, "DOPT_KEEPALIVE_S") != NULL, "%s", l.text);
+    unsetenv("DOPT_KEEPALIVE_S");
+    unsetenv("DOPT_RANK");
+    unsetenv("DOPT_WORLD_SIZE");
 }
 
 /* The link contract below the engine (links.h), every pair at once. */
