@@ -246,9 +246,9 @@
 
    SURVIVING A LOST PEER (shrink)
      By default a lost peer ends the job: every survivor's communicator is poisoned and names it.
-     A communicator whose transport was configured with on_peer_lost = DOPT_SHRINK (TCP and shm:
-     their config's on_peer_lost and min_ranks, or DOPT_ON_PEER_LOST=shrink and DOPT_MIN_RANKS)
-     can go on without it: after a collective failed with DOPT_ERR_PEER_LOST or DOPT_ERR_TIMEOUT,
+     A communicator whose transport was configured with on_peer_lost = DOPT_SHRINK (TCP: its
+     config's on_peer_lost and min_ranks, or DOPT_ON_PEER_LOST=shrink and DOPT_MIN_RANKS; shm
+     and MPI cannot yet, and say DOPT_ERR_UNSUPPORTED) can go on without it: after a collective failed with DOPT_ERR_PEER_LOST or DOPT_ERR_TIMEOUT,
      every survivor calls dopt_comm_shrink(c, &next). The survivors agree on who is alive,
      without a coordinator (rank 0 may be the one lost), and each gets next: a communicator of
      the survivors, ranked in their old order, with the same job identity (token, addresses) and
@@ -257,7 +257,8 @@
      (a rank lost while the survivors agree is left out, or, when it dies after the decision, is
      named by next's first collective, which a second shrink then leaves out), and every
      survivor ends with the same members and numbering. What the survivors do with the lost
-     rank's work is the program's (localsgd.h's driver: see its manual).
+     rank's work is the program's (localsgd.h's driver does it with dopt_dp_config.elastic: see
+     its ELASTIC).
      dopt_comm_shrink returns:
      - DOPT_OK with next;
      - DOPT_ERR_PEER_LOST when fewer than min_ranks survive (on every survivor, the detail

@@ -148,6 +148,9 @@
    | first_bucket_| the first bucket's                                         | min(1 MiB,        |
    |  bytes       |                                                            |  bucket size)     |
    | overlap_check| 1: a write to a segment after its mark is caught (debug)   | 0                 |
+   | elastic      | 1: a model average that fails because a rank was lost goes | 0: the failure is |
+   |              | on over the survivors (ELASTIC below); the communicator    | returned          |
+   |              | must have on_peer_lost = DOPT_SHRINK                       |                   |
 
    Policies of extra state buffers at every model average: DOPT_STATE_AVERAGE (averaged with the
    parameters, in the same allreduce), DOPT_STATE_KEEP (left local), DOPT_STATE_RESET (set to 0).
@@ -403,6 +406,35 @@
      this rank's alone — it skips its own update and returns DOPT_ERR_NONFINITE on this rank only
      (nothing is averaged, so nothing is stopped); the model average that follows has the rule
      above.
+
+   ELASTIC (dopt_dp_config.elastic; the communicator made with on_peer_lost = DOPT_SHRINK)
+     Local SGD goes on when a worker dies. When a model average (after_step, sync) fails with
+     DOPT_ERR_PEER_LOST or DOPT_ERR_TIMEOUT, the driver shrinks the communicator
+     (dopt_comm_shrink: the survivors agree, rank 0 may be the one lost) and averages the round
+     again over the survivors: their own models of this round, which a failed average leaves as
+     they were, so no survivor's work is lost and the lost worker's round is dropped (its model
+     died with it). A survivor whose own average had completed before the death went on to the
+     next round and failed there: the survivors then all take its model and the driver's state
+     (steps, averages, anchor, outer momentum) and end its round together, so every replica is
+     identical again. A rank lost during this is handled the same way, until fewer than the
+     communicator's min_ranks survive: then the call returns DOPT_ERR_PEER_LOST on every
+     survivor, with the reason. The weighted mean and the division by the world size follow the
+     survivors. What the host does, after each after_step or sync:
+
+         st = dopt_dp_after_step(&dp, params);
+         if (dp.comm != comm) {            // a worker was lost; the survivors went on
+             dopt_comm_destroy(comm);      // the old one is the host's to destroy
+             comm = dp.comm;               // rank and size changed: take the new shard
+             take_shard(comm->rank, comm->size, dp.step);
+         }
+
+     dp.step may have moved forward on a survivor that was a round behind; dp.shrinks counts
+     the shrinks. The lost worker's data is the host's to redistribute (examples/elastic_sgd.c
+     gives every survivor a larger shard) or to drop. Not covered (refused at init, naming it):
+     sync_grads, gradient buckets, compressors (their residuals are per rank) and batch
+     controllers; a gradient average (after_backward on a synchronous step: the warm-up or
+     period 1) that loses a rank returns the failure as without elastic. Re-admitting a restarted
+     worker is not there yet.
 
    STEPS
      Steps are counted by dopt_dp_after_step. A host that calls only after_backward (README's
@@ -777,6 +809,7 @@ typedef struct dopt_dp_config {
     size_t bucket_bytes;       /* buckets: their size, 0: chosen (OVERLAP) */
     size_t first_bucket_bytes; /* buckets: the first one's, 0: min(1 MiB, bucket_bytes) */
     int overlap_check;         /* 1: a write to a segment after its mark is caught (a checksum) */
+    int elastic;               /* 1: a model average that loses a rank goes on over the survivors (ELASTIC) */
 } dopt_dp_config;
 
 /* The buckets of the synchronous steps' gradient averages (OVERLAP); internal to the driver. */
@@ -843,6 +876,9 @@ typedef struct dopt_dp {
     char api[96];            /* the call whose collectives run now, as details name it */
     char detail[DOPT_DP_DETAIL_MAX];
     dopt_dp_overlap ov;      /* buckets during backward (OVERLAP) */
+    int elastic;             /* ELASTIC */
+    uint64_t shrinks;        /* ELASTIC: communicators shrunk (comm is the last one made) */
+    uint64_t sync_step;      /* ELASTIC: step when the anchor was last written (an average, a broadcast) */
 } dopt_dp;
 
 DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const dopt_dp_config *cfg);
@@ -1533,6 +1569,15 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const 
                                       "`weighted`, or the same object as compressor");
     if ((unsigned)c.nonfinite > (unsigned)DOPT_NONFINITE_SKIP)
         return dopt__dp_init_fail(dp, "nonfinite is neither DOPT_NONFINITE_FAIL nor DOPT_NONFINITE_SKIP");
+    if (c.elastic && comm->on_peer_lost != DOPT_SHRINK)
+        return dopt__dp_init_fail(dp, "elastic: the communicator was made with on_peer_lost = DOPT_FAIL, so it cannot "
+                                      "shrink; make it with DOPT_SHRINK (DOPT_ON_PEER_LOST=shrink, TCP only)");
+    if (c.elastic && (c.sync_grads || c.compressor || c.grad_compressor || c.batch || c.grads))
+        return dopt__dp_init_fail(dp, c.sync_grads        ? "elastic: not with sync_grads (ELASTIC: model averages only)"
+                                      : c.compressor      ? "elastic: not with a compressor yet (its residuals are per rank)"
+                                      : c.grad_compressor ? "elastic: not with grad_compressor (ELASTIC: model averages only)"
+                                      : c.batch           ? "elastic: not with a batch controller yet"
+                                                          : "elastic: not with gradient buckets (ELASTIC: model averages only)");
     /* NaN first, by its bits: under GCC's -ffast-math NaN == 0.0 holds and would take the default */
     if (!dopt__is_finite(c.outer_lr) || !dopt__is_finite(c.outer_momentum))
         return dopt__dp_init_fail(dp, "outer_lr or outer_momentum is not finite");
@@ -1540,7 +1585,8 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const 
     if (c.outer_lr < 0.0 || !(c.outer_momentum >= 0.0 && c.outer_momentum < 1.0))
         return dopt__dp_init_fail(dp, "outer_lr is negative or outer_momentum is outside [0, 1)");
     dp->outer = c.outer_lr != 1.0 || c.outer_momentum != 0.0;
-    anchor = c.keep_anchor || c.compressor || dp->outer || (c.batch && c.batch->cfg.estimator == DOPT_BATCH_ACROSS);
+    anchor = c.keep_anchor || c.compressor || dp->outer || (c.batch && c.batch->cfg.estimator == DOPT_BATCH_ACROSS) ||
+             c.elastic;
     dp->comm = comm;
     dp->n = n;
     dp->period = c.period ? c.period : 1;
@@ -1553,6 +1599,7 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const 
     dp->outer_lr = c.outer_lr;
     dp->outer_momentum = c.outer_momentum;
     dp->nonfinite = c.nonfinite;
+    dp->elastic = c.elastic != 0;
     dp->nstates = c.nstates;
     dp->work_count = work;
     if (c.nstates) {
@@ -2821,15 +2868,122 @@ DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *dp, float *grads) {
 
 /* Ends a round: the model average (or, when the gradients were averaged, only the anchor), the
    batch decision, the counters. On failure the detail names the step (`how` after it). */
+/* ELASTIC. A collective failed because a rank was lost: shrink the communicator and agree where
+   the survivors stand. When every survivor lost the same average (each at the end of the same
+   round: at_end, the same step and count of averages), *again is set: the caller averages the
+   round again over the survivors, whose models a failed average leaves as they were. Otherwise
+   some survivor had completed an average the others lost (or failed elsewhere in a round): all
+   take the state of the last average any survivor completed, from the lowest such rank (its
+   anchor as the model, its AVERAGE states, outer momentum and counters); local steps since are
+   dropped. A communicator this driver made in the same call (a rank lost during this) is
+   destroyed here: the host never saw it. */
+static dopt_status dopt__dp_survive(dopt_dp *dp, dopt_comm *given, const dopt_buf *params, const dopt_buf *states,
+                                    int at_end, int *again) {
+    dopt_comm *old = dp->comm, *next = NULL;
+    double at[6], state[5];
+    int32_t lead;
+    int old_rank = old->rank, old_size = old->size, lost = old->lost_rank;
+    dopt_status s = dopt_comm_shrink(old, &next);
+    *again = 0;
+    if (s != DOPT_OK) return s; /* the old communicator's detail says why */
+    dp->comm = next;
+    dp->shrinks++;
+    if (old != given) dopt_comm_destroy(old);
+    dopt_comm_set_api(next, dp->api);
+    dopt_comm_log(next, DOPT_LOG_WARN, "elastic: rank %d of %d lost rank %d; the survivors go on, this one as rank %d of %d",
+                  old_rank, old_size, lost, next->rank, next->size);
+    at[0] = (double)dp->syncs;
+    at[1] = -(double)dp->syncs;
+    at[2] = (double)dp->step;
+    at[3] = -(double)dp->step;
+    at[4] = at_end;
+    at[5] = -at_end;
+    if ((s = dopt_allreduce(next, at, 6, DOPT_F64, DOPT_MAX)) != DOPT_OK) return s;
+    if (at[0] == -at[1] && at[2] == -at[3] && at[5] == -1.0) { /* the same average lost everywhere */
+        *again = 1;
+        return DOPT_OK;
+    }
+    lead = dp->syncs == (uint64_t)at[0] && dp->anchor_set ? next->rank : next->size;
+    if ((s = dopt_allreduce(next, &lead, 1, DOPT_I32, DOPT_MIN)) != DOPT_OK) return s;
+    if (lead == next->size) {
+        dopt_comm_fail(next, NULL, DOPT_ERR_INVALID, "elastic: no survivor has the model of its last average to go on "
+                                                      "from (the anchor): call dopt_dp_broadcast before the first step");
+        return DOPT_ERR_INVALID;
+    }
+    if (next->rank == lead) {
+        dopt__dp_pack(dp, params, states); /* the AVERAGE states as they are ... */
+        if (dp->n) memcpy(dp->work, dp->anchor, dp->n * sizeof(float)); /* ... and the model of the last average */
+    }
+    state[0] = (double)dp->sync_step;
+    state[1] = (double)dp->syncs;
+    state[2] = (double)dp->skipped;
+    state[3] = (double)dp->grads_step;
+    state[4] = 0.0;
+    if ((s = dopt_broadcast(next, state, sizeof state, lead)) != DOPT_OK ||
+        (s = dopt_broadcast(next, dp->work, dp->work_count * sizeof(float), lead)) != DOPT_OK ||
+        (dp->outer_v && (s = dopt_broadcast(next, dp->outer_v, dp->n * sizeof(float), lead)) != DOPT_OK))
+        return s;
+    dp->step = dp->sync_step = (uint64_t)state[0];
+    dp->syncs = (uint64_t)state[1];
+    dp->skipped = (uint64_t)state[2];
+    dp->grads_step = (uint64_t)state[3];
+    dp->round_steps = 0;
+    dp->round_samples = 0.0;
+    dp->anchor_set = 1;
+    if (dp->n) memcpy(dp->anchor, dp->work, dp->n * sizeof(float));
+    dopt__dp_unpack(dp, params, states);
+    if (next->rank == lead)
+        dopt_comm_log(next, DOPT_LOG_WARN, "elastic: the survivors go on from this rank's last average (after step %llu)",
+                      (unsigned long long)dp->step);
+    else
+        dopt_comm_log(next, DOPT_LOG_WARN, "elastic: rank %d completed an average this rank lost: this rank takes its "
+                      "model and goes on from step %llu", (int)lead, (unsigned long long)dp->step);
+    return DOPT_OK;
+}
+
+static int dopt__dp_lost_peer(const dopt_dp *dp, dopt_status s) {
+    return dp->elastic && (s == DOPT_ERR_PEER_LOST || s == DOPT_ERR_TIMEOUT);
+}
+
+/* ELASTIC: after s, a failure that lost a rank, the survivors go on (dopt__dp_survive), averaging
+   again when they all lost the same one (at_end: this rank failed its round's average, else
+   another collective). *adopted: the state of a completed average was taken instead. A rank
+   lost during this is handled the same way; a shrink that fails (fewer than min_ranks) ends it
+   with its status. */
+static dopt_status dopt__dp_go_on(dopt_dp *dp, dopt_status s, const dopt_buf *params, const dopt_buf *states,
+                                  int at_end, int *adopted) {
+    dopt_comm *given = dp->comm;
+    *adopted = 0;
+    while (dopt__dp_lost_peer(dp, s)) {
+        dopt_comm *before = dp->comm;
+        int again = 0;
+        s = dopt__dp_survive(dp, given, params, states, at_end, &again);
+        if (dp->comm == before) break; /* the shrink failed */
+        if (s != DOPT_OK) continue;
+        if (!again) {
+            *adopted = 1;
+            break;
+        }
+        s = dopt__dp_average_models(dp, params, states); /* over the survivors */
+    }
+    return s;
+}
+
 static dopt_status dopt__dp_end_round(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states, int average,
                                       uint64_t t, const char *how) {
     dopt_status s = DOPT_OK;
     int skipped;
     const char *prev = dopt__dp_label(dp, "%s: the average after step %llu",
                                       *how ? "dopt_dp_sync" : "dopt_dp_after_step", (unsigned long long)t);
-    if (average)
+    if (average) {
+        int adopted = 0;
         s = dopt__dp_average_models(dp, params, states);
-    else if (dp->anchor && dp->n)
+        if (dopt__dp_lost_peer(dp, s)) s = dopt__dp_go_on(dp, s, params, states, 1, &adopted);
+        if (adopted && s == DOPT_OK) { /* a survivor's completed average stands for the round */
+            dopt_comm_set_api(dp->comm, prev);
+            return DOPT_OK;
+        }
+    } else if (dp->anchor && dp->n)
         dopt_buf_pack(params, dp->anchor);
     /* SKIP: a non-finite average was replaced by the finite ranks' mean; the round ends as usual */
     skipped = s == DOPT_ERR_NONFINITE && dp->status == DOPT_OK;
@@ -2844,10 +2998,31 @@ static dopt_status dopt__dp_end_round(dopt_dp *dp, const dopt_buf *params, const
         return s;
     }
     dp->syncs++;
+    dp->sync_step = dp->step;
     dp->round_steps = 0;
     dp->round_samples = 0.0;
     dp->anchor_set = 1;
     return skipped ? DOPT_ERR_NONFINITE : DOPT_OK;
+}
+
+/* ELASTIC: a call that finds its communicator failed by a lost rank (the failure came in the
+   pass that completed this rank's last average, or in a collective of the host's) goes on with
+   the survivors from the last average any of them completed; this call's step is not counted
+   (the host follows dp->step). Other failures, or without elastic: the status. */
+static dopt_status dopt__dp_resume(dopt_dp *dp, dopt_status s, const dopt_buf *params, const dopt_buf *states,
+                                   const char *api) {
+    const char *prev;
+    int adopted;
+    if (!dopt__dp_lost_peer(dp, s) || dp->status != DOPT_OK || dp->work == NULL ||
+        dopt__dp_check_layout(dp, params, states) != DOPT_OK)
+        return s;
+    prev = dopt__dp_label(dp, "%s: going on without the lost rank", api);
+    s = dopt__dp_go_on(dp, s, params, states, 0, &adopted);
+    dopt_comm_set_api(dp->comm, prev);
+    if (s != DOPT_OK)
+        dopt__dp_fail_detail(dp, "%s: going on without the lost rank: %s (%s)", api, dopt_status_str(s),
+                             dopt_comm_detail(dp->comm));
+    return s;
 }
 
 DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
@@ -2855,7 +3030,7 @@ DOPT_DEF dopt_status dopt_dp_after_step_buf(dopt_dp *dp, const dopt_buf *params,
     dopt_status s = DOPT_OK;
     if (dp == NULL) return DOPT_ERR_INVALID;
     if ((s = dopt__dp_no_open_step(dp, "dopt_dp_after_step")) != DOPT_OK) return s;
-    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return dopt__dp_resume(dp, s, params, states, "dopt_dp_after_step");
     s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
     if ((s = dopt__dp_check_anchor(dp, "dopt_dp_after_step")) != DOPT_OK) return s;
@@ -2883,7 +3058,7 @@ DOPT_DEF dopt_status dopt_dp_sync(dopt_dp *dp, const dopt_buf *params, const dop
     dopt_status s;
     if (dp == NULL) return DOPT_ERR_INVALID;
     if ((s = dopt__dp_no_open_step(dp, "dopt_dp_sync")) != DOPT_OK) return s;
-    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
+    if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return dopt__dp_resume(dp, s, params, states, "dopt_dp_sync");
     s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
     if (dp->round_steps == 0) return DOPT_OK; /* the replicas are identical already */
@@ -2948,6 +3123,7 @@ DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *dp, const dopt_buf *params, 
     }
     if (dp->anchor && dp->n) dopt_buf_pack(params, dp->anchor);
     dp->anchor_set = 1;
+    dp->sync_step = dp->step;
     return DOPT_OK;
 }
 
@@ -3459,6 +3635,7 @@ static void dopt__dp_get_state(dopt__dp_reader *r, dopt_dp *dp) {
     dp->step_samples = dopt__dp_get_f64(r);
     if (dp->anchor) {
         dp->anchor_set = dopt__dp_get_u64(r) != 0;
+        dp->sync_step = dp->step;
         dopt__dp_get(r, dp->anchor, dp->n * sizeof(float));
     }
     if (dp->outer_v) dopt__dp_get(r, dp->outer_v, dp->n * sizeof(float));

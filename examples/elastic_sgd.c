@@ -1,11 +1,12 @@
-/* elastic_sgd.c — local SGD that survives a lost worker: the host's side of dopt_comm_shrink.
-   The problem is least_squares.c's (min_x (1/2m)‖Ax − b‖², b = Ax*); the driver averages the
-   models every --period steps. When an average fails because a worker died (or went silent for
-   the timeout), the survivors agree on who is left, make a new driver on the survivors'
-   communicator, take the model and the step of the new rank 0 (so every replica is identical
-   again: a survivor may have completed the average the others lost, or be a round ahead), take
-   the rows of their new shard, and go on. The lost worker's rows are redistributed: every
-   survivor's shard grows. Lines marked "distopt" are what a host adds.
+/* elastic_sgd.c — local SGD that survives a lost worker. The problem is least_squares.c's
+   (min_x (1/2m)‖Ax − b‖², b = Ax*); the driver averages the models every --period steps, with
+   elastic set (localsgd.h: ELASTIC). When an average fails because a worker died (or went silent
+   for the timeout), the driver has the survivors agree on who is left and averages the round
+   over them (or, when one of them had completed an average the others lost, gives every
+   survivor that one's state), and returns with its communicator replaced by the survivors'. The
+   host then takes the rows of its new shard and goes on from the driver's step. The lost
+   worker's rows are redistributed: every survivor's shard grows. Lines marked "distopt" are what
+   a host adds.
 
        DOPT_ON_PEER_LOST=shrink DOPT_RANK=r DOPT_WORLD_SIZE=4 DOPT_MASTER_PORT=29500 build/elastic_sgd
        (tests/elastic_trials.c starts four and kills one: make elastic-test)
@@ -61,25 +62,6 @@ static void log_line(void *user, dopt_log_level level, const char *message) { /*
     fprintf(stderr, "distopt: %s\n", message);
 }
 
-/* distopt: the survivors go on. On every survivor: agree, renumber, rebuild the driver, take the
-   new rank 0's model and step, take the new shard. */
-static dopt_status survive(dopt_comm **comm, dopt_dp *dp, const dopt_dp_config *cfg, float *x, long *step) {
-    dopt_comm *next = NULL;
-    dopt_status s;
-    long at = *step;
-    fprintf(stderr, "elastic_sgd: rank %d: %s; shrinking\n", (*comm)->rank, dopt_comm_detail(*comm));
-    dopt_dp_free(dp);
-    s = dopt_comm_shrink(*comm, &next);
-    if (s != DOPT_OK) return s; /* fewer than DOPT_MIN_RANKS left, or this rank was left out */
-    dopt_comm_destroy(*comm);
-    *comm = next;
-    if ((s = dopt_dp_init(dp, *comm, DIM, cfg)) != DOPT_OK) return s;
-    if ((s = dopt_dp_broadcast(dp, x)) != DOPT_OK) return s; /* the new rank 0's model everywhere */
-    s = dopt_broadcast(*comm, &at, sizeof at, 0);           /* and its step */
-    *step = at;
-    return s;
-}
-
 int main(int argc, char **argv) {
     static float A[ROWS * DIM], b[ROWS];
     float xstar[DIM], x[DIM], g[DIM];
@@ -87,7 +69,7 @@ int main(int argc, char **argv) {
     size_t period = 4, begin = 0, end = ROWS;
     unsigned long long seed = 1;
     uint64_t data_rng, rng;
-    int i, j, shrinks = 0, world, old_rank, failed;
+    int i, j, world, old_rank, failed, shrinks;
     double dist = 0, ref = 0, resumed_ms = 0;
     uint64_t hash;
     dopt_tcp_config base;
@@ -125,9 +107,10 @@ int main(int argc, char **argv) {
 
     memset(&cfg, 0, sizeof cfg);
     cfg.period = period; /* distopt: local SGD, models averaged every period steps */
+    cfg.elastic = 1;     /* distopt: and a lost worker does not end it */
     dopt_dp_init(&dp, comm, DIM, &cfg);
     dopt_dp_broadcast(&dp, x);
-    for (step = 0; step < steps;) {
+    while ((step = (long)dp.step) < steps) { /* distopt: the driver's step (a survivor may move on) */
         dopt_shard(ROWS, comm->rank, comm->size, &begin, &end); /* distopt: this rank's rows, in this world */
         gradient(A, b, x, begin, end, &rng, g);
         if (step_us > 0) {
@@ -136,16 +119,16 @@ int main(int argc, char **argv) {
         }
         for (j = 0; j < DIM; j++) x[j] -= 0.05f * g[j];
         st = dopt_dp_after_step(&dp, x); /* distopt: the model average when due */
-        if (st == DOPT_ERR_PEER_LOST || st == DOPT_ERR_TIMEOUT) {
-            st = survive(&comm, &dp, &cfg, x, &step); /* distopt */
-            if (st != DOPT_OK) break;
-            shrinks++;
+        if (dp.comm != comm) {           /* distopt: a worker was lost; the survivors went on */
+            fprintf(stderr, "elastic_sgd: rank %d: lost a worker at step %ld; going on as rank %d of %d\n", comm->rank,
+                    step, dp.comm->rank, dp.comm->size);
+            dopt_comm_destroy(comm);
+            comm = dp.comm;
             resumed_ms = wall_ms();
-            continue; /* the step the new rank 0 was at, again */
         }
         if (st != DOPT_OK) break;
-        step++;
     }
+    shrinks = (int)dp.shrinks;
     if (st == DOPT_OK) st = dopt_dp_close(&dp, x); /* distopt: the last round averaged, replicas checked */
     else
         dopt_dp_free(&dp);

@@ -1,7 +1,9 @@
 #!/bin/sh
 # A host that goes silent (transport_tcp.h: KEEP-ALIVE). On 3 simulated hosts, one rank of
 # tests/silent_host.c on each; once all are ready, host 2's link is cut and its rank killed, so
-# that nothing (no FIN, no RST) ever tells the others. Three jobs:
+# that nothing (no FIN, no RST) ever tells the others. First, while the survivors wait in
+# allreduce #2 for rank 2 (alive, in no collective), distopt-inspect run on host 0 must name rank
+# 2 at #2 from the flight recorder files of all three hosts. Then three jobs:
 #   idle       the survivors stay idle 6 s, then allreduce: with keep-alive (default, 1 s) the
 #              kernel has ended the links to the silent host meanwhile, and the allreduce fails
 #              with DOPT_ERR_PEER_LOST naming rank 2 (the timeout is 60 s: waiting for it would be
@@ -43,7 +45,7 @@ job() {
         r=$((r - 1))
         timeout -s KILL 120 scripts/cluster.sh exec $r env DOPT_RANK=$r DOPT_WORLD_SIZE=$N DOPT_MASTER_ADDR="$MASTER" \
             DOPT_MASTER_PORT=29610 DOPT_TOKEN="ka-$name-$$" DOPT_TIMEOUT_MS="$timeout" DOPT_KEEPALIVE_S="$keepalive" \
-            DOPT_SILENT_RANK=$SILENT "$BUILD/silent_host" "$@" >"$LOGS/$name.r$r.log" 2>&1 &
+            DOPT_SILENT_RANK=$SILENT DOPT_RECORDER_DIR="$REC_DIR" "$BUILD/silent_host" "$@" >"$LOGS/$name.r$r.log" 2>&1 &
         [ $r -ne $SILENT ] && pids="$pids $!"
     done
     waited=0
@@ -57,6 +59,7 @@ job() {
             exit 1
         fi
     done
+    [ -n "$BEFORE_CUT" ] && $BEFORE_CUT
     ip -n "$DOPT_CLUSTER-h$SILENT" link set eth0 down # nothing leaves host 2 any more ...
     cut=$(now_ms)
     ip netns pids "$DOPT_CLUSTER-h$SILENT" | xargs -r kill -9 # ... not even its rank's death
@@ -92,6 +95,27 @@ expect() {
     done
 }
 
+# While the survivors wait in allreduce #2 for rank 2 (alive on its host, in no collective),
+# distopt-inspect, run on host 0, must name it from the flight recorder files of all three hosts.
+inspect_hang() {
+    sleep 1
+    scripts/cluster.sh exec 0 "$BUILD/distopt-inspect" --dir "$REC_DIR" >"$LOGS/hang.inspect" 2>&1
+    culprit=$(grep '^culprit ' "$LOGS/hang.inspect")
+    case $culprit in
+    "culprit rank=$SILENT seq=2 "*) echo "ok   hang: distopt-inspect on host 0 names rank $SILENT on host $SILENT: $culprit" ;;
+    *)
+        echo "FAIL: hang: distopt-inspect did not name rank $SILENT at #2:"
+        cat "$LOGS/hang.inspect"
+        ip netns pids "$DOPT_CLUSTER-h0" "$DOPT_CLUSTER-h1" "$DOPT_CLUSTER-h2" 2>/dev/null | xargs -r kill -9
+        exit 1 ;;
+    esac
+}
+BEFORE_CUT=inspect_hang
+REC_DIR=$LOGS/recorder # this job's files alone
+mkdir -p "$REC_DIR"
+job hang 60000 1 waiting
+BEFORE_CUT=
+REC_DIR=${DOPT_RECORDER_DIR:-/dev/shm}
 job idle 60000 1 idle 6000
 expect idle "peer lost" "Connection timed out"
 job waiting 60000 1 waiting

@@ -18,9 +18,11 @@
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_tcp.h"
+#include "../localsgd.h"
 #include "dtest.h"
 
 #include <signal.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 
 /* ===================================================================== THE RULES, SIMULATED */
@@ -190,6 +192,11 @@ typedef struct sh_plan {
     int stop;                 /* 1: the victim SIGSTOPs itself (alive, silent) instead */
     int timeout_ms;           /* every rank's; 0: 20000 */
     int thread_us;            /* > 0: a progress thread (it carries over to the survivors' communicator) */
+    int driver;               /* 1: local SGD through localsgd.h's driver with elastic (el_body) */
+    int timer_us;             /* driver: > 0, the victim dies this long after its first average instead */
+    int outer;                /* driver: 1: DiLoCo's outer step (lr 0.7, momentum 0.9) */
+    int dim;                  /* driver: the model's size; 0: EL_DIM */
+    int partial;              /* driver: the victim sends its average's data to rank 0 alone, then stops */
 } sh_plan;
 
 typedef struct sh_report {
@@ -242,6 +249,125 @@ static void sh_log(void *user, dopt_log_level level, const char *msg) {
     if (getenv("SHRINK_TEST_LOG")) fprintf(stderr, "    [%d] %s\n", (int)getpid(), msg);
 }
 
+/* ===================================================================== THE DRIVER GOES ON (localsgd.h: ELASTIC) */
+
+#define EL_DIM 300
+#define EL_PERIOD 4
+
+static void el_die(int sig) {
+    (void)sig;
+    raise(SIGKILL);
+}
+
+/* The victim's last average, sent to rank 0 alone: the driver's allreduce (the packed model and
+   the non-finite slot, f32 mean) started, its frame to rank 0 written, and then the victim stops
+   (SIGSTOP: alive and silent, so that no end of its connections reaches rank 0 before rank 0
+   has read the frame). Rank 0's average completes at once; the others' time out (the plan's
+   short timeout) while rank 0 goes on a round and fails at its next average: rank 0 is a round
+   ahead when they shrink, and the stopped victim is left out after the timeout. */
+static void el_stop_after_rank_0(dopt_comm *c, const float *x, int dim) {
+    dopt__engine *e = c->eng;
+    float *buf = (float *)calloc((size_t)dim + 1, sizeof(float));
+    dopt_request req;
+    int progress = 0;
+    DT_CHECK(buf != NULL && e != NULL);
+    memcpy(buf, x, sizeof(float) * (size_t)dim);
+    DT_OK(dopt_allreduce_start(c, buf, (size_t)dim + 1, DOPT_F32, DOPT_MEAN, &req));
+    DT_OK(dopt__eng_pump_tx(c, e, 0, &progress));
+    for (;;) raise(SIGSTOP); /* until the harness kills it */
+}
+
+/* What a rank of el_body learns from its log: it took another's state; or, as P->second, it dies
+   the moment the driver's shrink made it a survivor (a death while the survivors go on). */
+typedef struct el_watch {
+    int ahead;
+    int die_going_on;
+} el_watch;
+
+static void el_log(void *user, dopt_log_level level, const char *msg) {
+    el_watch *w = (el_watch *)user;
+    if (strstr(msg, "this rank takes its model")) w->ahead = 1;
+    if (w->die_going_on && strstr(msg, "elastic: rank ") && strstr(msg, "the survivors go on")) raise(SIGKILL);
+    sh_log(NULL, level, msg);
+}
+
+/* Local SGD on EL_DIM coordinates pulled toward this rank's own target, averaged every
+   EL_PERIOD steps by the driver with elastic, for P->steps steps (the driver's count: a
+   survivor that was behind follows dp.step), then one last sync. The victim dies at its step
+   victim_step, or P->timer_us after its first average. Reports the final model's hash and
+   sums[0] = the hash's low 48 bits, sums[1] = dp.step, sums[2] = x[1]; members: the old ranks;
+   epoch: the communicator's; shrinks: dp.shrinks; status 0 when all went well, with
+   lost_rank = 1 when this rank took another survivor's state (it was a round ahead). */
+static void el_body(dopt_comm *c, int rank, const sh_plan *P, sh_report *rep) {
+    int dim = P->dim ? P->dim : EL_DIM;
+    float *x = (float *)malloc(sizeof(float) * (size_t)dim);
+    dopt_dp dp;
+    dopt_dp_config cfg;
+    dopt_buf b = dopt_buf_flat(x, (size_t)dim, NULL, 0);
+    dopt_status s = DOPT_OK;
+    int i, old = rank;
+    el_watch watch = {0, rank == P->second};
+    uint64_t h = 1469598103934665603ull;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.period = EL_PERIOD;
+    cfg.elastic = 1;
+    if (P->outer) {
+        cfg.outer_lr = 0.7;
+        cfg.outer_momentum = 0.9;
+    }
+    c->log_fn = el_log;
+    c->log_user = &watch;
+    DT_CHECK(x != NULL);
+    for (i = 0; i < dim; i++) x[i] = (float)rank; /* different: the broadcast makes them one */
+    DT_OK(dopt_dp_init(&dp, c, (size_t)dim, &cfg));
+    DT_OK(dopt_dp_broadcast(&dp, x));
+    while (s == DOPT_OK && dp.step < (uint64_t)P->steps) {
+        if (rank == P->victim && !P->timer_us && !P->partial && dp.step == (uint64_t)P->victim_step) raise(SIGKILL);
+        for (i = 0; i < dim; i++) x[i] -= 0.05f * (x[i] - (float)(rank + 1) * (float)(1 + i % 7));
+        if (rank == P->victim && P->partial && dp.step >= (uint64_t)P->victim_step && dopt_dp_should_sync(&dp, dp.step))
+            el_stop_after_rank_0(c, x, dim);
+        s = dopt_dp_after_step(&dp, x);
+        if (rank == P->victim && P->timer_us > 0 && dp.syncs == 1 && dp.round_steps == 0) {
+            struct itimerval t = {{0, 0}, {0, P->timer_us}};
+            signal(SIGALRM, el_die);
+            setitimer(ITIMER_REAL, &t, NULL);
+        }
+        if (dp.comm != c) { /* a worker was lost; the survivors went on (ELASTIC) */
+            dopt_comm_destroy(c);
+            c = dp.comm;
+            c->log_fn = el_log;
+            c->log_user = &watch;
+        }
+    }
+    if (rank == P->victim) raise(SIGKILL); /* the timer had not fired: die at the last sync */
+    if (s == DOPT_OK) s = dopt_dp_sync(&dp, &b, NULL);
+    if (dp.comm != c) {
+        dopt_comm_destroy(c);
+        c = dp.comm;
+    }
+    rep->status = (int)s;
+    rep->lost_rank = watch.ahead;
+    if (s != DOPT_OK) snprintf(rep->detail, sizeof rep->detail, "%s", dopt_dp_detail(&dp));
+    for (i = 0; i < dim; i++) {
+        uint32_t bits;
+        memcpy(&bits, &x[i], 4);
+        h = (h ^ bits) * 1099511628211ull;
+    }
+    rep->sums[0] = (double)(h & 0xFFFFFFFFFFFFull);
+    rep->sums[1] = (double)dp.step;
+    rep->sums[2] = x[1];
+    rep->shrinks = (int)dp.shrinks;
+    if (s == DOPT_OK) {
+        rep->rank = c->rank;
+        rep->size = c->size;
+        rep->epoch = c->epoch;
+        DT_OK(dopt_allgather(c, &old, rep->members, sizeof(int)));
+    }
+    dopt_dp_free(&dp);
+    dopt_comm_destroy(c);
+    free(x);
+}
+
 static void sh_rank(int rank, void *arg) {
     sh_world *w = (sh_world *)arg;
     const sh_plan *P = &w->plan;
@@ -256,6 +382,10 @@ static void sh_rank(int rank, void *arg) {
     cfg.rank = rank;
     cfg.world_size = P->n;
     cfg.timeout_ms = P->timeout_ms ? P->timeout_ms : 20000;
+    /* partial: rank 0, a round ahead, waits longer than the others, whose timeout in the round
+       it completed must name the stopped victim first (its own would name the first rank it
+       waits for, rank 1, which is alive: the survivors would then split) */
+    if (P->partial && rank == 0) cfg.timeout_ms *= 3;
     cfg.token = "distopt-shrink-test";
     cfg.on_peer_lost = DOPT_SHRINK;
     cfg.min_ranks = P->min_ranks;
@@ -275,6 +405,12 @@ static void sh_rank(int rank, void *arg) {
         for (r = 1; r < P->n; r++)
             if (r != rank && rank == 0) sh_stranger((const dopt__tcp *)c->impl, r);
         DT_OK(dopt_barrier(c));
+    }
+    if (P->driver) {
+        el_body(c, rank, P, &rep);
+        DT_CHECK(write(w->report_pipe[1], &rep, sizeof rep) == (ssize_t)sizeof rep);
+        free(x);
+        _exit(0);
     }
     for (step = 0; step < P->steps && s == DOPT_OK; step++) {
         if (rank == P->victim && step == P->victim_step) raise(P->stop ? SIGSTOP : SIGKILL);
@@ -520,6 +656,139 @@ static void refusals(int on_peer_lost) {
     DT_EQ_INT(dtest_spawn(2, refuse_rank, pp, 60), 0);
     close(pp[0]);
     close(pp[1]);
+}
+
+/* The survivors' reports of an elastic driver's run: all went on to the same model. Returns how
+   many took a survivor's state because it was a round ahead. */
+static int el_check(const sh_plan *plan, const sh_report *rep, int got) {
+    int i, k, ahead = 0, dead = 1 + (plan->second >= 0);
+    DT_EQ_INT(got, plan->n - dead);
+    for (i = 0; i < got; i++) {
+        DT_CHECKF(rep[i].status == DOPT_OK, "old rank %d: %s: %s", rep[i].old_rank, dopt_status_str(rep[i].status),
+                  rep[i].detail);
+        DT_EQ_INT(rep[i].size, got);
+        DT_EQ_INT(rep[i].shrinks, dead);
+        DT_EQ_INT((int)rep[i].epoch, dead);
+        DT_CHECKF(rep[i].sums[0] == rep[0].sums[0], "old ranks %d and %d end with different models (x[1] %g and %g)",
+                  rep[0].old_rank, rep[i].old_rank, rep[i].sums[2], rep[0].sums[2]);
+        DT_NEAR(rep[i].sums[1], (double)plan->steps, 0);
+        for (k = 0; k < got; k++) {
+            DT_EQ_INT(rep[i].members[k], rep[0].members[k]);
+            DT_CHECK(rep[i].members[k] != plan->victim && rep[i].members[k] != plan->second);
+        }
+        ahead |= rep[i].lost_rank;
+    }
+    return ahead;
+}
+
+/* Rank 2, then rank 0, dies before an average: the survivors average that round over themselves
+   and go on; with DiLoCo's outer step too. */
+DTEST(tcp_elastic_driver_averages_over_the_survivors_and_goes_on) {
+    static const int victims[][3] = {{2, 11, 0}, {0, 23, 0}, {3, 12, 1}}; /* victim, its step, outer */
+    size_t v;
+    for (v = 0; v < sizeof victims / sizeof victims[0]; v++) {
+        sh_plan p;
+        sh_report rep[SH_MAXN];
+        memset(&p, 0, sizeof p);
+        p.n = 4;
+        p.victim = victims[v][0];
+        p.victim_step = victims[v][1];
+        p.outer = victims[v][2];
+        p.second = -1;
+        p.steps = 80;
+        p.driver = 1;
+        el_check(&p, rep, sh_run(&p, rep));
+    }
+}
+
+/* The victim dies at a random moment, inside an average or between: whichever survivors' averages
+   completed, every replica ends identical. Says how many trials took a survivor's state. */
+DTEST(tcp_elastic_driver_ends_with_identical_replicas_whenever_the_rank_dies) {
+    uint64_t rng = 77;
+    int t, ahead = 0, trials = 12;
+    for (t = 0; t < trials; t++) {
+        sh_plan p;
+        sh_report rep[SH_MAXN];
+        memset(&p, 0, sizeof p);
+        p.n = 3 + t % 2;
+        p.victim = (int)(sim_next(&rng) % (uint64_t)p.n);
+        p.second = -1;
+        p.steps = t % 3 == 2 ? 400 : 4000;
+        p.dim = t % 3 == 2 ? 1 << 17 : 0; /* a ring's allreduce: some survivors may finish it */
+        p.driver = 1;
+        p.timer_us = 1 + (int)(sim_next(&rng) % 20000);
+        ahead += el_check(&p, rep, sh_run(&p, rep));
+    }
+    printf("  %d trials: identical replicas in every one; in %d a survivor was a round ahead and the others took its state\n",
+           trials, ahead);
+}
+
+/* The victim's last average reaches rank 0 alone: rank 0 completes it and goes on a round, the
+   others fail it; when rank 0's next average fails they shrink, find rank 0 ahead, and all take
+   its model and step. With 3 and 4 ranks, with and without DiLoCo's outer step. */
+DTEST(tcp_elastic_driver_takes_the_state_of_a_survivor_a_round_ahead) {
+    int n, outer;
+    for (n = 3; n <= 4; n++)
+        for (outer = 0; outer <= 1; outer++) {
+            sh_plan p;
+            sh_report rep[SH_MAXN];
+            memset(&p, 0, sizeof p);
+            p.n = n;
+            p.victim = n - 1;
+            p.victim_step = 10;
+            p.partial = 1;
+            p.stop = 1;
+            p.timeout_ms = 1500;
+            p.outer = outer;
+            p.second = -1;
+            p.steps = 40;
+            p.driver = 1;
+            int got = sh_run(&p, rep), i;
+            DT_EQ_INT(el_check(&p, rep, got), 1);
+            for (i = 0; i < got; i++) /* rank 0 kept its own state, the others took it */
+                DT_EQ_INT(rep[i].lost_rank, rep[i].old_rank != 0);
+        }
+}
+
+/* Rank 1 dies the moment the driver's first shrink made it a survivor: the others' agreement on
+   where they stand fails, and they shrink again and go on, two of four. */
+DTEST(tcp_elastic_driver_survives_a_death_while_the_survivors_go_on) {
+    sh_plan p;
+    sh_report rep[SH_MAXN];
+    memset(&p, 0, sizeof p);
+    p.n = 4;
+    p.victim = 3;
+    p.victim_step = 13;
+    p.second = 1;
+    p.steps = 60;
+    p.driver = 1;
+    el_check(&p, rep, sh_run(&p, rep));
+}
+
+DTEST(elastic_driver_is_refused_without_shrink_and_with_what_it_cannot_carry) {
+    dopt_comm *c = NULL;
+    dopt_dp dp;
+    dopt_dp_config cfg;
+    dopt_tcp_config tc;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.elastic = 1;
+    DT_OK(dopt_comm_create_self(&c));
+    DT_EQ_INT(dopt_dp_init(&dp, c, 8, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), "DOPT_SHRINK") != NULL, "%s", dopt_dp_detail(&dp));
+    dopt_dp_free(&dp);
+    dopt_comm_destroy(c);
+    memset(&tc, 0, sizeof tc);
+    tc.world_size = 1;
+    tc.on_peer_lost = DOPT_SHRINK;
+    DT_OK(dopt_tcp_create(&c, &tc));
+    cfg.sync_grads = 1;
+    DT_EQ_INT(dopt_dp_init(&dp, c, 8, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&dp), "sync_grads") != NULL, "%s", dopt_dp_detail(&dp));
+    dopt_dp_free(&dp);
+    cfg.sync_grads = 0;
+    DT_OK(dopt_dp_init(&dp, c, 8, &cfg));
+    dopt_dp_free(&dp);
+    dopt_comm_destroy(c);
 }
 
 DTEST(shrink_refuses_a_healthy_a_group_and_a_mismatch) {
