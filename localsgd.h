@@ -413,11 +413,16 @@
      (dopt_comm_shrink: the survivors agree, rank 0 may be the one lost) and averages the round
      again over the survivors: their own models of this round, which a failed average leaves as
      they were, so no survivor's work is lost and the lost worker's round is dropped (its model
-     died with it). A survivor whose own average had completed before the death went on to the
-     next round and failed there: the survivors then all take its model and the driver's state
-     (steps, averages, anchor, outer momentum) and end its round together, so every replica is
-     identical again. A rank lost during this is handled the same way, until fewer than the
-     communicator's min_ranks survive: then the call returns DOPT_ERR_PEER_LOST on every
+     died with it). A survivor whose own average had completed before the death (the dead
+     rank's last bytes reached it) goes on into the next round and fails there, or at its next
+     call: then the survivors all take the state of the last average any of them completed — that
+     rank's model of the average (the anchor, which elastic keeps: n more floats), its AVERAGE
+     states as they are, its outer momentum and counters — and drop their local steps since, at
+     most a round; every replica is identical again either way. The same when the survivors
+     learn of the death in a collective of the host's own on the communicator (a loss logged
+     with dopt_allreduce): the next after_step or sync finds the failure, goes on from the last
+     average, and does not count its step. A rank lost during this is handled the same way,
+     until fewer than the communicator's min_ranks survive: then the call returns DOPT_ERR_PEER_LOST on every
      survivor, with the reason. The weighted mean and the division by the world size follow the
      survivors. What the host does, after each after_step or sync:
 
@@ -428,8 +433,10 @@
              take_shard(comm->rank, comm->size, dp.step);
          }
 
-     dp.step may have moved forward on a survivor that was a round behind; dp.shrinks counts
-     the shrinks. The lost worker's data is the host's to redistribute (examples/elastic_sgd.c
+     The host goes on from dp.step, which moves back to the last average's step where local
+     steps were dropped; dp.shrinks counts the shrinks. Each survivor's log callback gets WARN
+     lines saying what happened ("elastic: rank 1 of 4 lost rank 3; the survivors go on, this
+     one as rank 1 of 3"). The lost worker's data is the host's to redistribute (examples/elastic_sgd.c
      gives every survivor a larger shard) or to drop. Not covered (refused at init, naming it):
      sync_grads, gradient buckets, compressors (their residuals are per rank) and batch
      controllers; a gradient average (after_backward on a synchronous step: the warm-up or

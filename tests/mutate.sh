@@ -470,6 +470,18 @@ mutate keepalive-never-asked transport_tcp.h \
     test_tcp:keepalive
 mutate keepalive-ends-a-link-at-one-lost-probe transport_tcp.h \
     'int one = 1, probes = DOPT__TCP_KEEPALIVE_PROBES;' 'int one = 1, probes = 1;' test_tcp:keepalive
+mutate elastic-never-goes-on localsgd.h \
+    '        if (dopt__dp_lost_peer(dp, s)) s = dopt__dp_go_on(dp, s, params, states, 1, &adopted);' '        (void)0;' \
+    test_shrink:elastic_driver_averages
+mutate elastic-averages-again-where-a-survivor-was-ahead localsgd.h \
+    '    if (at[0] == -at[1] && at[2] == -at[3] && at[5] == -1.0) {' '    if (at[5] == -1.0) {' \
+    test_shrink:round_ahead
+mutate elastic-ignores-a-failure-found-at-the-next-call localsgd.h \
+    '    if (!dopt__dp_lost_peer(dp, s) || dp->status != DOPT_OK || dp->work == NULL ||' \
+    '    if (1 || dp->status != DOPT_OK || dp->work == NULL ||' test_shrink:own_collective
+mutate elastic-forgets-the-dead-in-the-retry localsgd.h \
+    '        if (dp->comm == before) break; /* the shrink failed */' '        if (dp->comm != before) break;' \
+    test_shrink:while_the_survivors_go_on
 mutate shrink-takes-a-wrong-token transport_tcp.h \
     '        why = "the wrong job token";' '        why = NULL;' test_shrink:strangers
 mutate shrink-takes-a-mismatch-for-a-lost-peer distopt.h \

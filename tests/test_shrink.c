@@ -197,6 +197,7 @@ typedef struct sh_plan {
     int outer;                /* driver: 1: DiLoCo's outer step (lr 0.7, momentum 0.9) */
     int dim;                  /* driver: the model's size; 0: EL_DIM */
     int partial;              /* driver: the victim sends its average's data to rank 0 alone, then stops */
+    int host_coll;            /* driver: the host allreduces a number of its own after every step */
 } sh_plan;
 
 typedef struct sh_report {
@@ -337,6 +338,10 @@ static void el_body(dopt_comm *c, int rank, const sh_plan *P, sh_report *rep) {
             c = dp.comm;
             c->log_fn = el_log;
             c->log_user = &watch;
+        }
+        if (P->host_coll && s == DOPT_OK) { /* a failure here is the next after_step's to take up */
+            double loss = 1.0;
+            (void)dopt_allreduce(c, &loss, 1, DOPT_F64, DOPT_SUM);
         }
     }
     if (rank == P->victim) raise(SIGKILL); /* the timer had not fired: die at the last sync */
@@ -748,6 +753,26 @@ DTEST(tcp_elastic_driver_takes_the_state_of_a_survivor_a_round_ahead) {
             for (i = 0; i < got; i++) /* rank 0 kept its own state, the others took it */
                 DT_EQ_INT(rep[i].lost_rank, rep[i].old_rank != 0);
         }
+}
+
+/* The host allreduces a number of its own after every step, and that is where the survivors
+   learn of the death (between averages): their next after_step finds the communicator failed,
+   and they go on from the last average, all alike. */
+DTEST(tcp_elastic_driver_takes_up_a_failure_of_the_hosts_own_collective) {
+    sh_plan p;
+    sh_report rep[SH_MAXN];
+    int got, i;
+    memset(&p, 0, sizeof p);
+    p.n = 4;
+    p.victim = 1;
+    p.victim_step = 9; /* between the averages after steps 7 and 11 */
+    p.second = -1;
+    p.steps = 40;
+    p.driver = 1;
+    p.host_coll = 1;
+    got = sh_run(&p, rep);
+    el_check(&p, rep, got);
+    for (i = 0; i < got; i++) DT_EQ_INT(rep[i].lost_rank, rep[i].old_rank != 0); /* rank 0's last average */
 }
 
 /* Rank 1 dies the moment the driver's first shrink made it a survivor: the others' agreement on
