@@ -2882,13 +2882,15 @@ DOPT_DEF dopt_status dopt_dp_after_backward(dopt_dp *dp, float *grads) {
    some survivor had completed an average the others lost (or failed elsewhere in a round): all
    take the state of the last average any survivor completed, from the lowest such rank (its
    anchor as the model, its AVERAGE states, outer momentum and counters); local steps since are
-   dropped. A communicator this driver made in the same call (a rank lost during this) is
+   dropped. Where no survivor's first broadcast completed (the rank lost during it), rank 0's
+   model as it is, as the broadcast would have given it. A communicator this driver made in the same call (a rank lost during this) is
    destroyed here: the host never saw it. */
 static dopt_status dopt__dp_survive(dopt_dp *dp, dopt_comm *given, const dopt_buf *params, const dopt_buf *states,
                                     int at_end, int *again) {
     dopt_comm *old = dp->comm, *next = NULL;
     double at[6], state[5];
     int32_t lead;
+    int anchored;
     int old_rank = old->rank, old_size = old->size, lost = old->lost_rank;
     dopt_status s = dopt_comm_shrink(old, &next);
     *again = 0;
@@ -2912,14 +2914,14 @@ static dopt_status dopt__dp_survive(dopt_dp *dp, dopt_comm *given, const dopt_bu
     }
     lead = dp->syncs == (uint64_t)at[0] && dp->anchor_set ? next->rank : next->size;
     if ((s = dopt_allreduce(next, &lead, 1, DOPT_I32, DOPT_MIN)) != DOPT_OK) return s;
-    if (lead == next->size) {
-        dopt_comm_fail(next, NULL, DOPT_ERR_INVALID, "elastic: no survivor has the model of its last average to go on "
-                                                      "from (the anchor): call dopt_dp_broadcast before the first step");
-        return DOPT_ERR_INVALID;
+    anchored = lead < next->size;
+    if (!anchored) { /* nobody's first broadcast completed: rank 0's model as it is, as the broadcast would */
+        lead = 0;
+        dp->sync_step = dp->step;
     }
     if (next->rank == lead) {
         dopt__dp_pack(dp, params, states); /* the AVERAGE states as they are ... */
-        if (dp->n) memcpy(dp->work, dp->anchor, dp->n * sizeof(float)); /* ... and the model of the last average */
+        if (anchored && dp->n) memcpy(dp->work, dp->anchor, dp->n * sizeof(float)); /* ... and the last average's model */
     }
     state[0] = (double)dp->sync_step;
     state[1] = (double)dp->syncs;

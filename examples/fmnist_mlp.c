@@ -161,12 +161,17 @@ typedef struct local_options {
     int evals_per_epoch;
     double target_acc; /* percent, 0: none */
     int overlap;       /* 1: backward hands each tensor to the driver as it is final */
+    int elastic;       /* 1: a lost worker does not end the run (local SGD; localsgd.h: ELASTIC) */
 } local_options;
 
 static int local_flag(void *user, const char *f, const char *v) {
     local_options *lo = (local_options *)user;
     if (!strcmp(f, "--overlap")) {
         lo->overlap = overlap_flag(f, v);
+        return 2;
+    }
+    if (!strcmp(f, "--elastic")) {
+        lo->elastic = overlap_flag(f, v); /* on|off */
         return 2;
     }
     if (strcmp(f, "--tern-clip") && strcmp(f, "--evals-per-epoch") && strcmp(f, "--target-acc")) return 0;
@@ -238,9 +243,27 @@ static dopt_status evaluate(const evaluation *ev, const float *params, progress 
     return st;
 }
 
+/* A shuffled order of this rank's per_rank samples (Fisher-Yates). */
+static void shuffle_shard(size_t *order, size_t per_rank, uint64_t *rng) {
+    size_t i;
+    for (i = 0; i < per_rank; i++) order[i] = i;
+    for (i = per_rank; i > 1; i--) {
+        size_t j, t;
+        *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
+        j = (size_t)(*rng >> 33) % i;
+        t = order[i - 1], order[i - 1] = order[j], order[j] = t;
+    }
+}
+
+/* --elastic: an evaluation's collectives that lost a worker are the driver's next call to take
+   up (localsgd.h: ELASTIC), not the end of the run. */
+static dopt_status lost_worker_later(const local_options *lo, dopt_status st) {
+    return lo->elastic && (st == DOPT_ERR_PEER_LOST || st == DOPT_ERR_TIMEOUT) ? DOPT_OK : st;
+}
+
 int main(int argc, char **argv) {
     options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, NULL, NULL, 0};
-    size_t ntrain, ntest, nlabels, begin, end, per_rank, i, units;
+    size_t ntrain, ntest, nlabels, begin, end, per_rank, units;
     unsigned char *train_px, *test_px, *train_y, *test_y, *batch_y;
     float *train_x, *test_x, *params, *grads, *micro, *eval, *batch_x;
     size_t *order;
@@ -260,12 +283,12 @@ int main(int argc, char **argv) {
     step_timing tm;
     dopt_status st = DOPT_OK;
     uint64_t step = 0, rounds = 0, shuffle_rng;
-    local_options lo = {0, 1, 0, 0};
+    local_options lo = {0, 1, 0, 0, 0};
     progress pr;
     evaluation ev;
     FILE *csv = NULL;
 
-    parse_options_extra(&o, argc, argv, local_flag, &lo, "[--tern-clip C|off] [--evals-per-epoch E] [--target-acc A] [--overlap on|off]");
+    parse_options_extra(&o, argc, argv, local_flag, &lo, "[--tern-clip C|off] [--evals-per-epoch E] [--target-acc A] [--overlap on|off] [--elastic on|off]");
     adaptive = batch_config_from_options(&o, &bcfg);
     if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1; /* distopt: one process per rank from here on */
 
@@ -307,6 +330,7 @@ int main(int argc, char **argv) {
     gdesc = dopt_buf_flat(grads, NPARAMS, segs, NTENSORS); /* distopt layout: the compressor's table, the buckets' */
     lcfg.batch = adaptive ? &bc : NULL;
     lcfg.grads = lo.overlap ? &gdesc : NULL; /* distopt option: buckets averaged during backward */
+    lcfg.elastic = lo.elastic;               /* distopt option: go on without a lost worker (DOPT_ON_PEER_LOST=shrink) */
     if (compress) dopt_compressor_init(&cz, &ccfg, segs, NTENSORS);
     if (adaptive) dopt_batch_init(&bc, NPARAMS, &bcfg);
     dopt_dp_init(&ls, comm, NPARAMS, &lcfg);
@@ -324,6 +348,7 @@ int main(int argc, char **argv) {
                "batch", "steps");
         if (o.csv && (csv = fopen(o.csv, "w")) != NULL)
             fprintf(csv, "epoch,loss,test_acc,rounds,bytes_sent,time_s,batch,steps\n");
+        fflush(stdout); /* the job has formed: a watcher (tests/elastic_trials.c) reads it now */
     }
     ev.comm = comm, ev.sync = sync, ev.test_x = test_x, ev.test_y = test_y, ev.ntest = ntest, ev.act = &act;
     ev.eval = eval, ev.csv = csv, ev.target_acc = lo.target_acc;
@@ -334,13 +359,7 @@ int main(int argc, char **argv) {
     for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {
         size_t pos = 0, u;
         int evals_done = 0;
-        for (i = 0; i < per_rank; i++) order[i] = i;
-        for (i = per_rank; i > 1; i--) { /* Fisher-Yates on this rank's shard */
-            size_t j, t;
-            shuffle_rng = shuffle_rng * 6364136223846793005ull + 1442695040888963407ull;
-            j = (size_t)(shuffle_rng >> 33) % i;
-            t = order[i - 1], order[i - 1] = order[j], order[j] = t;
-        }
+        shuffle_shard(order, per_rank, &shuffle_rng);
         if (!step_fits(&o, adaptive ? dopt_batch_units(&bc) : 1, per_rank, comm, epoch)) break;
         while (st == DOPT_OK) {
             units = adaptive ? dopt_batch_units(&bc) : 1;
@@ -380,6 +399,22 @@ int main(int argc, char **argv) {
             }
             timing_end(&tm, hooks.backward_secs);
             step++;
+            if (ls.comm != comm) { /* distopt (--elastic): a worker was lost; the survivors went on */
+                dopt_comm_destroy(comm);
+                comm = ev.comm = ls.comm;
+                dopt_shard(ntrain, comm->rank, comm->size, &begin, &end); /* this rank's share of the lost one's */
+                free(train_x);
+                train_x = pixels_to_floats(train_px + begin * IN, end - begin);
+                per_rank = ntrain / (size_t)comm->size;
+                free(order);
+                order = malloc(per_rank * sizeof(size_t));
+                shuffle_shard(order, per_rank, &shuffle_rng); /* the epoch starts over on the new shard */
+                pos = 0;
+                step = ls.step;
+                if (comm->rank == 0)
+                    printf("lost a worker: %d go on, from step %llu (monotonic clock %.0f ms)\n", comm->size,
+                           (unsigned long long)step, wall_seconds() * 1e3);
+            }
             if (adaptive) batch_report_step(&brep, &bc);
             /* Between epoch ends: evaluate at the first step past each 1/E of the shard (every
                rank holds the same pos, so all of them get here together). */
@@ -388,10 +423,19 @@ int main(int argc, char **argv) {
                 evals_done++;
                 st = evaluate(&ev, params, &pr, epoch - 1 + (double)evals_done / lo.evals_per_epoch, step, rounds,
                               (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch);
+                st = lost_worker_later(&lo, st);
             }
         }
         if (st == DOPT_OK)
-            st = evaluate(&ev, params, &pr, epoch, step, rounds, (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch);
+            st = lost_worker_later(&lo, evaluate(&ev, params, &pr, epoch, step, rounds,
+                                                 (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch));
+    }
+    if (lo.elastic && st == DOPT_OK) { /* distopt (--elastic): a loss the last evaluation met is taken up here */
+        st = dopt_dp_sync(&ls, &(dopt_buf){.data = params, .n = NPARAMS}, NULL);
+        if (ls.comm != comm) {
+            dopt_comm_destroy(comm);
+            comm = ls.comm;
+        }
     }
     if (comm->rank == 0 && lo.target_acc > 0 && st == DOPT_OK) {
         if (pr.target_hit)

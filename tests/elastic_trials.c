@@ -12,10 +12,16 @@
        link_MBps=0 min_ranks_ok=1
    (re-admitting the killed worker is not built yet: rejoined, state_MBps and link_MBps are 0).
    Exits 1 when a trial did not survive or hung.
-   Usage: elastic_trials [BUILD_DIR] [TRIALS] [MASTER_ADDR]: with MASTER_ADDR, rank r runs on the
-   simulated cluster's host r (scripts/cluster.sh exec r; the cluster must be up with 4 hosts,
-   MASTER_ADDR host 0's address: tests/elastic_cluster.sh does it) and the line says
-   links=cluster, else links=loopback. */
+   Usage: elastic_trials [BUILD_DIR] [TRIALS] [MASTER_ADDR|-] [mlp]: with MASTER_ADDR, rank r runs
+   on the simulated cluster's host r (scripts/cluster.sh exec r; the cluster must be up with 4
+   hosts, MASTER_ADDR host 0's address: tests/elastic_cluster.sh does it) and the line says
+   links=cluster, else links=loopback ("-": loopback).
+   With mlp, the program is build/fmnist_mlp --elastic on (Fashion-MNIST, local SGD period 4, 4
+   epochs, about 4.5 s on loopback): first a run nobody disturbs, then the trials, the kill 50 ms
+   to 4.05 s after rank 0 said the job formed. A trial survives when every survivor exits 0 (dopt_dp_close checked that
+   the replicas are identical) and the final test accuracy is within 0.5 point of the undisturbed
+   run's (allowed under: a lost worker's samples of the epoch are seen again on the new shards).
+   The line then says model=mlp and adds acc_undisturbed, acc_min, acc_max and max_drop (points). */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -64,18 +70,38 @@ static int free_port(void) {
 typedef struct outcome {
     int exited[WORKERS], status[WORKERS];
     char line[WORKERS][512];
+    char acc_line[WORKERS][512]; /* mlp: the last evaluation's line */
+    int final[WORKERS];           /* mlp: printed the replicas' hash (rank 0 at the end) */
+    double resumed[WORKERS];      /* mlp: when it went on after a lost worker (monotonic ms), 0: never */
     char err[WORKERS][512];
     int hung;
 } outcome;
 
 /* Runs one job; victim is killed delay_ms after the start (-1: nobody). */
 static const char *cluster_master; /* NULL: every rank on loopback */
+static int mlp;                    /* 1: build/fmnist_mlp, else build/elastic_sgd */
+
+static double mono_ms(void) { /* fmnist_mlp's clock */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
 
 /* Every rank said that the job formed (the TCP transport's "tcp rank R of 4: rendezvous at ..."
    on its stderr): a kill before that would be a rank lost during the rendezvous, which waits for
    it to come back (transport_tcp.h: STARTING UP), not what these trials measure. */
 static int job_formed(const char *dir) {
     int r;
+    if (mlp) { /* rank 0's first line comes after the rendezvous and the first broadcast */
+        char path[600], line[512];
+        int seen = 0;
+        FILE *f;
+        snprintf(path, sizeof path, "%s/rank0.log", dir);
+        if ((f = fopen(path, "r")) == NULL) return 0;
+        while (!seen && fgets(line, sizeof line, f)) seen = strstr(line, "fmnist_mlp: tcp") != NULL;
+        fclose(f);
+        return seen;
+    }
     for (r = 0; r < WORKERS; r++) {
         char path[600], line[512];
         int seen = 0;
@@ -96,7 +122,7 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
     double start = wall_ms(), formed = 0;
     char exe[512];
     memset(out, 0, sizeof *out);
-    snprintf(exe, sizeof exe, "%s/elastic_sgd", build);
+    snprintf(exe, sizeof exe, "%s/%s", build, mlp ? "fmnist_mlp" : "elastic_sgd");
     fflush(stdout);
     for (r = 0; r < WORKERS; r++) {
         pids[r] = fork();
@@ -115,12 +141,25 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
             setenv("DOPT_ON_PEER_LOST", "shrink", 1);
             snprintf(v, sizeof v, "%d", min_ranks);
             setenv("DOPT_MIN_RANKS", v, 1);
-            if (cluster_master) { /* cluster.sh exec becomes `ip netns exec`, which becomes exe: one pid */
-                char host[16];
+            setenv("DOPT_TRANSPORT", "tcp", 1);
+            setenv("OPENBLAS_NUM_THREADS", "1", 1);
+            {
+                static char *const sgd_args[] = {"--step-us", "200", NULL};
+                static char *const mlp_args[] = {"--epochs", "4", "--period", "4", "--elastic", "on", "--evals-per-epoch", "1", NULL};
+                char *const *args = mlp ? mlp_args : sgd_args;
+                char *argv_[16], host[16];
+                int k = 0, j;
                 snprintf(host, sizeof host, "%d", r);
-                execl("scripts/cluster.sh", "scripts/cluster.sh", "exec", host, exe, "--step-us", "200", (char *)NULL);
+                if (cluster_master) { /* cluster.sh exec becomes `ip netns exec`, which becomes exe: one pid */
+                    argv_[k++] = (char *)"scripts/cluster.sh";
+                    argv_[k++] = (char *)"exec";
+                    argv_[k++] = host;
+                }
+                argv_[k++] = exe;
+                for (j = 0; args[j]; j++) argv_[k++] = args[j];
+                argv_[k] = NULL;
+                execv(argv_[0], argv_);
             }
-            execl(exe, exe, "--step-us", "200", (char *)NULL);
             _exit(4);
         }
     }
@@ -132,7 +171,7 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
         if (formed == 0 && job_formed(dir)) formed = now; /* the kill comes after the rendezvous */
         if (victim >= 0 && *kill_ms == 0 && formed > 0 && now - formed >= delay_ms && pids[victim] > 0) {
             kill(pids[victim], SIGKILL);
-            *kill_ms = wall_ms();
+            *kill_ms = mlp ? mono_ms() : wall_ms();
         }
         if (p > 0) {
             for (r = 0; r < WORKERS; r++)
@@ -159,8 +198,19 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
         char path[600];
         FILE *f;
         snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
+        out->line[r][0] = out->acc_line[r][0] = '\0';
+        out->final[r] = 0;
+        out->resumed[r] = 0;
         if ((f = fopen(path, "r")) != NULL) {
-            if (!fgets(out->line[r], sizeof out->line[r], f)) out->line[r][0] = '\0';
+            char line[512];
+            if (!mlp && !fgets(out->line[r], sizeof out->line[r], f)) out->line[r][0] = '\0';
+            while (mlp && fgets(line, sizeof line, f)) { /* the last evaluation; who printed the replicas' hash */
+                const char *c = strstr(line, "monotonic clock ");
+                if (strchr(line, '%') && strstr(line, "target") == NULL) snprintf(out->acc_line[r], sizeof out->acc_line[r], "%s", line);
+                if (strncmp(line, "params fnv1a", 12) == 0) out->final[r] = 1;
+                if (c) out->resumed[r] = atof(c + 16);
+                snprintf(out->line[r], sizeof out->line[r], "%s", line);
+            }
             fclose(f);
         }
         out->line[r][strcspn(out->line[r], "\n")] = '\0';
@@ -175,6 +225,62 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
     }
 }
 
+/* mlp: the final test accuracy the job printed (its last rank 0's last evaluation), or -1. */
+static double mlp_accuracy(const outcome *out, int victim) {
+    int r;
+    for (r = 0; r < WORKERS; r++) {
+        double epoch, loss, acc;
+        if (r == victim || !out->final[r]) continue;
+        if (sscanf(out->acc_line[r], "%lf %lf %lf%%", &epoch, &loss, &acc) == 3) return acc;
+    }
+    return -1;
+}
+
+static int mlp_trials(const char *build, const char *dir, int trials) {
+    uint64_t rng = 20261206;
+    int t, r, survived = 0, hangs = 0;
+    double base, lo = 100, hi = 0, max_recover = 0, kill_ms;
+    outcome out;
+    run_job(build, dir, -1, 0, 0, &kill_ms, &out);
+    base = mlp_accuracy(&out, -1);
+    printf("undisturbed: test accuracy %.2f%%\n", base);
+    if (out.hung || base < 0) {
+        for (r = 0; r < WORKERS; r++) printf("  rank %d: %s | stderr: %s\n", r, out.line[r], out.err[r]);
+        return 1;
+    }
+    for (t = 0; t < trials; t++) {
+        int victim = (int)(next_random(&rng) % WORKERS), delay = 50 + (int)(next_random(&rng) % 4000), ok;
+        double acc, resumed = 0;
+        run_job(build, dir, victim, delay, 0, &kill_ms, &out);
+        hangs += out.hung;
+        ok = !out.hung && kill_ms > 0;
+        for (r = 0; r < WORKERS && ok; r++) {
+            if (r == victim) continue;
+            if (!out.exited[r] || !WIFEXITED(out.status[r]) || WEXITSTATUS(out.status[r]) != 0) ok = 0;
+            if (out.resumed[r] > resumed) resumed = out.resumed[r];
+        }
+        acc = mlp_accuracy(&out, victim);
+        ok = ok && acc >= 0 && resumed > 0 && acc >= base - 0.5;
+        if (ok) {
+            survived++;
+            if (acc < lo) lo = acc;
+            if (acc > hi) hi = acc;
+            if (resumed - kill_ms > max_recover) max_recover = resumed - kill_ms;
+        }
+        printf("trial %d: killed rank %d %d ms after the job formed: %s, test accuracy %.2f%%, training again %.0f ms "
+               "after the kill\n",
+               t, victim, delay, out.hung ? "HUNG" : ok ? "survivors went on" : "FAILED", acc,
+               resumed > 0 ? resumed - kill_ms : 0.0);
+        if (!ok)
+            for (r = 0; r < WORKERS; r++)
+                printf("  rank %d: %s | stderr: %s\n", r, out.line[r][0] ? out.line[r] : "(nothing)", out.err[r]);
+    }
+    printf("elastic transport=tcp model=mlp trials=%d survived=%d rejoined=0 hangs=%d max_recover_ms=%.0f state_MBps=0 "
+           "link_MBps=0 acc_undisturbed=%.2f acc_min=%.2f acc_max=%.2f max_drop=%.2f links=%s\n",
+           trials, survived, hangs, max_recover, base, lo, hi, base - lo, cluster_master ? "cluster" : "loopback");
+    return survived == trials && hangs == 0 ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
     const char *build = argc > 1 ? argv[1] : "build";
     int trials = argc > 2 ? atoi(argv[2]) : 20, t, r, survived = 0, hangs = 0, min_ranks_ok = 1;
@@ -182,10 +288,23 @@ int main(int argc, char **argv) {
     uint64_t rng = 20261128;
     char dir[] = "/tmp/distopt-elastic-XXXXXX";
     outcome out;
-    cluster_master = argc > 3 ? argv[3] : NULL;
+    cluster_master = argc > 3 && strcmp(argv[3], "-") ? argv[3] : NULL;
+    mlp = argc > 4 && strcmp(argv[4], "mlp") == 0;
     if (!mkdtemp(dir)) {
         perror("elastic_trials: mkdtemp");
         return 1;
+    }
+    if (mlp) {
+        int status = mlp_trials(build, dir, trials);
+        for (r = 0; r < WORKERS; r++) {
+            char path[600];
+            snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
+            unlink(path);
+            snprintf(path, sizeof path, "%s/rank%d.err", dir, r);
+            unlink(path);
+        }
+        rmdir(dir);
+        return status;
     }
     for (t = 0; t < trials; t++) {
         int victim = (int)(next_random(&rng) % WORKERS), delay = 150 + (int)(next_random(&rng) % 1000), ok = 1;
