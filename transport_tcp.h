@@ -431,7 +431,12 @@
    survivors of this communicator (strangers, another job, a wrong token, garbage, an old
    epoch) are closed and logged; at most 32 wait at once, the oldest dropped. Limits: a rank
    that is alive but silent for timeout_ms is taken for lost and, if the others decide
-   without it, its own shrink returns DOPT_ERR_PEER_LOST saying it was left out; the hello's
+   without it, its own shrink returns DOPT_ERR_PEER_LOST saying it was left out. A timeout
+   names the first rank the timed-out one waits for, which may be alive and itself waiting for
+   the stuck rank (a rank a collective ahead times out before the others): the ranks that
+   timed out first then leave it out, and it may go on alone or with others, a second job.
+   Set min_ranks above half the world so that at most one part can go on; a link that ends
+   (a dead process, or a silent host through KEEP-ALIVE) names the right rank. The hello's
    proof is a 64-bit keyed hash, not a cryptographic MAC (SECURITY). After a successful shrink
    the old communicator's destroy closes its sockets at once (nobody reads them any more).
 

@@ -198,6 +198,7 @@ typedef struct sh_plan {
     int dim;                  /* driver: the model's size; 0: EL_DIM */
     int partial;              /* driver: the victim sends its average's data to rank 0 alone, then stops */
     int host_coll;            /* driver: the host allreduces a number of its own after every step */
+    int timeout0_ms;          /* rank 0's own timeout; 0: timeout_ms */
 } sh_plan;
 
 typedef struct sh_report {
@@ -387,10 +388,7 @@ static void sh_rank(int rank, void *arg) {
     cfg.rank = rank;
     cfg.world_size = P->n;
     cfg.timeout_ms = P->timeout_ms ? P->timeout_ms : 20000;
-    /* partial: rank 0, a round ahead, waits longer than the others, whose timeout in the round
-       it completed must name the stopped victim first (its own would name the first rank it
-       waits for, rank 1, which is alive: the survivors would then split) */
-    if (P->partial && rank == 0) cfg.timeout_ms *= 3;
+    if (rank == 0 && P->timeout0_ms) cfg.timeout_ms = P->timeout0_ms;
     cfg.token = "distopt-shrink-test";
     cfg.on_peer_lost = DOPT_SHRINK;
     cfg.min_ranks = P->min_ranks;
@@ -730,7 +728,11 @@ DTEST(tcp_elastic_driver_ends_with_identical_replicas_whenever_the_rank_dies) {
 
 /* The victim's last average reaches rank 0 alone: rank 0 completes it and goes on a round, the
    others fail it; when rank 0's next average fails they shrink, find rank 0 ahead, and all take
-   its model and step. With 3 and 4 ranks, with and without DiLoCo's outer step. */
+   its model and step. With 3 and 4 ranks, with and without DiLoCo's outer step. Rank 0 waits
+   longer than the others, whose timeout in the round it completed must name the stopped victim
+   first: its own would name the first rank it waits for, rank 1, which is alive and waiting
+   for the victim, and the survivors would split (transport_tcp.h: SURVIVING A LOST RANK,
+   limits). */
 DTEST(tcp_elastic_driver_takes_the_state_of_a_survivor_a_round_ahead) {
     int n, outer;
     for (n = 3; n <= 4; n++)
@@ -744,6 +746,7 @@ DTEST(tcp_elastic_driver_takes_the_state_of_a_survivor_a_round_ahead) {
             p.partial = 1;
             p.stop = 1;
             p.timeout_ms = 1500;
+            p.timeout0_ms = 4500;
             p.outer = outer;
             p.second = -1;
             p.steps = 40;
