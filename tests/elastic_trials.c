@@ -225,6 +225,19 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
     }
 }
 
+/* The ranks' logs and the directory they are in. */
+static void remove_scratch(const char *dir) {
+    int r;
+    for (r = 0; r < WORKERS; r++) {
+        char path[600];
+        snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
+        unlink(path);
+        snprintf(path, sizeof path, "%s/rank%d.err", dir, r);
+        unlink(path);
+    }
+    rmdir(dir);
+}
+
 /* mlp: the final test accuracy the job printed (its last rank 0's last evaluation), or -1. */
 static double mlp_accuracy(const outcome *out, int victim) {
     int r;
@@ -296,14 +309,7 @@ int main(int argc, char **argv) {
     }
     if (mlp) {
         int status = mlp_trials(build, dir, trials);
-        for (r = 0; r < WORKERS; r++) {
-            char path[600];
-            snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
-            unlink(path);
-            snprintf(path, sizeof path, "%s/rank%d.err", dir, r);
-            unlink(path);
-        }
-        rmdir(dir);
+        remove_scratch(dir);
         return status;
     }
     for (t = 0; t < trials; t++) {
@@ -352,14 +358,7 @@ int main(int argc, char **argv) {
         if (!min_ranks_ok)
             for (r = 0; r < WORKERS; r++) printf("  rank %d: %s\n", r, out.line[r][0] ? out.line[r] : "(nothing)");
     }
-    for (r = 0; r < WORKERS; r++) {
-        char path[600];
-        snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
-        unlink(path);
-        snprintf(path, sizeof path, "%s/rank%d.err", dir, r);
-        unlink(path);
-    }
-    rmdir(dir);
+    remove_scratch(dir);
     printf("elastic transport=tcp trials=%d survived=%d rejoined=0 hangs=%d max_recover_ms=%.0f state_MBps=0 "
            "link_MBps=0 min_ranks_ok=%d links=%s\n",
            trials, survived, hangs, max_recover, min_ranks_ok, cluster_master ? "cluster" : "loopback");
