@@ -411,6 +411,7 @@ typedef struct lstm_options {
     int hidden, bptt, gradcheck;
     long val_limit;
     int overlap; /* 1: backward hands each tensor to the driver as it is final */
+    int elastic; /* 1: a lost worker does not end the run (local SGD; localsgd.h: ELASTIC) */
 } lstm_options;
 
 /* This program's own flags (parse_options_extra hands them here). */
@@ -422,6 +423,10 @@ static int lstm_flag(void *user, const char *f, const char *v) {
     }
     if (!strcmp(f, "--overlap")) {
         lo->overlap = overlap_flag(f, v);
+        return 2;
+    }
+    if (!strcmp(f, "--elastic")) {
+        lo->elastic = overlap_flag(f, v); /* on|off */
         return 2;
     }
     if (strcmp(f, "--hidden") && strcmp(f, "--bptt") && strcmp(f, "--val-limit")) return 0;
@@ -442,6 +447,24 @@ static void shuffle(size_t *order, size_t n, uint64_t *state) { /* Fisher-Yates 
     }
 }
 
+/* The epoch's figures: training loss averaged over ranks (*loss: this rank's, then the mean);
+   validation loss of the averaged model (identical to every replica at period 1, where every
+   step ends averaged; between local averages, an extra fp32 average of a copy, which the
+   training does not see), each rank taking its share [vbegin, vend) of the validation windows.
+   One status for the three collectives: after a failure the later ones fail too. */
+static dopt_status epoch_figures(dopt_comm *comm, int sync, const lstm *m, const float *params, float *eval,
+                                 const unsigned char *val, size_t vbegin, size_t vend, int bptt, lstm_work *w,
+                                 double *loss, double *val_loss) {
+    double sums[2] = {0, 0};
+    dopt_status st;
+    memcpy(eval, params, m->n * sizeof(float));
+    *loss = dopt_mean(comm, *loss);
+    if (!sync) dopt_allreduce(comm, eval, m->n, DOPT_F32, DOPT_MEAN);
+    evaluate(m, eval, val, vbegin, vend, bptt, w, sums);
+    if ((st = dopt_allreduce(comm, sums, 2, DOPT_F64, DOPT_SUM)) == DOPT_OK) *val_loss = sums[0] / sums[1];
+    return st;
+}
+
 static void print_row(FILE *f, const char *fmt, int epoch, double loss, double val, size_t rounds, double bytes,
                       double secs, size_t batch) {
     if (isnan(loss)) loss = fabs(loss); /* "nan", not "-nan" */
@@ -451,7 +474,7 @@ static void print_row(FILE *f, const char *fmt, int epoch, double loss, double v
 
 int main(int argc, char **argv) {
     options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, NULL, NULL, 0};
-    lstm_options lo = {128, 32, 0, 0, 0};
+    lstm_options lo = {128, 32, 0, 0, 0, 0};
     lstm m;
     lstm_work work;
     unsigned char *train, *val;
@@ -479,7 +502,7 @@ int main(int argc, char **argv) {
     const char *csv_fmt = "%d,%.7g,%.7g,%.7g,%llu,%.0f,%.3f,%zu\n";
 
     flush_subnormals();
-    parse_options_extra(&o, argc, argv, lstm_flag, &lo, "[--hidden H] [--bptt T] [--val-limit N] [--gradcheck] [--overlap on|off]");
+    parse_options_extra(&o, argc, argv, lstm_flag, &lo, "[--hidden H] [--bptt T] [--val-limit N] [--gradcheck] [--overlap on|off] [--elastic on|off]");
     load_corpus(&train, &ntrain, &val, &nval, &nfiles);
     if (lo.gradcheck) {
         failed = gradient_check(train, ntrain);
@@ -526,6 +549,7 @@ int main(int argc, char **argv) {
     gdesc = dopt_buf_flat(grads, m.n, segs, NTENSORS); /* distopt layout: the compressor's table, the buckets' */
     lcfg.batch = adaptive ? &bc : NULL;
     lcfg.grads = lo.overlap ? &gdesc : NULL; /* distopt option: buckets averaged during backward */
+    lcfg.elastic = lo.elastic;               /* distopt option: go on without a lost worker (DOPT_ON_PEER_LOST=shrink) */
     if (compress) dopt_compressor_init(&cz, &ccfg, segs, NTENSORS);
     if (adaptive) dopt_batch_init(&bc, m.n, &bcfg);
     dopt_dp_init(&ls, comm, m.n, &lcfg);
@@ -552,7 +576,7 @@ int main(int argc, char **argv) {
     }
     shuffle_rng = dopt_seed_for_rank(o.seed, comm->rank);
     for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {
-        double loss = 0, sums[2] = {0, 0}, t0 = wall_seconds();
+        double loss = 0, t0 = wall_seconds();
         size_t pos = 0, batches = 0, u;
         uint64_t traffic_before = dopt_comm_traffic_total(comm);
         for (i = 0; i < nwin; i++) order[i] = i;
@@ -599,22 +623,34 @@ int main(int argc, char **argv) {
             }
             timing_end(&tm, hooks.backward_secs);
             step++;
+            if (ls.comm != comm) { /* distopt (--elastic): a worker was lost; the survivors went on */
+                if (comm->size > 1) train_bytes += (double)(dopt_comm_traffic_total(comm) - traffic_before);
+                dopt_comm_destroy(comm);
+                comm = ls.comm;
+                traffic_before = dopt_comm_traffic_total(comm);
+                dopt_shard(ntrain, comm->rank, comm->size, &begin, &end); /* this rank's share of the lost one's */
+                per_rank = ntrain / (size_t)comm->size;
+                nwin = (per_rank - 1) / (size_t)lo.bptt; /* more than before: fewer workers */
+                dopt_shard(nval_win, comm->rank, comm->size, &vbegin, &vend);
+                free(order);
+                order = alloc_bytes(nwin * sizeof(size_t));
+                for (i = 0; i < nwin; i++) order[i] = i;
+                shuffle(order, nwin, &shuffle_rng); /* the epoch starts over on the new shard */
+                pos = 0;
+                step = ls.step;
+                if (comm->rank == 0)
+                    printf("lost a worker: %d go on, from step %llu\n", comm->size, (unsigned long long)step);
+            }
             if (adaptive) batch_report_step(&brep, &bc);
         }
         if (st != DOPT_OK) break;
         train_secs += wall_seconds() - t0;
         if (comm->size > 1) train_bytes += (double)(dopt_comm_traffic_total(comm) - traffic_before);
-        /* The epoch's figures: training loss averaged over ranks; validation loss of the averaged
-           model (identical to every replica at period 1, where every step ends averaged; between
-           local averages, an extra fp32 average of a copy, which the training does not see), each
-           rank taking its share of the validation windows. */
         loss /= (double)(batches ? batches : 1);
-        memcpy(eval, params, m.n * sizeof(float));
-        loss = dopt_mean(comm, loss);
-        if (!sync) dopt_allreduce(comm, eval, m.n, DOPT_F32, DOPT_MEAN);
-        evaluate(&m, eval, val, vbegin, vend, lo.bptt, &work, sums);
-        if ((st = dopt_allreduce(comm, sums, 2, DOPT_F64, DOPT_SUM)) != DOPT_OK) break; /* check once per epoch */
-        val_loss = sums[0] / sums[1];
+        st = epoch_figures(comm, sync, &m, params, eval, val, vbegin, vend, lo.bptt, &work, &loss, &val_loss);
+        if (st != DOPT_OK && (st = lost_worker_later(lo.elastic, st)) == DOPT_OK)
+            continue; /* distopt (--elastic): no figures this epoch; the driver's next call takes the loss up */
+        if (st != DOPT_OK) break;
         diverged = !isfinite(loss) || !isfinite(val_loss);
         if (comm->rank == 0) {
             size_t batch = (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch;
@@ -624,6 +660,18 @@ int main(int argc, char **argv) {
             fflush(stdout);
         }
         if (diverged) break;
+    }
+    if (lo.elastic && st == DOPT_OK) { /* distopt (--elastic): a loss the last figures met is taken up here */
+        st = dopt_dp_sync(&ls, &(dopt_buf){.data = params, .n = m.n}, NULL);
+        if (st == DOPT_OK && ls.comm != comm) { /* the validation loss again, on the survivors */
+            double loss = NAN;
+            dopt_comm_destroy(comm);
+            comm = ls.comm;
+            dopt_shard(nval_win, comm->rank, comm->size, &vbegin, &vend);
+            st = epoch_figures(comm, sync, &m, params, eval, val, vbegin, vend, lo.bptt, &work, &loss, &val_loss);
+            if (comm->rank == 0 && st == DOPT_OK)
+                printf("lost a worker: %d went on to the end; validation %.5g nats/char\n", comm->size, val_loss);
+        }
     }
     if (dopt_dp_close(&ls, params) != DOPT_OK || st != DOPT_OK) { /* distopt: the last round averaged, replicas checked */
         failed = 1;

@@ -333,6 +333,12 @@ static inline double wall_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* --elastic on: an evaluation's collectives that lost a worker are the driver's next call to take
+   up (localsgd.h: ELASTIC), not the end of the run. */
+static inline dopt_status lost_worker_later(int elastic, dopt_status st) {
+    return elastic && (st == DOPT_ERR_PEER_LOST || st == DOPT_ERR_TIMEOUT) ? DOPT_OK : st;
+}
+
 /* --overlap on|off: whether backward hands each tensor to the driver as it becomes final. */
 static inline int overlap_flag(const char *flag, const char *v) {
     static const char *const names[] = {"off", "on", NULL};

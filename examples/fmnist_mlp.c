@@ -255,12 +255,6 @@ static void shuffle_shard(size_t *order, size_t per_rank, uint64_t *rng) {
     }
 }
 
-/* --elastic: an evaluation's collectives that lost a worker are the driver's next call to take
-   up (localsgd.h: ELASTIC), not the end of the run. */
-static dopt_status lost_worker_later(const local_options *lo, dopt_status st) {
-    return lo->elastic && (st == DOPT_ERR_PEER_LOST || st == DOPT_ERR_TIMEOUT) ? DOPT_OK : st;
-}
-
 int main(int argc, char **argv) {
     options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, NULL, NULL, 0};
     size_t ntrain, ntest, nlabels, begin, end, per_rank, units;
@@ -423,11 +417,11 @@ int main(int argc, char **argv) {
                 evals_done++;
                 st = evaluate(&ev, params, &pr, epoch - 1 + (double)evals_done / lo.evals_per_epoch, step, rounds,
                               (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch);
-                st = lost_worker_later(&lo, st);
+                st = lost_worker_later(lo.elastic, st);
             }
         }
         if (st == DOPT_OK)
-            st = lost_worker_later(&lo, evaluate(&ev, params, &pr, epoch, step, rounds,
+            st = lost_worker_later(lo.elastic, evaluate(&ev, params, &pr, epoch, step, rounds,
                                                  (adaptive ? dopt_batch_units(&bc) : 1) * (size_t)o.batch));
     }
     if (lo.elastic && st == DOPT_OK) { /* distopt (--elastic): a loss the last evaluation met is taken up here */

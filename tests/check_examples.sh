@@ -2,8 +2,8 @@
 # Keeps the examples honest: least_squares must reach its known optimum over the self backend,
 # over shared memory in fp32, with TernGrad, with local SGD and compressed deltas, with CELGC at
 # period 4, with DiLoCo's outer optimizer at period 8, and over MPI — and must report failure when the step size makes SGD diverge;
-# fmnist_mlp must run one short epoch, with fixed and with adaptive batches; fmnist_mlp and char_lstm
-# must end with the same parameters, bit for bit, with --overlap on (gradients handed to the driver
+# fmnist_mlp must run one short epoch, with fixed and with adaptive batches; char_lstm --elastic on
+# must survive a killed worker; fmnist_mlp and char_lstm must end with the same parameters, bit for bit, with --overlap on (gradients handed to the driver
 # during backward) as with --overlap off, and print the timing line; perf_model must
 # measure its ingredients and predict, size overlapped steps' buckets with the driver's own rule,
 # and project to 1024 ranks. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
@@ -113,6 +113,47 @@ else
     failed=1
 fi
 
+# char_lstm --elastic on: three workers over TCP on loopback (CELGC, local SGD at period 4), rank 0
+# killed (SIGKILL) once its first epoch's row is out, in the second epoch's training; both
+# survivors must exit 0, the new rank 0 must say it went on, print the later epochs and converge.
+# Tried again on another port when rank 0 could not listen on the first.
+char_lstm_survives_a_lost_worker() {
+    dir=$(mktemp -d)
+    port=$((30000 + $$ % 20000))
+    for attempt in 1 2 3; do
+        port=$((port + 1))
+        for r in 0 1 2; do
+            DOPT_TRANSPORT=tcp DOPT_RANK=$r DOPT_WORLD_SIZE=3 DOPT_MASTER_ADDR=127.0.0.1 DOPT_MASTER_PORT=$port \
+                DOPT_TOKEN="lstm-elastic-$$" DOPT_ON_PEER_LOST=shrink "$BUILD/char_lstm" --train-limit 60000 \
+                --val-limit 4000 --batch 16 --epochs 4 --seed 7 --celgc 30,3 --period 4 --elastic on \
+                >"$dir/$r.out" 2>"$dir/$r.err" &
+            eval "pid$r=\$!"
+        done
+        i=0
+        while [ $i -lt 1200 ] && ! grep -q '^    1 ' "$dir/0.out" && kill -0 "$pid0" 2>/dev/null; do
+            sleep 0.1
+            i=$((i + 1))
+        done
+        kill -9 "$pid0" 2>/dev/null
+        wait "$pid1"; s1=$?
+        wait "$pid2"; s2=$?
+        wait "$pid0" 2>/dev/null
+        grep -q "in use" "$dir/0.err" || break
+    done
+    survivors=$(cat "$dir/1.out" "$dir/2.out")
+    if grep -q '^    1 ' "$dir/0.out" && [ "$s1" -eq 0 ] && [ "$s2" -eq 0 ] &&
+        printf '%s\n' "$survivors" | grep -q '^lost a worker: 2 go on' &&
+        printf '%s\n' "$survivors" | grep -q '^    4 ' &&
+        printf '%s\n' "$survivors" | grep -q ': converged$'; then
+        echo "ok   char_lstm --elastic on: rank 0 of 3 killed in epoch 2, the survivors converged"
+    else
+        echo "FAIL char_lstm --elastic on: rank 0 of 3 killed in epoch 2 (survivors exited $s1 and $s2)"
+        tail -n 4 "$dir"/*.out "$dir"/*.err
+        failed=1
+    fi
+    rm -rf "$dir"
+}
+
 # char_lstm: the backward pass against finite differences; CELGC at a step size where plain SGD
 # blows up must beat the unigram baseline on 16000 characters, at period 2 and at period 1 with
 # the models averaged (each worker clips its own gradient), and plain SGD at that step must fail
@@ -130,6 +171,7 @@ if [ -r /usr/share/games/fortunes/fortunes ]; then
     expect fails char_lstm_reports_divergence --lr 30
     same_with_overlap "$BUILD/char_lstm" --transport shm --workers 2 --train-limit 16000 --val-limit 2000 --batch 16 \
         --epochs 2 --seed 7 --clip 0.1 --lr 30
+    char_lstm_survives_a_lost_worker
 else
     echo "FAIL: the fortunes text is missing (scripts/install-deps.sh installs fortunes)"
     failed=1
