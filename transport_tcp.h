@@ -665,6 +665,28 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
        then a's decision, 8 + 8·⌈n/64⌉ bytes: "DDEC", n (4), a bitmap of the ranks gone
        (bit r of 64-bit word r/64).
    b writes nothing on it. When a and b are both members, the engine's frames follow on it.
+
+   Joiner's handshake (the first step of re-admitting a restarted worker; the admission itself,
+   at the driver's round boundary, is not built yet), on a connection the joiner makes to a
+   member's listening socket; every record 64 bytes, "DJON", version 1 (1), type (1), 2 zero:
+       1 ASK        joiner → member: nonce_j (16), the joiner's listening port (2), 2 zero, its
+                    listening address (16), 20 zero
+       2 CHALLENGE  member → joiner: nonce_m (16), proof_m (16), the member's epoch (4),
+                    communicator size (4) and rank (4), 12 zero
+       3 ANSWER     joiner → member: proof_j (16), 40 zero
+       4 QUEUED     member → joiner: the joiner is held for the next round boundary; 56 zero
+       5 REFUSE     member → joiner: reason (2: 1 token, 2 version, 3 malformed record, 4 the
+                    member holds as many joiners as it takes, 5 the job takes no joiners), 54
+                    zero; the member then closes
+   The nonces are 16 bytes from /dev/urandom, drawn afresh by each side for each conversation.
+   key = (SipHash-2-4 of the token zero-padded to 64 bytes under two fixed keys, k0 and k1 in
+   dopt__join_key); a proof is SipHash-2-4 under key of (label, half, nonce_j, nonce_m, stated)
+   for half 0 then 1, 8 bytes each: label 'M' and stated = epoch, size, rank (4 each) for
+   proof_m; label 'J' and stated = port (2), address (16) for proof_j. The joiner checks proof_m
+   before it answers (a process that is not of the job learns nothing it can use); the member
+   checks proof_j, compared in constant time. A recording of a conversation cannot be replayed:
+   the other side's nonce differs. It can still be used to test guesses of a short token
+   offline: give a job a long random token.
 */
 
 /* =====================================================================================
@@ -795,12 +817,16 @@ typedef struct dopt__tcp {
    (little-endian fields: dopt__put_le32 and friends in distopt.h) */
 
 /* Constant time: the loop never exits early, so the time taken says nothing about where two
-   tokens differ. */
-static int dopt__tcp_token_equal(const unsigned char *a, const unsigned char *b) {
+   tokens (or proofs) differ. */
+static int dopt__tcp_same_bytes(const unsigned char *a, const unsigned char *b, size_t n) {
     unsigned diff = 0;
     size_t i;
-    for (i = 0; i < DOPT_TCP_TOKEN_MAX; i++) diff |= (unsigned)(a[i] ^ b[i]);
+    for (i = 0; i < n; i++) diff |= (unsigned)(a[i] ^ b[i]);
     return diff == 0;
+}
+
+static int dopt__tcp_token_equal(const unsigned char *a, const unsigned char *b) {
+    return dopt__tcp_same_bytes(a, b, DOPT_TCP_TOKEN_MAX);
 }
 
 /* ===================================================================== ADDRESSES
@@ -3128,6 +3154,351 @@ static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next) {
                       dopt__now_ms() - start);
     dopt__tcp_shrink_free(&z, n);
     return s;
+}
+
+/* ===================================================================== RE-ADMIT: THE JOINER'S HANDSHAKE
+
+   The first step of taking a restarted worker back (WIRE FORMAT: joiner's handshake): a process
+   of the job proves to a member that it holds the job's token, and the member proves the same to
+   it, neither sending the token. Each side draws a 16-byte nonce; a proof is a 128-bit keyed hash
+   (SipHash-2-4 twice, under a 128-bit key derived from the token) of a label, both nonces and what
+   the sender states, so that a recorded conversation proves nothing to either side later. Both
+   sides are state machines over bytes in memory: socket code feeds them what it read and writes
+   what they return, and fuzz/fuzz_tcp_join.c drives them with no socket at all. */
+
+#define DOPT__TCP_JOIN_BYTES 64  /* every record of the joiner's handshake */
+#define DOPT__TCP_JOIN_VERSION 1
+#define DOPT__TCP_NONCE_BYTES 16
+#define DOPT__TCP_PROOF_BYTES 16
+
+enum { /* record types */
+    DOPT__JOIN_ASK = 1,       /* joiner → member: its nonce and listening address */
+    DOPT__JOIN_CHALLENGE = 2, /* member → joiner: its nonce, its proof, epoch, size, rank */
+    DOPT__JOIN_ANSWER = 3,    /* joiner → member: its proof */
+    DOPT__JOIN_QUEUED = 4,    /* member → joiner: held for the next round boundary */
+    DOPT__JOIN_REFUSE = 5     /* member → joiner: a reason, then the member closes */
+};
+
+enum { /* REFUSE reasons */
+    DOPT__JOIN_WRONG_TOKEN = 1, /* the joiner's proof is not the job token's */
+    DOPT__JOIN_WRONG_VERSION = 2,
+    DOPT__JOIN_MALFORMED = 3,   /* a record that is not what the member waits for */
+    DOPT__JOIN_BUSY = 4,        /* the member holds as many joiners as it takes */
+    DOPT__JOIN_CLOSED = 5       /* the job does not take joiners (or no longer) */
+};
+
+enum { /* where a conversation stands, on either side */
+    DOPT__JOIN_REFUSED = -1,
+    DOPT__JOIN_WAIT_ASK = 0,    /* member: nothing read yet */
+    DOPT__JOIN_WAIT_REPLY = 1,  /* member: CHALLENGE sent, awaits ANSWER; joiner: ASK sent, awaits CHALLENGE */
+    DOPT__JOIN_WAIT_VERDICT = 2, /* joiner: ANSWER sent, awaits QUEUED or REFUSE */
+    DOPT__JOIN_HELD = 3         /* both: the joiner is proven and held for the next round boundary */
+};
+
+static const char *const dopt__join_reasons[] = {
+    "", "the job token differs", "another version of the joiner's handshake", "a malformed record",
+    "the member holds as many joiners as it takes", "the job takes no joiners"};
+
+/* SipHash-2-4 (Aumasson and Bernstein 2012): a 64-bit keyed hash of n bytes under key k. */
+#define DOPT__ROTL64(x, b) (((x) << (b)) | ((x) >> (64 - (b))))
+#define DOPT__SIPROUND(v0, v1, v2, v3)                                                                                  \
+    do {                                                                                                               \
+        v0 += v1, v1 = DOPT__ROTL64(v1, 13), v1 ^= v0, v0 = DOPT__ROTL64(v0, 32);                                       \
+        v2 += v3, v3 = DOPT__ROTL64(v3, 16), v3 ^= v2;                                                                  \
+        v0 += v3, v3 = DOPT__ROTL64(v3, 21), v3 ^= v0;                                                                  \
+        v2 += v1, v1 = DOPT__ROTL64(v1, 17), v1 ^= v2, v2 = DOPT__ROTL64(v2, 32);                                       \
+    } while (0)
+
+static uint64_t dopt__siphash24(const uint64_t k[2], const unsigned char *in, size_t n) {
+    uint64_t v0 = k[0] ^ 0x736f6d6570736575ull, v1 = k[1] ^ 0x646f72616e646f6dull;
+    uint64_t v2 = k[0] ^ 0x6c7967656e657261ull, v3 = k[1] ^ 0x7465646279746573ull, b = (uint64_t)n << 56;
+    size_t i, whole = n - n % 8;
+    for (i = 0; i < whole; i += 8) {
+        uint64_t m = dopt__get_le64(in + i);
+        v3 ^= m;
+        DOPT__SIPROUND(v0, v1, v2, v3);
+        DOPT__SIPROUND(v0, v1, v2, v3);
+        v0 ^= m;
+    }
+    for (i = 0; i < n % 8; i++) b |= (uint64_t)in[whole + i] << (8 * i);
+    v3 ^= b;
+    DOPT__SIPROUND(v0, v1, v2, v3);
+    DOPT__SIPROUND(v0, v1, v2, v3);
+    v0 ^= b;
+    v2 ^= 0xff;
+    for (i = 0; i < 4; i++) DOPT__SIPROUND(v0, v1, v2, v3);
+    return v0 ^ v1 ^ v2 ^ v3;
+}
+
+/* The handshake's key: SipHash of the zero-padded token under two fixed keys. */
+static void dopt__join_key(const unsigned char token[DOPT_TCP_TOKEN_MAX], uint64_t key[2]) {
+    static const uint64_t k0[2] = {0x6e696f6a74706f64ull, 0x3079656b2d6e6f69ull}; /* "doptjoin", "ion-key0" */
+    static const uint64_t k1[2] = {0x6e696f6a74706f64ull, 0x3179656b2d6e6f69ull};
+    key[0] = dopt__siphash24(k0, token, DOPT_TCP_TOKEN_MAX);
+    key[1] = dopt__siphash24(k1, token, DOPT_TCP_TOKEN_MAX);
+}
+
+/* A 128-bit proof: SipHash of (label, half, nonce_j, nonce_m, stated) for half 0 and 1. */
+static void dopt__join_proof(const uint64_t key[2], char label, const unsigned char *nonce_j,
+                             const unsigned char *nonce_m, const unsigned char *stated, size_t stated_bytes,
+                             unsigned char out[DOPT__TCP_PROOF_BYTES]) {
+    unsigned char m[2 + 2 * DOPT__TCP_NONCE_BYTES + 20];
+    int half;
+    m[0] = (unsigned char)label;
+    memcpy(m + 2, nonce_j, DOPT__TCP_NONCE_BYTES);
+    memcpy(m + 2 + DOPT__TCP_NONCE_BYTES, nonce_m, DOPT__TCP_NONCE_BYTES);
+    memcpy(m + 2 + 2 * DOPT__TCP_NONCE_BYTES, stated, stated_bytes); /* at most 20 */
+    for (half = 0; half < 2; half++) {
+        m[1] = (unsigned char)half;
+        dopt__put_le64(out + 8 * half, dopt__siphash24(key, m, 2 + 2 * DOPT__TCP_NONCE_BYTES + stated_bytes));
+    }
+}
+
+/* 16 bytes from the kernel's random source for a nonce; 0 on success, -1 when there is none. */
+DOPT__MAYBE_UNUSED static int dopt__join_nonce(unsigned char out[DOPT__TCP_NONCE_BYTES]) {
+    size_t got = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    while (got < DOPT__TCP_NONCE_BYTES) {
+        ssize_t n = read(fd, out + got, DOPT__TCP_NONCE_BYTES - got);
+        if (n <= 0 && !(n < 0 && errno == EINTR)) break;
+        if (n > 0) got += (size_t)n;
+    }
+    close(fd);
+    return got == DOPT__TCP_NONCE_BYTES ? 0 : -1;
+}
+
+/* One record, decoded. */
+typedef struct dopt__join_rec {
+    int type;
+    unsigned char nonce[DOPT__TCP_NONCE_BYTES]; /* ASK, CHALLENGE */
+    unsigned char proof[DOPT__TCP_PROOF_BYTES]; /* CHALLENGE, ANSWER */
+    unsigned char addr[16];                     /* ASK: the joiner's listening address */
+    uint32_t port;                              /* ASK: its listening port */
+    uint32_t epoch, size, rank;                 /* CHALLENGE: the member's communicator and rank */
+    uint32_t reason;                            /* REFUSE */
+} dopt__join_rec;
+
+static void dopt__join_encode(unsigned char *out, const dopt__join_rec *r) {
+    memset(out, 0, DOPT__TCP_JOIN_BYTES);
+    memcpy(out, "DJON", 4);
+    out[4] = DOPT__TCP_JOIN_VERSION;
+    out[5] = (unsigned char)r->type;
+    switch (r->type) {
+    case DOPT__JOIN_ASK:
+        memcpy(out + 8, r->nonce, DOPT__TCP_NONCE_BYTES);
+        dopt__put_le16(out + 24, r->port);
+        memcpy(out + 28, r->addr, 16);
+        break;
+    case DOPT__JOIN_CHALLENGE:
+        memcpy(out + 8, r->nonce, DOPT__TCP_NONCE_BYTES);
+        memcpy(out + 24, r->proof, DOPT__TCP_PROOF_BYTES);
+        dopt__put_le32(out + 40, r->epoch);
+        dopt__put_le32(out + 44, r->size);
+        dopt__put_le32(out + 48, r->rank);
+        break;
+    case DOPT__JOIN_ANSWER: memcpy(out + 8, r->proof, DOPT__TCP_PROOF_BYTES); break;
+    case DOPT__JOIN_REFUSE: dopt__put_le16(out + 8, r->reason); break;
+    default: break; /* QUEUED: the header alone */
+    }
+}
+
+/* NULL when in[0..64) is a well-formed record of this version, else why not (r->type is set
+   from byte 5 even then; a record of another version comes back as "another version"). */
+static const char *dopt__join_decode(const unsigned char *in, dopt__join_rec *r) {
+    static const unsigned char used_to[6] = {8, 44, 52, 24, 8, 10}; /* bytes in use by type (index 0: none) */
+    memset(r, 0, sizeof *r);
+    if (memcmp(in, "DJON", 4) != 0) return "not a joiner's record";
+    if (in[4] != DOPT__TCP_JOIN_VERSION) return "another version of the joiner's handshake";
+    r->type = in[5];
+    if (r->type < DOPT__JOIN_ASK || r->type > DOPT__JOIN_REFUSE) return "unknown record type";
+    if (!dopt__tcp_all_zero(in + 6, 2) || !dopt__tcp_all_zero(in + used_to[r->type], DOPT__TCP_JOIN_BYTES - used_to[r->type]))
+        return "reserved bytes are not zero";
+    switch (r->type) {
+    case DOPT__JOIN_ASK:
+        memcpy(r->nonce, in + 8, DOPT__TCP_NONCE_BYTES);
+        r->port = dopt__get_le16(in + 24);
+        if (!dopt__tcp_all_zero(in + 26, 2)) return "reserved bytes are not zero";
+        memcpy(r->addr, in + 28, 16);
+        if (r->port == 0) return "listening port 0";
+        break;
+    case DOPT__JOIN_CHALLENGE:
+        memcpy(r->nonce, in + 8, DOPT__TCP_NONCE_BYTES);
+        memcpy(r->proof, in + 24, DOPT__TCP_PROOF_BYTES);
+        r->epoch = dopt__get_le32(in + 40);
+        r->size = dopt__get_le32(in + 44);
+        r->rank = dopt__get_le32(in + 48);
+        if (r->size < 1 || r->size > (uint32_t)INT_MAX || r->rank >= r->size) return "rank or size out of range";
+        break;
+    case DOPT__JOIN_ANSWER: memcpy(r->proof, in + 8, DOPT__TCP_PROOF_BYTES); break;
+    case DOPT__JOIN_REFUSE:
+        r->reason = dopt__get_le16(in + 8);
+        if (r->reason < DOPT__JOIN_WRONG_TOKEN || r->reason > DOPT__JOIN_CLOSED) return "unknown refusal reason";
+        break;
+    default: break;
+    }
+    return NULL;
+}
+
+/* What a member states in its CHALLENGE and proves with it: epoch, size, rank (12 bytes). */
+static void dopt__join_member_stated(const dopt__join_rec *r, unsigned char out[12]) {
+    dopt__put_le32(out, r->epoch);
+    dopt__put_le32(out + 4, r->size);
+    dopt__put_le32(out + 8, r->rank);
+}
+
+/* What a joiner states in its ASK and proves with its ANSWER: port, address (18 bytes). */
+static void dopt__join_joiner_stated(const unsigned char addr[16], uint32_t port, unsigned char out[18]) {
+    dopt__put_le16(out, port);
+    memcpy(out + 2, addr, 16);
+}
+
+/* One side of a conversation: the member's (serving one connection) or the joiner's. */
+typedef struct dopt__join_side {
+    int stage;                                    /* DOPT__JOIN_WAIT_ASK ... HELD, or REFUSED */
+    uint64_t key[2];
+    unsigned char nonce_j[DOPT__TCP_NONCE_BYTES], nonce_m[DOPT__TCP_NONCE_BYTES];
+    unsigned char addr[16];                       /* the joiner's listening address and port */
+    uint32_t port;
+    uint32_t epoch, size, rank;                   /* the member's communicator and rank */
+    uint32_t reason;                              /* REFUSED: a DOPT__JOIN_* reason, 0 when the joiner judged */
+    const char *why;                              /* REFUSED: what went wrong, for the log */
+    unsigned char in[DOPT__TCP_JOIN_BYTES];       /* a record being read */
+    size_t got;
+} dopt__join_side;
+
+/* The member's side of a new connection whose first bytes said "DJON": nonce_m fresh for it. */
+DOPT__MAYBE_UNUSED static void dopt__join_serve_init(dopt__join_side *s, const unsigned char token[DOPT_TCP_TOKEN_MAX],
+                                  const unsigned char nonce_m[DOPT__TCP_NONCE_BYTES], uint32_t epoch, uint32_t size,
+                                  uint32_t rank) {
+    memset(s, 0, sizeof *s);
+    s->stage = DOPT__JOIN_WAIT_ASK;
+    dopt__join_key(token, s->key);
+    memcpy(s->nonce_m, nonce_m, DOPT__TCP_NONCE_BYTES);
+    s->epoch = epoch, s->size = size, s->rank = rank;
+}
+
+/* The joiner's side: out gets the ASK to send. */
+DOPT__MAYBE_UNUSED static void dopt__join_ask_init(dopt__join_side *s, const unsigned char token[DOPT_TCP_TOKEN_MAX],
+                                const unsigned char nonce_j[DOPT__TCP_NONCE_BYTES], const unsigned char addr[16],
+                                uint32_t port, unsigned char out[DOPT__TCP_JOIN_BYTES]) {
+    dopt__join_rec r;
+    memset(s, 0, sizeof *s);
+    s->stage = DOPT__JOIN_WAIT_REPLY;
+    dopt__join_key(token, s->key);
+    memcpy(s->nonce_j, nonce_j, DOPT__TCP_NONCE_BYTES);
+    memcpy(s->addr, addr, 16);
+    s->port = port;
+    memset(&r, 0, sizeof r);
+    r.type = DOPT__JOIN_ASK;
+    memcpy(r.nonce, nonce_j, DOPT__TCP_NONCE_BYTES);
+    memcpy(r.addr, addr, 16);
+    r.port = port;
+    dopt__join_encode(out, &r);
+}
+
+/* Ends a conversation as refused; a member with a reason also answers with REFUSE. */
+static int dopt__join_refuse(dopt__join_side *s, int member, uint32_t reason, const char *why,
+                             unsigned char out[DOPT__TCP_JOIN_BYTES]) {
+    dopt__join_rec r;
+    s->stage = DOPT__JOIN_REFUSED;
+    s->reason = reason;
+    s->why = why;
+    if (!member || reason == 0) return 0;
+    memset(&r, 0, sizeof r);
+    r.type = DOPT__JOIN_REFUSE;
+    r.reason = reason;
+    dopt__join_encode(out, &r);
+    return 1;
+}
+
+/* One whole record read by the member. Returns 1 when out holds a record to send. */
+static int dopt__join_serve_record(dopt__join_side *s, unsigned char out[DOPT__TCP_JOIN_BYTES]) {
+    dopt__join_rec r, reply;
+    unsigned char stated[18], proof[DOPT__TCP_PROOF_BYTES];
+    const char *bad = dopt__join_decode(s->in, &r);
+    if (bad && memcmp(s->in, "DJON", 4) == 0 && s->in[4] != DOPT__TCP_JOIN_VERSION)
+        return dopt__join_refuse(s, 1, DOPT__JOIN_WRONG_VERSION, bad, out);
+    if (bad) return dopt__join_refuse(s, 1, DOPT__JOIN_MALFORMED, bad, out);
+    if (s->stage == DOPT__JOIN_WAIT_ASK && r.type == DOPT__JOIN_ASK) {
+        memcpy(s->nonce_j, r.nonce, DOPT__TCP_NONCE_BYTES);
+        memcpy(s->addr, r.addr, 16);
+        s->port = r.port;
+        memset(&reply, 0, sizeof reply);
+        reply.type = DOPT__JOIN_CHALLENGE;
+        memcpy(reply.nonce, s->nonce_m, DOPT__TCP_NONCE_BYTES);
+        reply.epoch = s->epoch, reply.size = s->size, reply.rank = s->rank;
+        dopt__join_member_stated(&reply, stated);
+        dopt__join_proof(s->key, 'M', s->nonce_j, s->nonce_m, stated, 12, reply.proof);
+        dopt__join_encode(out, &reply);
+        s->stage = DOPT__JOIN_WAIT_REPLY;
+        return 1;
+    }
+    if (s->stage == DOPT__JOIN_WAIT_REPLY && r.type == DOPT__JOIN_ANSWER) {
+        dopt__join_joiner_stated(s->addr, s->port, stated);
+        dopt__join_proof(s->key, 'J', s->nonce_j, s->nonce_m, stated, 18, proof);
+        if (!dopt__tcp_same_bytes(proof, r.proof, DOPT__TCP_PROOF_BYTES))
+            return dopt__join_refuse(s, 1, DOPT__JOIN_WRONG_TOKEN, "its proof is not the job token's", out);
+        memset(&reply, 0, sizeof reply);
+        reply.type = DOPT__JOIN_QUEUED;
+        dopt__join_encode(out, &reply);
+        s->stage = DOPT__JOIN_HELD;
+        return 1;
+    }
+    return dopt__join_refuse(s, 1, DOPT__JOIN_MALFORMED, "a record out of turn", out);
+}
+
+/* One whole record read by the joiner. Returns 1 when out holds a record to send. */
+static int dopt__join_ask_record(dopt__join_side *s, unsigned char out[DOPT__TCP_JOIN_BYTES]) {
+    dopt__join_rec r, reply;
+    unsigned char stated[18], proof[DOPT__TCP_PROOF_BYTES];
+    const char *bad = dopt__join_decode(s->in, &r);
+    if (bad) return dopt__join_refuse(s, 0, 0, bad, out);
+    if (r.type == DOPT__JOIN_REFUSE) {
+        s->stage = DOPT__JOIN_REFUSED;
+        s->reason = r.reason;
+        s->why = dopt__join_reasons[r.reason];
+        return 0;
+    }
+    if (s->stage == DOPT__JOIN_WAIT_REPLY && r.type == DOPT__JOIN_CHALLENGE) {
+        dopt__join_member_stated(&r, stated);
+        dopt__join_proof(s->key, 'M', s->nonce_j, r.nonce, stated, 12, proof);
+        if (!dopt__tcp_same_bytes(proof, r.proof, DOPT__TCP_PROOF_BYTES))
+            return dopt__join_refuse(s, 0, 0, "the member's proof is not the job token's", out);
+        memcpy(s->nonce_m, r.nonce, DOPT__TCP_NONCE_BYTES);
+        s->epoch = r.epoch, s->size = r.size, s->rank = r.rank;
+        memset(&reply, 0, sizeof reply);
+        reply.type = DOPT__JOIN_ANSWER;
+        dopt__join_joiner_stated(s->addr, s->port, stated);
+        dopt__join_proof(s->key, 'J', s->nonce_j, s->nonce_m, stated, 18, reply.proof);
+        dopt__join_encode(out, &reply);
+        s->stage = DOPT__JOIN_WAIT_VERDICT;
+        return 1;
+    }
+    if (s->stage == DOPT__JOIN_WAIT_VERDICT && r.type == DOPT__JOIN_QUEUED) {
+        s->stage = DOPT__JOIN_HELD;
+        return 0;
+    }
+    return dopt__join_refuse(s, 0, 0, "a record out of turn", out);
+}
+
+/* Feeds n bytes the other side sent. Returns how many it took (it stops after each whole record,
+   and takes nothing once the conversation is over: held or refused); *reply is set to 1 when
+   out holds a record to send before feeding more. A held conversation takes no more bytes: what
+   follows belongs to the admission. */
+DOPT__MAYBE_UNUSED static size_t dopt__join_feed(dopt__join_side *s, int member, const unsigned char *in, size_t n,
+                              unsigned char out[DOPT__TCP_JOIN_BYTES], int *reply) {
+    size_t take;
+    *reply = 0;
+    if (s->stage == DOPT__JOIN_REFUSED || s->stage == DOPT__JOIN_HELD) return 0;
+    take = DOPT__TCP_JOIN_BYTES - s->got;
+    if (take > n) take = n;
+    memcpy(s->in + s->got, in, take);
+    s->got += take;
+    if (s->got < DOPT__TCP_JOIN_BYTES) return take;
+    s->got = 0;
+    *reply = member ? dopt__join_serve_record(s, out) : dopt__join_ask_record(s, out);
+    return take;
 }
 
 /* ===================================================================== ENVIRONMENT */

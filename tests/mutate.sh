@@ -470,6 +470,15 @@ mutate keepalive-never-asked transport_tcp.h \
     test_tcp:keepalive
 mutate keepalive-ends-a-link-at-one-lost-probe transport_tcp.h \
     'int one = 1, probes = DOPT__TCP_KEEPALIVE_PROBES;' 'int one = 1, probes = 1;' test_tcp:keepalive
+mutate join-proof-without-the-members-nonce transport_tcp.h \
+    '    memcpy(m + 2 + DOPT__TCP_NONCE_BYTES, nonce_m, DOPT__TCP_NONCE_BYTES);' \
+    '    memset(m + 2 + DOPT__TCP_NONCE_BYTES, nonce_m[0] & 0, DOPT__TCP_NONCE_BYTES);' test_tcp:joiners_handshake
+mutate join-member-takes-any-proof transport_tcp.h \
+    '            return dopt__join_refuse(s, 1, DOPT__JOIN_WRONG_TOKEN, "its proof is not the job token'"'"'s", out);' \
+    '            (void)0;' test_tcp:joiners_handshake
+mutate join-siphash-one-round-short transport_tcp.h \
+    '    for (i = 0; i < 4; i++) DOPT__SIPROUND(v0, v1, v2, v3);' '    for (i = 0; i < 3; i++) DOPT__SIPROUND(v0, v1, v2, v3);' \
+    test_tcp:siphash
 mutate elastic-never-goes-on localsgd.h \
     '        if (dopt__dp_lost_peer(dp, s)) s = dopt__dp_go_on(dp, s, params, states, 1, &adopted);' '        (void)0;' \
     test_shrink:elastic_driver_averages

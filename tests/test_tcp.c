@@ -1778,6 +1778,137 @@ DTEST(frame_one_sequence_ahead_is_a_mismatch_naming_both_sides) {
     dopt_comm_destroy(c);
 }
 
+/* SipHash-2-4 against its paper's vectors: key 00 01 .. 0f, the empty message and 00 01 .. 0e. */
+DTEST(siphash_matches_the_published_vectors) {
+    unsigned char kb[16], msg[15];
+    uint64_t k[2];
+    int i;
+    for (i = 0; i < 16; i++) kb[i] = (unsigned char)i;
+    for (i = 0; i < 15; i++) msg[i] = (unsigned char)i;
+    k[0] = dopt__get_le64(kb), k[1] = dopt__get_le64(kb + 8);
+    DT_CHECK(dopt__siphash24(k, msg, 0) == 0x726fdb47dd0e0e31ull);
+    DT_CHECK(dopt__siphash24(k, msg, 15) == 0xa129ca6149be45e5ull);
+}
+
+/* A joiner's handshake, both sides in memory: out holds what a side sent; returns the stage the
+   receiver reached. Feeds the bytes in pieces of `piece`. */
+static int join_deliver(dopt__join_side *to, int member, const unsigned char *bytes, size_t n, size_t piece,
+                        unsigned char *out, int *reply) {
+    size_t off = 0;
+    *reply = 0;
+    while (off < n && !*reply) {
+        size_t k = n - off < piece ? n - off : piece, used = dopt__join_feed(to, member, bytes + off, k, out, reply);
+        if (used == 0) break;
+        off += used;
+    }
+    return to->stage;
+}
+
+static void join_token(unsigned char tok[DOPT_TCP_TOKEN_MAX], const char *s) {
+    memset(tok, 0, DOPT_TCP_TOKEN_MAX);
+    memcpy(tok, s, strlen(s));
+}
+
+/* Joiner and member with one token: the joiner is held, each side learned the other's statement,
+   no record carries the token; the layout of WIRE FORMAT's joiner's handshake, byte by byte. */
+DTEST(joiners_handshake_proves_the_token_both_ways_without_sending_it) {
+    static const unsigned char fd00_1[16] = {0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    unsigned char tok[DOPT_TCP_TOKEN_MAX], nj[16], nm[16], ask[64], ch[64], ans[64], verdict[64], none[64];
+    dopt__join_side j, m;
+    size_t piece;
+    int reply, i;
+    join_token(tok, "a long enough job token");
+    for (piece = 1; piece <= 64; piece = piece * 4 + 1) {
+        DT_CHECK(dopt__join_nonce(nj) == 0 && dopt__join_nonce(nm) == 0 && memcmp(nj, nm, 16) != 0);
+        dopt__join_ask_init(&j, tok, nj, fd00_1, 29500, ask);
+        dopt__join_serve_init(&m, tok, nm, 7, 3, 2);
+        DT_CHECK(memcmp(ask, "DJON", 4) == 0 && ask[4] == 1 && ask[5] == DOPT__JOIN_ASK);
+        DT_CHECK(memcmp(ask + 8, nj, 16) == 0 && dopt__get_le16(ask + 24) == 29500 && memcmp(ask + 28, fd00_1, 16) == 0);
+        DT_EQ_INT(join_deliver(&m, 1, ask, 64, piece, ch, &reply), DOPT__JOIN_WAIT_REPLY);
+        DT_CHECK(reply && ch[5] == DOPT__JOIN_CHALLENGE && memcmp(ch + 8, nm, 16) == 0);
+        DT_CHECK(dopt__get_le32(ch + 40) == 7 && dopt__get_le32(ch + 44) == 3 && dopt__get_le32(ch + 48) == 2);
+        DT_EQ_INT(join_deliver(&j, 0, ch, 64, piece, ans, &reply), DOPT__JOIN_WAIT_VERDICT);
+        DT_CHECK(reply && ans[5] == DOPT__JOIN_ANSWER && dopt__tcp_all_zero(ans + 24, 40));
+        DT_CHECK(j.epoch == 7 && j.size == 3 && j.rank == 2);
+        DT_EQ_INT(join_deliver(&m, 1, ans, 64, piece, verdict, &reply), DOPT__JOIN_HELD);
+        DT_CHECK(reply && verdict[5] == DOPT__JOIN_QUEUED && dopt__tcp_all_zero(verdict + 6, 58));
+        DT_CHECK(m.port == 29500 && memcmp(m.addr, fd00_1, 16) == 0);
+        DT_EQ_INT(join_deliver(&j, 0, verdict, 64, piece, none, &reply), DOPT__JOIN_HELD);
+        DT_CHECK(!reply);
+        for (i = 0; i + 4 <= 64; i++) /* "a lo" appears in none of the records */
+            DT_CHECK(memcmp(ask + i, tok, 4) && memcmp(ch + i, tok, 4) && memcmp(ans + i, tok, 4));
+        DT_EQ_INT((int)dopt__join_feed(&m, 1, ask, 64, none, &reply), 0); /* held: what follows is not its */
+    }
+}
+
+/* A joiner or a member without the token, a replayed conversation, another version, garbage and
+   records out of turn: the member refuses with the documented reason and the joiner says why. */
+DTEST(joiners_handshake_refuses_wrong_tokens_replays_and_garbage) {
+    static const unsigned char any[16] = {0};
+    unsigned char tok[DOPT_TCP_TOKEN_MAX], other[DOPT_TCP_TOKEN_MAX], nj[16], nm[16], nm2[16];
+    unsigned char ask[64], ch[64], ans[64], verdict[64], bad[64];
+    dopt__join_side j, m;
+    int reply;
+    join_token(tok, "job-a");
+    join_token(other, "job-b");
+    DT_CHECK(dopt__join_nonce(nj) == 0 && dopt__join_nonce(nm) == 0 && dopt__join_nonce(nm2) == 0);
+    /* a joiner of another job: refused, reason 1, and the member names it */
+    dopt__join_ask_init(&j, other, nj, any, 4000, ask);
+    dopt__join_serve_init(&m, tok, nm, 1, 4, 0);
+    join_deliver(&m, 1, ask, 64, 64, ch, &reply);
+    DT_EQ_INT(join_deliver(&j, 0, ch, 64, 64, ans, &reply), DOPT__JOIN_REFUSED); /* the joiner refuses the member first */
+    DT_CHECK(strstr(j.why, "member's proof") != NULL);
+    dopt__join_ask_init(&j, tok, nj, any, 4000, ask); /* the right joiner, for a recorded answer */
+    dopt__join_serve_init(&m, tok, nm, 1, 4, 0);
+    join_deliver(&m, 1, ask, 64, 64, ch, &reply);
+    join_deliver(&j, 0, ch, 64, 64, ans, &reply);
+    /* the same answer replayed to a member with a fresh nonce: refused */
+    dopt__join_serve_init(&m, tok, nm2, 1, 4, 0);
+    join_deliver(&m, 1, ask, 64, 64, ch, &reply);
+    DT_EQ_INT(join_deliver(&m, 1, ans, 64, 64, verdict, &reply), DOPT__JOIN_REFUSED);
+    DT_CHECK(reply && verdict[5] == DOPT__JOIN_REFUSE && dopt__get_le16(verdict + 8) == DOPT__JOIN_WRONG_TOKEN);
+    DT_EQ_INT((int)m.reason, DOPT__JOIN_WRONG_TOKEN);
+    /* the joiner reads the refusal and says why */
+    dopt__join_ask_init(&j, tok, nj, any, 4000, ask);
+    j.stage = DOPT__JOIN_WAIT_VERDICT;
+    DT_EQ_INT(join_deliver(&j, 0, verdict, 64, 64, ans, &reply), DOPT__JOIN_REFUSED);
+    DT_CHECK(strcmp(j.why, "the job token differs") == 0);
+    /* a joiner's proof under another token (the joiner holds job-b, the member job-a) */
+    dopt__join_serve_init(&m, tok, nm, 1, 4, 0);
+    dopt__join_ask_init(&j, other, nj, any, 4000, ask);
+    join_deliver(&m, 1, ask, 64, 64, ch, &reply);
+    j.stage = DOPT__JOIN_WAIT_VERDICT; /* skip its own check of the member */
+    memcpy(ans, ch, 64);
+    ans[5] = DOPT__JOIN_ANSWER;
+    memset(ans + 24, 0, 40);
+    DT_EQ_INT(join_deliver(&m, 1, ans, 64, 64, verdict, &reply), DOPT__JOIN_REFUSED);
+    DT_EQ_INT((int)m.reason, DOPT__JOIN_WRONG_TOKEN);
+    /* another version, garbage, a nonzero reserved byte, an ANSWER before the ASK, port 0 */
+    memcpy(bad, ask, 64);
+    bad[4] = 2;
+    dopt__join_serve_init(&m, tok, nm, 1, 4, 0);
+    DT_EQ_INT(join_deliver(&m, 1, bad, 64, 7, verdict, &reply), DOPT__JOIN_REFUSED);
+    DT_CHECK(reply && dopt__get_le16(verdict + 8) == DOPT__JOIN_WRONG_VERSION);
+    memset(bad, 'x', 64);
+    dopt__join_serve_init(&m, tok, nm, 1, 4, 0);
+    DT_EQ_INT(join_deliver(&m, 1, bad, 64, 64, verdict, &reply), DOPT__JOIN_REFUSED);
+    DT_CHECK(reply && dopt__get_le16(verdict + 8) == DOPT__JOIN_MALFORMED && strstr(m.why, "not a joiner") != NULL);
+    memcpy(bad, ask, 64);
+    bad[60] = 1;
+    dopt__join_serve_init(&m, tok, nm, 1, 4, 0);
+    DT_EQ_INT(join_deliver(&m, 1, bad, 64, 64, verdict, &reply), DOPT__JOIN_REFUSED);
+    DT_CHECK(strstr(m.why, "reserved") != NULL);
+    dopt__join_serve_init(&m, tok, nm, 1, 4, 0);
+    DT_EQ_INT(join_deliver(&m, 1, ans, 64, 64, verdict, &reply), DOPT__JOIN_REFUSED);
+    DT_CHECK(strstr(m.why, "out of turn") != NULL);
+    memcpy(bad, ask, 64);
+    bad[24] = bad[25] = 0;
+    dopt__join_serve_init(&m, tok, nm, 1, 4, 0);
+    DT_EQ_INT(join_deliver(&m, 1, bad, 64, 64, verdict, &reply), DOPT__JOIN_REFUSED);
+    DT_CHECK(strstr(m.why, "port 0") != NULL);
+    DT_EQ_INT((int)dopt__join_feed(&m, 1, ask, 64, verdict, &reply), 0); /* refused: takes nothing more */
+}
+
 /* The layout of transport_tcp.h's WIRE FORMAT, byte by byte: a HELLO from [fd00::1]:5555 and a
    refusal, then records that must be refused. */
 DTEST(handshake_records_have_the_documented_layout) {
