@@ -668,7 +668,11 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
 
    Joiner's handshake (the first step of re-admitting a restarted worker; the admission itself,
    at the driver's round boundary, is not built yet), on a connection the joiner makes to a
-   member's listening socket; every record 64 bytes, "DJON", version 1 (1), type (1), 2 zero:
+   member's listening socket (rank 0's is the master port; every other member of a DOPT_SHRINK
+   job listens at its address in the peer table). A member serves it inside its collectives'
+   waits, never blocking on it; it holds at most 4 joiners at once, in conversation or held,
+   and drops one whose handshake has not ended after 10 s. Every record 64 bytes, "DJON",
+   version 1 (1), type (1), 2 zero:
        1 ASK        joiner → member: nonce_j (16), the joiner's listening port (2), 2 zero, its
                     listening address (16), 20 zero
        2 CHALLENGE  member → joiner: nonce_m (16), proof_m (16), the member's epoch (4),
@@ -737,6 +741,9 @@ extern "C" {
 #define DOPT__TCP_HOST_MAX 256            /* the host part of master_addr or bind_addr, NUL included */
 #define DOPT__TCP_MAX_PENDING 32          /* unauthenticated connections held at once */
 #define DOPT__TCP_SHRINK_HELLO 40         /* a survivor's hello (WIRE FORMAT) */
+#define DOPT__TCP_MAX_JOINERS 4           /* joiners a member converses with or holds at once (RE-ADMIT) */
+#define DOPT__TCP_JOIN_IDLE_MS 10000      /* a joiner's handshake ends within this, or it is dropped */
+#define DOPT__TCP_MAX_JOIN_ASKED 8        /* members whose answers a joiner's error names */
 #define DOPT__TCP_LINGER_MS 2000          /* destroy waits at most this long for peers to take its bytes */
 #define DOPT__TCP_RENDEZVOUS_DEFAULT_MS 600000 /* see the manual's configuration table */
 #define DOPT__TCP_REPORT_DEFAULT_MS 5000
@@ -808,6 +815,9 @@ typedef struct dopt__tcp {
     int parked[DOPT__TCP_MAX_PENDING]; /* hellos of a later shrink that came during this one */
     unsigned char parked_hello[DOPT__TCP_MAX_PENDING][DOPT__TCP_SHRINK_HELLO];
     int nparked;
+    /* joiners (RE-ADMIT): conversations on the listening socket, and those held */
+    struct dopt__tcp_joiner *joiners; /* DOPT__TCP_MAX_JOINERS, allocated for the first */
+    int njoiners;
     int two_level, progress_thread_us, spin_us;
     int keepalive_s;            /* the links' keep-alive interval (KEEP-ALIVE), <= 0: off */
     size_t small_bytes;
@@ -1162,8 +1172,19 @@ static void dopt__tcp_link_close(dopt_comm *c, int peer) {
     if (t->on_peer_lost != DOPT_SHRINK) shutdown(t->peers[peer].fd, SHUT_WR);
 }
 
-static int dopt__tcp_lobby_add(dopt__tcp *t, int np);
+static int dopt__tcp_lobby_add(dopt_comm *c, dopt__tcp *t, int np);
 static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, int lo, int hi);
+static int dopt__tcp_joiners_add(dopt_comm *c, dopt__tcp *t, int np);
+static void dopt__tcp_joiner_serve(dopt_comm *c, dopt__tcp *t, int j);
+static void dopt__tcp_joiners_free(dopt__tcp *t);
+
+/* The socket a member listens on once the job formed: rank 0's rendezvous socket, or the one
+   every rank of a DOPT_SHRINK job keeps for the survivors' agreement; -1 for neither. Before
+   the job forms it is the rendezvous's own socket. */
+static int dopt__tcp_member_lfd(const dopt__tcp *t) {
+    if (t->lfd >= 0) return t->lfd;
+    return t->ready ? t->shrink_lfd : -1;
+}
 
 /* A link the engine does not read is still watched for its end: the peer's FIN (Linux's
    POLLRDHUP, seen while unread bytes wait before it) or a reset (POLLERR, POLLHUP, always on). */
@@ -1183,7 +1204,7 @@ static int dopt__tcp_link_wait(dopt_comm *c, dopt_link_poll *polls, int npolls, 
         t->pfd[i].revents = 0;
         t->pfd_peer[i] = polls[i].peer;
     }
-    np = dopt__tcp_lobby_add(t, npolls);
+    np = dopt__tcp_lobby_add(c, t, npolls);
     n = poll(t->pfd, (nfds_t)np, timeout_ms);
     if (n < 0) {
         if (errno == EINTR) return 0;
@@ -1215,6 +1236,7 @@ static void dopt__tcp_free(dopt__tcp *t) {
     if (t->shrink_lfd >= 0) close(t->shrink_lfd);
     for (p = 0; p < t->npend; p++) close(t->pend[p].fd);
     for (p = 0; p < t->nparked; p++) close(t->parked[p]);
+    dopt__tcp_joiners_free(t);
     DOPT_FREE(t->peers);
     DOPT_FREE(t->pfd);
     DOPT_FREE(t->pfd_peer);
@@ -1778,6 +1800,23 @@ static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, c
     q->fd = -1;
 }
 
+/* The records a listening socket takes: a rank's HELLO ("DOPT", 96 bytes) during the rendezvous,
+   and once the job formed a joiner's ASK ("DJON": read 4 bytes, then the joiner's conversation
+   reads on) or a survivor's hello of a shrink this rank has not started yet ("DSHR", 40). */
+static int dopt__tcp_known_magic(const unsigned char *rec, size_t got) {
+    size_t n = got < 4 ? got : 4;
+    return memcmp(rec, "DOPT", n) == 0 || memcmp(rec, "DJON", n) == 0 || memcmp(rec, "DSHR", n) == 0;
+}
+
+static size_t dopt__tcp_pending_want(const dopt__tcp_pending *q) {
+    if (q->got < 4) return 4;
+    if (memcmp(q->rec, "DSHR", 4) == 0) return DOPT__TCP_SHRINK_HELLO;
+    if (memcmp(q->rec, "DJON", 4) == 0) return 4;
+    return sizeof q->rec;
+}
+
+static int dopt__tcp_lobby_other(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q);
+
 /* Reads from one unauthenticated connection. Returns 1 when it joined as a rank in [lo, hi),
    -1 when it was refused and closed, 0 while its HELLO is incomplete. A stranger never fails the
    job: it is refused and the rendezvous goes on. */
@@ -1785,18 +1824,21 @@ static int dopt__tcp_pending_read(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending 
     dopt__tcp_hs h, answer;
     const char *why;
     char text[96 + DOPT__TCP_ADDR_CHARS], holder[DOPT__TCP_ADDR_CHARS];
-    ssize_t n = recv(q->fd, q->rec + q->got, sizeof q->rec - q->got, MSG_DONTWAIT);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
-    if (n <= 0) {
-        dopt__tcp_refuse(c, t, q, NULL, 0, "closed before its handshake");
-        return -1;
+    size_t want;
+    while (q->got < (want = dopt__tcp_pending_want(q))) { /* never past the record: what follows is not ours */
+        ssize_t n = recv(q->fd, q->rec + q->got, want - q->got, MSG_DONTWAIT);
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+        if (n <= 0) {
+            dopt__tcp_refuse(c, t, q, NULL, 0, "closed before its handshake");
+            return -1;
+        }
+        q->got += (size_t)n;
+        if (!dopt__tcp_known_magic(q->rec, q->got)) {
+            dopt__tcp_refuse(c, t, q, NULL, 0, "not a distopt handshake");
+            return -1;
+        }
     }
-    q->got += (size_t)n;
-    if (memcmp(q->rec, "DOPT", q->got < 4 ? q->got : 4) != 0) {
-        dopt__tcp_refuse(c, t, q, NULL, 0, "not a distopt handshake");
-        return -1;
-    }
-    if (q->got < sizeof q->rec) return 0;
+    if (memcmp(q->rec, "DOPT", 4) != 0) return dopt__tcp_lobby_other(c, t, q); /* a joiner, or a survivor */
     why = dopt__tcp_hs_decode(q->rec, &h);
     if (why && h.version != DOPT_TCP_PROTOCOL_VERSION && h.version != 0) {
         snprintf(text, sizeof text, "protocol version %u, this rank's %d", (unsigned)h.version,
@@ -1848,10 +1890,10 @@ static int dopt__tcp_pending_read(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending 
 
 /* Appends the listening socket and the connections not yet admitted to t->pfd from index np;
    returns the new count. */
-static int dopt__tcp_lobby_add(dopt__tcp *t, int np) {
-    int i;
-    if (t->lfd < 0) return np;
-    t->pfd[np].fd = t->lfd;
+static int dopt__tcp_lobby_add(dopt_comm *c, dopt__tcp *t, int np) {
+    int i, lfd = dopt__tcp_member_lfd(t);
+    if (lfd < 0) return np;
+    t->pfd[np].fd = lfd;
     t->pfd[np].events = POLLIN;
     t->pfd[np].revents = 0;
     t->pfd_peer[np++] = -1;
@@ -1861,7 +1903,7 @@ static int dopt__tcp_lobby_add(dopt__tcp *t, int np) {
         t->pfd[np].revents = 0;
         t->pfd_peer[np++] = -2 - i;
     }
-    return np;
+    return dopt__tcp_joiners_add(c, t, np);
 }
 
 /* Serves the entries [from, np) that dopt__tcp_lobby_add put in t->pfd: reads HELLOs, admits
@@ -1878,6 +1920,10 @@ static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, i
             continue;
         }
         k = -2 - t->pfd_peer[i];
+        if (k >= DOPT__TCP_MAX_PENDING) { /* a joiner's conversation */
+            dopt__tcp_joiner_serve(c, t, k - DOPT__TCP_MAX_PENDING);
+            continue;
+        }
         r = dopt__tcp_pending_read(c, t, &t->pend[k], lo, hi);
         if (r == 0) continue;
         joined += r > 0;
@@ -1886,7 +1932,7 @@ static int dopt__tcp_lobby_serve(dopt_comm *c, dopt__tcp *t, int from, int np, i
     while (listening) {
         struct sockaddr_storage ss;
         socklen_t len = sizeof ss;
-        int fd = accept(t->lfd, (struct sockaddr *)&ss, &len);
+        int fd = accept(dopt__tcp_member_lfd(t), (struct sockaddr *)&ss, &len);
         if (fd < 0) break;
         if (dopt__tcp_set_nonblocking(fd) < 0) {
             close(fd);
@@ -1962,7 +2008,7 @@ static dopt_status dopt__tcp_admit(dopt_comm *c, dopt__tcp *t, int lo, int hi, d
                 t->pfd_peer[np++] = r;
             }
         base = np;
-        np = dopt__tcp_lobby_add(t, np);
+        np = dopt__tcp_lobby_add(c, t, np);
         n = poll(t->pfd, (nfds_t)np, dopt__tcp_setup_ms(t, deadline));
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "poll: %s", strerror(errno));
@@ -2045,7 +2091,7 @@ static dopt_status dopt__tcp_gather_ready(dopt_comm *c, dopt__tcp *t, double dea
                 t->pfd_peer[np++] = r;
             }
         base = np;
-        np = dopt__tcp_lobby_add(t, np);
+        np = dopt__tcp_lobby_add(c, t, np);
         n = poll(t->pfd, (nfds_t)np, dopt__tcp_setup_ms(t, deadline));
         if (n < 0 && errno != EINTR) return dopt__tcp_setup_fail(c, DOPT_ERR_IO, "poll: %s", strerror(errno));
         for (i = 0; i < base && n > 0; i++) {
@@ -2445,8 +2491,8 @@ static dopt_status dopt__tcp_new(dopt_comm **out, const dopt_tcp_config *cfg) {
     if (toklen) memcpy(t->token, cfg->token, toklen);
     t->peers = (dopt__tcp_peer *)DOPT_MALLOC(sizeof(dopt__tcp_peer) * (size_t)t->size);
     /* peers, then the listening socket, a watched connection and the connections not admitted yet */
-    t->pfd = (struct pollfd *)DOPT_MALLOC(sizeof(struct pollfd) * ((size_t)t->size + DOPT__TCP_MAX_PENDING + 2));
-    t->pfd_peer = (int *)DOPT_MALLOC(sizeof(int) * ((size_t)t->size + DOPT__TCP_MAX_PENDING + 2));
+    t->pfd = (struct pollfd *)DOPT_MALLOC(sizeof(struct pollfd) * ((size_t)t->size + DOPT__TCP_MAX_PENDING + DOPT__TCP_MAX_JOINERS + 2));
+    t->pfd_peer = (int *)DOPT_MALLOC(sizeof(int) * ((size_t)t->size + DOPT__TCP_MAX_PENDING + DOPT__TCP_MAX_JOINERS + 2));
     if (t->peers) memset(t->peers, 0, sizeof(dopt__tcp_peer) * (size_t)t->size);
     for (p = 0; t->peers && p < t->size; p++) t->peers[p].fd = -1;
     if (!t->peers || !t->pfd || !t->pfd_peer) {
@@ -3053,6 +3099,10 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
     memcpy(t2->parked_hello, t->parked_hello, sizeof t->parked_hello);
     t2->nparked = t->nparked;
     t->nparked = 0;
+    t2->joiners = t->joiners; /* held joiners wait for the survivors' round boundary */
+    t2->njoiners = t->njoiners;
+    t->joiners = NULL;
+    t->njoiners = 0;
     dopt__tcp_set_job(c2, t2); /* the flight recorder's files of the survivors' communicator */
     if (me == 0) { /* rank 0 stays rank 0, and keeps refusing late joiners of the rendezvous */
         t2->lfd = t->lfd;
@@ -3101,6 +3151,14 @@ static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next) {
         z.pgot[z.npend++] = DOPT__TCP_SHRINK_HELLO;
     }
     t->nparked = 0;
+    for (r = t->npend - 1; r >= 0; r--) { /* taken by the lobby in a collective's wait, not read whole yet */
+        dopt__tcp_pending *q = &t->pend[r];
+        if (z.npend == DOPT__TCP_MAX_PENDING || (q->got >= 4 && memcmp(q->rec, "DSHR", 4) != 0)) continue;
+        z.pend[z.npend] = q->fd;
+        memcpy(z.pbuf[z.npend], q->rec, q->got);
+        z.pgot[z.npend++] = q->got;
+        *q = t->pend[--t->npend];
+    }
     if (c->lost_rank >= 0 && c->lost_rank < n && c->lost_rank != me)
         dopt__tcp_shrink_gone(c, &z, c->lost_rank, "the failure named it");
     s = dopt__tcp_shrink_agree(c, t, &z);
@@ -3255,7 +3313,7 @@ static void dopt__join_proof(const uint64_t key[2], char label, const unsigned c
 }
 
 /* 16 bytes from the kernel's random source for a nonce; 0 on success, -1 when there is none. */
-DOPT__MAYBE_UNUSED static int dopt__join_nonce(unsigned char out[DOPT__TCP_NONCE_BYTES]) {
+static int dopt__join_nonce(unsigned char out[DOPT__TCP_NONCE_BYTES]) {
     size_t got = 0;
     int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
@@ -3368,7 +3426,7 @@ typedef struct dopt__join_side {
 } dopt__join_side;
 
 /* The member's side of a new connection whose first bytes said "DJON": nonce_m fresh for it. */
-DOPT__MAYBE_UNUSED static void dopt__join_serve_init(dopt__join_side *s, const unsigned char token[DOPT_TCP_TOKEN_MAX],
+static void dopt__join_serve_init(dopt__join_side *s, const unsigned char token[DOPT_TCP_TOKEN_MAX],
                                   const unsigned char nonce_m[DOPT__TCP_NONCE_BYTES], uint32_t epoch, uint32_t size,
                                   uint32_t rank) {
     memset(s, 0, sizeof *s);
@@ -3486,7 +3544,7 @@ static int dopt__join_ask_record(dopt__join_side *s, unsigned char out[DOPT__TCP
    and takes nothing once the conversation is over: held or refused); *reply is set to 1 when
    out holds a record to send before feeding more. A held conversation takes no more bytes: what
    follows belongs to the admission. */
-DOPT__MAYBE_UNUSED static size_t dopt__join_feed(dopt__join_side *s, int member, const unsigned char *in, size_t n,
+static size_t dopt__join_feed(dopt__join_side *s, int member, const unsigned char *in, size_t n,
                               unsigned char out[DOPT__TCP_JOIN_BYTES], int *reply) {
     size_t take;
     *reply = 0;
@@ -3499,6 +3557,283 @@ DOPT__MAYBE_UNUSED static size_t dopt__join_feed(dopt__join_side *s, int member,
     s->got = 0;
     *reply = member ? dopt__join_serve_record(s, out) : dopt__join_ask_record(s, out);
     return take;
+}
+
+/* ===================================================================== RE-ADMIT: MEMBERS HOLD JOINERS
+
+   Once the job formed, every member that can take joiners listens: rank 0 on its rendezvous
+   socket, the others of a DOPT_SHRINK job on the socket they keep for the survivors' agreement.
+   The lobby that serves them runs inside the collectives' waits (dopt__tcp_link_wait), one
+   nonblocking read or write at a time, so a joiner never holds the job up. A connection is sorted
+   by its first 4 bytes (dopt__tcp_pending_read): a rendezvous HELLO is refused as before; a
+   survivor's hello that came before this rank started the same shrink is checked and parked for
+   it; a joiner's ASK starts a conversation here. At most DOPT__TCP_MAX_JOINERS conversations or
+   held joiners at once (another is refused as BUSY); one that has not finished its handshake
+   within DOPT__TCP_JOIN_IDLE_MS is dropped; a held one is watched for its end. Strangers that
+   never speak fill the lobby's DOPT__TCP_MAX_PENDING places and are dropped oldest first. */
+
+typedef struct dopt__tcp_joiner {
+    int fd;
+    dopt__join_side side;
+    unsigned char from[16]; /* where the connection came from */
+    uint32_t from_port;
+    double since;           /* accepted at (dopt__now_ms) */
+} dopt__tcp_joiner;
+
+static void dopt__tcp_joiner_drop(dopt_comm *c, dopt__tcp *t, int j, dopt_log_level level, const char *why) {
+    char from[DOPT__TCP_ADDR_CHARS];
+    dopt__tcp_addr_str(t->joiners[j].from, t->joiners[j].from_port, from, sizeof from);
+    dopt_comm_log(c, level, "rank %d: %s joiner from %s: %s", t->rank,
+                  t->joiners[j].side.stage == DOPT__JOIN_HELD ? "dropped the held" : "refused a", from, why);
+    close(t->joiners[j].fd);
+    t->joiners[j] = t->joiners[--t->njoiners];
+}
+
+static void dopt__tcp_joiners_free(dopt__tcp *t) {
+    int j;
+    for (j = 0; j < t->njoiners; j++) close(t->joiners[j].fd);
+    t->njoiners = 0;
+    DOPT_FREE(t->joiners);
+    t->joiners = NULL;
+}
+
+/* Appends the joiners' connections to t->pfd from np (after dropping those whose handshake took
+   too long); returns the new count. */
+static int dopt__tcp_joiners_add(dopt_comm *c, dopt__tcp *t, int np) {
+    double now = dopt__now_ms();
+    int j;
+    for (j = t->njoiners - 1; j >= 0; j--)
+        if (t->joiners[j].side.stage != DOPT__JOIN_HELD && now - t->joiners[j].since > DOPT__TCP_JOIN_IDLE_MS)
+            dopt__tcp_joiner_drop(c, t, j, DOPT_LOG_WARN, "its handshake did not end in time");
+    for (j = 0; j < t->njoiners; j++) {
+        t->pfd[np].fd = t->joiners[j].fd;
+        t->pfd[np].events = POLLIN | DOPT__TCP_POLL_END;
+        t->pfd[np].revents = 0;
+        t->pfd_peer[np++] = -2 - DOPT__TCP_MAX_PENDING - j;
+    }
+    return np;
+}
+
+/* Joiners held for the next round boundary. */
+DOPT__MAYBE_UNUSED static int dopt__tcp_joiners_held(const dopt__tcp *t) {
+    int j, n = 0;
+    for (j = 0; j < t->njoiners; j++) n += t->joiners[j].side.stage == DOPT__JOIN_HELD;
+    return n;
+}
+
+/* Reads what joiner j sent (never past the record it is in) and answers. */
+static void dopt__tcp_joiner_serve(dopt_comm *c, dopt__tcp *t, int j) {
+    dopt__tcp_joiner *jn = &t->joiners[j];
+    unsigned char in[DOPT__TCP_JOIN_BYTES], out[DOPT__TCP_JOIN_BYTES];
+    char listens[DOPT__TCP_ADDR_CHARS], from[DOPT__TCP_ADDR_CHARS];
+    int held = jn->side.stage == DOPT__JOIN_HELD, reply;
+    ssize_t n = recv(jn->fd, in, held ? 1 : DOPT__TCP_JOIN_BYTES - jn->side.got, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+    if (n <= 0) {
+        dopt__tcp_joiner_drop(c, t, j, held ? DOPT_LOG_INFO : DOPT_LOG_WARN,
+                              n == 0 ? "its connection ended" : strerror(errno));
+        return;
+    }
+    if (held) {
+        dopt__tcp_joiner_drop(c, t, j, DOPT_LOG_WARN, "it spoke while held");
+        return;
+    }
+    (void)dopt__join_feed(&jn->side, 1, in, (size_t)n, out, &reply);
+    /* one record answers one record: a connection with no room for 64 bytes is not worth waiting for */
+    if (reply && send(jn->fd, out, sizeof out, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof out) {
+        jn->side.stage = DOPT__JOIN_REFUSED;
+        dopt__tcp_joiner_drop(c, t, j, DOPT_LOG_WARN, "it did not take the answer");
+        return;
+    }
+    if (jn->side.stage == DOPT__JOIN_REFUSED) {
+        dopt__tcp_joiner_drop(c, t, j, DOPT_LOG_WARN, jn->side.why);
+        return;
+    }
+    if (jn->side.stage == DOPT__JOIN_HELD) {
+        dopt__tcp_addr_str(jn->from, jn->from_port, from, sizeof from);
+        dopt__tcp_addr_str(dopt__tcp_is_any(jn->side.addr) ? jn->from : jn->side.addr, jn->side.port, listens,
+                           sizeof listens);
+        dopt_comm_log(c, DOPT_LOG_INFO, "rank %d: holds a joiner from %s (it listens on %s) for the next round boundary",
+                      t->rank, from, listens);
+    }
+}
+
+/* A connection whose first 4 bytes were not a rendezvous HELLO: a joiner's ASK (its conversation
+   starts, or it is refused with a reason) or a survivor's whole hello (parked for the shrink
+   this rank has not started). Returns -1: q is no longer the lobby's (its fd moved or closed). */
+static int dopt__tcp_lobby_other(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q) {
+    unsigned char nonce[DOPT__TCP_NONCE_BYTES], out[DOPT__TCP_JOIN_BYTES];
+    dopt__join_side refusal;
+    dopt__tcp_joiner *jn;
+    uint32_t reason = 0;
+    const char *why = NULL;
+    int reply;
+    if (memcmp(q->rec, "DSHR", 4) == 0) {
+        if (t->ready && t->shrink_lfd >= 0 && t->nparked < DOPT__TCP_MAX_PENDING &&
+            dopt__tcp_shrink_check_hello(c, t, q->rec) >= 0) {
+            t->parked[t->nparked] = q->fd;
+            memcpy(t->parked_hello[t->nparked++], q->rec, DOPT__TCP_SHRINK_HELLO);
+            q->fd = -1;
+        } else {
+            dopt__tcp_refuse(c, t, q, NULL, 0, "a survivor's hello this rank does not wait for");
+        }
+        return -1;
+    }
+    if (!t->ready)
+        reason = DOPT__JOIN_CLOSED, why = "the job has not formed yet";
+    else if (t->on_peer_lost != DOPT_SHRINK)
+        reason = DOPT__JOIN_CLOSED, why = "the job takes no joiners (on_peer_lost is not DOPT_SHRINK)";
+    else if (t->njoiners == DOPT__TCP_MAX_JOINERS)
+        reason = DOPT__JOIN_BUSY, why = "as many joiners as a member takes are here already";
+    else if (t->joiners == NULL &&
+             (t->joiners = (dopt__tcp_joiner *)DOPT_MALLOC(sizeof(dopt__tcp_joiner) * DOPT__TCP_MAX_JOINERS)) == NULL)
+        reason = DOPT__JOIN_BUSY, why = "out of memory";
+    else if (dopt__join_nonce(nonce) < 0)
+        reason = DOPT__JOIN_CLOSED, why = "no random bytes for a nonce (/dev/urandom)";
+    if (reason) {
+        if (dopt__join_refuse(&refusal, 1, reason, why, out))
+            (void)!send(q->fd, out, sizeof out, MSG_NOSIGNAL | MSG_DONTWAIT);
+        dopt__tcp_refuse(c, t, q, NULL, 0, why);
+        return -1;
+    }
+    jn = &t->joiners[t->njoiners++];
+    jn->fd = q->fd;
+    q->fd = -1;
+    memcpy(jn->from, q->addr, 16);
+    jn->from_port = q->port;
+    jn->since = dopt__now_ms();
+    dopt__join_serve_init(&jn->side, t->token, nonce, (uint32_t)c->epoch, (uint32_t)t->size, (uint32_t)t->rank);
+    (void)dopt__join_feed(&jn->side, 1, q->rec, 4, out, &reply); /* "DJON": the rest is read by its conversation */
+    return -1;
+}
+
+/* ===================================================================== RE-ADMIT: THE JOINER ASKS
+
+   A joiner asks the members it was given in turn (rank 0's address first: any member may be
+   gone): a member that cannot be reached, or refuses as BUSY or CLOSED, sends it to the next;
+   one that refuses its token (or proves another token) ends the asking with DOPT_ERR_AUTH, as
+   no member of this job would take it. A connection gets DOPT__TCP_JOIN_CONNECT_MS to open and
+   the communicator's timeout to answer (a member answers inside its collectives, so one that
+   computes between them answers late). After each pass over the list the joiner waits, 100 ms
+   doubling to 1 s, and asks again until the deadline. */
+
+#define DOPT__TCP_JOIN_CONNECT_MS 3000
+
+/* Waits until fd is ready for events or the clock passes until: 1 ready, 0 not. */
+static int dopt__tcp_join_poll(int fd, short events, double until) {
+    for (;;) {
+        struct pollfd pf;
+        double left = until - dopt__now_ms();
+        int n;
+        if (left <= 0) return 0;
+        pf.fd = fd;
+        pf.events = events;
+        pf.revents = 0;
+        n = poll(&pf, 1, (int)left + 1);
+        if (n > 0) return 1;
+        if (n < 0 && errno != EINTR) return 0;
+    }
+}
+
+/* One try at the member at addr:port. 1: held, *fd_out is the connection; 0: not (why says why);
+   -1: the member refused the token or proved another (why says which). */
+static int dopt__tcp_join_try(dopt__tcp *t, const unsigned char addr[16], uint32_t port, const unsigned char my_addr[16],
+                              uint32_t my_port, double deadline, int answer_ms, int *fd_out, dopt__join_side *side,
+                              char *why, size_t cap) {
+    struct sockaddr_storage ss;
+    socklen_t len = dopt__tcp_sockaddr(&ss, addr, port), elen = sizeof(int);
+    unsigned char nonce[DOPT__TCP_NONCE_BYTES], in[DOPT__TCP_JOIN_BYTES], out[DOPT__TCP_JOIN_BYTES];
+    double now = dopt__now_ms(), until = now + DOPT__TCP_JOIN_CONNECT_MS < deadline ? now + DOPT__TCP_JOIN_CONNECT_MS : deadline;
+    int fd, err = 0, reply = 1, verdict = 0;
+    if (dopt__join_nonce(nonce) < 0) return snprintf(why, cap, "no random bytes for a nonce (/dev/urandom)"), 0;
+    fd = dopt__tcp_new_socket(addr, t->sockbuf);
+    if (fd < 0) return snprintf(why, cap, "socket: %s", strerror(errno)), 0;
+    if (connect(fd, (struct sockaddr *)&ss, len) < 0) {
+        err = errno;
+        if (err == EINPROGRESS)
+            err = !dopt__tcp_join_poll(fd, POLLOUT, until)                              ? ETIMEDOUT
+                  : getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) < 0 ? errno
+                                                                                        : err;
+    }
+    if (err) {
+        close(fd);
+        return snprintf(why, cap, "cannot connect: %s", strerror(err)), 0;
+    }
+    dopt__join_ask_init(side, t->token, nonce, my_addr, my_port, out);
+    until = now + answer_ms < deadline ? dopt__now_ms() + answer_ms : deadline;
+    snprintf(why, cap, "no answer in %d ms", answer_ms);
+    for (;;) {
+        ssize_t n;
+        if (reply) { /* 64 bytes on a connection that has carried at most 128: the buffer takes them */
+            if (send(fd, out, sizeof out, MSG_NOSIGNAL) != (ssize_t)sizeof out) {
+                snprintf(why, cap, "the connection ended: %s", strerror(errno));
+                break;
+            }
+            reply = 0;
+        }
+        if (side->stage == DOPT__JOIN_HELD) {
+            *fd_out = fd;
+            return 1;
+        }
+        if (side->stage == DOPT__JOIN_REFUSED) {
+            verdict = side->reason == DOPT__JOIN_WRONG_TOKEN || side->reason == 0 ? -1 : 0;
+            snprintf(why, cap, "%s", side->why);
+            break;
+        }
+        if (!dopt__tcp_join_poll(fd, POLLIN, until)) break;
+        n = recv(fd, in, DOPT__TCP_JOIN_BYTES - side->got, MSG_DONTWAIT);
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+        if (n <= 0) {
+            snprintf(why, cap, "the connection ended before an answer%s%s", n < 0 ? ": " : "", n < 0 ? strerror(errno) : "");
+            break;
+        }
+        (void)dopt__join_feed(side, 0, in, (size_t)n, out, &reply);
+    }
+    close(fd);
+    return verdict;
+}
+
+/* The joiner: asks the members at addr[i]:port[i] (i < n) until one holds it (DOPT_OK, *fd_out
+   the connection, side the conversation: the member's epoch, size and rank), one refuses its
+   token (AUTH) or the deadline passes (TIMEOUT, naming each member's last answer). It states
+   my_addr:my_port as where it listens. */
+DOPT__MAYBE_UNUSED static dopt_status dopt__tcp_join_reach(dopt_comm *c, const unsigned char (*addr)[16],
+                                                           const uint32_t *port, int n, const unsigned char my_addr[16],
+                                                           uint32_t my_port, double deadline, int *fd_out,
+                                                           dopt__join_side *side) {
+    dopt__tcp *t = (dopt__tcp *)c->impl;
+    char why[DOPT__TCP_MAX_JOIN_ASKED][120], where[DOPT__TCP_ADDR_CHARS], all[DOPT_DETAIL_MAX / 2];
+    int i, backoff = 100, asked = n < DOPT__TCP_MAX_JOIN_ASKED ? n : DOPT__TCP_MAX_JOIN_ASKED;
+    size_t used;
+    *fd_out = -1;
+    if (n < 1) return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "a joiner needs the address of one member at least");
+    for (;;) {
+        for (i = 0; i < n; i++) {
+            int r = dopt__tcp_join_try(t, addr[i], port[i], my_addr, my_port, deadline, c->timeout_ms, fd_out, side,
+                                       why[i < asked ? i : asked - 1], sizeof why[0]);
+            dopt__tcp_addr_str(addr[i], port[i], where, sizeof where);
+            if (r > 0) {
+                dopt_comm_log(c, DOPT_LOG_INFO, "joiner: held by rank %u of %u (epoch %u) at %s", (unsigned)side->rank,
+                              (unsigned)side->size, (unsigned)side->epoch, where);
+                return DOPT_OK;
+            }
+            if (r < 0)
+                return dopt__tcp_setup_fail(c, DOPT_ERR_AUTH, "joiner: the member at %s: %s (is DOPT_TOKEN the job's?)",
+                                            where, why[i < asked ? i : asked - 1]);
+        }
+        for (i = 0, used = 0; i < asked && used < sizeof all; i++) {
+            dopt__tcp_addr_str(addr[i], port[i], where, sizeof where);
+            used += (size_t)snprintf(all + used, sizeof all - used, "%s%s: %s", i ? "; " : "", where, why[i]);
+        }
+        if (dopt__now_ms() >= deadline)
+            return dopt__tcp_setup_fail(c, DOPT_ERR_TIMEOUT, "joiner: no member held it in %d ms (%s)",
+                                        t->rdv_timeout_ms, all);
+        if (dopt__tcp_report_due(t))
+            dopt_comm_log(c, DOPT_LOG_WARN, "joiner: no member holds it yet (%s; %d s)", all, dopt__tcp_waited_s(t));
+        if (dopt__now_ms() + backoff > deadline) backoff = (int)(deadline - dopt__now_ms()) + 1;
+        poll(NULL, 0, backoff);
+        backoff = backoff * 2 > 1000 ? 1000 : backoff * 2;
+    }
 }
 
 /* ===================================================================== ENVIRONMENT */

@@ -34,6 +34,7 @@ typedef struct tcp_world {
     int port_in_addr;  /* ranks 1.. are told rank 0's port in master_addr ("[::1]:PORT"), not master_port */
     int progress_thread_us; /* the config's */
     int keepalive_s;   /* the config's */
+    int on_peer_lost;  /* the config's */
     char addr_text[DOPT__TCP_HOST_MAX + 8];
     int port_pipe[2];
     int gate_pipe[2];
@@ -63,6 +64,7 @@ static void world_config(tcp_world *w, int rank, dopt_tcp_config *cfg) {
     cfg->master_addr = w->master_addr;
     cfg->progress_thread_us = w->progress_thread_us;
     cfg->keepalive_s = w->keepalive_s;
+    cfg->on_peer_lost = w->on_peer_lost;
     if (rank == 0) {
         cfg->on_listen = world_on_listen;
         cfg->on_listen_user = w;
@@ -2499,6 +2501,168 @@ DTEST(peer_closing_mid_payload_is_peer_lost) {
     DT_EQ_INT(dopt_allreduce(c, x, 4, DOPT_F32, DOPT_SUM), DOPT_ERR_PEER_LOST);
     DT_CHECKF(strstr(dopt_comm_detail(c), "rank 1") != NULL, "%s", dopt_comm_detail(c));
     dopt_comm_destroy(c);
+}
+
+/* ------------------------------------------------------------------ members hold joiners */
+
+/* 3 ranks of a DOPT_SHRINK job run allreduces while a visitor, another process, tries rank 1's
+   and rank 0's listening sockets: strangers (silent connections beyond the lobby's places,
+   garbage, a survivor's hello with no proof, a joiner's record followed by 100 KB, a malformed
+   ASK), a joiner with another token (AUTH, naming the token), joiner A (asks a closed port, then
+   rank 1: held there), 3 half conversations that fill rank 1's places for joiners, joiner B
+   (rank 1 says BUSY, rank 0 holds it). Every allreduce of the job is right throughout; the ranks
+   count 2 held joiners, then 0 once the visitor closed them. */
+typedef struct held_case {
+    tcp_world w; /* must stay first */
+    int ports[2]; /* rank 1 -> visitor: its listening port */
+    int seen[2];  /* rank 0 -> visitor: the ranks counted both held */
+} held_case;
+
+static dopt_comm *visitor_comm(const char *token, last_log *log) {
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.world_size = 1;
+    cfg.token = token;
+    cfg.timeout_ms = 20000;
+    cfg.log_fn = capture_log;
+    cfg.log_user = log;
+    DT_OK(dopt__tcp_new(&c, &cfg));
+    return c;
+}
+
+/* Asks the members at ports[0..n) on loopback as a joiner of token; returns the status. */
+static dopt_status visitor_join(const char *token, const int *ports, int n, int *fd, dopt__join_side *side,
+                                last_log *log) {
+    unsigned char addr[4][16], me[16];
+    uint32_t port[4];
+    dopt_comm *c = visitor_comm(token, log);
+    dopt_status s;
+    int i;
+    for (i = 0; i < n; i++) {
+        memset(addr[i], 0, 16);
+        addr[i][10] = addr[i][11] = 0xff, addr[i][12] = 127, addr[i][15] = 1;
+        port[i] = (uint32_t)ports[i];
+    }
+    memcpy(me, addr[0], 16);
+    s = dopt__tcp_join_reach(c, (const unsigned char(*)[16])addr, port, n, me, 40000, dopt__now_ms() + 20000, fd,
+                             side);
+    if (s != DOPT_OK) snprintf(log->text, sizeof log->text, "%s", dopt_comm_detail(c));
+    dopt_comm_destroy(c);
+    return s;
+}
+
+static void read_record(int fd, unsigned char rec[64]) {
+    DT_CHECK(read_exactly(fd, rec, 64) == 0);
+    DT_CHECK(memcmp(rec, "DJON", 4) == 0 && rec[4] == DOPT__TCP_JOIN_VERSION);
+}
+
+static void visitor(held_case *hc) {
+    enum { SILENT = 40 };
+    static const char junk[] = "GET / HTTP/1.0\r\n\r\n";
+    unsigned char rec[64], tok[DOPT_TCP_TOKEN_MAX], nonce[16];
+    int p0 = dtest_read_int(hc->w.port_pipe[0], "rank 0's port"), p1 = dtest_read_int(hc->ports[0], "rank 1's port");
+    int silent[SILENT], half[3], fa = -1, fb = -1, fd, i, asks[2];
+    dopt__join_side side, sides[3];
+    last_log log;
+    char *flood;
+    for (i = 0; i < SILENT; i++) silent[i] = connect_loopback(p1);
+    fd = connect_loopback(p1);
+    DT_CHECK(send(fd, junk, sizeof junk - 1, MSG_NOSIGNAL) > 0);
+    expect_closed(fd);
+    fd = connect_loopback(p1); /* a survivor's hello with no proof */
+    memset(rec, 0, sizeof rec);
+    memcpy(rec, "DSHR", 4);
+    dopt__put_le32(rec + 4, DOPT__TCP_SHRINK_VERSION);
+    dopt__put_le32(rec + 12, 3);
+    dopt__put_le32(rec + 20, 1);
+    DT_CHECK(send(fd, rec, DOPT__TCP_SHRINK_HELLO, MSG_NOSIGNAL) == DOPT__TCP_SHRINK_HELLO);
+    expect_closed(fd);
+    fd = connect_loopback(p1); /* "DJON" and 100 KB: one record is read, refused, closed */
+    flood = (char *)calloc(100000, 1);
+    memcpy(flood, "DJON", 4);
+    flood[4] = 1;
+    flood[5] = DOPT__JOIN_ASK;
+    memset(flood + 8, 'x', 100000 - 8);
+    (void)!send(fd, flood, 100000, MSG_NOSIGNAL | MSG_DONTWAIT);
+    free(flood);
+    read_record(fd, rec);
+    DT_CHECK(rec[5] == DOPT__JOIN_REFUSE && dopt__get_le16(rec + 8) == DOPT__JOIN_MALFORMED);
+    expect_closed(fd);
+    /* another token: the member's proof fails, the joiner stops at once */
+    memset(&log, 0, sizeof log);
+    DT_EQ_INT(visitor_join("another-job", &p1, 1, &fd, &side, &log), DOPT_ERR_AUTH);
+    DT_CHECKF(strstr(log.text, "token") != NULL && strstr(log.text, "DOPT_TOKEN") != NULL, "%s", log.text);
+    /* joiner A: a port nobody listens on, then rank 1 */
+    asks[0] = free_port();
+    asks[1] = p1;
+    memset(&log, 0, sizeof log);
+    DT_OK(visitor_join(hc->w.token, asks, 2, &fa, &side, &log));
+    DT_CHECK(side.stage == DOPT__JOIN_HELD && side.rank == 1 && side.size == 3 && side.epoch == 0);
+    /* 3 conversations that never answer: rank 1's places for joiners are full */
+    join_token(tok, hc->w.token);
+    for (i = 0; i < 3; i++) {
+        static const unsigned char lo[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 127, 0, 0, 1};
+        half[i] = connect_loopback(p1);
+        DT_CHECK(dopt__join_nonce(nonce) == 0);
+        dopt__join_ask_init(&sides[i], tok, nonce, lo, 1000, rec);
+        DT_CHECK(send(half[i], rec, 64, MSG_NOSIGNAL) == 64);
+        read_record(half[i], rec);
+        DT_CHECK(rec[5] == DOPT__JOIN_CHALLENGE);
+    }
+    /* joiner B: rank 1 is full, rank 0 holds it */
+    asks[0] = p1;
+    asks[1] = p0;
+    DT_OK(visitor_join(hc->w.token, asks, 2, &fb, &side, &log));
+    DT_CHECK(side.stage == DOPT__JOIN_HELD && side.rank == 0 && side.size == 3);
+    (void)dtest_read_int(hc->seen[0], "the ranks' count of held joiners");
+    close(fa);
+    close(fb);
+    for (i = 0; i < 3; i++) close(half[i]);
+    for (i = 0; i < SILENT; i++) expect_closed(silent[i]); /* dropped for later ones, or at the job's end */
+}
+
+/* This rank's held joiners, summed over the job, with a check that the job's sums are right. */
+static int held_everywhere(dopt_comm *c) {
+    double v[2];
+    v[0] = 1;
+    v[1] = dopt__tcp_joiners_held((dopt__tcp *)c->impl);
+    DT_OK(dopt_allreduce(c, v, 2, DOPT_F64, DOPT_SUM));
+    DT_CHECK(v[0] == 3);
+    return (int)v[1];
+}
+
+static void held_rank(int rank, void *arg) {
+    held_case *hc = (held_case *)arg;
+    dopt_comm *c;
+    double until;
+    if (rank == hc->w.n) {
+        visitor(hc);
+        return;
+    }
+    c = world_join(&hc->w, rank);
+    if (rank == 1) dtest_write_int(hc->ports[1], (int)((dopt__tcp *)c->impl)->peers[1].port);
+    until = dopt__now_ms() + 60000;
+    while (held_everywhere(c) != 2) {
+        DT_CHECKF(dopt__now_ms() < until, "rank %d: the members never held 2 joiners", rank);
+        poll(NULL, 0, 2);
+    }
+    if (rank == 0) dtest_write_int(hc->seen[1], 1);
+    while (held_everywhere(c) != 0) { /* the visitor closed them: every member lets go */
+        DT_CHECKF(dopt__now_ms() < until, "rank %d: held joiners that left were never dropped", rank);
+        poll(NULL, 0, 2);
+    }
+    DT_OK(dopt_barrier(c));
+    dopt_comm_destroy(c);
+}
+
+DTEST(members_hold_joiners_while_the_job_runs_and_strangers_do_not_disturb_it) {
+    held_case hc;
+    world_init(&hc.w, 3, 20000);
+    hc.w.port_copies = 3; /* ranks 1, 2 and the visitor */
+    hc.w.on_peer_lost = DOPT_SHRINK;
+    DT_CHECK(pipe(hc.ports) == 0 && pipe(hc.seen) == 0);
+    DT_EQ_INT(dtest_spawn(hc.w.n + 1, held_rank, &hc, 100), 0); /* the ranks and the visitor */
 }
 
 DTEST_MAIN()
