@@ -275,6 +275,26 @@
      may be left out, and learns it from dopt_comm_shrink's status. The rest of the contract is
      each transport's (transport_tcp.h: SURVIVING A LOST RANK).
 
+   TAKING A WORKER BACK (grow)
+     A restarted process of a DOPT_SHRINK job asks a member to join (TCP: dopt_tcp_config.join,
+     or DOPT_JOIN=1; see transport_tcp.h: RE-ADMIT), and the member holds it. The joiners come
+     in only when every member calls dopt_comm_grow(c, &next), at a moment the program chooses
+     (localsgd.h's driver: a round boundary), never inside a collective:
+     - DOPT_OK, next NULL: nobody is held anywhere; c goes on.
+     - DOPT_OK with next: the members agreed on every joiner held at that moment; next has them
+       as ranks c->size, c->size + 1, ... (in the order of the members that held them), the
+       members keep their ranks, next->epoch = c->epoch + 1. c's links now belong to next:
+       destroy c and go on with next (nothing in flight on c may be left). The joiner's create
+       returns its side of next.
+     - DOPT_ERR_PEER_LOST with next: a joiner (or a member) was lost while the links were made;
+       the barrier that ends dopt_comm_grow named it. Shrink next (dopt_comm_shrink) to go on
+       without it: the job is as it was, the joiner may ask again.
+     - DOPT_ERR_PEER_LOST (or TIMEOUT) without next: a member was lost before the joiners were
+       agreed; shrink c.
+     - DOPT_ERR_INVALID: c is a group, has failed, or was not configured with DOPT_SHRINK.
+     A backend that takes no joiners (shm, MPI) returns DOPT_OK with next NULL. It costs one
+     small allgather when nobody joins.
+
    RANKS THAT SHARE A HOST
      Where the transport knows which ranks share a host (TCP, from the addresses its ranks listen
      on), a large allreduce across several hosts with the same number of ranks each runs in two
@@ -722,6 +742,10 @@ typedef struct dopt_comm_vtable {
        configured with DOPT_SHRINK that failed with PEER_LOST or TIMEOUT; *next gets the
        survivors' communicator. NULL: DOPT_ERR_UNSUPPORTED. */
     dopt_status (*shrink)(dopt_comm *c, dopt_comm **next);
+    /* A backend that takes joiners (dopt_comm_grow): called on a healthy communicator configured
+       with DOPT_SHRINK; *next gets the grown communicator, or stays NULL when nobody joins.
+       NULL: nobody ever joins. */
+    dopt_status (*grow)(dopt_comm *c, dopt_comm **next);
 } dopt_comm_vtable;
 
 /* The vtable has field f: the backend's struct_size covers it. */
@@ -818,6 +842,7 @@ DOPT_DEF dopt_status dopt_comm_split_host(dopt_comm *c, dopt_comm **out);
 /* After a lost peer, on a communicator configured with DOPT_SHRINK: the survivors agree on who is
    alive and each gets *next, their communicator (SURVIVING A LOST PEER). Every survivor calls it. */
 DOPT_DEF dopt_status dopt_comm_shrink(dopt_comm *c, dopt_comm **next);
+DOPT_DEF dopt_status dopt_comm_grow(dopt_comm *c, dopt_comm **next);
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c);
 DOPT_DEF void dopt_comm_set_log(dopt_comm *c, dopt_log_fn fn, void *user);
 DOPT_DEF void dopt_comm_set_timeout(dopt_comm *c, int timeout_ms);
@@ -2784,6 +2809,26 @@ DOPT_DEF dopt_status dopt_comm_shrink(dopt_comm *c, dopt_comm **next) {
     return c->vt->shrink(c, next);
 }
 
+/* The checks every backend's grow shares; taking the joiners is the backend's. */
+DOPT_DEF dopt_status dopt_comm_grow(dopt_comm *c, dopt_comm **next) {
+    const char *why = NULL;
+    if (next) *next = NULL;
+    if (c == NULL || next == NULL) return DOPT_ERR_INVALID;
+    if (c->root != NULL)
+        why = "is a group: grow the communicator the transport made, then split again";
+    else if (c->error != DOPT_OK)
+        why = "has failed: shrink it first (dopt_comm_shrink), then grow the survivors' communicator";
+    else if (c->on_peer_lost != DOPT_SHRINK)
+        why = "was not configured to take joiners: set the transport config's on_peer_lost = DOPT_SHRINK (or "
+              "DOPT_ON_PEER_LOST=shrink)";
+    if (why) {
+        dopt_comm_log(c, DOPT_LOG_ERROR, "rank %d: dopt_comm_grow: the communicator (%s) %s", c->rank, c->vt->name, why);
+        return DOPT_ERR_INVALID;
+    }
+    if (!DOPT__VT_HAS(c->vt, grow)) return DOPT_OK; /* nobody can join: nobody did */
+    return c->vt->grow(c, next);
+}
+
 DOPT_DEF double dopt_mean(dopt_comm *c, double x) {
     const char *prev = dopt_comm_set_api(c, "dopt_mean");
     dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_MEAN);
@@ -3498,7 +3543,7 @@ static dopt_status dopt__self_split(dopt_comm *c, int color, int key, dopt_comm 
 
 static const dopt_comm_vtable dopt__self_vtable = {
     "self", dopt__self_allreduce, dopt__self_allgatherv, dopt__self_broadcast, dopt__self_barrier,
-    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, dopt__self_split, NULL, NULL, NULL};
+    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, dopt__self_split, NULL, NULL, NULL, NULL};
 
 DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out) {
     return dopt_comm_new(out, 0, 1, &dopt__self_vtable, NULL);

@@ -440,8 +440,8 @@
      gives every survivor a larger shard) or to drop. Not covered (refused at init, naming it):
      sync_grads, gradient buckets, compressors (their residuals are per rank) and batch
      controllers; a gradient average (after_backward on a synchronous step: the warm-up or
-     period 1) that loses a rank returns the failure as without elastic. Re-admitting a restarted
-     worker is not there yet.
+     period 1) that loses a rank returns the failure as without elastic. Taking a restarted
+     worker back (dopt_comm_grow) is not done by the driver yet.
 
    STEPS
      Steps are counted by dopt_dp_after_step. A host that calls only after_backward (README's

@@ -98,6 +98,10 @@
    | keepalive_s           | seconds a link may be idle before the kernel probes the   | 1 (a silent host is|
    |                       | peer's host, and between probes; 3 unanswered end the     | named within about |
    |                       | link (KEEP-ALIVE)                                         | 4 s); <0: off      |
+   | join                  | 1: this process asks a running DOPT_SHRINK job to take it | 0                  |
+   |                       | back (TAKING A WORKER BACK); rank, world_size are ignored |                    |
+   | join_peers            | with join, members to ask after rank 0 (master_addr,      | none: rank 0 only  |
+   |                       | master_port): "host:port,host:port"                       |                    |
    | log_fn, log_user      | logging callback, installed on the communicator. It also  | silent             |
    |                       | hears the rendezvous (whom it waits for, joiners refused) |                    |
    |                       | and is how a failed create tells why (there is no         |                    |
@@ -126,6 +130,9 @@
    |                            |                       | config's, else fail)               |
    | DOPT_MIN_RANKS             | min_ranks             | no (the config's, else 0)          |
    | DOPT_KEEPALIVE_S           | keepalive_s           | no (the config's, else 1; -1: off) |
+   | DOPT_JOIN                  | join                  | no (0 or 1; with 1, DOPT_RANK and  |
+   |                            |                       | DOPT_WORLD_SIZE are not needed)    |
+   | DOPT_JOIN_PEERS            | join_peers            | no                                 |
 
    Rank, world size and rank 0's address and port are read by distopt.h's dopt_launch_read (its
    LAUNCH VARIABLES): besides DOPT_*, from mpirun's (OMPI_COMM_WORLD_*, PMI_*), srun's
@@ -440,6 +447,37 @@
    proof is a 64-bit keyed hash, not a cryptographic MAC (SECURITY). After a successful shrink
    the old communicator's destroy closes its sockets at once (nobody reads them any more).
 
+   TAKING A WORKER BACK (join; distopt.h: TAKING A WORKER BACK)
+
+       // the restarted process: same token, DOPT_JOIN=1 (or cfg.join = 1), rank 0's address
+       // and port, and DOPT_JOIN_PEERS="host:port,..." for other members (rank 0 may be gone)
+       dopt_tcp_create_from_env(&comm, NULL); // returns once the members took it in
+       // every member, at a moment all of them reach (a round boundary):
+       dopt_comm *next;
+       if (dopt_comm_grow(comm, &next) == DOPT_OK && next) { dopt_comm_destroy(comm); comm = next; }
+
+   The joiner listens on a port of its own, then asks the members in turn, rank 0's address
+   first: each member of a DOPT_SHRINK job listens (rank 0 on the master port, the others at
+   their address in the peer table, which every member knows) and answers inside its
+   collectives' waits, never blocking on it. Member and joiner prove to each other that they
+   hold the token without sending it (a challenge-response with fresh nonces and SipHash-2-4:
+   WIRE FORMAT), and the member holds the joiner (at most 4 at once; a handshake must end within
+   10 s). A member that refuses the token ends the asking with DOPT_ERR_AUTH; one that is busy,
+   unreachable or not formed yet sends the joiner to the next, then round again (100 ms doubling
+   to 1 s) until rendezvous_timeout_ms. Held, the joiner waits for the members' dopt_comm_grow
+   until the same deadline, and asks again if its member goes. dopt_comm_grow: the members
+   allgather the joiners they hold, each sends its joiners their rank and every rank's address,
+   and every rank connects to every rank above it, as a shrink does (fresh links: a member still
+   finishing the allgather never reads a frame of the grown communicator on an old one), with a
+   hello whose proof is keyed by the token and, towards a joiner, bound to that joiner's nonce. A
+   barrier on the grown communicator ends it on every rank, joiners included. The grown
+   communicator keeps the members' settings; its epoch is one more. A joiner lost in between (it
+   died, or cannot be reached where it listens) makes that barrier fail with
+   DOPT_ERR_PEER_LOST on every rank: dopt_comm_shrink then leaves it out, and the job is as it
+   was. Hellos of that shrink that reach a rank still growing are kept for it. What a joiner
+   needs besides links — the model and the driver's state — is the driver's to send
+   (localsgd.h); the driver does not do it yet.
+
    ALGORITHMS (every rank ends with the same bytes, run after run)
 
    The collectives, their requests (dopt_allreduce_start and friends) and the failure handling
@@ -514,6 +552,9 @@ typedef struct dopt_tcp_config {
     int min_ranks;             /* with DOPT_SHRINK: fewer survivors than this end the job; 0: any */
     int keepalive_s;           /* a link idle this long gets a kernel keep-alive probe, repeated as often;
                                   3 unanswered end it (KEEP-ALIVE); 0: 1; <0: off */
+    int join;                  /* 1: a restarted process that asks a running job to take it back
+                                  (RE-ADMIT); rank and world_size are then the job's to give */
+    const char *join_peers;    /* with join: members to ask after rank 0, "host:port,host:port" */
 } dopt_tcp_config;
 
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg);
@@ -682,6 +723,11 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
        5 REFUSE     member → joiner: reason (2: 1 token, 2 version, 3 malformed record, 4 the
                     member holds as many joiners as it takes, 5 the job takes no joiners), 54
                     zero; the member then closes
+       6 ADMIT      member → held joiner: the grown communicator's epoch (4), size N (4), the
+                    joiner's rank (4), the members before the grow n (4), 40 zero; then the
+                    table: N entries of 20 bytes (where each rank listens: address (16),
+                    port (2), 2 zero), then the nonce_j of each joiner, ranks n .. N-1 (16 each).
+                    The member then closes the connection.
    The nonces are 16 bytes from /dev/urandom, drawn afresh by each side for each conversation.
    key = (SipHash-2-4 of the token zero-padded to 64 bytes under two fixed keys, k0 and k1 in
    dopt__join_key); a proof is SipHash-2-4 under key of (label, half, nonce_j, nonce_m, stated)
@@ -691,6 +737,11 @@ DOPT_DEF dopt_status dopt_tcp_create_from_sockets(dopt_comm **out, const int *fd
    checks proof_j, compared in constant time. A recording of a conversation cannot be replayed:
    the other side's nonce differs. It can still be used to test guesses of a short token
    offline: give a job a long random token.
+
+   Links of a grown communicator (dopt_comm_grow), on a connection rank a makes to where rank
+   b > a listens: hello, 40 bytes: "DGRW", version 1 (4), the grown communicator's epoch (4), its
+   size N (4), a (4), b (4), proof (16: label 'G', nonce_j = b's nonce when b is a joiner, else
+   16 zero, nonce_m = 16 zero, stated = epoch, a, b (4 each)). Then the engine's frames.
 */
 
 /* =====================================================================================
@@ -741,9 +792,11 @@ extern "C" {
 #define DOPT__TCP_HOST_MAX 256            /* the host part of master_addr or bind_addr, NUL included */
 #define DOPT__TCP_MAX_PENDING 32          /* unauthenticated connections held at once */
 #define DOPT__TCP_SHRINK_HELLO 40         /* a survivor's hello (WIRE FORMAT) */
+#define DOPT__TCP_GROW_HELLO 40           /* a link's hello in dopt_comm_grow (WIRE FORMAT) */
 #define DOPT__TCP_MAX_JOINERS 4           /* joiners a member converses with or holds at once (RE-ADMIT) */
 #define DOPT__TCP_JOIN_IDLE_MS 10000      /* a joiner's handshake ends within this, or it is dropped */
 #define DOPT__TCP_MAX_JOIN_ASKED 8        /* members whose answers a joiner's error names */
+#define DOPT__TCP_MAX_GROWN 65536         /* ranks an ADMIT may name: its table is read before the links */
 #define DOPT__TCP_LINGER_MS 2000          /* destroy waits at most this long for peers to take its bytes */
 #define DOPT__TCP_RENDEZVOUS_DEFAULT_MS 600000 /* see the manual's configuration table */
 #define DOPT__TCP_REPORT_DEFAULT_MS 5000
@@ -815,6 +868,9 @@ typedef struct dopt__tcp {
     int parked[DOPT__TCP_MAX_PENDING]; /* hellos of a later shrink that came during this one */
     unsigned char parked_hello[DOPT__TCP_MAX_PENDING][DOPT__TCP_SHRINK_HELLO];
     int nparked;
+    int gparked[DOPT__TCP_MAX_PENDING]; /* hellos of a grow that came while this rank still gathered */
+    unsigned char gparked_hello[DOPT__TCP_MAX_PENDING][DOPT__TCP_GROW_HELLO];
+    int ngparked;
     /* joiners (RE-ADMIT): conversations on the listening socket, and those held */
     struct dopt__tcp_joiner *joiners; /* DOPT__TCP_MAX_JOINERS, allocated for the first */
     int njoiners;
@@ -1236,6 +1292,7 @@ static void dopt__tcp_free(dopt__tcp *t) {
     if (t->shrink_lfd >= 0) close(t->shrink_lfd);
     for (p = 0; p < t->npend; p++) close(t->pend[p].fd);
     for (p = 0; p < t->nparked; p++) close(t->parked[p]);
+    for (p = 0; p < t->ngparked; p++) close(t->gparked[p]);
     dopt__tcp_joiners_free(t);
     DOPT_FREE(t->peers);
     DOPT_FREE(t->pfd);
@@ -1308,12 +1365,15 @@ static void dopt__tcp_destroy(dopt_comm *c) {
 }
 
 static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next);
+static dopt_status dopt__tcp_grow(dopt_comm *c, dopt_comm **next);
+static dopt_status dopt__tcp_join_job(dopt_comm **out, const dopt_tcp_config *cfg, int master_port);
+static int dopt__tcp_grow_hello_ok(const dopt__tcp *t, const unsigned char *in, uint32_t epoch, const unsigned char *nonce);
 
 /* Links only: every collective is the engine's. */
 static const dopt_comm_vtable dopt__tcp_vtable = {
     "tcp", NULL, NULL, NULL, NULL, dopt__tcp_destroy, sizeof(dopt_comm_vtable), 0u,
     dopt__tcp_link_send, dopt__tcp_link_recv, dopt__tcp_link_wait, dopt__tcp_link_close, NULL, NULL, dopt_engine_provider,
-    dopt__tcp_shrink};
+    dopt__tcp_shrink, dopt__tcp_grow};
 
 /* ===================================================================== SOCKETS */
 
@@ -1805,12 +1865,14 @@ static void dopt__tcp_refuse(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, c
    reads on) or a survivor's hello of a shrink this rank has not started yet ("DSHR", 40). */
 static int dopt__tcp_known_magic(const unsigned char *rec, size_t got) {
     size_t n = got < 4 ? got : 4;
-    return memcmp(rec, "DOPT", n) == 0 || memcmp(rec, "DJON", n) == 0 || memcmp(rec, "DSHR", n) == 0;
+    return memcmp(rec, "DOPT", n) == 0 || memcmp(rec, "DJON", n) == 0 || memcmp(rec, "DSHR", n) == 0 ||
+           memcmp(rec, "DGRW", n) == 0;
 }
 
 static size_t dopt__tcp_pending_want(const dopt__tcp_pending *q) {
     if (q->got < 4) return 4;
     if (memcmp(q->rec, "DSHR", 4) == 0) return DOPT__TCP_SHRINK_HELLO;
+    if (memcmp(q->rec, "DGRW", 4) == 0) return DOPT__TCP_GROW_HELLO;
     if (memcmp(q->rec, "DJON", 4) == 0) return 4;
     return sizeof q->rec;
 }
@@ -2646,6 +2708,11 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
         named.master_addr = named.master_host;
         cfg = &named;
     }
+    if (cfg && cfg->join) { /* RE-ADMIT: the rank and size are the job's to give */
+        s = dopt__tcp_check_addrs(cfg, &port);
+        if (s == DOPT_OK && port == 0) s = dopt__tcp_config_error(cfg, "a joiner needs rank 0's port (master_port)");
+        return s == DOPT_OK ? dopt__tcp_join_job(out, cfg, port) : s;
+    }
     s = dopt__tcp_new(&c, cfg);
     if (s == DOPT_OK && (s = dopt__tcp_check_addrs(cfg, &port)) == DOPT_OK &&
         (cfg->two_level < DOPT_TWO_LEVEL_OFF || cfg->two_level > DOPT_TWO_LEVEL_ON))
@@ -2692,6 +2759,37 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
     }
     *out = c;
     return DOPT_OK;
+}
+
+/* The config of a communicator that takes over t's settings, as rank `rank` of `size`. */
+static void dopt__tcp_like(const dopt_comm *c, const dopt__tcp *t, int rank, int size, char token[DOPT_TCP_TOKEN_MAX + 1],
+                           dopt_tcp_config *k) {
+    memset(k, 0, sizeof *k);
+    memcpy(token, t->token, DOPT_TCP_TOKEN_MAX);
+    token[DOPT_TCP_TOKEN_MAX] = '\0';
+    k->rank = rank;
+    k->world_size = size;
+    k->timeout_ms = c->timeout_ms;
+    k->token = token;
+    k->socket_buffer_bytes = t->sockbuf;
+    k->small_bytes = t->small_bytes;
+    k->spin_us = t->spin_us;
+    k->log_fn = c->log_fn;
+    k->log_user = c->log_user;
+    k->on_peer_lost = DOPT_SHRINK;
+    k->min_ranks = c->min_ranks;
+    k->keepalive_s = t->keepalive_s;
+    k->two_level = t->two_level;
+    k->progress_thread_us = t->progress_thread_us;
+}
+
+/* A link that has ended, for a rank no connection was made with: the first collective on the
+   grown communicator names that rank, and a shrink leaves it out. */
+static int dopt__tcp_ended_link(void) {
+    int pair[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, pair) < 0) return -1;
+    close(pair[1]);
+    return pair[0];
 }
 
 /* ===================================================================== SHRINK: THE SURVIVORS AGREE
@@ -2771,6 +2869,20 @@ static int dopt__tcp_shrink_check_hello(dopt_comm *c, const dopt__tcp *t, const 
         return -1;
     }
     return (int)from;
+}
+
+/* A hello for a shrink of this communicator or of one a grow now being made will be (a rank
+   done with the grow before this one: its size is not known here yet), its proof right; 0 with
+   the reason logged when it is not one. */
+static int dopt__tcp_shrink_hello_later(dopt_comm *c, const dopt__tcp *t, const unsigned char *in) {
+    uint32_t epoch = dopt__get_le32(in + 8), n = dopt__get_le32(in + 12), from = dopt__get_le32(in + 16);
+    if (epoch == c->epoch) return dopt__tcp_shrink_check_hello(c, t, in) >= 0;
+    if (memcmp(in, "DSHR", 4) == 0 && dopt__get_le32(in + 4) == DOPT__TCP_SHRINK_VERSION && epoch == c->epoch + 1 &&
+        n > (uint32_t)t->size && n <= DOPT__TCP_MAX_GROWN && dopt__get_le32(in + 20) == (uint32_t)t->rank &&
+        from < (uint32_t)t->rank && dopt__get_le64(in + 24) == dopt__tcp_shrink_proof(t, epoch, (int)n, (int)from, t->rank))
+        return 1;
+    dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: refused a survivor's hello: not for this communicator or the next", t->rank);
+    return 0;
 }
 
 static void dopt__tcp_shrink_gone(dopt_comm *c, dopt__tcp_shrinker *z, int r, const char *why) {
@@ -3048,40 +3160,22 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
             if (r < me) nr++;
             m++;
         }
-    memset(&k, 0, sizeof k);
-    memcpy(token, t->token, DOPT_TCP_TOKEN_MAX);
-    token[DOPT_TCP_TOKEN_MAX] = '\0';
-    k.rank = nr;
-    k.world_size = m;
-    k.timeout_ms = c->timeout_ms;
-    k.token = token;
-    k.socket_buffer_bytes = t->sockbuf;
-    k.small_bytes = t->small_bytes;
-    k.spin_us = t->spin_us;
-    k.log_fn = c->log_fn;
-    k.log_user = c->log_user;
-    k.on_peer_lost = DOPT_SHRINK;
-    k.min_ranks = c->min_ranks;
+    dopt__tcp_like(c, t, nr, m, token, &k);
     s = dopt__tcp_new(&c2, &k);
     if (s != DOPT_OK) return dopt__tcp_shrink_fail(c, s, "cannot allocate the survivors' communicator");
     t2 = (dopt__tcp *)c2->impl;
     c2->epoch = c->epoch + 1;
-    t2->two_level = t->two_level;
-    t2->progress_thread_us = t->progress_thread_us;
-    t2->keepalive_s = t->keepalive_s;
     for (r = 0, q = 0; r < n; r++) {
-        int pair[2];
         if (dopt__agree_has(z->a.value, r)) continue;
         memcpy(t2->peers[q].addr, t->peers[r].addr, 16);
         t2->peers[q].port = t->peers[r].port;
         if (r != me && z->state[r] == 2 && z->fd[r] >= 0) {
             t2->peers[q].fd = z->fd[r];
             z->fd[r] = -1;
-        } else if (r != me && socketpair(AF_UNIX, SOCK_STREAM, 0, pair) == 0) {
+        } else if (r != me) {
             /* a member this rank lost after the decision (or never heard): a link that has
                ended, so that the first collective names it and a second shrink leaves it out */
-            close(pair[1]);
-            t2->peers[q].fd = pair[0];
+            t2->peers[q].fd = dopt__tcp_ended_link();
         }
         if (r != me && (t2->peers[q].fd < 0 || dopt__tcp_set_nonblocking(t2->peers[q].fd) < 0)) {
             dopt_comm_destroy(c2);
@@ -3234,7 +3328,8 @@ enum { /* record types */
     DOPT__JOIN_CHALLENGE = 2, /* member → joiner: its nonce, its proof, epoch, size, rank */
     DOPT__JOIN_ANSWER = 3,    /* joiner → member: its proof */
     DOPT__JOIN_QUEUED = 4,    /* member → joiner: held for the next round boundary */
-    DOPT__JOIN_REFUSE = 5     /* member → joiner: a reason, then the member closes */
+    DOPT__JOIN_REFUSE = 5,    /* member → joiner: a reason, then the member closes */
+    DOPT__JOIN_ADMIT = 6      /* member → held joiner: its rank in the grown communicator; the table follows */
 };
 
 enum { /* REFUSE reasons */
@@ -3335,6 +3430,7 @@ typedef struct dopt__join_rec {
     uint32_t port;                              /* ASK: its listening port */
     uint32_t epoch, size, rank;                 /* CHALLENGE: the member's communicator and rank */
     uint32_t reason;                            /* REFUSE */
+    uint32_t members;                           /* ADMIT: the members before the grow (epoch, size, rank too) */
 } dopt__join_rec;
 
 static void dopt__join_encode(unsigned char *out, const dopt__join_rec *r) {
@@ -3357,6 +3453,12 @@ static void dopt__join_encode(unsigned char *out, const dopt__join_rec *r) {
         break;
     case DOPT__JOIN_ANSWER: memcpy(out + 8, r->proof, DOPT__TCP_PROOF_BYTES); break;
     case DOPT__JOIN_REFUSE: dopt__put_le16(out + 8, r->reason); break;
+    case DOPT__JOIN_ADMIT:
+        dopt__put_le32(out + 8, r->epoch);
+        dopt__put_le32(out + 12, r->size);
+        dopt__put_le32(out + 16, r->rank);
+        dopt__put_le32(out + 20, r->members);
+        break;
     default: break; /* QUEUED: the header alone */
     }
 }
@@ -3364,12 +3466,12 @@ static void dopt__join_encode(unsigned char *out, const dopt__join_rec *r) {
 /* NULL when in[0..64) is a well-formed record of this version, else why not (r->type is set
    from byte 5 even then; a record of another version comes back as "another version"). */
 static const char *dopt__join_decode(const unsigned char *in, dopt__join_rec *r) {
-    static const unsigned char used_to[6] = {8, 44, 52, 24, 8, 10}; /* bytes in use by type (index 0: none) */
+    static const unsigned char used_to[7] = {8, 44, 52, 24, 8, 10, 24}; /* bytes in use by type (index 0: none) */
     memset(r, 0, sizeof *r);
     if (memcmp(in, "DJON", 4) != 0) return "not a joiner's record";
     if (in[4] != DOPT__TCP_JOIN_VERSION) return "another version of the joiner's handshake";
     r->type = in[5];
-    if (r->type < DOPT__JOIN_ASK || r->type > DOPT__JOIN_REFUSE) return "unknown record type";
+    if (r->type < DOPT__JOIN_ASK || r->type > DOPT__JOIN_ADMIT) return "unknown record type";
     if (!dopt__tcp_all_zero(in + 6, 2) || !dopt__tcp_all_zero(in + used_to[r->type], DOPT__TCP_JOIN_BYTES - used_to[r->type]))
         return "reserved bytes are not zero";
     switch (r->type) {
@@ -3392,6 +3494,16 @@ static const char *dopt__join_decode(const unsigned char *in, dopt__join_rec *r)
     case DOPT__JOIN_REFUSE:
         r->reason = dopt__get_le16(in + 8);
         if (r->reason < DOPT__JOIN_WRONG_TOKEN || r->reason > DOPT__JOIN_CLOSED) return "unknown refusal reason";
+        break;
+    case DOPT__JOIN_ADMIT:
+        r->epoch = dopt__get_le32(in + 8);
+        r->size = dopt__get_le32(in + 12);
+        r->rank = dopt__get_le32(in + 16);
+        r->members = dopt__get_le32(in + 20);
+        if (r->members < 1 || r->size <= r->members || r->size > DOPT__TCP_MAX_GROWN || r->rank < r->members ||
+            r->rank >= r->size)
+            return "ranks that do not fit (members, size, rank)";
+        if (r->epoch == 0) return "epoch 0 (a grown communicator's epoch is its members' + 1)";
         break;
     default: break;
     }
@@ -3658,6 +3770,22 @@ static void dopt__tcp_joiner_serve(dopt_comm *c, dopt__tcp *t, int j) {
     }
 }
 
+/* Keeps q's connection and its 40-byte hello in fds/hellos for the agreement it belongs to
+   when ok and there is room; else refuses it. -1: q is no longer the lobby's. */
+static int dopt__tcp_park(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *q, int ok, int *fds,
+                          unsigned char (*hellos)[DOPT__TCP_SHRINK_HELLO], int *n, const char *whose) {
+    char why[64];
+    if (ok && *n < DOPT__TCP_MAX_PENDING) {
+        fds[*n] = q->fd;
+        memcpy(hellos[(*n)++], q->rec, DOPT__TCP_SHRINK_HELLO);
+        q->fd = -1;
+    } else {
+        snprintf(why, sizeof why, "%s hello this rank does not wait for", whose);
+        dopt__tcp_refuse(c, t, q, NULL, 0, why);
+    }
+    return -1;
+}
+
 /* A connection whose first 4 bytes were not a rendezvous HELLO: a joiner's ASK (its conversation
    starts, or it is refused with a reason) or a survivor's whole hello (parked for the shrink
    this rank has not started). Returns -1: q is no longer the lobby's (its fd moved or closed). */
@@ -3669,15 +3797,12 @@ static int dopt__tcp_lobby_other(dopt_comm *c, dopt__tcp *t, dopt__tcp_pending *
     const char *why = NULL;
     int reply;
     if (memcmp(q->rec, "DSHR", 4) == 0) {
-        if (t->ready && t->shrink_lfd >= 0 && t->nparked < DOPT__TCP_MAX_PENDING &&
-            dopt__tcp_shrink_check_hello(c, t, q->rec) >= 0) {
-            t->parked[t->nparked] = q->fd;
-            memcpy(t->parked_hello[t->nparked++], q->rec, DOPT__TCP_SHRINK_HELLO);
-            q->fd = -1;
-        } else {
-            dopt__tcp_refuse(c, t, q, NULL, 0, "a survivor's hello this rank does not wait for");
-        }
-        return -1;
+        int ok = t->ready && t->shrink_lfd >= 0 && dopt__tcp_shrink_hello_later(c, t, q->rec);
+        return dopt__tcp_park(c, t, q, ok, t->parked, t->parked_hello, &t->nparked, "a survivor's");
+    }
+    if (memcmp(q->rec, "DGRW", 4) == 0) { /* a rank below, already done gathering: for this rank's grow */
+        int ok = t->ready && dopt__tcp_grow_hello_ok(t, q->rec, c->epoch + 1, NULL);
+        return dopt__tcp_park(c, t, q, ok, t->gparked, t->gparked_hello, &t->ngparked, "a grow's");
     }
     if (!t->ready)
         reason = DOPT__JOIN_CLOSED, why = "the job has not formed yet";
@@ -3735,19 +3860,13 @@ static int dopt__tcp_join_poll(int fd, short events, double until) {
     }
 }
 
-/* One try at the member at addr:port. 1: held, *fd_out is the connection; 0: not (why says why);
-   -1: the member refused the token or proved another (why says which). */
-static int dopt__tcp_join_try(dopt__tcp *t, const unsigned char addr[16], uint32_t port, const unsigned char my_addr[16],
-                              uint32_t my_port, double deadline, int answer_ms, int *fd_out, dopt__join_side *side,
-                              char *why, size_t cap) {
+/* A connection to addr:port opened before the clock passes until: the socket, or -1 with errno
+   saying why. */
+static int dopt__tcp_open(const dopt__tcp *t, const unsigned char addr[16], uint32_t port, double until) {
     struct sockaddr_storage ss;
     socklen_t len = dopt__tcp_sockaddr(&ss, addr, port), elen = sizeof(int);
-    unsigned char nonce[DOPT__TCP_NONCE_BYTES], in[DOPT__TCP_JOIN_BYTES], out[DOPT__TCP_JOIN_BYTES];
-    double now = dopt__now_ms(), until = now + DOPT__TCP_JOIN_CONNECT_MS < deadline ? now + DOPT__TCP_JOIN_CONNECT_MS : deadline;
-    int fd, err = 0, reply = 1, verdict = 0;
-    if (dopt__join_nonce(nonce) < 0) return snprintf(why, cap, "no random bytes for a nonce (/dev/urandom)"), 0;
-    fd = dopt__tcp_new_socket(addr, t->sockbuf);
-    if (fd < 0) return snprintf(why, cap, "socket: %s", strerror(errno)), 0;
+    int fd = dopt__tcp_new_socket(addr, t->sockbuf), err = 0;
+    if (fd < 0) return -1;
     if (connect(fd, (struct sockaddr *)&ss, len) < 0) {
         err = errno;
         if (err == EINPROGRESS)
@@ -3757,8 +3876,60 @@ static int dopt__tcp_join_try(dopt__tcp *t, const unsigned char addr[16], uint32
     }
     if (err) {
         close(fd);
-        return snprintf(why, cap, "cannot connect: %s", strerror(err)), 0;
+        errno = err;
+        return -1;
     }
+    return fd;
+}
+
+/* Writes n bytes before the deadline: 0, or -1 (errno says why). */
+static int dopt__tcp_put_all(int fd, const unsigned char *buf, size_t n, double deadline) {
+    while (n > 0) {
+        ssize_t k = send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k > 0) {
+            buf += k;
+            n -= (size_t)k;
+        } else if (k < 0 && errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) {
+            return -1;
+        } else if (k < 0 && errno != EINTR && !dopt__tcp_join_poll(fd, POLLOUT, deadline)) {
+            errno = ETIMEDOUT;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Reads n bytes before the deadline: 0, or -1 (errno says why; ECONNRESET for an end). */
+static int dopt__tcp_get_all(int fd, unsigned char *buf, size_t n, double deadline) {
+    while (n > 0) {
+        ssize_t k = recv(fd, buf, n, MSG_DONTWAIT);
+        if (k > 0) {
+            buf += k;
+            n -= (size_t)k;
+        } else if (k == 0) {
+            errno = ECONNRESET;
+            return -1;
+        } else if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) {
+            return -1;
+        } else if (errno != EINTR && !dopt__tcp_join_poll(fd, POLLIN, deadline)) {
+            errno = ETIMEDOUT;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* One try at the member at addr:port. 1: held, *fd_out is the connection; 0: not (why says why);
+   -1: the member refused the token or proved another (why says which). */
+static int dopt__tcp_join_try(dopt__tcp *t, const unsigned char addr[16], uint32_t port, const unsigned char my_addr[16],
+                              uint32_t my_port, double deadline, int answer_ms, int *fd_out, dopt__join_side *side,
+                              char *why, size_t cap) {
+    unsigned char nonce[DOPT__TCP_NONCE_BYTES], in[DOPT__TCP_JOIN_BYTES], out[DOPT__TCP_JOIN_BYTES];
+    double now = dopt__now_ms(), until = now + DOPT__TCP_JOIN_CONNECT_MS < deadline ? now + DOPT__TCP_JOIN_CONNECT_MS : deadline;
+    int fd, reply = 1, verdict = 0;
+    if (dopt__join_nonce(nonce) < 0) return snprintf(why, cap, "no random bytes for a nonce (/dev/urandom)"), 0;
+    fd = dopt__tcp_open(t, addr, port, until);
+    if (fd < 0) return snprintf(why, cap, "cannot connect: %s", strerror(errno)), 0;
     dopt__join_ask_init(side, t->token, nonce, my_addr, my_port, out);
     until = now + answer_ms < deadline ? dopt__now_ms() + answer_ms : deadline;
     snprintf(why, cap, "no answer in %d ms", answer_ms);
@@ -3836,6 +4007,485 @@ DOPT__MAYBE_UNUSED static dopt_status dopt__tcp_join_reach(dopt_comm *c, const u
     }
 }
 
+/* ===================================================================== RE-ADMIT: THE MEMBERS GROW
+
+   dopt_comm_grow on a TCP communicator (distopt.h: TAKING A WORKER BACK). Each member states the
+   joiners it holds (at most DOPT__TCP_MAX_JOINERS: where each listens and its nonce) in an
+   allgather, so every member sees the same list: the joiners of rank 0 first, each member's in
+   the order they were held. With K joiners in all, the grown communicator has n + K ranks, the
+   members keep theirs and the joiners take n, n + 1, ... in that order; its epoch is the
+   members' + 1. Each member sends its joiners ADMIT and the table (every rank's listening
+   address, then each joiner's nonce) on the connection they were held on, and closes it. Then
+   links: the members' links carry on into the grown communicator; every rank connects to each
+   joiner above it and says who it is in a 40-byte hello whose proof is bound to that joiner's
+   nonce, so that only the members (and joiners) of this grow can open it. A link that cannot be
+   made is an ended one: the barrier that closes dopt_comm_grow then fails with PEER_LOST on
+   every rank, and dopt_comm_shrink on the grown communicator leaves the joiner out again. */
+
+#define DOPT__TCP_GROW_VERSION 1
+#define DOPT__TCP_GROW_ENTRY 36 /* a joiner in the members' allgather: address 16, port 2, 2 zero, nonce 16 */
+#define DOPT__TCP_GROW_RECORD (4 + DOPT__TCP_MAX_JOINERS * DOPT__TCP_GROW_ENTRY)
+
+/* The hello that opens the link from `from` to `to` in the grown communicator (WIRE FORMAT): its
+   proof is bound to the joiner's nonce when `to` is a joiner (nonce_to), to nothing more than the
+   epoch and the two ranks when it is a member (NULL), so that a member checks it as soon as it
+   arrives, before it knows the grown size. */
+static void dopt__tcp_grow_hello(unsigned char out[DOPT__TCP_GROW_HELLO], const dopt__tcp *t,
+                                 const unsigned char *nonce_to, uint32_t epoch, uint32_t size, int from, int to) {
+    static const unsigned char none[DOPT__TCP_NONCE_BYTES] = {0};
+    unsigned char stated[12];
+    uint64_t key[2];
+    memset(out, 0, DOPT__TCP_GROW_HELLO);
+    memcpy(out, "DGRW", 4);
+    dopt__put_le32(out + 4, DOPT__TCP_GROW_VERSION);
+    dopt__put_le32(out + 8, epoch);
+    dopt__put_le32(out + 12, size);
+    dopt__put_le32(out + 16, (uint32_t)from);
+    dopt__put_le32(out + 20, (uint32_t)to);
+    dopt__put_le32(stated, epoch);
+    dopt__put_le32(stated + 4, (uint32_t)from);
+    dopt__put_le32(stated + 8, (uint32_t)to);
+    dopt__join_key(t->token, key);
+    dopt__join_proof(key, 'G', nonce_to ? nonce_to : none, none, stated, sizeof stated, out + 24);
+}
+
+/* A hello a member takes for the grow from epoch-1 to epoch: a rank below it, its proof right
+   (size unchecked: unknown yet). */
+static int dopt__tcp_grow_hello_ok(const dopt__tcp *t, const unsigned char *in, uint32_t epoch, const unsigned char *nonce) {
+    unsigned char want[DOPT__TCP_GROW_HELLO];
+    uint32_t from = dopt__get_le32(in + 16);
+    if (memcmp(in, "DGRW", 4) != 0 || dopt__get_le32(in + 8) != epoch || dopt__get_le32(in + 20) != (uint32_t)t->rank ||
+        from >= (uint32_t)t->rank)
+        return 0;
+    dopt__tcp_grow_hello(want, t, nonce, epoch, dopt__get_le32(in + 12), (int)from, t->rank);
+    return dopt__tcp_same_bytes(want, in, sizeof want);
+}
+
+/* Takes the hellos of ranks 0 .. rank-1 of the grown communicator on lfd until the deadline,
+   starting with the connections given (fd, what was read of each: got bytes); a rank that did
+   not come gets an ended link (the barrier names it). nonce: the joiner's, NULL for a member. */
+static void dopt__tcp_grow_accept(dopt_comm *c2, dopt__tcp *t2, int lfd, const unsigned char *nonce, double deadline,
+                                  int *pend, unsigned char (*pbuf)[DOPT__TCP_GROW_HELLO], size_t *pgot, int np) {
+    int got = 0, me = t2->rank, i, r;
+    struct pollfd pf[DOPT__TCP_MAX_PENDING + 1];
+    for (;;) {
+        double left;
+        int fd;
+        for (i = np - 1; i >= 0; i--) { /* whole hellos: taken or refused */
+            uint32_t from = dopt__get_le32(pbuf[i] + 16);
+            int shrink = memcmp(pbuf[i], "DSHR", 4) == 0; /* a rank done with this grow already shrinks */
+            if (pgot[i] < DOPT__TCP_GROW_HELLO && (pgot[i] < 4 || shrink || memcmp(pbuf[i], "DGRW", 4) == 0)) continue;
+            if (shrink && pgot[i] == DOPT__TCP_SHRINK_HELLO && t2->nparked < DOPT__TCP_MAX_PENDING &&
+                dopt__tcp_shrink_check_hello(c2, t2, pbuf[i]) >= 0) {
+                t2->parked[t2->nparked] = pend[i]; /* for this rank's shrink of the grown communicator */
+                memcpy(t2->parked_hello[t2->nparked++], pbuf[i], DOPT__TCP_SHRINK_HELLO);
+            } else if (!shrink && pgot[i] == DOPT__TCP_GROW_HELLO && dopt__tcp_grow_hello_ok(t2, pbuf[i], c2->epoch, nonce) &&
+                       dopt__get_le32(pbuf[i] + 12) == (uint32_t)t2->size && t2->peers[from].fd < 0) {
+                t2->peers[from].fd = pend[i];
+                got++;
+            } else {
+                dopt_comm_log(c2, DOPT_LOG_WARN, "rank %d: dopt_comm_grow: refused a connection: not a hello of this grow",
+                              me);
+                close(pend[i]);
+            }
+            np--;
+            pend[i] = pend[np], pgot[i] = pgot[np];
+            memcpy(pbuf[i], pbuf[np], DOPT__TCP_GROW_HELLO);
+        }
+        left = deadline - dopt__now_ms();
+        if (got == me || left <= 0 || lfd < 0) break;
+        pf[0].fd = lfd;
+        pf[0].events = POLLIN;
+        for (i = 0; i < np; i++) pf[i + 1].fd = pend[i], pf[i + 1].events = POLLIN;
+        if (poll(pf, (nfds_t)np + 1, (int)left + 1) <= 0) continue;
+        for (i = np - 1; i >= 0; i--) {
+            ssize_t k;
+            if (!pf[i + 1].revents) continue;
+            k = recv(pend[i], pbuf[i] + pgot[i], DOPT__TCP_GROW_HELLO - pgot[i], MSG_DONTWAIT);
+            if (k > 0) pgot[i] += (size_t)k;
+            if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+                close(pend[i]);
+                np--;
+                pend[i] = pend[np], pgot[i] = pgot[np];
+                memcpy(pbuf[i], pbuf[np], DOPT__TCP_GROW_HELLO);
+            }
+        }
+        while ((fd = accept(lfd, NULL, NULL)) >= 0) {
+            if (dopt__tcp_set_nonblocking(fd) < 0) {
+                close(fd);
+                continue;
+            }
+            if (np == DOPT__TCP_MAX_PENDING) { /* a flood: the oldest goes */
+                close(pend[0]);
+                np--;
+                memmove(pend, pend + 1, sizeof pend[0] * (size_t)np);
+                memmove(pgot, pgot + 1, sizeof pgot[0] * (size_t)np);
+                memmove(pbuf, pbuf + 1, sizeof pbuf[0] * (size_t)np);
+            }
+            pend[np] = fd;
+            pgot[np++] = 0;
+        }
+    }
+    for (i = 0; i < np; i++) { /* not read whole: a survivor's hello, maybe, for the lobby (LINKS) to sort */
+        if (t2->npend == DOPT__TCP_MAX_PENDING) {
+            close(pend[i]);
+            continue;
+        }
+        memset(&t2->pend[t2->npend], 0, sizeof t2->pend[0]);
+        t2->pend[t2->npend].fd = pend[i];
+        memcpy(t2->pend[t2->npend].rec, pbuf[i], pgot[i]);
+        t2->pend[t2->npend++].got = pgot[i];
+    }
+    for (r = 0; r < me; r++)
+        if (t2->peers[r].fd < 0) {
+            dopt_comm_log(c2, DOPT_LOG_WARN, "rank %d: dopt_comm_grow: rank %d did not connect", me, r);
+            t2->peers[r].fd = dopt__tcp_ended_link();
+        }
+}
+
+/* Connects to addr:port and writes the hello; the connection, or -1 (why in why). */
+static int dopt__tcp_grow_connect(const dopt__tcp *t, const unsigned char addr[16], uint32_t port,
+                                  const unsigned char hello[DOPT__TCP_GROW_HELLO], double deadline, char *why,
+                                  size_t cap) {
+    int fd = dopt__tcp_open(t, addr, port, deadline);
+    if (fd >= 0 && dopt__tcp_put_all(fd, hello, DOPT__TCP_GROW_HELLO, deadline) < 0) {
+        int err = errno;
+        close(fd);
+        fd = -1;
+        errno = err;
+    }
+    if (fd < 0) snprintf(why, cap, "%s", strerror(errno));
+    return fd;
+}
+
+/* The last steps of a grown communicator, on every rank: ready, identity, hosts, the progress
+   thread. DOPT_OK, or why not (c2 destroyed). */
+static dopt_status dopt__tcp_grown(dopt_comm *c2, dopt__tcp *t2) {
+    dopt_status s;
+    int p;
+    t2->ready = 1;
+    for (p = 0; p < t2->size; p++)
+        if (p != t2->rank) {
+            (void)dopt__tcp_set_nonblocking(t2->peers[p].fd);
+            dopt__tcp_tune(t2->peers[p].fd, 0);
+            dopt__tcp_keepalive(t2->peers[p].fd, t2->keepalive_s);
+        }
+    dopt__tcp_set_job(c2, t2);
+    dopt_comm_set_host(c2, dopt__tcp_local_ranks(t2), (int)sysconf(_SC_NPROCESSORS_ONLN));
+    if ((s = dopt__tcp_set_hosts(c2, t2, t2->two_level)) != DOPT_OK ||
+        (t2->progress_thread_us > 0 && (s = dopt_comm_set_progress_thread(c2, t2->progress_thread_us)) != DOPT_OK))
+        dopt_comm_destroy(c2);
+    return s;
+}
+
+/* The table an ADMIT carries: size entries (DOPT__TCP_ENTRY_BYTES: where each rank listens),
+   then the nonces of ranks members .. size-1. */
+static size_t dopt__tcp_grow_table_bytes(uint32_t members, uint32_t size) {
+    return (size_t)size * DOPT__TCP_ENTRY_BYTES + (size_t)(size - members) * DOPT__TCP_NONCE_BYTES;
+}
+
+static dopt_status dopt__tcp_grow(dopt_comm *c, dopt_comm **next) {
+    dopt__tcp *t = (dopt__tcp *)c->impl, *t2;
+    int n = t->size, me = t->rank, held[DOPT__TCP_MAX_JOINERS], nh = 0, K = 0, before = 0, r, i, j, q, N, np = 0;
+    unsigned char mine[DOPT__TCP_GROW_RECORD], *all, *table = NULL, rec[DOPT__TCP_JOIN_BYTES], hello[DOPT__TCP_GROW_HELLO];
+    unsigned char pbuf[DOPT__TCP_MAX_PENDING][DOPT__TCP_GROW_HELLO];
+    int pend[DOPT__TCP_MAX_PENDING];
+    size_t pgot[DOPT__TCP_MAX_PENDING], table_bytes;
+    char token[DOPT_TCP_TOKEN_MAX + 1], why[128], where[DOPT__TCP_ADDR_CHARS];
+    double deadline;
+    dopt_tcp_config k;
+    dopt_comm *c2 = NULL;
+    dopt__join_rec admit;
+    dopt_status s;
+    *next = NULL;
+    for (j = 0; j < t->njoiners; j++) /* held ones, oldest first */
+        if (t->joiners[j].side.stage == DOPT__JOIN_HELD) {
+            for (i = nh++; i > 0 && t->joiners[held[i - 1]].since > t->joiners[j].since; i--) held[i] = held[i - 1];
+            held[i] = j;
+        }
+    memset(mine, 0, sizeof mine);
+    dopt__put_le32(mine, (uint32_t)nh);
+    for (i = 0; i < nh; i++) {
+        const dopt__tcp_joiner *jn = &t->joiners[held[i]];
+        unsigned char *e = mine + 4 + (size_t)i * DOPT__TCP_GROW_ENTRY;
+        memcpy(e, dopt__tcp_is_any(jn->side.addr) ? jn->from : jn->side.addr, 16); /* a wildcard: where it came from */
+        dopt__put_le16(e + 16, jn->side.port);
+        memcpy(e + 20, jn->side.nonce_j, DOPT__TCP_NONCE_BYTES);
+    }
+    all = (unsigned char *)DOPT_MALLOC((size_t)n * DOPT__TCP_GROW_RECORD);
+    if (all == NULL) return dopt_comm_fail(c, NULL, DOPT_ERR_NOMEM, "rank %d: dopt_comm_grow: out of memory", me);
+    s = dopt_allgather(c, mine, all, DOPT__TCP_GROW_RECORD);
+    for (r = 0; r < n && s == DOPT_OK; r++) {
+        uint32_t kr = dopt__get_le32(all + (size_t)r * DOPT__TCP_GROW_RECORD);
+        if (kr > DOPT__TCP_MAX_JOINERS)
+            s = dopt_comm_fail(c, NULL, DOPT_ERR_PROTOCOL, "rank %d: dopt_comm_grow: rank %d states %u joiners", me, r,
+                               (unsigned)kr);
+        if (r < me) before += (int)kr;
+        K += (int)kr;
+    }
+    if (s != DOPT_OK || K == 0) {
+        DOPT_FREE(all);
+        return s;
+    }
+    N = n + K;
+    table_bytes = dopt__tcp_grow_table_bytes((uint32_t)n, (uint32_t)N);
+    table = (unsigned char *)DOPT_MALLOC(table_bytes);
+    dopt__tcp_like(c, t, me, N, token, &k);
+    if (table == NULL || (s = dopt__tcp_new(&c2, &k)) != DOPT_OK) {
+        DOPT_FREE(all);
+        DOPT_FREE(table);
+        return dopt_comm_fail(c, NULL, DOPT_ERR_NOMEM, "rank %d: dopt_comm_grow: out of memory", me);
+    }
+    t2 = (dopt__tcp *)c2->impl;
+    c2->epoch = c->epoch + 1;
+    memset(table, 0, table_bytes);
+    for (q = 0; q < n; q++) {
+        memcpy(t2->peers[q].addr, t->peers[q].addr, 16);
+        t2->peers[q].port = t->peers[q].port;
+    }
+    for (r = 0, q = n; r < n; r++)
+        for (i = 0; i < (int)dopt__get_le32(all + (size_t)r * DOPT__TCP_GROW_RECORD); i++, q++) {
+            const unsigned char *e = all + (size_t)r * DOPT__TCP_GROW_RECORD + 4 + (size_t)i * DOPT__TCP_GROW_ENTRY;
+            memcpy(t2->peers[q].addr, e, 16);
+            t2->peers[q].port = dopt__get_le16(e + 16);
+            memcpy(table + (size_t)N * DOPT__TCP_ENTRY_BYTES + (size_t)(q - n) * DOPT__TCP_NONCE_BYTES, e + 20,
+                   DOPT__TCP_NONCE_BYTES);
+        }
+    DOPT_FREE(all);
+    for (q = 0; q < N; q++) {
+        memcpy(table + (size_t)q * DOPT__TCP_ENTRY_BYTES, t2->peers[q].addr, 16);
+        dopt__put_le16(table + (size_t)q * DOPT__TCP_ENTRY_BYTES + 16, t2->peers[q].port);
+    }
+    deadline = dopt__now_ms() + c->timeout_ms;
+    memset(&admit, 0, sizeof admit);
+    admit.type = DOPT__JOIN_ADMIT;
+    admit.epoch = c2->epoch;
+    admit.size = (uint32_t)N;
+    admit.members = (uint32_t)n;
+    for (i = 0; i < nh; i++) { /* a joiner that does not take it fails to link below */
+        dopt__tcp_joiner *jn = &t->joiners[held[i]];
+        admit.rank = (uint32_t)(n + before + i);
+        dopt__join_encode(rec, &admit);
+        if (dopt__tcp_put_all(jn->fd, rec, sizeof rec, deadline) < 0 || dopt__tcp_put_all(jn->fd, table, table_bytes, deadline) < 0)
+            dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: dopt_comm_grow: joiner %d did not take its admission: %s", me,
+                          n + before + i, strerror(errno));
+        jn->side.stage = DOPT__JOIN_REFUSED; /* done with: closed below */
+    }
+    for (j = t->njoiners - 1; j >= 0; j--)
+        if (t->joiners[j].side.stage == DOPT__JOIN_REFUSED) {
+            close(t->joiners[j].fd);
+            t->joiners[j] = t->joiners[--t->njoiners];
+        }
+    /* fresh links, as a shrink makes them: c's stay c's, so that a member still finishing the
+       allgather on them never reads a frame of the grown communicator */
+    for (q = me + 1; q < N; q++) {
+        dopt__tcp_grow_hello(hello, t2, q >= n ? table + (size_t)N * DOPT__TCP_ENTRY_BYTES + (size_t)(q - n) * DOPT__TCP_NONCE_BYTES : NULL,
+                             c2->epoch, (uint32_t)N, me, q);
+        t2->peers[q].fd = dopt__tcp_grow_connect(t2, t2->peers[q].addr, t2->peers[q].port, hello, deadline, why, sizeof why);
+        if (t2->peers[q].fd < 0) {
+            dopt__tcp_addr_str(t2->peers[q].addr, t2->peers[q].port, where, sizeof where);
+            dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: dopt_comm_grow: no link to %s %d at %s: %s", me,
+                          q >= n ? "joiner" : "rank", q, where, why);
+            t2->peers[q].fd = dopt__tcp_ended_link();
+        }
+    }
+    DOPT_FREE(table);
+    for (i = 0; i < t->ngparked; i++) { /* hellos the lobby took during the allgather */
+        pend[np] = t->gparked[i];
+        memcpy(pbuf[np], t->gparked_hello[i], DOPT__TCP_GROW_HELLO);
+        pgot[np++] = DOPT__TCP_GROW_HELLO;
+    }
+    t->ngparked = 0;
+    for (r = t->npend - 1; r >= 0 && np < DOPT__TCP_MAX_PENDING; r--) { /* accepted there, not read whole yet */
+        dopt__tcp_pending *pq = &t->pend[r];
+        if (pq->got >= 4 && memcmp(pq->rec, "DGRW", 4) != 0) continue;
+        pend[np] = pq->fd;
+        memcpy(pbuf[np], pq->rec, pq->got);
+        pgot[np++] = pq->got;
+        *pq = t->pend[--t->npend];
+    }
+    dopt__tcp_grow_accept(c2, t2, dopt__tcp_member_lfd(t), NULL, deadline, pend, pbuf, pgot, np);
+    /* what listens for joiners and survivors, and who waits there, is the grown communicator's */
+    t2->lfd = t->lfd, t->lfd = -1;
+    t2->shrink_lfd = t->shrink_lfd, t->shrink_lfd = -1;
+    for (i = 0; i < t->npend; i++) { /* strangers, rendezvous latecomers: the lobby's */
+        if (t2->npend < DOPT__TCP_MAX_PENDING)
+            t2->pend[t2->npend++] = t->pend[i];
+        else
+            close(t->pend[i].fd);
+    }
+    t->npend = 0;
+    for (i = 0; i < t->nparked; i++) /* hellos for a shrink of the grown communicator wait there; c's are stale */
+        if (dopt__get_le32(t->parked_hello[i] + 8) == c2->epoch && t2->nparked < DOPT__TCP_MAX_PENDING) {
+            t2->parked[t2->nparked] = t->parked[i];
+            memcpy(t2->parked_hello[t2->nparked++], t->parked_hello[i], DOPT__TCP_SHRINK_HELLO);
+        } else {
+            close(t->parked[i]);
+        }
+    t->nparked = 0;
+    t2->joiners = t->joiners, t2->njoiners = t->njoiners, t->joiners = NULL, t->njoiners = 0;
+    t->ready = 0, t->shrunk = 1; /* c's destroy just closes its links: every rank has left c (barrier below) */
+    if ((s = dopt__tcp_grown(c2, t2)) != DOPT_OK)
+        return dopt_comm_fail(c, NULL, s, "rank %d: dopt_comm_grow: cannot set up the grown communicator", me);
+    if (K == 1)
+        snprintf(why, sizeof why, "rank %d", n);
+    else
+        snprintf(why, sizeof why, "ranks %d to %d", n, N - 1);
+    dopt_comm_log(c2, DOPT_LOG_INFO, "tcp rank %d of %d: took %d joiner%s as %s, epoch %u", me, N, K, K == 1 ? "" : "s",
+                  why, (unsigned)c2->epoch);
+    *next = c2;
+    return dopt_barrier(c2); /* every link works, or PEER_LOST names the rank that is not there */
+}
+
+/* ===================================================================== RE-ADMIT: THE JOINER COMES IN
+
+   dopt_tcp_create with join: the joiner listens (on bind_addr or socket_ifname's address, else on
+   every address of rank 0's family, and the members reach it where its connection came from),
+   asks the members (THE JOINER ASKS), and once held waits for the ADMIT its member sends when the
+   members call dopt_comm_grow — until the rendezvous deadline; a member that goes meanwhile
+   sends it to ask again. Then it takes the hellos of every rank below it, connects to the
+   joiners above it, and ends with the members in the barrier of dopt_comm_grow. */
+
+/* The members a joiner asks: rank 0's address, then join_peers. */
+static dopt_status dopt__tcp_join_list(dopt_comm *c, const dopt_tcp_config *cfg, int master_port,
+                                       unsigned char (*addr)[16], uint32_t *port, int cap, int *n) {
+    char host[DOPT__TCP_HOST_MAX], item[DOPT__TCP_HOST_MAX + 16];
+    const char *p = cfg->join_peers, *why;
+    dopt_status s = dopt__tcp_resolve(c, cfg->master_addr ? cfg->master_addr : "127.0.0.1", addr[0]);
+    int attached;
+    if (s != DOPT_OK) return s;
+    port[0] = (uint32_t)master_port;
+    *n = 1;
+    while (p && *p && *n < cap) {
+        size_t len = strcspn(p, ",");
+        snprintf(item, sizeof item, "%.*s", (int)(len < sizeof item ? len : sizeof item - 1), p);
+        p += len + (p[len] == ',');
+        if (item[0] == '\0') continue;
+        why = dopt__tcp_split_addr(item, host, sizeof host, &attached);
+        if (why == NULL && attached == 0) why = "has no port";
+        if (why) return dopt__tcp_setup_fail(c, DOPT_ERR_INVALID, "join_peers: \"%s\" %s", item, why);
+        if ((s = dopt__tcp_resolve(c, host, addr[*n])) != DOPT_OK) return s;
+        port[(*n)++] = (uint32_t)attached;
+    }
+    return DOPT_OK;
+}
+
+static dopt_status dopt__tcp_join_job(dopt_comm **out, const dopt_tcp_config *cfg, int master_port) {
+    unsigned char addr[1 + DOPT__TCP_MAX_JOIN_ASKED * 4][16], my_addr[16], rec[DOPT__TCP_JOIN_BYTES], *table = NULL;
+    uint32_t port[1 + DOPT__TCP_MAX_JOIN_ASKED * 4], my_port = 0;
+    char token[DOPT_TCP_TOKEN_MAX + 1], why[128];
+    int n = 0, lfd = -1, fd = -1, q;
+    size_t table_bytes = 0;
+    dopt_tcp_config k = *cfg;
+    dopt_comm *c = NULL, *c2 = NULL;
+    dopt__tcp *t, *t2;
+    dopt__join_side side;
+    dopt__join_rec admit;
+    double deadline;
+    dopt_status s;
+    k.rank = 0;
+    k.world_size = 1;
+    k.min_ranks = 0;
+    if ((s = dopt__tcp_new(&c, &k)) != DOPT_OK) return s;
+    t = (dopt__tcp *)c->impl;
+    t->setup_start = dopt__now_ms();
+    t->next_report = t->setup_start + t->report_ms;
+    deadline = t->setup_start + (double)t->rdv_timeout_ms;
+    s = dopt__tcp_join_list(c, cfg, master_port, addr, port, (int)(sizeof port / sizeof port[0]), &n);
+    if (s == DOPT_OK && (cfg->bind_addr || cfg->socket_ifname))
+        s = dopt__tcp_rank_addr(c, cfg, addr[0], -1, "the members", my_addr);
+    else if (s == DOPT_OK) { /* every address of rank 0's family */
+        memset(my_addr, 0, 16);
+        if (dopt__tcp_is_v4(addr[0])) memcpy(my_addr, dopt__tcp_v4_prefix, 12);
+    }
+    if (s == DOPT_OK) s = dopt__tcp_listen(c, t, my_addr, 0, &lfd, &my_port);
+    while (s == DOPT_OK) {
+        s = dopt__tcp_join_reach(c, (const unsigned char(*)[16])addr, port, n, my_addr, my_port, deadline, &fd, &side);
+        if (s != DOPT_OK) break;
+        if (dopt__tcp_get_all(fd, rec, sizeof rec, deadline) == 0) break;
+        if (errno == ETIMEDOUT)
+            s = dopt__tcp_setup_fail(c, DOPT_ERR_TIMEOUT, "joiner: held by rank %u of %u but not taken in within %d ms "
+                                     "(do the members call dopt_comm_grow, e.g. the driver with elastic = 1?)",
+                                     (unsigned)side.rank, (unsigned)side.size, t->rdv_timeout_ms);
+        else
+            dopt_comm_log(c, DOPT_LOG_INFO, "joiner: rank %u, which held it, is gone (%s); asking again",
+                          (unsigned)side.rank, strerror(errno));
+        close(fd);
+        fd = -1;
+    }
+    if (s == DOPT_OK) {
+        const char *bad = dopt__join_decode(rec, &admit);
+        if (bad == NULL && admit.type != DOPT__JOIN_ADMIT) bad = "not an admission";
+        if (bad) s = dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "joiner: rank %u's admission: %s", (unsigned)side.rank, bad);
+    }
+    if (s == DOPT_OK) {
+        table_bytes = dopt__tcp_grow_table_bytes(admit.members, admit.size);
+        if ((table = (unsigned char *)DOPT_MALLOC(table_bytes)) == NULL)
+            s = dopt__tcp_setup_fail(c, DOPT_ERR_NOMEM, "joiner: cannot allocate the members' table");
+        else if (dopt__tcp_get_all(fd, table, table_bytes, deadline) < 0)
+            s = dopt__tcp_setup_fail(c, DOPT_ERR_PEER_LOST, "joiner: rank %u's table did not come: %s",
+                                     (unsigned)side.rank, strerror(errno));
+    }
+    if (fd >= 0) close(fd);
+    if (s == DOPT_OK) {
+        dopt__tcp_like(c, t, (int)admit.rank, (int)admit.size, token, &k);
+        k.progress_thread_us = cfg->progress_thread_us;
+        k.two_level = cfg->two_level;
+        k.min_ranks = cfg->min_ranks < (int)admit.size ? cfg->min_ranks : (int)admit.size;
+        if ((s = dopt__tcp_new(&c2, &k)) != DOPT_OK) s = dopt__tcp_setup_fail(c, s, "joiner: cannot make its communicator");
+    }
+    for (q = 0; s == DOPT_OK && q < (int)admit.size; q++) {
+        const char *bad = dopt__tcp_entry_decode(table + (size_t)q * DOPT__TCP_ENTRY_BYTES, ((dopt__tcp *)c2->impl)->peers[q].addr,
+                                                 &((dopt__tcp *)c2->impl)->peers[q].port);
+        if (bad) s = dopt__tcp_setup_fail(c, DOPT_ERR_PROTOCOL, "joiner: the members' table, entry %d: %s", q, bad);
+    }
+    if (s == DOPT_OK) {
+        const unsigned char *nonces = table + (size_t)admit.size * DOPT__TCP_ENTRY_BYTES;
+        double links_by = dopt__now_ms() + c->timeout_ms;
+        unsigned char hello[DOPT__TCP_GROW_HELLO], pbuf[DOPT__TCP_MAX_PENDING][DOPT__TCP_GROW_HELLO];
+        int pend[DOPT__TCP_MAX_PENDING];
+        size_t pgot[DOPT__TCP_MAX_PENDING];
+        t2 = (dopt__tcp *)c2->impl;
+        c2->epoch = admit.epoch;
+        dopt__tcp_grow_accept(c2, t2, lfd, side.nonce_j, links_by, pend, pbuf, pgot, 0);
+        for (q = (int)admit.rank + 1; q < (int)admit.size; q++) { /* the joiners above */
+            dopt__tcp_grow_hello(hello, t2, nonces + (size_t)(q - (int)admit.members) * DOPT__TCP_NONCE_BYTES,
+                                 admit.epoch, admit.size, (int)admit.rank, q);
+            t2->peers[q].fd = dopt__tcp_grow_connect(t2, t2->peers[q].addr, t2->peers[q].port, hello, links_by, why, sizeof why);
+            if (t2->peers[q].fd < 0) {
+                dopt_comm_log(c2, DOPT_LOG_WARN, "joiner: no link to joiner %d: %s", q, why);
+                t2->peers[q].fd = dopt__tcp_ended_link();
+            }
+        }
+        t2->shrink_lfd = lfd; /* where it listens for later joiners and shrinks, like every member */
+        lfd = -1;
+        s = dopt__tcp_grown(c2, t2);
+        if (s != DOPT_OK) {
+            c2 = NULL;
+            s = dopt__tcp_setup_fail(c, s, "joiner: cannot set up its communicator");
+        }
+    }
+    DOPT_FREE(table);
+    if (lfd >= 0) close(lfd);
+    if (s != DOPT_OK) {
+        dopt_comm_log(c, DOPT_LOG_ERROR, "%s", c->detail);
+        if (c2) dopt_comm_destroy(c2);
+        dopt_comm_destroy(c);
+        return s;
+    }
+    dopt_comm_destroy(c);
+    dopt_comm_log(c2, DOPT_LOG_INFO, "tcp rank %d of %d: taken back by the job, epoch %u", c2->rank, c2->size,
+                  (unsigned)c2->epoch);
+    s = dopt_barrier(c2); /* the members' dopt_comm_grow ends with it */
+    if (s != DOPT_OK) {
+        dopt_comm_log(c2, DOPT_LOG_ERROR, "joiner: %s", dopt_comm_detail(c2));
+        dopt_comm_destroy(c2);
+        return s;
+    }
+    *out = c2;
+    return DOPT_OK;
+}
+
 /* ===================================================================== ENVIRONMENT */
 
 static dopt_status dopt__tcp_env_error(const dopt_tcp_config *cfg, const char *fmt, ...) DOPT_PRINTF(2, 3);
@@ -3897,8 +4547,11 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
         dopt__tcp_env_int(cfg, "DOPT_RENDEZVOUS_TIMEOUT_MS", 1, INT_MAX, &env.rendezvous_timeout_ms) < 0 ||
         dopt__tcp_env_int(cfg, "DOPT_PROGRESS_THREAD_US", 0, INT_MAX, &env.progress_thread_us) < 0 ||
         dopt__tcp_env_int(cfg, "DOPT_MIN_RANKS", 0, INT_MAX, &env.min_ranks) < 0 ||
-        dopt__tcp_env_int(cfg, "DOPT_KEEPALIVE_S", -1, DOPT__TCP_KEEPALIVE_MAX_S, &env.keepalive_s) < 0)
+        dopt__tcp_env_int(cfg, "DOPT_KEEPALIVE_S", -1, DOPT__TCP_KEEPALIVE_MAX_S, &env.keepalive_s) < 0 ||
+        dopt__tcp_env_int(cfg, "DOPT_JOIN", 0, 1, &env.join) < 0)
         return DOPT_ERR_INVALID;
+    s = getenv("DOPT_JOIN_PEERS");
+    if (s && *s) env.join_peers = s;
     s = getenv("DOPT_ON_PEER_LOST");
     if (s && *s) {
         if (strcmp(s, "fail") == 0)
@@ -3907,6 +4560,10 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
             env.on_peer_lost = DOPT_SHRINK;
         else
             return dopt__tcp_env_error(cfg, "DOPT_ON_PEER_LOST=\"%s\" is not fail or shrink", s);
+    }
+    if (env.join) { /* the job gives the rank and size */
+        info.rank = 0;
+        if (info.world_size < 1) info.world_size = 1;
     }
     if (info.rank < 0)
         return dopt__tcp_env_error(cfg, "DOPT_RANK is not set (every rank needs it; or start the job with a launcher "
@@ -3925,6 +4582,8 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
     }
     env.master_port = info.master_port;
     if (dopt__tcp_env_master_port(cfg, &info, &env.master_port) < 0) return DOPT_ERR_INVALID;
+    if (env.master_port == 0 && env.join)
+        return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: a joiner (DOPT_JOIN=1) asks rank 0 first");
     if (env.master_port == 0 && env.world_size > 1 && env.rank > 0)
         return dopt__tcp_env_error(cfg, "DOPT_MASTER_PORT is not set: rank %d needs rank 0's port", env.rank);
     if (env.master_port == 0 && env.world_size > 1 && env.on_listen == NULL)

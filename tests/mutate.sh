@@ -479,6 +479,13 @@ mutate join-member-takes-any-proof transport_tcp.h \
 mutate join-siphash-one-round-short transport_tcp.h \
     '    for (i = 0; i < 4; i++) DOPT__SIPROUND(v0, v1, v2, v3);' '    for (i = 0; i < 3; i++) DOPT__SIPROUND(v0, v1, v2, v3);' \
     test_tcp:siphash
+mutate grow-hello-takes-any-proof transport_tcp.h \
+    '    return dopt__tcp_same_bytes(want, in, sizeof want);' '    return want[0] || 1;' test_tcp:members_hold
+mutate members-but-0-never-listen-for-joiners transport_tcp.h \
+    '    return t->ready ? t->shrink_lfd : -1;' '    return -1;' test_tcp:members_hold
+mutate held-joiner-that-left-is-kept transport_tcp.h \
+    '        t->pfd[np].events = POLLIN | DOPT__TCP_POLL_END;' \
+    '        t->pfd[np].events = t->joiners[j].side.stage == DOPT__JOIN_HELD ? 0 : POLLIN;' test_tcp:members_hold
 mutate elastic-never-goes-on localsgd.h \
     '        if (dopt__dp_lost_peer(dp, s)) s = dopt__dp_go_on(dp, s, params, states, 1, &adopted);' '        (void)0;' \
     test_shrink:elastic_driver_averages

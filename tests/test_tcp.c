@@ -2511,7 +2511,8 @@ DTEST(peer_closing_mid_payload_is_peer_lost) {
    ASK), a joiner with another token (AUTH, naming the token), joiner A (asks a closed port, then
    rank 1: held there), 3 half conversations that fill rank 1's places for joiners, joiner B
    (rank 1 says BUSY, rank 0 holds it). Every allreduce of the job is right throughout; the ranks
-   count 2 held joiners, then 0 once the visitor closed them. */
+   count 2 held joiners, then 0 once the visitor closed them. A grow's hello with a wrong proof is
+   refused as well. */
 typedef struct held_case {
     tcp_world w; /* must stay first */
     int ports[2]; /* rank 1 -> visitor: its listening port */
@@ -2545,8 +2546,8 @@ static dopt_status visitor_join(const char *token, const int *ports, int n, int 
         port[i] = (uint32_t)ports[i];
     }
     memcpy(me, addr[0], 16);
-    s = dopt__tcp_join_reach(c, (const unsigned char(*)[16])addr, port, n, me, 40000, dopt__now_ms() + 20000, fd,
-                             side);
+    s = dopt__tcp_join_reach(c, (const unsigned char(*)[16])addr, port, n, me, (uint32_t)free_port(),
+                             dopt__now_ms() + 20000, fd, side);
     if (s != DOPT_OK) snprintf(log->text, sizeof log->text, "%s", dopt_comm_detail(c));
     dopt_comm_destroy(c);
     return s;
@@ -2577,6 +2578,16 @@ static void visitor(held_case *hc) {
     dopt__put_le32(rec + 12, 3);
     dopt__put_le32(rec + 20, 1);
     DT_CHECK(send(fd, rec, DOPT__TCP_SHRINK_HELLO, MSG_NOSIGNAL) == DOPT__TCP_SHRINK_HELLO);
+    expect_closed(fd);
+    fd = connect_loopback(p1); /* a grow's hello from rank 0, for the next epoch, its proof wrong */
+    memset(rec, 0, sizeof rec);
+    memcpy(rec, "DGRW", 4);
+    dopt__put_le32(rec + 4, 1);
+    dopt__put_le32(rec + 8, 1);
+    dopt__put_le32(rec + 12, 4);
+    dopt__put_le32(rec + 20, 1);
+    rec[30] = 1;
+    DT_CHECK(send(fd, rec, DOPT__TCP_GROW_HELLO, MSG_NOSIGNAL) == DOPT__TCP_GROW_HELLO);
     expect_closed(fd);
     fd = connect_loopback(p1); /* "DJON" and 100 KB: one record is read, refused, closed */
     flood = (char *)calloc(100000, 1);
@@ -2664,5 +2675,94 @@ DTEST(members_hold_joiners_while_the_job_runs_and_strangers_do_not_disturb_it) {
     DT_CHECK(pipe(hc.ports) == 0 && pipe(hc.seen) == 0);
     DT_EQ_INT(dtest_spawn(hc.w.n + 1, held_rank, &hc, 100), 0); /* the ranks and the visitor */
 }
+
+/* ------------------------------------------------------------------ the members grow */
+
+typedef struct grow_case {
+    tcp_world w;     /* must stay first */
+    int joiners;     /* processes that join (each may come in at its own grow) */
+    int lost_joiner; /* the joiner exits once admitted, before any link: the grow fails, a shrink undoes it */
+} grow_case;
+
+/* A member: checked allreduces, and dopt_comm_grow after each, until it returns a communicator. */
+static dopt_comm *member_grows(dopt_comm *c, int rank, dopt_status want) {
+    double until = dopt__now_ms() + 60000;
+    for (;;) {
+        dopt_comm *next = NULL;
+        double v[2] = {1, (double)rank};
+        dopt_status s;
+        DT_OK(dopt_allreduce(c, v, 2, DOPT_F64, DOPT_SUM));
+        DT_CHECK(v[0] == c->size && v[1] == c->size * (c->size - 1) / 2);
+        s = dopt_comm_grow(c, &next);
+        if (next) {
+            DT_CHECKF(s == want, "rank %d: dopt_comm_grow returned %d: %s", rank, (int)s, dopt_comm_detail(next));
+            dopt_comm_destroy(c);
+            return next;
+        }
+        DT_OK(s);
+        DT_CHECKF(dopt__now_ms() < until, "rank %d: nobody joined", rank);
+        poll(NULL, 0, 2);
+    }
+}
+
+static void grow_rank(int rank, void *arg) {
+    grow_case *gc = (grow_case *)arg;
+    dopt_comm *c, *next = NULL;
+    double v[2];
+    if (rank == gc->w.n && gc->lost_joiner) { /* held, admitted, gone */
+        unsigned char rec[DOPT__TCP_JOIN_BYTES];
+        int p0 = dtest_read_int(gc->w.port_pipe[0], "rank 0's port"), fd;
+        dopt__join_side side;
+        last_log log;
+        DT_OK(visitor_join(gc->w.token, &p0, 1, &fd, &side, &log));
+        DT_CHECK(read_exactly(fd, rec, sizeof rec) == 0 && rec[5] == DOPT__JOIN_ADMIT);
+        return; /* it said it listens on a port where nothing does */
+    }
+    if (rank >= gc->w.n) {
+        dopt_tcp_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.join = 1;
+        cfg.master_port = dtest_read_int(gc->w.port_pipe[0], "rank 0's port");
+        cfg.token = gc->w.token;
+        cfg.timeout_ms = gc->w.timeout_ms;
+        cfg.rendezvous_timeout_ms = 60000;
+        cfg.on_peer_lost = DOPT_SHRINK;
+        DT_OK(dopt_tcp_create(&c, &cfg));
+        DT_CHECK(c->rank >= gc->w.n && c->rank < gc->w.n + gc->joiners && c->size > c->rank && c->epoch >= 1);
+        while (c->size < gc->w.n + gc->joiners) c = member_grows(c, c->rank, DOPT_OK); /* a member now */
+    } else {
+        c = world_join(&gc->w, rank);
+        do
+            c = member_grows(c, rank, gc->lost_joiner ? DOPT_ERR_PEER_LOST : DOPT_OK);
+        while (c->size < gc->w.n + gc->joiners);
+        DT_CHECK(c->rank == rank && c->size == gc->w.n + gc->joiners && c->epoch >= 1);
+        if (gc->lost_joiner) { /* the job as it was */
+            DT_OK(dopt_comm_shrink(c, &next));
+            dopt_comm_destroy(c);
+            c = next;
+            DT_CHECK(c->rank == rank && c->size == gc->w.n && c->epoch == 2);
+        }
+    }
+    v[0] = 1;
+    v[1] = c->rank;
+    DT_OK(dopt_allreduce(c, v, 2, DOPT_F64, DOPT_SUM));
+    DT_CHECK(v[0] == c->size && v[1] == c->size * (c->size - 1) / 2);
+    DT_OK(dopt_barrier(c));
+    dopt_comm_destroy(c);
+}
+
+static void grow_world(int joiners, int lost_joiner) {
+    grow_case gc;
+    world_init(&gc.w, 3, 20000);
+    gc.w.port_copies = 2 + joiners; /* ranks 1, 2 and the joiners */
+    gc.w.on_peer_lost = DOPT_SHRINK;
+    gc.joiners = joiners;
+    gc.lost_joiner = lost_joiner;
+    DT_EQ_INT(dtest_spawn(gc.w.n + joiners, grow_rank, &gc, 100), 0);
+}
+
+DTEST(a_restarted_worker_is_taken_back_when_the_members_grow) { grow_world(1, 0); }
+DTEST(two_joiners_come_in_at_one_grow_or_two_and_link_to_each_other) { grow_world(2, 0); }
+DTEST(a_joiner_lost_while_the_links_are_made_leaves_the_job_as_it_was) { grow_world(1, 1); }
 
 DTEST_MAIN()
