@@ -111,7 +111,7 @@ faults-soak: $(BUILD)/test_faults
 # (tests/elastic_trials.c), 20 of the Fashion-MNIST MLP (fmnist_mlp --elastic on), and the same
 # on the simulated cluster, 4 hosts (root; about five minutes in all). .ci/run runs it.
 .PHONY: elastic-test
-elastic-test: deps $(BUILD)/elastic_trials $(BUILD)/elastic_sgd $(BUILD)/fmnist_mlp
+elastic-test: deps $(BUILD)/elastic_trials $(BUILD)/elastic_sgd $(BUILD)/fmnist_mlp $(BUILD)/bench_rejoin
 	@$(BUILD)/elastic_trials $(BUILD) 20
 	@OPENBLAS_NUM_THREADS=1 $(BUILD)/elastic_trials $(BUILD) 20 - mlp
 	@tests/elastic_cluster.sh $(BUILD) 20

@@ -283,7 +283,9 @@
      - DOPT_OK, next NULL: nobody is held anywhere; c goes on.
      - DOPT_OK with next: the members agreed on every joiner held at that moment; next has them
        as ranks c->size, c->size + 1, ... (in the order of the members that held them), the
-       members keep their ranks, next->epoch = c->epoch + 1. c's links now belong to next:
+       members keep their ranks, next->epoch = c->epoch + 1, next->grown_from = c->size on
+       every rank of next (a rank tells it came in by that grow: rank >= grown_from; 0 on
+       communicators no grow made). c's links now belong to next:
        destroy c and go on with next (nothing in flight on c may be left). The joiner's create
        returns its side of next.
      - DOPT_ERR_PEER_LOST with next: a joiner (or a member) was lost while the links were made;
@@ -293,7 +295,10 @@
        agreed; shrink c.
      - DOPT_ERR_INVALID: c is a group, has failed, or was not configured with DOPT_SHRINK.
      A backend that takes no joiners (shm, MPI) returns DOPT_OK with next NULL. It costs one
-     small allgather when nobody joins.
+     small allgather when nobody joins. dopt_comm_joiners_held(c): how many joiners this rank
+     holds now (0 on a group, or where nobody can join); a program that carries it in a
+     collective it makes anyway, and calls dopt_comm_grow (every member alike) only when some
+     member holds one, saves that allgather (localsgd.h's driver does it in its model average).
 
    RANKS THAT SHARE A HOST
      Where the transport knows which ranks share a host (TCP, from the addresses its ranks listen
@@ -746,6 +751,8 @@ typedef struct dopt_comm_vtable {
        with DOPT_SHRINK; *next gets the grown communicator, or stays NULL when nobody joins.
        NULL: nobody ever joins. */
     dopt_status (*grow)(dopt_comm *c, dopt_comm **next);
+    /* Joiners this rank holds now for the next grow. NULL: none ever. */
+    int (*joiners_held)(const dopt_comm *c);
 } dopt_comm_vtable;
 
 /* The vtable has field f: the backend's struct_size covers it. */
@@ -804,6 +811,8 @@ struct dopt_comm {
     int on_peer_lost;     /* DOPT_FAIL or DOPT_SHRINK */
     int min_ranks;        /* dopt_comm_shrink fails below this many survivors (0, 1: never) */
     uint32_t epoch;       /* 0 for a communicator a transport made; c->epoch + 1 for dopt_comm_shrink's */
+    int grown_from;       /* dopt_comm_grow's next: the members before the grow (ranks at or above it came
+                             in by that grow), on every rank of it; 0 for every other communicator */
     int lost_rank;
     char detail[DOPT_DETAIL_MAX];
     struct dopt__rec *rec; /* the flight recorder (a root's; its groups write into it); NULL until used */
@@ -843,6 +852,7 @@ DOPT_DEF dopt_status dopt_comm_split_host(dopt_comm *c, dopt_comm **out);
    alive and each gets *next, their communicator (SURVIVING A LOST PEER). Every survivor calls it. */
 DOPT_DEF dopt_status dopt_comm_shrink(dopt_comm *c, dopt_comm **next);
 DOPT_DEF dopt_status dopt_comm_grow(dopt_comm *c, dopt_comm **next);
+DOPT_DEF int dopt_comm_joiners_held(const dopt_comm *c);
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c);
 DOPT_DEF void dopt_comm_set_log(dopt_comm *c, dopt_log_fn fn, void *user);
 DOPT_DEF void dopt_comm_set_timeout(dopt_comm *c, int timeout_ms);
@@ -2829,6 +2839,11 @@ DOPT_DEF dopt_status dopt_comm_grow(dopt_comm *c, dopt_comm **next) {
     return c->vt->grow(c, next);
 }
 
+DOPT_DEF int dopt_comm_joiners_held(const dopt_comm *c) {
+    if (c == NULL || c->root != NULL || !DOPT__VT_HAS(c->vt, joiners_held)) return 0;
+    return c->vt->joiners_held(c);
+}
+
 DOPT_DEF double dopt_mean(dopt_comm *c, double x) {
     const char *prev = dopt_comm_set_api(c, "dopt_mean");
     dopt_status s = dopt_allreduce(c, &x, 1, DOPT_F64, DOPT_MEAN);
@@ -3543,7 +3558,8 @@ static dopt_status dopt__self_split(dopt_comm *c, int color, int key, dopt_comm 
 
 static const dopt_comm_vtable dopt__self_vtable = {
     "self", dopt__self_allreduce, dopt__self_allgatherv, dopt__self_broadcast, dopt__self_barrier,
-    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, dopt__self_split, NULL, NULL, NULL, NULL};
+    dopt__self_destroy, sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, dopt__self_split, NULL, NULL, NULL, NULL,
+    NULL};
 
 DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out) {
     return dopt_comm_new(out, 0, 1, &dopt__self_vtable, NULL);

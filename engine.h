@@ -1749,7 +1749,7 @@ DOPT_DEF void dopt_links_goodbye(dopt_comm *c, int wait_ms) {
 
 static const dopt_comm_vtable dopt__group_vtable = {"group", NULL, NULL, NULL, NULL, NULL, sizeof(dopt_comm_vtable),
                                                     0u, NULL, NULL, NULL, NULL, NULL, NULL, dopt_engine_provider,
-                                                    NULL, NULL};
+                                                    NULL, NULL, NULL};
 
 /* This rank's part of the group: color's ranks of c in (key, rank) order, from all[3r..3r+2] =
    {color, key, next free number} of every rank r of c (the provider's split). */

@@ -149,8 +149,9 @@
    |  bytes       |                                                            |  bucket size)     |
    | overlap_check| 1: a write to a segment after its mark is caught (debug)   | 0                 |
    | elastic      | 1: a model average that fails because a rank was lost goes | 0: the failure is |
-   |              | on over the survivors (ELASTIC below); the communicator    | returned          |
-   |              | must have on_peer_lost = DOPT_SHRINK                       |                   |
+   |              | on over the survivors, and restarted workers are taken     | returned          |
+   |              | back (ELASTIC below); the communicator must have           |                   |
+   |              | on_peer_lost = DOPT_SHRINK                                 |                   |
 
    Policies of extra state buffers at every model average: DOPT_STATE_AVERAGE (averaged with the
    parameters, in the same allreduce), DOPT_STATE_KEEP (left local), DOPT_STATE_RESET (set to 0).
@@ -414,11 +415,12 @@
      again over the survivors: their own models of this round, which a failed average leaves as
      they were, so no survivor's work is lost and the lost worker's round is dropped (its model
      died with it). A survivor whose own average had completed before the death (the dead
-     rank's last bytes reached it) goes on into the next round and fails there, or at its next
-     call: then the survivors all take the state of the last average any of them completed — that
-     rank's model of the average (the anchor, which elastic keeps: n more floats), its AVERAGE
-     states as they are, its outer momentum and counters — and drop their local steps since, at
-     most a round; every replica is identical again either way. The same when the survivors
+     rank's last bytes reached it) goes on and fails at its next call (or in the dopt_comm_grow
+     after the average, when a joiner waits: below): then the survivors all take the state
+     of the last average any of them completed — that rank's model of the average (the anchor,
+     which elastic keeps: n more floats), its AVERAGE states as they are, its outer momentum and
+     counters — and drop their local steps since, at most a round; every replica is identical
+     again either way. The same when the survivors
      learn of the death in a collective of the host's own on the communicator (a loss logged
      with dopt_allreduce): the next after_step or sync finds the failure, goes on from the last
      average, and does not count its step. A rank lost during this is handled the same way,
@@ -427,7 +429,7 @@
      survivors. What the host does, after each after_step or sync:
 
          st = dopt_dp_after_step(&dp, params);
-         if (dp.comm != comm) {            // a worker was lost; the survivors went on
+         if (dp.comm != comm) {            // a worker was lost (or one came back): a new communicator
              dopt_comm_destroy(comm);      // the old one is the host's to destroy
              comm = dp.comm;               // rank and size changed: take the new shard
              take_shard(comm->rank, comm->size, dp.step);
@@ -440,8 +442,41 @@
      gives every survivor a larger shard) or to drop. Not covered (refused at init, naming it):
      sync_grads, gradient buckets, compressors (their residuals are per rank) and batch
      controllers; a gradient average (after_backward on a synchronous step: the warm-up or
-     period 1) that loses a rank returns the failure as without elastic. Taking a restarted
-     worker back (dopt_comm_grow) is not done by the driver yet.
+     period 1) that loses a rank returns the failure as without elastic.
+
+     Taking a worker back. A process started to join (TCP: dopt_tcp_config.join or DOPT_JOIN=1;
+     transport_tcp.h: RE-ADMIT) asks a member to take it in, and the member holds it. Every model
+     average says whether a member holds one (a float more in its allreduce: nothing more is
+     sent while nobody waits), and when one does, every member calls dopt_comm_grow right after
+     it: the job goes on as the larger communicator (dp.comm changes, as after a shrink: the host
+     code above takes the new shard; dp.grows counts) and the members' rank 0 sends the joiners
+     the job's state, in a group of them alone: the state file's bytes (dopt_dp_save's form: the
+     layout, the step and counters, the anchor, which is the model of that average, the outer
+     momentum) and then the AVERAGE states, about 2n floats with the outer step. Every member
+     makes the same bytes and they agree on their size and a hash of them first (one allreduce);
+     members that disagree have replicas that differ, and nobody is given a state
+     (DOPT_ERR_MISMATCH everywhere). The joiner checks the version, the layout, the size and
+     the hash before it takes anything. The joiner's host does what a fresh start does, with the
+     members' configuration:
+
+         dopt_tcp_create(&comm, &tcfg);       // tcfg.join = 1: returns once the members took it in
+         dopt_dp_init(&dp, comm, n, &cfg);    // dp.joining is 1 (comm->rank >= comm->grown_from)
+         dopt_dp_broadcast(&dp, params);      // takes the job's state instead of rank 0's model
+         take_shard(comm->rank, comm->size, dp.step);   // then trains as a member
+
+     Its KEEP states stay as its host set them, its RESET states are zeroed, its per-step
+     samples (dopt_dp_set_step_samples) stay its own. A joiner configured otherwise (another n,
+     period, warm-up, states, outer step) takes part in the transfer and refuses it:
+     DOPT_ERR_INVALID, naming the first difference ("elastic: the job runs with element count
+     300, this driver has 301"); one whose bytes arrived corrupt refuses with
+     DOPT_ERR_PROTOCOL. Its host leaves, and the members lose it at their next average and go on
+     without it; the worker may be started again. A rank lost while the joiners come in or take the state
+     is left out as in a shrink: a joiner then takes the state from the lowest member that holds
+     it ("elastic: this joiner takes rank 0's model and goes on from step 12"), or, when no member
+     is left, fails with DOPT_ERR_PEER_LOST. The log says each step ("elastic: rank 0 of 2 takes
+     in 1 joiner(s) after step 19; the job goes on as 3 ranks", "elastic: sent the job's state
+     (0.0012 MB) to 1 joiner(s) in 0.025 ms (48 MB/s)"); dp.state_bytes and dp.state_ms keep the
+     last transfer's size and time, on rank 0 and on the joiners.
 
    STEPS
      Steps are counted by dopt_dp_after_step. A host that calls only after_backward (README's
@@ -860,7 +895,7 @@ typedef struct dopt_dp {
     dopt_state_desc *states; /* copied table */
     size_t nstates;
     size_t work_count;       /* n + Σ AVERAGE states */
-    float *work;             /* averaging workspace: work_count floats and a flag's slot */
+    float *work;             /* averaging workspace: work_count floats and two flags' slots */
     float *anchor;           /* the model at the last average, or NULL */
     int anchor_set;          /* 1 once a broadcast, a load or an average wrote the anchor */
     dopt_batch *batch;       /* borrowed, or NULL */
@@ -886,6 +921,11 @@ typedef struct dopt_dp {
     int elastic;             /* ELASTIC */
     uint64_t shrinks;        /* ELASTIC: communicators shrunk (comm is the last one made) */
     uint64_t sync_step;      /* ELASTIC: step when the anchor was last written (an average, a broadcast) */
+    int joining;             /* ELASTIC: 1 on a rank a grow took in (comm->grown_from), until it has the state */
+    int joiners_waiting;     /* ELASTIC: the last average said a member holds a joiner (then the grow) */
+    uint64_t grows;          /* ELASTIC: communicators grown (joiners taken in) */
+    size_t state_bytes;      /* ELASTIC: the last state transfer this rank sent or took: its bytes, */
+    double state_ms;         /* and its milliseconds on the wire (0: none yet) */
 } dopt_dp;
 
 DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const dopt_dp_config *cfg);
@@ -1607,6 +1647,7 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const 
     dp->outer_momentum = c.outer_momentum;
     dp->nonfinite = c.nonfinite;
     dp->elastic = c.elastic != 0;
+    dp->joining = dp->elastic && comm->grown_from > 0 && comm->rank >= comm->grown_from;
     dp->nstates = c.nstates;
     dp->work_count = work;
     if (c.nstates) {
@@ -1614,7 +1655,7 @@ DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const 
         if (dp->states == NULL) goto nomem;
         memcpy(dp->states, c.states, c.nstates * sizeof(dopt_state_desc));
     }
-    dp->work = (float *)DOPT_MALLOC((work + 1) * sizeof(float)); /* + the non-finite flag's slot */
+    dp->work = (float *)DOPT_MALLOC((work + 2) * sizeof(float)); /* + the non-finite flag's slot, elastic's */
     dp->replica_words = (uint64_t *)DOPT_MALLOC(2 * (size_t)comm->size * sizeof(uint64_t));
     if (dp->work == NULL || dp->replica_words == NULL) goto nomem;
     if (anchor) {
@@ -2024,13 +2065,16 @@ static dopt_status dopt__dp_average_models(dopt_dp *dp, const dopt_buf *params, 
     dopt_status s;
     mine_finite = dopt__dp_pack(dp, params, states);
     dp->work[slot] = mine_finite ? 0.0f : 1.0f;
+    /* ELASTIC (no compressor): whether a member holds a joiner rides in the average's next slot */
+    if (dp->elastic) dp->work[slot + 1] = dopt_comm_joiners_held(dp->comm) > 0 ? 1.0f : 0.0f;
     if (across) local_d2 = dopt__dp_sqdist(dp->work, dp->anchor, dp->n);
     if (dp->compressor)
         s = dopt__dp_average_compressed(dp);
     else if (dp->weighted)
-        s = dopt_allreduce_weighted_mean(dp->comm, dp->work, slot + 1, DOPT_F32, dp->round_samples);
+        s = dopt_allreduce_weighted_mean(dp->comm, dp->work, slot + 1 + dp->elastic, DOPT_F32, dp->round_samples);
     else
-        s = dopt_allreduce(dp->comm, dp->work, slot + 1, DOPT_F32, DOPT_MEAN);
+        s = dopt_allreduce(dp->comm, dp->work, slot + 1 + dp->elastic, DOPT_F32, DOPT_MEAN);
+    dp->joiners_waiting = dp->elastic && s == DOPT_OK && dp->work[slot + 1] != 0.0f;
     averaged = s == DOPT_OK; /* else the compressor refused before writing: the input names the place */
     if (s == DOPT_OK && dp->work[slot] != 0.0f) s = DOPT_ERR_NONFINITE;
     if (s == DOPT_ERR_NONFINITE) return dopt__dp_models_not_finite(dp, params, states, mine_finite, !averaged, 0);
@@ -2890,7 +2934,7 @@ static dopt_status dopt__dp_survive(dopt_dp *dp, dopt_comm *given, const dopt_bu
     dopt_comm *old = dp->comm, *next = NULL;
     double at[6], state[5];
     int32_t lead;
-    int anchored;
+    int anchored, joined, behind;
     int old_rank = old->rank, old_size = old->size, lost = old->lost_rank;
     dopt_status s = dopt_comm_shrink(old, &next);
     *again = 0;
@@ -2912,9 +2956,15 @@ static dopt_status dopt__dp_survive(dopt_dp *dp, dopt_comm *given, const dopt_bu
         *again = 1;
         return DOPT_OK;
     }
-    lead = dp->syncs == (uint64_t)at[0] && dp->anchor_set ? next->rank : next->size;
+    lead = dp->syncs == (uint64_t)at[0] && dp->anchor_set && !dp->joining ? next->rank : next->size;
     if ((s = dopt_allreduce(next, &lead, 1, DOPT_I32, DOPT_MIN)) != DOPT_OK) return s;
     anchored = lead < next->size;
+    if (!anchored && dp->joining) { /* only joiners are left: nobody holds the job's state */
+        dp->status = DOPT_ERR_PEER_LOST;
+        dopt__dp_fail_detail(dp, "elastic: every member that held the job's state was lost before this joiner had "
+                                 "it; start the job again (from its last saved state, dopt_dp_load)");
+        return DOPT_ERR_PEER_LOST;
+    }
     if (!anchored) { /* nobody's first broadcast completed: rank 0's model as it is, as the broadcast would */
         lead = 0;
         dp->sync_step = dp->step;
@@ -2932,6 +2982,9 @@ static dopt_status dopt__dp_survive(dopt_dp *dp, dopt_comm *given, const dopt_bu
         (s = dopt_broadcast(next, dp->work, dp->work_count * sizeof(float), lead)) != DOPT_OK ||
         (dp->outer_v && (s = dopt_broadcast(next, dp->outer_v, dp->n * sizeof(float), lead)) != DOPT_OK))
         return s;
+    joined = dp->joining; /* a joiner has the job's state now */
+    behind = dp->syncs < (uint64_t)at[0];
+    dp->joining = 0;
     dp->step = dp->sync_step = (uint64_t)state[0];
     dp->syncs = (uint64_t)state[1];
     dp->skipped = (uint64_t)state[2];
@@ -2941,27 +2994,37 @@ static dopt_status dopt__dp_survive(dopt_dp *dp, dopt_comm *given, const dopt_bu
     dp->anchor_set = 1;
     if (dp->n) memcpy(dp->anchor, dp->work, dp->n * sizeof(float));
     dopt__dp_unpack(dp, params, states);
-    if (next->rank == lead)
+    if (joined)
+        dopt_comm_log(next, DOPT_LOG_WARN, "elastic: this joiner takes rank %d's model and goes on from step %llu (its "
+                      "KEEP states stay as they were)", (int)lead, (unsigned long long)dp->step);
+    else if (next->rank == lead)
         dopt_comm_log(next, DOPT_LOG_WARN, "elastic: the survivors go on from this rank's last average (after step %llu)",
                       (unsigned long long)dp->step);
-    else
+    else if (behind)
         dopt_comm_log(next, DOPT_LOG_WARN, "elastic: rank %d completed an average this rank lost: this rank takes its "
                       "model and goes on from step %llu", (int)lead, (unsigned long long)dp->step);
+    else
+        dopt_comm_log(next, DOPT_LOG_WARN, "elastic: the survivors go on from their last average (rank %d's, after "
+                      "step %llu)", (int)lead, (unsigned long long)dp->step);
     return DOPT_OK;
 }
 
 static int dopt__dp_lost_peer(const dopt_dp *dp, dopt_status s) {
-    return dp->elastic && (s == DOPT_ERR_PEER_LOST || s == DOPT_ERR_TIMEOUT);
+    return dp->elastic && dp->status == DOPT_OK && (s == DOPT_ERR_PEER_LOST || s == DOPT_ERR_TIMEOUT);
 }
+
+static dopt_status dopt__dp_admit(dopt_dp *dp, dopt_comm *given, const dopt_buf *params, const dopt_buf *states,
+                                  uint64_t t);
+static dopt_status dopt__dp_join(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states);
 
 /* ELASTIC: after s, a failure that lost a rank, the survivors go on (dopt__dp_survive), averaging
    again when they all lost the same one (at_end: this rank failed its round's average, else
    another collective). *adopted: the state of a completed average was taken instead. A rank
    lost during this is handled the same way; a shrink that fails (fewer than min_ranks) ends it
-   with its status. */
+   with its status. given: the communicator the host holds (the others this call made are
+   destroyed when they are shrunk). */
 static dopt_status dopt__dp_go_on(dopt_dp *dp, dopt_status s, const dopt_buf *params, const dopt_buf *states,
-                                  int at_end, int *adopted) {
-    dopt_comm *given = dp->comm;
+                                  dopt_comm *given, int at_end, int *adopted) {
     *adopted = 0;
     while (dopt__dp_lost_peer(dp, s)) {
         dopt_comm *before = dp->comm;
@@ -2978,16 +3041,19 @@ static dopt_status dopt__dp_go_on(dopt_dp *dp, dopt_status s, const dopt_buf *pa
     return s;
 }
 
+/* A round ends: average 1, the model average (after_step, sync), 2, the closing one (close: no
+   joiners taken in after it), 0, none (the anchor is the model as it is). */
 static dopt_status dopt__dp_end_round(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states, int average,
                                       uint64_t t, const char *how) {
     dopt_status s = DOPT_OK;
     int skipped;
+    dopt_comm *given = dp->comm;
     const char *prev = dopt__dp_label(dp, "%s: the average after step %llu",
                                       *how ? "dopt_dp_sync" : "dopt_dp_after_step", (unsigned long long)t);
     if (average) {
         int adopted = 0;
         s = dopt__dp_average_models(dp, params, states);
-        if (dopt__dp_lost_peer(dp, s)) s = dopt__dp_go_on(dp, s, params, states, 1, &adopted);
+        if (dopt__dp_lost_peer(dp, s)) s = dopt__dp_go_on(dp, s, params, states, given, 1, &adopted);
         if (adopted && s == DOPT_OK) { /* a survivor's completed average stands for the round */
             dopt_comm_set_api(dp->comm, prev);
             return DOPT_OK;
@@ -3011,6 +3077,8 @@ static dopt_status dopt__dp_end_round(dopt_dp *dp, const dopt_buf *params, const
     dp->round_steps = 0;
     dp->round_samples = 0.0;
     dp->anchor_set = 1;
+    if (dp->elastic && average != 2 && (s = dopt__dp_admit(dp, given, params, states, t)) != DOPT_OK)
+        return s; /* joiners come in here */
     return skipped ? DOPT_ERR_NONFINITE : DOPT_OK;
 }
 
@@ -3026,7 +3094,7 @@ static dopt_status dopt__dp_resume(dopt_dp *dp, dopt_status s, const dopt_buf *p
         dopt__dp_check_layout(dp, params, states) != DOPT_OK)
         return s;
     prev = dopt__dp_label(dp, "%s: going on without the lost rank", api);
-    s = dopt__dp_go_on(dp, s, params, states, 0, &adopted);
+    s = dopt__dp_go_on(dp, s, params, states, dp->comm, 0, &adopted);
     dopt_comm_set_api(dp->comm, prev);
     if (s != DOPT_OK)
         dopt__dp_fail_detail(dp, "%s: going on without the lost rank: %s (%s)", api, dopt_status_str(s),
@@ -3122,6 +3190,7 @@ DOPT_DEF dopt_status dopt_dp_broadcast_buf(dopt_dp *dp, const dopt_buf *params, 
     if ((s = dopt__dp_poisoned(dp)) != DOPT_OK) return s;
     s = dopt__dp_check_layout(dp, params, states);
     if (s != DOPT_OK) return s;
+    if (dp->joining) return dopt__dp_join(dp, params, states); /* ELASTIC: a joiner takes the job's state */
     prev = dopt__dp_label(dp, "dopt_dp_broadcast");
     s = dopt__dp_broadcast_packed(dp, params);
     for (i = 0; s == DOPT_OK && i < dp->nstates; i++) s = dopt__dp_broadcast_packed(dp, &states[i]);
@@ -3320,7 +3389,8 @@ DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *dp, const dopt_buf *params, cons
     s = dopt__dp_poisoned(dp);
     if (s == DOPT_OK) s = dopt__dp_check_layout(dp, params, states);
     dopt__dp_count_pending_step(dp);
-    if (s == DOPT_OK && dp->round_steps > 0) s = dopt__dp_end_round(dp, params, states, 1, dp->step, " (close)");
+    if (s == DOPT_OK && dp->round_steps > 0) /* 2: the closing average takes no joiners in */
+        s = dopt__dp_end_round(dp, params, states, 2, dp->step, " (close)");
     if (s == DOPT_OK) {
         prev = dopt_comm_set_api(dp->comm, "dopt_dp_close");
         s = dopt__dp_check_replicas(dp, params, &same, NULL);
@@ -3613,7 +3683,7 @@ static dopt_status dopt__dp_read_file(dopt_dp *dp, const char *path, unsigned ch
 
 /* Compares the file's layout with this driver's, naming the first difference. */
 static dopt_status dopt__dp_check_file_layout(dopt_dp *dp, const unsigned char *file_layout, size_t bytes,
-                                              unsigned char *mine) {
+                                              unsigned char *mine, const char *what) {
     static const char *const names[] = {"world size", "rank", "element count", "period", "warm-up steps",
                                         "flags (sync_grads, weighted, anchor, batch controller, compressor, gradient compressor, outer optimizer)", "number of states"};
     dopt__dp_writer w;
@@ -3627,12 +3697,12 @@ static dopt_status dopt__dp_check_file_layout(dopt_dp *dp, const unsigned char *
         memcpy(&a, file_layout + i * 8, 8);
         memcpy(&b, mine + i * 8, 8);
         if (a != b) {
-            dopt__dp_fail_detail(dp, "load: the file was saved with %s %llu, this driver has %llu", names[i],
+            dopt__dp_fail_detail(dp, "%s with %s %llu, this driver has %llu", what, names[i],
                                  (unsigned long long)a, (unsigned long long)b);
             return DOPT_ERR_INVALID;
         }
     }
-    dopt__dp_fail_detail(dp, "load: the file's state buffers (sizes, policies) or batch configuration differ");
+    dopt__dp_fail_detail(dp, "%s with other state buffers (sizes, policies) or another batch configuration", what);
     return DOPT_ERR_INVALID;
 }
 
@@ -3707,7 +3777,7 @@ DOPT_DEF dopt_status dopt_dp_load(dopt_dp *dp, const char *path) {
         s = DOPT_ERR_NOMEM;
         goto done;
     }
-    s = dopt__dp_check_file_layout(dp, buf + 24, (size_t)layout_bytes, mine);
+    s = dopt__dp_check_file_layout(dp, buf + 24, (size_t)layout_bytes, mine, "load: the file was saved");
     if (s != DOPT_OK) goto done;
     expect = dopt__dp_encode(dp, NULL);
     if (expect != len) {
@@ -3746,6 +3816,252 @@ DOPT_DEF dopt_status dopt_dp_load(dopt_dp *dp, const char *path) {
 done:
     if (buf) DOPT_FREE(buf);
     if (mine) DOPT_FREE(mine);
+    return s;
+}
+
+/* ===================================================================== ELASTIC: TAKING A WORKER BACK */
+
+/* The hash of a state in transit: four lanes of 64-bit words (FNV-1a's step, then a rotation),
+   the tail bytewise, fast enough to count little next to the transfer. */
+static uint64_t dopt__dp_lanes_hash(uint64_t h, const unsigned char *p, size_t bytes) {
+    uint64_t l[4];
+    size_t i, k, body = bytes / 32 * 32;
+    l[0] = h;
+    l[1] = h ^ 0x9E3779B97F4A7C15ull;
+    l[2] = h ^ 0xBF58476D1CE4E5B9ull;
+    l[3] = h ^ 0x94D049BB133111EBull;
+    for (i = 0; i < body; i += 32)
+        for (k = 0; k < 4; k++) {
+            uint64_t w;
+            memcpy(&w, p + i + 8 * k, 8);
+            l[k] = (l[k] ^ w) * DOPT__FNV_PRIME;
+            l[k] = l[k] << 31 | l[k] >> 33;
+        }
+    for (k = 0; k < 4; k++) h = dopt__fnv1a(h, &l[k], 8);
+    return dopt__fnv1a(h, p + body, bytes - body);
+}
+
+/* The state a joiner takes, in the state file's form (dopt_dp_save's bytes: magic, version,
+   layout, state) with this rank's rank and per-step samples zeroed and, in place of the file's
+   checksum, the hash of all of it and of the AVERAGE states that follow it: file bytes, then
+   (work_count - n) floats. *hash: that hash. At a round's end the model is the anchor the
+   file holds, so it is not sent twice. */
+static size_t dopt__dp_state_payload(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states,
+                                     unsigned char *buf, uint64_t *hash) {
+    size_t file = dopt__dp_encode(dp, NULL), avg = (dp->work_count - dp->n) * sizeof(float);
+    uint64_t layout_bytes;
+    if (buf == NULL) return file + avg;
+    dopt__dp_encode(dp, buf);
+    memcpy(&layout_bytes, buf + 16, 8);
+    memset(buf + 32, 0, 8);                              /* the layout's rank */
+    memset(buf + 24 + (size_t)layout_bytes + 32, 0, 8); /* the state's step_samples */
+    dopt__dp_pack(dp, params, states);
+    if (avg) memcpy(buf + file, dp->work + dp->n, avg);
+    *hash = dopt__dp_lanes_hash(DOPT__FNV_OFFSET, buf, file - 8);
+    *hash = dopt__dp_lanes_hash(*hash, buf + file, avg);
+    memcpy(buf + file - 8, hash, 8);
+    return file + avg;
+}
+
+/* A joiner takes the payload (bytes of it; agreed: the hash the members agreed on): checked by
+   magic, version, layout (world size and rank aside), size and hash, then taken. DOPT_OK, or
+   why not in dp->detail, nothing taken. */
+static dopt_status dopt__dp_take(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states, unsigned char *buf,
+                                 size_t bytes, uint64_t agreed) {
+    size_t expect = dopt__dp_state_payload(dp, params, states, NULL, NULL), file = dopt__dp_encode(dp, NULL);
+    size_t avg = (dp->work_count - dp->n) * sizeof(float);
+    uint64_t version, layout_bytes, h, id[2];
+    double own_samples = dp->step_samples;
+    unsigned char *mine;
+    dopt__dp_reader r;
+    dopt_status s;
+    if (bytes < 32 || memcmp(buf, DOPT__LS_MAGIC, 8) != 0) {
+        dopt__dp_fail_detail(dp, "elastic: the job's state arrived without its header (%zu bytes)", bytes);
+        return DOPT_ERR_PROTOCOL;
+    }
+    memcpy(&version, buf + 8, 8);
+    memcpy(&layout_bytes, buf + 16, 8);
+    if (version != DOPT_DP_FILE_VERSION) {
+        dopt__dp_fail_detail(dp, "elastic: the job's state has format version %llu, this build reads version %u",
+                             (unsigned long long)version, DOPT_DP_FILE_VERSION);
+        return DOPT_ERR_INVALID;
+    }
+    if (layout_bytes > bytes - 32 || layout_bytes < 16) {
+        dopt__dp_fail_detail(dp, "elastic: the job's state is truncated (%zu bytes)", bytes);
+        return DOPT_ERR_PROTOCOL;
+    }
+    if ((mine = (unsigned char *)DOPT_MALLOC(file)) == NULL) return DOPT_ERR_NOMEM;
+    id[0] = (uint64_t)dp->comm->size;
+    id[1] = (uint64_t)dp->comm->rank;
+    memcpy(buf + 24, id, 16); /* the lead's world size is this one's too; its rank is not a difference */
+    s = dopt__dp_check_file_layout(dp, buf + 24, (size_t)layout_bytes, mine, "elastic: the job runs");
+    DOPT_FREE(mine);
+    if (s != DOPT_OK) return s;
+    if (bytes != expect) {
+        dopt__dp_fail_detail(dp, "elastic: the job's state holds %zu bytes, this driver's layout needs %zu", bytes,
+                             expect);
+        return DOPT_ERR_PROTOCOL;
+    }
+    memset(buf + 32, 0, 8); /* hashed as the members hashed it */
+    h = dopt__dp_lanes_hash(DOPT__FNV_OFFSET, buf, file - 8);
+    h = dopt__dp_lanes_hash(h, buf + file, avg);
+    if (h != agreed) {
+        dopt__dp_fail_detail(dp, "elastic: the job's state arrived corrupt (hash %016llx, the members agreed on %016llx)",
+                             (unsigned long long)h, (unsigned long long)agreed);
+        return DOPT_ERR_PROTOCOL;
+    }
+    r.buf = buf;
+    r.pos = 24 + (size_t)layout_bytes;
+    r.len = file - 8;
+    r.short_read = 0;
+    dopt__dp_get_state(&r, dp); /* step, syncs, round counters, anchor, outer momentum */
+    dp->step_samples = own_samples;
+    dp->sync_step = dp->step;
+    dp->skipped = 0;
+    dp->anchor_set = 1;
+    if (dp->n) memcpy(dp->work, dp->anchor, dp->n * sizeof(float)); /* the model of the last average */
+    if (avg) memcpy(dp->work + dp->n, buf + file, avg);
+    dopt__dp_unpack(dp, params, states);
+    dp->joining = 0;
+    return DOPT_OK;
+}
+
+/* On every rank of a grown communicator (dp->comm): the members' rank 0 sends the job's state to
+   the joiners, in a group of them alone. Every member first makes the payload
+   (dopt__dp_state_payload) and they agree on its size and hash (one allreduce, the joiners in
+   it too): members that disagree have replicas that differ, and nobody is given a state
+   (DOPT_ERR_MISMATCH everywhere). A joiner configured otherwise refuses the state after it
+   took part in the broadcast (DOPT_ERR_INVALID, naming the first difference), so that the
+   others are not held; its host then leaves and the members' next collective loses it. */
+static dopt_status dopt__dp_share(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
+    dopt_comm *c = dp->comm, *g = NULL;
+    unsigned char *buf = NULL;
+    uint64_t hash = 0, agreed;
+    int64_t v[6];
+    size_t bytes = 0;
+    double t0;
+    int32_t ok = 1;
+    int lead = c->rank == 0;
+    dopt_status s = DOPT_OK, taken = DOPT_OK;
+    if (!dp->joining) {
+        bytes = dopt__dp_state_payload(dp, params, states, NULL, NULL);
+        if ((buf = (unsigned char *)DOPT_MALLOC(bytes)) == NULL) s = DOPT_ERR_NOMEM;
+        else dopt__dp_state_payload(dp, params, states, buf, &hash);
+    }
+    v[0] = dp->joining ? -1 : (int64_t)(hash >> 32);
+    v[1] = dp->joining ? -1 : (int64_t)(hash & 0xFFFFFFFFu);
+    v[2] = dp->joining ? -((int64_t)1 << 33) : -(int64_t)(hash >> 32);
+    v[3] = dp->joining ? -((int64_t)1 << 33) : -(int64_t)(hash & 0xFFFFFFFFu);
+    v[4] = dp->joining || s != DOPT_OK ? -1 : (int64_t)bytes;
+    v[5] = dp->joining ? -((int64_t)1 << 62) : s != DOPT_OK ? 1 : -(int64_t)bytes; /* out of memory: disagrees */
+    if ((s = dopt_allreduce(c, v, 6, DOPT_I64, DOPT_MAX)) != DOPT_OK) goto done;
+    if (v[0] != -v[2] || v[1] != -v[3] || v[4] != -v[5] || v[4] < 0) {
+        dopt__dp_fail_detail(dp, "elastic: the members' states differ (hashes %08llx%08llx to %08llx%08llx, %lld to "
+                                 "%lld bytes, or a member is out of memory): their replicas are not identical; the "
+                                 "joiners were not given a state",
+                             (unsigned long long)-v[2], (unsigned long long)-v[3], (unsigned long long)v[0],
+                             (unsigned long long)v[1], (long long)-v[5], (long long)v[4]);
+        dopt_comm_log(c, DOPT_LOG_ERROR, "%s", dp->detail);
+        s = dp->status = DOPT_ERR_MISMATCH;
+        goto done;
+    }
+    agreed = (uint64_t)v[0] << 32 | (uint64_t)v[1];
+    bytes = (size_t)v[4];
+    if ((s = dopt_comm_split(c, lead || dp->joining ? 0 : DOPT_UNDEFINED, c->rank, &g)) != DOPT_OK) goto done;
+    if (g == NULL) goto done; /* a member other than the lead: nothing to send or take */
+    if (dp->joining && (buf = (unsigned char *)DOPT_MALLOC(bytes ? bytes : 1)) == NULL) {
+        s = DOPT_ERR_NOMEM; /* the others are held until this rank's end is seen */
+        goto done;
+    }
+    t0 = dopt__now_ms();
+    if ((s = dopt_broadcast(g, buf, bytes, 0)) != DOPT_OK) goto done;
+    dp->state_bytes = bytes;
+    dp->state_ms = dopt__now_ms() - t0;
+    if (dp->joining) {
+        taken = dopt__dp_take(dp, params, states, buf, bytes, agreed);
+        ok = taken == DOPT_OK;
+    }
+    if ((s = dopt_allreduce(g, &ok, 1, DOPT_I32, DOPT_MIN)) != DOPT_OK) goto done;
+    if (lead) {
+        dopt_comm_log(c, DOPT_LOG_INFO, "elastic: sent the job's state (%.3g MB) to %d joiner(s) in %.3g ms (%.0f MB/s)%s",
+                      bytes / 1e6, g->size - 1, dp->state_ms, dp->state_ms > 0 ? bytes / 1e3 / dp->state_ms : 0.0,
+                      ok ? "" : "; a joiner refused it (configured otherwise): it leaves");
+    } else if (!dp->joining) { /* took it */
+        dopt_comm_log(c, DOPT_LOG_INFO, "elastic: this joiner took the job's state (%.3g MB in %.3g ms) and goes on from "
+                      "step %llu as rank %d of %d", bytes / 1e6, dp->state_ms, (unsigned long long)dp->step, c->rank,
+                      c->size);
+    } else {
+        dopt_comm_log(c, DOPT_LOG_ERROR, "%s: this joiner leaves the job", dp->detail);
+        s = dp->status = taken;
+    }
+done:
+    if (g) dopt_comm_destroy(g);
+    if (buf) DOPT_FREE(buf);
+    return s;
+}
+
+/* After a new communicator replaced before: the one the driver made is its own to destroy (the
+   host's is the host's), and the replica check's exchange follows the size. */
+static dopt_status dopt__dp_take_comm(dopt_dp *dp, dopt_comm *before, dopt_comm *given, dopt_comm *next) {
+    uint64_t *words = (uint64_t *)DOPT_MALLOC(2 * (size_t)next->size * sizeof(uint64_t));
+    dp->comm = next;
+    if (before != given) dopt_comm_destroy(before);
+    dopt_comm_set_api(next, dp->api);
+    if (words == NULL) return DOPT_ERR_NOMEM;
+    DOPT_FREE(dp->replica_words);
+    dp->replica_words = words;
+    return DOPT_OK;
+}
+
+/* ELASTIC, at the end of a round (every member, right after the average, when it said a member
+   holds a joiner): the joiners held anywhere come in (dopt_comm_grow) and take the job's state (dopt__dp_share); a rank lost
+   meanwhile is left out the way survive does, the joiners taking the state from it then. */
+static dopt_status dopt__dp_admit(dopt_dp *dp, dopt_comm *given, const dopt_buf *params, const dopt_buf *states,
+                                  uint64_t t) {
+    dopt_comm *before = dp->comm, *next = NULL;
+    const char *prev = dopt__dp_label(dp, "dopt_dp_after_step: taking joiners in after step %llu", (unsigned long long)t);
+    int adopted = 0, members = before->size;
+    dopt_status s;
+    if (!dp->joiners_waiting) { /* the average said nobody holds one: no grow */
+        dopt_comm_set_api(before, prev);
+        return DOPT_OK;
+    }
+    dp->joiners_waiting = 0;
+    s = dopt_comm_grow(before, &next);
+    if (s == DOPT_OK && next == NULL) {
+        dopt_comm_set_api(before, prev);
+        return DOPT_OK;
+    }
+    if (next) {
+        dopt_status s2 = dopt__dp_take_comm(dp, before, given, next);
+        dp->grows++;
+        if (s == DOPT_OK) {
+            dopt_comm_log(next, DOPT_LOG_WARN, "elastic: rank %d of %d takes in %d joiner(s) after step %llu; the job "
+                          "goes on as %d ranks", next->rank, members, next->size - members, (unsigned long long)t,
+                          next->size);
+            s = s2 != DOPT_OK ? s2 : dopt__dp_share(dp, params, states);
+        }
+    }
+    if (dopt__dp_lost_peer(dp, s)) s = dopt__dp_go_on(dp, s, params, states, given, 0, &adopted);
+    dopt_comm_set_api(dp->comm, prev);
+    if (s != DOPT_OK && !dp->detail[0])
+        dopt__dp_fail_detail(dp, "taking joiners in after step %llu: %s (%s)", (unsigned long long)t,
+                             dopt_status_str(s), dopt_comm_detail(dp->comm));
+    return s;
+}
+
+/* ELASTIC, on a rank a grow took in, in place of dopt_dp_broadcast: the job's state from the
+   members' rank 0; a rank lost meanwhile is left out the way survive does. */
+static dopt_status dopt__dp_join(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
+    dopt_comm *given = dp->comm;
+    const char *prev = dopt__dp_label(dp, "dopt_dp_broadcast: taking the job's state");
+    int adopted = 0;
+    dopt_status s = dopt__dp_share(dp, params, states);
+    if (dopt__dp_lost_peer(dp, s)) s = dopt__dp_go_on(dp, s, params, states, given, 0, &adopted);
+    dopt_comm_set_api(dp->comm, prev);
+    if (s != DOPT_OK && !dp->detail[0])
+        dopt__dp_fail_detail(dp, "broadcast: taking the job's state: %s (%s)", dopt_status_str(s),
+                             dopt_comm_detail(dp->comm));
     return s;
 }
 

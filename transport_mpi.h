@@ -866,13 +866,14 @@ static const dopt_comm_vtable dopt__mpi_vtable = {"mpi",
                                                   NULL,
                                                   NULL,
                                                   NULL,
+                                                  NULL,
                                                   NULL};
 
 /* engine = 1: links only; the engine runs every collective and makes groups over the links. */
 static const dopt_comm_vtable dopt__mpi_engine_vtable = {
     "mpi", NULL, NULL, NULL, NULL, dopt__mpi_destroy, sizeof(dopt_comm_vtable), 0u,
     dopt__mpi_link_send, dopt__mpi_link_recv, dopt__mpi_link_wait, dopt__mpi_link_close, NULL, NULL,
-    dopt_engine_provider, NULL, NULL};
+    dopt_engine_provider, NULL, NULL, NULL};
 
 /* The check setting this rank asks for: the config's, else the environment's. */
 static int dopt__mpi_check_wanted(const dopt_mpi_config *cfg) { return cfg->check > 0; }

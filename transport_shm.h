@@ -1313,14 +1313,14 @@ static int dopt__shm_finish(dopt_comm *comm, int status);
 static const dopt_comm_vtable dopt__shm_vtable = {
     "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
     sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait,
-    dopt__shm_link_close, NULL, dopt__shm_finish, dopt_engine_provider, NULL, NULL};
+    dopt__shm_link_close, NULL, dopt__shm_finish, dopt_engine_provider, NULL, NULL, NULL};
 static const dopt_comm_vtable dopt__shm_engine_vtable = {
     "shm", NULL, NULL, NULL, NULL, dopt__shm_destroy, sizeof(dopt_comm_vtable), 0u,
     dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait, dopt__shm_link_close, NULL, dopt__shm_finish,
-    dopt_engine_provider, NULL, NULL};
+    dopt_engine_provider, NULL, NULL, NULL};
 static const dopt_comm_vtable dopt__shm_unlinked_vtable = {
     "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
-    sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, NULL, dopt__shm_finish, NULL, NULL, NULL};
+    sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, NULL, dopt__shm_finish, NULL, NULL, NULL, NULL};
 
 /* ===================================================================== CONFIGURATION */
 

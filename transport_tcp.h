@@ -1366,14 +1366,16 @@ static void dopt__tcp_destroy(dopt_comm *c) {
 
 static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next);
 static dopt_status dopt__tcp_grow(dopt_comm *c, dopt_comm **next);
+static dopt_status dopt__tcp_grown(dopt_comm *c2, dopt__tcp *t2);
 static dopt_status dopt__tcp_join_job(dopt_comm **out, const dopt_tcp_config *cfg, int master_port);
 static int dopt__tcp_grow_hello_ok(const dopt__tcp *t, const unsigned char *in, uint32_t epoch, const unsigned char *nonce);
+static int dopt__tcp_comm_joiners_held(const dopt_comm *c);
 
 /* Links only: every collective is the engine's. */
 static const dopt_comm_vtable dopt__tcp_vtable = {
     "tcp", NULL, NULL, NULL, NULL, dopt__tcp_destroy, sizeof(dopt_comm_vtable), 0u,
     dopt__tcp_link_send, dopt__tcp_link_recv, dopt__tcp_link_wait, dopt__tcp_link_close, NULL, NULL, dopt_engine_provider,
-    dopt__tcp_shrink, dopt__tcp_grow};
+    dopt__tcp_shrink, dopt__tcp_grow, dopt__tcp_comm_joiners_held};
 
 /* ===================================================================== SOCKETS */
 
@@ -3181,10 +3183,6 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
             dopt_comm_destroy(c2);
             return dopt__tcp_shrink_fail(c, DOPT_ERR_IO, "cannot make a link to rank %d: %s", r, strerror(errno));
         }
-        if (r != me) {
-            dopt__tcp_tune(t2->peers[q].fd, 0);
-            dopt__tcp_keepalive(t2->peers[q].fd, t2->keepalive_s);
-        }
         q++;
     }
     t2->shrink_lfd = t->shrink_lfd; /* kept for the next shrink, with the hellos that came early */
@@ -3197,19 +3195,13 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
     t2->njoiners = t->njoiners;
     t->joiners = NULL;
     t->njoiners = 0;
-    dopt__tcp_set_job(c2, t2); /* the flight recorder's files of the survivors' communicator */
     if (me == 0) { /* rank 0 stays rank 0, and keeps refusing late joiners of the rendezvous */
         t2->lfd = t->lfd;
         t->lfd = -1;
     }
-    t2->ready = 1;
     t->shrunk = 1;
-    dopt_comm_set_host(c2, m == 1 ? 1 : dopt__tcp_local_ranks(t2), (int)sysconf(_SC_NPROCESSORS_ONLN));
-    if ((s = dopt__tcp_set_hosts(c2, t2, t2->two_level)) != DOPT_OK ||
-        (t2->progress_thread_us > 0 && (s = dopt_comm_set_progress_thread(c2, t2->progress_thread_us)) != DOPT_OK)) {
-        dopt_comm_destroy(c2);
+    if ((s = dopt__tcp_grown(c2, t2)) != DOPT_OK) /* ready, the recorder's files, hosts, progress */
         return dopt__tcp_shrink_fail(c, s, "cannot set up the survivors' communicator: %s", dopt_status_str(s));
-    }
     *next = c2;
     return DOPT_OK;
 }
@@ -3733,6 +3725,10 @@ DOPT__MAYBE_UNUSED static int dopt__tcp_joiners_held(const dopt__tcp *t) {
     return n;
 }
 
+static int dopt__tcp_comm_joiners_held(const dopt_comm *c) {
+    return dopt__tcp_joiners_held((const dopt__tcp *)c->impl);
+}
+
 /* Reads what joiner j sent (never past the record it is in) and answers. */
 static void dopt__tcp_joiner_serve(dopt_comm *c, dopt__tcp *t, int j) {
     dopt__tcp_joiner *jn = &t->joiners[j];
@@ -4158,8 +4154,8 @@ static int dopt__tcp_grow_connect(const dopt__tcp *t, const unsigned char addr[1
     return fd;
 }
 
-/* The last steps of a grown communicator, on every rank: ready, identity, hosts, the progress
-   thread. DOPT_OK, or why not (c2 destroyed). */
+/* The last steps of a communicator a grow or a shrink made, on every rank: ready, the links'
+   settings, the recorder's files, hosts, the progress thread. DOPT_OK, or why not (c2 destroyed). */
 static dopt_status dopt__tcp_grown(dopt_comm *c2, dopt__tcp *t2) {
     dopt_status s;
     int p;
@@ -4238,6 +4234,7 @@ static dopt_status dopt__tcp_grow(dopt_comm *c, dopt_comm **next) {
     }
     t2 = (dopt__tcp *)c2->impl;
     c2->epoch = c->epoch + 1;
+    c2->grown_from = n;
     memset(table, 0, table_bytes);
     for (q = 0; q < n; q++) {
         memcpy(t2->peers[q].addr, t->peers[q].addr, 16);
@@ -4429,8 +4426,6 @@ static dopt_status dopt__tcp_join_job(dopt_comm **out, const dopt_tcp_config *cf
     if (fd >= 0) close(fd);
     if (s == DOPT_OK) {
         dopt__tcp_like(c, t, (int)admit.rank, (int)admit.size, token, &k);
-        k.progress_thread_us = cfg->progress_thread_us;
-        k.two_level = cfg->two_level;
         k.min_ranks = cfg->min_ranks < (int)admit.size ? cfg->min_ranks : (int)admit.size;
         if ((s = dopt__tcp_new(&c2, &k)) != DOPT_OK) s = dopt__tcp_setup_fail(c, s, "joiner: cannot make its communicator");
     }
@@ -4447,6 +4442,7 @@ static dopt_status dopt__tcp_join_job(dopt_comm **out, const dopt_tcp_config *cf
         size_t pgot[DOPT__TCP_MAX_PENDING];
         t2 = (dopt__tcp *)c2->impl;
         c2->epoch = admit.epoch;
+        c2->grown_from = (int)admit.members;
         dopt__tcp_grow_accept(c2, t2, lfd, side.nonce_j, links_by, pend, pbuf, pgot, 0);
         for (q = (int)admit.rank + 1; q < (int)admit.size; q++) { /* the joiners above */
             dopt__tcp_grow_hello(hello, t2, nonces + (size_t)(q - (int)admit.members) * DOPT__TCP_NONCE_BYTES,

@@ -5,17 +5,22 @@
    over them (or, when one of them had completed an average the others lost, gives every
    survivor that one's state), and returns with its communicator replaced by the survivors'. The
    host then takes the rows of its new shard and goes on from the driver's step. The lost
-   worker's rows are redistributed: every survivor's shard grows. Lines marked "distopt" are what
-   a host adds.
+   worker's rows are redistributed: every survivor's shard grows. A worker started again with
+   DOPT_JOIN=1 is taken back at the end of a round: it gets the job's model and step from rank 0
+   in its dopt_dp_broadcast, and every rank takes its shard of the larger world. Lines marked
+   "distopt" are what a host adds.
 
        DOPT_ON_PEER_LOST=shrink DOPT_RANK=r DOPT_WORLD_SIZE=4 DOPT_MASTER_PORT=29500 build/elastic_sgd
-       (tests/elastic_trials.c starts four and kills one: make elastic-test)
+       DOPT_ON_PEER_LOST=shrink DOPT_JOIN=1 DOPT_MASTER_PORT=29500 build/elastic_sgd   (one comes back)
+       (tests/elastic_trials.c starts four, kills one and starts it again: make elastic-test)
 
    Flags: --steps N (default 8000), --period N (4), --step-us N (a compute step's time, slept;
    0), --seed N. Prints, per rank, one line: "elastic_sgd: rank R of N (was rank O of W):
-   |x - x*| = D, model <hash>, shrinks K, resumed_ms T" (T: the wall clock, in ms since the
-   epoch, when training went on after the last shrink; 0 without one). Exits 1 when it did not
-   converge (|x - x*| ≥ 1e-3·|x*|) or could not go on. */
+   |x - x*| = D, model <hash>, shrinks K, resumed_ms T, grows G, joined J, state_bytes B,
+   state_ms S" (T: the wall clock, in ms since the epoch, when training went on after the last
+   shrink, 0 without one; G: joiners taken in, by how many grows; J: 1 on a worker that came
+   back; B, S: the last state transfer this rank sent or took). Exits 1 when it did not converge
+   (|x - x*| ≥ 1e-3·|x*|) or could not go on. */
 #define DISTOPT_IMPLEMENTATION
 #include "distopt.h"
 #include "transport_tcp.h"
@@ -69,8 +74,11 @@ int main(int argc, char **argv) {
     size_t period = 4, begin = 0, end = ROWS;
     unsigned long long seed = 1;
     uint64_t data_rng, rng;
-    int i, j, world, old_rank, failed, shrinks;
-    double dist = 0, ref = 0, resumed_ms = 0;
+    int i, j, world, old_rank, failed, shrinks, joined;
+    double dist = 0, ref = 0, resumed_ms = 0, state_ms;
+    size_t state_bytes;
+    int grows;
+    char detail[DOPT_DETAIL_MAX];
     uint64_t hash;
     dopt_tcp_config base;
     dopt_comm *comm = NULL;
@@ -109,8 +117,13 @@ int main(int argc, char **argv) {
     cfg.period = period; /* distopt: local SGD, models averaged every period steps */
     cfg.elastic = 1;     /* distopt: and a lost worker does not end it */
     dopt_dp_init(&dp, comm, DIM, &cfg);
-    dopt_dp_broadcast(&dp, x);
-    while ((step = (long)dp.step) < steps) { /* distopt: the driver's step (a survivor may move on) */
+    joined = dp.joining;
+    st = dopt_dp_broadcast(&dp, x); /* distopt: rank 0's model; a worker that came back: the job's state */
+    if (dp.comm != comm) {          /* (a member lost while it took it) */
+        dopt_comm_destroy(comm);
+        comm = dp.comm;
+    }
+    while (st == DOPT_OK && (step = (long)dp.step) < steps) { /* distopt: the driver's step (a survivor may move on) */
         dopt_shard(ROWS, comm->rank, comm->size, &begin, &end); /* distopt: this rank's rows, in this world */
         gradient(A, b, x, begin, end, &rng, g);
         if (step_us > 0) {
@@ -119,16 +132,21 @@ int main(int argc, char **argv) {
         }
         for (j = 0; j < DIM; j++) x[j] -= 0.05f * g[j];
         st = dopt_dp_after_step(&dp, x); /* distopt: the model average when due */
-        if (dp.comm != comm) {           /* distopt: a worker was lost; the survivors went on */
-            fprintf(stderr, "elastic_sgd: rank %d: lost a worker at step %ld; going on as rank %d of %d\n", comm->rank,
-                    step, dp.comm->rank, dp.comm->size);
+        if (dp.comm != comm) {           /* distopt: a worker was lost, or one came back */
+            int grew = dp.comm->size > comm->size;
+            fprintf(stderr, "elastic_sgd: rank %d: %s at step %ld; going on as rank %d of %d\n", comm->rank,
+                    grew ? "took a worker back" : "lost a worker", step, dp.comm->rank, dp.comm->size);
             dopt_comm_destroy(comm);
             comm = dp.comm;
-            resumed_ms = wall_ms();
+            if (!grew) resumed_ms = wall_ms();
         }
         if (st != DOPT_OK) break;
     }
     shrinks = (int)dp.shrinks;
+    grows = (int)dp.grows;
+    state_bytes = dp.state_bytes;
+    state_ms = dp.state_ms;
+    snprintf(detail, sizeof detail, "%s", st != DOPT_OK ? dopt_dp_detail(&dp) : "");
     if (st == DOPT_OK) st = dopt_dp_close(&dp, x); /* distopt: the last round averaged, replicas checked */
     else
         dopt_dp_free(&dp);
@@ -142,9 +160,10 @@ int main(int argc, char **argv) {
     for (i = 0; i < (int)sizeof x; i++) hash = (hash ^ ((const unsigned char *)x)[i]) * 1099511628211ull;
     failed = st != DOPT_OK || !(dist < 1e-3 * ref);
     printf("elastic_sgd: rank %d of %d (was rank %d of %d): |x - x*| = %.3g, model %016llx, shrinks %d, "
-           "resumed_ms %.1f%s%s\n",
-           comm->rank, comm->size, old_rank, world, dist, (unsigned long long)hash, shrinks, resumed_ms,
-           failed ? ", FAILED: " : "", st != DOPT_OK ? dopt_comm_detail(comm) : failed ? "not converged" : "");
+           "resumed_ms %.1f, grows %d, joined %d, state_bytes %zu, state_ms %.3f%s%s\n",
+           comm->rank, comm->size, old_rank, world, dist, (unsigned long long)hash, shrinks, resumed_ms, grows, joined,
+           state_bytes, state_ms, failed ? ", FAILED: " : "",
+           st != DOPT_OK ? (detail[0] ? detail : dopt_comm_detail(comm)) : failed ? "not converged" : "");
     fflush(stdout);
     return dopt_comm_finish(comm, failed);
 }

@@ -6,12 +6,18 @@
    survives when every survivor exits 0 having converged, with the same model (its hash) as the
    other survivors, after one shrink or more. The time to recover is from the kill to the moment
    the last survivor trained again (its resumed_ms). Then one trial with DOPT_MIN_RANKS=4: every
-   survivor must end with an error naming min_ranks, none may hang. Prints per trial a line and,
-   last:
-       elastic transport=tcp trials=N survived=S rejoined=0 hangs=H max_recover_ms=M state_MBps=0
-       link_MBps=0 min_ranks_ok=1
-   (re-admitting the killed worker is not built yet: rejoined, state_MBps and link_MBps are 0).
-   Exits 1 when a trial did not survive or hung.
+   survivor must end with an error naming min_ranks, none may hang. In the least-squares trials
+   the killed worker, unless it was rank 0 (the other members' ports are not known here, and
+   DOPT_JOIN_PEERS needs them), is started again 200 ms after the kill with DOPT_JOIN=1: it is
+   taken back when every member took it in (grows >= 1) and it ends with their model. Prints
+   per trial a line and, last:
+       elastic transport=tcp trials=N survived=S rejoined=J hangs=H max_recover_ms=M
+       state_MBps=X link_MBps=0 min_ranks_ok=1 links=... restarted=R state_bytes=B
+   (on loopback, state_MBps and link_MBps are bench_rejoin's, run after the trials: a joiner
+   taking a 32 MB model, and a raw TCP stream of the same bytes; B is then its state's bytes.
+   On the cluster, or without build/bench_rejoin, state_MBps is the median over the trials of
+   the joiner's transfer of a 16-float model, a latency more than a rate, and link_MBps 0).
+   Exits 1 when a trial did not survive or hung, or a worker started again was not taken back.
    Usage: elastic_trials [BUILD_DIR] [TRIALS] [MASTER_ADDR|-] [mlp]: with MASTER_ADDR, rank r runs
    on the simulated cluster's host r (scripts/cluster.sh exec r; the cluster must be up with 4
    hosts, MASTER_ADDR host 0's address: tests/elastic_cluster.sh does it) and the line says
@@ -70,15 +76,18 @@ static int free_port(void) {
     return port;
 }
 
+#define SLOTS (WORKERS + 1) /* the workers, and the killed one started again (slot WORKERS) */
+
 typedef struct outcome {
-    int exited[WORKERS], status[WORKERS];
-    char line[WORKERS][512];
-    char acc_line[WORKERS][512]; /* mlp: the last evaluation's line */
-    int final[WORKERS];           /* mlp: printed the replicas' hash (rank 0 at the end) */
-    double resumed[WORKERS];      /* mlp: when it went on after a lost worker (monotonic ms), 0: never */
-    double run_ms;                /* from the job formed to the last rank's exit */
-    char err[WORKERS][512];
+    int exited[SLOTS], status[SLOTS];
+    char line[SLOTS][512];
+    char acc_line[SLOTS][512]; /* mlp: the last evaluation's line */
+    int final[SLOTS];           /* mlp: printed the replicas' hash (rank 0 at the end) */
+    double resumed[SLOTS];      /* mlp: when it went on after a lost worker (monotonic ms), 0: never */
+    double run_ms;              /* from the job formed to the last rank's exit */
+    char err[SLOTS][512];
     int hung;
+    int restarted;              /* the killed worker was started again (slot WORKERS) */
 } outcome;
 
 /* Runs one job; victim is killed delay_ms after the start (-1: nobody). */
@@ -119,54 +128,74 @@ static int job_formed(const char *dir) {
     return 1;
 }
 
-static void run_job(const char *build, const char *dir, int victim, int delay_ms, int min_ranks, double *kill_ms,
-                    outcome *out) {
-    pid_t pids[WORKERS];
+/* Starts worker r (slot r; slot WORKERS: the killed worker again, with DOPT_JOIN=1) of the job at
+   port, its stdout and stderr in dir's rank<slot>.log and .err. */
+static pid_t spawn_worker(const char *exe, const char *dir, int slot, int r, int port, int min_ranks) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        char v[32], path[600], err[600];
+        snprintf(path, sizeof path, "%s/rank%d.log", dir, slot);
+        snprintf(err, sizeof err, "%s/rank%d.err", dir, slot);
+        if (!freopen(path, "w", stdout) || !freopen(err, "w", stderr)) _exit(3);
+        snprintf(v, sizeof v, "%d", r);
+        setenv("DOPT_RANK", v, 1);
+        setenv("DOPT_WORLD_SIZE", "4", 1);
+        snprintf(v, sizeof v, "%d", port);
+        setenv("DOPT_MASTER_PORT", v, 1);
+        setenv("DOPT_MASTER_ADDR", cluster_master ? cluster_master : "127.0.0.1", 1);
+        setenv("DOPT_TOKEN", "elastic-trials", 1);
+        setenv("DOPT_ON_PEER_LOST", "shrink", 1);
+        snprintf(v, sizeof v, "%d", min_ranks);
+        setenv("DOPT_MIN_RANKS", v, 1);
+        setenv("DOPT_TRANSPORT", "tcp", 1);
+        setenv("OPENBLAS_NUM_THREADS", "1", 1);
+        if (slot == WORKERS) {
+            setenv("DOPT_JOIN", "1", 1);
+            setenv("DOPT_RENDEZVOUS_TIMEOUT_MS", "20000", 1); /* the job may end before a round takes it */
+        }
+        {
+            static char *const sgd_args[] = {"--step-us", "200", NULL};
+            static char *const mlp_args[] = {"--epochs", "4", "--period", "4", "--elastic", "on", "--evals-per-epoch", "1", NULL};
+            char *const *args = mlp ? mlp_args : sgd_args;
+            char *argv_[16], host[16];
+            int k = 0, j;
+            snprintf(host, sizeof host, "%d", r);
+            if (cluster_master) { /* cluster.sh exec becomes `ip netns exec`, which becomes exe: one pid */
+                argv_[k++] = (char *)"scripts/cluster.sh";
+                argv_[k++] = (char *)"exec";
+                argv_[k++] = host;
+            }
+            argv_[k++] = (char *)exe;
+            for (j = 0; args[j]; j++) argv_[k++] = args[j];
+            argv_[k] = NULL;
+            execv(argv_[0], argv_);
+        }
+        _exit(4);
+    }
+    return pid;
+}
+
+/* rejoin: the killed worker, unless rank 0 (the others' ports are not known here), is started
+   again REJOIN_AFTER_MS after the kill, as a joiner. */
+#define REJOIN_AFTER_MS 200
+
+static void run_job(const char *build, const char *dir, int victim, int delay_ms, int min_ranks, int rejoin,
+                    double *kill_ms, outcome *out) {
+    pid_t pids[SLOTS] = {0};
     int r, port = free_port(), left = WORKERS;
-    double start = wall_ms(), formed = 0;
+    double start = wall_ms(), formed = 0, killed_at = 0;
     char exe[512];
     memset(out, 0, sizeof *out);
+    {
+        char path[600];
+        snprintf(path, sizeof path, "%s/rank%d.log", dir, WORKERS); /* no earlier trial's joiner */
+        unlink(path);
+        snprintf(path, sizeof path, "%s/rank%d.err", dir, WORKERS);
+        unlink(path);
+    }
     snprintf(exe, sizeof exe, "%s/%s", build, mlp ? "fmnist_mlp" : "elastic_sgd");
     fflush(stdout);
-    for (r = 0; r < WORKERS; r++) {
-        pids[r] = fork();
-        if (pids[r] == 0) {
-            char v[32], path[600], err[600];
-            snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
-            snprintf(err, sizeof err, "%s/rank%d.err", dir, r);
-            if (!freopen(path, "w", stdout) || !freopen(err, "w", stderr)) _exit(3);
-            snprintf(v, sizeof v, "%d", r);
-            setenv("DOPT_RANK", v, 1);
-            setenv("DOPT_WORLD_SIZE", "4", 1);
-            snprintf(v, sizeof v, "%d", port);
-            setenv("DOPT_MASTER_PORT", v, 1);
-            setenv("DOPT_MASTER_ADDR", cluster_master ? cluster_master : "127.0.0.1", 1);
-            setenv("DOPT_TOKEN", "elastic-trials", 1);
-            setenv("DOPT_ON_PEER_LOST", "shrink", 1);
-            snprintf(v, sizeof v, "%d", min_ranks);
-            setenv("DOPT_MIN_RANKS", v, 1);
-            setenv("DOPT_TRANSPORT", "tcp", 1);
-            setenv("OPENBLAS_NUM_THREADS", "1", 1);
-            {
-                static char *const sgd_args[] = {"--step-us", "200", NULL};
-                static char *const mlp_args[] = {"--epochs", "4", "--period", "4", "--elastic", "on", "--evals-per-epoch", "1", NULL};
-                char *const *args = mlp ? mlp_args : sgd_args;
-                char *argv_[16], host[16];
-                int k = 0, j;
-                snprintf(host, sizeof host, "%d", r);
-                if (cluster_master) { /* cluster.sh exec becomes `ip netns exec`, which becomes exe: one pid */
-                    argv_[k++] = (char *)"scripts/cluster.sh";
-                    argv_[k++] = (char *)"exec";
-                    argv_[k++] = host;
-                }
-                argv_[k++] = exe;
-                for (j = 0; args[j]; j++) argv_[k++] = args[j];
-                argv_[k] = NULL;
-                execv(argv_[0], argv_);
-            }
-            _exit(4);
-        }
-    }
+    for (r = 0; r < WORKERS; r++) pids[r] = spawn_worker(exe, dir, r, r, port, min_ranks);
     *kill_ms = 0;
     while (left > 0) {
         int status;
@@ -176,9 +205,15 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
         if (victim >= 0 && *kill_ms == 0 && formed > 0 && now - formed >= delay_ms && pids[victim] > 0) {
             kill(pids[victim], SIGKILL);
             *kill_ms = mlp ? mono_ms() : wall_ms();
+            killed_at = now;
+        }
+        if (rejoin && victim > 0 && killed_at > 0 && !out->restarted && now - killed_at >= REJOIN_AFTER_MS) {
+            pids[WORKERS] = spawn_worker(exe, dir, WORKERS, victim, port, min_ranks);
+            out->restarted = 1;
+            left++;
         }
         if (p > 0) {
-            for (r = 0; r < WORKERS; r++)
+            for (r = 0; r < SLOTS; r++)
                 if (pids[r] == p) {
                     pids[r] = 0;
                     out->exited[r] = 1;
@@ -190,7 +225,7 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
         }
         if (now - start > TRIAL_LIMIT_MS) {
             out->hung = 1;
-            for (r = 0; r < WORKERS; r++)
+            for (r = 0; r < SLOTS; r++)
                 if (pids[r] > 0) {
                     kill(pids[r], SIGKILL);
                     waitpid(pids[r], NULL, 0);
@@ -199,7 +234,7 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
         }
         usleep(1000);
     }
-    for (r = 0; r < WORKERS; r++) {
+    for (r = 0; r < SLOTS; r++) {
         char path[600];
         FILE *f;
         snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
@@ -233,7 +268,7 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
 /* The ranks' logs and the directory they are in. */
 static void remove_scratch(const char *dir) {
     int r;
-    for (r = 0; r < WORKERS; r++) {
+    for (r = 0; r < SLOTS; r++) {
         char path[600];
         snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
         unlink(path);
@@ -259,7 +294,7 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
     int t, r, survived = 0, hangs = 0, span, within = 0;
     double base, lo = 100, hi = 0, max_recover = 0, kill_ms;
     outcome out;
-    run_job(build, dir, -1, 0, 0, &kill_ms, &out);
+    run_job(build, dir, -1, 0, 0, 0, &kill_ms, &out);
     base = mlp_accuracy(&out, -1);
     span = (int)(0.7 * out.run_ms); /* kills within the training, not during the closing average */
     printf("undisturbed: test accuracy %.2f%%, %.0f ms from the job formed to its end\n", base, out.run_ms);
@@ -270,7 +305,7 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
     for (t = 0; t < trials; t++) {
         int victim = (int)(next_random(&rng) % WORKERS), delay = 50 + (int)(next_random(&rng) % (uint64_t)span), ok;
         double acc, resumed = 0;
-        run_job(build, dir, victim, delay, 0, &kill_ms, &out);
+        run_job(build, dir, victim, delay, 0, 0, &kill_ms, &out);
         hangs += out.hung;
         ok = !out.hung && kill_ms > 0;
         for (r = 0; r < WORKERS && ok; r++) {
@@ -304,7 +339,9 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
 int main(int argc, char **argv) {
     const char *build = argc > 1 ? argv[1] : "build";
     int trials = argc > 2 ? atoi(argv[2]) : 20, t, r, survived = 0, hangs = 0, min_ranks_ok = 1;
-    double max_recover = 0;
+    double max_recover = 0, rates[256], state_MBps = 0, link_MBps = 0;
+    int nrates = 0, restarted = 0, rejoined = 0;
+    size_t state_bytes = 0;
     uint64_t rng = 20261128;
     char dir[] = "/tmp/distopt-elastic-XXXXXX";
     outcome out;
@@ -321,39 +358,65 @@ int main(int argc, char **argv) {
     }
     for (t = 0; t < trials; t++) {
         int victim = (int)(next_random(&rng) % WORKERS), delay = 150 + (int)(next_random(&rng) % 1000), ok = 1;
+        int came_back = 1;
         unsigned long long model = 0;
         double kill_ms, resumed = 0;
-        run_job(build, dir, victim, delay, 0, &kill_ms, &out);
+        run_job(build, dir, victim, delay, 0, 1, &kill_ms, &out);
         hangs += out.hung;
         ok = !out.hung;
         for (r = 0; r < WORKERS && ok; r++) {
             unsigned long long m;
-            int shrinks;
+            int shrinks, grows, joined;
             double res;
             const char *p = strstr(out.line[r], "model ");
             if (r == victim) continue;
             if (!out.exited[r] || !WIFEXITED(out.status[r]) || WEXITSTATUS(out.status[r]) != 0 || p == NULL ||
-                sscanf(p, "model %llx, shrinks %d, resumed_ms %lf", &m, &shrinks, &res) != 3 || shrinks < 1 ||
-                (model && m != model)) {
+                sscanf(p, "model %llx, shrinks %d, resumed_ms %lf, grows %d, joined %d", &m, &shrinks, &res, &grows,
+                       &joined) != 5 || shrinks < 1 || (model && m != model)) {
                 ok = 0;
                 break;
             }
             model = m;
+            came_back = came_back && grows > 0; /* every member took it in */
             if (res > resumed) resumed = res;
         }
+        if (out.restarted && ok) { /* the worker started again: taken back with the job's model */
+            unsigned long long m;
+            int shrinks, grows, joined;
+            double res, ms;
+            size_t bytes;
+            const char *p = strstr(out.line[WORKERS], "model ");
+            came_back = came_back && out.exited[WORKERS] && WIFEXITED(out.status[WORKERS]) &&
+                        WEXITSTATUS(out.status[WORKERS]) == 0 && p &&
+                        sscanf(p, "model %llx, shrinks %d, resumed_ms %lf, grows %d, joined %d, state_bytes %zu, state_ms %lf",
+                               &m, &shrinks, &res, &grows, &joined, &bytes, &ms) == 7 &&
+                        joined == 1 && m == model;
+            if (came_back && ms > 0 && nrates < (int)(sizeof rates / sizeof rates[0])) {
+                rates[nrates++] = bytes / ms / 1e3;
+                state_bytes = bytes;
+            }
+        } else {
+            came_back = 0;
+        }
+        restarted += out.restarted;
+        rejoined += came_back;
         if (ok) {
             survived++;
             if (resumed - kill_ms > max_recover) max_recover = resumed - kill_ms;
         }
-        printf("trial %d: killed rank %d %d ms after the job formed: %s, training again %.0f ms after the kill\n", t, victim, delay,
-               out.hung ? "HUNG" : ok ? "survivors identical and converged" : "FAILED", ok ? resumed - kill_ms : 0.0);
-        if (!ok)
-            for (r = 0; r < WORKERS; r++)
-                printf("  rank %d: %s | stderr: %s\n", r, out.line[r][0] ? out.line[r] : "(nothing)", out.err[r]);
+        printf("trial %d: killed rank %d %d ms after the job formed: %s, training again %.0f ms after the kill%s\n", t,
+               victim, delay, out.hung ? "HUNG" : ok ? "survivors identical and converged" : "FAILED",
+               ok ? resumed - kill_ms : 0.0,
+               !out.restarted ? "" : came_back ? "; started again, taken back, ended with the same model"
+                                               : "; started again, NOT taken back");
+        if (!ok || (out.restarted && !came_back))
+            for (r = 0; r < SLOTS; r++)
+                printf("  %s %d: %s | stderr: %s\n", r < WORKERS ? "rank" : "joiner", r < WORKERS ? r : victim,
+                       out.line[r][0] ? out.line[r] : "(nothing)", out.err[r]);
     }
     { /* fewer survivors than min_ranks: every survivor ends with the reason, nobody hangs */
         double kill_ms;
-        run_job(build, dir, 1, 400, 4, &kill_ms, &out);
+        run_job(build, dir, 1, 400, 4, 0, &kill_ms, &out);
         hangs += out.hung;
         for (r = 0; r < WORKERS; r++) {
             if (r == 1) continue;
@@ -366,8 +429,37 @@ int main(int argc, char **argv) {
             for (r = 0; r < WORKERS; r++) printf("  rank %d: %s\n", r, out.line[r][0] ? out.line[r] : "(nothing)");
     }
     remove_scratch(dir);
-    printf("elastic transport=tcp trials=%d survived=%d rejoined=0 hangs=%d max_recover_ms=%.0f state_MBps=0 "
-           "link_MBps=0 min_ranks_ok=%d links=%s\n",
-           trials, survived, hangs, max_recover, min_ranks_ok, cluster_master ? "cluster" : "loopback");
-    return survived == trials && hangs == 0 && min_ranks_ok ? 0 : 1;
+    if (nrates) { /* the median */
+        int a, b;
+        for (a = 1; a < nrates; a++)
+            for (b = a; b > 0 && rates[b - 1] > rates[b]; b--) {
+                double x = rates[b];
+                rates[b] = rates[b - 1];
+                rates[b - 1] = x;
+            }
+        state_MBps = rates[nrates / 2];
+    }
+    if (!cluster_master) { /* the rate with a model worth timing, against a raw stream: bench_rejoin */
+        char cmd[600], line[512];
+        FILE *p;
+        double st = 0, lk = 0, mb = 0;
+        snprintf(cmd, sizeof cmd, "%s/bench_rejoin 32", build);
+        if ((p = popen(cmd, "r")) != NULL) {
+            while (fgets(line, sizeof line, p)) {
+                const char *b = strstr(line, "bench rejoin ");
+                if (b && sscanf(b, "bench rejoin state_MB=%lf state_MBps=%lf link_MBps=%lf", &mb, &st, &lk) == 3) {
+                    state_MBps = st;
+                    link_MBps = lk;
+                    state_bytes = (size_t)(mb * 1e6);
+                    printf("%s", line);
+                }
+            }
+            pclose(p);
+        }
+    }
+    printf("elastic transport=tcp trials=%d survived=%d rejoined=%d hangs=%d max_recover_ms=%.0f state_MBps=%.1f "
+           "link_MBps=%.0f min_ranks_ok=%d links=%s restarted=%d state_bytes=%zu\n",
+           trials, survived, rejoined, hangs, max_recover, state_MBps, link_MBps, min_ranks_ok,
+           cluster_master ? "cluster" : "loopback", restarted, state_bytes);
+    return survived == trials && hangs == 0 && min_ranks_ok && rejoined == restarted ? 0 : 1;
 }

@@ -487,17 +487,37 @@ mutate held-joiner-that-left-is-kept transport_tcp.h \
     '        t->pfd[np].events = POLLIN | DOPT__TCP_POLL_END;' \
     '        t->pfd[np].events = t->joiners[j].side.stage == DOPT__JOIN_HELD ? 0 : POLLIN;' test_tcp:members_hold
 mutate elastic-never-goes-on localsgd.h \
-    '        if (dopt__dp_lost_peer(dp, s)) s = dopt__dp_go_on(dp, s, params, states, 1, &adopted);' '        (void)0;' \
+    '        if (dopt__dp_lost_peer(dp, s)) s = dopt__dp_go_on(dp, s, params, states, given, 1, &adopted);' '        (void)0;' \
     test_shrink:elastic_driver_averages
 mutate elastic-averages-again-where-a-survivor-was-ahead localsgd.h \
     '    if (at[0] == -at[1] && at[2] == -at[3] && at[5] == -1.0) {' '    if (at[5] == -1.0) {' \
     test_shrink:round_ahead
+mutate elastic-joiner-never-seen localsgd.h \
+    'dp->work[slot + 1] = dopt_comm_joiners_held(dp->comm) > 0 ? 1.0f : 0.0f;' 'dp->work[slot + 1] = 0.0f;' \
+    test_shrink:restarted_worker_back
 mutate elastic-ignores-a-failure-found-at-the-next-call localsgd.h \
     '    if (!dopt__dp_lost_peer(dp, s) || dp->status != DOPT_OK || dp->work == NULL ||' \
     '    if (1 || dp->status != DOPT_OK || dp->work == NULL ||' test_shrink:own_collective
 mutate elastic-forgets-the-dead-in-the-retry localsgd.h \
     '        if (dp->comm == before) break; /* the shrink failed */' '        if (dp->comm != before) break;' \
     test_shrink:while_the_survivors_go_on
+mutate elastic-never-takes-joiners-in localsgd.h \
+    '    if (dp->elastic && average != 2 && (s = dopt__dp_admit(dp, given, params, states, t)) != DOPT_OK)' \
+    '    if (0 && (s = dopt__dp_admit(dp, given, params, states, t)) != DOPT_OK)' \
+    test_shrink:restarted_worker_back
+mutate elastic-joiner-takes-a-corrupt-state localsgd.h \
+    '    if (h != agreed) {' '    if (0) {' test_shrink:takes_the_state_whole
+mutate elastic-joiner-without-the-average-states localsgd.h \
+    '    if (avg) memcpy(buf + file, dp->work + dp->n, avg);' '    (void)0;' test_shrink:takes_the_state_whole
+mutate elastic-joiner-layout-unnamed localsgd.h \
+    '    s = dopt__dp_check_file_layout(dp, buf + 24, (size_t)layout_bytes, mine, "elastic: the job runs");' \
+    '    s = DOPT_OK;' test_shrink:configured_otherwise
+mutate elastic-joiner-keeps-its-step localsgd.h \
+    '    dopt__dp_get_state(&r, dp); /* step, syncs, round counters, anchor, outer momentum */' '    (void)r;' \
+    test_shrink:restarted_worker_back
+mutate elastic-joiner-keeps-its-model localsgd.h \
+    '    if (dp->n) memcpy(dp->work, dp->anchor, dp->n * sizeof(float)); /* the model of the last average */' \
+    '    (void)0;' test_shrink:takes_the_state_whole
 mutate shrink-takes-a-wrong-token transport_tcp.h \
     '        why = "the wrong job token";' '        why = NULL;' test_shrink:strangers
 mutate shrink-takes-a-mismatch-for-a-lost-peer distopt.h \

@@ -109,7 +109,7 @@ static void pair_destroy(dopt_comm *c) {
 
 static const dopt_comm_vtable pair_vtable = {"pairs", NULL, NULL, NULL, NULL, pair_destroy, sizeof(dopt_comm_vtable),
                                              0u, pair_send, pair_recv, pair_wait, pair_close, NULL, NULL,
-                                             dopt_engine_provider, NULL, NULL};
+                                             dopt_engine_provider, NULL, NULL, NULL};
 
 /* Every pair (i, j) of an n-rank world gets one socketpair before the fork: sv[i][j][0] is i's end. */
 typedef struct pair_world {

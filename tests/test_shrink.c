@@ -199,13 +199,17 @@ typedef struct sh_plan {
     int partial;              /* driver: the victim sends its average's data to rank 0 alone, then stops */
     int host_coll;            /* driver: the host allreduces a number of its own after every step */
     int timeout0_ms;          /* rank 0's own timeout; 0: timeout_ms */
+    int rejoin;               /* driver: 1: a joiner is started once the victim is gone (victim != 0), and the
+                                 members step on until a grow took it in; 2: the joiner's model has another size;
+                                 3: the joiner dies once taken in, before it has the job's state */
+    int lead_dies;            /* driver, rejoin: rank 0 dies the moment its driver took the joiner in */
 } sh_plan;
 
 typedef struct sh_report {
     int status;               /* dopt_comm_shrink's last status */
     int old_rank, rank, size;
     unsigned epoch;
-    int shrinks;
+    int shrinks, grows;
     int lost_rank;
     int members[SH_MAXN];     /* the new communicator's ranks' old ranks */
     double sums[SH_AFTER];    /* element 0 of each allreduce after the shrink */
@@ -221,7 +225,7 @@ typedef struct sh_world {
 static void sh_on_listen(void *user, int port) {
     sh_world *w = (sh_world *)user;
     int i;
-    for (i = 1; i < w->plan.n; i++) dtest_write_int(w->port_pipe[1], port);
+    for (i = 1; i < w->plan.n + (w->plan.rejoin != 0); i++) dtest_write_int(w->port_pipe[1], port); /* and the joiner's */
 }
 
 /* A stranger at rank r's listening socket: garbage, then a hello with the wrong token. */
@@ -261,20 +265,20 @@ static void el_die(int sig) {
     raise(SIGKILL);
 }
 
-/* The victim's last average, sent to rank 0 alone: the driver's allreduce (the packed model and
-   the non-finite slot, f32 mean) started, its frame to rank 0 written, and then the victim stops
+/* The victim's last average, sent to rank 0 alone: the driver's allreduce (the packed model,
+   the non-finite slot and elastic's joiner slot, f32 mean) started, its frame to rank 0 written, and then the victim stops
    (SIGSTOP: alive and silent, so that no end of its connections reaches rank 0 before rank 0
    has read the frame). Rank 0's average completes at once; the others' time out (the plan's
    short timeout) while rank 0 goes on a round and fails at its next average: rank 0 is a round
    ahead when they shrink, and the stopped victim is left out after the timeout. */
 static void el_stop_after_rank_0(dopt_comm *c, const float *x, int dim) {
     dopt__engine *e = c->eng;
-    float *buf = (float *)calloc((size_t)dim + 1, sizeof(float));
+    float *buf = (float *)calloc((size_t)dim + 2, sizeof(float)); /* and the two flags' slots, 0 */
     dopt_request req;
     int progress = 0;
     DT_CHECK(buf != NULL && e != NULL);
     memcpy(buf, x, sizeof(float) * (size_t)dim);
-    DT_OK(dopt_allreduce_start(c, buf, (size_t)dim + 1, DOPT_F32, DOPT_MEAN, &req));
+    DT_OK(dopt_allreduce_start(c, buf, (size_t)dim + 2, DOPT_F32, DOPT_MEAN, &req));
     DT_OK(dopt__eng_pump_tx(c, e, 0, &progress));
     for (;;) raise(SIGSTOP); /* until the harness kills it */
 }
@@ -284,12 +288,14 @@ static void el_stop_after_rank_0(dopt_comm *c, const float *x, int dim) {
 typedef struct el_watch {
     int ahead;
     int die_going_on;
+    int die_taking_in;
 } el_watch;
 
 static void el_log(void *user, dopt_log_level level, const char *msg) {
     el_watch *w = (el_watch *)user;
-    if (strstr(msg, "this rank takes its model")) w->ahead = 1;
+    if (strstr(msg, "this rank takes its model") || strstr(msg, "go on from their last average (rank ")) w->ahead = 1;
     if (w->die_going_on && strstr(msg, "elastic: rank ") && strstr(msg, "the survivors go on")) raise(SIGKILL);
+    if (w->die_taking_in && strstr(msg, "joiner(s) after step")) raise(SIGKILL);
     sh_log(NULL, level, msg);
 }
 
@@ -301,14 +307,16 @@ static void el_log(void *user, dopt_log_level level, const char *msg) {
    epoch: the communicator's; shrinks: dp.shrinks; status 0 when all went well, with
    lost_rank = 1 when this rank took another survivor's state (it was a round ahead). */
 static void el_body(dopt_comm *c, int rank, const sh_plan *P, sh_report *rep) {
-    int dim = P->dim ? P->dim : EL_DIM;
+    int joiner = rank == P->n; /* a restarted worker (P->rejoin) */
+    int dim = (P->dim ? P->dim : EL_DIM) + (joiner && P->rejoin == 2);
+    double until = dtest_now_ms() + 60000;
     float *x = (float *)malloc(sizeof(float) * (size_t)dim);
     dopt_dp dp;
     dopt_dp_config cfg;
     dopt_buf b = dopt_buf_flat(x, (size_t)dim, NULL, 0);
     dopt_status s = DOPT_OK;
     int i, old = rank;
-    el_watch watch = {0, rank == P->second};
+    el_watch watch = {0, rank == P->second, rank == 0 && P->lead_dies};
     uint64_t h = 1469598103934665603ull;
     memset(&cfg, 0, sizeof cfg);
     cfg.period = EL_PERIOD;
@@ -322,8 +330,14 @@ static void el_body(dopt_comm *c, int rank, const sh_plan *P, sh_report *rep) {
     DT_CHECK(x != NULL);
     for (i = 0; i < dim; i++) x[i] = (float)rank; /* different: the broadcast makes them one */
     DT_OK(dopt_dp_init(&dp, c, (size_t)dim, &cfg));
-    DT_OK(dopt_dp_broadcast(&dp, x));
-    while (s == DOPT_OK && dp.step < (uint64_t)P->steps) {
+    DT_CHECK(dp.joining == joiner);
+    if (joiner && P->rejoin == 3) raise(SIGKILL);
+    s = dopt_dp_broadcast(&dp, x); /* a joiner takes the job's state */
+    if (!joiner) DT_OK(s);
+    /* members: with a joiner, until it came in (and, one that leaves, until it is left out again) */
+    while (s == DOPT_OK && (dp.step < (uint64_t)P->steps ||
+                            (P->rejoin && !joiner && (dp.grows == 0 || (P->rejoin > 1 && dp.comm->size == P->n))))) {
+        DT_CHECKF(dtest_now_ms() < until, "rank %d: no joiner came in within 60 s", rank);
         if (rank == P->victim && !P->timer_us && !P->partial && dp.step == (uint64_t)P->victim_step) raise(SIGKILL);
         for (i = 0; i < dim; i++) x[i] -= 0.05f * (x[i] - (float)(rank + 1) * (float)(1 + i % 7));
         if (rank == P->victim && P->partial && dp.step >= (uint64_t)P->victim_step && dopt_dp_should_sync(&dp, dp.step))
@@ -363,6 +377,7 @@ static void el_body(dopt_comm *c, int rank, const sh_plan *P, sh_report *rep) {
     rep->sums[1] = (double)dp.step;
     rep->sums[2] = x[1];
     rep->shrinks = (int)dp.shrinks;
+    rep->grows = (int)dp.grows;
     if (s == DOPT_OK) {
         rep->rank = c->rank;
         rep->size = c->size;
@@ -469,11 +484,35 @@ static void sh_rank(int rank, void *arg) {
     _exit(0);
 }
 
+/* A restarted worker of an elastic driver's job (P->rejoin): asks rank 0 to take it in, then runs
+   el_body as "rank" P->n. */
+static void sh_joiner(sh_world *w) {
+    const sh_plan *P = &w->plan;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    sh_report rep;
+    memset(&rep, 0, sizeof rep);
+    memset(&cfg, 0, sizeof cfg);
+    cfg.join = 1;
+    cfg.master_port = dtest_read_int(w->port_pipe[0], "rank 0's port");
+    cfg.token = "distopt-shrink-test";
+    cfg.timeout_ms = P->timeout_ms ? P->timeout_ms : 20000;
+    cfg.rendezvous_timeout_ms = 60000;
+    cfg.on_peer_lost = DOPT_SHRINK;
+    cfg.log_fn = sh_log;
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    DT_CHECK(c->grown_from > 0 && c->rank >= c->grown_from && c->epoch >= 1);
+    rep.old_rank = P->n;
+    el_body(c, P->n, P, &rep);
+    DT_CHECK(write(w->report_pipe[1], &rep, sizeof rep) == (ssize_t)sizeof rep);
+    _exit(0);
+}
+
 /* Runs a plan; the survivors' reports (in rank order of their old ranks) land in rep[]; returns
    how many survived. Every rank must end: the victims by their SIGKILL, the others with 0. */
 static int sh_run(const sh_plan *plan, sh_report *rep) {
     sh_world w;
-    pid_t pids[SH_MAXN];
+    pid_t pids[SH_MAXN + 1];
     int r, got = 0, left;
     double deadline = dtest_now_ms() + 90000;
     memset(&w, 0, sizeof w);
@@ -485,31 +524,39 @@ static int sh_run(const sh_plan *plan, sh_report *rep) {
         DT_CHECK(pids[r] >= 0);
         if (pids[r] == 0) sh_rank(r, &w);
     }
-    close(w.report_pipe[1]);
+    pids[plan->n] = 0;
     for (left = plan->n; left > 0;) {
         int status;
         pid_t p = waitpid(-1, &status, WNOHANG);
         if (p <= 0) {
             if (plan->stop && left == 1 && pids[plan->victim] > 0) kill(pids[plan->victim], SIGKILL); /* the rest ended */
             if (dtest_now_ms() > deadline) {
-                for (r = 0; r < plan->n; r++)
+                for (r = 0; r <= plan->n; r++)
                     if (pids[r] > 0) kill(pids[r], SIGKILL);
                 DT_CHECK(!"a rank hung: killed after 90 s");
             }
             usleep(2000);
             continue;
         }
-        for (r = 0; r < plan->n; r++)
+        for (r = 0; r <= plan->n; r++)
             if (pids[r] == p) {
-                int victim = r == plan->victim || r == plan->second;
+                int victim = r == plan->victim || r == plan->second || (r == plan->n && plan->rejoin == 3) ||
+                             (r == 0 && plan->lead_dies);
                 pids[r] = 0;
                 left--;
+                if (r == plan->victim && plan->rejoin) { /* a restarted worker asks to come back */
+                    pids[plan->n] = fork();
+                    DT_CHECK(pids[plan->n] >= 0);
+                    if (pids[plan->n] == 0) sh_joiner(&w);
+                    left++;
+                }
                 if (victim)
                     DT_CHECKF(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "rank %d was to die", r);
                 else
                     DT_CHECKF(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %d failed", r);
             }
     }
+    close(w.report_pipe[1]);
     while (got < SH_MAXN && read(w.report_pipe[0], &rep[got], sizeof rep[got]) == (ssize_t)sizeof rep[got]) got++;
     close(w.report_pipe[0]);
     close(w.port_pipe[0]);
@@ -791,6 +838,205 @@ DTEST(tcp_elastic_driver_survives_a_death_while_the_survivors_go_on) {
     p.steps = 60;
     p.driver = 1;
     el_check(&p, rep, sh_run(&p, rep));
+}
+
+/* A plan of the driver's with a worker started again (rejoin: sh_plan's): n ranks, the victim
+   killed before its step victim_step, 60 steps. */
+static sh_plan rejoin_plan(int n, int victim, int victim_step, int rejoin) {
+    sh_plan p;
+    memset(&p, 0, sizeof p);
+    p.n = n;
+    p.victim = victim;
+    p.victim_step = victim_step;
+    p.second = -1;
+    p.steps = 60;
+    p.driver = 1;
+    p.rejoin = rejoin;
+    return p;
+}
+
+/* A rank that went on: no error, the world's size, its shrinks and grows, ref's model and step. */
+static void rejoin_check(const sh_report *r, const sh_report *ref, int size, int shrinks, int grows) {
+    DT_CHECKF(r->status == DOPT_OK, "old rank %d: %s: %s", r->old_rank, dopt_status_str(r->status), r->detail);
+    DT_EQ_INT(r->size, size);
+    DT_EQ_INT(r->shrinks, shrinks);
+    DT_EQ_INT(r->grows, grows);
+    DT_CHECKF(r->sums[0] == ref->sums[0], "old ranks %d and %d end with different models (x[1] %g and %g)",
+              ref->old_rank, r->old_rank, ref->sums[2], r->sums[2]);
+    DT_NEAR(r->sums[1], ref->sums[1], 0); /* the same step */
+}
+
+/* A worker dies and a restarted one asks rank 0 to come back: at the end of a round the members
+   grow, rank 0 sends it the job's state (its model, step, counters, the outer momentum), and all
+   go on to the same model, the full world again. With and without DiLoCo's outer step; the third
+   time with a model of 2^17 elements (the state in several pieces). */
+DTEST(tcp_elastic_driver_takes_a_restarted_worker_back_with_the_jobs_state) {
+    int outer;
+    for (outer = 0; outer <= 2; outer++) {
+        sh_plan p = rejoin_plan(3 + (outer & 1), 1 + (outer & 1), 9, 1);
+        sh_report rep[SH_MAXN];
+        int got, i, k;
+        p.outer = outer & 1;
+        p.dim = outer == 2 ? 1 << 17 : 0;
+        got = sh_run(&p, rep);
+        DT_EQ_INT(got, p.n); /* the survivors and the joiner */
+        for (i = 0; i < got; i++) {
+            int joiner = rep[i].old_rank == p.n;
+            rejoin_check(&rep[i], &rep[0], p.n, !joiner, !joiner);
+            DT_EQ_INT((int)rep[i].epoch, 2);
+            DT_CHECK(rep[i].sums[1] >= (double)p.steps);
+            for (k = 0; k < got; k++) DT_EQ_INT(rep[i].members[k], rep[0].members[k]);
+            DT_EQ_INT(rep[i].members[p.n - 1], p.n); /* the joiner came in last */
+        }
+    }
+}
+
+/* Rank 0 dies the moment it took the joiner in, before it sent the job's state: the joiner's
+   take fails, the others' next collective; all shrink, and the joiner takes the state from the
+   lowest survivor that holds it. */
+DTEST(tcp_elastic_driver_joiner_takes_the_state_from_another_member_when_rank_0_dies) {
+    sh_plan p = rejoin_plan(4, 2, 9, 1);
+    sh_report rep[SH_MAXN];
+    int got, i, k;
+    p.lead_dies = 1;
+    got = sh_run(&p, rep);
+    DT_EQ_INT(got, p.n - 1); /* old ranks 1 and 3, and the joiner */
+    for (i = 0; i < got; i++) {
+        int joiner = rep[i].old_rank == p.n;
+        rejoin_check(&rep[i], &rep[0], p.n - 1, joiner ? 1 : 2, !joiner);
+        for (k = 0; k < got; k++) DT_EQ_INT(rep[i].members[k], rep[0].members[k]);
+    }
+    DT_EQ_INT(rep[0].members[0], 1);
+    DT_EQ_INT(rep[0].members[1], 3);
+    DT_EQ_INT(rep[0].members[2], p.n);
+}
+
+/* The restarted worker dies once the members took it in, before it has the job's state: rank 0's
+   broadcast to it fails, the others' next average; they shrink again and go on as before. */
+DTEST(tcp_elastic_driver_joiner_lost_while_it_takes_the_state_leaves_the_job_as_it_was) {
+    sh_plan p = rejoin_plan(4, 3, 6, 3);
+    sh_report rep[SH_MAXN];
+    int got, i;
+    got = sh_run(&p, rep);
+    DT_EQ_INT(got, p.n - 1);
+    for (i = 0; i < got; i++) {
+        rejoin_check(&rep[i], &rep[0], p.n - 1, 2, 1);
+        DT_EQ_INT((int)rep[i].epoch, 3);
+    }
+}
+
+/* The restarted worker's model has another size: it takes part in the broadcasts, refuses the
+   state naming the difference, and leaves; the members lose it at their next average and go on
+   without it. */
+DTEST(tcp_elastic_driver_joiner_configured_otherwise_refuses_and_the_job_goes_on) {
+    sh_plan p = rejoin_plan(3, 2, 9, 2);
+    sh_report rep[SH_MAXN];
+    int got, i, joiners = 0, first = -1;
+    got = sh_run(&p, rep);
+    DT_EQ_INT(got, p.n);
+    for (i = 0; i < got; i++) {
+        if (rep[i].old_rank == p.n) {
+            joiners++;
+            DT_EQ_INT(rep[i].status, DOPT_ERR_INVALID);
+            DT_CHECKF(strstr(rep[i].detail, "elastic: the job runs with element count 300, this driver has 301"),
+                      "%s", rep[i].detail);
+            continue;
+        }
+        if (first < 0) first = i;
+        rejoin_check(&rep[i], &rep[first], p.n - 1, 2, 1);
+    }
+    DT_EQ_INT(joiners, 1);
+}
+
+/* The state a joiner takes, in one process: what a member would send (the state file's form and
+   the AVERAGE states) is taken whole by a driver of the same configuration (model, step,
+   counters, anchor, outer momentum, AVERAGE states; KEEP stays, RESET is zeroed), and refused,
+   naming why, when a byte changed in transit, when its version or size is not this build's,
+   or when the taker has another model size. */
+DTEST(elastic_joiner_takes_the_state_whole_and_refuses_it_corrupt_or_configured_otherwise) {
+    enum { N = 96, M = 40 };
+    dopt_tcp_config tc;
+    dopt_comm *c = NULL;
+    dopt_dp a, b, other;
+    dopt_dp_config cfg;
+    dopt_state_desc sd[3] = {{M, DOPT_STATE_AVERAGE, "momentum"}, {5, DOPT_STATE_KEEP, "count"},
+                             {7, DOPT_STATE_RESET, "scratch"}};
+    float xa[N], xb[N + 1], ma[M], mb[M], ka[5], kb[5], ra[7], rb[7];
+    dopt_buf pa = dopt_buf_flat(xa, N, NULL, 0), pb = dopt_buf_flat(xb, N, NULL, 0);
+    dopt_buf sa[3], sb[3];
+    unsigned char *pay, *copy;
+    uint64_t hash = 0, h2 = 0;
+    size_t bytes, i;
+    int step;
+    memset(&tc, 0, sizeof tc);
+    tc.world_size = 1;
+    tc.on_peer_lost = DOPT_SHRINK;
+    DT_OK(dopt_tcp_create(&c, &tc));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.period = 3;
+    cfg.elastic = 1;
+    cfg.outer_lr = 0.7;
+    cfg.outer_momentum = 0.9;
+    cfg.states = sd;
+    cfg.nstates = 3;
+    sa[0] = dopt_buf_flat(ma, M, NULL, 0), sa[1] = dopt_buf_flat(ka, 5, NULL, 0), sa[2] = dopt_buf_flat(ra, 7, NULL, 0);
+    sb[0] = dopt_buf_flat(mb, M, NULL, 0), sb[1] = dopt_buf_flat(kb, 5, NULL, 0), sb[2] = dopt_buf_flat(rb, 7, NULL, 0);
+    for (i = 0; i < N; i++) xa[i] = (float)i * 0.25f;
+    for (i = 0; i < M; i++) ma[i] = (float)i;
+    for (i = 0; i < 5; i++) ka[i] = kb[i] = 100.0f + (float)i;
+    for (i = 0; i < 7; i++) ra[i] = rb[i] = 3.0f;
+    DT_OK(dopt_dp_init(&a, c, N, &cfg));
+    DT_OK(dopt_dp_broadcast_buf(&a, &pa, sa));
+    for (step = 0; step < 9; step++) { /* three rounds: outer momentum, anchor and counters move */
+        for (i = 0; i < N; i++) xa[i] -= 0.1f * (xa[i] - 1.0f);
+        for (i = 0; i < M; i++) ma[i] = 0.5f * ma[i] + 1.0f;
+        DT_OK(dopt_dp_after_step_buf(&a, &pa, sa));
+    }
+    DT_OK(dopt_dp_init(&b, c, N, &cfg));
+    bytes = dopt__dp_state_payload(&a, &pa, sa, NULL, NULL);
+    pay = (unsigned char *)malloc(bytes);
+    copy = (unsigned char *)malloc(bytes);
+    DT_CHECK(pay != NULL && copy != NULL);
+    DT_EQ_INT((int)dopt__dp_state_payload(&a, &pa, sa, pay, &hash), (int)bytes);
+    DT_EQ_INT((int)dopt__dp_state_payload(&a, &pa, sa, copy, &h2), (int)bytes); /* the same on every member */
+    DT_CHECK(hash == h2 && memcmp(pay, copy, bytes) == 0);
+    /* a byte changed in transit: refused, nothing taken */
+    memcpy(copy, pay, bytes);
+    copy[bytes - 3] ^= 0x10;
+    DT_EQ_INT(dopt__dp_take(&b, &pb, sb, copy, bytes, hash), DOPT_ERR_PROTOCOL);
+    DT_CHECKF(strstr(dopt_dp_detail(&b), "arrived corrupt") != NULL, "%s", dopt_dp_detail(&b));
+    DT_CHECK(b.step == 0 && kb[0] == 100.0f && rb[0] == 3.0f);
+    memcpy(copy, pay, bytes);
+    copy[8] ^= 1; /* the version */
+    DT_EQ_INT(dopt__dp_take(&b, &pb, sb, copy, bytes, hash), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&b), "format version") != NULL, "%s", dopt_dp_detail(&b));
+    memcpy(copy, pay, bytes);
+    DT_EQ_INT(dopt__dp_take(&b, &pb, sb, copy, bytes - 4, hash), DOPT_ERR_PROTOCOL); /* short */
+    DT_CHECKF(strstr(dopt_dp_detail(&b), "holds") != NULL, "%s", dopt_dp_detail(&b));
+    /* another model size: named */
+    DT_OK(dopt_dp_init(&other, c, N + 1, &cfg));
+    {
+        dopt_buf po = dopt_buf_flat(xb, N + 1, NULL, 0);
+        memcpy(copy, pay, bytes);
+        DT_EQ_INT(dopt__dp_take(&other, &po, sb, copy, bytes, hash), DOPT_ERR_INVALID);
+        DT_CHECKF(strstr(dopt_dp_detail(&other), "elastic: the job runs with element count 96, this driver has 97"),
+                  "%s", dopt_dp_detail(&other));
+    }
+    dopt_dp_free(&other);
+    /* whole: taken */
+    memcpy(copy, pay, bytes);
+    DT_OK(dopt__dp_take(&b, &pb, sb, copy, bytes, hash));
+    DT_CHECK(memcmp(xb, xa, sizeof(float) * N) == 0 && memcmp(mb, ma, sizeof mb) == 0);
+    DT_CHECK(b.step == a.step && b.syncs == a.syncs && b.sync_step == a.step && !b.joining && b.anchor_set);
+    DT_CHECK(memcmp(b.anchor, a.anchor, sizeof(float) * N) == 0 && memcmp(b.outer_v, a.outer_v, sizeof(float) * N) == 0);
+    DT_CHECK(kb[0] == 100.0f && rb[0] == 0.0f); /* KEEP as it was, RESET zeroed */
+    DT_EQ_INT((int)dopt__dp_state_payload(&b, &pb, sb, copy, &h2), (int)bytes); /* b would send what a sent */
+    DT_CHECK(h2 == hash);
+    free(pay);
+    free(copy);
+    dopt_dp_free(&a);
+    dopt_dp_free(&b);
+    dopt_comm_destroy(c);
 }
 
 DTEST(elastic_driver_is_refused_without_shrink_and_with_what_it_cannot_carry) {
