@@ -3985,7 +3985,7 @@ static dopt_status dopt__dp_share(dopt_dp *dp, const dopt_buf *params, const dop
     if (lead) {
         dopt_comm_log(c, DOPT_LOG_INFO, "elastic: sent the job's state (%.3g MB) to %d joiner(s) in %.3g ms (%.0f MB/s)%s",
                       bytes / 1e6, g->size - 1, dp->state_ms, dp->state_ms > 0 ? bytes / 1e3 / dp->state_ms : 0.0,
-                      ok ? "" : "; a joiner refused it (configured otherwise): it leaves");
+                      ok ? "" : "; a joiner refused it (its log says why): it leaves");
     } else if (!dp->joining) { /* took it */
         dopt_comm_log(c, DOPT_LOG_INFO, "elastic: this joiner took the job's state (%.3g MB in %.3g ms) and goes on from "
                       "step %llu as rank %d of %d", bytes / 1e6, dp->state_ms, (unsigned long long)dp->step, c->rank,
