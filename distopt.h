@@ -3575,7 +3575,8 @@ DOPT_DEF dopt_status dopt_comm_create_self(dopt_comm **out) {
    Macros: DOPT__MAYBE_UNUSED (marks a static function a build may leave unused);
    DOPT__VT_HAS(vt, f) (the backend's vtable has field f: its struct_size covers it, and it is set);
    DOPT__THREADS (1 where POSIX threads are built in, else undefined); DOPT__BLAS (1 where the
-   kernels call OpenBLAS); DOPT__FNV_OFFSET (the 64-bit FNV-1a basis dopt__fnv1a starts from). */
+   kernels call OpenBLAS); DOPT__FNV_OFFSET (the 64-bit FNV-1a basis dopt__fnv1a starts from) and
+   DOPT__FNV_PRIME (its prime: localsgd.h's lanes of a state's hash step with it). */
 
 /* NaN and infinity by their bits: the answers hold under -ffast-math and -Ofast. */
 DOPT__MAYBE_UNUSED static int dopt__is_nan(double v);
