@@ -405,6 +405,12 @@ int main(int argc, char **argv) {
                 shuffle_shard(order, per_rank, &shuffle_rng); /* the epoch starts over on the new shard */
                 pos = 0;
                 step = ls.step;
+                { /* a survivor that was a round ahead may have begun the next epoch: all go on in the earliest */
+                    double e = (double)epoch;
+                    st = lost_worker_later(lo.elastic, dopt_allreduce(comm, &e, 1, DOPT_F64, DOPT_MIN));
+                    if (st == DOPT_OK) epoch = (int)e;
+                    evals_done = 0;
+                }
                 if (comm->rank == 0)
                     printf("lost a worker: %d go on, from step %llu (monotonic clock %.0f ms)\n", comm->size,
                            (unsigned long long)step, wall_seconds() * 1e3);
