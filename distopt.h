@@ -249,7 +249,8 @@
      A communicator whose transport was configured with on_peer_lost = DOPT_SHRINK (TCP: its
      config's on_peer_lost and min_ranks, or DOPT_ON_PEER_LOST=shrink and DOPT_MIN_RANKS; shm
      and MPI cannot yet, and say DOPT_ERR_UNSUPPORTED) can go on without it: after a collective failed with DOPT_ERR_PEER_LOST or DOPT_ERR_TIMEOUT,
-     every survivor calls dopt_comm_shrink(c, &next). The survivors agree on who is alive,
+     on c or on a group split from it (a group's failure is c's: they share links), every
+     survivor calls dopt_comm_shrink(c, &next). The survivors agree on who is alive,
      without a coordinator (rank 0 may be the one lost), and each gets next: a communicator of
      the survivors, ranked in their old order, with the same job identity (token, addresses) and
      settings, next->epoch = c->epoch + 1. c stays poisoned (every request in flight on it has
@@ -2801,7 +2802,7 @@ DOPT_DEF dopt_status dopt_comm_shrink(dopt_comm *c, dopt_comm **next) {
         s = DOPT_ERR_UNSUPPORTED;
     } else if (c->root != NULL)
         why = "is a group: shrink the communicator the transport made, then split the survivors again";
-    else if (c->error == DOPT_OK)
+    else if (dopt__family_error(c) == DOPT_OK) /* a group's failure is its communicator's too */
         why = "has not failed: shrink after a collective failed with DOPT_ERR_PEER_LOST or DOPT_ERR_TIMEOUT";
     else if (c->error != DOPT_ERR_PEER_LOST && c->error != DOPT_ERR_TIMEOUT)
         why = "failed with something other than a lost peer (PEER_LOST or TIMEOUT): no rank to leave out";

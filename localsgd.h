@@ -326,18 +326,31 @@
    dopt_status dopt_dp_load(dopt_dp *dp, const char *path)
      This rank's library state — step, syncs, the round's sample count, the anchor, the layout
      and policies, and the batch controller (size, accumulators, direction) — to a file: header
-     "DOPTLSGD", format version (3; files of versions 1 and 2 are refused), world size, rank, layout,
-     then the state — with the outer momentum and the batch round's sums — then a 64-bit FNV-1a
+     "DOPTLSGD", format version (4; files of versions 1 to 3 are refused), world size, rank, layout,
+     then the state — with the outer momentum, the batch round's sums and the host's bytes
+     (dopt_dp_host_state) — then a 64-bit FNV-1a
      checksum of everything before it. Written atomically: a temporary file in the same
      directory, fsync, rename, fsync of the directory. Parameters, gradients and the host's
      optimizer state are the host's to save. Load refuses, leaving the driver unchanged:
      DOPT_ERR_IO (cannot open or read), DOPT_ERR_PROTOCOL (not such a file, another format
      version, a bad checksum, truncated), DOPT_ERR_INVALID (another world size, rank, element
-     count, period, warm-up, state table, batch or outer-optimizer configuration).
+     count, period, warm-up, host state size, state table, batch or outer-optimizer
+     configuration).
      dopt_dp_detail(dp) then says which, in words. Save refuses (DOPT_ERR_INVALID) in the
      middle of a step with an EXACT-projection controller: the step's micro-batch gradients are
      not saved; save between steps. Save and load allocate a buffer the size of the file (they are
      not steady-state calls). Not collectives: each rank saves and loads its own file.
+
+   dopt_status dopt_dp_host_state(dopt_dp *dp, void *bytes, size_t size)
+     Registers size bytes of the host's own state that belong with the driver's: the data
+     loader's position, an epoch counter, RNG counters (plain values, no pointers). dopt_dp_save
+     writes them into the state file, dopt_dp_load copies them back into bytes, and a worker
+     taken back (ELASTIC) receives the sending member's bytes in its dopt_dp_broadcast. The
+     memory stays the host's and must live as long as the driver; registering again replaces
+     it, size 0 removes it. Its size is part of the layout: a file or a job whose host state
+     has another size is refused naming both. Every rank registers the same size (the bytes
+     may differ: each rank saves its own). Returns DOPT_ERR_INVALID for size > 0 at NULL or
+     inside a step whose marks are in flight.
 
    dopt_status dopt_dp_set_step_samples(dopt_dp *dp, double samples)
      The samples this rank processes per step from now on (unequal local batches: the last shard
@@ -452,8 +465,10 @@
      code above takes the new shard; dp.grows counts) and the members' rank 0 sends the joiners
      the job's state, in a group of them alone: the state file's bytes (dopt_dp_save's form: the
      layout, the step and counters, the anchor, which is the model of that average, the outer
-     momentum) and then the AVERAGE states, about 2n floats with the outer step. Every member
-     makes the same bytes and they agree on their size and a hash of them first (one allreduce);
+     momentum, the sending member's host bytes, dopt_dp_host_state) and then the AVERAGE
+     states, about 2n floats with the outer step. Every member makes the same bytes (the host
+     bytes aside: each rank's are its own, and a hash of the sender's is agreed separately) and
+     they agree on their size and a hash of them first (one allreduce);
      members that disagree have replicas that differ, and nobody is given a state
      (DOPT_ERR_MISMATCH everywhere). The joiner checks the version, the layout, the size and
      the hash before it takes anything. The joiner's host does what a fresh start does, with the
@@ -461,12 +476,15 @@
 
          dopt_tcp_create(&comm, &tcfg);       // tcfg.join = 1: returns once the members took it in
          dopt_dp_init(&dp, comm, n, &cfg);    // dp.joining is 1 (comm->rank >= comm->grown_from)
+         dopt_dp_host_state(&dp, &pos, sizeof pos);  // if the members register one
          dopt_dp_broadcast(&dp, params);      // takes the job's state instead of rank 0's model
          take_shard(comm->rank, comm->size, dp.step);   // then trains as a member
 
      Its KEEP states stay as its host set them, its RESET states are zeroed, its per-step
-     samples (dopt_dp_set_step_samples) stay its own. A joiner configured otherwise (another n,
-     period, warm-up, states, outer step) takes part in the transfer and refuses it:
+     samples (dopt_dp_set_step_samples) stay its own; its host bytes are the sender's (keep
+     there what is the job's, an epoch or a position in a shared order, or what a joiner can
+     derive its own from). A joiner configured otherwise (another n, period, warm-up, states,
+     host state size, outer step) takes part in the transfer and refuses it:
      DOPT_ERR_INVALID, naming the first difference ("elastic: the job runs with element count
      300, this driver has 301"); one whose bytes arrived corrupt refuses with
      DOPT_ERR_PROTOCOL. Its host leaves, and the members lose it at their next average and go on
@@ -708,7 +726,7 @@
 extern "C" {
 #endif
 
-#define DOPT_DP_FILE_VERSION 3u
+#define DOPT_DP_FILE_VERSION 4u
 #define DOPT_DP_DETAIL_MAX 256
 
 /* ===================================================================== ADAPTIVE BATCH */
@@ -926,6 +944,8 @@ typedef struct dopt_dp {
     uint64_t grows;          /* ELASTIC: communicators grown (joiners taken in) */
     size_t state_bytes;      /* ELASTIC: the last state transfer this rank sent or took: its bytes, */
     double state_ms;         /* and its milliseconds on the wire (0: none yet) */
+    void *host;              /* dopt_dp_host_state: the host's bytes, saved, loaded and sent with the driver's */
+    size_t host_bytes;
 } dopt_dp;
 
 DOPT_DEF dopt_status dopt_dp_init(dopt_dp *dp, dopt_comm *comm, size_t n, const dopt_dp_config *cfg);
@@ -949,6 +969,7 @@ DOPT_DEF dopt_status dopt_dp_check_replicas(dopt_dp *dp, const dopt_buf *params,
 DOPT_DEF dopt_status dopt_dp_close(dopt_dp *dp, float *params);
 DOPT_DEF dopt_status dopt_dp_close_buf(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states);
 DOPT_DEF dopt_status dopt_dp_set_step_samples(dopt_dp *dp, double samples);
+DOPT_DEF dopt_status dopt_dp_host_state(dopt_dp *dp, void *bytes, size_t size);
 DOPT_DEF dopt_status dopt_dp_save(dopt_dp *dp, const char *path);
 DOPT_DEF dopt_status dopt_dp_load(dopt_dp *dp, const char *path);
 DOPT_DEF const char *dopt_dp_detail(const dopt_dp *dp);
@@ -2982,6 +3003,14 @@ static dopt_status dopt__dp_survive(dopt_dp *dp, dopt_comm *given, const dopt_bu
         (s = dopt_broadcast(next, dp->work, dp->work_count * sizeof(float), lead)) != DOPT_OK ||
         (dp->outer_v && (s = dopt_broadcast(next, dp->outer_v, dp->n * sizeof(float), lead)) != DOPT_OK))
         return s;
+    if (dp->host_bytes) { /* a joiner takes the lead's host bytes (dopt_dp_host_state); the others keep theirs */
+        int keep = !dp->joining && next->rank != lead;
+        unsigned char *scratch = keep ? (unsigned char *)DOPT_MALLOC(dp->host_bytes) : NULL;
+        s = keep && scratch == NULL ? DOPT_ERR_NOMEM
+                                    : dopt_broadcast(next, keep ? scratch : dp->host, dp->host_bytes, lead);
+        if (scratch) DOPT_FREE(scratch);
+        if (s != DOPT_OK) return s;
+    }
     joined = dp->joining; /* a joiner has the job's state now */
     behind = dp->syncs < (uint64_t)at[0];
     dp->joining = 0;
@@ -3461,6 +3490,7 @@ static void dopt__dp_put_layout(dopt__dp_writer *w, const dopt_dp *dp) {
     dopt__dp_put_u64(w, (uint64_t)dp->sync_grads | (uint64_t)dp->weighted << 1 | (uint64_t)(dp->anchor != NULL) << 2 |
                             (uint64_t)(dp->batch != NULL) << 3 | (uint64_t)(dp->compressor != NULL) << 4 |
                             (uint64_t)(dp->grad_compressor != NULL) << 5 | (uint64_t)dp->outer << 6);
+    dopt__dp_put_u64(w, dp->host_bytes);
     dopt__dp_put_u64(w, dp->nstates);
     for (i = 0; i < dp->nstates; i++) {
         dopt__dp_put_u64(w, dp->states[i].count);
@@ -3524,6 +3554,7 @@ static void dopt__dp_put_state(dopt__dp_writer *w, const dopt_dp *dp) {
         if (b->sum) dopt__dp_put(w, b->sum, b->n * sizeof(double));
         if (b->dir) dopt__dp_put(w, b->dir, b->n * sizeof(float));
     }
+    if (dp->host_bytes) dopt__dp_put(w, dp->host, dp->host_bytes);
     /* last, the compressors' states (gradient compressor, then delta compressor): load hands
        these bytes to the compressors before anything else */
     if (dp->grad_compressor) {
@@ -3597,6 +3628,19 @@ static dopt_status dopt__dp_sync_dir(const char *path, char *scratch, size_t cap
         return DOPT_ERR_IO;
     }
     close(fd);
+    return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_dp_host_state(dopt_dp *dp, void *bytes, size_t size) {
+    dopt_status s;
+    if (dp == NULL) return DOPT_ERR_INVALID;
+    if ((s = dopt__dp_no_open_step(dp, "dopt_dp_host_state")) != DOPT_OK) return s;
+    if (size > 0 && bytes == NULL) {
+        dopt__dp_fail_detail(dp, "dopt_dp_host_state: %zu bytes at NULL", size);
+        return DOPT_ERR_INVALID;
+    }
+    dp->host = size ? bytes : NULL;
+    dp->host_bytes = size;
     return DOPT_OK;
 }
 
@@ -3685,14 +3729,15 @@ static dopt_status dopt__dp_read_file(dopt_dp *dp, const char *path, unsigned ch
 static dopt_status dopt__dp_check_file_layout(dopt_dp *dp, const unsigned char *file_layout, size_t bytes,
                                               unsigned char *mine, const char *what) {
     static const char *const names[] = {"world size", "rank", "element count", "period", "warm-up steps",
-                                        "flags (sync_grads, weighted, anchor, batch controller, compressor, gradient compressor, outer optimizer)", "number of states"};
+                                        "flags (sync_grads, weighted, anchor, batch controller, compressor, gradient compressor, outer optimizer)",
+                                        "host state bytes (dopt_dp_host_state)", "number of states"};
     dopt__dp_writer w;
     size_t i;
     w.buf = mine;
     w.pos = 0;
     dopt__dp_put_layout(&w, dp);
     if (w.pos == bytes && memcmp(mine, file_layout, bytes) == 0) return DOPT_OK;
-    for (i = 0; i < 7 && (i + 1) * 8 <= bytes && (i + 1) * 8 <= w.pos; i++) {
+    for (i = 0; i < 8 && (i + 1) * 8 <= bytes && (i + 1) * 8 <= w.pos; i++) {
         uint64_t a, b;
         memcpy(&a, file_layout + i * 8, 8);
         memcpy(&b, mine + i * 8, 8);
@@ -3704,6 +3749,30 @@ static dopt_status dopt__dp_check_file_layout(dopt_dp *dp, const unsigned char *
     }
     dopt__dp_fail_detail(dp, "%s with other state buffers (sizes, policies) or another batch configuration", what);
     return DOPT_ERR_INVALID;
+}
+
+/* The state file's header in buf[0, len): magic, format version, layout size. DOPT_OK with
+   *layout_bytes, or why not in dp->detail, naming what (a file, the job's state in transit):
+   DOPT_ERR_PROTOCOL, or other_version when only the version differs. */
+static dopt_status dopt__dp_check_header(dopt_dp *dp, const unsigned char *buf, size_t len, const char *what,
+                                         dopt_status other_version, uint64_t *layout_bytes) {
+    uint64_t version;
+    if (len < 32 || memcmp(buf, DOPT__LS_MAGIC, 8) != 0) {
+        dopt__dp_fail_detail(dp, "%s is not a distopt local-SGD state (%zu bytes, no DOPTLSGD header)", what, len);
+        return DOPT_ERR_PROTOCOL;
+    }
+    memcpy(&version, buf + 8, 8);
+    memcpy(layout_bytes, buf + 16, 8);
+    if (version != DOPT_DP_FILE_VERSION) {
+        dopt__dp_fail_detail(dp, "%s has format version %llu, this build reads version %u", what,
+                             (unsigned long long)version, DOPT_DP_FILE_VERSION);
+        return other_version;
+    }
+    if (*layout_bytes > len - 32 || *layout_bytes < 16) {
+        dopt__dp_fail_detail(dp, "%s is truncated (%zu bytes)", what, len);
+        return DOPT_ERR_PROTOCOL;
+    }
+    return DOPT_OK;
 }
 
 static void dopt__dp_get_state(dopt__dp_reader *r, dopt_dp *dp) {
@@ -3736,12 +3805,13 @@ static void dopt__dp_get_state(dopt__dp_reader *r, dopt_dp *dp) {
         if (b->sum) dopt__dp_get(r, b->sum, b->n * sizeof(double));
         if (b->dir) dopt__dp_get(r, b->dir, b->n * sizeof(float));
     }
+    if (dp->host_bytes) dopt__dp_get(r, dp->host, dp->host_bytes);
 }
 
 DOPT_DEF dopt_status dopt_dp_load(dopt_dp *dp, const char *path) {
     unsigned char *buf = NULL, *mine = NULL;
     size_t len = 0, expect;
-    uint64_t version, layout_bytes, h_file, h;
+    uint64_t layout_bytes, h_file, h;
     dopt__dp_reader r;
     dopt_status s;
     if (dp == NULL || path == NULL) return DOPT_ERR_INVALID;
@@ -3749,27 +3819,18 @@ DOPT_DEF dopt_status dopt_dp_load(dopt_dp *dp, const char *path) {
     dp->detail[0] = 0;
     s = dopt__dp_read_file(dp, path, &buf, &len);
     if (s != DOPT_OK) return s;
+    {
+        char what[320];
+        snprintf(what, sizeof what, "load: %s", path);
+        s = dopt__dp_check_header(dp, buf, len, what, DOPT_ERR_PROTOCOL, &layout_bytes);
+        if (s != DOPT_OK) goto done;
+    }
     s = DOPT_ERR_PROTOCOL;
-    if (len < 32 || memcmp(buf, DOPT__LS_MAGIC, 8) != 0) {
-        dopt__dp_fail_detail(dp, "load: %s is not a distopt local-SGD state file", path);
-        goto done;
-    }
-    memcpy(&version, buf + 8, 8);
-    memcpy(&layout_bytes, buf + 16, 8);
-    if (version != DOPT_DP_FILE_VERSION) {
-        dopt__dp_fail_detail(dp, "load: %s has format version %llu, this build reads version %u", path,
-                             (unsigned long long)version, DOPT_DP_FILE_VERSION);
-        goto done;
-    }
     memcpy(&h_file, buf + len - 8, 8);
     h = dopt__fnv1a(DOPT__FNV_OFFSET, buf, len - 8);
     if (h != h_file) {
         dopt__dp_fail_detail(dp, "load: %s is corrupt (checksum %016llx, expected %016llx)", path,
                              (unsigned long long)h, (unsigned long long)h_file);
-        goto done;
-    }
-    if (layout_bytes > len - 32) {
-        dopt__dp_fail_detail(dp, "load: %s is truncated", path);
         goto done;
     }
     mine = (unsigned char *)DOPT_MALLOC(dopt__dp_encode(dp, NULL));
@@ -3841,55 +3902,62 @@ static uint64_t dopt__dp_lanes_hash(uint64_t h, const unsigned char *p, size_t b
     return dopt__fnv1a(h, p + body, bytes - body);
 }
 
+/* Where the host's bytes (dopt_dp_host_state) sit in the state file's form of file bytes: before
+   the compressors' states and the checksum. */
+static size_t dopt__dp_host_offset(const dopt_dp *dp, size_t file) {
+    size_t c = dp->compressor ? dopt_compress_state_bytes(dp->compressor) : 0;
+    size_t g = dp->grad_compressor ? dopt_compress_state_bytes(dp->grad_compressor) : 0;
+    return file - 8 - c - g - dp->host_bytes;
+}
+
+/* The hash of the host's bytes the sender sends: the members agree on it with the state's. */
+static uint64_t dopt__dp_host_hash(const dopt_dp *dp) {
+    return dopt__fnv1a(DOPT__FNV_OFFSET, dp->host_bytes ? dp->host : "", dp->host_bytes);
+}
+
 /* The state a joiner takes, in the state file's form (dopt_dp_save's bytes: magic, version,
    layout, state) with this rank's rank and per-step samples zeroed and, in place of the file's
    checksum, the hash of all of it and of the AVERAGE states that follow it: file bytes, then
-   (work_count - n) floats. *hash: that hash. At a round's end the model is the anchor the
-   file holds, so it is not sent twice. */
+   (work_count - n) floats. *hash: that hash, taken with the host's bytes zeroed (they are each
+   rank's own); the bytes then hold this rank's, which the sender's payload carries (their hash:
+   dopt__dp_host_hash). At a round's end the model is the anchor the file holds, so it is not
+   sent twice. */
 static size_t dopt__dp_state_payload(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states,
                                      unsigned char *buf, uint64_t *hash) {
     size_t file = dopt__dp_encode(dp, NULL), avg = (dp->work_count - dp->n) * sizeof(float);
+    size_t host = dopt__dp_host_offset(dp, file);
     uint64_t layout_bytes;
     if (buf == NULL) return file + avg;
     dopt__dp_encode(dp, buf);
     memcpy(&layout_bytes, buf + 16, 8);
     memset(buf + 32, 0, 8);                              /* the layout's rank */
     memset(buf + 24 + (size_t)layout_bytes + 32, 0, 8); /* the state's step_samples */
+    memset(buf + host, 0, dp->host_bytes);              /* the host's bytes: its own on each rank */
     dopt__dp_pack(dp, params, states);
     if (avg) memcpy(buf + file, dp->work + dp->n, avg);
     *hash = dopt__dp_lanes_hash(DOPT__FNV_OFFSET, buf, file - 8);
     *hash = dopt__dp_lanes_hash(*hash, buf + file, avg);
     memcpy(buf + file - 8, hash, 8);
+    if (dp->host_bytes) memcpy(buf + host, dp->host, dp->host_bytes); /* the sender's go to the joiners */
     return file + avg;
 }
 
-/* A joiner takes the payload (bytes of it; agreed: the hash the members agreed on): checked by
-   magic, version, layout (world size and rank aside), size and hash, then taken. DOPT_OK, or
-   why not in dp->detail, nothing taken. */
+/* A joiner takes the payload (bytes of it; agreed, agreed_host: the hashes the members agreed
+   on, of the state and of the sender's host bytes): checked by magic, version, layout (world
+   size and rank aside), size and hashes, then taken. DOPT_OK, or why not in dp->detail, nothing
+   taken. */
 static dopt_status dopt__dp_take(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states, unsigned char *buf,
-                                 size_t bytes, uint64_t agreed) {
+                                 size_t bytes, uint64_t agreed, uint64_t agreed_host) {
     size_t expect = dopt__dp_state_payload(dp, params, states, NULL, NULL), file = dopt__dp_encode(dp, NULL);
     size_t avg = (dp->work_count - dp->n) * sizeof(float);
-    uint64_t version, layout_bytes, h, id[2];
+    size_t host;
+    uint64_t layout_bytes, h, h_host, id[2];
     double own_samples = dp->step_samples;
-    unsigned char *mine;
+    unsigned char *mine, *saved = NULL;
     dopt__dp_reader r;
     dopt_status s;
-    if (bytes < 32 || memcmp(buf, DOPT__LS_MAGIC, 8) != 0) {
-        dopt__dp_fail_detail(dp, "elastic: the job's state arrived without its header (%zu bytes)", bytes);
-        return DOPT_ERR_PROTOCOL;
-    }
-    memcpy(&version, buf + 8, 8);
-    memcpy(&layout_bytes, buf + 16, 8);
-    if (version != DOPT_DP_FILE_VERSION) {
-        dopt__dp_fail_detail(dp, "elastic: the job's state has format version %llu, this build reads version %u",
-                             (unsigned long long)version, DOPT_DP_FILE_VERSION);
-        return DOPT_ERR_INVALID;
-    }
-    if (layout_bytes > bytes - 32 || layout_bytes < 16) {
-        dopt__dp_fail_detail(dp, "elastic: the job's state is truncated (%zu bytes)", bytes);
-        return DOPT_ERR_PROTOCOL;
-    }
+    s = dopt__dp_check_header(dp, buf, bytes, "elastic: the job's state", DOPT_ERR_INVALID, &layout_bytes);
+    if (s != DOPT_OK) return s; /* another version: a joiner configured otherwise */
     if ((mine = (unsigned char *)DOPT_MALLOC(file)) == NULL) return DOPT_ERR_NOMEM;
     id[0] = (uint64_t)dp->comm->size;
     id[1] = (uint64_t)dp->comm->rank;
@@ -3903,11 +3971,23 @@ static dopt_status dopt__dp_take(dopt_dp *dp, const dopt_buf *params, const dopt
         return DOPT_ERR_PROTOCOL;
     }
     memset(buf + 32, 0, 8); /* hashed as the members hashed it */
+    host = dopt__dp_host_offset(dp, file);
+    h_host = dopt__fnv1a(DOPT__FNV_OFFSET, buf + host, dp->host_bytes);
+    if (dp->host_bytes && (saved = (unsigned char *)DOPT_MALLOC(dp->host_bytes)) == NULL) return DOPT_ERR_NOMEM;
+    if (saved) {
+        memcpy(saved, buf + host, dp->host_bytes);
+        memset(buf + host, 0, dp->host_bytes);
+    }
     h = dopt__dp_lanes_hash(DOPT__FNV_OFFSET, buf, file - 8);
     h = dopt__dp_lanes_hash(h, buf + file, avg);
-    if (h != agreed) {
-        dopt__dp_fail_detail(dp, "elastic: the job's state arrived corrupt (hash %016llx, the members agreed on %016llx)",
-                             (unsigned long long)h, (unsigned long long)agreed);
+    if (saved) {
+        memcpy(buf + host, saved, dp->host_bytes);
+        DOPT_FREE(saved);
+    }
+    if (h != agreed || h_host != agreed_host) {
+        dopt__dp_fail_detail(dp, "elastic: the job's state arrived corrupt (%s hash %016llx, the members agreed on %016llx)",
+                             h != agreed ? "state" : "host bytes'", (unsigned long long)(h != agreed ? h : h_host),
+                             (unsigned long long)(h != agreed ? agreed : agreed_host));
         return DOPT_ERR_PROTOCOL;
     }
     r.buf = buf;
@@ -3916,9 +3996,7 @@ static dopt_status dopt__dp_take(dopt_dp *dp, const dopt_buf *params, const dopt
     r.short_read = 0;
     dopt__dp_get_state(&r, dp); /* step, syncs, round counters, anchor, outer momentum */
     dp->step_samples = own_samples;
-    dp->sync_step = dp->step;
     dp->skipped = 0;
-    dp->anchor_set = 1;
     if (dp->n) memcpy(dp->work, dp->anchor, dp->n * sizeof(float)); /* the model of the last average */
     if (avg) memcpy(dp->work + dp->n, buf + file, avg);
     dopt__dp_unpack(dp, params, states);
@@ -3932,17 +4010,20 @@ static dopt_status dopt__dp_take(dopt_dp *dp, const dopt_buf *params, const dopt
    it too): members that disagree have replicas that differ, and nobody is given a state
    (DOPT_ERR_MISMATCH everywhere). A joiner configured otherwise refuses the state after it
    took part in the broadcast (DOPT_ERR_INVALID, naming the first difference), so that the
-   others are not held; its host then leaves and the members' next collective loses it. */
+   others are not held; its host then leaves and the members' next collective loses it. The
+   members other than the lead do not wait for the transfer. A lead or joiner lost during it
+   fails the group, and with it dp->comm (a group's failure is its communicator's), which the
+   group's survivors shrink at once and the other members at their next average. */
 static dopt_status dopt__dp_share(dopt_dp *dp, const dopt_buf *params, const dopt_buf *states) {
     dopt_comm *c = dp->comm, *g = NULL;
     unsigned char *buf = NULL;
-    uint64_t hash = 0, agreed;
-    int64_t v[6];
+    uint64_t hash = 0, agreed, host_hash = dopt__dp_host_hash(dp), agreed_host;
+    int64_t v[8];
     size_t bytes = 0;
     double t0;
     int32_t ok = 1;
-    int lead = c->rank == 0;
-    dopt_status s = DOPT_OK, taken = DOPT_OK;
+    int lead = c->rank == 0, joiners = 0;
+    dopt_status s = DOPT_OK, taken = DOPT_OK, moved = DOPT_OK;
     if (!dp->joining) {
         bytes = dopt__dp_state_payload(dp, params, states, NULL, NULL);
         if ((buf = (unsigned char *)DOPT_MALLOC(bytes)) == NULL) s = DOPT_ERR_NOMEM;
@@ -3954,7 +4035,9 @@ static dopt_status dopt__dp_share(dopt_dp *dp, const dopt_buf *params, const dop
     v[3] = dp->joining ? -((int64_t)1 << 33) : -(int64_t)(hash & 0xFFFFFFFFu);
     v[4] = dp->joining || s != DOPT_OK ? -1 : (int64_t)bytes;
     v[5] = dp->joining ? -((int64_t)1 << 62) : s != DOPT_OK ? 1 : -(int64_t)bytes; /* out of memory: disagrees */
-    if ((s = dopt_allreduce(c, v, 6, DOPT_I64, DOPT_MAX)) != DOPT_OK) goto done;
+    v[6] = lead ? (int64_t)(host_hash >> 32) : -1; /* the sender's host bytes */
+    v[7] = lead ? (int64_t)(host_hash & 0xFFFFFFFFu) : -1;
+    if ((s = dopt_allreduce(c, v, 8, DOPT_I64, DOPT_MAX)) != DOPT_OK) goto done;
     if (v[0] != -v[2] || v[1] != -v[3] || v[4] != -v[5] || v[4] < 0) {
         dopt__dp_fail_detail(dp, "elastic: the members' states differ (hashes %08llx%08llx to %08llx%08llx, %lld to "
                                  "%lld bytes, or a member is out of memory): their replicas are not identical; the "
@@ -3966,33 +4049,36 @@ static dopt_status dopt__dp_share(dopt_dp *dp, const dopt_buf *params, const dop
         goto done;
     }
     agreed = (uint64_t)v[0] << 32 | (uint64_t)v[1];
+    agreed_host = (uint64_t)v[6] << 32 | (uint64_t)v[7];
     bytes = (size_t)v[4];
     if ((s = dopt_comm_split(c, lead || dp->joining ? 0 : DOPT_UNDEFINED, c->rank, &g)) != DOPT_OK) goto done;
-    if (g == NULL) goto done; /* a member other than the lead: nothing to send or take */
-    if (dp->joining && (buf = (unsigned char *)DOPT_MALLOC(bytes ? bytes : 1)) == NULL) {
-        s = DOPT_ERR_NOMEM; /* the others are held until this rank's end is seen */
-        goto done;
+    if (g != NULL) { /* the lead and the joiners */
+        joiners = g->size - 1;
+        if (dp->joining && (buf = (unsigned char *)DOPT_MALLOC(bytes ? bytes : 1)) == NULL) moved = DOPT_ERR_NOMEM;
+        t0 = dopt__now_ms();
+        if (moved == DOPT_OK) moved = dopt_broadcast(g, buf, bytes, 0);
+        if (moved == DOPT_OK) {
+            dp->state_bytes = bytes;
+            dp->state_ms = dopt__now_ms() - t0;
+        }
+        if (moved == DOPT_OK && dp->joining) taken = dopt__dp_take(dp, params, states, buf, bytes, agreed, agreed_host);
+        ok = moved == DOPT_OK && taken == DOPT_OK;
+        /* A lead or joiner lost in the transfer fails the group and so dp->comm, which every rank
+           then shrinks: the others at their next average, as after any lost rank. */
+        if ((s = moved) != DOPT_OK) goto done; /* out of memory: the lead is held until this rank's end is seen */
+        if ((s = dopt_allreduce(g, &ok, 1, DOPT_I32, DOPT_MIN)) != DOPT_OK) goto done;
     }
-    t0 = dopt__now_ms();
-    if ((s = dopt_broadcast(g, buf, bytes, 0)) != DOPT_OK) goto done;
-    dp->state_bytes = bytes;
-    dp->state_ms = dopt__now_ms() - t0;
-    if (dp->joining) {
-        taken = dopt__dp_take(dp, params, states, buf, bytes, agreed);
-        ok = taken == DOPT_OK;
-    }
-    if ((s = dopt_allreduce(g, &ok, 1, DOPT_I32, DOPT_MIN)) != DOPT_OK) goto done;
     if (lead) {
         dopt_comm_log(c, DOPT_LOG_INFO, "elastic: sent the job's state (%.3g MB) to %d joiner(s) in %.3g ms (%.0f MB/s)%s",
-                      bytes / 1e6, g->size - 1, dp->state_ms, dp->state_ms > 0 ? bytes / 1e3 / dp->state_ms : 0.0,
+                      bytes / 1e6, joiners, dp->state_ms, dp->state_ms > 0 ? bytes / 1e3 / dp->state_ms : 0.0,
                       ok ? "" : "; a joiner refused it (its log says why): it leaves");
-    } else if (!dp->joining) { /* took it */
+    } else if (dp->joining) { /* refused it */
+        dopt_comm_log(c, DOPT_LOG_ERROR, "%s: this joiner leaves the job", dp->detail);
+        s = dp->status = taken;
+    } else if (joiners > 0) { /* a joiner that took it */
         dopt_comm_log(c, DOPT_LOG_INFO, "elastic: this joiner took the job's state (%.3g MB in %.3g ms) and goes on from "
                       "step %llu as rank %d of %d", bytes / 1e6, dp->state_ms, (unsigned long long)dp->step, c->rank,
                       c->size);
-    } else {
-        dopt_comm_log(c, DOPT_LOG_ERROR, "%s: this joiner leaves the job", dp->detail);
-        s = dp->status = taken;
     }
 done:
     if (g) dopt_comm_destroy(g);

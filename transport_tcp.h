@@ -102,6 +102,10 @@
    |                       | back (TAKING A WORKER BACK); rank, world_size are ignored |                    |
    | join_peers            | with join, members to ask after rank 0 (master_addr,      | none: rank 0 only  |
    |                       | master_port): "host:port,host:port"                       |                    |
+   | listen_port           | ranks > 0 and joiners: the port this process listens on   | 0: a free port the |
+   |                       | for the other ranks' links, shrinks and joiners; a fixed  | kernel picks       |
+   |                       | one lets a restarted worker be told where the members are |                    |
+   |                       | (join_peers) when rank 0 is gone                          |                    |
    | log_fn, log_user      | logging callback, installed on the communicator. It also  | silent             |
    |                       | hears the rendezvous (whom it waits for, joiners refused) |                    |
    |                       | and is how a failed create tells why (there is no         |                    |
@@ -133,6 +137,8 @@
    | DOPT_JOIN                  | join                  | no (0 or 1; with 1, DOPT_RANK and  |
    |                            |                       | DOPT_WORLD_SIZE are not needed)    |
    | DOPT_JOIN_PEERS            | join_peers            | no                                 |
+   | DOPT_LISTEN_PORT           | listen_port           | no (0 to 65535; the config's, else |
+   |                            |                       | 0: any)                            |
 
    Rank, world size and rank 0's address and port are read by distopt.h's dopt_launch_read (its
    LAUNCH VARIABLES): besides DOPT_*, from mpirun's (OMPI_COMM_WORLD_*, PMI_*), srun's
@@ -476,7 +482,14 @@
    DOPT_ERR_PEER_LOST on every rank: dopt_comm_shrink then leaves it out, and the job is as it
    was. Hellos of that shrink that reach a rank still growing are kept for it. What a joiner
    needs besides links — the model and the driver's state — is the driver's to send
-   (localsgd.h); the driver does not do it yet.
+   (localsgd.h: ELASTIC, taking a worker back).
+
+   When rank 0 may be the one that died, the restarted process must be told where other members
+   listen. The ranks > 0 listen on a port the kernel picks unless listen_port (DOPT_LISTEN_PORT)
+   fixes it: start every rank with a known one (a different one per rank on one host) and give
+   the restarted process DOPT_JOIN_PEERS="host1:port1,host2:port2,...". It asks rank 0's address
+   first, finds nobody there and goes on down the list; it listens on its own listen_port, so it
+   can be found the same way after it joined. tests/elastic_trials.c restarts a killed rank 0 so.
 
    ALGORITHMS (every rank ends with the same bytes, run after run)
 
@@ -555,6 +568,8 @@ typedef struct dopt_tcp_config {
     int join;                  /* 1: a restarted process that asks a running job to take it back
                                   (RE-ADMIT); rank and world_size are then the job's to give */
     const char *join_peers;    /* with join: members to ask after rank 0, "host:port,host:port" */
+    int listen_port;           /* ranks > 0 and joiners: listen on this port (links, shrinks, joiners);
+                                  0: one the kernel picks. Rank 0 listens on master_port */
 } dopt_tcp_config;
 
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg);
@@ -2422,7 +2437,7 @@ static dopt_status dopt__tcp_join(dopt_comm *c, dopt__tcp *t, const dopt_tcp_con
     t->peers[0].fd = fd0;
     if (cfg->bind_addr == NULL && cfg->socket_ifname == NULL) /* the interface that reaches rank 0 */
         s = dopt__tcp_rank_addr(c, cfg, master, fd0, who, bind_addr);
-    if (s == DOPT_OK) s = dopt__tcp_listen(c, t, bind_addr, 0, &t->lfd, &port);
+    if (s == DOPT_OK) s = dopt__tcp_listen(c, t, bind_addr, (uint32_t)cfg->listen_port, &t->lfd, &port);
     if (s == DOPT_OK) s = dopt__tcp_hello(c, t, fd0, 0, bind_addr, port, deadline, -1, who);
     snprintf(what, sizeof what, "the other ranks to join %s", who);
     if (s == DOPT_OK) s = dopt__tcp_recv_record(c, t, fd0, 0, DOPT__TCP_WELCOME, deadline, who, what, &h);
@@ -2533,6 +2548,8 @@ static dopt_status dopt__tcp_new(dopt_comm **out, const dopt_tcp_config *cfg) {
     if (cfg->min_ranks < 0 || cfg->min_ranks > cfg->world_size)
         return dopt__tcp_config_error(cfg, "min_ranks %d is outside 0..world_size (%d)", cfg->min_ranks,
                                       cfg->world_size);
+    if (cfg->listen_port < 0 || cfg->listen_port > 65535)
+        return dopt__tcp_config_error(cfg, "listen_port %d is outside 0..65535", cfg->listen_port);
     if (cfg->keepalive_s > DOPT__TCP_KEEPALIVE_MAX_S)
         return dopt__tcp_config_error(cfg, "keepalive_s %d is above %d (the kernel's limit); negative turns it off",
                                       cfg->keepalive_s, DOPT__TCP_KEEPALIVE_MAX_S);
@@ -4395,7 +4412,7 @@ static dopt_status dopt__tcp_join_job(dopt_comm **out, const dopt_tcp_config *cf
         memset(my_addr, 0, 16);
         if (dopt__tcp_is_v4(addr[0])) memcpy(my_addr, dopt__tcp_v4_prefix, 12);
     }
-    if (s == DOPT_OK) s = dopt__tcp_listen(c, t, my_addr, 0, &lfd, &my_port);
+    if (s == DOPT_OK) s = dopt__tcp_listen(c, t, my_addr, (uint32_t)cfg->listen_port, &lfd, &my_port);
     while (s == DOPT_OK) {
         s = dopt__tcp_join_reach(c, (const unsigned char(*)[16])addr, port, n, my_addr, my_port, deadline, &fd, &side);
         if (s != DOPT_OK) break;
@@ -4544,7 +4561,8 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
         dopt__tcp_env_int(cfg, "DOPT_PROGRESS_THREAD_US", 0, INT_MAX, &env.progress_thread_us) < 0 ||
         dopt__tcp_env_int(cfg, "DOPT_MIN_RANKS", 0, INT_MAX, &env.min_ranks) < 0 ||
         dopt__tcp_env_int(cfg, "DOPT_KEEPALIVE_S", -1, DOPT__TCP_KEEPALIVE_MAX_S, &env.keepalive_s) < 0 ||
-        dopt__tcp_env_int(cfg, "DOPT_JOIN", 0, 1, &env.join) < 0)
+        dopt__tcp_env_int(cfg, "DOPT_JOIN", 0, 1, &env.join) < 0 ||
+        dopt__tcp_env_int(cfg, "DOPT_LISTEN_PORT", 0, 65535, &env.listen_port) < 0)
         return DOPT_ERR_INVALID;
     s = getenv("DOPT_JOIN_PEERS");
     if (s && *s) env.join_peers = s;

@@ -6,22 +6,30 @@
    survives when every survivor exits 0 having converged, with the same model (its hash) as the
    other survivors, after one shrink or more. The time to recover is from the kill to the moment
    the last survivor trained again (its resumed_ms). Then one trial with DOPT_MIN_RANKS=4: every
-   survivor must end with an error naming min_ranks, none may hang. In the least-squares trials
-   the killed worker, unless it was rank 0 (the other members' ports are not known here, and
-   DOPT_JOIN_PEERS needs them), is started again 200 ms after the kill with DOPT_JOIN=1: it is
-   taken back when every member took it in (grows >= 1) and it ends with their model. Prints
-   per trial a line and, last:
+   survivor must end with an error naming min_ranks, none may hang. Rank r > 0 listens on the
+   port rank 0 listens on plus r (DOPT_LISTEN_PORT). In the least-squares trials the killed
+   worker, rank 0 included, is started again 200 ms after the kill with DOPT_JOIN=1 and
+   DOPT_JOIN_PEERS naming the other ranks' ports (rank 0's address is tried first: when rank 0
+   was the one killed, nobody listens there): it is taken back when every member took it in
+   (grows >= 1) and it ends with their model. Then 5 trials that kill the member sending the
+   state: a worker other than rank 0 is killed and started again as above, and rank 0 is killed
+   the moment it says it took the joiner in (its log's "takes in", before the state is sent):
+   the trial survives when the two other members and the joiner end with the same model, the
+   joiner having taken the state from another member. Prints per trial a line and, last:
        elastic transport=tcp trials=N survived=S rejoined=J hangs=H max_recover_ms=M
        state_MBps=X link_MBps=0 min_ranks_ok=1 links=... restarted=R state_bytes=B
+       sender_trials=5 sender_killed=K sender_survived=V
    (on loopback, state_MBps and link_MBps are bench_rejoin's, run after the trials: a joiner
    taking a 32 MB model, and a raw TCP stream of the same bytes; B is then its state's bytes.
    On the cluster, or without build/bench_rejoin, state_MBps is the median over the trials of
    the joiner's transfer of a 16-float model, a latency more than a rate, and link_MBps 0).
-   Exits 1 when a trial did not survive or hung, or a worker started again was not taken back.
-   Usage: elastic_trials [BUILD_DIR] [TRIALS] [MASTER_ADDR|-] [mlp]: with MASTER_ADDR, rank r runs
-   on the simulated cluster's host r (scripts/cluster.sh exec r; the cluster must be up with 4
-   hosts, MASTER_ADDR host 0's address: tests/elastic_cluster.sh does it) and the line says
-   links=cluster, else links=loopback ("-": loopback).
+   Exits 1 when a trial did not survive or hung, a worker started again was not taken back, or a
+   sender trial did not kill rank 0 or did not survive it.
+   Usage: elastic_trials [BUILD_DIR] [TRIALS] [ADDRS|-] [mlp]: with ADDRS, rank r runs on the
+   simulated cluster's host r (scripts/cluster.sh exec r; the cluster must be up with 4 hosts,
+   ADDRS the hosts' addresses "a0,a1,a2,a3", or host 0's alone, when a killed rank 0 is not
+   started again: tests/elastic_cluster.sh gives all four) and the line says links=cluster, else
+   links=loopback ("-": loopback).
    With mlp, the program is build/fmnist_mlp --elastic on (Fashion-MNIST, local SGD period 4, 4
    epochs, about 4.5 s on loopback): first a run nobody disturbs, then the trials, the kill 50 ms
    to 50 ms + 0.7 x the undisturbed run's time after rank 0 said the job formed (within the
@@ -48,6 +56,8 @@
 
 #define WORKERS 4
 #define TRIAL_LIMIT_MS 60000
+#define SENDER_TRIALS 5 /* after the others: a worker killed and started again, then rank 0 killed as it
+                           begins to send it the job's state */
 
 static uint64_t next_random(uint64_t *s) { /* splitmix64 */
     uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
@@ -88,10 +98,11 @@ typedef struct outcome {
     char err[SLOTS][512];
     int hung;
     int restarted;              /* the killed worker was started again (slot WORKERS) */
+    int sender_killed;          /* rank 0 was killed as it began to send the joiner the job's state */
 } outcome;
 
-/* Runs one job; victim is killed delay_ms after the start (-1: nobody). */
 static const char *cluster_master; /* NULL: every rank on loopback */
+static char host_addr[WORKERS][64]; /* where rank r runs; "": not known (a killed rank 0 stays dead) */
 static int mlp;                    /* 1: build/fmnist_mlp, else build/elastic_sgd */
 
 static double mono_ms(void) { /* fmnist_mlp's clock */
@@ -149,7 +160,18 @@ static pid_t spawn_worker(const char *exe, const char *dir, int slot, int r, int
         setenv("DOPT_MIN_RANKS", v, 1);
         setenv("DOPT_TRANSPORT", "tcp", 1);
         setenv("OPENBLAS_NUM_THREADS", "1", 1);
-        if (slot == WORKERS) {
+        if (slot > 0) { /* rank r > 0 at rank 0's port + r; a restarted rank 0 at + WORKERS */
+            snprintf(v, sizeof v, "%d", port + (r > 0 ? r : WORKERS));
+            setenv("DOPT_LISTEN_PORT", v, 1);
+        }
+        if (slot == WORKERS) { /* the members to ask after rank 0: every other rank > 0 */
+            char peers[4 * 80] = "";
+            int q;
+            for (q = 1; q < WORKERS; q++)
+                if (q != r)
+                    snprintf(peers + strlen(peers), sizeof peers - strlen(peers), "%s%s:%d", peers[0] ? "," : "",
+                             host_addr[q], port + q);
+            setenv("DOPT_JOIN_PEERS", peers, 1);
             setenv("DOPT_JOIN", "1", 1);
             setenv("DOPT_RENDEZVOUS_TIMEOUT_MS", "20000", 1); /* the job may end before a round takes it */
         }
@@ -175,12 +197,24 @@ static pid_t spawn_worker(const char *exe, const char *dir, int slot, int r, int
     return pid;
 }
 
-/* rejoin: the killed worker, unless rank 0 (the others' ports are not known here), is started
-   again REJOIN_AFTER_MS after the kill, as a joiner. */
+/* Rank r's stderr holds words. */
+static int says(const char *dir, int r, const char *words) {
+    char path[600], line[512];
+    int seen = 0;
+    FILE *f;
+    snprintf(path, sizeof path, "%s/rank%d.err", dir, r);
+    if ((f = fopen(path, "r")) == NULL) return 0;
+    while (!seen && fgets(line, sizeof line, f)) seen = strstr(line, words) != NULL;
+    fclose(f);
+    return seen;
+}
+
+/* rejoin: the killed worker is started again REJOIN_AFTER_MS after the kill, as a joiner (rank 0
+   only when the other hosts' addresses are known). */
 #define REJOIN_AFTER_MS 200
 
 static void run_job(const char *build, const char *dir, int victim, int delay_ms, int min_ranks, int rejoin,
-                    double *kill_ms, outcome *out) {
+                    int kill_sender, double *kill_ms, outcome *out) {
     pid_t pids[SLOTS] = {0};
     int r, port = free_port(), left = WORKERS;
     double start = wall_ms(), formed = 0, killed_at = 0;
@@ -207,10 +241,14 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
             *kill_ms = mlp ? mono_ms() : wall_ms();
             killed_at = now;
         }
-        if (rejoin && victim > 0 && killed_at > 0 && !out->restarted && now - killed_at >= REJOIN_AFTER_MS) {
+        if (rejoin && (victim > 0 || host_addr[1][0]) && killed_at > 0 && !out->restarted && now - killed_at >= REJOIN_AFTER_MS) {
             pids[WORKERS] = spawn_worker(exe, dir, WORKERS, victim, port, min_ranks);
             out->restarted = 1;
             left++;
+        }
+        if (kill_sender && out->restarted && !out->sender_killed && pids[0] > 0 && says(dir, 0, "takes in")) {
+            kill(pids[0], SIGKILL); /* it took the joiner in and begins to send it the job's state */
+            out->sender_killed = 1;
         }
         if (p > 0) {
             for (r = 0; r < SLOTS; r++)
@@ -294,7 +332,7 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
     int t, r, survived = 0, hangs = 0, span, within = 0;
     double base, lo = 100, hi = 0, max_recover = 0, kill_ms;
     outcome out;
-    run_job(build, dir, -1, 0, 0, 0, &kill_ms, &out);
+    run_job(build, dir, -1, 0, 0, 0, 0, &kill_ms, &out);
     base = mlp_accuracy(&out, -1);
     span = (int)(0.7 * out.run_ms); /* kills within the training, not during the closing average */
     printf("undisturbed: test accuracy %.2f%%, %.0f ms from the job formed to its end\n", base, out.run_ms);
@@ -305,7 +343,7 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
     for (t = 0; t < trials; t++) {
         int victim = (int)(next_random(&rng) % WORKERS), delay = 50 + (int)(next_random(&rng) % (uint64_t)span), ok;
         double acc, resumed = 0;
-        run_job(build, dir, victim, delay, 0, 0, &kill_ms, &out);
+        run_job(build, dir, victim, delay, 0, 0, 0, &kill_ms, &out);
         hangs += out.hung;
         ok = !out.hung && kill_ms > 0;
         for (r = 0; r < WORKERS && ok; r++) {
@@ -340,12 +378,26 @@ int main(int argc, char **argv) {
     const char *build = argc > 1 ? argv[1] : "build";
     int trials = argc > 2 ? atoi(argv[2]) : 20, t, r, survived = 0, hangs = 0, min_ranks_ok = 1;
     double max_recover = 0, rates[256], state_MBps = 0, link_MBps = 0;
-    int nrates = 0, restarted = 0, rejoined = 0;
+    int nrates = 0, restarted = 0, rejoined = 0, sender_killed = 0, sender_survived = 0;
     size_t state_bytes = 0;
     uint64_t rng = 20261128;
     char dir[] = "/tmp/distopt-elastic-XXXXXX";
     outcome out;
     cluster_master = argc > 3 && strcmp(argv[3], "-") ? argv[3] : NULL;
+    for (r = 0; r < WORKERS; r++) snprintf(host_addr[r], sizeof host_addr[r], "%s", cluster_master ? "" : "127.0.0.1");
+    if (cluster_master) { /* "a0,a1,a2,a3", or a0 alone */
+        static char first[64];
+        const char *p = cluster_master;
+        for (r = 0; r < WORKERS && *p; r++) {
+            size_t k = strcspn(p, ",");
+            snprintf(host_addr[r], sizeof host_addr[r], "%.*s", (int)(k < 63 ? k : 63), p);
+            p += k + (p[k] == ',');
+        }
+        if (r < WORKERS)
+            for (r = 1; r < WORKERS; r++) host_addr[r][0] = '\0';
+        snprintf(first, sizeof first, "%s", host_addr[0]);
+        cluster_master = first;
+    }
     mlp = argc > 4 && strcmp(argv[4], "mlp") == 0;
     if (!mkdtemp(dir)) {
         perror("elastic_trials: mkdtemp");
@@ -356,12 +408,14 @@ int main(int argc, char **argv) {
         remove_scratch(dir);
         return status;
     }
-    for (t = 0; t < trials; t++) {
-        int victim = (int)(next_random(&rng) % WORKERS), delay = 150 + (int)(next_random(&rng) % 1000), ok = 1;
+    for (t = 0; t < trials + SENDER_TRIALS; t++) {
+        int sender = t >= trials; /* then rank 0 is killed too, as it sends the joiner the state */
+        int victim = sender ? 1 + (int)(next_random(&rng) % (WORKERS - 1)) : (int)(next_random(&rng) % WORKERS);
+        int delay = 150 + (int)(next_random(&rng) % 1000), ok = 1;
         int came_back = 1;
         unsigned long long model = 0;
         double kill_ms, resumed = 0;
-        run_job(build, dir, victim, delay, 0, 1, &kill_ms, &out);
+        run_job(build, dir, victim, delay, 0, 1, sender, &kill_ms, &out);
         hangs += out.hung;
         ok = !out.hung;
         for (r = 0; r < WORKERS && ok; r++) {
@@ -369,7 +423,7 @@ int main(int argc, char **argv) {
             int shrinks, grows, joined;
             double res;
             const char *p = strstr(out.line[r], "model ");
-            if (r == victim) continue;
+            if (r == victim || (r == 0 && out.sender_killed)) continue;
             if (!out.exited[r] || !WIFEXITED(out.status[r]) || WEXITSTATUS(out.status[r]) != 0 || p == NULL ||
                 sscanf(p, "model %llx, shrinks %d, resumed_ms %lf, grows %d, joined %d", &m, &shrinks, &res, &grows,
                        &joined) != 5 || shrinks < 1 || (model && m != model)) {
@@ -398,25 +452,30 @@ int main(int argc, char **argv) {
         } else {
             came_back = 0;
         }
-        restarted += out.restarted;
-        rejoined += came_back;
-        if (ok) {
-            survived++;
-            if (resumed - kill_ms > max_recover) max_recover = resumed - kill_ms;
+        if (sender) {
+            sender_killed += out.sender_killed;
+            sender_survived += out.sender_killed && ok && came_back;
+        } else {
+            restarted += out.restarted;
+            rejoined += came_back;
+            if (ok) survived++;
+            if (ok && resumed - kill_ms > max_recover) max_recover = resumed - kill_ms;
         }
-        printf("trial %d: killed rank %d %d ms after the job formed: %s, training again %.0f ms after the kill%s\n", t,
+        printf("trial %d: killed rank %d %d ms after the job formed: %s, training again %.0f ms after the kill%s%s\n", t,
                victim, delay, out.hung ? "HUNG" : ok ? "survivors identical and converged" : "FAILED",
                ok ? resumed - kill_ms : 0.0,
                !out.restarted ? "" : came_back ? "; started again, taken back, ended with the same model"
-                                               : "; started again, NOT taken back");
-        if (!ok || (out.restarted && !came_back))
+                                               : "; started again, NOT taken back",
+               !sender ? "" : out.sender_killed ? "; rank 0 killed as it began to send the state"
+                                                : "; rank 0 NOT killed (it never took the joiner in)");
+        if (!ok || (out.restarted && !came_back) || (sender && !out.sender_killed))
             for (r = 0; r < SLOTS; r++)
                 printf("  %s %d: %s | stderr: %s\n", r < WORKERS ? "rank" : "joiner", r < WORKERS ? r : victim,
                        out.line[r][0] ? out.line[r] : "(nothing)", out.err[r]);
     }
     { /* fewer survivors than min_ranks: every survivor ends with the reason, nobody hangs */
         double kill_ms;
-        run_job(build, dir, 1, 400, 4, 0, &kill_ms, &out);
+        run_job(build, dir, 1, 400, 4, 0, 0, &kill_ms, &out);
         hangs += out.hung;
         for (r = 0; r < WORKERS; r++) {
             if (r == 1) continue;
@@ -458,8 +517,13 @@ int main(int argc, char **argv) {
         }
     }
     printf("elastic transport=tcp trials=%d survived=%d rejoined=%d hangs=%d max_recover_ms=%.0f state_MBps=%.1f "
-           "link_MBps=%.0f min_ranks_ok=%d links=%s restarted=%d state_bytes=%zu\n",
+           "link_MBps=%.0f min_ranks_ok=%d links=%s restarted=%d state_bytes=%zu sender_trials=%d sender_killed=%d "
+           "sender_survived=%d\n",
            trials, survived, rejoined, hangs, max_recover, state_MBps, link_MBps, min_ranks_ok,
-           cluster_master ? "cluster" : "loopback", restarted, state_bytes);
-    return survived == trials && hangs == 0 && min_ranks_ok && rejoined == restarted ? 0 : 1;
+           cluster_master ? "cluster" : "loopback", restarted, state_bytes, SENDER_TRIALS, sender_killed,
+           sender_survived);
+    return survived == trials && hangs == 0 && min_ranks_ok && rejoined == restarted &&
+                   sender_killed == SENDER_TRIALS && sender_survived == sender_killed
+               ? 0
+               : 1;
 }

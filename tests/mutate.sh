@@ -506,7 +506,22 @@ mutate elastic-never-takes-joiners-in localsgd.h \
     '    if (0 && (s = dopt__dp_admit(dp, given, params, states, t)) != DOPT_OK)' \
     test_shrink:restarted_worker_back
 mutate elastic-joiner-takes-a-corrupt-state localsgd.h \
-    '    if (h != agreed) {' '    if (0) {' test_shrink:takes_the_state_whole
+    '    if (h != agreed || h_host != agreed_host) {' '    if (0) {' test_shrink:takes_the_state_whole
+mutate elastic-joiner-takes-corrupt-host-bytes localsgd.h \
+    '    if (h != agreed || h_host != agreed_host) {' '    if (h != agreed) {' test_shrink:takes_the_state_whole
+mutate elastic-sender-keeps-its-host-bytes localsgd.h \
+    '    if (dp->host_bytes) memcpy(buf + host, dp->host, dp->host_bytes); /* the sender'"'"'s go to the joiners */' \
+    '    (void)0;' test_shrink:takes_the_state_whole
+mutate host-bytes-not-saved localsgd.h \
+    '    if (dp->host_bytes) dopt__dp_put(w, dp->host, dp->host_bytes);' '    if (dp->host_bytes) w->pos += dp->host_bytes;' \
+    test_localsgd:host_bytes
+mutate host-size-not-in-the-layout localsgd.h \
+    '    dopt__dp_put_u64(w, dp->host_bytes);' '    dopt__dp_put_u64(w, 0);' test_localsgd:host_bytes
+mutate shrink-ignores-a-groups-failure distopt.h \
+    '    else if (dopt__family_error(c) == DOPT_OK) /* a group'"'"'s failure is its communicator'"'"'s too */' \
+    '    else if (c->error == DOPT_OK)' test_shrink:in_a_group
+mutate listen-port-ignored transport_tcp.h \
+    '(uint32_t)cfg->listen_port, &t->lfd, &port);' '0, &t->lfd, &port);' test_tcp:listen_port
 mutate elastic-joiner-without-the-average-states localsgd.h \
     '    if (avg) memcpy(buf + file, dp->work + dp->n, avg);' '    (void)0;' test_shrink:takes_the_state_whole
 mutate elastic-joiner-layout-unnamed localsgd.h \

@@ -2252,6 +2252,45 @@ static void expect_refused(dopt_dp *ls, const char *path, dopt_status want, cons
     DT_EQ_INT(ls->step, step); /* unchanged */
 }
 
+/* The host's own bytes (dopt_dp_host_state: a data position, RNG counters) go into the state
+   file and come back with the driver's state; a driver whose host state has another size
+   refuses the file naming both sizes; bytes at NULL are refused. */
+DTEST(host_bytes_are_saved_and_loaded_with_the_driver_and_another_size_is_named) {
+    dopt_comm *c;
+    dopt_dp ls, other;
+    dopt_dp_config cfg;
+    float x[LS_D] = {0};
+    uint64_t pos[2] = {123456789012ull, 678}, small = 5;
+    char dir[128], path[256];
+    int i;
+    make_tmpdir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/state", dir);
+    DT_OK(dopt_comm_create_self(&c));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.period = 4;
+    cfg.keep_anchor = 1;
+    DT_OK(dopt_dp_init(&ls, c, LS_D, &cfg));
+    DT_OK(dopt_dp_host_state(&ls, pos, sizeof pos));
+    for (i = 0; i < 5; i++) DT_OK(dopt_dp_after_step(&ls, x));
+    DT_OK(dopt_dp_save(&ls, path));
+    pos[0] = pos[1] = 0;
+    ls.step = 1;
+    DT_OK(dopt_dp_load(&ls, path));
+    DT_CHECK(pos[0] == 123456789012ull && pos[1] == 678 && ls.step == 5);
+    DT_OK(dopt_dp_init(&other, c, LS_D, &cfg));
+    DT_OK(dopt_dp_host_state(&other, &small, sizeof small));
+    expect_refused(&other, path, DOPT_ERR_INVALID, "host state bytes (dopt_dp_host_state) 16, this driver has 8");
+    DT_CHECK(small == 5);
+    DT_OK(dopt_dp_host_state(&other, NULL, 0)); /* none */
+    expect_refused(&other, path, DOPT_ERR_INVALID, "host state bytes (dopt_dp_host_state) 16, this driver has 0");
+    DT_EQ_INT(dopt_dp_host_state(&other, NULL, 8), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&other), "8 bytes at NULL") != NULL, "%s", dopt_dp_detail(&other));
+    dopt_dp_free(&other);
+    dopt_dp_free(&ls);
+    dopt_comm_destroy(c);
+    remove_tmpdir(dir);
+}
+
 DTEST(corrupt_truncated_other_version_and_other_layout_files_are_refused) {
     dopt_comm *c;
     dopt_dp ls, other;

@@ -203,6 +203,8 @@ typedef struct sh_plan {
                                  members step on until a grow took it in; 2: the joiner's model has another size;
                                  3: the joiner dies once taken in, before it has the job's state */
     int lead_dies;            /* driver, rejoin: rank 0 dies the moment its driver took the joiner in */
+    int group;                /* 1: the collectives before the kill run on a group of every rank (split), and
+                                 the survivors shrink the communicator the transport made */
 } sh_plan;
 
 typedef struct sh_report {
@@ -393,7 +395,7 @@ static void sh_rank(int rank, void *arg) {
     sh_world *w = (sh_world *)arg;
     const sh_plan *P = &w->plan;
     dopt_tcp_config cfg;
-    dopt_comm *c = NULL;
+    dopt_comm *c = NULL, *g = NULL;
     sh_report rep;
     float *x = (float *)malloc(sizeof(float) * SH_ELEMS);
     int step, i, old;
@@ -430,12 +432,15 @@ static void sh_rank(int rank, void *arg) {
         free(x);
         _exit(0);
     }
+    if (P->group) DT_OK(dopt_comm_split(c, 0, rank, &g));
     for (step = 0; step < P->steps && s == DOPT_OK; step++) {
         if (rank == P->victim && step == P->victim_step) raise(P->stop ? SIGSTOP : SIGKILL);
         for (i = 0; i < SH_ELEMS; i++) x[i] = (float)(rank + 1);
-        s = dopt_allreduce(c, x, SH_ELEMS, DOPT_F32, DOPT_SUM);
+        s = dopt_allreduce(g ? g : c, x, SH_ELEMS, DOPT_F32, DOPT_SUM);
     }
-    DT_CHECKF(s == (P->stop ? DOPT_ERR_TIMEOUT : DOPT_ERR_PEER_LOST), "rank %d: %s", rank, dopt_comm_detail(c));
+    DT_CHECKF(s == (P->stop ? DOPT_ERR_TIMEOUT : DOPT_ERR_PEER_LOST), "rank %d: %s", rank,
+              dopt_comm_detail(g ? g : c));
+    if (g) dopt_comm_destroy(g); /* its failure is c's: c shrinks */
     if (rank == P->second) raise(SIGKILL);
     /* shrink until a communicator runs its collectives (a death during the agreement may take
        a second one) */
@@ -596,6 +601,16 @@ DTEST(tcp_survivors_of_a_killed_rank_go_on_renumbered) {
     int got = sh_run(&p, rep);
     sh_check_went_on(&p, rep, got, 1);
     DT_EQ_INT(rep[0].lost_rank, 2);
+}
+
+DTEST(tcp_survivors_of_a_rank_lost_in_a_group_shrink_the_communicator_it_came_from) {
+    sh_plan p = {4, 1, 3, -1, 0, 0, 8};
+    sh_report rep[SH_MAXN];
+    int got;
+    p.group = 1;
+    got = sh_run(&p, rep);
+    sh_check_went_on(&p, rep, got, 1);
+    DT_EQ_INT(rep[0].lost_rank, 1);
 }
 
 DTEST(tcp_survivors_go_on_when_rank_0_is_the_one_lost) {
@@ -950,9 +965,10 @@ DTEST(tcp_elastic_driver_joiner_configured_otherwise_refuses_and_the_job_goes_on
 
 /* The state a joiner takes, in one process: what a member would send (the state file's form and
    the AVERAGE states) is taken whole by a driver of the same configuration (model, step,
-   counters, anchor, outer momentum, AVERAGE states; KEEP stays, RESET is zeroed), and refused,
-   naming why, when a byte changed in transit, when its version or size is not this build's,
-   or when the taker has another model size. */
+   counters, anchor, outer momentum, AVERAGE states; KEEP stays, RESET is zeroed; the sender's
+   host bytes, which are not in the agreed state hash since every rank has its own), and refused,
+   naming why, when a byte of the state or of the host bytes changed in transit, when its version
+   or size is not this build's, or when the taker has another model size or host state size. */
 DTEST(elastic_joiner_takes_the_state_whole_and_refuses_it_corrupt_or_configured_otherwise) {
     enum { N = 96, M = 40 };
     dopt_tcp_config tc;
@@ -965,8 +981,8 @@ DTEST(elastic_joiner_takes_the_state_whole_and_refuses_it_corrupt_or_configured_
     dopt_buf pa = dopt_buf_flat(xa, N, NULL, 0), pb = dopt_buf_flat(xb, N, NULL, 0);
     dopt_buf sa[3], sb[3];
     unsigned char *pay, *copy;
-    uint64_t hash = 0, h2 = 0;
-    size_t bytes, i;
+    uint64_t hash = 0, h2 = 0, ha[3] = {7, 11, 13}, hb[3] = {0, 0, 99}, ho[2] = {0, 0};
+    size_t bytes, i, host;
     int step;
     memset(&tc, 0, sizeof tc);
     tc.world_size = 1;
@@ -993,43 +1009,65 @@ DTEST(elastic_joiner_takes_the_state_whole_and_refuses_it_corrupt_or_configured_
         DT_OK(dopt_dp_after_step_buf(&a, &pa, sa));
     }
     DT_OK(dopt_dp_init(&b, c, N, &cfg));
+    DT_OK(dopt_dp_host_state(&a, ha, sizeof ha));
+    DT_OK(dopt_dp_host_state(&b, hb, sizeof hb));
     bytes = dopt__dp_state_payload(&a, &pa, sa, NULL, NULL);
+    host = dopt__dp_host_offset(&a, dopt__dp_encode(&a, NULL));
     pay = (unsigned char *)malloc(bytes);
     copy = (unsigned char *)malloc(bytes);
     DT_CHECK(pay != NULL && copy != NULL);
     DT_EQ_INT((int)dopt__dp_state_payload(&a, &pa, sa, pay, &hash), (int)bytes);
     DT_EQ_INT((int)dopt__dp_state_payload(&a, &pa, sa, copy, &h2), (int)bytes); /* the same on every member */
     DT_CHECK(hash == h2 && memcmp(pay, copy, bytes) == 0);
+    DT_CHECK(memcmp(pay + host, ha, sizeof ha) == 0); /* the sender's host bytes travel ... */
+    ha[0]++;
+    DT_EQ_INT((int)dopt__dp_state_payload(&a, &pa, sa, copy, &h2), (int)bytes);
+    DT_CHECK(h2 == hash); /* ... outside the agreed hash: each rank's are its own */
+    ha[0]--;
+    memcpy(copy, pay, bytes); /* a host byte changed in transit: refused */
+    copy[host + 3] ^= 0x20;
+    DT_EQ_INT(dopt__dp_take(&b, &pb, sb, copy, bytes, hash, dopt__dp_host_hash(&a)), DOPT_ERR_PROTOCOL);
+    DT_CHECKF(strstr(dopt_dp_detail(&b), "arrived corrupt (host bytes' hash") != NULL, "%s", dopt_dp_detail(&b));
+    DT_CHECK(b.step == 0 && hb[2] == 99);
     /* a byte changed in transit: refused, nothing taken */
     memcpy(copy, pay, bytes);
     copy[bytes - 3] ^= 0x10;
-    DT_EQ_INT(dopt__dp_take(&b, &pb, sb, copy, bytes, hash), DOPT_ERR_PROTOCOL);
+    DT_EQ_INT(dopt__dp_take(&b, &pb, sb, copy, bytes, hash, dopt__dp_host_hash(&a)), DOPT_ERR_PROTOCOL);
     DT_CHECKF(strstr(dopt_dp_detail(&b), "arrived corrupt") != NULL, "%s", dopt_dp_detail(&b));
     DT_CHECK(b.step == 0 && kb[0] == 100.0f && rb[0] == 3.0f);
     memcpy(copy, pay, bytes);
     copy[8] ^= 1; /* the version */
-    DT_EQ_INT(dopt__dp_take(&b, &pb, sb, copy, bytes, hash), DOPT_ERR_INVALID);
+    DT_EQ_INT(dopt__dp_take(&b, &pb, sb, copy, bytes, hash, dopt__dp_host_hash(&a)), DOPT_ERR_INVALID);
     DT_CHECKF(strstr(dopt_dp_detail(&b), "format version") != NULL, "%s", dopt_dp_detail(&b));
     memcpy(copy, pay, bytes);
-    DT_EQ_INT(dopt__dp_take(&b, &pb, sb, copy, bytes - 4, hash), DOPT_ERR_PROTOCOL); /* short */
+    DT_EQ_INT(dopt__dp_take(&b, &pb, sb, copy, bytes - 4, hash, dopt__dp_host_hash(&a)), DOPT_ERR_PROTOCOL); /* short */
     DT_CHECKF(strstr(dopt_dp_detail(&b), "holds") != NULL, "%s", dopt_dp_detail(&b));
     /* another model size: named */
     DT_OK(dopt_dp_init(&other, c, N + 1, &cfg));
     {
         dopt_buf po = dopt_buf_flat(xb, N + 1, NULL, 0);
         memcpy(copy, pay, bytes);
-        DT_EQ_INT(dopt__dp_take(&other, &po, sb, copy, bytes, hash), DOPT_ERR_INVALID);
+        DT_EQ_INT(dopt__dp_take(&other, &po, sb, copy, bytes, hash, dopt__dp_host_hash(&a)), DOPT_ERR_INVALID);
         DT_CHECKF(strstr(dopt_dp_detail(&other), "elastic: the job runs with element count 96, this driver has 97"),
                   "%s", dopt_dp_detail(&other));
     }
     dopt_dp_free(&other);
+    /* another host state size: named */
+    DT_OK(dopt_dp_init(&other, c, N, &cfg));
+    DT_OK(dopt_dp_host_state(&other, ho, sizeof ho));
+    memcpy(copy, pay, bytes);
+    DT_EQ_INT(dopt__dp_take(&other, &pb, sb, copy, bytes, hash, dopt__dp_host_hash(&a)), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(dopt_dp_detail(&other), "host state bytes (dopt_dp_host_state) 24, this driver has 16"), "%s",
+              dopt_dp_detail(&other));
+    dopt_dp_free(&other);
     /* whole: taken */
     memcpy(copy, pay, bytes);
-    DT_OK(dopt__dp_take(&b, &pb, sb, copy, bytes, hash));
+    DT_OK(dopt__dp_take(&b, &pb, sb, copy, bytes, hash, dopt__dp_host_hash(&a)));
     DT_CHECK(memcmp(xb, xa, sizeof(float) * N) == 0 && memcmp(mb, ma, sizeof mb) == 0);
     DT_CHECK(b.step == a.step && b.syncs == a.syncs && b.sync_step == a.step && !b.joining && b.anchor_set);
     DT_CHECK(memcmp(b.anchor, a.anchor, sizeof(float) * N) == 0 && memcmp(b.outer_v, a.outer_v, sizeof(float) * N) == 0);
     DT_CHECK(kb[0] == 100.0f && rb[0] == 0.0f); /* KEEP as it was, RESET zeroed */
+    DT_CHECK(memcmp(hb, ha, sizeof ha) == 0);     /* the sender's host bytes */
     DT_EQ_INT((int)dopt__dp_state_payload(&b, &pb, sb, copy, &h2), (int)bytes); /* b would send what a sent */
     DT_CHECK(h2 == hash);
     free(pay);

@@ -892,6 +892,71 @@ static int free_port(void) {
     return port;
 }
 
+/* ------------------------------------------------------------------ listen_port */
+
+typedef struct listen_case {
+    tcp_world w; /* must stay first */
+    int ports[3]; /* ranks 1, 2: the ports they are given */
+} listen_case;
+
+static void listen_port_rank(int rank, void *arg) {
+    listen_case *lc = (listen_case *)arg;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    const dopt__tcp *t;
+    struct sockaddr_in sa;
+    socklen_t len = sizeof sa;
+    int r;
+    world_config(&lc->w, rank, &cfg);
+    cfg.listen_port = lc->ports[rank]; /* rank 0's is ignored: it listens on the master port */
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    t = (const dopt__tcp *)c->impl;
+    for (r = 1; r < 3; r++) DT_EQ_INT((int)t->peers[r].port, lc->ports[r]); /* every table says so */
+    if (rank > 0) { /* and the socket the shrinks and joiners reach is that one */
+        DT_CHECK(t->shrink_lfd >= 0 && getsockname(t->shrink_lfd, (struct sockaddr *)&sa, &len) == 0);
+        DT_EQ_INT(ntohs(sa.sin_port), lc->ports[rank]);
+    }
+    DT_OK(dopt_barrier(c));
+    dopt_comm_destroy(c);
+}
+
+DTEST(ranks_listen_on_their_listen_port_so_a_restarted_worker_can_be_told_where) {
+    listen_case lc;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL;
+    last_log l;
+    world_init(&lc.w, 3, 20000);
+    lc.w.on_peer_lost = DOPT_SHRINK;
+    lc.ports[0] = 1; /* a port rank 0 must not take */
+    lc.ports[1] = free_port();
+    do lc.ports[2] = free_port();
+    while (lc.ports[2] == lc.ports[1]);
+    world_run(&lc.w, listen_port_rank, 0);
+    /* out of range: the config and the environment refuse it, naming it */
+    memset(&cfg, 0, sizeof cfg);
+    memset(&l, 0, sizeof l);
+    cfg.world_size = 1;
+    cfg.listen_port = 70000;
+    cfg.log_fn = capture_log;
+    cfg.log_user = &l;
+    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(l.text, "listen_port 70000") != NULL, "%s", l.text);
+    setenv("DOPT_RANK", "0", 1);
+    setenv("DOPT_WORLD_SIZE", "1", 1);
+    setenv("DOPT_LISTEN_PORT", "4242", 1);
+    memset(&cfg, 0, sizeof cfg);
+    DT_OK(dopt_tcp_config_from_env(&cfg));
+    DT_EQ_INT(cfg.listen_port, 4242);
+    setenv("DOPT_LISTEN_PORT", "65536", 1);
+    cfg.log_fn = capture_log;
+    cfg.log_user = &l;
+    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(l.text, "DOPT_LISTEN_PORT") != NULL, "%s", l.text);
+    unsetenv("DOPT_LISTEN_PORT");
+    unsetenv("DOPT_RANK");
+    unsetenv("DOPT_WORLD_SIZE");
+}
+
 DTEST(connect_retries_end_in_timeout_without_rank_0) {
     int port = free_port();
     DT_EQ_INT(dtest_spawn(1, lone_rank, &port, 30), 0);
