@@ -32,6 +32,12 @@
      --overlap on|off     on: backward marks each tensor's gradient final as it finishes it (W3
                           and b3 first), so that the driver averages it while backward goes on;
                           off (default): the whole average after backward. Same numbers either way.
+     --elastic on|off     on (local SGD over TCP with DOPT_ON_PEER_LOST=shrink): a lost worker does
+                          not end the run; the survivors take its samples and start the epoch over
+                          on their new shards. A worker started again with DOPT_JOIN=1 (same flags)
+                          is taken back at the end of a round: it takes the job's state in its
+                          dopt_dp_broadcast, learns the epoch from the members and goes on with
+                          them, everybody on the shards of the larger world.
    At the end rank 0 prints an FNV-1a hash of the final parameters ("params fnv1a ...", to compare
    runs bit for bit) and the timing line (common.h: STEP TIMING). */
 #define DISTOPT_IMPLEMENTATION
@@ -264,7 +270,7 @@ int main(int argc, char **argv) {
     activations act;
     dopt_comm *comm;
     dopt_segment segs[NTENSORS];
-    int compress, sync, adaptive, epoch, failed = 0;
+    int compress, sync, adaptive, epoch, joined, failed = 0;
     dopt_compressor cz;
     dopt_compressor_config ccfg;
     dopt_batch bc;
@@ -328,7 +334,8 @@ int main(int argc, char **argv) {
     if (compress) dopt_compressor_init(&cz, &ccfg, segs, NTENSORS);
     if (adaptive) dopt_batch_init(&bc, NPARAMS, &bcfg);
     dopt_dp_init(&ls, comm, NPARAMS, &lcfg);
-    dopt_dp_broadcast(&ls, params);
+    joined = ls.joining;                     /* distopt (--elastic): a worker started again with DOPT_JOIN=1 */
+    dopt_dp_broadcast(&ls, params);          /* ... takes the job's state here, not rank 0's model */
     /* CELGC's own rule (sync_grads 0) averages models, never gradients: nothing to mark */
     hooks = (backward_hooks){.dp = lo.overlap && (!o.celgc || lcfg.sync_grads) ? &ls : NULL, .segs = segs, .grads = grads, .micro = micro};
     timing_init(&tm, (size_t)o.epochs * (per_rank / (size_t)o.batch));
@@ -350,7 +357,26 @@ int main(int argc, char **argv) {
     shuffle_rng = dopt_seed_for_rank(o.seed, comm->rank);
     pr.train_bytes_start = (double)dopt_comm_traffic_total(comm);
     pr.t0 = wall_seconds();
-    for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {
+    epoch = 1;
+    if (joined) { /* distopt (--elastic): go on with the members, from the job's step, in their epoch */
+        double e = INFINITY;
+        if (ls.comm != comm) { /* a member was lost while this one came in */
+            dopt_comm_destroy(comm);
+            comm = ev.comm = ls.comm;
+            dopt_shard(ntrain, comm->rank, comm->size, &begin, &end);
+            free(train_x);
+            train_x = pixels_to_floats(train_px + begin * IN, end - begin);
+            per_rank = ntrain / (size_t)comm->size;
+            free(order);
+            order = malloc(per_rank * sizeof(size_t));
+        }
+        step = ls.step;
+        st = dopt_allreduce(comm, &e, 1, DOPT_F64, DOPT_MIN); /* the members' own, after they took this one in */
+        if (st == DOPT_OK) epoch = (int)e;
+        printf("fmnist_mlp: taken back as rank %d of %d, from step %llu in epoch %d\n", comm->rank, comm->size,
+               (unsigned long long)step, epoch);
+    }
+    for (; epoch <= o.epochs && st == DOPT_OK; epoch++) {
         size_t pos = 0, u;
         int evals_done = 0;
         shuffle_shard(order, per_rank, &shuffle_rng);
@@ -393,7 +419,8 @@ int main(int argc, char **argv) {
             }
             timing_end(&tm, hooks.backward_secs);
             step++;
-            if (ls.comm != comm) { /* distopt (--elastic): a worker was lost; the survivors went on */
+            if (ls.comm != comm) { /* distopt (--elastic): a worker was lost (or came back); the job goes on */
+                int grew = ls.comm->size > comm->size;
                 dopt_comm_destroy(comm);
                 comm = ev.comm = ls.comm;
                 dopt_shard(ntrain, comm->rank, comm->size, &begin, &end); /* this rank's share of the lost one's */
@@ -405,15 +432,17 @@ int main(int argc, char **argv) {
                 shuffle_shard(order, per_rank, &shuffle_rng); /* the epoch starts over on the new shard */
                 pos = 0;
                 step = ls.step;
-                { /* a survivor that was a round ahead may have begun the next epoch: all go on in the earliest */
+                { /* a survivor that was a round ahead may have begun the next epoch: all go on in the earliest
+                     (a worker taken back gives +inf: it learns the epoch here) */
                     double e = (double)epoch;
                     st = lost_worker_later(lo.elastic, dopt_allreduce(comm, &e, 1, DOPT_F64, DOPT_MIN));
                     if (st == DOPT_OK) epoch = (int)e;
                     evals_done = 0;
                 }
                 if (comm->rank == 0)
-                    printf("lost a worker: %d go on, from step %llu (monotonic clock %.0f ms)\n", comm->size,
-                           (unsigned long long)step, wall_seconds() * 1e3);
+                    printf("%s: %d go on, from step %llu (monotonic clock %.0f ms)\n",
+                           grew ? "a worker came back" : "lost a worker", comm->size, (unsigned long long)step,
+                           wall_seconds() * 1e3);
             }
             if (adaptive) batch_report_step(&brep, &bc);
             /* Between epoch ends: evaluate at the first step past each 1/E of the shard (every

@@ -17,5 +17,5 @@ scripts/cluster.sh up 4 --rate 1gbit >"$log" 2>&1 || { echo "FAIL: cluster.sh up
 rm -f "$log"
 status=0
 "$BUILD/elastic_trials" "$BUILD" "$TRIALS" "$(scripts/cluster.sh addr 0),$(scripts/cluster.sh addr 1),$(scripts/cluster.sh addr 2),$(scripts/cluster.sh addr 3)" || status=1
-OPENBLAS_NUM_THREADS=1 "$BUILD/elastic_trials" "$BUILD" "$TRIALS" "$(scripts/cluster.sh addr 0)" mlp || status=1
+OPENBLAS_NUM_THREADS=1 "$BUILD/elastic_trials" "$BUILD" "$TRIALS" "$(scripts/cluster.sh addr 0),$(scripts/cluster.sh addr 1),$(scripts/cluster.sh addr 2),$(scripts/cluster.sh addr 3)" mlp || status=1
 exit $status

@@ -197,17 +197,19 @@ static pid_t spawn_worker(const char *exe, const char *dir, int slot, int r, int
     return pid;
 }
 
-/* Rank r's stderr holds words. */
-static int says(const char *dir, int r, const char *words) {
+/* Rank r's stderr (or, says_log, its stdout) holds words. */
+static int says_in(const char *dir, int r, const char *ext, const char *words) {
     char path[600], line[512];
     int seen = 0;
     FILE *f;
-    snprintf(path, sizeof path, "%s/rank%d.err", dir, r);
+    snprintf(path, sizeof path, "%s/rank%d.%s", dir, r, ext);
     if ((f = fopen(path, "r")) == NULL) return 0;
     while (!seen && fgets(line, sizeof line, f)) seen = strstr(line, words) != NULL;
     fclose(f);
     return seen;
 }
+static int says(const char *dir, int r, const char *words) { return says_in(dir, r, "err", words); }
+static int says_log(const char *dir, int r, const char *words) { return says_in(dir, r, "log", words); }
 
 /* rejoin: the killed worker is started again REJOIN_AFTER_MS after the kill, as a joiner (rank 0
    only when the other hosts' addresses are known). */
@@ -286,7 +288,7 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
                 const char *c = strstr(line, "monotonic clock ");
                 if (strchr(line, '%') && strstr(line, "target") == NULL) snprintf(out->acc_line[r], sizeof out->acc_line[r], "%s", line);
                 if (strncmp(line, "params fnv1a", 12) == 0) out->final[r] = 1;
-                if (c) out->resumed[r] = atof(c + 16);
+                if (c && strstr(line, "lost a worker")) out->resumed[r] = atof(c + 16); /* not "came back" */
                 snprintf(out->line[r], sizeof out->line[r], "%s", line);
             }
             fclose(f);
@@ -329,7 +331,7 @@ static double mlp_accuracy(const outcome *out, int victim) {
 
 static int mlp_trials(const char *build, const char *dir, int trials) {
     uint64_t rng = 20261206;
-    int t, r, survived = 0, hangs = 0, span, within = 0;
+    int t, r, survived = 0, hangs = 0, span, within = 0, restarted = 0, rejoined = 0;
     double base, lo = 100, hi = 0, max_recover = 0, kill_ms;
     outcome out;
     run_job(build, dir, -1, 0, 0, 0, 0, &kill_ms, &out);
@@ -343,7 +345,9 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
     for (t = 0; t < trials; t++) {
         int victim = (int)(next_random(&rng) % WORKERS), delay = 50 + (int)(next_random(&rng) % (uint64_t)span), ok;
         double acc, resumed = 0;
-        run_job(build, dir, victim, delay, 0, 0, 0, &kill_ms, &out);
+        int came_back;
+        /* started again when killed in the first half: a worker loads the data before it asks */
+        run_job(build, dir, victim, delay, 0, delay < span / 2, 0, &kill_ms, &out);
         hangs += out.hung;
         ok = !out.hung && kill_ms > 0;
         for (r = 0; r < WORKERS && ok; r++) {
@@ -353,6 +357,11 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
         }
         acc = mlp_accuracy(&out, victim);
         ok = ok && acc >= 0 && resumed > 0 && acc >= base - 3.0; /* it trained on; the 0.5 goal is counted */
+        came_back = out.restarted && out.exited[WORKERS] && WIFEXITED(out.status[WORKERS]) &&
+                    WEXITSTATUS(out.status[WORKERS]) == 0 &&
+                    says_log(dir, WORKERS, "taken back as rank"); /* and dopt_dp_close found 4 identical replicas */
+        restarted += out.restarted;
+        rejoined += came_back;
         if (ok) {
             survived++;
             within += acc >= base - 0.5;
@@ -361,17 +370,22 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
             if (resumed - kill_ms > max_recover) max_recover = resumed - kill_ms;
         }
         printf("trial %d: killed rank %d %d ms after the job formed: %s, test accuracy %.2f%%, training again %.0f ms "
-               "after the kill\n",
+               "after the kill%s\n",
                t, victim, delay, out.hung ? "HUNG" : ok ? "survivors went on" : "FAILED", acc,
-               resumed > 0 ? resumed - kill_ms : 0.0);
-        if (!ok)
-            for (r = 0; r < WORKERS; r++)
-                printf("  rank %d: %s | stderr: %s\n", r, out.line[r][0] ? out.line[r] : "(nothing)", out.err[r]);
+               resumed > 0 ? resumed - kill_ms : 0.0,
+               !out.restarted ? "" : came_back ? "; started again, taken back, the 4 replicas identical at the close"
+                                               : "; started again, NOT taken back");
+        if (!ok || (out.restarted && !came_back))
+            for (r = 0; r < SLOTS; r++)
+                printf("  %s %d: %s | stderr: %s\n", r < WORKERS ? "rank" : "joiner", r < WORKERS ? r : victim,
+                       out.line[r][0] ? out.line[r] : "(nothing)", out.err[r]);
     }
-    printf("elastic transport=tcp model=mlp trials=%d survived=%d rejoined=0 hangs=%d max_recover_ms=%.0f state_MBps=0 "
-           "link_MBps=0 acc_undisturbed=%.2f acc_min=%.2f acc_max=%.2f max_drop=%.2f within_half_point=%d links=%s\n",
-           trials, survived, hangs, max_recover, base, lo, hi, base - lo, within, cluster_master ? "cluster" : "loopback");
-    return survived == trials && hangs == 0 ? 0 : 1;
+    printf("elastic transport=tcp model=mlp trials=%d survived=%d rejoined=%d hangs=%d max_recover_ms=%.0f state_MBps=0 "
+           "link_MBps=0 acc_undisturbed=%.2f acc_min=%.2f acc_max=%.2f max_drop=%.2f within_half_point=%d links=%s "
+           "restarted=%d\n",
+           trials, survived, rejoined, hangs, max_recover, base, lo, hi, base - lo, within,
+           cluster_master ? "cluster" : "loopback", restarted);
+    return survived == trials && hangs == 0 && rejoined == restarted ? 0 : 1;
 }
 
 int main(int argc, char **argv) {
