@@ -72,18 +72,33 @@ static double wall_ms(void) {
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
-static int free_port(void) {
+/* 1 when nothing listens on port here (a bind to loopback succeeds). */
+static int port_free(int port) {
     struct sockaddr_in sa;
-    socklen_t len = sizeof sa;
-    int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
+    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1, ok;
     memset(&sa, 0, sizeof sa);
     sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
-        getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
-        port = ntohs(sa.sin_port);
-    if (fd >= 0) close(fd);
-    return port;
+    if (fd < 0) return 0;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+    close(fd);
+    return ok;
+}
+
+/* The ports of a job: rank 0's, then rank r's at + r, a restarted rank 0's at + WORKERS. Below
+   the kernel's ephemeral range (32768 and up here), so that no outgoing connection, nor one in
+   TIME_WAIT, holds one on a cluster host where the harness cannot look; a fresh block per job. */
+static int job_ports(void) {
+    static int next;
+    int tries;
+    for (tries = 0; tries < 1500; tries++) {
+        int base = 20000 + (next++ * 8) % 12000, k, ok = 1;
+        for (k = 0; k <= WORKERS && ok; k++) ok = port_free(base + k);
+        if (ok) return base;
+    }
+    return 0;
 }
 
 #define SLOTS (WORKERS + 1) /* the workers, and the killed one started again (slot WORKERS) */
@@ -218,7 +233,7 @@ static int says_log(const char *dir, int r, const char *words) { return says_in(
 static void run_job(const char *build, const char *dir, int victim, int delay_ms, int min_ranks, int rejoin,
                     int kill_sender, double *kill_ms, outcome *out) {
     pid_t pids[SLOTS] = {0};
-    int r, port = free_port(), left = WORKERS;
+    int r, port = job_ports(), left = WORKERS;
     double start = wall_ms(), formed = 0, killed_at = 0;
     char exe[512];
     memset(out, 0, sizeof *out);
