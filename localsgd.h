@@ -4022,8 +4022,8 @@ static dopt_status dopt__dp_share(dopt_dp *dp, const dopt_buf *params, const dop
     size_t bytes = 0;
     double t0;
     int32_t ok = 1;
-    int lead = c->rank == 0, joiners = 0;
-    dopt_status s = DOPT_OK, taken = DOPT_OK, moved = DOPT_OK;
+    int lead = c->rank == 0;
+    dopt_status s = DOPT_OK, taken = DOPT_OK;
     if (!dp->joining) {
         bytes = dopt__dp_state_payload(dp, params, states, NULL, NULL);
         if ((buf = (unsigned char *)DOPT_MALLOC(bytes)) == NULL) s = DOPT_ERR_NOMEM;
@@ -4052,33 +4052,33 @@ static dopt_status dopt__dp_share(dopt_dp *dp, const dopt_buf *params, const dop
     agreed_host = (uint64_t)v[6] << 32 | (uint64_t)v[7];
     bytes = (size_t)v[4];
     if ((s = dopt_comm_split(c, lead || dp->joining ? 0 : DOPT_UNDEFINED, c->rank, &g)) != DOPT_OK) goto done;
-    if (g != NULL) { /* the lead and the joiners */
-        joiners = g->size - 1;
-        if (dp->joining && (buf = (unsigned char *)DOPT_MALLOC(bytes ? bytes : 1)) == NULL) moved = DOPT_ERR_NOMEM;
-        t0 = dopt__now_ms();
-        if (moved == DOPT_OK) moved = dopt_broadcast(g, buf, bytes, 0);
-        if (moved == DOPT_OK) {
-            dp->state_bytes = bytes;
-            dp->state_ms = dopt__now_ms() - t0;
-        }
-        if (moved == DOPT_OK && dp->joining) taken = dopt__dp_take(dp, params, states, buf, bytes, agreed, agreed_host);
-        ok = moved == DOPT_OK && taken == DOPT_OK;
-        /* A lead or joiner lost in the transfer fails the group and so dp->comm, which every rank
-           then shrinks: the others at their next average, as after any lost rank. */
-        if ((s = moved) != DOPT_OK) goto done; /* out of memory: the lead is held until this rank's end is seen */
-        if ((s = dopt_allreduce(g, &ok, 1, DOPT_I32, DOPT_MIN)) != DOPT_OK) goto done;
+    if (g == NULL) goto done; /* a member other than the lead: nothing to send or take */
+    if (dp->joining && (buf = (unsigned char *)DOPT_MALLOC(bytes ? bytes : 1)) == NULL) {
+        s = DOPT_ERR_NOMEM; /* the others are held until this rank's end is seen */
+        goto done;
     }
+    /* A lead or joiner lost from here fails the group and so dp->comm, which every rank then
+       shrinks: the others at their next average, as after any lost rank. */
+    t0 = dopt__now_ms();
+    if ((s = dopt_broadcast(g, buf, bytes, 0)) != DOPT_OK) goto done;
+    dp->state_bytes = bytes;
+    dp->state_ms = dopt__now_ms() - t0;
+    if (dp->joining) {
+        taken = dopt__dp_take(dp, params, states, buf, bytes, agreed, agreed_host);
+        ok = taken == DOPT_OK;
+    }
+    if ((s = dopt_allreduce(g, &ok, 1, DOPT_I32, DOPT_MIN)) != DOPT_OK) goto done;
     if (lead) {
         dopt_comm_log(c, DOPT_LOG_INFO, "elastic: sent the job's state (%.3g MB) to %d joiner(s) in %.3g ms (%.0f MB/s)%s",
-                      bytes / 1e6, joiners, dp->state_ms, dp->state_ms > 0 ? bytes / 1e3 / dp->state_ms : 0.0,
+                      bytes / 1e6, g->size - 1, dp->state_ms, dp->state_ms > 0 ? bytes / 1e3 / dp->state_ms : 0.0,
                       ok ? "" : "; a joiner refused it (its log says why): it leaves");
-    } else if (dp->joining) { /* refused it */
-        dopt_comm_log(c, DOPT_LOG_ERROR, "%s: this joiner leaves the job", dp->detail);
-        s = dp->status = taken;
-    } else if (joiners > 0) { /* a joiner that took it */
+    } else if (!dp->joining) { /* took it */
         dopt_comm_log(c, DOPT_LOG_INFO, "elastic: this joiner took the job's state (%.3g MB in %.3g ms) and goes on from "
                       "step %llu as rank %d of %d", bytes / 1e6, dp->state_ms, (unsigned long long)dp->step, c->rank,
                       c->size);
+    } else {
+        dopt_comm_log(c, DOPT_LOG_ERROR, "%s: this joiner leaves the job", dp->detail);
+        s = dp->status = taken;
     }
 done:
     if (g) dopt_comm_destroy(g);

@@ -249,6 +249,18 @@ static dopt_status evaluate(const evaluation *ev, const float *params, progress 
     return st;
 }
 
+/* This rank's shard of the first ntrain images for comm (distopt: dopt_shard), as floats, and room
+   for its order; per_rank: the samples every rank runs. What *train_x and *order held is freed. */
+static void take_shard(const dopt_comm *comm, const unsigned char *train_px, size_t ntrain, size_t *begin,
+                       size_t *end, size_t *per_rank, float **train_x, size_t **order) {
+    dopt_shard(ntrain, comm->rank, comm->size, begin, end);
+    free(*train_x);
+    *train_x = pixels_to_floats(train_px + *begin * IN, *end - *begin);
+    *per_rank = ntrain / (size_t)comm->size; /* every rank runs the same number of steps */
+    free(*order);
+    *order = malloc(*per_rank * sizeof(size_t));
+}
+
 /* A shuffled order of this rank's per_rank samples (Fisher-Yates). */
 static void shuffle_shard(size_t *order, size_t per_rank, uint64_t *rng) {
     size_t i;
@@ -265,8 +277,8 @@ int main(int argc, char **argv) {
     options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 64, 0.1f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, NULL, NULL, 0};
     size_t ntrain, ntest, nlabels, begin, end, per_rank, units;
     unsigned char *train_px, *test_px, *train_y, *test_y, *batch_y;
-    float *train_x, *test_x, *params, *grads, *micro, *eval, *batch_x;
-    size_t *order;
+    float *train_x = NULL, *test_x, *params, *grads, *micro, *eval, *batch_x;
+    size_t *order = NULL;
     activations act;
     dopt_comm *comm;
     dopt_segment segs[NTENSORS];
@@ -297,10 +309,8 @@ int main(int argc, char **argv) {
     test_px = load_idx("t10k-images-idx3-ubyte.gz", 2051, IN, &ntest);
     test_y = load_idx("t10k-labels-idx1-ubyte.gz", 2049, 1, &nlabels);
     if (o.train_limit > 0 && (size_t)o.train_limit < ntrain) ntrain = (size_t)o.train_limit;
-    dopt_shard(ntrain, comm->rank, comm->size, &begin, &end); /* distopt: this rank's samples */
-    train_x = pixels_to_floats(train_px + begin * IN, end - begin);
+    take_shard(comm, train_px, ntrain, &begin, &end, &per_rank, &train_x, &order); /* distopt: this rank's samples */
     test_x = pixels_to_floats(test_px, ntest);
-    per_rank = ntrain / (size_t)comm->size; /* every rank runs the same number of steps */
 
     params = alloc_floats(NPARAMS);
     grads = alloc_floats(NPARAMS);
@@ -308,7 +318,6 @@ int main(int argc, char **argv) {
     eval = alloc_floats(NPARAMS);
     batch_x = alloc_floats((size_t)o.batch * IN);
     batch_y = malloc((size_t)o.batch);
-    order = malloc(per_rank * sizeof(size_t));
     act.h1 = alloc_floats(1000 * H1);
     act.h2 = alloc_floats(1000 * H2);
     act.out = alloc_floats(1000 * OUT);
@@ -363,12 +372,7 @@ int main(int argc, char **argv) {
         if (ls.comm != comm) { /* a member was lost while this one came in */
             dopt_comm_destroy(comm);
             comm = ev.comm = ls.comm;
-            dopt_shard(ntrain, comm->rank, comm->size, &begin, &end);
-            free(train_x);
-            train_x = pixels_to_floats(train_px + begin * IN, end - begin);
-            per_rank = ntrain / (size_t)comm->size;
-            free(order);
-            order = malloc(per_rank * sizeof(size_t));
+            take_shard(comm, train_px, ntrain, &begin, &end, &per_rank, &train_x, &order);
         }
         step = ls.step;
         st = dopt_allreduce(comm, &e, 1, DOPT_F64, DOPT_MIN); /* the members' own, after they took this one in */
@@ -423,12 +427,7 @@ int main(int argc, char **argv) {
                 int grew = ls.comm->size > comm->size;
                 dopt_comm_destroy(comm);
                 comm = ev.comm = ls.comm;
-                dopt_shard(ntrain, comm->rank, comm->size, &begin, &end); /* this rank's share of the lost one's */
-                free(train_x);
-                train_x = pixels_to_floats(train_px + begin * IN, end - begin);
-                per_rank = ntrain / (size_t)comm->size;
-                free(order);
-                order = malloc(per_rank * sizeof(size_t));
+                take_shard(comm, train_px, ntrain, &begin, &end, &per_rank, &train_x, &order); /* a share of the lost one's */
                 shuffle_shard(order, per_rank, &shuffle_rng); /* the epoch starts over on the new shard */
                 pos = 0;
                 step = ls.step;

@@ -210,32 +210,41 @@ DTEST(every_link_asks_the_kernel_for_keepalive_as_configured) {
     }
 }
 
-DTEST(keepalive_out_of_range_is_refused_by_the_config_and_the_environment) {
+/* An int field of the TCP config (at offset field) and its variable: bad is refused by create,
+   naming words; good_text is read from var as good; bad_text is refused by the environment,
+   naming var. */
+static void int_setting_checked(size_t field, int bad, const char *words, const char *var, const char *good_text,
+                                int good, const char *bad_text) {
     dopt_tcp_config cfg;
     dopt_comm *c = NULL;
     last_log l;
     memset(&cfg, 0, sizeof cfg);
     memset(&l, 0, sizeof l);
     cfg.world_size = 1;
-    cfg.keepalive_s = 40000;
+    *(int *)((char *)&cfg + field) = bad;
     cfg.log_fn = capture_log;
     cfg.log_user = &l;
     DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
-    DT_CHECKF(strstr(l.text, "keepalive_s 40000") != NULL, "%s", l.text);
+    DT_CHECKF(strstr(l.text, words) != NULL, "%s", l.text);
     setenv("DOPT_RANK", "0", 1);
     setenv("DOPT_WORLD_SIZE", "1", 1);
-    setenv("DOPT_KEEPALIVE_S", "-1", 1);
+    setenv(var, good_text, 1);
     memset(&cfg, 0, sizeof cfg);
     DT_OK(dopt_tcp_config_from_env(&cfg));
-    DT_EQ_INT(cfg.keepalive_s, -1);
-    setenv("DOPT_KEEPALIVE_S", "often", 1);
+    DT_EQ_INT(*(int *)((char *)&cfg + field), good);
+    setenv(var, bad_text, 1);
     cfg.log_fn = capture_log;
     cfg.log_user = &l;
     DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
-    DT_CHECKF(strstr(l.text, "DOPT_KEEPALIVE_S") != NULL, "%s", l.text);
-    unsetenv("DOPT_KEEPALIVE_S");
+    DT_CHECKF(strstr(l.text, var) != NULL, "%s", l.text);
+    unsetenv(var);
     unsetenv("DOPT_RANK");
     unsetenv("DOPT_WORLD_SIZE");
+}
+
+DTEST(keepalive_out_of_range_is_refused_by_the_config_and_the_environment) {
+    int_setting_checked(offsetof(dopt_tcp_config, keepalive_s), 40000, "keepalive_s 40000", "DOPT_KEEPALIVE_S", "-1",
+                        -1, "often");
 }
 
 /* The link contract below the engine (links.h), every pair at once. */
@@ -922,9 +931,6 @@ static void listen_port_rank(int rank, void *arg) {
 
 DTEST(ranks_listen_on_their_listen_port_so_a_restarted_worker_can_be_told_where) {
     listen_case lc;
-    dopt_tcp_config cfg;
-    dopt_comm *c = NULL;
-    last_log l;
     world_init(&lc.w, 3, 20000);
     lc.w.on_peer_lost = DOPT_SHRINK;
     lc.ports[0] = 1; /* a port rank 0 must not take */
@@ -933,28 +939,8 @@ DTEST(ranks_listen_on_their_listen_port_so_a_restarted_worker_can_be_told_where)
     while (lc.ports[2] == lc.ports[1]);
     world_run(&lc.w, listen_port_rank, 0);
     /* out of range: the config and the environment refuse it, naming it */
-    memset(&cfg, 0, sizeof cfg);
-    memset(&l, 0, sizeof l);
-    cfg.world_size = 1;
-    cfg.listen_port = 70000;
-    cfg.log_fn = capture_log;
-    cfg.log_user = &l;
-    DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
-    DT_CHECKF(strstr(l.text, "listen_port 70000") != NULL, "%s", l.text);
-    setenv("DOPT_RANK", "0", 1);
-    setenv("DOPT_WORLD_SIZE", "1", 1);
-    setenv("DOPT_LISTEN_PORT", "4242", 1);
-    memset(&cfg, 0, sizeof cfg);
-    DT_OK(dopt_tcp_config_from_env(&cfg));
-    DT_EQ_INT(cfg.listen_port, 4242);
-    setenv("DOPT_LISTEN_PORT", "65536", 1);
-    cfg.log_fn = capture_log;
-    cfg.log_user = &l;
-    DT_EQ_INT(dopt_tcp_config_from_env(&cfg), DOPT_ERR_INVALID);
-    DT_CHECKF(strstr(l.text, "DOPT_LISTEN_PORT") != NULL, "%s", l.text);
-    unsetenv("DOPT_LISTEN_PORT");
-    unsetenv("DOPT_RANK");
-    unsetenv("DOPT_WORLD_SIZE");
+    int_setting_checked(offsetof(dopt_tcp_config, listen_port), 70000, "listen_port 70000", "DOPT_LISTEN_PORT", "4242",
+                        4242, "65536");
 }
 
 DTEST(connect_retries_end_in_timeout_without_rank_0) {
