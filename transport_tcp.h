@@ -98,6 +98,10 @@
    | keepalive_s           | seconds a link may be idle before the kernel probes the   | 1 (a silent host is|
    |                       | peer's host, and between probes; 3 unanswered end the     | named within about |
    |                       | link (KEEP-ALIVE)                                         | 4 s); <0: off      |
+   | dead_after_ms         | > 0: heartbeats over UDP every tenth of it; a peer not    | 0: off (keep-alive |
+   |                       | heard from this long has its link ended, so a stopped     | only); >= 100      |
+   |                       | process or a silent host is named in about this time, even|                    |
+   |                       | between collectives (HEARTBEAT)                           |                    |
    | join                  | 1: this process asks a running DOPT_SHRINK job to take it | 0                  |
    |                       | back (TAKING A WORKER BACK); rank, world_size are ignored |                    |
    | join_peers            | with join, members to ask after rank 0 (master_addr,      | none: rank 0 only  |
@@ -134,6 +138,7 @@
    |                            |                       | config's, else fail)               |
    | DOPT_MIN_RANKS             | min_ranks             | no (the config's, else 0)          |
    | DOPT_KEEPALIVE_S           | keepalive_s           | no (the config's, else 1; -1: off) |
+   | DOPT_DEAD_AFTER_MS         | dead_after_ms         | no (the config's, else 0: off)     |
    | DOPT_JOIN                  | join                  | no (0 or 1; with 1, DOPT_RANK and  |
    |                            |                       | DOPT_WORLD_SIZE are not needed)    |
    | DOPT_JOIN_PEERS            | join_peers            | no                                 |
@@ -149,8 +154,8 @@
    names rank 0's host, that is an error rather than a guess.
    The variables that describe the job (rank, world size, where rank 0 is, the token, where to
    listen, on which interface) come from the environment alone, unset ones meaning the default;
-   the timeouts, DOPT_TWO_LEVEL, DOPT_PROGRESS_THREAD_US, DOPT_ON_PEER_LOST, DOPT_MIN_RANKS and
-   DOPT_KEEPALIVE_S only when set. Every other field is
+   the timeouts, DOPT_TWO_LEVEL, DOPT_PROGRESS_THREAD_US, DOPT_ON_PEER_LOST, DOPT_MIN_RANKS,
+   DOPT_KEEPALIVE_S and DOPT_DEAD_AFTER_MS only when set. Every other field is
    the caller's. A value that does not fit is refused with one DOPT_LOG_ERROR line through the
    config's log_fn naming the variable, its value and the rule:
        DOPT_WORLD_SIZE="abc" is not a number
@@ -419,6 +424,32 @@
    three in a row, 8 in a million idle seconds per link): about 4 s is the floor here. The old
    links ending is also what dopt_comm_shrink waits for before it leaves out a silent rank.
 
+   HEARTBEAT (dead_after_ms, DOPT_DEAD_AFTER_MS)
+
+   To know sooner, and to see a process that is stopped or stuck on a live host, set
+   dead_after_ms (1000 is a good start on a LAN; keep it above several round trips of the slowest
+   link and above the longest stall a host may take, a swap storm or a debugger's pause). Each
+   rank then runs a thread that sends every peer a 48-byte UDP datagram every dead_after_ms / 10
+   (from and to the port it listens on: open that UDP port where TCP's is open), and ends the
+   link to a peer it has not heard from for dead_after_ms, logging why:
+       rank 0: rank 2 not heard from for 1000 ms (dead_after_ms 1000): its host is down or cut
+       off, or its process is stopped; its link is ended, so collectives fail with
+       DOPT_ERR_PEER_LOST naming it ("Connection timed out")
+   A collective waiting for that peer fails then, one started later fails at its start, and
+   dopt_comm_shrink leaves the peer out. The thread runs beside the training, not in it: a rank
+   busy computing for minutes keeps sending. It goes on across dopt_comm_shrink and
+   dopt_comm_grow (the newest communicator holds it). A datagram carries a keyed hash of the
+   token (not the token) and a sequence number: strangers' and replayed ones are dropped.
+   Measured on the simulated cluster (tests/check_keepalive.sh, dead_after_ms 1000, a host cut
+   off and its rank killed): both survivors gave up on it 909-916 ms after the cut, idle or in a
+   1 MiB allreduce, which then failed at once (keep-alive alone: 4.0 s). Cost while idle (4 ranks
+   on loopback, 20 s idle, processor time against dead_after_ms 0): about 1 ms per rank and
+   second at dead_after_ms 1000, 11 ms at 100; on the wire, 76 bytes per peer and tenth of
+   dead_after_ms. Off by default: a job that fails on
+   any lost rank (DOPT_FAIL) would end for a stall it could have waited out. A rank that cannot
+   bind its UDP port says so, still sends, and notices a silent peer by keep-alive only.
+   Communicators made from sockets (dopt_tcp_create_from_sockets) have no addresses: no heartbeat.
+
    SURVIVING A LOST RANK (on_peer_lost = DOPT_SHRINK; distopt.h: SURVIVING A LOST PEER)
 
        // after a collective failed with DOPT_ERR_PEER_LOST (or TIMEOUT), on every survivor:
@@ -570,6 +601,8 @@ typedef struct dopt_tcp_config {
     const char *join_peers;    /* with join: members to ask after rank 0, "host:port,host:port" */
     int listen_port;           /* ranks > 0 and joiners: listen on this port (links, shrinks, joiners);
                                   0: one the kernel picks. Rank 0 listens on master_port */
+    int dead_after_ms;         /* > 0: a peer not heard from this long (heartbeats every tenth of it,
+                                  over UDP) has its link ended (HEARTBEAT); 0: off; >= 100 */
 } dopt_tcp_config;
 
 DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg);
@@ -891,6 +924,9 @@ typedef struct dopt__tcp {
     int njoiners;
     int two_level, progress_thread_us, spin_us;
     int keepalive_s;            /* the links' keep-alive interval (KEEP-ALIVE), <= 0: off */
+    int dead_after_ms;          /* the heartbeat's limit (HEARTBEAT), 0: off */
+    struct dopt__tcp_hb *hb;    /* its thread, while this is the job's newest communicator */
+    int *silent;                /* per peer: 1 once the heartbeat ended its link */
     size_t small_bytes;
 } dopt__tcp;
 
@@ -1197,6 +1233,8 @@ static const char *dopt__tcp_entry_decode(const unsigned char *in, unsigned char
    written and read without blocking. Rank 0 keeps its rendezvous socket in every wait, to refuse
    late joiners at once (RENDEZVOUS: JOINERS). */
 
+static int dopt__tcp_silent(const dopt__tcp *t, int peer);
+
 static long dopt__tcp_link_send(dopt_comm *c, int peer, const dopt_iov *parts, int nparts, int *err) {
     dopt__tcp *t = (dopt__tcp *)c->impl;
     struct iovec iov[4];
@@ -1215,7 +1253,7 @@ static long dopt__tcp_link_send(dopt_comm *c, int peer, const dopt_iov *parts, i
         if (n >= 0) return (long)n;
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-        *err = errno;
+        *err = dopt__tcp_silent(t, peer) ? ETIMEDOUT : errno;
         return -1;
     }
 }
@@ -1226,12 +1264,12 @@ static long dopt__tcp_link_recv(dopt_comm *c, int peer, void *dst, size_t cap, i
         ssize_t n = recv(t->peers[peer].fd, dst, cap, MSG_DONTWAIT);
         if (n > 0) return (long)n;
         if (n == 0) {
-            *err = 0;
+            *err = dopt__tcp_silent(t, peer) ? ETIMEDOUT : 0;
             return -1;
         }
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-        *err = errno;
+        *err = dopt__tcp_silent(t, peer) ? ETIMEDOUT : errno;
         return -1;
     }
 }
@@ -1295,11 +1333,344 @@ static int dopt__tcp_link_wait(dopt_comm *c, dopt_link_poll *polls, int npolls, 
     return ready;
 }
 
+/* ===================================================================== HEARTBEAT (dead_after_ms)
+
+   Keep-alive cannot tell a stopped or stuck process from a working one (its kernel answers), and
+   counts in whole seconds. With dead_after_ms > 0 each rank runs a thread of its own that sends
+   every peer a 48-byte UDP datagram every dead_after_ms / 10 (at least every 10 ms), from and to
+   the port each rank listens on (UDP and TCP ports are apart), and ends the link to a peer it has
+   not heard from for dead_after_ms: shutdown() of the connection, which wakes a collective
+   waiting on it at once, makes the next one fail at its start (DOPT_ERR_PEER_LOST, "Connection
+   timed out"), and lets dopt_comm_shrink leave the peer out. The thread watches its own copies of
+   the links (dup) for their end, so that a peer whose link ended (it left or died: its kernel
+   closed the connection) is not reported as silent as well.
+
+   A datagram: "DHBT", version (4), the sender's listening address (16) and port (4), 4 zero, a
+   sequence number (8), and a keyed 64-bit hash of (token, the 40 bytes before it, token): no
+   token on the wire; a stranger's, a garbled or an older datagram is dropped. The sender is named
+   by the address inside, not by where it came from (a host of several addresses may send from
+   another). The thread belongs to the newest communicator of a job: a shrink or a grow hands it
+   over with the new peer table, so heartbeats never stop while the survivors agree. A rank that
+   cannot bind its UDP port still sends, and notices a silent peer by keep-alive only (it says so). */
+
+#define DOPT__TCP_HB_BYTES 48
+#define DOPT__TCP_HB_VERSION 1
+#define DOPT__TCP_HB_MIN_MS 100 /* dead_after_ms below this is refused: a heartbeat every 10 ms */
+
+#ifdef DOPT__THREADS
+typedef struct dopt__tcp_hb_peer {
+    unsigned char addr[16];
+    uint32_t port;
+    int fd;       /* this thread's copy (dup) of the link, or -1 */
+    int ended;    /* the link ended, or this thread ended it: not watched */
+    double heard; /* when its last datagram came (or when the table was set) */
+    uint64_t seq; /* the highest sequence number heard from it */
+} dopt__tcp_hb_peer;
+
+typedef struct dopt__tcp_hb {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    int wake[2];  /* a byte written here wakes the thread: a new table, or stop */
+    int ufd;      /* the UDP socket */
+    int bound;    /* ufd receives (bound to this rank's listening port) */
+    int stop;
+    unsigned gen; /* the table's generation: a poll over an older table is dropped */
+    dopt_comm *c; /* the communicator it serves now (its log) */
+    int *silent;  /* c's flags (dopt__tcp.silent) */
+    int rank, size, dead_after_ms, every_ms;
+    dopt__tcp_hb_peer *peers;
+    unsigned char me[16];
+    uint32_t my_port;
+    unsigned char token[DOPT_TCP_TOKEN_MAX];
+    uint64_t seq;
+} dopt__tcp_hb;
+
+static uint64_t dopt__tcp_hb_mac(const unsigned char *token, const unsigned char *msg) {
+    uint64_t h = dopt__fnv1a(DOPT__FNV_OFFSET, "distopt heartbeat", 17);
+    h = dopt__fnv1a(h, token, DOPT_TCP_TOKEN_MAX);
+    h = dopt__fnv1a(h, msg, DOPT__TCP_HB_BYTES - 8);
+    return dopt__fnv1a(h, token, DOPT_TCP_TOKEN_MAX);
+}
+
+static void dopt__tcp_hb_send(dopt__tcp_hb *h) {
+    unsigned char msg[DOPT__TCP_HB_BYTES];
+    int p;
+    memset(msg, 0, sizeof msg);
+    memcpy(msg, "DHBT", 4);
+    dopt__put_le32(msg + 4, DOPT__TCP_HB_VERSION);
+    memcpy(msg + 8, h->me, 16);
+    dopt__put_le32(msg + 24, h->my_port);
+    dopt__put_le64(msg + 32, ++h->seq);
+    dopt__put_le64(msg + 40, dopt__tcp_hb_mac(h->token, msg));
+    for (p = 0; p < h->size; p++) {
+        struct sockaddr_storage ss;
+        socklen_t len;
+        if (p == h->rank || h->peers[p].ended) continue;
+        len = dopt__tcp_sockaddr(&ss, h->peers[p].addr, h->peers[p].port);
+        (void)sendto(h->ufd, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL, (struct sockaddr *)&ss, len);
+    }
+}
+
+/* Takes every datagram waiting; a member's genuine, newer one marks it heard. */
+static void dopt__tcp_hb_receive(dopt__tcp_hb *h, double now) {
+    unsigned char msg[DOPT__TCP_HB_BYTES + 1];
+    ssize_t n;
+    int p;
+    while ((n = recv(h->ufd, msg, sizeof msg, MSG_DONTWAIT)) >= 0) {
+        uint64_t seq;
+        if (n != DOPT__TCP_HB_BYTES || memcmp(msg, "DHBT", 4) != 0 ||
+            dopt__get_le32(msg + 4) != DOPT__TCP_HB_VERSION ||
+            dopt__get_le64(msg + 40) != dopt__tcp_hb_mac(h->token, msg))
+            continue;
+        seq = dopt__get_le64(msg + 32);
+        for (p = 0; p < h->size; p++)
+            if (p != h->rank && h->peers[p].port == dopt__get_le32(msg + 24) &&
+                memcmp(h->peers[p].addr, msg + 8, 16) == 0 && seq > h->peers[p].seq) {
+                h->peers[p].seq = seq;
+                h->peers[p].heard = now;
+            }
+    }
+}
+
+/* Ends the link to peers not heard from for dead_after_ms; returns when the next one would be due. */
+static double dopt__tcp_hb_judge(dopt__tcp_hb *h, double now) {
+    double due = now + h->every_ms;
+    int p;
+    for (p = 0; p < h->size; p++) {
+        dopt__tcp_hb_peer *P = &h->peers[p];
+        if (p == h->rank || P->ended) continue;
+        if (now - P->heard < h->dead_after_ms) {
+            if (P->heard + h->dead_after_ms < due) due = P->heard + h->dead_after_ms;
+            continue;
+        }
+        P->ended = 1;
+        __atomic_store_n(&h->silent[p], 1, __ATOMIC_RELEASE); /* before the shutdown the engine sees */
+        if (P->fd >= 0) shutdown(P->fd, SHUT_RDWR);
+        dopt_comm_log(h->c, DOPT_LOG_WARN,
+                      "rank %d: rank %d not heard from for %.0f ms (dead_after_ms %d): its host is down or cut off, "
+                      "or its process is stopped; its link is ended, so collectives fail with DOPT_ERR_PEER_LOST "
+                      "naming it (\"Connection timed out\")",
+                      h->rank, p, now - P->heard, h->dead_after_ms);
+    }
+    return due;
+}
+
+static void *dopt__tcp_hb_main(void *arg) {
+    dopt__tcp_hb *h = (dopt__tcp_hb *)arg;
+    struct pollfd *pf = NULL;
+    int *who = NULL, cap = 0;
+    double next_send = 0;
+    pthread_mutex_lock(&h->mu);
+    while (!h->stop) {
+        double now = dopt__now_ms(), due;
+        unsigned gen = h->gen;
+        int n = 0, p, i, wait;
+        if (now >= next_send) {
+            dopt__tcp_hb_send(h);
+            next_send = now + h->every_ms;
+        }
+        if (cap < h->size + 2) {
+            DOPT_FREE(pf);
+            DOPT_FREE(who);
+            pf = (struct pollfd *)DOPT_MALLOC(sizeof *pf * (size_t)(h->size + 2));
+            who = (int *)DOPT_MALLOC(sizeof *who * (size_t)(h->size + 2));
+            cap = 0;
+            if (pf == NULL || who == NULL) { /* cannot watch: sleep and try again */
+                pthread_mutex_unlock(&h->mu);
+                poll(NULL, 0, h->every_ms);
+                pthread_mutex_lock(&h->mu);
+                continue;
+            }
+            cap = h->size + 2;
+        }
+        due = h->bound ? dopt__tcp_hb_judge(h, now) : next_send;
+        if (next_send < due) due = next_send;
+        pf[n].fd = h->wake[0], pf[n].events = POLLIN, who[n++] = -1;
+        if (h->bound) pf[n].fd = h->ufd, pf[n].events = POLLIN, who[n++] = -2;
+        for (p = 0; p < h->size; p++)
+            if (p != h->rank && !h->peers[p].ended && h->peers[p].fd >= 0)
+                pf[n].fd = h->peers[p].fd, pf[n].events = DOPT__TCP_POLL_END, who[n++] = p;
+        for (i = 0; i < n; i++) pf[i].revents = 0;
+        wait = (int)(due - now) + 1;
+        pthread_mutex_unlock(&h->mu);
+        (void)poll(pf, (nfds_t)n, wait < 1 ? 1 : wait);
+        pthread_mutex_lock(&h->mu);
+        if (h->gen != gen) continue; /* a new table: these fds may be stale */
+        for (i = 0; i < n; i++) {
+            if (pf[i].revents == 0) continue;
+            if (who[i] == -1) {
+                char sink[64];
+                while (read(h->wake[0], sink, sizeof sink) > 0) continue;
+            } else if (who[i] == -2) {
+                dopt__tcp_hb_receive(h, dopt__now_ms());
+            } else {
+                h->peers[who[i]].ended = 1; /* it closed the link: the engine names it */
+            }
+        }
+    }
+    pthread_mutex_unlock(&h->mu);
+    DOPT_FREE(pf);
+    DOPT_FREE(who);
+    return NULL;
+}
+
+/* The peer table of t (the communicator c) with copies of its links; NULL when out of memory. */
+static dopt__tcp_hb_peer *dopt__tcp_hb_table(const dopt__tcp *t) {
+    dopt__tcp_hb_peer *P = (dopt__tcp_hb_peer *)DOPT_MALLOC(sizeof *P * (size_t)t->size);
+    double now = dopt__now_ms();
+    int p;
+    if (P == NULL) return NULL;
+    for (p = 0; p < t->size; p++) {
+        memcpy(P[p].addr, t->peers[p].addr, 16);
+        P[p].port = t->peers[p].port;
+        P[p].fd = p == t->rank || t->peers[p].fd < 0 ? -1 : fcntl(t->peers[p].fd, F_DUPFD_CLOEXEC, 0);
+        P[p].ended = 0;
+        P[p].heard = now;
+        P[p].seq = 0;
+    }
+    return P;
+}
+
+static void dopt__tcp_hb_table_free(dopt__tcp_hb_peer *P, int n) {
+    int p;
+    for (p = 0; P && p < n; p++)
+        if (P[p].fd >= 0) close(P[p].fd);
+    DOPT_FREE(P);
+}
+
+/* Installs t's table in h (h now serves c): under the lock, then the thread is woken. */
+static dopt_status dopt__tcp_hb_serve(dopt__tcp_hb *h, dopt_comm *c, dopt__tcp *t) {
+    dopt__tcp_hb_peer *P = dopt__tcp_hb_table(t), *old;
+    int n;
+    if (P == NULL) return DOPT_ERR_NOMEM;
+    pthread_mutex_lock(&h->mu);
+    old = h->peers, n = h->size;
+    h->peers = P, h->size = t->size, h->rank = t->rank, h->c = c, h->silent = t->silent;
+    memcpy(h->me, t->peers[t->rank].addr, 16);
+    h->my_port = t->peers[t->rank].port;
+    h->gen++;
+    pthread_mutex_unlock(&h->mu);
+    if (write(h->wake[1], "w", 1) < 0) { /* full: the thread is already woken */
+    }
+    dopt__tcp_hb_table_free(old, n);
+    return DOPT_OK;
+}
+
+static void dopt__tcp_hb_stop(dopt__tcp_hb *h) {
+    if (h == NULL) return;
+    pthread_mutex_lock(&h->mu);
+    h->stop = 1;
+    pthread_mutex_unlock(&h->mu);
+    if (write(h->wake[1], "s", 1) < 0) {
+    }
+    pthread_join(h->thread, NULL);
+    pthread_mutex_destroy(&h->mu);
+    dopt__tcp_hb_table_free(h->peers, h->size);
+    close(h->ufd);
+    close(h->wake[0]);
+    close(h->wake[1]);
+    DOPT_FREE(h);
+}
+
+/* A UDP socket bound to the port this rank listens on (at its address, else any of its family);
+   *bound = 0 (with a warning) when neither can be had: it then only sends. */
+static int dopt__tcp_hb_socket(dopt_comm *c, const dopt__tcp *t, int *bound) {
+    const unsigned char *a = t->peers[t->rank].addr;
+    unsigned char any[16];
+    struct sockaddr_storage ss;
+    socklen_t len;
+    char where[DOPT__TCP_ADDR_CHARS];
+    int fd = socket(dopt__tcp_is_v4(a) ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0), err;
+    *bound = 0;
+    if (fd < 0) return -1;
+    len = dopt__tcp_sockaddr(&ss, a, t->peers[t->rank].port);
+    if (bind(fd, (struct sockaddr *)&ss, len) == 0) return *bound = 1, fd;
+    err = errno;
+    memset(any, 0, sizeof any);
+    if (dopt__tcp_is_v4(a)) memcpy(any, dopt__tcp_v4_prefix, 12);
+    len = dopt__tcp_sockaddr(&ss, any, t->peers[t->rank].port);
+    if (bind(fd, (struct sockaddr *)&ss, len) == 0) return *bound = 1, fd;
+    dopt__tcp_addr_str(a, t->peers[t->rank].port, where, sizeof where);
+    dopt_comm_log(c, DOPT_LOG_WARN,
+                  "rank %d: dead_after_ms: cannot receive heartbeats on UDP %s: %s; this rank sends its own, and "
+                  "notices a silent peer by keep-alive only (KEEP-ALIVE)",
+                  t->rank, where, strerror(err));
+    return fd;
+}
+
+/* Starts t's heartbeat thread (dead_after_ms > 0, two ranks or more, addresses known). */
+static dopt_status dopt__tcp_hb_start(dopt_comm *c, dopt__tcp *t) {
+    dopt__tcp_hb *h;
+    if (t->dead_after_ms <= 0 || t->size < 2 || t->hb) return DOPT_OK;
+    if (dopt__tcp_all_zero(t->peers[t->rank].addr, 16)) {
+        dopt_comm_log(c, DOPT_LOG_INFO, "rank %d: dead_after_ms: off, the links were given as sockets and the "
+                      "ranks' addresses are unknown", t->rank);
+        return DOPT_OK;
+    }
+    if (t->silent == NULL && (t->silent = (int *)DOPT_MALLOC(sizeof(int) * (size_t)t->size)) != NULL)
+        memset(t->silent, 0, sizeof(int) * (size_t)t->size);
+    if (t->silent == NULL || (h = (dopt__tcp_hb *)DOPT_MALLOC(sizeof *h)) == NULL)
+        return dopt_comm_fail(c, NULL, DOPT_ERR_NOMEM, "dead_after_ms: out of memory");
+    memset(h, 0, sizeof *h);
+    h->dead_after_ms = t->dead_after_ms;
+    h->every_ms = t->dead_after_ms / 10;
+    memcpy(h->token, t->token, DOPT_TCP_TOKEN_MAX);
+    h->ufd = dopt__tcp_hb_socket(c, t, &h->bound);
+    if (h->ufd < 0 || pipe2(h->wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+        int err = errno;
+        if (h->ufd >= 0) close(h->ufd);
+        DOPT_FREE(h);
+        return dopt_comm_fail(c, NULL, DOPT_ERR_IO, "dead_after_ms: cannot make the heartbeat's sockets: %s",
+                              strerror(err));
+    }
+    pthread_mutex_init(&h->mu, NULL);
+    h->size = t->size, h->rank = t->rank, h->c = c, h->silent = t->silent;
+    memcpy(h->me, t->peers[t->rank].addr, 16);
+    h->my_port = t->peers[t->rank].port;
+    if ((h->peers = dopt__tcp_hb_table(t)) == NULL || pthread_create(&h->thread, NULL, dopt__tcp_hb_main, h) != 0) {
+        dopt__tcp_hb_table_free(h->peers, t->size);
+        pthread_mutex_destroy(&h->mu);
+        close(h->ufd), close(h->wake[0]), close(h->wake[1]);
+        DOPT_FREE(h);
+        return dopt_comm_fail(c, NULL, DOPT_ERR_NOMEM, "dead_after_ms: cannot start the heartbeat thread");
+    }
+    t->hb = h;
+    return DOPT_OK;
+}
+#endif
+
+/* c2 (t2), made by a shrink or a grow of from's communicator, takes over from's heartbeat thread
+   (so that it never stops while the ranks agree), or starts its own. */
+static dopt_status dopt__tcp_hb_take(dopt_comm *c2, dopt__tcp *t2, dopt__tcp *from) {
+#ifdef DOPT__THREADS
+    dopt_status s;
+    if (from == NULL || from->hb == NULL || t2->size < 2) return dopt__tcp_hb_start(c2, t2);
+    if (t2->silent == NULL && (t2->silent = (int *)DOPT_MALLOC(sizeof(int) * (size_t)t2->size)) != NULL)
+        memset(t2->silent, 0, sizeof(int) * (size_t)t2->size);
+    if (t2->silent == NULL || (s = dopt__tcp_hb_serve(from->hb, c2, t2)) != DOPT_OK)
+        return dopt_comm_fail(c2, NULL, DOPT_ERR_NOMEM, "dead_after_ms: out of memory");
+    t2->hb = from->hb;
+    from->hb = NULL;
+#else
+    (void)c2, (void)t2, (void)from;
+#endif
+    return DOPT_OK;
+}
+
+/* Whether the heartbeat ended the link to peer (the reason its end is reported as a time-out). */
+static int dopt__tcp_silent(const dopt__tcp *t, int peer) {
+    return t->silent != NULL && __atomic_load_n(&t->silent[peer], __ATOMIC_ACQUIRE) != 0;
+}
+
 /* ===================================================================== DESTROY */
 
 static void dopt__tcp_free(dopt__tcp *t) {
     int p;
     if (t == NULL) return;
+#ifdef DOPT__THREADS
+    dopt__tcp_hb_stop(t->hb);
+#endif
+    DOPT_FREE(t->silent);
     if (t->peers)
         for (p = 0; p < t->size; p++)
             if (t->peers[p].fd >= 0) close(t->peers[p].fd);
@@ -1381,7 +1752,7 @@ static void dopt__tcp_destroy(dopt_comm *c) {
 
 static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next);
 static dopt_status dopt__tcp_grow(dopt_comm *c, dopt_comm **next);
-static dopt_status dopt__tcp_grown(dopt_comm *c2, dopt__tcp *t2);
+static dopt_status dopt__tcp_grown(dopt_comm *c2, dopt__tcp *t2, dopt__tcp *from);
 static dopt_status dopt__tcp_join_job(dopt_comm **out, const dopt_tcp_config *cfg, int master_port);
 static int dopt__tcp_grow_hello_ok(const dopt__tcp *t, const unsigned char *in, uint32_t epoch, const unsigned char *nonce);
 static int dopt__tcp_comm_joiners_held(const dopt_comm *c);
@@ -2553,6 +2924,13 @@ static dopt_status dopt__tcp_new(dopt_comm **out, const dopt_tcp_config *cfg) {
     if (cfg->keepalive_s > DOPT__TCP_KEEPALIVE_MAX_S)
         return dopt__tcp_config_error(cfg, "keepalive_s %d is above %d (the kernel's limit); negative turns it off",
                                       cfg->keepalive_s, DOPT__TCP_KEEPALIVE_MAX_S);
+    if (cfg->dead_after_ms < 0 || (cfg->dead_after_ms > 0 && cfg->dead_after_ms < DOPT__TCP_HB_MIN_MS))
+        return dopt__tcp_config_error(cfg, "dead_after_ms %d is not 0 (off) or at least %d (a heartbeat every tenth "
+                                      "of it)", cfg->dead_after_ms, DOPT__TCP_HB_MIN_MS);
+#ifndef DOPT__THREADS
+    if (cfg->dead_after_ms > 0)
+        return dopt__tcp_config_error(cfg, "dead_after_ms needs a thread, and this build has none (DOPT_NO_THREADS)");
+#endif
     t = (dopt__tcp *)DOPT_MALLOC(sizeof *t);
     if (t == NULL) goto nomem;
     memset(t, 0, sizeof *t);
@@ -2564,6 +2942,7 @@ static dopt_status dopt__tcp_new(dopt_comm **out, const dopt_tcp_config *cfg) {
     t->two_level = cfg->two_level;
     t->progress_thread_us = cfg->progress_thread_us;
     t->keepalive_s = cfg->keepalive_s == 0 ? 1 : cfg->keepalive_s;
+    t->dead_after_ms = cfg->dead_after_ms;
     t->spin_us = cfg->spin_us;
     t->small_bytes = cfg->small_bytes;
     t->sockbuf = cfg->socket_buffer_bytes;
@@ -2759,6 +3138,11 @@ DOPT_DEF dopt_status dopt_tcp_create(dopt_comm **out, const dopt_tcp_config *cfg
     t->ready = 1;
     for (p = 0; p < t->size; p++) dopt__tcp_keepalive(t->peers[p].fd, t->keepalive_s);
     dopt__tcp_set_job(c, t);
+    if ((s = dopt__tcp_hb_take(c, t, NULL)) != DOPT_OK) {
+        dopt_comm_log(c, DOPT_LOG_ERROR, "%s", c->detail);
+        dopt_comm_destroy(c);
+        return s;
+    }
     dopt_comm_set_host(c, t->size == 1 ? 1 : dopt__tcp_local_ranks(t), (int)sysconf(_SC_NPROCESSORS_ONLN));
     if (dopt__tcp_set_hosts(c, t, cfg->two_level) != DOPT_OK) {
         dopt_comm_destroy(c);
@@ -2798,6 +3182,7 @@ static void dopt__tcp_like(const dopt_comm *c, const dopt__tcp *t, int rank, int
     k->on_peer_lost = DOPT_SHRINK;
     k->min_ranks = c->min_ranks;
     k->keepalive_s = t->keepalive_s;
+    k->dead_after_ms = t->dead_after_ms;
     k->two_level = t->two_level;
     k->progress_thread_us = t->progress_thread_us;
 }
@@ -3217,7 +3602,7 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
         t->lfd = -1;
     }
     t->shrunk = 1;
-    if ((s = dopt__tcp_grown(c2, t2)) != DOPT_OK) /* ready, the recorder's files, hosts, progress */
+    if ((s = dopt__tcp_grown(c2, t2, t)) != DOPT_OK) /* ready, the recorder's files, hosts, progress */
         return dopt__tcp_shrink_fail(c, s, "cannot set up the survivors' communicator: %s", dopt_status_str(s));
     *next = c2;
     return DOPT_OK;
@@ -4173,7 +4558,7 @@ static int dopt__tcp_grow_connect(const dopt__tcp *t, const unsigned char addr[1
 
 /* The last steps of a communicator a grow or a shrink made, on every rank: ready, the links'
    settings, the recorder's files, hosts, the progress thread. DOPT_OK, or why not (c2 destroyed). */
-static dopt_status dopt__tcp_grown(dopt_comm *c2, dopt__tcp *t2) {
+static dopt_status dopt__tcp_grown(dopt_comm *c2, dopt__tcp *t2, dopt__tcp *from) {
     dopt_status s;
     int p;
     t2->ready = 1;
@@ -4185,7 +4570,7 @@ static dopt_status dopt__tcp_grown(dopt_comm *c2, dopt__tcp *t2) {
         }
     dopt__tcp_set_job(c2, t2);
     dopt_comm_set_host(c2, dopt__tcp_local_ranks(t2), (int)sysconf(_SC_NPROCESSORS_ONLN));
-    if ((s = dopt__tcp_set_hosts(c2, t2, t2->two_level)) != DOPT_OK ||
+    if ((s = dopt__tcp_set_hosts(c2, t2, t2->two_level)) != DOPT_OK || (s = dopt__tcp_hb_take(c2, t2, from)) != DOPT_OK ||
         (t2->progress_thread_us > 0 && (s = dopt_comm_set_progress_thread(c2, t2->progress_thread_us)) != DOPT_OK))
         dopt_comm_destroy(c2);
     return s;
@@ -4339,7 +4724,7 @@ static dopt_status dopt__tcp_grow(dopt_comm *c, dopt_comm **next) {
     t->nparked = 0;
     t2->joiners = t->joiners, t2->njoiners = t->njoiners, t->joiners = NULL, t->njoiners = 0;
     t->ready = 0, t->shrunk = 1; /* c's destroy just closes its links: every rank has left c (barrier below) */
-    if ((s = dopt__tcp_grown(c2, t2)) != DOPT_OK)
+    if ((s = dopt__tcp_grown(c2, t2, t)) != DOPT_OK)
         return dopt_comm_fail(c, NULL, s, "rank %d: dopt_comm_grow: cannot set up the grown communicator", me);
     if (K == 1)
         snprintf(why, sizeof why, "rank %d", n);
@@ -4472,7 +4857,7 @@ static dopt_status dopt__tcp_join_job(dopt_comm **out, const dopt_tcp_config *cf
         }
         t2->shrink_lfd = lfd; /* where it listens for later joiners and shrinks, like every member */
         lfd = -1;
-        s = dopt__tcp_grown(c2, t2);
+        s = dopt__tcp_grown(c2, t2, NULL);
         if (s != DOPT_OK) {
             c2 = NULL;
             s = dopt__tcp_setup_fail(c, s, "joiner: cannot set up its communicator");
@@ -4562,7 +4947,8 @@ DOPT_DEF dopt_status dopt_tcp_config_from_env(dopt_tcp_config *cfg) {
         dopt__tcp_env_int(cfg, "DOPT_MIN_RANKS", 0, INT_MAX, &env.min_ranks) < 0 ||
         dopt__tcp_env_int(cfg, "DOPT_KEEPALIVE_S", -1, DOPT__TCP_KEEPALIVE_MAX_S, &env.keepalive_s) < 0 ||
         dopt__tcp_env_int(cfg, "DOPT_JOIN", 0, 1, &env.join) < 0 ||
-        dopt__tcp_env_int(cfg, "DOPT_LISTEN_PORT", 0, 65535, &env.listen_port) < 0)
+        dopt__tcp_env_int(cfg, "DOPT_LISTEN_PORT", 0, 65535, &env.listen_port) < 0 ||
+        dopt__tcp_env_int(cfg, "DOPT_DEAD_AFTER_MS", 0, INT_MAX, &env.dead_after_ms) < 0)
         return DOPT_ERR_INVALID;
     s = getenv("DOPT_JOIN_PEERS");
     if (s && *s) env.join_peers = s;

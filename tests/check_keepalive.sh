@@ -11,7 +11,12 @@
 #   waiting    the survivors are inside a 1 MiB allreduce when the host goes silent: PEER_LOST
 #              naming rank 2 on both, long before the 60 s timeout would say TIMEOUT;
 #   off        as idle with DOPT_KEEPALIVE_S=-1 and a timeout of 4 s: DOPT_ERR_TIMEOUT, which
-#              shows what the first two would have been without keep-alive.
+#              shows what the first two would have been without keep-alive;
+#   hb-idle    as idle with DOPT_DEAD_AFTER_MS=1000 (HEARTBEAT) and 2 s of idleness: each survivor's
+#              heartbeat thread gives up on rank 2 while idle (its line is checked and timed), and
+#              the allreduce after it fails with PEER_LOST at once (keep-alive alone would need 4 s);
+#   hb-waiting as waiting with DOPT_DEAD_AFTER_MS=1000: PEER_LOST on both, the heartbeat's line on
+#              both.
 # Statuses are checked, not times; the times are printed (docs: transport_tcp.h KEEP-ALIVE).
 # Needs root (skipped otherwise, exit 77). Usage: tests/check_keepalive.sh BUILD_DIR
 set -u
@@ -45,6 +50,7 @@ job() {
         r=$((r - 1))
         timeout -s KILL 120 scripts/cluster.sh exec $r env DOPT_RANK=$r DOPT_WORLD_SIZE=$N DOPT_MASTER_ADDR="$MASTER" \
             DOPT_MASTER_PORT=29610 DOPT_TOKEN="ka-$name-$$" DOPT_TIMEOUT_MS="$timeout" DOPT_KEEPALIVE_S="$keepalive" \
+            DOPT_DEAD_AFTER_MS="${DEAD_AFTER:-0}" \
             DOPT_SILENT_RANK=$SILENT DOPT_RECORDER_DIR="$REC_DIR" "$BUILD/silent_host" "$@" >"$LOGS/$name.r$r.log" 2>&1 &
         [ $r -ne $SILENT ] && pids="$pids $!"
     done
@@ -95,6 +101,27 @@ expect() {
     done
 }
 
+# heard NAME: every survivor printed the heartbeat's verdict on rank 2; prints when, after the cut
+heard() {
+    name=$1
+    r=0
+    while [ $r -lt $N ]; do
+        if [ $r -ne $SILENT ]; then
+            line=$(grep '^silent_host: rank .*: heard at ' "$LOGS/$name.r$r.log" | head -n 1)
+            case $line in
+            *"rank $SILENT not heard from"*) ;;
+            *)
+                echo "FAIL: $name: rank $r: no heartbeat verdict on rank $SILENT; got: ${line:-nothing}"
+                tail -n 5 "$LOGS/$name.r$r.log"
+                exit 1 ;;
+            esac
+            at=$(echo "$line" | sed 's/.* heard at \([0-9]*\):.*/\1/')
+            echo "ok   $name: rank $r: heartbeat gave up on rank $SILENT $((at - cut)) ms after the cut"
+        fi
+        r=$((r + 1))
+    done
+}
+
 # While the survivors wait in allreduce #2 for rank 2 (alive on its host, in no collective),
 # distopt-inspect, run on host 0, must name it from the flight recorder files of all three hosts.
 inspect_hang() {
@@ -122,4 +149,11 @@ job waiting 60000 1 waiting
 expect waiting "peer lost" "Connection timed out"
 job off 4000 -1 idle 6000
 expect off "timed out" "no progress for 4000 ms"
+DEAD_AFTER=1000
+job hb-idle 60000 1 idle 2000
+heard hb-idle
+expect hb-idle "peer lost" "Connection timed out"
+job hb-waiting 60000 1 waiting
+heard hb-waiting
+expect hb-waiting "peer lost" "Connection timed out"
 exit 0

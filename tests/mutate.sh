@@ -522,6 +522,13 @@ mutate shrink-ignores-a-groups-failure distopt.h \
     '    else if (c->error == DOPT_OK)' test_shrink:in_a_group
 mutate listen-port-ignored transport_tcp.h \
     '(uint32_t)cfg->listen_port, &t->lfd, &port);' '0, &t->lfd, &port);' test_tcp:listen_port
+mutate heartbeat-never-sent transport_tcp.h \
+    '(void)sendto(h->ufd, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL, (struct sockaddr *)&ss, len);' \
+    '(void)ss, (void)len;' test_tcp:heartbeat
+mutate heartbeat-not-handed-over-at-a-shrink transport_tcp.h \
+    'if (from == NULL || from->hb == NULL || t2->size < 2) return' 'if (1) return' test_tcp:heartbeat
+mutate heartbeat-end-reported-as-a-close transport_tcp.h \
+    '*err = dopt__tcp_silent(t, peer) ? ETIMEDOUT : 0;' '*err = 0;' test_tcp:heartbeat
 mutate elastic-joiner-without-the-average-states localsgd.h \
     '    if (avg) memcpy(buf + file, dp->work + dp->n, avg);' '    (void)0;' test_shrink:takes_the_state_whole
 mutate elastic-joiner-layout-unnamed localsgd.h \

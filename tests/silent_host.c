@@ -7,7 +7,8 @@
    The rank to be silenced (DOPT_SILENT_RANK, default the last) sleeps until it is killed. Each
    survivor prints one line, "silent_host: rank R: status S (name) after T ms at W: DETAIL" (T: in
    the allreduce; W: the wall clock when it returned, ms since the epoch), and exits 0
-   whatever the status (the script judges it). */
+   whatever the status (the script judges it). With DOPT_DEAD_AFTER_MS, a survivor also prints when
+   its heartbeat gave up on the silent rank (log_line). */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_tcp.h"
@@ -17,6 +18,21 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+/* Log lines to stderr; the heartbeat's verdict on a silent peer (DOPT_DEAD_AFTER_MS) also to
+   stdout with the wall clock, "silent_host: rank R: heard at W: DETAIL", for the script's times. */
+static int my_rank = -1;
+
+static void log_line(void *user, dopt_log_level level, const char *message) {
+    struct timespec wall;
+    (void)user;
+    fprintf(stderr, "%c %s\n", "EWID"[level], message);
+    if (strstr(message, "not heard from") == NULL) return;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    printf("silent_host: rank %d: heard at %lld: %s\n", my_rank, (long long)wall.tv_sec * 1000 + wall.tv_nsec / 1000000,
+           message);
+    fflush(stdout);
+}
 
 int main(int argc, char **argv) {
     static float big[1 << 18];
@@ -28,11 +44,15 @@ int main(int argc, char **argv) {
     long idle_ms = argc > 2 ? atol(argv[2]) : 6000;
     double t0;
     struct timespec wall;
+    dopt_tcp_config base;
     if (argc < 2 || (!idle && strcmp(argv[1], "waiting") != 0)) {
         fprintf(stderr, "usage: silent_host idle MS | silent_host waiting\n");
         return 2;
     }
-    if (dopt_tcp_create_from_env(&c, NULL) != DOPT_OK) return 1;
+    memset(&base, 0, sizeof base);
+    base.log_fn = log_line;
+    if (dopt_tcp_create_from_env(&c, &base) != DOPT_OK) return 1;
+    my_rank = c->rank;
     silent = silent_env ? atoi(silent_env) : c->size - 1;
     if ((s = dopt_allreduce(c, small, 16, DOPT_F32, DOPT_SUM)) != DOPT_OK) {
         fprintf(stderr, "silent_host: rank %d: the first allreduce failed: %s\n", c->rank, dopt_comm_detail(c));

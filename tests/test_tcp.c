@@ -35,6 +35,7 @@ typedef struct tcp_world {
     int progress_thread_us; /* the config's */
     int keepalive_s;   /* the config's */
     int on_peer_lost;  /* the config's */
+    int dead_after_ms; /* the config's */
     char addr_text[DOPT__TCP_HOST_MAX + 8];
     int port_pipe[2];
     int gate_pipe[2];
@@ -65,6 +66,7 @@ static void world_config(tcp_world *w, int rank, dopt_tcp_config *cfg) {
     cfg->progress_thread_us = w->progress_thread_us;
     cfg->keepalive_s = w->keepalive_s;
     cfg->on_peer_lost = w->on_peer_lost;
+    cfg->dead_after_ms = w->dead_after_ms;
     if (rank == 0) {
         cfg->on_listen = world_on_listen;
         cfg->on_listen_user = w;
@@ -245,6 +247,109 @@ static void int_setting_checked(size_t field, int bad, const char *words, const 
 DTEST(keepalive_out_of_range_is_refused_by_the_config_and_the_environment) {
     int_setting_checked(offsetof(dopt_tcp_config, keepalive_s), 40000, "keepalive_s 40000", "DOPT_KEEPALIVE_S", "-1",
                         -1, "often");
+}
+
+DTEST(dead_after_ms_out_of_range_is_refused_by_the_config_and_the_environment) {
+    int_setting_checked(offsetof(dopt_tcp_config, dead_after_ms), 50, "dead_after_ms 50", "DOPT_DEAD_AFTER_MS",
+                        "1000", 1000, "soon");
+}
+
+/* ------------------------------------------------------------------ heartbeat (dead_after_ms) */
+
+/* Every log line of this process, taken under a lock: the heartbeat thread logs too. */
+static pthread_mutex_t hb_log_mu = PTHREAD_MUTEX_INITIALIZER;
+static all_log hb_log;
+
+static void hb_collect(void *user, dopt_log_level level, const char *message) {
+    pthread_mutex_lock(&hb_log_mu);
+    collect_log(user, level, message);
+    pthread_mutex_unlock(&hb_log_mu);
+}
+
+static void hb_sleep_ms(int ms) {
+    struct timespec ts;
+    ts.tv_sec = ms / 1000;
+    ts.tv_nsec = (long)(ms % 1000) * 1000000L;
+    while (nanosleep(&ts, &ts) != 0) continue;
+}
+
+/* Waits (at most 30 s) for a log line holding needle, without calling any collective. */
+static void hb_wait_for_log(const char *needle) {
+    int i, seen = 0;
+    for (i = 0; i < 3000 && !seen; i++) {
+        pthread_mutex_lock(&hb_log_mu);
+        seen = strstr(hb_log.text, needle) != NULL;
+        pthread_mutex_unlock(&hb_log_mu);
+        if (!seen) hb_sleep_ms(10);
+    }
+    pthread_mutex_lock(&hb_log_mu);
+    DT_CHECKF(seen, "no log line with \"%s\" within 30 s; the log:\n%s", needle, hb_log.text);
+    pthread_mutex_unlock(&hb_log_mu);
+}
+
+static void hb_expect_lost(dopt_comm *c, int rank) {
+    float x = 1.0f;
+    char who[32];
+    snprintf(who, sizeof who, "rank %d", rank);
+    DT_EQ_INT(dopt_allreduce(c, &x, 1, DOPT_F32, DOPT_SUM), DOPT_ERR_PEER_LOST);
+    DT_CHECKF(strstr(c->detail, who) != NULL && strstr(c->detail, "timed out") != NULL, "%s", c->detail);
+}
+
+/* 4 ranks with dead_after_ms 300 and DOPT_SHRINK, a collective timeout of 30 s that nothing
+   reaches: rank 3 stops (SIGSTOP: its kernel still answers keep-alive) while the others are in
+   an allreduce, which fails naming it; the survivors shrink; rank 2 computes for 3 x
+   dead_after_ms (its heartbeat thread keeps it in) and then stops too, and ranks 0 and 1 hear of
+   it from the heartbeat while idle, then fail their allreduce naming it. Rank 0 kills the two
+   stopped ranks at the end. */
+typedef struct hb_world {
+    tcp_world w;  /* first: world_run hands the ranks this */
+    int pids[2];  /* the stopped ranks write their pids here for rank 0 */
+} hb_world;
+
+static void hb_rank(int rank, void *arg) {
+    tcp_world *w = &((hb_world *)arg)->w;
+    dopt_tcp_config cfg;
+    dopt_comm *c = NULL, *next = NULL;
+    int *pids = ((hb_world *)arg)->pids;
+    world_config(w, rank, &cfg);
+    memset(&hb_log, 0, sizeof hb_log);
+    cfg.log_fn = hb_collect;
+    cfg.log_user = &hb_log;
+    DT_OK(dopt_tcp_create(&c, &cfg));
+    DT_OK(dopt_barrier(c));
+    if (rank == 3) {
+        dtest_write_int(pids[1], (int)getpid());
+        raise(SIGSTOP);
+        _exit(3);
+    }
+    hb_expect_lost(c, 3);
+    DT_OK(dopt_comm_shrink(c, &next));
+    DT_EQ_INT(next->size, 3);
+    if (rank == 2) hb_sleep_ms(3 * w->dead_after_ms); /* busy, not silent */
+    DT_OK(dopt_barrier(next));
+    if (rank == 2) {
+        dtest_write_int(pids[1], (int)getpid());
+        raise(SIGSTOP);
+        _exit(3);
+    }
+    hb_wait_for_log("rank 2 not heard from");
+    hb_expect_lost(next, 2);
+    if (rank == 0) {
+        int a = dtest_read_int(pids[0], "a stopped rank's pid"), b = dtest_read_int(pids[0], "a stopped rank's pid");
+        kill(a, SIGKILL);
+        kill(b, SIGKILL);
+    }
+    dopt_comm_destroy(next);
+    dopt_comm_destroy(c);
+}
+
+DTEST(tcp_heartbeat_ends_the_link_to_a_stopped_rank_in_a_collective_and_while_idle_after_a_shrink) {
+    hb_world x;
+    world_init(&x.w, 4, 30000);
+    x.w.on_peer_lost = DOPT_SHRINK;
+    x.w.dead_after_ms = 300;
+    DT_CHECK(pipe(x.pids) == 0);
+    world_run(&x.w, hb_rank, 2);
 }
 
 /* The link contract below the engine (links.h), every pair at once. */
