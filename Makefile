@@ -108,12 +108,15 @@ faults-soak: $(BUILD)/test_faults
 	@FAULT_SOAK=$(FAULT_SOAK) DTEST_TIMEOUT_S=86400 $(BUILD)/test_faults
 
 # Local SGD surviving a killed worker: 20 trials over TCP on loopback, then one below min_ranks
-# (tests/elastic_trials.c), 20 of the Fashion-MNIST MLP (fmnist_mlp --elastic on), and the same
-# on the simulated cluster, 4 hosts (root; about five minutes in all). .ci/run runs it.
+# (tests/elastic_trials.c), 20 of the Fashion-MNIST MLP (fmnist_mlp --elastic on), the same two
+# over shared memory, and the same on the simulated cluster, 4 hosts (root; about eight minutes
+# in all). .ci/run runs it.
 .PHONY: elastic-test
 elastic-test: deps $(BUILD)/elastic_trials $(BUILD)/elastic_sgd $(BUILD)/fmnist_mlp $(BUILD)/bench_rejoin
 	@$(BUILD)/elastic_trials $(BUILD) 20
 	@OPENBLAS_NUM_THREADS=1 $(BUILD)/elastic_trials $(BUILD) 20 - mlp
+	@$(BUILD)/elastic_trials $(BUILD) 20 shm
+	@OPENBLAS_NUM_THREADS=1 $(BUILD)/elastic_trials $(BUILD) 20 shm mlp
 	@tests/elastic_cluster.sh $(BUILD) 20
 
 $(BUILD)/elastic_trials: tests/elastic_trials.c | $(BUILD)

@@ -247,8 +247,9 @@
    SURVIVING A LOST PEER (shrink)
      By default a lost peer ends the job: every survivor's communicator is poisoned and names it.
      A communicator whose transport was configured with on_peer_lost = DOPT_SHRINK (TCP: its
-     config's on_peer_lost and min_ranks, or DOPT_ON_PEER_LOST=shrink and DOPT_MIN_RANKS; shm
-     and MPI cannot yet, and say DOPT_ERR_UNSUPPORTED) can go on without it: after a collective failed with DOPT_ERR_PEER_LOST or DOPT_ERR_TIMEOUT,
+     config's on_peer_lost and min_ranks, or DOPT_ON_PEER_LOST=shrink and DOPT_MIN_RANKS; shm's
+     the same, in worlds of up to 64 ranks; MPI cannot, and says DOPT_ERR_UNSUPPORTED) can go on
+     without it: after a collective failed with DOPT_ERR_PEER_LOST or DOPT_ERR_TIMEOUT,
      on c or on a group split from it (a group's failure is c's: they share links), every
      survivor calls dopt_comm_shrink(c, &next). The survivors agree on who is alive,
      without a coordinator (rank 0 may be the one lost), and each gets next: a communicator of
@@ -274,7 +275,7 @@
      c->lost_rank is the rank the failure named (-1 before one). Ranks taken for lost are those
      whose connection ended, or who said nothing for the timeout: a survivor that was only slow
      may be left out, and learns it from dopt_comm_shrink's status. The rest of the contract is
-     each transport's (transport_tcp.h: SURVIVING A LOST RANK).
+     each transport's (transport_tcp.h and transport_shm.h: SURVIVING A LOST RANK).
 
    TAKING A WORKER BACK (grow)
      A restarted process of a DOPT_SHRINK job asks a member to join (TCP: dopt_tcp_config.join,
@@ -2789,6 +2790,18 @@ DOPT_DEF int dopt_comm_finish(dopt_comm *c, int status) {
 
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c) { return c ? c->detail : "no communicator"; }
 
+/* A backend's shrink that cannot go on (declared in FOR MODULES). */
+DOPT__MAYBE_UNUSED static dopt_status dopt__shrink_fail(dopt_comm *c, dopt_status st, const char *fmt, ...) {
+    va_list ap;
+    int used = snprintf(c->detail, sizeof c->detail, "rank %d: dopt_comm_shrink: ", c->rank);
+    if (used < 0 || (size_t)used >= sizeof c->detail) used = 0;
+    va_start(ap, fmt);
+    vsnprintf(c->detail + used, sizeof c->detail - (size_t)used, fmt, ap);
+    va_end(ap);
+    dopt_comm_log(c, DOPT_LOG_ERROR, "%s", c->detail);
+    return st;
+}
+
 /* The checks every backend's shrink shares; the agreement itself is the backend's. A refusal
    leaves c as it was (its detail names the first failure, which the program still needs), so
    it is said through the log, and the status alone says which rule. */
@@ -3613,6 +3626,11 @@ static int dopt__env_set(const char *var);
 static dopt_status dopt__family_error(dopt_comm *c);
 /* Forgets a failure that starting over made moot, on the communicator and on its family. */
 DOPT__MAYBE_UNUSED static void dopt__comm_forget_failure(dopt_comm *c);
+/* A backend's shrink that cannot go on: writes c's detail ("rank R: dopt_comm_shrink: " and the
+   reason; c failed already, so dopt_comm_fail would keep the first failure's), says it in one
+   error line, and returns st. */
+DOPT__MAYBE_UNUSED static dopt_status dopt__shrink_fail(dopt_comm *c, dopt_status st, const char *fmt, ...)
+    DOPT_PRINTF(3, 4);
 /* The rank a detail names c's rank by: in a group, its rank in the root (the links' numbering). */
 static int dopt__rank_named(const dopt_comm *c);
 /* The flight recorder's hooks for the engine (FLIGHT RECORDER; c: the family's root, slot: the

@@ -64,12 +64,19 @@
    |              | caller computes; 0 or 1, every rank must give the same      | measured (REFERENCE below)  |
    | log_fn,      | logging callback, installed on the communicator, and told   | silent                      |
    | log_user     | why a create failed (there is no communicator to ask then)  |                             |
+   | on_peer_lost | DOPT_FAIL: a lost rank ends the job (every survivor names   | DOPT_FAIL                   |
+   |              | it); DOPT_SHRINK: the survivors may go on without it        |                             |
+   |              | (dopt_comm_shrink; SURVIVING A LOST RANK); worlds <= 64     |                             |
+   | min_ranks    | with DOPT_SHRINK, fewer survivors than this end the job     | 0: any number               |
+   |              | with DOPT_ERR_PEER_LOST on every survivor                   |                             |
 
    A config is never read from the environment by itself; dopt_shm_config_from_env fills one.
 
    ENVIRONMENT (dopt_shm_config_from_env; dopt_shm_create with cfg NULL)
      DOPT_RANK, DOPT_WORLD_SIZE (or a launcher's: distopt.h's LAUNCH VARIABLES), DOPT_SHM_NAME
-     (else the launcher's job name), DOPT_TIMEOUT_MS, DOPT_SHM_ENGINE (0 or 1: engine).
+     (else the launcher's job name), DOPT_TIMEOUT_MS, DOPT_SHM_ENGINE (0 or 1: engine),
+     DOPT_ON_PEER_LOST ("fail" or "shrink": on_peer_lost), DOPT_MIN_RANKS (min_ranks); the last
+     two only when set.
      launch.h reads DOPT_SHM_ENGINE for the ranks it forks too.
 
    FUNCTIONS
@@ -79,9 +86,11 @@
      world size from the launch variables distopt.h reads (DOPT_RANK/DOPT_WORLD_SIZE, mpirun,
      srun or torchrun's; see LAUNCH VARIABLES there), the name from DOPT_SHM_NAME or else the
      job's name the launcher gives (Slurm's job and step, Open MPI's job id), DOPT_TIMEOUT_MS
-     when set, engine from DOPT_SHM_ENGINE when set. DOPT_ERR_INVALID, said through cfg->log_fn,
-     when no rank or size is given, a value is malformed (DOPT_SHM_ENGINE="2" is not 0 or 1), or
-     the launcher puts some of the job's ranks on other hosts.
+     when set, engine from DOPT_SHM_ENGINE when set, on_peer_lost and min_ranks from
+     DOPT_ON_PEER_LOST and DOPT_MIN_RANKS when set. DOPT_ERR_INVALID, said through cfg->log_fn,
+     when no rank or size is given, a value is malformed (DOPT_SHM_ENGINE="2" is not 0 or 1,
+     DOPT_ON_PEER_LOST="maybe" is not fail or shrink), or the launcher puts some of the job's
+     ranks on other hosts.
 
    dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg)
      Joins the job: the first of its ranks to arrive creates the segment (any rank may be first),
@@ -166,10 +175,37 @@
      peer that dies is found long before that: all ranks fail within about a quarter second of a
      peer's death, not at the timeout. The schedule of the waits: see REFERENCE FOR CONTRIBUTORS
      below (WAITING).
-     The survivors cannot go on without the dead rank here yet: dopt_comm_shrink (distopt.h:
-     SURVIVING A LOST PEER) returns DOPT_ERR_UNSUPPORTED on a shm communicator, and the job ends
-     as above. A job that must survive a lost rank runs on TCP (on_peer_lost = DOPT_SHRINK), on
-     one host too.
+
+   SURVIVING A LOST RANK (on_peer_lost = DOPT_SHRINK; distopt.h: SURVIVING A LOST PEER)
+     In worlds of up to 64 ranks, a job configured with on_peer_lost = DOPT_SHRINK (or
+     DOPT_ON_PEER_LOST=shrink) goes on without a rank that died: after a collective failed with
+     DOPT_ERR_PEER_LOST (or TIMEOUT), every survivor calls dopt_comm_shrink(comm, &next).
+
+         if (dopt_allreduce(comm, g, n, DOPT_F32, DOPT_MEAN) == DOPT_ERR_PEER_LOST) {
+             dopt_comm *next;
+             if (dopt_comm_shrink(comm, &next) != DOPT_OK) return dopt_comm_finish(comm, 1);
+             dopt_comm_destroy(comm);
+             comm = next; // the survivors, renumbered in their old order; next->epoch counts shrinks
+         }
+
+     The survivors agree in the failed job's segment, with no coordinator (rank 0 may be the
+     one lost): each says it is there, waits until every other rank is there too, dead, or
+     silent for timeout_ms, and the first to see that writes the set of survivors in one
+     compare-and-swap that every survivor then reads. They form a job of their own, named
+     <name>.s<epoch> (a segment of the new size, removed from /dev/shm once all joined, like
+     any job's), ranked in their old order; the engine and a progress thread carry over. A
+     survivor lost after the decision fails every other's join at once (they watch the failed
+     job's locks for members that have not joined), and they agree again without it
+     (<name>.s<epoch>-<attempt>, up to 8 attempts). Below min_ranks, every survivor fails with
+     "3 of 4 ranks survive (ranks 1 are gone), fewer than min_ranks 4: the job cannot go on";
+     a survivor that came later than timeout_ms finds itself left out ("the survivors left this
+     rank out"). A dead rank is found within DOPT__SHM_LIVENESS_MS (0.2 s) of its death by a rank
+     waiting for it, and the shrink takes a few milliseconds after that (tests/test_shrink.c
+     prints it: 4 to 8 ms for 4 ranks here). Nobody can join a shm job later: dopt_comm_grow
+     returns DOPT_OK with no next, so localsgd.h's elastic driver goes on with the survivors
+     to the end (a worker started again would need TCP, transport_tcp.h: RE-ADMIT). A job
+     started by dopt_shm_fork keeps its children across a shrink: rank 0's dopt_comm_finish on
+     the survivors' communicator still waits for them (and reports the dead one).
 
    MISMATCHES
      Every call is checked against every peer's before any data is reduced. If any differs, every rank
@@ -207,6 +243,9 @@ typedef struct dopt_shm_config {
     dopt_log_fn log_fn; /* NULL: silent */
     void *log_user;
     char env_name[DOPT_SHM_NAME_MAX + 1]; /* the name dopt_shm_config_from_env found */
+    int on_peer_lost;   /* DOPT_FAIL (0): a lost rank ends the job; DOPT_SHRINK: the survivors may go
+                           on (dopt_comm_shrink; worlds of up to 64 ranks; SURVIVING A LOST RANK) */
+    int min_ranks;      /* with DOPT_SHRINK: fewer survivors than this end the job; 0: any */
 } dopt_shm_config;
 
 DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg);
@@ -318,9 +357,10 @@ extern "C" {
    offset 0                      header: identity, sizes, join bookkeeping       (one page)
             + 128                futex word and sleeper count
             + 256                abort word: the job's first failure
+            + 512                the survivors' decisions: a 64-bit set of ranks per attempt (SHRINK)
    4096                          rank blocks, 512 bytes each:
             + 0                    hot line: epoch and the published descriptors
-            + 128                  cold line: pid, left flag
+            + 128                  cold line: pid, left flag, link bell, the shrink attempt it is in
             + 256                  reason text, when this rank reports the job's failure
    4096 + round_up(size·512)     data: rank q's area a at ((q·3 + a) · area_stride)
    data + size·3·area_stride     links (worlds of 2..64 ranks): the link from rank i to rank j
@@ -336,13 +376,16 @@ extern "C" {
    own purposes cannot keep a dead rank looking alive. */
 
 #define DOPT__SHM_MAGIC 0x314d485354504f44ull /* "DOPTSHM1" as little-endian bytes */
-#define DOPT__SHM_VERSION 2u
+#define DOPT__SHM_VERSION 3u /* 3: the survivors' agreement (SHRINK) */
 #define DOPT__SHM_MAX_RANKS 1024
 #define DOPT__SHM_AREAS 3
 #define DOPT__SHM_PAGE 4096u
 #define DOPT__SHM_HEADER_BYTES 4096u
 #define DOPT__SHM_OFF_SYNC 128u
 #define DOPT__SHM_OFF_ABORT 256u
+#define DOPT__SHM_OFF_SHRINK 512u     /* the survivors' decisions, one word per attempt (SHRINK) */
+#define DOPT__SHM_SHRINK_TRIES 8      /* attempts before the survivors give up forming their job */
+#define DOPT__SHM_SHRINK_MAX_RANKS 64 /* a decision is a 64-bit set of ranks */
 #define DOPT__SHM_RANK_BYTES 512u
 #define DOPT__SHM_OFF_COLD 128u
 #define DOPT__SHM_OFF_REASON 256u
@@ -405,6 +448,7 @@ typedef struct dopt__shm_cold {
     uint32_t left;   /* 1 once it destroyed its communicator */
     uint32_t bell;   /* futex word of its links: bumped by a peer that moved one while it sleeps */
     uint32_t asleep; /* its waiters inside (or about to enter) a futex wait on bell */
+    uint32_t shrinking; /* 1 + the attempt of the survivors' agreement it is in (SHRINK); 0: none */
 } dopt__shm_cold;
 
 /* The control lines of one link; its ring follows at DOPT__SHM_LINK_CTRL. */
@@ -439,6 +483,10 @@ typedef struct dopt__shm {
     int fork_child;      /* started by dopt_shm_fork as a child: finish _exits */
     pid_t *children;     /* dopt_shm_fork, rank 0: ranks 1..size-1 */
     int nchildren;
+    char family[DOPT__SHM_NAME_MAX + 1]; /* the name the job started under: a shrink's names grow from it */
+    const struct dopt__shm *watch; /* joining a shrink's job: the failed job, where a member that has
+                                      not joined yet may be seen dead (watch_rank: its rank there) */
+    const int *watch_rank;
 } dopt__shm;
 
 static dopt__shm_header *dopt__shm_hdr(const dopt__shm *s) { return (dopt__shm_header *)(void *)s->base; }
@@ -602,6 +650,7 @@ static dopt_status dopt__shm_fail(dopt_comm *c, dopt__shm *s, const dopt_coll_de
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
     dopt_comm_fail(c, d, st, "%s", why);
+    if (culprit >= 0 && culprit < s->size && culprit != s->rank && c->lost_rank < 0) c->lost_rank = culprit;
     dopt__shm_publish_abort(s, st, culprit, why);
     return c->error;
 }
@@ -610,10 +659,12 @@ static dopt_status dopt__shm_fail(dopt_comm *c, dopt__shm *s, const dopt_coll_de
 static dopt_status dopt__shm_check_abort(dopt_comm *c, dopt__shm *s, const dopt_coll_desc *d) {
     uint64_t w = __atomic_load_n(dopt__shm_abort_word(s), __ATOMIC_ACQUIRE);
     char why[DOPT__SHM_REASON_MAX];
-    int reporter;
+    int reporter, culprit;
     if (w == 0) return DOPT_OK;
     reporter = (int)((w >> 24) & 0xFFFF) - 1;
+    culprit = (int)((w >> 8) & 0xFFFF) - 1;
     if (reporter < 0 || reporter >= s->size) return dopt_comm_fail(c, d, DOPT_ERR_PROTOCOL, "damaged failure record");
+    if (culprit >= 0 && culprit < s->size && culprit != s->rank && c->lost_rank < 0) c->lost_rank = culprit;
     memcpy(why, dopt__shm_reason_of(s, reporter), sizeof why);
     why[sizeof why - 1] = '\0';
     return dopt_comm_fail(c, d, (dopt_status)(-(int)(w & 0xFF)), "%s (reported by rank %d)", why, reporter);
@@ -648,6 +699,12 @@ static dopt_status dopt__shm_check_late(dopt_comm *c, dopt__shm *s, const dopt_c
             return dopt__shm_fail(c, s, d, DOPT_ERR_PEER_LOST, q, "rank %d (pid %d) left the job", q, (int)cold->pid);
         if (probe && dopt__shm_rank_dead(s, q))
             return dopt__shm_fail(c, s, d, DOPT_ERR_PEER_LOST, q, "rank %d (pid %d) died", q, (int)cold->pid);
+        if (probe && s->watch && __atomic_load_n(&cold->pid, __ATOMIC_ACQUIRE) == 0 &&
+            (dopt__shm_rank_dead(s->watch, s->watch_rank[q]) ||
+             __atomic_load_n(&dopt__shm_cold_of(s->watch, s->watch_rank[q])->left, __ATOMIC_ACQUIRE)))
+            return dopt__shm_fail(c, s, d, DOPT_ERR_PEER_LOST, q,
+                                  "rank %d (rank %d of the failed job) was lost before it joined the survivors' job", q,
+                                  s->watch_rank[q]);
     }
     return DOPT_OK;
 }
@@ -1306,6 +1363,7 @@ static void dopt__shm_destroy(dopt_comm *c) {
 }
 
 static int dopt__shm_finish(dopt_comm *comm, int status);
+static dopt_status dopt__shm_shrink(dopt_comm *c, dopt_comm **next);
 
 /* Direct collectives (reducing straight from the peers' slots), links for groups and requests
    of the engine; every collective on the engine; or, in worlds too large for links, direct
@@ -1313,11 +1371,11 @@ static int dopt__shm_finish(dopt_comm *comm, int status);
 static const dopt_comm_vtable dopt__shm_vtable = {
     "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
     sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait,
-    dopt__shm_link_close, NULL, dopt__shm_finish, dopt_engine_provider, NULL, NULL, NULL};
+    dopt__shm_link_close, NULL, dopt__shm_finish, dopt_engine_provider, dopt__shm_shrink, NULL, NULL};
 static const dopt_comm_vtable dopt__shm_engine_vtable = {
     "shm", NULL, NULL, NULL, NULL, dopt__shm_destroy, sizeof(dopt_comm_vtable), 0u,
     dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait, dopt__shm_link_close, NULL, dopt__shm_finish,
-    dopt_engine_provider, NULL, NULL, NULL};
+    dopt_engine_provider, dopt__shm_shrink, NULL, NULL};
 static const dopt_comm_vtable dopt__shm_unlinked_vtable = {
     "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
     sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, NULL, dopt__shm_finish, NULL, NULL, NULL, NULL};
@@ -1379,6 +1437,19 @@ static dopt_status dopt__shm_resolve(const dopt_shm_config *cfg, dopt__shm_setti
         return DOPT_ERR_INVALID;
     }
     out->engine = cfg->engine;
+    if (cfg->on_peer_lost != DOPT_FAIL && cfg->on_peer_lost != DOPT_SHRINK) {
+        snprintf(why, cap, "on_peer_lost is %d, not DOPT_FAIL (0) or DOPT_SHRINK (1)", cfg->on_peer_lost);
+        return DOPT_ERR_INVALID;
+    }
+    if (cfg->on_peer_lost == DOPT_SHRINK && out->size > DOPT__SHM_SHRINK_MAX_RANKS) {
+        snprintf(why, cap, "on_peer_lost = DOPT_SHRINK: shared memory's survivors agree in worlds of up to %d ranks, "
+                 "this one has %d (TCP has no such limit)", DOPT__SHM_SHRINK_MAX_RANKS, out->size);
+        return DOPT_ERR_INVALID;
+    }
+    if (cfg->min_ranks < 0 || cfg->min_ranks > out->size) {
+        snprintf(why, cap, "min_ranks %d is outside 0..size (%d)", cfg->min_ranks, out->size);
+        return DOPT_ERR_INVALID;
+    }
     out->chunk = cfg->chunk_bytes ? cfg->chunk_bytes : DOPT__SHM_DEFAULT_CHUNK;
     if (out->chunk < DOPT__SHM_MIN_CHUNK || out->chunk > DOPT__SHM_MAX_CHUNK) {
         snprintf(why, cap, "chunk_bytes %zu outside %zu..%zu", out->chunk, DOPT__SHM_MIN_CHUNK, DOPT__SHM_MAX_CHUNK);
@@ -1629,8 +1700,8 @@ static dopt_status dopt__shm_join(dopt_comm *c, dopt__shm *s) {
 DOPT_DEF dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg) {
     dopt_launch_info info;
     char why[DOPT__SHM_REASON_MAX];
-    const char *name = getenv("DOPT_SHM_NAME"), *engine = getenv("DOPT_SHM_ENGINE");
-    long ms = 0;
+    const char *name = getenv("DOPT_SHM_NAME"), *engine = getenv("DOPT_SHM_ENGINE"), *lost = getenv("DOPT_ON_PEER_LOST");
+    long ms = 0, min_ranks = -1;
     if (cfg == NULL) return DOPT_ERR_INVALID;
     if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
     if (info.world_size < 0)
@@ -1652,8 +1723,13 @@ DOPT_DEF dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg) {
                  "ranks on this one: use the TCP or MPI transport", info.launcher, info.local_size, info.world_size);
         return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
     }
-    if (dopt__env_long("DOPT_TIMEOUT_MS", 1, INT_MAX, &ms, why, sizeof why) < 0)
+    if (dopt__env_long("DOPT_TIMEOUT_MS", 1, INT_MAX, &ms, why, sizeof why) < 0 ||
+        dopt__env_long("DOPT_MIN_RANKS", 0, INT_MAX, &min_ranks, why, sizeof why) < 0)
         return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    if (lost && *lost && strcmp(lost, "fail") && strcmp(lost, "shrink")) {
+        snprintf(why, sizeof why, "DOPT_ON_PEER_LOST=\"%.40s\" is not fail or shrink", lost);
+        return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    }
     if (name && *name && strlen(name) > DOPT_SHM_NAME_MAX) {
         snprintf(why, sizeof why, "DOPT_SHM_NAME is %lu characters long, more than %d", (unsigned long)strlen(name),
                  DOPT_SHM_NAME_MAX);
@@ -1669,10 +1745,16 @@ DOPT_DEF dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg) {
     cfg->size = info.world_size;
     if (ms > 0) cfg->timeout_ms = (int)ms;
     if (engine && *engine) cfg->engine = *engine == '1';
+    if (lost && *lost) cfg->on_peer_lost = strcmp(lost, "shrink") == 0 ? DOPT_SHRINK : DOPT_FAIL;
+    if (min_ranks >= 0) cfg->min_ranks = (int)min_ranks; /* set: dopt__env_long wrote it */
     return DOPT_OK;
 }
 
-DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg) {
+/* dopt_shm_create, and a shrink's: watch and watch_rank name the failed job and each member's
+   rank there (a member lost before it joins fails the join at once), family the name the job
+   started under (NULL: cfg's). */
+static dopt_status dopt__shm_create(dopt_comm **out, const dopt_shm_config *cfg, const dopt__shm *watch,
+                                    const int *watch_rank, const char *family) {
     dopt_shm_config from_env;
     dopt__shm_settings set;
     dopt__shm *s;
@@ -1700,6 +1782,9 @@ DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg
     s->job = s->path + 6;
     s->spin = set.size <= dopt__shm_cpus();
     s->engine = set.engine;
+    s->watch = watch;
+    s->watch_rank = watch_rank;
+    snprintf(s->family, sizeof s->family, "%s", family ? family : set.name);
     dopt__shm_geometry(s);
     s->gone = (unsigned char *)DOPT_MALLOC((size_t)set.size);
     if (s->gone != NULL) memset(s->gone, 0, (size_t)set.size);
@@ -1715,9 +1800,12 @@ DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg
         return dopt__shm_config_fail(cfg, st, "out of memory");
     }
     c->timeout_ms = set.timeout_ms;
+    c->on_peer_lost = cfg->on_peer_lost;
+    c->min_ranks = cfg->min_ranks;
     dopt_comm_set_log(c, cfg->log_fn, cfg->log_user);
     if (set.size > 1) {
         st = dopt__shm_join(c, s);
+        s->watch = NULL, s->watch_rank = NULL; /* the caller's */
         if (st != DOPT_OK) {
             dopt_comm_destroy(c);
             return st;
@@ -1730,6 +1818,141 @@ DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg
     else c->local_ranks = set.size;
     *out = c;
     return DOPT_OK;
+}
+
+DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg) {
+    return dopt__shm_create(out, cfg, NULL, NULL, NULL);
+}
+
+/* ===================================================================== SHRINK: THE SURVIVORS AGREE
+
+   Every survivor of a failed DOPT_SHRINK job says in the failed job's segment that it is in the
+   agreement (its cold block's shrinking = 1 + attempt) and waits, sleeping on the job's futex,
+   until every rank of the last decision (all ranks at the first attempt) is in it, dead (its
+   lock free, its pid gone) or left; or until timeout_ms, after which the silent ones are taken
+   for lost. The first to get there writes the set of ranks in the agreement into the attempt's
+   decision word with a compare-and-swap; every survivor reads the one that won, so all end with
+   the same members whoever decides, and a rank that dies during the wait is simply not in it.
+   Then the members form a new job of their own, named from the job's first name, the new epoch
+   and the attempt (<name>.s<epoch>, then .s<epoch>-<attempt>), ranked in their old order. A
+   member lost after the decision, before it joins the new job, fails every member's join at
+   once (the join watches the failed job's locks for members that have not joined): they agree
+   again, without it, at the next attempt, in a job of the next name. */
+
+static uint64_t *dopt__shm_decision(const dopt__shm *s, int attempt) {
+    return (uint64_t *)(void *)(s->base + DOPT__SHM_OFF_SHRINK) + attempt;
+}
+
+static int dopt__shm_popcount(uint64_t x) {
+    int n = 0;
+    for (; x; x &= x - 1) n++;
+    return n;
+}
+
+/* The members decided at this attempt (among those of the decision before, `before`). */
+static uint64_t dopt__shm_agree(dopt_comm *c, dopt__shm *s, int attempt, uint64_t before) {
+    uint64_t *word = dopt__shm_decision(s, attempt);
+    dopt__shm_sync *sync = dopt__shm_sync_of(s);
+    double deadline = dopt__now_ms() + (double)c->timeout_ms;
+    __atomic_store_n(&dopt__shm_cold_of(s, s->rank)->shrinking, (uint32_t)attempt + 1u, __ATOMIC_SEQ_CST);
+    dopt__shm_wake_all(s);
+    for (;;) {
+        uint64_t w = __atomic_load_n(word, __ATOMIC_ACQUIRE), in = (uint64_t)1 << s->rank, expect = 0;
+        uint32_t seen = __atomic_load_n(&sync->wake, __ATOMIC_SEQ_CST);
+        int q, pending = 0;
+        if (w != 0) return w;
+        for (q = 0; q < s->size; q++) {
+            dopt__shm_cold *cold = dopt__shm_cold_of(s, q);
+            if (q == s->rank || !((before >> q) & 1u)) continue;
+            if (__atomic_load_n(&cold->shrinking, __ATOMIC_ACQUIRE) > (uint32_t)attempt)
+                in |= (uint64_t)1 << q;
+            else if (!__atomic_load_n(&cold->left, __ATOMIC_ACQUIRE) && !dopt__shm_rank_dead(s, q))
+                pending++;
+        }
+        if (pending == 0 || dopt__now_ms() >= deadline) {
+            if (__atomic_compare_exchange_n(word, &expect, in, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                dopt__shm_wake_all(s);
+                return in;
+            }
+            return expect; /* another survivor decided first */
+        }
+        dopt__shm_futex_wait(&sync->wake, seen, DOPT__SHM_SLEEP_MS);
+    }
+}
+
+static void dopt__shm_ranks_str(uint64_t set, int n, char *out, size_t cap) {
+    size_t used = 0;
+    int r;
+    out[0] = '\0';
+    for (r = 0; r < n && used + 16 < cap; r++)
+        if ((set >> r) & 1u) used += (size_t)snprintf(out + used, cap - used, "%s%d", used ? ", " : "", r);
+}
+
+static dopt_status dopt__shm_shrink(dopt_comm *c, dopt_comm **next) {
+    dopt__shm *s = (dopt__shm *)c->impl;
+    uint64_t before = s->size >= 64 ? ~(uint64_t)0 : ((uint64_t)1 << s->size) - 1;
+    int attempt, me = s->rank;
+    char ranks[256], gone[256];
+    if (s->base == NULL || !s->member)
+        return dopt__shrink_fail(c, DOPT_ERR_INVALID, "this rank never joined its job");
+    for (attempt = 0; attempt < DOPT__SHM_SHRINK_TRIES; attempt++) {
+        uint64_t members = dopt__shm_agree(c, s, attempt, before);
+        int m = dopt__shm_popcount(members), q, k;
+        int map[DOPT__SHM_SHRINK_MAX_RANKS];
+        dopt_shm_config cfg;
+        dopt_comm *c2 = NULL;
+        dopt_status st;
+        dopt__shm_ranks_str(members, s->size, ranks, sizeof ranks);
+        dopt__shm_ranks_str(~members, s->size, gone, sizeof gone);
+        dopt_comm_log(c, DOPT_LOG_DEBUG, "rank %d: dopt_comm_shrink: agreed on ranks %s (attempt %d)", me, ranks,
+                      attempt + 1);
+        if (!((members >> me) & 1u))
+            return dopt__shrink_fail(c, DOPT_ERR_PEER_LOST,
+                                         "the survivors left this rank out (they agreed on ranks %s: this rank was "
+                                         "taken for lost, later than timeout_ms); end this process, or restart it",
+                                         ranks);
+        if (m < c->min_ranks)
+            return dopt__shrink_fail(c, DOPT_ERR_PEER_LOST,
+                                         "%d of %d ranks survive (ranks %s are gone), fewer than min_ranks %d: the job "
+                                         "cannot go on", m, s->size, gone, c->min_ranks);
+        for (q = 0, k = 0; q < s->size; q++)
+            if ((members >> q) & 1u) map[k++] = q;
+        memset(&cfg, 0, sizeof cfg);
+        snprintf(cfg.env_name, sizeof cfg.env_name, attempt ? "%.180s.s%u-%d" : "%.180s.s%u", s->family,
+                 (unsigned)c->epoch + 1u, attempt);
+        for (k = 0; map[k] != me; k++) continue;
+        cfg.rank = k;
+        cfg.size = m;
+        cfg.timeout_ms = c->timeout_ms;
+        cfg.chunk_bytes = s->chunk;
+        cfg.engine = s->engine;
+        cfg.log_fn = c->log_fn;
+        cfg.log_user = c->log_user;
+        cfg.on_peer_lost = DOPT_SHRINK;
+        cfg.min_ranks = c->min_ranks;
+        st = dopt__shm_create(&c2, &cfg, s, map, s->family);
+        if (st == DOPT_OK) {
+            dopt__shm *s2 = (dopt__shm *)c2->impl;
+            c2->epoch = c->epoch + 1;
+            s2->fork_child = s->fork_child; /* dopt_comm_finish ends the new one as it would have the old */
+            s2->children = s->children, s2->nchildren = s->nchildren;
+            s->children = NULL, s->nchildren = 0;
+#ifdef DOPT__THREADS
+            if (c->eng && c->eng->threaded && c2->eng) (void)dopt_comm_set_progress_thread(c2, c->eng->interval_us);
+#endif
+            dopt_comm_log(c2, DOPT_LOG_INFO, "shm rank %d of %d (rank %d of %d before): ranks %s left out, job '%s', "
+                          "epoch %u", k, m, me, s->size, gone, cfg.env_name, (unsigned)c2->epoch);
+            *next = c2;
+            return DOPT_OK;
+        }
+        if (st != DOPT_ERR_PEER_LOST)
+            return dopt__shrink_fail(c, st, "the survivors' job '%s' did not form (%s; its log line says why)",
+                                         cfg.env_name, dopt_status_str(st));
+        before = members; /* a member was lost before it joined: agree again without it */
+    }
+    return dopt__shrink_fail(c, DOPT_ERR_PEER_LOST,
+                                 "members kept being lost while the survivors formed their job (%d attempts); the last "
+                                 "agreed on ranks %s", DOPT__SHM_SHRINK_TRIES, ranks);
 }
 
 /* ===================================================================== FORK HELPER */

@@ -3527,20 +3527,6 @@ static dopt_status dopt__tcp_shrink_agree(dopt_comm *c, dopt__tcp *t, dopt__tcp_
     return DOPT_OK;
 }
 
-/* A failure of the shrink itself: c stays poisoned with its first status, and its detail now
-   says why the survivors could not go on. */
-static dopt_status dopt__tcp_shrink_fail(dopt_comm *c, dopt_status s, const char *fmt, ...) DOPT_PRINTF(3, 4);
-static dopt_status dopt__tcp_shrink_fail(dopt_comm *c, dopt_status s, const char *fmt, ...) {
-    va_list ap;
-    int used = snprintf(c->detail, sizeof c->detail, "rank %d: dopt_comm_shrink: ", c->rank);
-    if (used < 0 || (size_t)used >= sizeof c->detail) used = 0;
-    va_start(ap, fmt);
-    vsnprintf(c->detail + used, sizeof c->detail - (size_t)used, fmt, ap);
-    va_end(ap);
-    dopt_comm_log(c, DOPT_LOG_ERROR, "%s", c->detail);
-    return s;
-}
-
 /* The ranks of set, as "1, 3" (at most cap bytes). */
 static void dopt__tcp_ranks_str(const uint64_t *set, int n, char *out, size_t cap) {
     size_t used = 0;
@@ -3566,7 +3552,7 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
         }
     dopt__tcp_like(c, t, nr, m, token, &k);
     s = dopt__tcp_new(&c2, &k);
-    if (s != DOPT_OK) return dopt__tcp_shrink_fail(c, s, "cannot allocate the survivors' communicator");
+    if (s != DOPT_OK) return dopt__shrink_fail(c, s, "cannot allocate the survivors' communicator");
     t2 = (dopt__tcp *)c2->impl;
     c2->epoch = c->epoch + 1;
     for (r = 0, q = 0; r < n; r++) {
@@ -3583,7 +3569,7 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
         }
         if (r != me && (t2->peers[q].fd < 0 || dopt__tcp_set_nonblocking(t2->peers[q].fd) < 0)) {
             dopt_comm_destroy(c2);
-            return dopt__tcp_shrink_fail(c, DOPT_ERR_IO, "cannot make a link to rank %d: %s", r, strerror(errno));
+            return dopt__shrink_fail(c, DOPT_ERR_IO, "cannot make a link to rank %d: %s", r, strerror(errno));
         }
         q++;
     }
@@ -3603,7 +3589,7 @@ static dopt_status dopt__tcp_shrunk(dopt_comm *c, dopt__tcp *t, dopt__tcp_shrink
     }
     t->shrunk = 1;
     if ((s = dopt__tcp_grown(c2, t2, t)) != DOPT_OK) /* ready, the recorder's files, hosts, progress */
-        return dopt__tcp_shrink_fail(c, s, "cannot set up the survivors' communicator: %s", dopt_status_str(s));
+        return dopt__shrink_fail(c, s, "cannot set up the survivors' communicator: %s", dopt_status_str(s));
     *next = c2;
     return DOPT_OK;
 }
@@ -3616,7 +3602,7 @@ static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next) {
     char gone[160];
     dopt_status s;
     memset(&z, 0, sizeof z);
-    if (dopt__agree_init(&z.a, n, me) != DOPT_OK) return dopt__tcp_shrink_fail(c, DOPT_ERR_NOMEM, "out of memory");
+    if (dopt__agree_init(&z.a, n, me) != DOPT_OK) return dopt__shrink_fail(c, DOPT_ERR_NOMEM, "out of memory");
     z.msg = 8 + 8 * (size_t)z.a.words;
     z.fd = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
     z.state = (int *)DOPT_MALLOC(sizeof(int) * (size_t)n);
@@ -3625,7 +3611,7 @@ static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next) {
     z.got = (size_t *)DOPT_MALLOC(sizeof(size_t) * (size_t)n);
     if (!z.fd || !z.state || !z.ended || !z.rbuf || !z.got) {
         dopt__tcp_shrink_free(&z, 0);
-        return dopt__tcp_shrink_fail(c, DOPT_ERR_NOMEM, "out of memory");
+        return dopt__shrink_fail(c, DOPT_ERR_NOMEM, "out of memory");
     }
     for (r = 0; r < n; r++) {
         z.fd[r] = -1;
@@ -3652,7 +3638,7 @@ static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next) {
     s = dopt__tcp_shrink_agree(c, t, &z);
     if (s != DOPT_OK) {
         dopt__tcp_shrink_free(&z, n);
-        return dopt__tcp_shrink_fail(c, s, "out of memory");
+        return dopt__shrink_fail(c, s, "out of memory");
     }
     /* tell every rank above (the left out too: they learn it), then hand the links over */
     {
@@ -3684,12 +3670,12 @@ static dopt_status dopt__tcp_shrink(dopt_comm *c, dopt_comm **next) {
     for (r = 0; r < n; r++) members += !dopt__agree_has(z.a.value, r);
     dopt__tcp_ranks_str(z.a.value, n, gone, sizeof gone);
     if (dopt__agree_has(z.a.value, me))
-        s = dopt__tcp_shrink_fail(c, DOPT_ERR_PEER_LOST,
+        s = dopt__shrink_fail(c, DOPT_ERR_PEER_LOST,
                                   "the survivors left this rank out (rank %d decided that ranks %s are gone: this rank "
                                   "was taken for lost, too slow to answer); end this process, or restart it",
                                   z.a.from, gone);
     else if (members < c->min_ranks)
-        s = dopt__tcp_shrink_fail(c, DOPT_ERR_PEER_LOST,
+        s = dopt__shrink_fail(c, DOPT_ERR_PEER_LOST,
                                   "%d of %d ranks survive (ranks %s are gone), fewer than min_ranks %d: the job cannot go on",
                                   members, n, gone, c->min_ranks);
     else

@@ -20,7 +20,10 @@
    --val-limit N (validate on the first N held-out characters, 0: all), --gradcheck, --overlap
    on|off (on: backward marks each tensor's gradient final as it finishes it, Wy and by first, so
    that the driver averages it while backward goes on; off, the default: the whole average after
-   backward; the same numbers either way).
+   backward; the same numbers either way), --elastic on|off (on: local SGD over TCP or shm with
+   DOPT_ON_PEER_LOST=shrink goes on without a lost worker, the survivors sharing its text; a worker
+   started again with DOPT_JOIN=1 and the same flags is taken back at a round's end, with the job's
+   state and epoch: TCP only).
    --train-limit N trains on the first N characters. --batch is the number of windows per
    micro-batch.
 
@@ -472,18 +475,35 @@ static void print_row(FILE *f, const char *fmt, int epoch, double loss, double v
     fprintf(f, fmt, epoch, loss, val, val / log(2.0), (unsigned long long)rounds, bytes, secs, batch);
 }
 
+/* This rank's share of the training text and of the validation windows for comm (distopt:
+   dopt_shard), and room for its window order; every rank runs the same number of windows. */
+typedef struct text_shard {
+    size_t begin, end, per_rank, nwin, vbegin, vend;
+    size_t *order;
+} text_shard;
+
+static void take_text_shard(const dopt_comm *comm, size_t ntrain, size_t nval_win, int bptt, text_shard *sh) {
+    dopt_shard(ntrain, comm->rank, comm->size, &sh->begin, &sh->end);
+    sh->per_rank = ntrain / (size_t)comm->size;
+    sh->nwin = sh->per_rank > (size_t)bptt ? (sh->per_rank - 1) / (size_t)bptt : 0; /* more with fewer workers */
+    dopt_shard(nval_win, comm->rank, comm->size, &sh->vbegin, &sh->vend);
+    free(sh->order);
+    sh->order = alloc_bytes((sh->nwin ? sh->nwin : 1) * sizeof(size_t));
+}
+
 int main(int argc, char **argv) {
     options o = {NULL, 0, "none", 0, 0, 0, 1, 1, 0, 3, 32, 1.0f, 0, "off", NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, NULL, NULL, 0};
     lstm_options lo = {128, 32, 0, 0, 0, 0};
     lstm m;
     lstm_work work;
     unsigned char *train, *val;
-    size_t ntrain, nval, begin, end, per_rank, nwin, nval_win, vbegin, vend, i, units, rounds = 0;
-    size_t *order, *starts;
+    size_t ntrain, nval, nval_win, i, units, rounds = 0;
+    size_t *starts;
+    text_shard sh = {0, 0, 0, 0, 0, 0, NULL};
     float *params, *grads, *micro, *eval;
     dopt_comm *comm;
     dopt_segment segs[NTENSORS];
-    int compress, sync, adaptive, epoch, nfiles, failed = 0, diverged = 0;
+    int compress, sync, adaptive, epoch, nfiles, failed = 0, diverged = 0, joined;
     dopt_compressor cz;
     dopt_compressor_config ccfg;
     dopt_batch bc;
@@ -515,15 +535,12 @@ int main(int argc, char **argv) {
     baseline = unigram_baseline(train, ntrain, val, nval);
     if (dopt_comm_create_from_env(&comm) != DOPT_OK) return 1; /* distopt: one process per rank from here on */
 
-    dopt_shard(ntrain, comm->rank, comm->size, &begin, &end); /* distopt: this rank's text */
-    per_rank = ntrain / (size_t)comm->size;          /* every rank runs the same number of steps */
-    nwin = per_rank > (size_t)lo.bptt ? (per_rank - 1) / (size_t)lo.bptt : 0;
     nval_win = (nval - 1) / (size_t)lo.bptt;
-    dopt_shard(nval_win, comm->rank, comm->size, &vbegin, &vend); /* validation is shared out too */
-    if (nwin < (size_t)o.batch || nval_win == 0) {
+    take_text_shard(comm, ntrain, nval_win, lo.bptt, &sh); /* distopt: this rank's text and validation windows */
+    if (sh.nwin < (size_t)o.batch || nval_win == 0) {
         if (comm->rank == 0)
             fprintf(stderr, "char_lstm: %zu characters per worker make %zu windows of %d, fewer than a batch of %d\n",
-                    per_rank, nwin, lo.bptt, o.batch);
+                    sh.per_rank, sh.nwin, lo.bptt, o.batch);
         return dopt_comm_finish(comm, 1);
     }
 
@@ -533,7 +550,6 @@ int main(int argc, char **argv) {
     grads = alloc_floats(m.n);
     micro = alloc_floats(m.n);
     eval = alloc_floats(m.n);
-    order = alloc_bytes(nwin * sizeof(size_t));
     starts = alloc_bytes((size_t)o.batch * sizeof(size_t));
     lstm_init(&m, params, o.seed + 1000003u * (uint64_t)comm->rank, 1.0f); /* different on purpose: the broadcast fixes it */
 
@@ -553,15 +569,16 @@ int main(int argc, char **argv) {
     if (compress) dopt_compressor_init(&cz, &ccfg, segs, NTENSORS);
     if (adaptive) dopt_batch_init(&bc, m.n, &bcfg);
     dopt_dp_init(&ls, comm, m.n, &lcfg);
-    dopt_dp_broadcast(&ls, params);
+    joined = ls.joining;                     /* distopt (--elastic): a worker started again with DOPT_JOIN=1 */
+    dopt_dp_broadcast(&ls, params);          /* ... takes the job's state here, not rank 0's model */
     /* CELGC's own rule (sync_grads 0) averages models, never gradients: nothing to mark */
     hooks = (backward_hooks){.dp = lo.overlap && (!o.celgc || lcfg.sync_grads) ? &ls : NULL, .segs = segs, .grads = grads, .micro = micro};
-    timing_init(&tm, (size_t)o.epochs * (nwin / (size_t)o.batch));
+    timing_init(&tm, (size_t)o.epochs * (sh.nwin / (size_t)o.batch));
 
     if (comm->rank == 0) {
         printf("char_lstm: %s, %d worker(s), %zu training characters from %d files (%zu per worker), %zu validation "
                "characters; LSTM hidden %d, %zu parameters, BPTT %d, batch %d windows per worker; ",
-               comm->vt->name, comm->size, ntrain, nfiles, per_rank, nval, lo.hidden, m.n, lo.bptt, o.batch);
+               comm->vt->name, comm->size, ntrain, nfiles, sh.per_rank, nval, lo.hidden, m.n, lo.bptt, o.batch);
         if (o.celgc)
             printf("celgc eta %g gamma %g", o.celgc_eta, o.celgc_gamma);
         else
@@ -575,22 +592,36 @@ int main(int argc, char **argv) {
         fflush(stdout);
     }
     shuffle_rng = dopt_seed_for_rank(o.seed, comm->rank);
-    for (epoch = 1; epoch <= o.epochs && st == DOPT_OK; epoch++) {
+    epoch = 1;
+    if (joined) { /* distopt (--elastic): go on with the members, from the job's step, in their epoch */
+        double e = INFINITY;
+        if (ls.comm != comm) { /* a member was lost while this one came in */
+            dopt_comm_destroy(comm);
+            comm = ls.comm;
+            take_text_shard(comm, ntrain, nval_win, lo.bptt, &sh);
+        }
+        step = ls.step;
+        st = dopt_allreduce(comm, &e, 1, DOPT_F64, DOPT_MIN); /* the members' own, after they took this one in */
+        if (st == DOPT_OK) epoch = (int)e;
+        printf("char_lstm: taken back as rank %d of %d, from step %llu in epoch %d\n", comm->rank, comm->size,
+               (unsigned long long)step, epoch);
+    }
+    for (; epoch <= o.epochs && st == DOPT_OK; epoch++) {
         double loss = 0, t0 = wall_seconds();
         size_t pos = 0, batches = 0, u;
         uint64_t traffic_before = dopt_comm_traffic_total(comm);
-        for (i = 0; i < nwin; i++) order[i] = i;
-        shuffle(order, nwin, &shuffle_rng);
-        if (!step_fits(&o, adaptive ? dopt_batch_units(&bc) : 1, nwin, comm, epoch)) break;
+        for (i = 0; i < sh.nwin; i++) sh.order[i] = i;
+        shuffle(sh.order, sh.nwin, &shuffle_rng);
+        if (!step_fits(&o, adaptive ? dopt_batch_units(&bc) : 1, sh.nwin, comm, epoch)) break;
         while (st == DOPT_OK) {
             units = adaptive ? dopt_batch_units(&bc) : 1;
-            if (pos + units * (size_t)o.batch > nwin) break;
+            if (pos + units * (size_t)o.batch > sh.nwin) break;
             timing_begin(&tm);
             memset(grads, 0, m.n * sizeof(float));
             hooks.scale = 1.0f / (float)units, hooks.backward_secs = 0;
             for (u = 0; u < units; u++) { /* one micro-batch of --batch windows each */
                 int r;
-                for (r = 0; r < o.batch; r++) starts[r] = begin + order[pos++] * (size_t)lo.bptt;
+                for (r = 0; r < o.batch; r++) starts[r] = sh.begin + sh.order[pos++] * (size_t)lo.bptt;
                 hooks.mark = hooks.dp && u + 1 == units; /* the last micro-batch makes the gradient final */
                 loss += loss_and_gradient(&m, params, train, starts, o.batch, lo.bptt, &work, micro, &hooks);
                 batches++;
@@ -623,23 +654,25 @@ int main(int argc, char **argv) {
             }
             timing_end(&tm, hooks.backward_secs);
             step++;
-            if (ls.comm != comm) { /* distopt (--elastic): a worker was lost; the survivors went on */
+            if (ls.comm != comm) { /* distopt (--elastic): a worker was lost (or came back); the job goes on */
+                int grew = ls.comm->size > comm->size;
+                double e = (double)epoch;
                 if (comm->size > 1) train_bytes += (double)(dopt_comm_traffic_total(comm) - traffic_before);
                 dopt_comm_destroy(comm);
                 comm = ls.comm;
                 traffic_before = dopt_comm_traffic_total(comm);
-                dopt_shard(ntrain, comm->rank, comm->size, &begin, &end); /* this rank's share of the lost one's */
-                per_rank = ntrain / (size_t)comm->size;
-                nwin = (per_rank - 1) / (size_t)lo.bptt; /* more than before: fewer workers */
-                dopt_shard(nval_win, comm->rank, comm->size, &vbegin, &vend);
-                free(order);
-                order = alloc_bytes(nwin * sizeof(size_t));
-                for (i = 0; i < nwin; i++) order[i] = i;
-                shuffle(order, nwin, &shuffle_rng); /* the epoch starts over on the new shard */
-                pos = 0;
+                take_text_shard(comm, ntrain, nval_win, lo.bptt, &sh); /* a share of the lost one's, or one for the new */
+                for (i = 0; i < sh.nwin; i++) sh.order[i] = i;
+                shuffle(sh.order, sh.nwin, &shuffle_rng); /* the epoch starts over on the new shard */
+                pos = 0, loss = 0, batches = 0;
                 step = ls.step;
+                /* a survivor a round ahead may have begun the next epoch: all go on in the earliest (a
+                   worker taken back gives +inf: it learns the epoch here) */
+                st = lost_worker_later(lo.elastic, dopt_allreduce(comm, &e, 1, DOPT_F64, DOPT_MIN));
+                if (st == DOPT_OK) epoch = (int)e;
                 if (comm->rank == 0)
-                    printf("lost a worker: %d go on, from step %llu\n", comm->size, (unsigned long long)step);
+                    printf("%s: %d go on, from step %llu\n", grew ? "a worker came back" : "lost a worker", comm->size,
+                           (unsigned long long)step);
             }
             if (adaptive) batch_report_step(&brep, &bc);
         }
@@ -647,7 +680,7 @@ int main(int argc, char **argv) {
         train_secs += wall_seconds() - t0;
         if (comm->size > 1) train_bytes += (double)(dopt_comm_traffic_total(comm) - traffic_before);
         loss /= (double)(batches ? batches : 1);
-        st = epoch_figures(comm, sync, &m, params, eval, val, vbegin, vend, lo.bptt, &work, &loss, &val_loss);
+        st = epoch_figures(comm, sync, &m, params, eval, val, sh.vbegin, sh.vend, lo.bptt, &work, &loss, &val_loss);
         if (st != DOPT_OK && (st = lost_worker_later(lo.elastic, st)) == DOPT_OK)
             continue; /* distopt (--elastic): no figures this epoch; the driver's next call takes the loss up */
         if (st != DOPT_OK) break;
@@ -667,8 +700,8 @@ int main(int argc, char **argv) {
             double loss = NAN;
             dopt_comm_destroy(comm);
             comm = ls.comm;
-            dopt_shard(nval_win, comm->rank, comm->size, &vbegin, &vend);
-            st = epoch_figures(comm, sync, &m, params, eval, val, vbegin, vend, lo.bptt, &work, &loss, &val_loss);
+            take_text_shard(comm, ntrain, nval_win, lo.bptt, &sh);
+            st = epoch_figures(comm, sync, &m, params, eval, val, sh.vbegin, sh.vend, lo.bptt, &work, &loss, &val_loss);
             if (comm->rank == 0 && st == DOPT_OK)
                 printf("lost a worker: %d went on to the end; validation %.5g nats/char\n", comm->size, val_loss);
         }
@@ -698,7 +731,7 @@ int main(int argc, char **argv) {
     if (csv) fclose(csv);
     if (adaptive) dopt_batch_free(&bc);
     if (compress) dopt_compressor_free(&cz);
-    free(train), free(val), free(params), free(grads), free(micro), free(eval), free(order), free(starts);
+    free(train), free(val), free(params), free(grads), free(micro), free(eval), free(sh.order), free(starts);
     work_free(&work);
     return dopt_comm_finish(comm, failed); /* distopt: other ranks exit; rank 0 gets the job's status; a failure's
                                               detail is printed */

@@ -13,6 +13,8 @@
        DOPT_ON_PEER_LOST=shrink DOPT_RANK=r DOPT_WORLD_SIZE=4 DOPT_MASTER_PORT=29500 build/elastic_sgd
        DOPT_ON_PEER_LOST=shrink DOPT_JOIN=1 DOPT_MASTER_PORT=29500 build/elastic_sgd   (one comes back)
        (tests/elastic_trials.c starts four, kills one and starts it again: make elastic-test)
+       DOPT_TRANSPORT=shm DOPT_SHM_NAME=job7 DOPT_RANK=r DOPT_WORLD_SIZE=4 build/elastic_sgd
+       (the ranks of one host through shared memory: the survivors go on; nobody comes back)
 
    Flags: --steps N (default 8000), --period N (4), --step-us N (a compute step's time, slept;
    0), --seed N. Prints, per rank, one line: "elastic_sgd: rank R of N (was rank O of W):
@@ -24,6 +26,7 @@
 #define DISTOPT_IMPLEMENTATION
 #include "distopt.h"
 #include "transport_tcp.h"
+#include "transport_shm.h"
 #include "localsgd.h"
 
 #include <math.h>
@@ -100,7 +103,14 @@ int main(int argc, char **argv) {
     base.on_peer_lost = DOPT_SHRINK; /* distopt: DOPT_ON_PEER_LOST and DOPT_MIN_RANKS may say otherwise */
     base.timeout_ms = 10000;         /* a silent worker is taken for lost after 10 s (DOPT_TIMEOUT_MS) */
     base.log_fn = log_line;
-    if (dopt_tcp_create_from_env(&comm, &base) != DOPT_OK) return 1;
+    if (getenv("DOPT_TRANSPORT") && strcmp(getenv("DOPT_TRANSPORT"), "shm") == 0) { /* one host, shared memory */
+        dopt_shm_config shm;
+        memset(&shm, 0, sizeof shm);
+        shm.on_peer_lost = base.on_peer_lost, shm.timeout_ms = base.timeout_ms, shm.log_fn = log_line;
+        if (dopt_shm_config_from_env(&shm) != DOPT_OK || dopt_shm_create(&comm, &shm) != DOPT_OK) return 1;
+    } else if (dopt_tcp_create_from_env(&comm, &base) != DOPT_OK) {
+        return 1;
+    }
     world = comm->size;
     old_rank = comm->rank;
 

@@ -3,7 +3,7 @@
 # over shared memory in fp32, with TernGrad, with local SGD and compressed deltas, with CELGC at
 # period 4, with DiLoCo's outer optimizer at period 8, and over MPI — and must report failure when the step size makes SGD diverge;
 # fmnist_mlp must run one short epoch, with fixed and with adaptive batches; char_lstm --elastic on
-# must survive a killed worker; fmnist_mlp and char_lstm must end with the same parameters, bit for bit, with --overlap on (gradients handed to the driver
+# must survive a killed worker and take it back when it is started again; fmnist_mlp and char_lstm must end with the same parameters, bit for bit, with --overlap on (gradients handed to the driver
 # during backward) as with --overlap off, and print the timing line; perf_model must
 # measure its ingredients and predict, size overlapped steps' buckets with the driver's own rule,
 # and project to 1024 ranks. Usage: tests/check_examples.sh BUILD_DIR (tests/run.sh passes it); builds the
@@ -114,19 +114,24 @@ else
 fi
 
 # char_lstm --elastic on: three workers over TCP on loopback (CELGC, local SGD at period 4), rank 0
-# killed (SIGKILL) once its first epoch's row is out, in the second epoch's training; both
-# survivors must exit 0, the new rank 0 must say it went on, print the later epochs and converge.
-# Tried again on another port when rank 0 could not listen on the first.
+# killed (SIGKILL) once its first epoch's row is out, in the second epoch's training, and started
+# again at once with DOPT_JOIN=1 (ranks 1 and 2 listen on known ports, DOPT_JOIN_PEERS names them:
+# nobody listens at rank 0's address any more). Both survivors and the joiner must exit 0 (the
+# closing dopt_dp_close found the replicas identical), the survivors must say they went on and
+# took a worker back, the joiner that it was taken back, and the later epochs must converge.
+# Tried again on other ports when one of them was taken.
 char_lstm_survives_a_lost_worker() {
     dir=$(mktemp -d)
     port=$((30000 + $$ % 20000))
     for attempt in 1 2 3; do
-        port=$((port + 1))
+        port=$((port + 4))
         for r in 0 1 2; do
+            listen=0
+            [ $r -gt 0 ] && listen=$((port + r))
             DOPT_TRANSPORT=tcp DOPT_RANK=$r DOPT_WORLD_SIZE=3 DOPT_MASTER_ADDR=127.0.0.1 DOPT_MASTER_PORT=$port \
-                DOPT_TOKEN="lstm-elastic-$$" DOPT_ON_PEER_LOST=shrink "$BUILD/char_lstm" --train-limit 60000 \
-                --val-limit 4000 --batch 16 --epochs 4 --seed 7 --celgc 30,3 --period 4 --elastic on \
-                >"$dir/$r.out" 2>"$dir/$r.err" &
+                DOPT_LISTEN_PORT=$listen DOPT_TOKEN="lstm-elastic-$$" DOPT_ON_PEER_LOST=shrink "$BUILD/char_lstm" \
+                --train-limit 60000 --val-limit 4000 --batch 16 --epochs 4 --seed 7 --celgc 30,3 --period 4 \
+                --elastic on >"$dir/$r.out" 2>"$dir/$r.err" &
             eval "pid$r=\$!"
         done
         i=0
@@ -135,19 +140,29 @@ char_lstm_survives_a_lost_worker() {
             i=$((i + 1))
         done
         kill -9 "$pid0" 2>/dev/null
+        DOPT_TRANSPORT=tcp DOPT_JOIN=1 DOPT_MASTER_ADDR=127.0.0.1 DOPT_MASTER_PORT=$port \
+            DOPT_JOIN_PEERS="127.0.0.1:$((port + 1)),127.0.0.1:$((port + 2))" DOPT_LISTEN_PORT=$((port + 3)) \
+            DOPT_TOKEN="lstm-elastic-$$" DOPT_ON_PEER_LOST=shrink "$BUILD/char_lstm" --train-limit 60000 \
+            --val-limit 4000 --batch 16 --epochs 4 --seed 7 --celgc 30,3 --period 4 --elastic on \
+            >"$dir/j.out" 2>"$dir/j.err" &
+        pidj=$!
         wait "$pid1"; s1=$?
         wait "$pid2"; s2=$?
+        wait "$pidj"; sj=$?
         wait "$pid0" 2>/dev/null
-        grep -q "in use" "$dir/0.err" || break
+        grep -q "in use" "$dir"/*.err || break
     done
     survivors=$(cat "$dir/1.out" "$dir/2.out")
-    if grep -q '^    1 ' "$dir/0.out" && [ "$s1" -eq 0 ] && [ "$s2" -eq 0 ] &&
+    if grep -q '^    1 ' "$dir/0.out" && [ "$s1" -eq 0 ] && [ "$s2" -eq 0 ] && [ "$sj" -eq 0 ] &&
         printf '%s\n' "$survivors" | grep -q '^lost a worker: 2 go on' &&
+        printf '%s\n' "$survivors" | grep -q '^a worker came back: 3 go on' &&
+        grep -q '^char_lstm: taken back as rank 2 of 3' "$dir/j.out" &&
         printf '%s\n' "$survivors" | grep -q '^    4 ' &&
         printf '%s\n' "$survivors" | grep -q ': converged$'; then
-        echo "ok   char_lstm --elastic on: rank 0 of 3 killed in epoch 2, the survivors converged"
+        echo "ok   char_lstm --elastic on: rank 0 of 3 killed in epoch 2, started again and taken back, converged"
     else
-        echo "FAIL char_lstm --elastic on: rank 0 of 3 killed in epoch 2 (survivors exited $s1 and $s2)"
+        echo "FAIL char_lstm --elastic on: rank 0 of 3 killed in epoch 2 and started again (survivors exited $s1 and" \
+            "$s2, the joiner $sj)"
         tail -n 4 "$dir"/*.out "$dir"/*.err
         failed=1
     fi

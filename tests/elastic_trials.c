@@ -15,17 +15,25 @@
    state: a worker other than rank 0 is killed and started again as above, and rank 0 is killed
    the moment it says it took the joiner in (its log's "takes in", before the state is sent):
    the trial survives when the two other members and the joiner end with the same model, the
-   joiner having taken the state from another member. Prints per trial a line and, last:
+   joiner having taken the state from another member. On the cluster, 5 more trials cut a random
+   worker's host off (its link down, then its rank killed: no FIN, no RST reaches anyone) with
+   DOPT_DEAD_AFTER_MS=1000 on every worker: the survivors' heartbeat gives up on it, they shrink
+   and train on; the time to recover is from the cut (no restart in these). Prints per trial a
+   line and, last:
        elastic transport=tcp trials=N survived=S rejoined=J hangs=H max_recover_ms=M
        state_MBps=X link_MBps=0 min_ranks_ok=1 links=... restarted=R state_bytes=B
-       sender_trials=5 sender_killed=K sender_survived=V
+       sender_trials=5 sender_killed=K sender_survived=V silent_trials=5|0 silent_survived=W
+       silent_max_recover_ms=Z
    (on loopback, state_MBps and link_MBps are bench_rejoin's, run after the trials: a joiner
    taking a 32 MB model, and a raw TCP stream of the same bytes; B is then its state's bytes.
    On the cluster, or without build/bench_rejoin, state_MBps is the median over the trials of
    the joiner's transfer of a 16-float model, a latency more than a rate, and link_MBps 0).
    Exits 1 when a trial did not survive or hung, a worker started again was not taken back, or a
    sender trial did not kill rank 0 or did not survive it.
-   Usage: elastic_trials [BUILD_DIR] [TRIALS] [ADDRS|-] [mlp]: with ADDRS, rank r runs on the
+   Usage: elastic_trials [BUILD_DIR] [TRIALS] [ADDRS|-|shm] [mlp]: with shm, the workers run over
+   shared memory (DOPT_TRANSPORT=shm, a job name of their own): no worker is started again (shm
+   takes nobody back) and there are no sender trials; the line says transport=shm links=shm. With
+   ADDRS, rank r runs on the
    simulated cluster's host r (scripts/cluster.sh exec r; the cluster must be up with 4 hosts,
    ADDRS the hosts' addresses "a0,a1,a2,a3", or host 0's alone, when a killed rank 0 is not
    started again: tests/elastic_cluster.sh gives all four) and the line says links=cluster, else
@@ -58,6 +66,8 @@
 #define TRIAL_LIMIT_MS 60000
 #define SENDER_TRIALS 5 /* after the others: a worker killed and started again, then rank 0 killed as it
                            begins to send it the job's state */
+#define SILENT_TRIALS 5 /* on the cluster, last: a host cut off, then its rank killed (no FIN, no RST) */
+#define SILENT_DEAD_AFTER_MS "1000" /* the heartbeat those trials run with (DOPT_DEAD_AFTER_MS) */
 
 static uint64_t next_random(uint64_t *s) { /* splitmix64 */
     uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
@@ -119,6 +129,8 @@ typedef struct outcome {
 static const char *cluster_master; /* NULL: every rank on loopback */
 static char host_addr[WORKERS][64]; /* where rank r runs; "": not known (a killed rank 0 stays dead) */
 static int mlp;                    /* 1: build/fmnist_mlp, else build/elastic_sgd */
+static int silent_cut;             /* the trial cuts the victim's host off before the kill */
+static int shm;                    /* 1: over shared memory (DOPT_TRANSPORT=shm), no worker started again */
 
 static double mono_ms(void) { /* fmnist_mlp's clock */
     struct timespec ts;
@@ -126,8 +138,8 @@ static double mono_ms(void) { /* fmnist_mlp's clock */
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
-/* Every rank said that the job formed (the TCP transport's "tcp rank R of 4: rendezvous at ..."
-   on its stderr): a kill before that would be a rank lost during the rendezvous, which waits for
+/* Every rank said that the job formed (the TCP transport's "tcp rank R of 4: rendezvous at ...",
+   shm's "shm rank R of 4: job ..." on its stderr): a kill before that would be a rank lost during the rendezvous, which waits for
    it to come back (transport_tcp.h: STARTING UP), not what these trials measure. */
 static int job_formed(const char *dir) {
     int r;
@@ -137,7 +149,7 @@ static int job_formed(const char *dir) {
         FILE *f;
         snprintf(path, sizeof path, "%s/rank0.log", dir);
         if ((f = fopen(path, "r")) == NULL) return 0;
-        while (!seen && fgets(line, sizeof line, f)) seen = strstr(line, "fmnist_mlp: tcp") != NULL;
+        while (!seen && fgets(line, sizeof line, f)) seen = strstr(line, shm ? "fmnist_mlp: shm" : "fmnist_mlp: tcp") != NULL;
         fclose(f);
         return seen;
     }
@@ -147,7 +159,7 @@ static int job_formed(const char *dir) {
         FILE *f;
         snprintf(path, sizeof path, "%s/rank%d.err", dir, r);
         if ((f = fopen(path, "r")) == NULL) return 0;
-        while (!seen && fgets(line, sizeof line, f)) seen = strstr(line, "rendezvous at") != NULL;
+        while (!seen && fgets(line, sizeof line, f)) seen = strstr(line, shm ? ": job '" : "rendezvous at") != NULL;
         fclose(f);
         if (!seen) return 0;
     }
@@ -173,8 +185,13 @@ static pid_t spawn_worker(const char *exe, const char *dir, int slot, int r, int
         setenv("DOPT_ON_PEER_LOST", "shrink", 1);
         snprintf(v, sizeof v, "%d", min_ranks);
         setenv("DOPT_MIN_RANKS", v, 1);
-        setenv("DOPT_TRANSPORT", "tcp", 1);
+        setenv("DOPT_TRANSPORT", shm ? "shm" : "tcp", 1);
+        if (shm) { /* a job's name: this harness's pid and the job's ports, which no other job holds */
+            snprintf(path, sizeof path, "elastic-trials-%d-%d", (int)getppid(), port);
+            setenv("DOPT_SHM_NAME", path, 1);
+        }
         setenv("OPENBLAS_NUM_THREADS", "1", 1);
+        if (silent_cut) setenv("DOPT_DEAD_AFTER_MS", SILENT_DEAD_AFTER_MS, 1);
         if (slot > 0) { /* rank r > 0 at rank 0's port + r; a restarted rank 0 at + WORKERS */
             snprintf(v, sizeof v, "%d", port + (r > 0 ? r : WORKERS));
             setenv("DOPT_LISTEN_PORT", v, 1);
@@ -226,6 +243,14 @@ static int says_in(const char *dir, int r, const char *ext, const char *words) {
 static int says(const char *dir, int r, const char *words) { return says_in(dir, r, "err", words); }
 static int says_log(const char *dir, int r, const char *words) { return says_in(dir, r, "log", words); }
 
+/* The cluster's host r's link up or down (scripts/cluster.sh's namespaces). */
+static void host_link(int r, const char *updown) {
+    char cmd[256];
+    const char *cluster = getenv("DOPT_CLUSTER");
+    snprintf(cmd, sizeof cmd, "ip -n %s-h%d link set eth0 %s", cluster ? cluster : "dopt", r, updown);
+    if (system(cmd) != 0) fprintf(stderr, "elastic_trials: %s failed\n", cmd);
+}
+
 /* rejoin: the killed worker is started again REJOIN_AFTER_MS after the kill, as a joiner (rank 0
    only when the other hosts' addresses are known). */
 #define REJOIN_AFTER_MS 200
@@ -254,6 +279,7 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
         double now = wall_ms();
         if (formed == 0 && job_formed(dir)) formed = now; /* the kill comes after the rendezvous */
         if (victim >= 0 && *kill_ms == 0 && formed > 0 && now - formed >= delay_ms && pids[victim] > 0) {
+            if (silent_cut) host_link(victim, "down"); /* nothing leaves its host, not even its death */
             kill(pids[victim], SIGKILL);
             *kill_ms = mlp ? mono_ms() : wall_ms();
             killed_at = now;
@@ -289,6 +315,7 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
         }
         usleep(1000);
     }
+    if (silent_cut && killed_at > 0) host_link(victim, "up");
     for (r = 0; r < SLOTS; r++) {
         char path[600];
         FILE *f;
@@ -362,7 +389,7 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
         double acc, resumed = 0;
         int came_back;
         /* started again when killed in the first half: a worker loads the data before it asks */
-        run_job(build, dir, victim, delay, 0, delay < span / 2, 0, &kill_ms, &out);
+        run_job(build, dir, victim, delay, 0, delay < span / 2 && !shm, 0, &kill_ms, &out);
         hangs += out.hung;
         ok = !out.hung && kill_ms > 0;
         for (r = 0; r < WORKERS && ok; r++) {
@@ -395,11 +422,11 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
                 printf("  %s %d: %s | stderr: %s\n", r < WORKERS ? "rank" : "joiner", r < WORKERS ? r : victim,
                        out.line[r][0] ? out.line[r] : "(nothing)", out.err[r]);
     }
-    printf("elastic transport=tcp model=mlp trials=%d survived=%d rejoined=%d hangs=%d max_recover_ms=%.0f state_MBps=0 "
+    printf("elastic transport=%s model=mlp trials=%d survived=%d rejoined=%d hangs=%d max_recover_ms=%.0f state_MBps=0 "
            "link_MBps=0 acc_undisturbed=%.2f acc_min=%.2f acc_max=%.2f max_drop=%.2f within_half_point=%d links=%s "
            "restarted=%d\n",
-           trials, survived, rejoined, hangs, max_recover, base, lo, hi, base - lo, within,
-           cluster_master ? "cluster" : "loopback", restarted);
+           shm ? "shm" : "tcp", trials, survived, rejoined, hangs, max_recover, base, lo, hi, base - lo, within,
+           cluster_master ? "cluster" : shm ? "shm" : "loopback", restarted);
     return survived == trials && hangs == 0 && rejoined == restarted ? 0 : 1;
 }
 
@@ -407,12 +434,15 @@ int main(int argc, char **argv) {
     const char *build = argc > 1 ? argv[1] : "build";
     int trials = argc > 2 ? atoi(argv[2]) : 20, t, r, survived = 0, hangs = 0, min_ranks_ok = 1;
     double max_recover = 0, rates[256], state_MBps = 0, link_MBps = 0;
-    int nrates = 0, restarted = 0, rejoined = 0, sender_killed = 0, sender_survived = 0;
+    int nrates = 0, restarted = 0, rejoined = 0, sender_killed = 0, sender_survived = 0, silent_survived = 0;
+    double silent_recover = 0;
+    int sender_trials, silent_trials;
     size_t state_bytes = 0;
     uint64_t rng = 20261128;
     char dir[] = "/tmp/distopt-elastic-XXXXXX";
     outcome out;
-    cluster_master = argc > 3 && strcmp(argv[3], "-") ? argv[3] : NULL;
+    shm = argc > 3 && strcmp(argv[3], "shm") == 0;
+    cluster_master = argc > 3 && strcmp(argv[3], "-") && !shm ? argv[3] : NULL;
     for (r = 0; r < WORKERS; r++) snprintf(host_addr[r], sizeof host_addr[r], "%s", cluster_master ? "" : "127.0.0.1");
     if (cluster_master) { /* "a0,a1,a2,a3", or a0 alone */
         static char first[64];
@@ -428,6 +458,8 @@ int main(int argc, char **argv) {
         cluster_master = first;
     }
     mlp = argc > 4 && strcmp(argv[4], "mlp") == 0;
+    sender_trials = shm ? 0 : SENDER_TRIALS; /* shm takes no worker back */
+    silent_trials = cluster_master ? SILENT_TRIALS : 0;
     if (!mkdtemp(dir)) {
         perror("elastic_trials: mkdtemp");
         return 1;
@@ -437,14 +469,17 @@ int main(int argc, char **argv) {
         remove_scratch(dir);
         return status;
     }
-    for (t = 0; t < trials + SENDER_TRIALS; t++) {
-        int sender = t >= trials; /* then rank 0 is killed too, as it sends the joiner the state */
+    for (t = 0; t < trials + sender_trials + silent_trials; t++) {
+        int sender = t >= trials && t < trials + sender_trials; /* then rank 0 is killed too, as it sends the joiner the state */
+        int silent = t >= trials + sender_trials;
         int victim = sender ? 1 + (int)(next_random(&rng) % (WORKERS - 1)) : (int)(next_random(&rng) % WORKERS);
         int delay = 150 + (int)(next_random(&rng) % 1000), ok = 1;
         int came_back = 1;
         unsigned long long model = 0;
         double kill_ms, resumed = 0;
-        run_job(build, dir, victim, delay, 0, 1, sender, &kill_ms, &out);
+        silent_cut = silent;
+        run_job(build, dir, victim, delay, 0, !silent && !shm, sender, &kill_ms, &out);
+        silent_cut = 0;
         hangs += out.hung;
         ok = !out.hung;
         for (r = 0; r < WORKERS && ok; r++) {
@@ -481,7 +516,10 @@ int main(int argc, char **argv) {
         } else {
             came_back = 0;
         }
-        if (sender) {
+        if (silent) {
+            silent_survived += ok;
+            if (ok && resumed - kill_ms > silent_recover) silent_recover = resumed - kill_ms;
+        } else if (sender) {
             sender_killed += out.sender_killed;
             sender_survived += out.sender_killed && ok && came_back;
         } else {
@@ -490,8 +528,8 @@ int main(int argc, char **argv) {
             if (ok) survived++;
             if (ok && resumed - kill_ms > max_recover) max_recover = resumed - kill_ms;
         }
-        printf("trial %d: killed rank %d %d ms after the job formed: %s, training again %.0f ms after the kill%s%s\n", t,
-               victim, delay, out.hung ? "HUNG" : ok ? "survivors identical and converged" : "FAILED",
+        printf("trial %d: %s rank %d %d ms after the job formed: %s, training again %.0f ms after the kill%s%s\n", t,
+               silent ? "cut off the host of, then killed," : "killed", victim, delay, out.hung ? "HUNG" : ok ? "survivors identical and converged" : "FAILED",
                ok ? resumed - kill_ms : 0.0,
                !out.restarted ? "" : came_back ? "; started again, taken back, ended with the same model"
                                                : "; started again, NOT taken back",
@@ -527,7 +565,7 @@ int main(int argc, char **argv) {
             }
         state_MBps = rates[nrates / 2];
     }
-    if (!cluster_master) { /* the rate with a model worth timing, against a raw stream: bench_rejoin */
+    if (!cluster_master && !shm) { /* the rate with a model worth timing, against a raw stream: bench_rejoin */
         char cmd[600], line[512];
         FILE *p;
         double st = 0, lk = 0, mb = 0;
@@ -545,14 +583,15 @@ int main(int argc, char **argv) {
             pclose(p);
         }
     }
-    printf("elastic transport=tcp trials=%d survived=%d rejoined=%d hangs=%d max_recover_ms=%.0f state_MBps=%.1f "
+    printf("elastic transport=%s trials=%d survived=%d rejoined=%d hangs=%d max_recover_ms=%.0f state_MBps=%.1f "
            "link_MBps=%.0f min_ranks_ok=%d links=%s restarted=%d state_bytes=%zu sender_trials=%d sender_killed=%d "
-           "sender_survived=%d\n",
-           trials, survived, rejoined, hangs, max_recover, state_MBps, link_MBps, min_ranks_ok,
-           cluster_master ? "cluster" : "loopback", restarted, state_bytes, SENDER_TRIALS, sender_killed,
-           sender_survived);
+           "sender_survived=%d silent_trials=%d silent_survived=%d silent_max_recover_ms=%.0f\n",
+           shm ? "shm" : "tcp", trials, survived, rejoined, hangs, max_recover, state_MBps, link_MBps, min_ranks_ok,
+           cluster_master ? "cluster" : shm ? "shm" : "loopback", restarted, state_bytes, sender_trials, sender_killed,
+           sender_survived, silent_trials, silent_survived, silent_recover);
     return survived == trials && hangs == 0 && min_ranks_ok && rejoined == restarted &&
-                   sender_killed == SENDER_TRIALS && sender_survived == sender_killed
+                   sender_killed == sender_trials && sender_survived == sender_killed &&
+                   silent_survived == silent_trials
                ? 0
                : 1;
 }

@@ -522,6 +522,16 @@ mutate shrink-ignores-a-groups-failure distopt.h \
     '    else if (c->error == DOPT_OK)' test_shrink:in_a_group
 mutate listen-port-ignored transport_tcp.h \
     '(uint32_t)cfg->listen_port, &t->lfd, &port);' '0, &t->lfd, &port);' test_tcp:listen_port
+mutate shm-shrink-ignores-min-ranks transport_shm.h \
+    '        if (m < c->min_ranks)' '        if (m < 0)' test_shrink:shm_fewer
+mutate shm-join-does-not-watch-the-failed-job transport_shm.h \
+    '        if (probe && s->watch && __atomic_load_n(&cold->pid, __ATOMIC_ACQUIRE) == 0 &&' \
+    '        if (probe && s->watch == (void *)1 && __atomic_load_n(&cold->pid, __ATOMIC_ACQUIRE) == 0 &&' \
+    test_shrink:shm_a_member_lost_after
+mutate shm-agreement-waits-for-nobody transport_shm.h \
+    '!dopt__shm_rank_dead(s, q))
+                pending++;' '!dopt__shm_rank_dead(s, q))
+                (void)pending;' test_shrink:shm_survivors
 mutate heartbeat-never-sent transport_tcp.h \
     '(void)sendto(h->ufd, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL, (struct sockaddr *)&ss, len);' \
     '(void)ss, (void)len;' test_tcp:heartbeat

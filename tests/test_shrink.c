@@ -18,6 +18,7 @@
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_tcp.h"
+#include "../transport_shm.h"
 #include "../localsgd.h"
 #include "dtest.h"
 
@@ -205,6 +206,9 @@ typedef struct sh_plan {
     int lead_dies;            /* driver, rejoin: rank 0 dies the moment its driver took the joiner in */
     int group;                /* 1: the collectives before the kill run on a group of every rank (split), and
                                  the survivors shrink the communicator the transport made */
+    int shm;                  /* 1: over shared memory (transport_shm.h) instead of TCP */
+    int second_late;          /* 1: `second` dies once the survivors agreed, before it joins their job (shm:
+                                 on its log's "agreed on ranks") */
 } sh_plan;
 
 typedef struct sh_report {
@@ -222,6 +226,7 @@ typedef struct sh_report {
 typedef struct sh_world {
     sh_plan plan;
     int port_pipe[2], report_pipe[2];
+    char shm_name[64];        /* plan.shm: the job's name */
 } sh_world;
 
 static void sh_on_listen(void *user, int port) {
@@ -251,10 +256,13 @@ static void sh_stranger(const dopt__tcp *t, int r) {
     if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) (void)!write(fd, hello, sizeof hello);
 }
 
+static int sh_die_when_agreed; /* this rank dies the moment the survivors agreed (plan.second_late) */
+
 static void sh_log(void *user, dopt_log_level level, const char *msg) {
     (void)user;
     (void)level;
     if (getenv("SHRINK_TEST_LOG")) fprintf(stderr, "    [%d] %s\n", (int)getpid(), msg);
+    if (sh_die_when_agreed && strstr(msg, "agreed on ranks")) raise(SIGKILL);
 }
 
 /* ===================================================================== THE DRIVER GOES ON (localsgd.h: ELASTIC) */
@@ -414,10 +422,25 @@ static void sh_rank(int rank, void *arg) {
     if (rank == 0) {
         cfg.on_listen = sh_on_listen;
         cfg.on_listen_user = w;
-    } else {
+    } else if (!P->shm) {
         cfg.master_port = dtest_read_int(w->port_pipe[0], "rank 0's port");
     }
-    DT_OK(dopt_tcp_create(&c, &cfg));
+    if (P->shm) {
+        dopt_shm_config scfg;
+        memset(&scfg, 0, sizeof scfg);
+        scfg.name = w->shm_name;
+        scfg.rank = rank;
+        scfg.size = P->n;
+        scfg.timeout_ms = cfg.timeout_ms;
+        scfg.engine = P->thread_us > 0; /* a progress thread needs the engine */
+        scfg.on_peer_lost = DOPT_SHRINK;
+        scfg.min_ranks = P->min_ranks;
+        scfg.log_fn = sh_log;
+        DT_OK(dopt_shm_create(&c, &scfg));
+        if (P->thread_us > 0) DT_OK(dopt_comm_set_progress_thread(c, P->thread_us));
+    } else {
+        DT_OK(dopt_tcp_create(&c, &cfg));
+    }
     DT_CHECK(c->on_peer_lost == DOPT_SHRINK && c->epoch == 0 && c->lost_rank == -1);
     rep.old_rank = rank;
     if (P->stranger) {
@@ -441,7 +464,8 @@ static void sh_rank(int rank, void *arg) {
     DT_CHECKF(s == (P->stop ? DOPT_ERR_TIMEOUT : DOPT_ERR_PEER_LOST), "rank %d: %s", rank,
               dopt_comm_detail(g ? g : c));
     if (g) dopt_comm_destroy(g); /* its failure is c's: c shrinks */
-    if (rank == P->second) raise(SIGKILL);
+    if (rank == P->second && !P->second_late) raise(SIGKILL);
+    sh_die_when_agreed = rank == P->second && P->second_late;
     /* shrink until a communicator runs its collectives (a death during the agreement may take
        a second one) */
     for (;;) {
@@ -520,8 +544,10 @@ static int sh_run(const sh_plan *plan, sh_report *rep) {
     pid_t pids[SH_MAXN + 1];
     int r, got = 0, left;
     double deadline = dtest_now_ms() + 90000;
+    static int jobs;
     memset(&w, 0, sizeof w);
     w.plan = *plan;
+    snprintf(w.shm_name, sizeof w.shm_name, "shrink-test-%d-%d", (int)getpid(), jobs++);
     DT_CHECK(pipe(w.port_pipe) == 0 && pipe(w.report_pipe) == 0);
     fflush(stdout);
     for (r = 0; r < plan->n; r++) {
@@ -660,6 +686,80 @@ DTEST(tcp_a_stopped_rank_is_left_out_after_the_timeout) {
     }
 }
 
+DTEST(shm_survivors_of_a_killed_rank_go_on_renumbered) {
+    sh_plan p = {4, 2, 3, -1, 0, 0, 8};
+    sh_report rep[SH_MAXN];
+    int got;
+    p.shm = 1;
+    got = sh_run(&p, rep);
+    sh_check_went_on(&p, rep, got, 1);
+    DT_EQ_INT(rep[0].lost_rank, 2);
+}
+
+DTEST(shm_survivors_go_on_when_rank_0_is_the_one_lost_and_on_the_engine_with_a_progress_thread) {
+    sh_plan p = {4, 0, 2, -1, 0, 0, 8};
+    sh_report rep[SH_MAXN];
+    int got;
+    p.shm = 1;
+    got = sh_run(&p, rep);
+    sh_check_went_on(&p, rep, got, 1);
+    DT_EQ_INT(rep[0].members[0], 1);
+    p.victim = 1, p.victim_step = 3, p.thread_us = 100;
+    got = sh_run(&p, rep);
+    sh_check_went_on(&p, rep, got, 1);
+}
+
+DTEST(shm_a_second_death_while_the_survivors_agree_leaves_two) {
+    int lost;
+    for (lost = 0; lost < 3; lost++) { /* the second to die: below, between and above the first */
+        sh_plan p = {5, 2, 2, -1, 0, 0, 8};
+        sh_report rep[SH_MAXN];
+        int got;
+        p.shm = 1;
+        p.second = lost == 0 ? 0 : lost == 1 ? 1 : 4;
+        got = sh_run(&p, rep);
+        sh_check_went_on(&p, rep, got, 2);
+    }
+}
+
+DTEST(shm_a_member_lost_after_the_decision_is_left_out_at_the_next_attempt) {
+    int lost;
+    for (lost = 0; lost < 2; lost++) { /* below and above the first to die */
+        sh_plan p = {5, 2, 2, -1, 0, 0, 8};
+        sh_report rep[SH_MAXN];
+        int got;
+        p.shm = 1;
+        p.second = lost == 0 ? 0 : 4;
+        p.second_late = 1;
+        got = sh_run(&p, rep);
+        sh_check_went_on(&p, rep, got, 2);
+    }
+}
+
+DTEST(shm_a_stopped_rank_is_left_out_after_the_timeout) {
+    sh_plan p = {4, 3, 2, -1, 0, 0, 8, 1, 1500};
+    sh_report rep[SH_MAXN];
+    int got;
+    p.shm = 1;
+    got = sh_run(&p, rep);
+    sh_check_went_on(&p, rep, got, 1);
+    DT_EQ_INT(rep[0].lost_rank, 3);
+}
+
+DTEST(shm_fewer_survivors_than_min_ranks_fail_everywhere_with_the_reason) {
+    sh_plan p = {4, 1, 2, -1, 4, 0, 8};
+    sh_report rep[SH_MAXN];
+    int got, i;
+    p.shm = 1;
+    got = sh_run(&p, rep);
+    DT_EQ_INT(got, 3);
+    for (i = 0; i < got; i++) {
+        DT_EQ_INT(rep[i].status, DOPT_ERR_PEER_LOST);
+        DT_CHECKF(strstr(rep[i].detail, "3 of 4 ranks survive") && strstr(rep[i].detail, "min_ranks 4"), "%s",
+                  rep[i].detail);
+    }
+}
+
 DTEST(tcp_strangers_at_the_listening_sockets_do_not_disturb_the_shrink) {
     sh_plan p = {4, 1, 2, -1, 0, 1, 8};
     sh_report rep[SH_MAXN];
@@ -766,27 +866,52 @@ DTEST(tcp_elastic_driver_averages_over_the_survivors_and_goes_on) {
     }
 }
 
+DTEST(shm_elastic_driver_averages_over_the_survivors_and_goes_on) {
+    static const int victims[][3] = {{2, 11, 0}, {0, 23, 1}}; /* victim, its step, outer */
+    size_t v;
+    for (v = 0; v < sizeof victims / sizeof victims[0]; v++) {
+        sh_plan p;
+        sh_report rep[SH_MAXN];
+        memset(&p, 0, sizeof p);
+        p.n = 4;
+        p.victim = victims[v][0];
+        p.victim_step = victims[v][1];
+        p.outer = victims[v][2];
+        p.second = -1;
+        p.steps = 80;
+        p.driver = 1;
+        p.shm = 1;
+        el_check(&p, rep, sh_run(&p, rep));
+    }
+}
+
 /* The victim dies at a random moment, inside an average or between: whichever survivors' averages
-   completed, every replica ends identical. Says how many trials took a survivor's state. */
-DTEST(tcp_elastic_driver_ends_with_identical_replicas_whenever_the_rank_dies) {
+   completed, every replica ends identical. Says how many trials took a survivor's state. Over TCP,
+   then (fewer trials) over shared memory. */
+static void el_random_deaths(int shm, int trials) {
     uint64_t rng = 77;
-    int t, ahead = 0, trials = 12;
+    int t, ahead = 0;
     for (t = 0; t < trials; t++) {
         sh_plan p;
         sh_report rep[SH_MAXN];
         memset(&p, 0, sizeof p);
+        p.shm = shm;
         p.n = 3 + t % 2;
         p.victim = (int)(sim_next(&rng) % (uint64_t)p.n);
         p.second = -1;
-        p.steps = t % 3 == 2 ? 400 : 4000;
+        p.steps = (t % 3 == 2 ? 400 : 4000) * (shm ? 10 : 1); /* shm steps faster: the timer must fall inside */
         p.dim = t % 3 == 2 ? 1 << 17 : 0; /* a ring's allreduce: some survivors may finish it */
         p.driver = 1;
         p.timer_us = 1 + (int)(sim_next(&rng) % 20000);
         ahead += el_check(&p, rep, sh_run(&p, rep));
     }
-    printf("  %d trials: identical replicas in every one; in %d a survivor was a round ahead and the others took its state\n",
-           trials, ahead);
+    printf("  %d trials (%s): identical replicas in every one; in %d a survivor was a round ahead and the others took "
+           "its state\n", trials, shm ? "shm" : "tcp", ahead);
 }
+
+DTEST(tcp_elastic_driver_ends_with_identical_replicas_whenever_the_rank_dies) { el_random_deaths(0, 12); }
+
+DTEST(shm_elastic_driver_ends_with_identical_replicas_whenever_the_rank_dies) { el_random_deaths(1, 6); }
 
 /* The victim's last average reaches rank 0 alone: rank 0 completes it and goes on a round, the
    others fail it; when rank 0's next average fails they shrink, find rank 0 ahead, and all take
@@ -1146,6 +1271,57 @@ DTEST(the_tcp_config_and_environment_set_on_peer_lost_and_min_ranks) {
     cfg.on_peer_lost = DOPT_SHRINK;
     cfg.min_ranks = 2;
     DT_EQ_INT(dopt_tcp_create(&c, &cfg), DOPT_ERR_INVALID);
+}
+
+/* Captures the last error line of a refused create. */
+static char shm_refusal[DOPT_DETAIL_MAX];
+static void shm_refusal_log(void *user, dopt_log_level level, const char *msg) {
+    (void)user;
+    if (level == DOPT_LOG_ERROR) snprintf(shm_refusal, sizeof shm_refusal, "%s", msg);
+}
+
+DTEST(the_shm_config_and_environment_set_on_peer_lost_and_min_ranks) {
+    dopt_shm_config cfg;
+    dopt_comm *c = NULL;
+    memset(&cfg, 0, sizeof cfg);
+    setenv("DOPT_RANK", "0", 1);
+    setenv("DOPT_WORLD_SIZE", "1", 1);
+    setenv("DOPT_ON_PEER_LOST", "shrink", 1);
+    setenv("DOPT_MIN_RANKS", "1", 1);
+    DT_OK(dopt_shm_config_from_env(&cfg));
+    DT_EQ_INT(cfg.on_peer_lost, DOPT_SHRINK);
+    DT_EQ_INT(cfg.min_ranks, 1);
+    DT_OK(dopt_shm_create(&c, &cfg));
+    DT_EQ_INT(c->on_peer_lost, DOPT_SHRINK);
+    DT_EQ_INT(c->min_ranks, 1);
+    dopt_comm_destroy(c);
+    cfg.log_fn = shm_refusal_log;
+    setenv("DOPT_ON_PEER_LOST", "survive", 1);
+    DT_EQ_INT(dopt_shm_config_from_env(&cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(shm_refusal, "DOPT_ON_PEER_LOST") != NULL, "%s", shm_refusal);
+    setenv("DOPT_ON_PEER_LOST", "fail", 1);
+    setenv("DOPT_MIN_RANKS", "-2", 1);
+    DT_EQ_INT(dopt_shm_config_from_env(&cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(shm_refusal, "DOPT_MIN_RANKS") != NULL, "%s", shm_refusal);
+    unsetenv("DOPT_MIN_RANKS");
+    unsetenv("DOPT_ON_PEER_LOST");
+    unsetenv("DOPT_RANK");
+    unsetenv("DOPT_WORLD_SIZE");
+    memset(&cfg, 0, sizeof cfg);
+    cfg.size = 1;
+    cfg.log_fn = shm_refusal_log;
+    cfg.on_peer_lost = 7;
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(shm_refusal, "on_peer_lost is 7") != NULL, "%s", shm_refusal);
+    cfg.on_peer_lost = DOPT_SHRINK;
+    cfg.min_ranks = 2;
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(shm_refusal, "min_ranks 2") != NULL, "%s", shm_refusal);
+    cfg.min_ranks = 0;
+    cfg.size = 65;
+    cfg.name = "shrink-test-too-many";
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID); /* one 64-bit word holds a decision */
+    DT_CHECKF(strstr(shm_refusal, "up to 64 ranks") != NULL, "%s", shm_refusal);
 }
 
 DTEST_MAIN()
