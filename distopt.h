@@ -2791,6 +2791,8 @@ DOPT_DEF int dopt_comm_finish(dopt_comm *c, int status) {
 DOPT_DEF const char *dopt_comm_detail(const dopt_comm *c) { return c ? c->detail : "no communicator"; }
 
 /* A backend's shrink that cannot go on (declared in FOR MODULES). */
+DOPT__MAYBE_UNUSED static dopt_status dopt__shrink_fail(dopt_comm *c, dopt_status st, const char *fmt, ...)
+    DOPT_PRINTF(3, 4);
 DOPT__MAYBE_UNUSED static dopt_status dopt__shrink_fail(dopt_comm *c, dopt_status st, const char *fmt, ...) {
     va_list ap;
     int used = snprintf(c->detail, sizeof c->detail, "rank %d: dopt_comm_shrink: ", c->rank);
@@ -3629,8 +3631,7 @@ DOPT__MAYBE_UNUSED static void dopt__comm_forget_failure(dopt_comm *c);
 /* A backend's shrink that cannot go on: writes c's detail ("rank R: dopt_comm_shrink: " and the
    reason; c failed already, so dopt_comm_fail would keep the first failure's), says it in one
    error line, and returns st. */
-DOPT__MAYBE_UNUSED static dopt_status dopt__shrink_fail(dopt_comm *c, dopt_status st, const char *fmt, ...)
-    DOPT_PRINTF(3, 4);
+DOPT__MAYBE_UNUSED static dopt_status dopt__shrink_fail(dopt_comm *c, dopt_status st, const char *fmt, ...);
 /* The rank a detail names c's rank by: in a group, its rank in the root (the links' numbering). */
 static int dopt__rank_named(const dopt_comm *c);
 /* The flight recorder's hooks for the engine (FLIGHT RECORDER; c: the family's root, slot: the
