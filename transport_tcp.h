@@ -1538,6 +1538,13 @@ static void dopt__tcp_hb_table_free(dopt__tcp_hb_peer *P, int n) {
     DOPT_FREE(P);
 }
 
+/* h serves c (t) with peer table P: the communicator, its ranks, its flags, this rank's address. */
+static void dopt__tcp_hb_set(dopt__tcp_hb *h, dopt_comm *c, const dopt__tcp *t, dopt__tcp_hb_peer *P) {
+    h->peers = P, h->size = t->size, h->rank = t->rank, h->c = c, h->silent = t->silent;
+    memcpy(h->me, t->peers[t->rank].addr, 16);
+    h->my_port = t->peers[t->rank].port;
+}
+
 /* Installs t's table in h (h now serves c): under the lock, then the thread is woken. */
 static dopt_status dopt__tcp_hb_serve(dopt__tcp_hb *h, dopt_comm *c, dopt__tcp *t) {
     dopt__tcp_hb_peer *P = dopt__tcp_hb_table(t), *old;
@@ -1545,9 +1552,7 @@ static dopt_status dopt__tcp_hb_serve(dopt__tcp_hb *h, dopt_comm *c, dopt__tcp *
     if (P == NULL) return DOPT_ERR_NOMEM;
     pthread_mutex_lock(&h->mu);
     old = h->peers, n = h->size;
-    h->peers = P, h->size = t->size, h->rank = t->rank, h->c = c, h->silent = t->silent;
-    memcpy(h->me, t->peers[t->rank].addr, 16);
-    h->my_port = t->peers[t->rank].port;
+    dopt__tcp_hb_set(h, c, t, P);
     h->gen++;
     pthread_mutex_unlock(&h->mu);
     if (write(h->wake[1], "w", 1) < 0) { /* full: the thread is already woken */
@@ -1598,6 +1603,13 @@ static int dopt__tcp_hb_socket(dopt_comm *c, const dopt__tcp *t, int *bound) {
     return fd;
 }
 
+/* t's per-peer flags (dopt__tcp.silent), zeroed, made once; 0 when out of memory. */
+static int dopt__tcp_silent_flags(dopt__tcp *t) {
+    if (t->silent == NULL && (t->silent = (int *)DOPT_MALLOC(sizeof(int) * (size_t)t->size)) != NULL)
+        memset(t->silent, 0, sizeof(int) * (size_t)t->size);
+    return t->silent != NULL;
+}
+
 /* Starts t's heartbeat thread (dead_after_ms > 0, two ranks or more, addresses known). */
 static dopt_status dopt__tcp_hb_start(dopt_comm *c, dopt__tcp *t) {
     dopt__tcp_hb *h;
@@ -1607,9 +1619,7 @@ static dopt_status dopt__tcp_hb_start(dopt_comm *c, dopt__tcp *t) {
                       "ranks' addresses are unknown", t->rank);
         return DOPT_OK;
     }
-    if (t->silent == NULL && (t->silent = (int *)DOPT_MALLOC(sizeof(int) * (size_t)t->size)) != NULL)
-        memset(t->silent, 0, sizeof(int) * (size_t)t->size);
-    if (t->silent == NULL || (h = (dopt__tcp_hb *)DOPT_MALLOC(sizeof *h)) == NULL)
+    if (!dopt__tcp_silent_flags(t) || (h = (dopt__tcp_hb *)DOPT_MALLOC(sizeof *h)) == NULL)
         return dopt_comm_fail(c, NULL, DOPT_ERR_NOMEM, "dead_after_ms: out of memory");
     memset(h, 0, sizeof *h);
     h->dead_after_ms = t->dead_after_ms;
@@ -1624,10 +1634,8 @@ static dopt_status dopt__tcp_hb_start(dopt_comm *c, dopt__tcp *t) {
                               strerror(err));
     }
     pthread_mutex_init(&h->mu, NULL);
-    h->size = t->size, h->rank = t->rank, h->c = c, h->silent = t->silent;
-    memcpy(h->me, t->peers[t->rank].addr, 16);
-    h->my_port = t->peers[t->rank].port;
-    if ((h->peers = dopt__tcp_hb_table(t)) == NULL || pthread_create(&h->thread, NULL, dopt__tcp_hb_main, h) != 0) {
+    dopt__tcp_hb_set(h, c, t, dopt__tcp_hb_table(t));
+    if (h->peers == NULL || pthread_create(&h->thread, NULL, dopt__tcp_hb_main, h) != 0) {
         dopt__tcp_hb_table_free(h->peers, t->size);
         pthread_mutex_destroy(&h->mu);
         close(h->ufd), close(h->wake[0]), close(h->wake[1]);
@@ -1645,9 +1653,7 @@ static dopt_status dopt__tcp_hb_take(dopt_comm *c2, dopt__tcp *t2, dopt__tcp *fr
 #ifdef DOPT__THREADS
     dopt_status s;
     if (from == NULL || from->hb == NULL || t2->size < 2) return dopt__tcp_hb_start(c2, t2);
-    if (t2->silent == NULL && (t2->silent = (int *)DOPT_MALLOC(sizeof(int) * (size_t)t2->size)) != NULL)
-        memset(t2->silent, 0, sizeof(int) * (size_t)t2->size);
-    if (t2->silent == NULL || (s = dopt__tcp_hb_serve(from->hb, c2, t2)) != DOPT_OK)
+    if (!dopt__tcp_silent_flags(t2) || (s = dopt__tcp_hb_serve(from->hb, c2, t2)) != DOPT_OK)
         return dopt_comm_fail(c2, NULL, DOPT_ERR_NOMEM, "dead_after_ms: out of memory");
     t2->hb = from->hb;
     from->hb = NULL;
