@@ -515,7 +515,7 @@ int main(int argc, char **argv) {
     backward_hooks hooks;
     step_timing tm;
     dopt_status st = DOPT_OK;
-    uint64_t step = 0, shuffle_rng, skipped = 0, clipped = 0;
+    uint64_t step = 0, shuffle_rng, skipped = 0, clipped = 0, shrinks_seen, grows_seen;
     double train_secs = 0, train_bytes = 0, baseline, val_loss = NAN;
     FILE *csv = NULL;
     const char *row_fmt = "%5d %10.5g %10.5g %8.5g %8llu %12.0f %8.1f %6zu\n";
@@ -606,6 +606,7 @@ int main(int argc, char **argv) {
         printf("char_lstm: taken back as rank %d of %d, from step %llu in epoch %d\n", comm->rank, comm->size,
                (unsigned long long)step, epoch);
     }
+    shrinks_seen = ls.shrinks, grows_seen = ls.grows; /* distopt (--elastic): what a change of world did */
     for (; epoch <= o.epochs && st == DOPT_OK; epoch++) {
         double loss = 0, t0 = wall_seconds();
         size_t pos = 0, batches = 0, u;
@@ -655,7 +656,8 @@ int main(int argc, char **argv) {
             timing_end(&tm, hooks.backward_secs);
             step++;
             if (ls.comm != comm) { /* distopt (--elastic): a worker was lost (or came back); the job goes on */
-                int grew = ls.comm->size > comm->size;
+                int lost = ls.shrinks > shrinks_seen, back = ls.grows > grows_seen; /* one call may do both */
+                shrinks_seen = ls.shrinks, grows_seen = ls.grows;
                 double e = (double)epoch;
                 if (comm->size > 1) train_bytes += (double)(dopt_comm_traffic_total(comm) - traffic_before);
                 dopt_comm_destroy(comm);
@@ -671,8 +673,9 @@ int main(int argc, char **argv) {
                 st = lost_worker_later(lo.elastic, dopt_allreduce(comm, &e, 1, DOPT_F64, DOPT_MIN));
                 if (st == DOPT_OK) epoch = (int)e;
                 if (comm->rank == 0)
-                    printf("%s: %d go on, from step %llu\n", grew ? "a worker came back" : "lost a worker", comm->size,
-                           (unsigned long long)step);
+                    printf("%s: %d go on, from step %llu\n",
+                           lost && back ? "lost a worker, and one came back" : back ? "a worker came back" : "lost a worker",
+                           comm->size, (unsigned long long)step);
             }
             if (adaptive) batch_report_step(&brep, &bc);
         }
