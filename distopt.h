@@ -279,7 +279,8 @@
 
    TAKING A WORKER BACK (grow)
      A restarted process of a DOPT_SHRINK job asks a member to join (TCP: dopt_tcp_config.join,
-     or DOPT_JOIN=1; see transport_tcp.h: RE-ADMIT), and the member holds it. The joiners come
+     or DOPT_JOIN=1, transport_tcp.h: RE-ADMIT; shm: dopt_shm_config.join, or DOPT_JOIN=1,
+     transport_shm.h: TAKING A WORKER BACK), and the member holds it. The joiners come
      in only when every member calls dopt_comm_grow(c, &next), at a moment the program chooses
      (localsgd.h's driver: a round boundary), never inside a collective:
      - DOPT_OK, next NULL: nobody is held anywhere; c goes on.
@@ -296,8 +297,9 @@
      - DOPT_ERR_PEER_LOST (or TIMEOUT) without next: a member was lost before the joiners were
        agreed; shrink c.
      - DOPT_ERR_INVALID: c is a group, has failed, or was not configured with DOPT_SHRINK.
-     A backend that takes no joiners (shm, MPI) returns DOPT_OK with next NULL. It costs one
-     small allgather when nobody joins. dopt_comm_joiners_held(c): how many joiners this rank
+     A backend that takes no joiners (MPI) returns DOPT_OK with next NULL. It costs one small
+     collective when nobody joins (TCP: an allgather; shm: an allreduce, transport_shm.h: TAKING
+     A WORKER BACK). dopt_comm_joiners_held(c): how many joiners this rank
      holds now (0 on a group, or where nobody can join); a program that carries it in a
      collective it makes anyway, and calls dopt_comm_grow (every member alike) only when some
      member holds one, saves that allgather (localsgd.h's driver does it in its model average).

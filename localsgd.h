@@ -457,8 +457,9 @@
      controllers; a gradient average (after_backward on a synchronous step: the warm-up or
      period 1) that loses a rank returns the failure as without elastic.
 
-     Taking a worker back. A process started to join (TCP: dopt_tcp_config.join or DOPT_JOIN=1;
-     transport_tcp.h: RE-ADMIT) asks a member to take it in, and the member holds it. Every model
+     Taking a worker back. A process started to join (dopt_tcp_config.join, dopt_shm_config.join
+     or DOPT_JOIN=1; transport_tcp.h: RE-ADMIT, transport_shm.h: TAKING A WORKER BACK) asks a
+     member to take it in, and the member holds it. Every model
      average says whether a member holds one (a float more in its allreduce: nothing more is
      sent while nobody waits), and when one does, every member calls dopt_comm_grow right after
      it: the job goes on as the larger communicator (dp.comm changes, as after a shrink: the host

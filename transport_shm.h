@@ -69,14 +69,17 @@
    |              | (dopt_comm_shrink; SURVIVING A LOST RANK); worlds <= 64     |                             |
    | min_ranks    | with DOPT_SHRINK, fewer survivors than this end the job     | 0: any number               |
    |              | with DOPT_ERR_PEER_LOST on every survivor                   |                             |
+   | join         | 1: this process asks the running DOPT_SHRINK job `name` to  | 0: a rank of a job that     |
+   |              | take it in (rank and size ignored; TAKING A WORKER BACK)    | forms                       |
 
    A config is never read from the environment by itself; dopt_shm_config_from_env fills one.
 
    ENVIRONMENT (dopt_shm_config_from_env; dopt_shm_create with cfg NULL)
      DOPT_RANK, DOPT_WORLD_SIZE (or a launcher's: distopt.h's LAUNCH VARIABLES), DOPT_SHM_NAME
      (else the launcher's job name), DOPT_TIMEOUT_MS, DOPT_SHM_ENGINE (0 or 1: engine),
-     DOPT_ON_PEER_LOST ("fail" or "shrink": on_peer_lost), DOPT_MIN_RANKS (min_ranks); the last
-     two only when set.
+     DOPT_ON_PEER_LOST ("fail" or "shrink": on_peer_lost), DOPT_MIN_RANKS (min_ranks), DOPT_JOIN
+     (0 or 1: join; with 1, DOPT_RANK and DOPT_WORLD_SIZE may be left out); the last three only
+     when set.
      launch.h reads DOPT_SHM_ENGINE for the ranks it forks too.
 
    FUNCTIONS
@@ -201,11 +204,42 @@
      a survivor that came later than timeout_ms finds itself left out ("the survivors left this
      rank out"). A dead rank is found within DOPT__SHM_LIVENESS_MS (0.2 s) of its death by a rank
      waiting for it, and the shrink takes a few milliseconds after that (tests/test_shrink.c
-     prints it: 4 to 8 ms for 4 ranks here). Nobody can join a shm job later: dopt_comm_grow
-     returns DOPT_OK with no next, so localsgd.h's elastic driver goes on with the survivors
-     to the end (a worker started again would need TCP, transport_tcp.h: RE-ADMIT). A job
-     started by dopt_shm_fork keeps its children across a shrink: rank 0's dopt_comm_finish on
-     the survivors' communicator still waits for them (and reports the dead one).
+     prints it: 4 to 8 ms for 4 ranks here). A job started by dopt_shm_fork keeps its children
+     across a shrink (and a grow): rank 0's dopt_comm_finish on the new communicator still
+     waits for them (and reports the dead one).
+
+   TAKING A WORKER BACK (join = 1; distopt.h: TAKING A WORKER BACK)
+
+       // the restarted process: the job's name, DOPT_JOIN=1 (or cfg.join = 1); no rank or size
+       DOPT_SHM_NAME=job7 DOPT_JOIN=1 DOPT_ON_PEER_LOST=shrink ./train
+       dopt_shm_create(&comm, NULL);     // returns once the members took it in
+       // every member, at a moment all of them reach (localsgd.h's driver: a round's end):
+       dopt_comm *next;
+       if (dopt_comm_grow(comm, &next) == DOPT_OK && next) { dopt_comm_destroy(comm); comm = next; }
+
+     The joiner asks in the job's join box, /dev/shm/dopt.<name>+join (mode 0600, the user's
+     own: /dev/shm's permissions are shared memory's only authentication, as for the job's
+     segment), named from the name the job started under, so it finds the job after any number
+     of shrinks and grows. At most 8 joiners ask at once (a ninth waits for a free slot). The
+     members' dopt_comm_grow takes in every joiner all of them saw waiting (one allreduce of 16
+     numbers on the communicator: this is the cost of a grow when nobody asks), one of them
+     writes each joiner its rank and the grown job's name and settings, and all form the grown
+     job <name>.g<epoch>-<ticket> with the joiners ranked last, in the order of their slots;
+     dopt_comm_joiners_held(c) reads the box (one shm_open that finds nothing while nobody
+     asks). The grown communicator keeps the members' settings (timeout_ms, chunk_bytes,
+     engine, on_peer_lost = DOPT_SHRINK, min_ranks); on the joiner, cfg.timeout_ms (0: 300 s)
+     bounds the wait to be taken in, its other fields are not used. Worlds stay within 64
+     ranks (joiners beyond wait). What can go wrong:
+     - the joiner dies after the members admitted it, before it joined: the members watch its
+       slot's lock and fail the grown job's join at once; dopt_comm_grow then returns DOPT_OK
+       with no next and a DOPT_LOG_WARN line ("the grown job '...' did not form"): the job goes
+       on as it was;
+     - a member dies meanwhile: dopt_comm_grow returns DOPT_ERR_PEER_LOST (c failed, naming it):
+       shrink c; the joiner sees the grown job fail and asks again (a new ticket);
+     - nobody takes the joiner in within its timeout: DOPT_ERR_TIMEOUT, "join: no member of job
+       'job7' took this process in within 300000 ms (...): is the job running with
+       on_peer_lost = DOPT_SHRINK ..., and does it call dopt_comm_grow ...?". It leaves no box
+       behind (the last joiner out removes it).
 
    MISMATCHES
      Every call is checked against every peer's before any data is reduced. If any differs, every rank
@@ -246,6 +280,8 @@ typedef struct dopt_shm_config {
     int on_peer_lost;   /* DOPT_FAIL (0): a lost rank ends the job; DOPT_SHRINK: the survivors may go
                            on (dopt_comm_shrink; worlds of up to 64 ranks; SURVIVING A LOST RANK) */
     int min_ranks;      /* with DOPT_SHRINK: fewer survivors than this end the job; 0: any */
+    int join;           /* 1: a restarted worker asking the running job `name` to take it in (rank
+                           and size ignored; TAKING A WORKER BACK); 0: a rank of a forming job */
 } dopt_shm_config;
 
 DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg);
@@ -409,6 +445,8 @@ extern "C" {
 #define DOPT__SHM_LINK_MAX ((size_t)256 << 10)
 #define DOPT__SHM_LINK_MIN ((size_t)4 << 10)
 #define DOPT__SHM_LINK_CTRL 256u
+#define DOPT__SHM_BOX_SLOTS 8         /* joiners asking at once (TAKING A WORKER BACK) */
+#define DOPT__SHM_BOX_BYTES 4096u     /* the join box's size; its slots' locks are the bytes after it */
 
 typedef struct dopt__shm_header {
     uint64_t magic; /* stored last by the creator: the header is complete */
@@ -484,10 +522,21 @@ typedef struct dopt__shm {
     pid_t *children;     /* dopt_shm_fork, rank 0: ranks 1..size-1 */
     int nchildren;
     char family[DOPT__SHM_NAME_MAX + 1]; /* the name the job started under: a shrink's names grow from it */
-    const struct dopt__shm *watch; /* joining a shrink's job: the failed job, where a member that has
-                                      not joined yet may be seen dead (watch_rank: its rank there) */
-    const int *watch_rank;
+    const struct dopt__shm_watch *watch; /* joining a shrink's or a grow's job: who may be lost first */
 } dopt__shm;
+
+/* Joining a job that a shrink or a grow makes: where a rank that has not joined yet may be seen
+   lost, so that the join fails at once instead of at the timeout. */
+typedef struct dopt__shm_watch {
+    const dopt__shm *job;  /* the members' communicator: a member there may be seen dead or gone */
+    const int *rank;       /* [new rank]: its rank in job; or -1 - its slot in the join box (a joiner) */
+    const void *box;       /* the join box (a grow), and an open file of it */
+    int box_fd;
+    const int64_t *ticket; /* [slot]: the ticket admitted in it */
+    int own;               /* 1 on a joiner: its own slot says whether the members gave up */
+} dopt__shm_watch;
+
+static int dopt__shm_box_gone(const dopt__shm_watch *w, int slot);
 
 static dopt__shm_header *dopt__shm_hdr(const dopt__shm *s) { return (dopt__shm_header *)(void *)s->base; }
 static dopt__shm_sync *dopt__shm_sync_of(const dopt__shm *s) {
@@ -569,25 +618,29 @@ static int dopt__shm_cpus(void) {
 
 /* ===================================================================== PEER LIVENESS */
 
-static int dopt__shm_lock_byte(int fd, int q) {
+static struct flock dopt__shm_flock(short type, off_t start, off_t len) {
     struct flock fl;
     memset(&fl, 0, sizeof fl);
-    fl.l_type = F_WRLCK;
+    fl.l_type = type;
     fl.l_whence = SEEK_SET;
-    fl.l_start = (off_t)q;
-    fl.l_len = 1;
+    fl.l_start = start;
+    fl.l_len = len;
+    return fl;
+}
+
+/* Takes (F_WRLCK) or drops (F_UNLCK) an OFD lock on [start, start + len) without waiting: 0, or
+   -1 with errno (EAGAIN: another open file holds it). */
+static int dopt__shm_lock_range(int fd, off_t start, off_t len, short type) {
+    struct flock fl = dopt__shm_flock(type, start, len);
     return fcntl(fd, F_OFD_SETLK, &fl);
 }
+
+static int dopt__shm_lock_byte(int fd, int q) { return dopt__shm_lock_range(fd, (off_t)q, 1, F_WRLCK); }
 
 /* 1 when some other open file holds a lock in [start, start + len) (len 0: to the end and
    beyond); on an error, 1 as well: never declare a rank dead without proof. */
 static int dopt__shm_lock_held(int fd, off_t start, off_t len) {
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = start;
-    fl.l_len = len;
+    struct flock fl = dopt__shm_flock(F_WRLCK, start, len);
     if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return 1;
     return fl.l_type != F_UNLCK;
 }
@@ -699,12 +752,21 @@ static dopt_status dopt__shm_check_late(dopt_comm *c, dopt__shm *s, const dopt_c
             return dopt__shm_fail(c, s, d, DOPT_ERR_PEER_LOST, q, "rank %d (pid %d) left the job", q, (int)cold->pid);
         if (probe && dopt__shm_rank_dead(s, q))
             return dopt__shm_fail(c, s, d, DOPT_ERR_PEER_LOST, q, "rank %d (pid %d) died", q, (int)cold->pid);
-        if (probe && s->watch && __atomic_load_n(&cold->pid, __ATOMIC_ACQUIRE) == 0 &&
-            (dopt__shm_rank_dead(s->watch, s->watch_rank[q]) ||
-             __atomic_load_n(&dopt__shm_cold_of(s->watch, s->watch_rank[q])->left, __ATOMIC_ACQUIRE)))
-            return dopt__shm_fail(c, s, d, DOPT_ERR_PEER_LOST, q,
-                                  "rank %d (rank %d of the failed job) was lost before it joined the survivors' job", q,
-                                  s->watch_rank[q]);
+        if (probe && s->watch && __atomic_load_n(&cold->pid, __ATOMIC_ACQUIRE) == 0) {
+            const dopt__shm_watch *w = s->watch;
+            int was = w->rank[q];
+            if (was >= 0 && w->job &&
+                (dopt__shm_rank_dead(w->job, was) ||
+                 __atomic_load_n(&dopt__shm_cold_of(w->job, was)->left, __ATOMIC_ACQUIRE)))
+                return dopt__shm_fail(c, s, d, DOPT_ERR_PEER_LOST, q,
+                                      "rank %d (rank %d before) was lost before it joined the job's new communicator",
+                                      q, was);
+            if (was < 0 && dopt__shm_box_gone(w, -1 - was))
+                return dopt__shm_fail(c, s, d, DOPT_ERR_PEER_LOST, q,
+                                      w->own ? "the members gave up forming the grown job (a member or a joiner was "
+                                               "lost before rank %d joined)"
+                                             : "rank %d, a joiner, was lost before it joined", q);
+        }
     }
     return DOPT_OK;
 }
@@ -1364,6 +1426,8 @@ static void dopt__shm_destroy(dopt_comm *c) {
 
 static int dopt__shm_finish(dopt_comm *comm, int status);
 static dopt_status dopt__shm_shrink(dopt_comm *c, dopt_comm **next);
+static dopt_status dopt__shm_grow(dopt_comm *c, dopt_comm **next);
+static int dopt__shm_joiners_held(const dopt_comm *c);
 
 /* Direct collectives (reducing straight from the peers' slots), links for groups and requests
    of the engine; every collective on the engine; or, in worlds too large for links, direct
@@ -1371,11 +1435,12 @@ static dopt_status dopt__shm_shrink(dopt_comm *c, dopt_comm **next);
 static const dopt_comm_vtable dopt__shm_vtable = {
     "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
     sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait,
-    dopt__shm_link_close, NULL, dopt__shm_finish, dopt_engine_provider, dopt__shm_shrink, NULL, NULL};
+    dopt__shm_link_close, NULL, dopt__shm_finish, dopt_engine_provider, dopt__shm_shrink, dopt__shm_grow,
+    dopt__shm_joiners_held};
 static const dopt_comm_vtable dopt__shm_engine_vtable = {
     "shm", NULL, NULL, NULL, NULL, dopt__shm_destroy, sizeof(dopt_comm_vtable), 0u,
     dopt__shm_link_send, dopt__shm_link_recv, dopt__shm_link_wait, dopt__shm_link_close, NULL, dopt__shm_finish,
-    dopt_engine_provider, dopt__shm_shrink, NULL, NULL};
+    dopt_engine_provider, dopt__shm_shrink, dopt__shm_grow, dopt__shm_joiners_held};
 static const dopt_comm_vtable dopt__shm_unlinked_vtable = {
     "shm", dopt__shm_allreduce, dopt__shm_allgatherv, dopt__shm_broadcast, dopt__shm_barrier_call, dopt__shm_destroy,
     sizeof(dopt_comm_vtable), DOPT_PROVIDES_ALL, NULL, NULL, NULL, NULL, NULL, dopt__shm_finish, NULL, NULL, NULL, NULL};
@@ -1701,9 +1766,15 @@ DOPT_DEF dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg) {
     dopt_launch_info info;
     char why[DOPT__SHM_REASON_MAX];
     const char *name = getenv("DOPT_SHM_NAME"), *engine = getenv("DOPT_SHM_ENGINE"), *lost = getenv("DOPT_ON_PEER_LOST");
-    long ms = 0, min_ranks = -1;
+    long ms = 0, min_ranks = -1, join = -1;
     if (cfg == NULL) return DOPT_ERR_INVALID;
+    if (dopt__env_long("DOPT_JOIN", 0, 1, &join, why, sizeof why) < 0)
+        return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
     if (dopt_launch_read(&info, why, sizeof why) != DOPT_OK) return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    if (join == 1) { /* a restarted worker: the job it asks gives it its rank and size */
+        if (info.world_size < 1) info.world_size = 1;
+        if (info.rank < 0 || info.rank >= info.world_size) info.rank = 0;
+    }
     if (info.world_size < 0)
         return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID,
                                      "DOPT_WORLD_SIZE is not set and no launcher's variables give a world size (every "
@@ -1747,14 +1818,14 @@ DOPT_DEF dopt_status dopt_shm_config_from_env(dopt_shm_config *cfg) {
     if (engine && *engine) cfg->engine = *engine == '1';
     if (lost && *lost) cfg->on_peer_lost = strcmp(lost, "shrink") == 0 ? DOPT_SHRINK : DOPT_FAIL;
     if (min_ranks >= 0) cfg->min_ranks = (int)min_ranks; /* set: dopt__env_long wrote it */
+    if (join >= 0) cfg->join = (int)join;
     return DOPT_OK;
 }
 
-/* dopt_shm_create, and a shrink's: watch and watch_rank name the failed job and each member's
-   rank there (a member lost before it joins fails the join at once), family the name the job
-   started under (NULL: cfg's). */
-static dopt_status dopt__shm_create(dopt_comm **out, const dopt_shm_config *cfg, const dopt__shm *watch,
-                                    const int *watch_rank, const char *family) {
+/* dopt_shm_create, and a shrink's or a grow's: watch says where a rank lost before it joins is
+   seen (the join then fails at once), family the name the job started under (NULL: cfg's). */
+static dopt_status dopt__shm_create(dopt_comm **out, const dopt_shm_config *cfg, const dopt__shm_watch *watch,
+                                    const char *family) {
     dopt_shm_config from_env;
     dopt__shm_settings set;
     dopt__shm *s;
@@ -1783,7 +1854,6 @@ static dopt_status dopt__shm_create(dopt_comm **out, const dopt_shm_config *cfg,
     s->spin = set.size <= dopt__shm_cpus();
     s->engine = set.engine;
     s->watch = watch;
-    s->watch_rank = watch_rank;
     snprintf(s->family, sizeof s->family, "%s", family ? family : set.name);
     dopt__shm_geometry(s);
     s->gone = (unsigned char *)DOPT_MALLOC((size_t)set.size);
@@ -1805,7 +1875,7 @@ static dopt_status dopt__shm_create(dopt_comm **out, const dopt_shm_config *cfg,
     dopt_comm_set_log(c, cfg->log_fn, cfg->log_user);
     if (set.size > 1) {
         st = dopt__shm_join(c, s);
-        s->watch = NULL, s->watch_rank = NULL; /* the caller's */
+        s->watch = NULL; /* the caller's */
         if (st != DOPT_OK) {
             dopt_comm_destroy(c);
             return st;
@@ -1820,8 +1890,19 @@ static dopt_status dopt__shm_create(dopt_comm **out, const dopt_shm_config *cfg,
     return DOPT_OK;
 }
 
+static dopt_status dopt__shm_ask_to_join(dopt_comm **out, const dopt_shm_config *cfg);
+
 DOPT_DEF dopt_status dopt_shm_create(dopt_comm **out, const dopt_shm_config *cfg) {
-    return dopt__shm_create(out, cfg, NULL, NULL, NULL);
+    dopt_shm_config from_env;
+    if (cfg == NULL) { /* NULL asks for the environment's configuration */
+        dopt_status st;
+        memset(&from_env, 0, sizeof from_env);
+        st = dopt_shm_config_from_env(&from_env);
+        if (st != DOPT_OK) return st;
+        cfg = &from_env;
+    }
+    if (cfg->join) return dopt__shm_ask_to_join(out, cfg);
+    return dopt__shm_create(out, cfg, NULL, NULL);
 }
 
 /* ===================================================================== SHRINK: THE SURVIVORS AGREE
@@ -1888,6 +1969,19 @@ static void dopt__shm_ranks_str(uint64_t set, int n, char *out, size_t cap) {
         if ((set >> r) & 1u) used += (size_t)snprintf(out + used, cap - used, "%s%d", used ? ", " : "", r);
 }
 
+/* What the job's next communicator (a shrink's or a grow's) takes over from c: the epoch, a fork
+   job's children (dopt_comm_finish ends the new one as it would have the old), the progress thread. */
+static void dopt__shm_carry_over(dopt_comm *c, dopt_comm *c2) {
+    dopt__shm *s = (dopt__shm *)c->impl, *s2 = (dopt__shm *)c2->impl;
+    c2->epoch = c->epoch + 1;
+    s2->fork_child = s->fork_child;
+    s2->children = s->children, s2->nchildren = s->nchildren;
+    s->children = NULL, s->nchildren = 0;
+#ifdef DOPT__THREADS
+    if (c->eng && c->eng->threaded && c2->eng) (void)dopt_comm_set_progress_thread(c2, c->eng->interval_us);
+#endif
+}
+
 static dopt_status dopt__shm_shrink(dopt_comm *c, dopt_comm **next) {
     dopt__shm *s = (dopt__shm *)c->impl;
     uint64_t before = s->size >= 64 ? ~(uint64_t)0 : ((uint64_t)1 << s->size) - 1;
@@ -1930,16 +2024,13 @@ static dopt_status dopt__shm_shrink(dopt_comm *c, dopt_comm **next) {
         cfg.log_user = c->log_user;
         cfg.on_peer_lost = DOPT_SHRINK;
         cfg.min_ranks = c->min_ranks;
-        st = dopt__shm_create(&c2, &cfg, s, map, s->family);
+        {
+            dopt__shm_watch w = {NULL, NULL, NULL, -1, NULL, 0};
+            w.job = s, w.rank = map;
+            st = dopt__shm_create(&c2, &cfg, &w, s->family);
+        }
         if (st == DOPT_OK) {
-            dopt__shm *s2 = (dopt__shm *)c2->impl;
-            c2->epoch = c->epoch + 1;
-            s2->fork_child = s->fork_child; /* dopt_comm_finish ends the new one as it would have the old */
-            s2->children = s->children, s2->nchildren = s->nchildren;
-            s->children = NULL, s->nchildren = 0;
-#ifdef DOPT__THREADS
-            if (c->eng && c->eng->threaded && c2->eng) (void)dopt_comm_set_progress_thread(c2, c->eng->interval_us);
-#endif
+            dopt__shm_carry_over(c, c2);
             dopt_comm_log(c2, DOPT_LOG_INFO, "shm rank %d of %d (rank %d of %d before): ranks %s left out, job '%s', "
                           "epoch %u", k, m, me, s->size, gone, cfg.env_name, (unsigned)c2->epoch);
             *next = c2;
@@ -1953,6 +2044,311 @@ static dopt_status dopt__shm_shrink(dopt_comm *c, dopt_comm **next) {
     return dopt__shrink_fail(c, DOPT_ERR_PEER_LOST,
                                  "members kept being lost while the survivors formed their job (%d attempts); the last "
                                  "agreed on ranks %s", DOPT__SHM_SHRINK_TRIES, ranks);
+}
+
+/* ===================================================================== GROW: TAKING A WORKER BACK
+
+   A restarted worker (join = 1) asks through the job's join box, a small shared-memory file
+   named from the job's first name (/dev/shm/dopt.<name>+join, mode 0600; '+' is not allowed in
+   a job name, so it never meets a job's segment). The box has DOPT__SHM_BOX_SLOTS slots; a
+   joiner takes one by locking its byte after the box (an OFD lock: free again when the joiner
+   dies, which is how the members see it is gone), then publishes a ticket and "waiting" in
+   the slot's one word. Every box is all zeros when made, so whoever comes first makes it and
+   nobody initialises it. A member's dopt_comm_joiners_held reads the box (one shm_open, ENOENT
+   while nobody asks). dopt_comm_grow: the members allreduce (min) every slot's ticket and its
+   negation over the communicator, so a slot comes in only when every member saw the same
+   waiting ticket; one member (a compare-and-swap from waiting to taking) writes each joiner's
+   admission (the new job's name, its rank and size, the members' settings) and marks it
+   admitted; everyone, joiners included, then forms the grown job <name>.g<epoch>-<ticket>
+   with dopt_shm_create's own join, the joiners ranked after the members in slot order. The
+   members watch the joiners' slot locks while they wait (a joiner lost then fails the join at
+   once), the joiner holds its slot until it has joined, then frees it, and removes the box
+   when no other slot is held (taking a lock over all slots first, so that a joiner arriving
+   meanwhile finds the box gone and makes a new one). */
+
+typedef struct dopt__shm_slot {
+    uint64_t word;       /* ticket << 4 | state: 0 free, 1 waiting, 2 taking, 3 admitted */
+    int32_t pid;         /* the joiner's */
+    int32_t rank, size;  /* admission: its rank in the grown job and the job's size */
+    int32_t grown_from, timeout_ms, min_ranks, engine;
+    uint32_t epoch;
+    uint64_t chunk;
+    char name[DOPT__SHM_NAME_MAX + 1]; /* the grown job's name */
+} dopt__shm_slot;
+
+typedef struct dopt__shm_box {
+    uint32_t wake;       /* futex word: bumped when a slot is admitted */
+    uint32_t pad;
+    uint64_t tickets;    /* the last ticket handed out */
+    dopt__shm_slot slot[DOPT__SHM_BOX_SLOTS];
+} dopt__shm_box;
+
+enum {
+    DOPT__SHM_SLOT_FREE = 0,
+    DOPT__SHM_SLOT_WAITING = 1,
+    DOPT__SHM_SLOT_TAKING = 2,
+    DOPT__SHM_SLOT_ADMITTED = 3,
+    DOPT__SHM_SLOT_REFUSED = 4 /* the members gave up the grown job: ask again */
+};
+
+#define DOPT__SHM_SLOT_STATE(w) ((int)((w) & 15u))
+#define DOPT__SHM_SLOT_TICKET(w) ((w) >> 4)
+
+/* 1 when the joiner admitted in slot is lost (its lock free, or the slot taken by another),
+   or, on the joiner itself (own), when the members gave up (refused). */
+static int dopt__shm_box_gone(const dopt__shm_watch *w, int slot) {
+    const dopt__shm_box *b = (const dopt__shm_box *)w->box;
+    uint64_t word = __atomic_load_n(&b->slot[slot].word, __ATOMIC_ACQUIRE);
+    if (DOPT__SHM_SLOT_TICKET(word) != (uint64_t)w->ticket[slot] || DOPT__SHM_SLOT_STATE(word) == DOPT__SHM_SLOT_REFUSED)
+        return 1;
+    return !w->own && !dopt__shm_lock_held(w->box_fd, (off_t)DOPT__SHM_BOX_BYTES + slot, 1);
+}
+
+static void dopt__shm_box_path(const char *family, char *out, size_t cap) { snprintf(out, cap, "/dopt.%s+join", family); }
+
+/* Opens (create: or makes) the job's join box and maps it; NULL when there is none (or it is
+   not sized yet: a joiner is making it). */
+static dopt__shm_box *dopt__shm_box_open(const char *family, int create, int *fd_out) {
+    char path[DOPT__SHM_NAME_MAX + 16];
+    struct stat st;
+    void *map;
+    int fd;
+    dopt__shm_box_path(family, path, sizeof path);
+    *fd_out = -1;
+    fd = shm_open(path, create ? O_RDWR | O_CREAT : O_RDWR, 0600);
+    if (fd < 0) return NULL;
+    if (fstat(fd, &st) != 0 || ((size_t)st.st_size < DOPT__SHM_BOX_BYTES &&
+                                (!create || ftruncate(fd, (off_t)DOPT__SHM_BOX_BYTES) != 0))) {
+        close(fd);
+        return NULL;
+    }
+    map = mmap(NULL, DOPT__SHM_BOX_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) {
+        close(fd);
+        return NULL;
+    }
+    *fd_out = fd;
+    return (dopt__shm_box *)map;
+}
+
+static void dopt__shm_box_close(dopt__shm_box *b, int fd) {
+    if (b != NULL) munmap((void *)b, DOPT__SHM_BOX_BYTES);
+    if (fd >= 0) close(fd);
+}
+
+/* The ticket of slot k when a live joiner waits in it, else 0. */
+static uint64_t dopt__shm_box_waiting(const dopt__shm_box *b, int fd, int k) {
+    uint64_t w = __atomic_load_n(&b->slot[k].word, __ATOMIC_ACQUIRE);
+    if (DOPT__SHM_SLOT_STATE(w) != DOPT__SHM_SLOT_WAITING) return 0;
+    return dopt__shm_lock_held(fd, (off_t)DOPT__SHM_BOX_BYTES + k, 1) ? DOPT__SHM_SLOT_TICKET(w) : 0;
+}
+
+static int dopt__shm_joiners_held(const dopt_comm *c) {
+    const dopt__shm *s = (const dopt__shm *)c->impl;
+    dopt__shm_box *b;
+    int fd, k, n = 0;
+    if (s == NULL || c->on_peer_lost != DOPT_SHRINK || c->error != DOPT_OK) return 0;
+    b = dopt__shm_box_open(s->family, 0, &fd);
+    if (b == NULL) return 0;
+    for (k = 0; k < DOPT__SHM_BOX_SLOTS; k++) n += dopt__shm_box_waiting(b, fd, k) != 0;
+    dopt__shm_box_close(b, fd);
+    return n;
+}
+
+/* A member of a failed grow: a member lost meanwhile fails c (then shrink it); otherwise the
+   joiners did not make it and c goes on as it was. */
+static dopt_status dopt__shm_grow_failed(dopt_comm *c, dopt__shm *s, dopt_status st, const char *job) {
+    int q;
+    for (q = 0; q < s->size; q++) {
+        if (q == s->rank) continue;
+        if (__atomic_load_n(&dopt__shm_cold_of(s, q)->left, __ATOMIC_ACQUIRE) || dopt__shm_rank_dead(s, q))
+            return dopt__shm_fail(c, s, NULL, DOPT_ERR_PEER_LOST, q,
+                                  "rank %d (pid %d) was lost while the joiners came in (job '%s'): shrink", q,
+                                  (int)dopt__shm_cold_of(s, q)->pid, job);
+    }
+    dopt_comm_log(c, DOPT_LOG_WARN, "rank %d: dopt_comm_grow: the grown job '%s' did not form (%s): the job goes on "
+                  "as it was, and a joiner still alive asks again", s->rank, job, dopt_status_str(st));
+    return DOPT_OK;
+}
+
+static dopt_status dopt__shm_grow(dopt_comm *c, dopt_comm **next) {
+    dopt__shm *s = (dopt__shm *)c->impl;
+    int64_t t[2 * DOPT__SHM_BOX_SLOTS];
+    int map[DOPT__SHM_SHRINK_MAX_RANKS];
+    uint64_t first = 0;
+    dopt__shm_box *b;
+    dopt_shm_config cfg;
+    dopt_comm *c2 = NULL;
+    dopt_status st;
+    int fd, k, m = s->size;
+    b = dopt__shm_box_open(s->family, 0, &fd);
+    for (k = 0; k < DOPT__SHM_BOX_SLOTS; k++) {
+        t[k] = b ? (int64_t)dopt__shm_box_waiting(b, fd, k) : 0;
+        t[DOPT__SHM_BOX_SLOTS + k] = -t[k];
+    }
+    st = dopt_allreduce(c, t, 2 * DOPT__SHM_BOX_SLOTS, DOPT_I64, DOPT_MIN);
+    if (st != DOPT_OK) {
+        dopt__shm_box_close(b, fd);
+        return st; /* c failed: shrink it */
+    }
+    for (k = 0; k < s->size; k++) map[k] = k;
+    memset(&cfg, 0, sizeof cfg);
+    for (k = 0; k < DOPT__SHM_BOX_SLOTS && m < DOPT__SHM_SHRINK_MAX_RANKS; k++)
+        if (t[k] != 0 && t[k] == -t[DOPT__SHM_BOX_SLOTS + k]) { /* every member saw this ticket waiting */
+            if (first == 0) first = (uint64_t)t[k];
+            map[m++] = -1 - k;
+        }
+    if (m == s->size || b == NULL) {
+        dopt__shm_box_close(b, fd);
+        return DOPT_OK; /* nobody held by every member */
+    }
+    snprintf(cfg.env_name, sizeof cfg.env_name, "%.160s.g%u-%llu", s->family, (unsigned)c->epoch + 1u,
+             (unsigned long long)first);
+    dopt_comm_log(c, DOPT_LOG_DEBUG, "rank %d: dopt_comm_grow: every member saw %d joiner(s): forming job '%s'",
+                  s->rank, m - s->size, cfg.env_name);
+    for (k = s->size; k < m; k++) { /* the first member there writes each joiner's admission */
+        dopt__shm_slot *sl = &b->slot[-1 - map[k]];
+        uint64_t ticket = (uint64_t)t[-1 - map[k]], expect = ticket << 4 | DOPT__SHM_SLOT_WAITING;
+        if (!__atomic_compare_exchange_n(&sl->word, &expect, ticket << 4 | DOPT__SHM_SLOT_TAKING, 0, __ATOMIC_SEQ_CST,
+                                         __ATOMIC_SEQ_CST))
+            continue;
+        sl->rank = k, sl->size = m, sl->grown_from = s->size, sl->timeout_ms = c->timeout_ms;
+        sl->min_ranks = c->min_ranks, sl->engine = s->engine, sl->epoch = c->epoch + 1u, sl->chunk = s->chunk;
+        snprintf(sl->name, sizeof sl->name, "%s", cfg.env_name);
+        __atomic_store_n(&sl->word, ticket << 4 | DOPT__SHM_SLOT_ADMITTED, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&b->wake, 1u, __ATOMIC_SEQ_CST);
+        dopt__shm_futex_wake_all(&b->wake);
+    }
+    cfg.rank = s->rank, cfg.size = m, cfg.timeout_ms = c->timeout_ms, cfg.chunk_bytes = s->chunk;
+    cfg.engine = s->engine, cfg.log_fn = c->log_fn, cfg.log_user = c->log_user;
+    cfg.on_peer_lost = DOPT_SHRINK, cfg.min_ranks = c->min_ranks;
+    {
+        dopt__shm_watch w = {NULL, NULL, NULL, -1, NULL, 0};
+        w.job = s, w.rank = map, w.box = b, w.box_fd = fd, w.ticket = t;
+        st = dopt__shm_create(&c2, &cfg, &w, s->family);
+    }
+    if (st != DOPT_OK) { /* the joiners admitted (or being admitted by a member now lost) ask again */
+        for (k = s->size; k < m; k++) {
+            uint64_t ticket = (uint64_t)t[-1 - map[k]], *word = &b->slot[-1 - map[k]].word;
+            uint64_t expect = ticket << 4 | DOPT__SHM_SLOT_ADMITTED;
+            if (!__atomic_compare_exchange_n(word, &expect, ticket << 4 | DOPT__SHM_SLOT_REFUSED, 0, __ATOMIC_SEQ_CST,
+                                             __ATOMIC_SEQ_CST)) {
+                expect = ticket << 4 | DOPT__SHM_SLOT_TAKING;
+                (void)__atomic_compare_exchange_n(word, &expect, ticket << 4 | DOPT__SHM_SLOT_REFUSED, 0,
+                                                  __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+            }
+        }
+        __atomic_add_fetch(&b->wake, 1u, __ATOMIC_SEQ_CST);
+        dopt__shm_futex_wake_all(&b->wake);
+    }
+    dopt__shm_box_close(b, fd);
+    if (st != DOPT_OK) return dopt__shm_grow_failed(c, s, st, cfg.env_name);
+    dopt__shm_carry_over(c, c2);
+    c2->grown_from = s->size;
+    dopt_comm_log(c2, DOPT_LOG_INFO, "shm rank %d of %d (of %d before): %d joiner(s) taken in, job '%s', epoch %u",
+                  s->rank, m, s->size, m - s->size, cfg.env_name, (unsigned)c2->epoch);
+    *next = c2;
+    return DOPT_OK;
+}
+
+/* The joiner's side: a slot, a ticket, the wait for an admission, the grown job's join; again
+   (a new ticket) when the grown job did not form, until timeout_ms. */
+static dopt_status dopt__shm_ask_to_join(dopt_comm **out, const dopt_shm_config *cfg) {
+    const char *name = cfg->name ? cfg->name : cfg->env_name[0] ? cfg->env_name : NULL;
+    int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : DOPT_DEFAULT_TIMEOUT_MS, tries = 0;
+    double deadline = dopt__now_ms() + (double)timeout_ms;
+    char why[DOPT_DETAIL_MAX - 16];
+    dopt_status last = DOPT_ERR_TIMEOUT;
+    if (out == NULL) return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, "out is NULL");
+    *out = NULL;
+    if (name == NULL || !dopt__shm_name_ok(name)) {
+        snprintf(why, sizeof why, "join: the job's name (dopt_shm_config.name or DOPT_SHM_NAME) is %s",
+                 name ? "not 1..200 characters of A-Z a-z 0-9 . _ -" : "not set");
+        return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, why);
+    }
+    if (cfg->timeout_ms < 0) return dopt__shm_config_fail(cfg, DOPT_ERR_INVALID, "join: timeout_ms is negative");
+    while (dopt__now_ms() < deadline) {
+        char path[DOPT__SHM_NAME_MAX + 16];
+        struct stat st1, st2;
+        dopt__shm_box *b;
+        dopt__shm_slot *sl = NULL;
+        dopt_shm_config grown;
+        uint64_t ticket, w = 0;
+        int fd, k, fd2;
+        dopt_comm *c = NULL;
+        dopt_status st;
+        b = dopt__shm_box_open(name, 1, &fd);
+        if (b == NULL) {
+            snprintf(why, sizeof why, "join: cannot make the join box of job '%.100s' in /dev/shm: %s", name, strerror(errno));
+            return dopt__shm_config_fail(cfg, DOPT_ERR_IO, why);
+        }
+        for (k = 0; k < DOPT__SHM_BOX_SLOTS; k++)
+            if (dopt__shm_lock_range(fd, (off_t)DOPT__SHM_BOX_BYTES + k, 1, F_WRLCK) == 0) break;
+        dopt__shm_box_path(name, path, sizeof path);
+        fd2 = shm_open(path, O_RDONLY, 0); /* the box a slot was taken in must still be the job's */
+        if (k == DOPT__SHM_BOX_SLOTS || fd2 < 0 || fstat(fd, &st1) != 0 || fstat(fd2, &st2) != 0 ||
+            st1.st_ino != st2.st_ino || st1.st_dev != st2.st_dev) {
+            if (fd2 >= 0) close(fd2);
+            dopt__shm_box_close(b, fd); /* every slot taken, or the box was being removed: again */
+            dopt__shm_sleep_ms(k == DOPT__SHM_BOX_SLOTS ? 20.0 : 1.0);
+            continue;
+        }
+        close(fd2);
+        sl = &b->slot[k];
+        ticket = __atomic_add_fetch(&b->tickets, 1u, __ATOMIC_SEQ_CST);
+        __atomic_store_n(&sl->pid, (int32_t)getpid(), __ATOMIC_RELAXED);
+        __atomic_store_n(&sl->word, ticket << 4 | DOPT__SHM_SLOT_WAITING, __ATOMIC_RELEASE);
+        if (cfg->log_fn && tries++ == 0) {
+            snprintf(why, sizeof why, "shm: asking job '%.100s' to take this process in (slot %d, ticket %llu)", name, k,
+                     (unsigned long long)ticket);
+            cfg->log_fn(cfg->log_user, DOPT_LOG_INFO, why);
+        }
+        while (dopt__now_ms() < deadline) {
+            uint32_t seen = __atomic_load_n(&b->wake, __ATOMIC_SEQ_CST);
+            w = __atomic_load_n(&sl->word, __ATOMIC_ACQUIRE);
+            if (w == (ticket << 4 | DOPT__SHM_SLOT_ADMITTED) || w == (ticket << 4 | DOPT__SHM_SLOT_REFUSED)) break;
+            dopt__shm_futex_wait(&b->wake, seen, DOPT__SHM_SLEEP_MS);
+        }
+        if (w == (ticket << 4 | DOPT__SHM_SLOT_ADMITTED)) {
+            memset(&grown, 0, sizeof grown);
+            snprintf(grown.env_name, sizeof grown.env_name, "%s", sl->name);
+            grown.rank = sl->rank, grown.size = sl->size, grown.timeout_ms = sl->timeout_ms;
+            grown.chunk_bytes = (size_t)sl->chunk, grown.engine = sl->engine, grown.min_ranks = sl->min_ranks;
+            grown.on_peer_lost = DOPT_SHRINK, grown.log_fn = cfg->log_fn, grown.log_user = cfg->log_user;
+            int64_t tickets[DOPT__SHM_BOX_SLOTS] = {0};
+            int watch_rank[DOPT__SHM_SHRINK_MAX_RANKS], q;
+            dopt__shm_watch wa = {NULL, NULL, NULL, -1, NULL, 1};
+            for (q = 0; q < DOPT__SHM_SHRINK_MAX_RANKS; q++) watch_rank[q] = -1 - k;
+            tickets[k] = (int64_t)ticket;
+            wa.rank = watch_rank, wa.box = b, wa.box_fd = fd, wa.ticket = tickets;
+            st = dopt__shm_create(&c, &grown, &wa, name);
+            if (st == DOPT_OK) c->epoch = sl->epoch, c->grown_from = sl->grown_from;
+        } else {
+            st = w == (ticket << 4 | DOPT__SHM_SLOT_REFUSED) ? DOPT_ERR_PEER_LOST : DOPT_ERR_TIMEOUT;
+        }
+        /* free the slot, then remove the box if no other joiner holds one */
+        __atomic_store_n(&sl->word, (uint64_t)DOPT__SHM_SLOT_FREE, __ATOMIC_RELEASE);
+        (void)dopt__shm_lock_range(fd, (off_t)DOPT__SHM_BOX_BYTES + k, 1, F_UNLCK);
+        if (dopt__shm_lock_range(fd, (off_t)DOPT__SHM_BOX_BYTES, DOPT__SHM_BOX_SLOTS, F_WRLCK) == 0) {
+            fd2 = shm_open(path, O_RDONLY, 0);
+            if (fd2 >= 0 && fstat(fd2, &st2) == 0 && st1.st_ino == st2.st_ino && st1.st_dev == st2.st_dev)
+                shm_unlink(path);
+            if (fd2 >= 0) close(fd2);
+        }
+        dopt__shm_box_close(b, fd);
+        if (st == DOPT_OK) {
+            dopt_comm_log(c, DOPT_LOG_INFO, "shm: taken into job '%s' as rank %d of %d (epoch %u)", name, c->rank,
+                          c->size, (unsigned)c->epoch);
+            *out = c;
+            return DOPT_OK;
+        }
+        last = st;
+        if (st != DOPT_ERR_PEER_LOST && st != DOPT_ERR_TIMEOUT) return st; /* the create said why */
+    }
+    snprintf(why, sizeof why, "join: no member of job '%.100s' took this process in within %d ms (%s; %d asks): is the job "
+             "running with on_peer_lost = DOPT_SHRINK (DOPT_ON_PEER_LOST=shrink), and does it call dopt_comm_grow "
+             "(localsgd.h's elastic driver does, at every round's end)?", name, timeout_ms, dopt_status_str(last), tries);
+    return dopt__shm_config_fail(cfg, DOPT_ERR_TIMEOUT, why);
 }
 
 /* ===================================================================== FORK HELPER */
@@ -2007,6 +2403,7 @@ DOPT_DEF dopt_status dopt_shm_fork(dopt_comm **out, int nranks, const dopt_shm_c
         local = *cfg;
     else
         memset(&local, 0, sizeof local);
+    local.join = 0; /* the fork starts a job; nobody joins one through it */
     if (out == NULL) return dopt__shm_config_fail(&local, DOPT_ERR_INVALID, "fork: out is NULL");
     *out = NULL;
     if (nranks < 1 || nranks > DOPT__SHM_MAX_RANKS)

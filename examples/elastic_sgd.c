@@ -14,7 +14,8 @@
        DOPT_ON_PEER_LOST=shrink DOPT_JOIN=1 DOPT_MASTER_PORT=29500 build/elastic_sgd   (one comes back)
        (tests/elastic_trials.c starts four, kills one and starts it again: make elastic-test)
        DOPT_TRANSPORT=shm DOPT_SHM_NAME=job7 DOPT_RANK=r DOPT_WORLD_SIZE=4 build/elastic_sgd
-       (the ranks of one host through shared memory: the survivors go on; nobody comes back)
+       DOPT_TRANSPORT=shm DOPT_SHM_NAME=job7 DOPT_JOIN=1 build/elastic_sgd         (one comes back)
+       (the ranks of one host through shared memory: the same, with the job's name for an address)
 
    Flags: --steps N (default 8000), --period N (4), --step-us N (a compute step's time, slept;
    0), --seed N. Prints, per rank, one line: "elastic_sgd: rank R of N (was rank O of W):

@@ -34,7 +34,7 @@
                           off (default): the whole average after backward. Same numbers either way.
      --elastic on|off     on (local SGD over TCP or shm with DOPT_ON_PEER_LOST=shrink): a lost worker does
                           not end the run; the survivors take its samples and start the epoch over
-                          on their new shards. A worker started again with DOPT_JOIN=1 (same flags; TCP)
+                          on their new shards. A worker started again with DOPT_JOIN=1 (same flags)
                           is taken back at the end of a round: it takes the job's state in its
                           dopt_dp_broadcast, learns the epoch from the members and goes on with
                           them, everybody on the shards of the larger world.

@@ -31,8 +31,9 @@
    Exits 1 when a trial did not survive or hung, a worker started again was not taken back, or a
    sender trial did not kill rank 0 or did not survive it.
    Usage: elastic_trials [BUILD_DIR] [TRIALS] [ADDRS|-|shm] [mlp]: with shm, the workers run over
-   shared memory (DOPT_TRANSPORT=shm, a job name of their own): no worker is started again (shm
-   takes nobody back) and there are no sender trials; the line says transport=shm links=shm. With
+   shared memory (DOPT_TRANSPORT=shm, a job name of their own; a worker started again asks through
+   the job's join box, DOPT_JOIN=1 with the same DOPT_SHM_NAME), state_MBps is the trials' median
+   and link_MBps 0, and the line says transport=shm links=shm. With
    ADDRS, rank r runs on the
    simulated cluster's host r (scripts/cluster.sh exec r; the cluster must be up with 4 hosts,
    ADDRS the hosts' addresses "a0,a1,a2,a3", or host 0's alone, when a killed rank 0 is not
@@ -58,6 +59,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <dirent.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -130,7 +133,7 @@ static const char *cluster_master; /* NULL: every rank on loopback */
 static char host_addr[WORKERS][64]; /* where rank r runs; "": not known (a killed rank 0 stays dead) */
 static int mlp;                    /* 1: build/fmnist_mlp, else build/elastic_sgd */
 static int silent_cut;             /* the trial cuts the victim's host off before the kill */
-static int shm;                    /* 1: over shared memory (DOPT_TRANSPORT=shm), no worker started again */
+static int shm;                    /* 1: over shared memory (DOPT_TRANSPORT=shm) */
 
 static double mono_ms(void) { /* fmnist_mlp's clock */
     struct timespec ts;
@@ -348,8 +351,24 @@ static void run_job(const char *build, const char *dir, int victim, int delay_ms
 }
 
 /* The ranks' logs and the directory they are in. */
+/* The workers' flight-recorder files (a killed worker leaves its own) go to a directory of the
+   harness's own, removed at the end, unless the caller set DOPT_RECORDER_DIR. */
+static char rec_dir[600];
+
 static void remove_scratch(const char *dir) {
     int r;
+    if (rec_dir[0]) {
+        DIR *d = opendir(rec_dir);
+        struct dirent *e;
+        while (d && (e = readdir(d)) != NULL) {
+            char path[900];
+            if (e->d_name[0] == '.') continue;
+            snprintf(path, sizeof path, "%s/%s", rec_dir, e->d_name);
+            unlink(path);
+        }
+        if (d) closedir(d);
+        rmdir(rec_dir);
+    }
     for (r = 0; r < SLOTS; r++) {
         char path[600];
         snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
@@ -389,7 +408,7 @@ static int mlp_trials(const char *build, const char *dir, int trials) {
         double acc, resumed = 0;
         int came_back;
         /* started again when killed in the first half: a worker loads the data before it asks */
-        run_job(build, dir, victim, delay, 0, delay < span / 2 && !shm, 0, &kill_ms, &out);
+        run_job(build, dir, victim, delay, 0, delay < span / 2, 0, &kill_ms, &out);
         hangs += out.hung;
         ok = !out.hung && kill_ms > 0;
         for (r = 0; r < WORKERS && ok; r++) {
@@ -458,11 +477,16 @@ int main(int argc, char **argv) {
         cluster_master = first;
     }
     mlp = argc > 4 && strcmp(argv[4], "mlp") == 0;
-    sender_trials = shm ? 0 : SENDER_TRIALS; /* shm takes no worker back */
+    sender_trials = SENDER_TRIALS;
     silent_trials = cluster_master ? SILENT_TRIALS : 0;
     if (!mkdtemp(dir)) {
         perror("elastic_trials: mkdtemp");
         return 1;
+    }
+    if (!getenv("DOPT_RECORDER_DIR")) {
+        snprintf(rec_dir, sizeof rec_dir, "%s/recorder", dir);
+        if (mkdir(rec_dir, 0700) == 0) setenv("DOPT_RECORDER_DIR", rec_dir, 1);
+        else rec_dir[0] = '\0';
     }
     if (mlp) {
         int status = mlp_trials(build, dir, trials);
@@ -478,7 +502,7 @@ int main(int argc, char **argv) {
         unsigned long long model = 0;
         double kill_ms, resumed = 0;
         silent_cut = silent;
-        run_job(build, dir, victim, delay, 0, !silent && !shm, sender, &kill_ms, &out);
+        run_job(build, dir, victim, delay, 0, !silent, sender, &kill_ms, &out);
         silent_cut = 0;
         hangs += out.hung;
         ok = !out.hung;

@@ -525,9 +525,22 @@ mutate listen-port-ignored transport_tcp.h \
 mutate shm-shrink-ignores-min-ranks transport_shm.h \
     '        if (m < c->min_ranks)' '        if (m < 0)' test_shrink:shm_fewer
 mutate shm-join-does-not-watch-the-failed-job transport_shm.h \
-    '        if (probe && s->watch && __atomic_load_n(&cold->pid, __ATOMIC_ACQUIRE) == 0 &&' \
-    '        if (probe && s->watch == (void *)1 && __atomic_load_n(&cold->pid, __ATOMIC_ACQUIRE) == 0 &&' \
+    '            if (was >= 0 && w->job &&' '            if (was >= 0 && w->job == (void *)1 &&' \
     test_shrink:shm_a_member_lost_after
+mutate shm-grow-does-not-watch-the-joiners transport_shm.h \
+    'return !w->own && !dopt__shm_lock_held(w->box_fd, (off_t)DOPT__SHM_BOX_BYTES + slot, 1);' \
+    'return 0;' \
+    test_shrink:shm_grow
+mutate shm-grow-counts-a-slot-nobody-holds transport_shm.h \
+    'return dopt__shm_lock_held(fd, (off_t)DOPT__SHM_BOX_BYTES + k, 1) ? DOPT__SHM_SLOT_TICKET(w) : 0;' \
+    'return fd >= -1 ? DOPT__SHM_SLOT_TICKET(w) : 0;' test_shrink:shm_grow
+mutate shm-grow-failure-not-told-to-the-joiner transport_shm.h \
+    '    if (st != DOPT_OK) { /* the joiners admitted (or being admitted by a member now lost) ask again */' \
+    '    if (0) {' test_shrink:shm_grow_failed_is_told
+mutate shm-join-box-left-behind transport_shm.h \
+    '                shm_unlink(path);' '                (void)0;' test_shrink:shm_grow
+mutate shm-grow-forgets-grown-from transport_shm.h \
+    '        c2->grown_from = s->size;' '        (void)0;' test_shrink:shm_grow
 mutate shm-agreement-waits-for-nobody transport_shm.h \
     '!dopt__shm_rank_dead(s, q))
                 pending++;' '!dopt__shm_rank_dead(s, q))

@@ -523,14 +523,25 @@ static void sh_joiner(sh_world *w) {
     memset(&rep, 0, sizeof rep);
     memset(&cfg, 0, sizeof cfg);
     cfg.join = 1;
-    cfg.master_port = dtest_read_int(w->port_pipe[0], "rank 0's port");
+    if (!P->shm) cfg.master_port = dtest_read_int(w->port_pipe[0], "rank 0's port");
     cfg.token = "distopt-shrink-test";
     cfg.timeout_ms = P->timeout_ms ? P->timeout_ms : 20000;
     cfg.rendezvous_timeout_ms = 60000;
     cfg.on_peer_lost = DOPT_SHRINK;
     cfg.log_fn = sh_log;
-    DT_OK(dopt_tcp_create(&c, &cfg));
-    DT_CHECK(c->grown_from > 0 && c->rank >= c->grown_from && c->epoch >= 1);
+    if (P->shm) { /* shared memory: the job's name, no token, no address */
+        dopt_shm_config scfg;
+        memset(&scfg, 0, sizeof scfg);
+        scfg.name = w->shm_name;
+        scfg.join = 1;
+        scfg.timeout_ms = 60000; /* the wait to be taken in; the job's own timeout comes with the admission */
+        scfg.log_fn = sh_log;
+        DT_OK(dopt_shm_create(&c, &scfg));
+        DT_EQ_INT(c->timeout_ms, P->timeout_ms ? P->timeout_ms : 20000);
+    } else {
+        DT_OK(dopt_tcp_create(&c, &cfg));
+    }
+    DT_CHECK(c->grown_from > 0 && c->rank >= c->grown_from && c->epoch >= 1 && c->on_peer_lost == DOPT_SHRINK);
     rep.old_rank = P->n;
     el_body(c, P->n, P, &rep);
     DT_CHECK(write(w->report_pipe[1], &rep, sizeof rep) == (ssize_t)sizeof rep);
@@ -1031,6 +1042,335 @@ DTEST(tcp_elastic_driver_takes_a_restarted_worker_back_with_the_jobs_state) {
     }
 }
 
+/* The same over shared memory: the restarted worker asks through the job's join box, the members
+   grow at a round's end into a job of the full size, and rank 0 sends the state. */
+DTEST(shm_elastic_driver_takes_a_restarted_worker_back_with_the_jobs_state) {
+    int outer;
+    for (outer = 0; outer <= 1; outer++) {
+        sh_plan p = rejoin_plan(3 + outer, 1 + outer, 9, 1);
+        sh_report rep[SH_MAXN];
+        int got, i, k;
+        p.outer = outer;
+        p.shm = 1;
+        got = sh_run(&p, rep);
+        DT_EQ_INT(got, p.n);
+        for (i = 0; i < got; i++) {
+            int joiner = rep[i].old_rank == p.n;
+            rejoin_check(&rep[i], &rep[0], p.n, !joiner, !joiner);
+            DT_EQ_INT((int)rep[i].epoch, 2);
+            for (k = 0; k < got; k++) DT_EQ_INT(rep[i].members[k], rep[0].members[k]);
+            DT_EQ_INT(rep[i].members[p.n - 1], p.n);
+        }
+    }
+}
+
+/* Over shared memory, rank 0 dies the moment it took the joiner in: the others and the joiner
+   shrink, and the joiner takes the state from the lowest survivor. */
+DTEST(shm_elastic_driver_joiner_takes_the_state_from_another_member_when_rank_0_dies) {
+    sh_plan p = rejoin_plan(4, 2, 9, 1);
+    sh_report rep[SH_MAXN];
+    int got, i;
+    p.lead_dies = 1;
+    p.shm = 1;
+    got = sh_run(&p, rep);
+    DT_EQ_INT(got, p.n - 1);
+    for (i = 0; i < got; i++) {
+        int joiner = rep[i].old_rank == p.n;
+        rejoin_check(&rep[i], &rep[0], p.n - 1, joiner ? 1 : 2, !joiner);
+    }
+    DT_EQ_INT(rep[0].members[0], 1);
+    DT_EQ_INT(rep[0].members[1], 3);
+    DT_EQ_INT(rep[0].members[2], p.n);
+}
+
+/* Over shared memory, the restarted worker dies once taken in, before it has the state: the
+   members shrink again and go on as before. */
+DTEST(shm_elastic_driver_joiner_lost_while_it_takes_the_state_leaves_the_job_as_it_was) {
+    sh_plan p = rejoin_plan(4, 3, 6, 3);
+    sh_report rep[SH_MAXN];
+    int got, i;
+    p.shm = 1;
+    got = sh_run(&p, rep);
+    DT_EQ_INT(got, p.n - 1);
+    for (i = 0; i < got; i++) {
+        rejoin_check(&rep[i], &rep[0], p.n - 1, 2, 1);
+        DT_EQ_INT((int)rep[i].epoch, 3);
+    }
+}
+
+static char shm_refusal[DOPT_DETAIL_MAX];
+static void shm_refusal_log(void *user, dopt_log_level level, const char *msg) {
+    (void)user;
+    if (level == DOPT_LOG_ERROR) snprintf(shm_refusal, sizeof shm_refusal, "%s", msg);
+}
+
+/* dopt_comm_grow over shared memory, without the driver. First a joiner that dies the moment the
+   members admitted it (a process of the test's own that asks through the join box by hand, with
+   a stale "waiting" slot beside it that nobody holds): every member's grow says the grown job
+   did not form and returns DOPT_OK with no next, the stale slot is never counted, and the job goes
+   on as it was. Then a real joiner (dopt_shm_create with join = 1) comes in as rank 3 of 4,
+   epoch 1, grown_from 3, and an allreduce over the four is right; the join box is gone after. */
+static int gr_failed_seen;
+static void gr_log(void *user, dopt_log_level level, const char *msg) {
+    (void)user;
+    if (strstr(msg, "did not form")) gr_failed_seen = 1;
+    sh_log(NULL, level, msg);
+}
+
+static void gr_member(const char *name, int rank, int phase_fd) {
+    dopt_shm_config cfg;
+    dopt_comm *c = NULL, *next = NULL;
+    double until = dtest_now_ms() + 30000, sum;
+    int all = 0, rounds = 0;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.name = name, cfg.rank = rank, cfg.size = 3;
+    cfg.timeout_ms = 60000; /* longer than the loop's 30 s: a joiner's death is seen by its slot, never waited out */
+    cfg.on_peer_lost = DOPT_SHRINK, cfg.log_fn = gr_log;
+    DT_OK(dopt_shm_create(&c, &cfg));
+    while (!all) { /* phase 1: the joiner that dies once admitted */
+        int mine = gr_failed_seen;
+        DT_CHECKF(dtest_now_ms() < until, "rank %d: the dying joiner's grow never failed", rank);
+        DT_CHECK(dopt_comm_joiners_held(c) <= 1); /* the stale slot is nobody's */
+        DT_OK(dopt_comm_grow(c, &next));
+        DT_CHECK(next == NULL);
+        DT_OK(dopt_allreduce(c, &mine, 1, DOPT_I32, DOPT_MIN));
+        all = mine;
+        usleep(1000);
+        rounds++;
+    }
+    sum = rank + 1;
+    DT_OK(dopt_allreduce(c, &sum, 1, DOPT_F64, DOPT_SUM));
+    DT_NEAR(sum, 6.0, 0);
+    if (rank == 0) DT_CHECK(write(phase_fd, "1", 1) == 1); /* the parent starts the real joiner now */
+    while (next == NULL) { /* phase 2: the real joiner */
+        DT_CHECKF(dtest_now_ms() < until + 30000, "rank %d: the joiner never came in", rank);
+        DT_OK(dopt_comm_grow(c, &next));
+        if (next == NULL) usleep(1000);
+    }
+    dopt_comm_destroy(c);
+    DT_EQ_INT(next->size, 4);
+    DT_EQ_INT(next->rank, rank);
+    DT_EQ_INT(next->grown_from, 3);
+    DT_EQ_INT((int)next->epoch, 1);
+    DT_CHECK(next->on_peer_lost == DOPT_SHRINK);
+    sum = rank + 1;
+    DT_OK(dopt_allreduce(next, &sum, 1, DOPT_F64, DOPT_SUM));
+    DT_NEAR(sum, 10.0, 0);
+    dopt_comm_destroy(next);
+    _exit(0);
+}
+
+/* Asks by hand in slot 2 (and leaves slot 5 saying "waiting" with nobody holding it), then dies
+   once a member admitted it. */
+static void gr_dying_joiner(const char *name) {
+    int fd;
+    dopt__shm_box *b = dopt__shm_box_open(name, 1, &fd);
+    DT_CHECK(b != NULL);
+    DT_CHECK(dopt__shm_lock_range(fd, (off_t)DOPT__SHM_BOX_BYTES + 2, 1, F_WRLCK) == 0);
+    b->slot[5].word = (uint64_t)77 << 4 | DOPT__SHM_SLOT_WAITING;
+    b->slot[2].pid = (int32_t)getpid();
+    __atomic_store_n(&b->slot[2].word, (uint64_t)78 << 4 | DOPT__SHM_SLOT_WAITING, __ATOMIC_RELEASE);
+    while (__atomic_load_n(&b->slot[2].word, __ATOMIC_ACQUIRE) != ((uint64_t)78 << 4 | DOPT__SHM_SLOT_ADMITTED))
+        usleep(200);
+    raise(SIGKILL);
+}
+
+/* A joiner (dopt_shm_create with join = 1) that must come in as rank `rank` of `size`, then
+   allreduces rank + 1 with the others. */
+static void gr_joiner(const char *name, int rank, int size, int epoch) {
+    dopt_shm_config cfg;
+    dopt_comm *c = NULL;
+    double sum = rank + 1;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.name = name, cfg.join = 1, cfg.timeout_ms = 30000, cfg.log_fn = sh_log;
+    DT_OK(dopt_shm_create(&c, &cfg));
+    DT_EQ_INT(c->size, size);
+    DT_EQ_INT(c->rank, rank);
+    DT_EQ_INT(c->grown_from, rank);
+    DT_EQ_INT((int)c->epoch, epoch);
+    DT_EQ_INT(c->timeout_ms, 60000); /* the members' */
+    DT_OK(dopt_allreduce(c, &sum, 1, DOPT_F64, DOPT_SUM));
+    DT_NEAR(sum, size * (size + 1) / 2.0, 0);
+    dopt_comm_destroy(c);
+    _exit(0);
+}
+
+DTEST(shm_grow_takes_a_joiner_in_and_one_lost_once_admitted_leaves_the_job_as_it_was) {
+    char name[64], box[128];
+    pid_t pid[5];
+    int r, status, phase[2];
+    snprintf(name, sizeof name, "grow-test-%d", (int)getpid());
+    snprintf(box, sizeof box, "/dev/shm/dopt.%s+join", name);
+    DT_CHECK(pipe(phase) == 0);
+    fflush(stdout);
+    for (r = 0; r < 3; r++)
+        if ((pid[r] = fork()) == 0) gr_member(name, r, phase[1]);
+    if ((pid[3] = fork()) == 0) gr_dying_joiner(name);
+    DT_CHECK(waitpid(pid[3], &status, 0) == pid[3]);
+    DT_CHECKF(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "the dying joiner was never admitted (status %d)",
+              status);
+    DT_CHECK(read(phase[0], &r, 1) == 1); /* the members are through phase 1 */
+    if ((pid[4] = fork()) == 0) gr_joiner(name, 3, 4, 1);
+    for (r = 0; r < 5; r++) {
+        if (r == 3) continue;
+        DT_CHECK(waitpid(pid[r], &status, 0) == pid[r]);
+        DT_CHECKF(WIFEXITED(status) && WEXITSTATUS(status) == 0, "process %d failed (status %d)", r, status);
+    }
+    DT_CHECKF(access(box, F_OK) != 0, "%s is left behind", box);
+    close(phase[0]);
+    close(phase[1]);
+}
+
+/* A member dies the moment every member agreed on a joiner, before the grown job formed: the
+   other members' grow fails naming it (they shrink, then take the joiner in at a later grow),
+   and the joiner, told the members gave up, asks again and comes in as rank 2 of 3. */
+static void gr_die_log(void *user, dopt_log_level level, const char *msg) {
+    (void)user;
+    if (strstr(msg, "every member saw")) raise(SIGKILL);
+    sh_log(NULL, level, msg);
+}
+
+/* Waits for the n processes: `dies` (-1: none) must end by SIGKILL, the others exit 0. */
+static void gr_reap(const pid_t *pid, int n, int dies) {
+    int r, status;
+    for (r = 0; r < n; r++) {
+        DT_CHECK(waitpid(pid[r], &status, 0) == pid[r]);
+        if (r == dies)
+            DT_CHECKF(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "process %d was to die (status %d)", r, status);
+        else
+            DT_CHECKF(WIFEXITED(status) && WEXITSTATUS(status) == 0, "process %d failed (status %d)", r, status);
+    }
+}
+
+static void gr_member_lost(const char *name, int rank) {
+    dopt_shm_config cfg;
+    dopt_comm *c = NULL, *next = NULL;
+    double until = dtest_now_ms() + 30000, sum;
+    int lost = 0;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.name = name, cfg.rank = rank, cfg.size = 3, cfg.timeout_ms = 60000;
+    cfg.on_peer_lost = DOPT_SHRINK, cfg.log_fn = rank == 2 ? gr_die_log : sh_log;
+    DT_OK(dopt_shm_create(&c, &cfg));
+    for (;;) {
+        dopt_status s;
+        DT_CHECKF(dtest_now_ms() < until, "rank %d: the joiner never came in", rank);
+        s = dopt_comm_grow(c, &next);
+        if (s == DOPT_OK && next) break;
+        if (s == DOPT_OK) {
+            usleep(1000);
+            continue;
+        }
+        DT_CHECKF(s == DOPT_ERR_PEER_LOST && c->lost_rank == 2 && !lost, "rank %d: %s: %s", rank, dopt_status_str(s),
+                  dopt_comm_detail(c));
+        lost = 1;
+        DT_OK(dopt_comm_shrink(c, &next));
+        dopt_comm_destroy(c);
+        c = next;
+        next = NULL;
+    }
+    DT_CHECK(lost);
+    dopt_comm_destroy(c);
+    DT_EQ_INT(next->size, 3);
+    DT_EQ_INT(next->grown_from, 2);
+    DT_EQ_INT((int)next->epoch, 2);
+    sum = next->rank + 1;
+    DT_OK(dopt_allreduce(next, &sum, 1, DOPT_F64, DOPT_SUM));
+    DT_NEAR(sum, 6.0, 0);
+    dopt_comm_destroy(next);
+    _exit(0);
+}
+
+
+DTEST(shm_grow_a_member_lost_while_the_joiner_comes_in_fails_the_grow_and_the_joiner_asks_again) {
+    char name[64];
+    pid_t pid[4];
+    int r;
+    snprintf(name, sizeof name, "grow-lost-%d", (int)getpid());
+    fflush(stdout);
+    for (r = 0; r < 3; r++)
+        if ((pid[r] = fork()) == 0) gr_member_lost(name, r);
+    if ((pid[3] = fork()) == 0) gr_joiner(name, 2, 3, 2);
+    gr_reap(pid, 4, 2);
+}
+
+/* The same death, with a joiner that was admitted but has not come to join yet (one of the
+   test's own, asking by hand): the members that gave up the grown job mark its slot refused, so
+   that it asks again at once instead of forming the grown job alone until the timeout. */
+static void gr_member_refuses(const char *name, int rank) {
+    dopt_shm_config cfg;
+    dopt_comm *c = NULL, *next = NULL;
+    double until = dtest_now_ms() + 30000, sum;
+    dopt_status s = DOPT_OK;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.name = name, cfg.rank = rank, cfg.size = 3, cfg.timeout_ms = 60000;
+    cfg.on_peer_lost = DOPT_SHRINK, cfg.log_fn = rank == 2 ? gr_die_log : sh_log;
+    DT_OK(dopt_shm_create(&c, &cfg));
+    while (s == DOPT_OK) {
+        DT_CHECKF(dtest_now_ms() < until, "rank %d: the grow never failed", rank);
+        s = dopt_comm_grow(c, &next);
+        DT_CHECK(next == NULL);
+        usleep(1000);
+    }
+    DT_CHECKF(s == DOPT_ERR_PEER_LOST && c->lost_rank == 2, "rank %d: %s", rank, dopt_comm_detail(c));
+    DT_OK(dopt_comm_shrink(c, &next));
+    dopt_comm_destroy(c);
+    sum = next->rank + 1;
+    DT_OK(dopt_allreduce(next, &sum, 1, DOPT_F64, DOPT_SUM));
+    DT_NEAR(sum, 3.0, 0);
+    dopt_comm_destroy(next);
+    _exit(0);
+}
+
+static void gr_admitted_waits_for_refusal(const char *name) {
+    int fd;
+    double until = dtest_now_ms() + 20000;
+    dopt__shm_box *b = dopt__shm_box_open(name, 1, &fd);
+    uint64_t w;
+    DT_CHECK(b != NULL);
+    DT_CHECK(dopt__shm_lock_range(fd, (off_t)DOPT__SHM_BOX_BYTES, 1, F_WRLCK) == 0);
+    __atomic_store_n(&b->slot[0].word, (uint64_t)5 << 4 | DOPT__SHM_SLOT_WAITING, __ATOMIC_RELEASE);
+    while ((w = __atomic_load_n(&b->slot[0].word, __ATOMIC_ACQUIRE)) != ((uint64_t)5 << 4 | DOPT__SHM_SLOT_REFUSED)) {
+        DT_CHECKF(dtest_now_ms() < until, "the admitted joiner's slot never said refused (word %llx)",
+                  (unsigned long long)w);
+        usleep(500);
+    }
+    _exit(0);
+}
+
+DTEST(shm_grow_failed_is_told_to_an_admitted_joiner_that_has_not_joined_yet) {
+    char name[64], box[128];
+    pid_t pid[4];
+    int r;
+    snprintf(name, sizeof name, "grow-refused-%d", (int)getpid());
+    snprintf(box, sizeof box, "/dopt.%s+join", name);
+    fflush(stdout);
+    if ((pid[3] = fork()) == 0) gr_admitted_waits_for_refusal(name);
+    for (r = 0; r < 3; r++)
+        if ((pid[r] = fork()) == 0) gr_member_refuses(name, r);
+    gr_reap(pid, 4, 2);
+    shm_unlink(box);
+}
+
+/* A joiner that nobody takes in (no job of that name runs) says so at its timeout, and leaves
+   no join box behind. */
+DTEST(shm_joiner_that_nobody_takes_in_fails_with_the_reason_and_leaves_nothing) {
+    dopt_shm_config cfg;
+    dopt_comm *c = (dopt_comm *)1;
+    char name[64], box[128];
+    snprintf(name, sizeof name, "grow-nobody-%d", (int)getpid());
+    snprintf(box, sizeof box, "/dev/shm/dopt.%s+join", name);
+    memset(&cfg, 0, sizeof cfg);
+    cfg.name = name, cfg.join = 1, cfg.timeout_ms = 300, cfg.log_fn = shm_refusal_log;
+    shm_refusal[0] = '\0';
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_TIMEOUT);
+    DT_CHECK(c == NULL);
+    DT_CHECKF(strstr(shm_refusal, "took this process in within 300 ms") && strstr(shm_refusal, "dopt_comm_grow"), "%s",
+              shm_refusal);
+    DT_CHECKF(access(box, F_OK) != 0, "%s is left behind", box);
+    cfg.name = "bad/name";
+    DT_EQ_INT(dopt_shm_create(&c, &cfg), DOPT_ERR_INVALID);
+}
+
 /* Rank 0 dies the moment it took the joiner in, before it sent the job's state: the joiner's
    take fails, the others' next collective; all shrink, and the joiner takes the state from the
    lowest survivor that holds it. */
@@ -1274,11 +1614,6 @@ DTEST(the_tcp_config_and_environment_set_on_peer_lost_and_min_ranks) {
 }
 
 /* Captures the last error line of a refused create. */
-static char shm_refusal[DOPT_DETAIL_MAX];
-static void shm_refusal_log(void *user, dopt_log_level level, const char *msg) {
-    (void)user;
-    if (level == DOPT_LOG_ERROR) snprintf(shm_refusal, sizeof shm_refusal, "%s", msg);
-}
 
 DTEST(the_shm_config_and_environment_set_on_peer_lost_and_min_ranks) {
     dopt_shm_config cfg;
@@ -1307,6 +1642,15 @@ DTEST(the_shm_config_and_environment_set_on_peer_lost_and_min_ranks) {
     unsetenv("DOPT_ON_PEER_LOST");
     unsetenv("DOPT_RANK");
     unsetenv("DOPT_WORLD_SIZE");
+    setenv("DOPT_JOIN", "1", 1); /* a joiner needs neither rank nor size */
+    memset(&cfg, 0, sizeof cfg);
+    DT_OK(dopt_shm_config_from_env(&cfg));
+    DT_EQ_INT(cfg.join, 1);
+    setenv("DOPT_JOIN", "yes", 1);
+    cfg.log_fn = shm_refusal_log;
+    DT_EQ_INT(dopt_shm_config_from_env(&cfg), DOPT_ERR_INVALID);
+    DT_CHECKF(strstr(shm_refusal, "DOPT_JOIN") != NULL, "%s", shm_refusal);
+    unsetenv("DOPT_JOIN");
     memset(&cfg, 0, sizeof cfg);
     cfg.size = 1;
     cfg.log_fn = shm_refusal_log;
