@@ -11,10 +11,15 @@
        bench rejoin state_MB=S state_MBps=R link_MBps=L ratio=R/L lead_MBps=M reps=3
 
    (lead_MBps: the same transfer as rank 0 timed it). The goal is ratio >= 0.8.
-   Usage: bench_rejoin [MB] */
+   With shm, the job runs over shared memory (transport_shm.h: the joiner asks in the job's join
+   box) and the limit is the shm transport's own: a dopt_broadcast of the same bytes between two
+   processes of a job of 2 (warmed up by an eighth of them, then the bytes and a barrier); the
+   line then adds transport=shm.
+   Usage: bench_rejoin [MB] [shm] */
 #define DISTOPT_IMPLEMENTATION
 #include "../distopt.h"
 #include "../transport_tcp.h"
+#include "../transport_shm.h"
 #include "../localsgd.h"
 
 #include <arpa/inet.h>
@@ -31,6 +36,8 @@
 #define MEMBERS 2
 
 static size_t model_floats;
+static int shm;               /* 1: over shared memory */
+static char shm_name[64];     /* the job's name there (a fresh one per job) */
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -82,7 +89,11 @@ static double raw_stream(size_t bytes) {
         die("cannot listen on loopback");
     pid = fork();
     if (pid == 0) { /* the reader: a warm-up, then the stream */
-        int c = accept(lfd, NULL, NULL), k;
+        int c, k;
+        buf = (char *)malloc(bytes); /* its own, touched: the parent's pages would be copied on write */
+        if (buf == NULL) die("no memory");
+        memset(buf, 2, bytes);
+        c = accept(lfd, NULL, NULL);
         if (c < 0) die("accept failed");
         for (k = 0; k < 2; k++) {
             read_all(c, buf, k ? bytes : bytes / 8);
@@ -103,6 +114,38 @@ static double raw_stream(size_t bytes) {
     close(fd);
     waitpid(pid, NULL, 0);
     free(buf);
+    return (double)bytes / 1e3 / (t1 - t0);
+}
+
+/* The limit over shared memory: a broadcast of the same bytes in a job of 2; MB/s. */
+static double raw_shm(size_t bytes) {
+    dopt_shm_config cfg;
+    dopt_comm *c = NULL;
+    char *buf;
+    double t0 = 0, t1;
+    int k, status, rank;
+    pid_t pid;
+    static int jobs;
+    memset(&cfg, 0, sizeof cfg);
+    snprintf(shm_name, sizeof shm_name, "bench-rejoin-link-%d-%d", (int)getpid(), jobs++);
+    cfg.name = shm_name, cfg.size = 2, cfg.timeout_ms = 60000;
+    pid = fork();
+    rank = pid == 0;
+    buf = (char *)malloc(bytes); /* after the fork, touched: no page copied on write is timed */
+    if (buf == NULL) die("no memory");
+    memset(buf, 1 + rank, bytes);
+    cfg.rank = rank;
+    if (dopt_shm_create(&c, &cfg) != DOPT_OK) die("cannot create the shm communicator");
+    for (k = 0; k < 2; k++) {
+        if (k) t0 = dopt__now_ms();
+        if (dopt_broadcast(c, buf, k ? bytes : bytes / 8, 0) != DOPT_OK || dopt_barrier(c) != DOPT_OK)
+            die("the shm broadcast failed");
+    }
+    t1 = dopt__now_ms();
+    dopt_comm_destroy(c);
+    free(buf);
+    if (rank == 1) _exit(0);
+    waitpid(pid, &status, 0);
     return (double)bytes / 1e3 / (t1 - t0);
 }
 
@@ -140,14 +183,22 @@ static void worker(int rank, int *port_pipe, int report_fd) {
     cfg.join = rank == MEMBERS;
     cfg.rank = rank;
     cfg.world_size = MEMBERS;
-    if (rank == 0) {
-        cfg.on_listen = on_listen;
-        cfg.on_listen_user = port_pipe;
+    if (shm) { /* the job's name; the joiner asks in its join box */
+        dopt_shm_config sc;
+        memset(&sc, 0, sizeof sc);
+        sc.name = shm_name, sc.rank = rank < MEMBERS ? rank : 0, sc.size = MEMBERS, sc.timeout_ms = 60000;
+        sc.on_peer_lost = DOPT_SHRINK, sc.join = rank == MEMBERS;
+        if (dopt_shm_create(&c, &sc) != DOPT_OK) die("cannot create the shm communicator");
     } else {
-        read_all(port_pipe[0], &port, sizeof port);
-        cfg.master_port = port;
+        if (rank == 0) {
+            cfg.on_listen = on_listen;
+            cfg.on_listen_user = port_pipe;
+        } else {
+            read_all(port_pipe[0], &port, sizeof port);
+            cfg.master_port = port;
+        }
+        if (dopt_tcp_create(&c, &cfg) != DOPT_OK) die("cannot create the communicator");
     }
-    if (dopt_tcp_create(&c, &cfg) != DOPT_OK) die("cannot create the communicator");
     memset(&dc, 0, sizeof dc);
     dc.period = 4;
     dc.elastic = 1;
@@ -180,6 +231,8 @@ static int one_job(double *joiner_ms, double *lead_ms, size_t *bytes) {
     int port_pipe[2], report_pipe[2], r, status, ok = 1;
     pid_t pids[MEMBERS + 1];
     report a, b;
+    static int jobs;
+    snprintf(shm_name, sizeof shm_name, "bench-rejoin-%d-%d", (int)getpid(), jobs++);
     if (pipe(port_pipe) != 0 || pipe(report_pipe) != 0) die("no pipe");
     for (r = 0; r <= MEMBERS; r++) {
         pids[r] = fork();
@@ -211,11 +264,12 @@ int main(int argc, char **argv) {
     size_t bytes = 0;
     int k;
     signal(SIGPIPE, SIG_IGN);
-    if (!(mb > 0)) die("usage: bench_rejoin [MB]");
+    shm = argc > 2 && strcmp(argv[2], "shm") == 0;
+    if (!(mb > 0) || (argc > 2 && !shm)) die("usage: bench_rejoin [MB] [shm]");
     model_floats = (size_t)(mb * 1e6 / sizeof(float));
     for (k = 0; k < REPS; k++) {
         double jm, lm;
-        link[k] = raw_stream(model_floats * sizeof(float));
+        link[k] = shm ? raw_shm(model_floats * sizeof(float)) : raw_stream(model_floats * sizeof(float));
         if (!one_job(&jm, &lm, &bytes)) die("a job with a joiner failed");
         state[k] = (double)bytes / 1e3 / jm;
         lead[k] = (double)bytes / 1e3 / lm;
@@ -225,7 +279,8 @@ int main(int argc, char **argv) {
     qsort(link, REPS, sizeof(double), cmp_double);
     qsort(lead, REPS, sizeof(double), cmp_double);
     qsort(ratio, REPS, sizeof(double), cmp_double);
-    printf("bench rejoin state_MB=%.1f state_MBps=%.0f link_MBps=%.0f ratio=%.2f lead_MBps=%.0f reps=%d\n",
-           (double)bytes / 1e6, state[REPS / 2], link[REPS / 2], ratio[REPS / 2], lead[REPS / 2], REPS);
+    printf("bench rejoin state_MB=%.1f state_MBps=%.0f link_MBps=%.0f ratio=%.2f lead_MBps=%.0f reps=%d%s\n",
+           (double)bytes / 1e6, state[REPS / 2], link[REPS / 2], ratio[REPS / 2], lead[REPS / 2], REPS,
+           shm ? " transport=shm" : "");
     return 0;
 }

@@ -32,8 +32,9 @@
    sender trial did not kill rank 0 or did not survive it.
    Usage: elastic_trials [BUILD_DIR] [TRIALS] [ADDRS|-|shm] [mlp]: with shm, the workers run over
    shared memory (DOPT_TRANSPORT=shm, a job name of their own; a worker started again asks through
-   the job's join box, DOPT_JOIN=1 with the same DOPT_SHM_NAME), state_MBps is the trials' median
-   and link_MBps 0, and the line says transport=shm links=shm. With
+   the job's join box, DOPT_JOIN=1 with the same DOPT_SHM_NAME), state_MBps and link_MBps are
+   bench_rejoin 32 shm's (the link: the shm transport's own broadcast), and the line says
+   transport=shm links=shm. With
    ADDRS, rank r runs on the
    simulated cluster's host r (scripts/cluster.sh exec r; the cluster must be up with 4 hosts,
    ADDRS the hosts' addresses "a0,a1,a2,a3", or host 0's alone, when a killed rank 0 is not
@@ -589,11 +590,11 @@ int main(int argc, char **argv) {
             }
         state_MBps = rates[nrates / 2];
     }
-    if (!cluster_master && !shm) { /* the rate with a model worth timing, against a raw stream: bench_rejoin */
+    if (!cluster_master) { /* the rate with a model worth timing, against the link: bench_rejoin */
         char cmd[600], line[512];
         FILE *p;
         double st = 0, lk = 0, mb = 0;
-        snprintf(cmd, sizeof cmd, "%s/bench_rejoin 32", build);
+        snprintf(cmd, sizeof cmd, "%s/bench_rejoin 32%s", build, shm ? " shm" : "");
         if ((p = popen(cmd, "r")) != NULL) {
             while (fgets(line, sizeof line, p)) {
                 const char *b = strstr(line, "bench rejoin ");
